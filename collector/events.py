@@ -1,0 +1,200 @@
+"""The event contract: what the collector publishes and the ingester consumes (collector → Kafka → ingest).
+
+Every event is an :class:`Envelope` around one payload kind. Envelopes travel in batches: one Kafka message
+(or one in-process queue item) carries ``list[Envelope]`` encoded as JSON by :func:`encode_batch`, because
+kafka-python tops out at ~10k messages/s here (see ../shared/reference/environment.md) while one scrape or
+one KV-event batch already holds hundreds of facts.
+
+Rules (STYLE.md §2):
+- ``event_id`` is derived from the source's natural key (:func:`make_event_id`), so a re-send after a crash
+  carries the same id and the store deduplicates on it.
+- Topics are ``kvscope.<kind>.v<major>``, keyed by pod.
+- Within a major version only optional fields with defaults are added; decoders ignore unknown fields;
+  an unknown ``schema`` or ``schema_version`` is a contract violation (dead-lettered by the ingester).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class MetricSample(msgspec.Struct, frozen=True):
+    """One Prometheus sample from a vLLM ``/metrics`` body.
+
+    Fields: ``name`` (str, the exposed sample name, e.g. ``vllm:prefix_cache_hits_total`` or
+    ``vllm:time_to_first_token_seconds_bucket``), ``labels`` (dict[str, str], including ``engine`` and
+    ``model_name`` where vLLM sets them; ``le`` for buckets), ``value`` (float, in the metric's own unit:
+    tokens for the prefix-cache counters, seconds for the latency histograms).
+    """
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class MetricsScrape(msgspec.Struct, frozen=True, tag="metrics_scrape"):
+    """One successful scrape of one pod's ``/metrics`` (all samples of that response).
+
+    Fields: ``target`` (str, the URL scraped), ``scraped_at_ms`` (int, unix ms when the response arrived),
+    ``duration_ms`` (float, scrape round trip), ``samples`` (list[MetricSample]), ``family_types``
+    (dict[str, str]: metric family → Prometheus type ``counter``/``gauge``/``histogram``/...).
+    Natural key: (pod, target, scraped_at_ms).
+    """
+
+    target: str
+    scraped_at_ms: int
+    duration_ms: float
+    samples: list[MetricSample]
+    family_types: dict[str, str] = {}
+
+
+class GatewayRequest(msgspec.Struct, frozen=True, tag="gateway_request"):
+    """One line of the gateway fingerprint log (schema: ``gateway/gateway_log.v1.schema.json``).
+
+    ``record`` is the log object as written by the gateway (request_id, ts, tenant_id, segment hashes and
+    token counts, prompt/cached/completion tokens, ttft_ms, ...); ``source_file`` and ``line_offset`` say
+    where it was read (bytes offset of the line's start), for dead letters and checkpoints.
+    Natural key: ``record["request_id"]``.
+    """
+
+    record: dict[str, Any]
+    source_file: str = ""
+    line_offset: int = -1
+
+
+class KvBlockEvent(msgspec.Struct, frozen=True):
+    """One vLLM KV-cache event (``vllm/distributed/kv_events.py``: BlockStored, BlockRemoved, AllBlocksCleared).
+
+    Fields: ``type`` (``BlockStored`` | ``BlockRemoved`` | ``AllBlocksCleared``), ``block_hashes``
+    (list[int], low 64 bits of each block hash as vLLM publishes them with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), ``parent_block_hash`` (int | None), ``token_ids``
+    (list[int], BlockStored only), ``block_size`` (int tokens, BlockStored only), ``medium``
+    (``GPU``/``CPU``/... or None), ``lora_name`` (str | None).
+    """
+
+    type: str
+    block_hashes: list[int] = []
+    parent_block_hash: int | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
+    """One ZMQ message of vLLM KV events from one pod: ``[ts, [events...], dp_rank]`` decoded.
+
+    Fields: ``topic`` (str, the ZMQ topic), ``seq`` (int, vLLM's per-publisher sequence number),
+    ``batch_ts`` (float, unix seconds set by vLLM), ``dp_rank`` (int | None, data-parallel rank = engine),
+    ``events`` (list[KvBlockEvent]). Natural key: (pod, topic, seq, batch_ts).
+    """
+
+    topic: str
+    seq: int
+    batch_ts: float
+    dp_rank: int | None
+    events: list[KvBlockEvent]
+
+
+class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):
+    """Input the collector could not turn into an event, kept with its reason so nothing is silently lost.
+
+    Fields: ``source`` (``vllm_metrics`` | ``gateway_log`` | ``kv_events`` | ``ingest``), ``reason``
+    (one sentence), ``raw`` (str, the offending input, truncated to 64 KiB), ``location`` (str: file:offset,
+    URL, or topic:seq). Natural key: (source, location, raw).
+    """
+
+    source: str
+    reason: str
+    raw: str
+    location: str = ""
+
+
+Payload = MetricsScrape | GatewayRequest | KvEventBatch | DeadLetter
+
+KINDS: dict[str, type] = {
+    "metrics_scrape": MetricsScrape,
+    "gateway_request": GatewayRequest,
+    "kv_event_batch": KvEventBatch,
+    "dead_letter": DeadLetter,
+}
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """What every event shares.
+
+    Fields: ``schema`` (kind name, one of :data:`KINDS`), ``schema_version`` (int major), ``event_id``
+    (str, 32 hex chars, deterministic: :func:`make_event_id`), ``pod`` (str, source pod name), ``engine``
+    (str, vLLM DP engine index or ``""``), ``observed_at_ms`` (int, unix ms when the source observed it),
+    ``payload`` (one of the kinds above, tagged by ``schema``).
+    """
+
+    schema: str
+    schema_version: int
+    event_id: str
+    pod: str
+    engine: str
+    observed_at_ms: int
+    payload: Payload
+
+
+def make_event_id(kind: str, *natural_key: object) -> str:
+    """Deterministic event id: first 128 bits of SHA-256 over the kind and the natural key, as 32 hex chars."""
+    h = hashlib.sha256(kind.encode())
+    for part in natural_key:
+        h.update(b"\x1f")
+        h.update(str(part).encode())
+    return h.hexdigest()[:32]
+
+
+def topic_for(kind: str, namespace: str = "kvscope") -> str:
+    """Kafka topic of an event kind: ``<namespace>.<kind>.v<major>`` (namespace ``kvscope`` by default)."""
+    return f"{namespace}.{kind}.v{SCHEMA_VERSION}"
+
+
+def topics(namespace: str = "kvscope") -> list[str]:
+    """Every topic of the contract under ``namespace``."""
+    return [topic_for(k, namespace) for k in KINDS]
+
+
+def envelope(payload: Payload, *, pod: str, natural_key: tuple[object, ...], observed_at_ms: int,
+             engine: str = "") -> Envelope:
+    """Wrap a payload; the kind comes from the payload's tag and the id from ``natural_key``."""
+    kind = type(payload).__struct_config__.tag
+    assert isinstance(kind, str)
+    return Envelope(schema=kind, schema_version=SCHEMA_VERSION, event_id=make_event_id(kind, pod, *natural_key),
+                    pod=pod, engine=engine, observed_at_ms=observed_at_ms, payload=payload)
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(list[Envelope])
+
+
+class ContractError(ValueError):
+    """A message that does not decode as a batch of known envelopes (unknown kind or version, bad field)."""
+
+
+def encode_batch(events: list[Envelope]) -> bytes:
+    """Encode envelopes as one JSON array (the value of one Kafka message)."""
+    return _encoder.encode(events)
+
+
+def decode_batch(data: bytes) -> list[Envelope]:
+    """Decode one Kafka message value.
+
+    Raises :class:`ContractError` when the bytes are not a JSON array of envelopes of known kinds, or an
+    envelope has a ``schema_version`` other than :data:`SCHEMA_VERSION`. Unknown fields are ignored.
+    """
+    try:
+        events = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ContractError(f"not a batch of kvscope envelopes: {exc}") from exc
+    for ev in events:
+        if ev.schema_version != SCHEMA_VERSION:
+            raise ContractError(f"unsupported schema_version {ev.schema_version} for {ev.schema}")
+    return events

@@ -1,0 +1,143 @@
+"""The collector process: runs every source (vLLM /metrics scrapes, the gateway log tail, KV events) in its
+own thread and hands their envelopes to one publisher (Kafka, or the in-process queue in embedded mode).
+
+A publish failure keeps the events and retries with backoff; sources do not advance past unpublished data
+(the log tailer's offset and the scrape are simply repeated), so nothing is lost while Kafka is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client import Counter
+
+from collector.events import Envelope
+from collector.gateway_log import LogTailer
+from collector.kv_events import KvEventSubscriber
+from collector.publish import PublishError, Publisher
+from collector.vllm_metrics import ScrapeError, scrape
+
+log = logging.getLogger("kvscope.collector")
+
+EVENTS_PUBLISHED = Counter("kvscope_collector_events_published", "Envelopes published", ["kind"])
+SCRAPE_FAILURES = Counter("kvscope_collector_scrape_failures", "Failed /metrics scrapes", ["pod"])
+PUBLISH_FAILURES = Counter("kvscope_collector_publish_failures", "Publish attempts that failed", ["source"])
+
+
+@dataclass(frozen=True)
+class Target:
+    """A vLLM pod to scrape: ``pod`` name and its ``/metrics`` URL."""
+
+    pod: str
+    metrics_url: str
+
+
+def parse_target(spec: str) -> Target:
+    """``name=http://host:port`` or ``http://host:port`` (name = host:port); ``/metrics`` is appended to a
+    URL without a path."""
+    name, _, url = spec.rpartition("=") if "=" in spec.split("://", 1)[0] else ("", "", spec)
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"vLLM target {spec!r} must be an http(s) URL, optionally prefixed with NAME=")
+    if url.count("/") == 2:
+        url += "/metrics"
+    if not name:
+        name = url.split("://", 1)[1].split("/", 1)[0]
+    return Target(name, url)
+
+
+@dataclass
+class Collector:
+    """Runs the sources until ``stop`` is set. ``targets``: pods to scrape every ``scrape_interval_seconds``;
+    ``gateway_logs``: JSONL files to tail; ``kv_events_endpoint``: ZMQ endpoint to bind (None = off)."""
+
+    publisher: Publisher
+    targets: list[Target] = field(default_factory=list)
+    gateway_logs: list[str] = field(default_factory=list)
+    kv_events_endpoint: str | None = None
+    scrape_interval_seconds: float = 5.0
+    log_poll_seconds: float = 0.5
+    stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _publish_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _publish(self, source: str, events: list[Envelope]) -> bool:
+        backoff = 0.5
+        while not self.stop.is_set():
+            try:
+                with self._publish_lock:
+                    self.publisher.publish(events)
+                for ev in events:
+                    EVENTS_PUBLISHED.labels(ev.schema).inc()
+                return True
+            except PublishError as exc:
+                PUBLISH_FAILURES.labels(source).inc()
+                log.warning("publish failed, keeping events. source=%s retry_in_s=%.1f error=%s", source, backoff, exc)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+        return False
+
+    def scrape_all(self, client: httpx.Client) -> int:
+        """One scrape of every target; returns envelopes published."""
+        n = 0
+        for t in self.targets:
+            try:
+                events = scrape(client, t.pod, t.metrics_url)
+            except ScrapeError as exc:
+                SCRAPE_FAILURES.labels(t.pod).inc()
+                log.warning("scrape failed. pod=%s url=%s reason=%s", t.pod, t.metrics_url, exc.reason)
+                continue
+            if self._publish("vllm_metrics", events):
+                n += len(events)
+        return n
+
+    def _scrape_loop(self) -> None:
+        with httpx.Client(timeout=max(1.0, self.scrape_interval_seconds)) as client:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                self.scrape_all(client)
+                self.stop.wait(max(0.0, self.scrape_interval_seconds - (time.monotonic() - t0)))
+
+    def _log_loop(self, path: str) -> None:
+        tailer = LogTailer(path)
+        while not self.stop.is_set():
+            offset = tailer.offset
+            events = tailer.poll()
+            if events and not self._publish("gateway_log", events):
+                tailer.offset = offset
+            if not events:
+                self.stop.wait(self.log_poll_seconds)
+
+    def _kv_loop(self, sub: KvEventSubscriber) -> None:
+        try:
+            while not self.stop.is_set():
+                events = sub.poll(200)
+                if events:
+                    self._publish("kv_events", events)
+        finally:
+            sub.close()
+
+    def start(self) -> None:
+        """Start one thread per source (the KV socket is bound here, so a bad endpoint fails at once)."""
+        loops: list[tuple[str, Callable[[], None]]] = []
+        if self.targets:
+            loops.append(("scrape", self._scrape_loop))
+        for path in self.gateway_logs:
+            loops.append((f"tail:{path}", lambda p=path: self._log_loop(p)))
+        if self.kv_events_endpoint:
+            sub = KvEventSubscriber(self.kv_events_endpoint)
+            loops.append(("kv_events", lambda: self._kv_loop(sub)))
+        for name, fn in loops:
+            th = threading.Thread(target=fn, name=f"collector-{name}", daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.stop.set()
+        for th in self._threads:
+            th.join(timeout)

@@ -1,0 +1,95 @@
+"""``kvscope demo``: the tiny model, a fleet of real vLLM CPU servers, the reference gateway in front of them,
+the kvscope pipeline observing them, and the workload, all started in the background of one process while
+the dashboard serves from the main thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ingest.store import Store
+from kvscope.config import Config
+from kvscope.pipeline import Pipeline
+
+log = logging.getLogger("kvscope.demo")
+
+
+class DemoRun:
+    """Starts everything in a background thread (:meth:`start_background`); :meth:`close` stops it all.
+
+    ``status`` is a one-line description of the current step, for the dashboard and the terminal.
+    """
+
+    def __init__(self, cfg: Config, store: Store, *, workdir: Path, pods: int = 2, scale: float = 1.0,
+                 rounds: int = 0, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.workdir = Path(workdir)
+        self.pods = pods
+        self.scale = scale
+        self.rounds = rounds
+        self.seed = seed
+        self.stop = threading.Event()
+        self.status = "starting"
+        self.fleet = None
+        self.gateway = None
+        self.pipeline: Pipeline | None = None
+        self._thread: threading.Thread | None = None
+
+    def start_background(self) -> None:
+        self._thread = threading.Thread(target=self._run_guarded, name="kvscope-demo", daemon=True)
+        self._thread.start()
+
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:  # the dashboard keeps serving what was collected
+            self.status = f"demo failed: {exc!r}"
+            log.exception("demo failed")
+
+    def _step(self, text: str) -> None:
+        self.status = text
+        log.info(text)
+
+    def _run(self) -> None:
+        from demo.fleet import VllmFleet
+        from demo.model import build_tiny_model
+        from demo.workload import run_workload
+        from gateway.proxy import GatewayServer, make_app
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._step("building the tiny model (first run only)")
+        model_dir = build_tiny_model()
+        self._step(f"starting {self.pods} vLLM CPU servers (~2 min)")
+        t0 = time.monotonic()
+        self.fleet = VllmFleet(model_dir, self.workdir / "logs", num_pods=self.pods)
+        self.fleet.start()
+        log.info("vLLM fleet healthy. seconds=%.0f", time.monotonic() - t0)
+        gw_log = self.workdir / "gateway.jsonl"
+        app = make_app([(p.name, p.base_url) for p in self.fleet.pods], gw_log, policy=self.cfg.routing_policy,
+                       tokenizer_path=model_dir / "tokenizer.json")
+        self.gateway = GatewayServer(app, port=self.cfg.gateway_port)
+        self.gateway.start()
+        cfg = replace(self.cfg, vllm=",".join(f"{p.name}={p.base_url}" for p in self.fleet.pods),
+                      gateway_log=str(gw_log), kv_events_endpoint=self.fleet.kv_events_endpoint)
+        self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop)
+        self.pipeline.start()
+        round_no = 0
+        while not self.stop.is_set() and (self.rounds == 0 or round_no < self.rounds):
+            round_no += 1
+            self._step(f"workload round {round_no} via gateway {self.gateway.url}")
+            run_workload(self.gateway.url, seed=self.seed + round_no, scale=self.scale, stop_event=self.stop,
+                         labels_path=self.workdir / f"labels-{round_no}.jsonl", id_prefix=f"r{round_no}-")
+        self._step(f"workload finished after {round_no} round(s); pipeline still collecting")
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.pipeline:
+            self.pipeline.close()
+        if self.gateway:
+            self.gateway.stop()
+        if self.fleet:
+            self.fleet.stop()

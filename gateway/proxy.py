@@ -1,0 +1,565 @@
+"""Reference gateway: an OpenAI-compatible reverse proxy in front of vLLM pods that writes the fingerprint
+log (client → gateway → vLLM pod; gateway → log file → collector).
+
+Per request it fingerprints the prompt (`gateway.fingerprint`), picks a pod (`gateway.routing`), forwards
+the body (kvscope's `metadata` keys removed; streams get `stream_options.include_usage`), passes the
+response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
+`usage.prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`, `metrics.queue_time_ms`
+with `--enable-per-request-metrics`; vLLM 0.32 `entrypoints/openai/chat_completion/serving.py`), and
+appends exactly one log line (`gateway.log`), also for errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from gateway.fingerprint import (
+    Endpoint,
+    FingerprintError,
+    PromptFingerprint,
+    TokenCounter,
+    fingerprint_request,
+)
+from gateway.log import GatewayLogWriter, format_ts
+from gateway.routing import NoPodAvailable, make_router
+
+# Body `metadata` keys that are kvscope's and never reach vLLM (vLLM 0.32 accepts and ignores unknown
+# request fields, `entrypoints/serve/engine/protocol.py OpenAIBaseModel`, so other metadata passes).
+KVSCOPE_METADATA_KEYS = ("tenant_id", "conversation_id", "agent_run_id", "prefix_chars")
+# Request headers not forwarded: hop-by-hop (RFC 9110 §7.6.1), recomputed ones, and the id we set ourselves.
+_DROP_REQUEST_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "accept-encoding",
+        "x-request-id",
+    }
+)
+# Generations can queue for minutes under load; connecting should be quick (a refused connect is retried).
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
+TURN_MAP_SIZE = 100_000
+
+
+def _error_body(message: str, status: int) -> dict[str, Any]:
+    """OpenAI-style error object, as vLLM returns it."""
+    return {"error": {"message": message, "type": "GatewayError", "param": None, "code": status}}
+
+
+def _error_message(content: bytes) -> str:
+    """The `error.message` of an OpenAI/vLLM error body, else the body's first 500 characters."""
+    try:
+        err = json.loads(content)["error"]
+        return str(err["message"] if isinstance(err, Mapping) else err)[:500]
+    except (ValueError, KeyError, TypeError):
+        return content.decode("utf-8", "replace")[:500]
+
+
+class TurnGaps:
+    """Per agent_run_id (else conversation_id): when its last request ended, for `tool_latency_ms`.
+
+    Bounded LRU of `max_entries` keys; times from `time.monotonic()` in seconds. Thread safe."""
+
+    def __init__(self, max_entries: int = TURN_MAP_SIZE) -> None:
+        self._ends: OrderedDict[str, float] = OrderedDict()
+        self._inflight: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+
+    @staticmethod
+    def key(agent_run_id: str, conversation_id: str) -> str:
+        if agent_run_id:
+            return f"run:{agent_run_id}"
+        return f"conv:{conversation_id}" if conversation_id else ""
+
+    def arrive(self, key: str, now: float) -> float | None:
+        """Gap in ms since the key's previous request ended; None for a first turn, no key, or when another
+        request of the key is still in flight (no client-side wait to measure)."""
+        if not key:
+            return None
+        with self._lock:
+            busy = self._inflight.get(key, 0) > 0
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+            end = self._ends.get(key)
+        return None if busy or end is None else round(max(now - end, 0.0) * 1000, 3)
+
+    def leave(self, key: str, now: float) -> None:
+        if not key:
+            return
+        with self._lock:
+            left = self._inflight.get(key, 1) - 1
+            if left > 0:
+                self._inflight[key] = left
+            else:
+                self._inflight.pop(key, None)
+            self._ends[key] = now
+            self._ends.move_to_end(key)
+            while len(self._ends) > self.max_entries:
+                self._ends.popitem(last=False)
+
+
+@dataclass
+class _Exchange:
+    """What the log line of one request needs, filled in as the request goes."""
+
+    request_id: str
+    arrival_wall: float  # unix seconds
+    arrival: float  # time.monotonic() seconds
+    endpoint: Endpoint
+    routing_policy: str
+    fingerprint: PromptFingerprint
+    tenant_id: str = ""
+    conversation_id: str = ""
+    agent_run_id: str = ""
+    turn_key: str = ""
+    model: str = ""
+    stream: bool = False
+    pod: str = ""
+    routing_reason: str = ""
+    status: int = 0
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None  # monotonic seconds
+    queue_wait_ms: float | None = None
+    tool_latency_ms: float | None = None
+    done: bool = False  # the upstream stream was read to its end
+    logged: bool = False
+
+    def read_usage(self, payload: Mapping[str, Any]) -> None:
+        """Take usage and per-request metrics from a response body or stream chunk, when present."""
+        usage = payload.get("usage")
+        if isinstance(usage, Mapping):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details")
+            self.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, Mapping) else 0
+        metrics = payload.get("metrics")
+        if isinstance(metrics, Mapping) and metrics.get("queue_time_ms") is not None:
+            self.queue_wait_ms = float(metrics["queue_time_ms"])
+
+    def record(self, now: float) -> dict[str, Any]:
+        e2e_ms = round((now - self.arrival) * 1000, 3)
+        ttft_ms = e2e_ms if self.first_token is None else round((self.first_token - self.arrival) * 1000, 3)
+        return {
+            "request_id": self.request_id,
+            "ts": format_ts(self.arrival_wall),
+            "tenant_id": self.tenant_id,
+            "conversation_id": self.conversation_id,
+            "agent_run_id": self.agent_run_id,
+            "model": self.model,
+            "pod": self.pod,
+            "endpoint": self.endpoint,
+            "stream": self.stream,
+            "routing_policy": self.routing_policy,
+            "routing_reason": self.routing_reason,
+            "status": self.status,
+            "error": self.error,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_ms": ttft_ms,
+            "e2e_ms": e2e_ms,
+            "queue_wait_ms": self.queue_wait_ms,
+            "tool_latency_ms": self.tool_latency_ms,
+            **self.fingerprint.to_log_fields(),
+        }
+
+
+def _has_content(chunk: Mapping[str, Any]) -> bool:
+    """Whether a stream chunk carries generated output (chat delta content/reasoning/tool calls, or
+    completion text); vLLM's first chat chunk carries only the role."""
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, Mapping):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping) and any(
+            delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")
+        ):
+            return True
+    return False
+
+
+class _LoggedResponse(Response):
+    """A Response that calls `on_done(exc)` once after sending (or failing to send) its body, then closes
+    `upstream` (closing an unfinished stream makes vLLM abort the generation)."""
+
+    on_done: Callable[[BaseException | None], None]
+    upstream: httpx.Response
+
+    async def __call__(self, scope, receive, send) -> None:
+        exc: BaseException | None = None
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            self.on_done(exc)  # synchronous: the line is written even when this task is being cancelled
+            await asyncio.shield(self.upstream.aclose())
+
+
+class _LoggedStreamingResponse(StreamingResponse):
+    on_done: Callable[[BaseException | None], None]
+    upstream: httpx.Response
+    __call__ = _LoggedResponse.__call__  # type: ignore[assignment]
+
+
+class Gateway:
+    """State shared by the routes: pods, router, token counter, log writer, upstream client."""
+
+    def __init__(
+        self,
+        pods: list[tuple[str, str]],
+        log_path: Path,
+        policy: str,
+        tokenizer_path: Path | None,
+        max_inflight_per_pod: int,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_urls = {name: _api_base(url) for name, url in pods}
+        self.router = make_router(
+            policy, [name for name, _ in pods], max_inflight_per_pod=max_inflight_per_pod
+        )
+        self.counter = TokenCounter(tokenizer_path)
+        self.log = GatewayLogWriter(log_path)
+        self.turns = TurnGaps()
+        self.client: httpx.AsyncClient | None = None
+        self._transport = transport
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=self._transport,
+        )
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        self.log.close()
+
+    # --- request handling -------------------------------------------------------------------------------
+
+    async def completion(self, request: Request, endpoint: Endpoint) -> Response:
+        arrival, arrival_wall = time.monotonic(), time.time()
+        headers = request.headers
+        ex = _Exchange(
+            request_id=headers.get("x-request-id") or "",
+            arrival_wall=arrival_wall,
+            arrival=arrival,
+            endpoint=endpoint,
+            routing_policy=self.router.policy,
+            fingerprint=PromptFingerprint.empty(self.counter.method),
+        )
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict):
+                raise ValueError("the request body is not a JSON object")
+        except ValueError as exc:
+            ex.request_id = ex.request_id or uuid.uuid4().hex
+            return self._finish_now(ex, 400, f"invalid JSON body: {exc}")
+
+        metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        for name in ("tenant_id", "conversation_id", "agent_run_id"):
+            value = headers.get("x-" + name.replace("_", "-")) or metadata.get(name) or ""
+            setattr(ex, name, str(value))
+        if not ex.request_id and isinstance(body.get("request_id"), str) and body["request_id"]:
+            ex.request_id = body["request_id"]
+        ex.request_id = ex.request_id or uuid.uuid4().hex
+        ex.model = str(body.get("model") or "")
+        ex.stream = bool(body.get("stream"))
+        try:  # tokenizing a long prompt takes milliseconds: keep it off the event loop
+            ex.fingerprint = await run_in_threadpool(fingerprint_request, body, endpoint, self.counter)
+        except FingerprintError:
+            pass  # vLLM judges the body; the line keeps empty fingerprint fields
+        ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)
+        ex.tool_latency_ms = self.turns.arrive(ex.turn_key, arrival)
+
+        client_wants_usage = _prepare_body(body, ex.stream)
+        upstream_headers = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
+        upstream_headers.update({"x-request-id": ex.request_id, "accept-encoding": "identity"})
+        payload = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        path = "/chat/completions" if endpoint == "chat.completions" else "/completions"
+        keys = (ex.fingerprint.prompt_fingerprint, ex.fingerprint.parent_fingerprint)
+
+        tried: list[str] = []
+        while True:
+            try:
+                route = self.router.choose(keys, exclude=tried)
+            except NoPodAvailable:
+                return self._finish_now(ex, 502, f"no pod reachable (tried {', '.join(tried)})")
+            ex.pod, ex.routing_reason = route
+            assert self.client is not None, "Gateway.start() was not awaited"
+            req = self.client.build_request(
+                "POST", self.base_urls[route.pod] + path, content=payload, headers=upstream_headers
+            )
+            try:
+                upstream = await self.client.send(req, stream=True)
+                break
+            except httpx.ConnectError:
+                self.router.release(route.pod)
+                self.router.mark_down(route.pod)
+                tried.append(route.pod)
+            except httpx.HTTPError as exc:
+                self.router.release(route.pod)
+                status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+                return self._finish_now(ex, status, f"pod {route.pod}: {type(exc).__name__}: {exc}")
+
+        ex.status = upstream.status_code
+        out_headers = {"x-request-id": ex.request_id}
+        for name in ("content-type", "cache-control"):
+            if name in upstream.headers:
+                out_headers[name] = upstream.headers[name]
+        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if ex.stream and upstream.status_code < 400 and is_sse:
+            response: Any = _LoggedStreamingResponse(
+                self._relay_stream(ex, upstream, client_wants_usage), ex.status, headers=out_headers
+            )
+        else:
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                self.router.release(route.pod)
+                return self._finish_now(ex, 502, f"pod {route.pod}: {type(exc).__name__}: {exc}")
+            finally:
+                ex.first_token = time.monotonic()
+            ex.done = True
+            if ex.status >= 400:
+                ex.error = _error_message(content)
+            else:
+                try:
+                    ex.read_usage(json.loads(content))
+                except (ValueError, TypeError, AttributeError):
+                    ex.error = "unreadable response body from the pod"
+            response = _LoggedResponse(content, ex.status, headers=out_headers)
+        response.on_done = lambda exc: self._finish(ex, exc, release=True)
+        response.upstream = upstream
+        return response
+
+    async def _relay_stream(
+        self, ex: _Exchange, upstream: httpx.Response, client_wants_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """Pass SSE events through unchanged, reading usage/metrics/errors on the way; drop the final
+        usage-only chunk when the gateway added `include_usage` for itself."""
+        buffer = b""
+        async for data in upstream.aiter_bytes():
+            buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if self._inspect_event(ex, event, client_wants_usage):
+                    yield event + b"\n\n"
+        if buffer:
+            yield buffer
+        ex.done = True
+
+    def _inspect_event(self, ex: _Exchange, event: bytes, client_wants_usage: bool) -> bool:
+        """Read one SSE event; return whether to forward it."""
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                continue
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            if ex.first_token is None and _has_content(chunk):
+                ex.first_token = time.monotonic()
+            if "error" in chunk:
+                ex.error = _error_message(data)
+            ex.read_usage(chunk)
+            if not client_wants_usage and chunk.get("usage") and not chunk.get("choices"):
+                return False
+        return True
+
+    def _finish(self, ex: _Exchange, exc: BaseException | None, release: bool) -> None:
+        """Write the request's log line (once); release its pod and its turn."""
+        if ex.logged:
+            return
+        ex.logged = True
+        now = time.monotonic()
+        if ex.stream and ex.status < 400 and not ex.done and not ex.error:
+            ex.error = f"stream not completed: {type(exc).__name__ if exc else 'client disconnected'}"
+        if release and ex.pod:
+            self.router.release(ex.pod)
+        self.turns.leave(ex.turn_key, now)
+        self.log.write(ex.record(now))
+
+    def _finish_now(self, ex: _Exchange, status: int, message: str) -> Response:
+        """Log an error the gateway answers itself (no pod response) and build its response."""
+        ex.status, ex.error = status, message
+        self._finish(ex, None, release=False)
+        return JSONResponse(_error_body(message, status), status, headers={"x-request-id": ex.request_id})
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models from the first pod that answers."""
+        assert self.client is not None
+        for base in self.base_urls.values():
+            try:
+                upstream = await self.client.get(base + "/models", headers={"accept-encoding": "identity"})
+            except httpx.HTTPError:
+                continue
+            return Response(upstream.content, upstream.status_code, media_type="application/json")
+        return JSONResponse(_error_body("no pod reachable", 502), 502)
+
+    async def health(self, request: Request) -> Response:
+        inflight = self.router.inflight_snapshot()
+        pods = [
+            {"name": n, "base_url": u, "inflight": inflight[n], "up": self.router.is_up(n)}
+            for n, u in self.base_urls.items()
+        ]
+        return JSONResponse({"status": "ok", "routing_policy": self.router.policy, "pods": pods})
+
+
+def _api_base(url: str) -> str:
+    """ "http://h:p", "http://h:p/" or "http://h:p/v1" → "http://h:p/v1"."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _prepare_body(body: dict[str, Any], stream: bool) -> bool:
+    """Edit `body` in place for vLLM; return whether the client itself asked for the usage chunk.
+
+    Removes kvscope's `metadata` keys (and `metadata` when nothing else is left); for streams sets
+    `stream_options.include_usage` so the final chunk carries usage (vLLM refuses `stream_options`
+    without `stream: true`, `entrypoints/openai/chat_completion/protocol.py validate_stream_options`)."""
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        rest = {k: v for k, v in metadata.items() if k not in KVSCOPE_METADATA_KEYS}
+        if rest:
+            body["metadata"] = rest
+        else:
+            del body["metadata"]
+    if not stream:
+        return False
+    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    wants_usage = bool(options.get("include_usage"))
+    body["stream_options"] = {**options, "include_usage": True}
+    return wants_usage
+
+
+def make_app(
+    pods: list[tuple[str, str]],
+    log_path: Path,
+    policy: str = "round_robin",
+    tokenizer_path: Path | None = None,
+    max_inflight_per_pod: int = 8,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Starlette:
+    """The gateway as an ASGI app.
+
+    `pods`: (name, base URL) pairs, e.g. ("pod-0", "http://127.0.0.1:8001") (a trailing /v1 is fine);
+    `log_path`: the fingerprint log (JSONL, appended); `policy`: "round_robin" or "prefix_affinity";
+    `tokenizer_path`: the served model's tokenizer.json (or its directory) for exact segment token counts,
+    else they are estimated (chars / 4). Routes: POST /v1/chat/completions, POST /v1/completions,
+    GET /v1/models, GET /health. `transport` replaces the upstream HTTP transport (a test seam, e.g.
+    `httpx.MockTransport`). Raises ValueError for an unknown policy or an empty pod list.
+    """
+    gateway = Gateway(pods, Path(log_path), policy, tokenizer_path, max_inflight_per_pod, transport)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    async def chat(request: Request) -> Response:
+        return await gateway.completion(request, "chat.completions")
+
+    async def completions(request: Request) -> Response:
+        return await gateway.completion(request, "completions")
+
+    app = Starlette(
+        routes=[
+            HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
+            HttpRoute("/v1/completions", completions, methods=["POST"]),
+            HttpRoute("/v1/models", gateway.models, methods=["GET"]),
+            HttpRoute("/health", gateway.health, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app
+
+
+def serve(app: Starlette, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the gateway in the foreground until interrupted (uvicorn)."""
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+class GatewayServer:
+    """Runs an app under uvicorn in a background thread, for tests and the demo.
+
+    `start()` returns once the socket listens (raises RuntimeError if it does not within `timeout_seconds`);
+    `url` is "http://host:port" (port 0 picks a free port); `stop()` shuts down and joins the thread.
+    Usable as a context manager."""
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self._thread: threading.Thread | None = None
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_seconds: float = 10.0) -> GatewayServer:
+        self._thread = threading.Thread(target=self._server.run, name="kvscope-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_seconds
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("gateway server did not start")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout_seconds: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout_seconds)
+        self._thread = None
+
+    def __enter__(self) -> GatewayServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

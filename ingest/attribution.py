@@ -1,0 +1,510 @@
+"""Miss-cause attribution, the pure logic (gateway_requests → here → miss_attribution): for every request,
+name the cause of each prompt token vLLM's prefix cache did not serve (DESIGN.md, Definitions → Miss causes).
+
+No I/O here: :mod:`ingest.attribution_job` reads requests and block sizes from the store, calls
+:func:`attribute`, and writes the rows. Everything is deterministic: the same requests give the same rows in
+the same order, so a rerun after a crash rewrites identical rows.
+
+The model, in three steps (one function each):
+
+1. **Predecessor** (:class:`PredecessorIndex`): the most recent earlier request (``ts`` strictly before, within
+   the horizon) that this request could have reused KV blocks from, by priority: the previous turn of the
+   same conversation, else of the same agent run; else the latest request of the same model with the same
+   ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose prefix is
+   the same modulo a nameable change (same normalized system prompt, canonical tools or retrieval set).
+2. **Shared prefix and drift** (:func:`shared_prefix`): walk the segments [system][tools][retrieval]
+   [history][suffix] in prompt order; the shared length S ends at the first segment whose raw hash differs,
+   and that segment's variant hashes name the drift.
+3. **Token split** (:func:`split_missed_tokens`): lay labelled zones over token positions [0, prompt_tokens)
+   and count, per zone, the missed tokens [cached_tokens, prompt_tokens) that fall in it.
+
+vLLM facts used (vLLM 0.32, ``v1/core/kv_cache_manager.py``, ``../shared/reference/vllm.md`` §4): only full
+blocks of ``block_size`` tokens are cached and hit, per pod; the last prompt token is always recomputed, so
+the most a request can hit is ``floor((prompt_tokens - 1) / B) * B`` (a real 762-token prompt repeated on the
+same pod hit 736 with B = 32).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import astuple, dataclass, fields
+from datetime import UTC, datetime
+from typing import Any
+
+# -- names (DESIGN.md, Definitions → Miss causes; use exactly these everywhere) ------------------------------
+UNAVOIDABLE = "unavoidable"
+BELOW_BLOCK = "below_block"
+COLD = "cold"
+ROUTED_AWAY = "routed_away"
+EVICTED = "evicted"
+PREFIX_DRIFT = "prefix_drift"
+UNKNOWN = "unknown"
+CAUSES = (UNAVOIDABLE, BELOW_BLOCK, COLD, ROUTED_AWAY, EVICTED, PREFIX_DRIFT, UNKNOWN)
+
+VOLATILE_SYSTEM = "volatile_system"
+SYSTEM_CHANGED = "system_changed"
+TOOLS_REORDERED = "tools_reordered"
+TOOLS_CHANGED = "tools_changed"
+RAG_REORDERED = "rag_reordered"
+RAG_CHANGED = "rag_changed"
+HISTORY_TRUNCATED = "history_truncated"
+DRIFT_SUB_CAUSES = (VOLATILE_SYSTEM, SYSTEM_CHANGED, TOOLS_REORDERED, TOOLS_CHANGED, RAG_REORDERED,
+                    RAG_CHANGED, HISTORY_TRUNCATED)
+#: sub_cause of ``evicted`` when the predecessor is the previous turn of the same conversation or agent run.
+EVICTED_BEFORE_NEXT_TURN = "evicted_before_next_turn"
+
+#: Predecessor kinds, in priority order (step 1 of the module docstring).
+PREVIOUS_TURN = "previous_turn"
+FINGERPRINT = "fingerprint"
+VARIANT = "variant"
+
+#: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``), used for a pod whose ``vllm:cache_config_info`` is unknown.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_HORIZON_SECONDS = 3600.0
+
+#: The gateway_requests columns this module reads (the job selects exactly these).
+REQUEST_FIELDS = (
+    "request_id", "ts", "tenant_id", "conversation_id", "agent_run_id", "model", "pod", "status",
+    "prompt_tokens", "cached_tokens", "e2e_ms",
+    "system_hash", "system_norm_hash", "system_tokens",
+    "tools_hash", "tools_canonical_hash", "tools_tokens",
+    "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
+    "history_prefix_hash", "prev_history_hash", "history_tokens",
+    "suffix_hash", "suffix_tokens", "prompt_fingerprint",
+)
+
+Request = Mapping[str, Any]
+"""One gateway_requests row as a mapping (keys: :data:`REQUEST_FIELDS`; ``ts`` a datetime, naive = UTC)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stable-prefix segment: its raw hash, token count and variant hash columns, and the drift sub-causes
+    for "variant equal, raw differs" (``reordered``) and "variant differs too" (``changed``)."""
+
+    name: str
+    hash_field: str
+    tokens_field: str
+    variant_field: str
+    reordered: str
+    changed: str
+
+
+#: The stable prefix in prompt order (the suffix follows; DESIGN.md Inputs item 3). History has no variant
+#: hash: continuity is checked with ``prev_history_hash`` instead (see :func:`shared_prefix`).
+STABLE_SEGMENTS = (
+    Segment("system", "system_hash", "system_tokens", "system_norm_hash", VOLATILE_SYSTEM, SYSTEM_CHANGED),
+    Segment("tools", "tools_hash", "tools_tokens", "tools_canonical_hash", TOOLS_REORDERED, TOOLS_CHANGED),
+    Segment("retrieval", "retrieval_pack_hash", "retrieval_tokens", "retrieval_set_hash", RAG_REORDERED,
+            RAG_CHANGED),
+    Segment("history", "history_prefix_hash", "history_tokens", "", "", HISTORY_TRUNCATED),
+)
+HISTORY = 3  # index of the history segment in STABLE_SEGMENTS
+#: The variant hashes that find a ``variant`` predecessor (rule 3).
+VARIANT_FIELDS = ("system_norm_hash", "tools_canonical_hash", "retrieval_set_hash")
+
+
+@dataclass(frozen=True)
+class Predecessor:
+    """The earlier request this one could have reused KV blocks from; ``kind`` is one of
+    :data:`PREVIOUS_TURN`, :data:`FINGERPRINT`, :data:`VARIANT`."""
+
+    request: Request
+    kind: str
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """What a request shares with its predecessor, in tokens from the prompt start of *this* request.
+
+    ``shared_tokens`` (S): identical prefix (never more than the predecessor's prompt). ``drift_sub_cause``:
+    one of :data:`DRIFT_SUB_CAUSES`, or "" when the prefix ends only where new content starts (the suffix, or
+    the new turn's messages). ``drift_at_tokens`` (D): where the changed segment starts (None without drift).
+    ``reusable_without_drift_tokens`` (W): how far the prefix would have been shared had the named change
+    (and any later nameable one) not happened; equals S without drift.
+    """
+
+    shared_tokens: int
+    drift_sub_cause: str = ""
+    drift_at_tokens: int | None = None
+    reusable_without_drift_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class MissRow:
+    """One miss_attribution row (sql/migrations/0005): ``tokens`` missed tokens of ``request_id`` explained
+    by ``cause``/``sub_cause``; the predecessor's id and pod ("" if none); ``gap_ms`` = predecessor end
+    (its ts + e2e_ms) → this request's ts, ms (negative when they overlapped; None without predecessor);
+    ``block_size`` (tokens) used for this request's pod."""
+
+    request_id: str
+    ts: datetime
+    tenant_id: str
+    pod: str
+    model: str
+    cause: str
+    sub_cause: str
+    tokens: int
+    predecessor_request_id: str
+    predecessor_pod: str
+    gap_ms: float | None
+    block_size: int
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        """Values in :data:`MISS_ROW_COLUMNS` order."""
+        return astuple(self)
+
+
+MISS_ROW_COLUMNS = tuple(f.name for f in fields(MissRow))
+
+
+# -- small helpers ------------------------------------------------------------------------------------------
+def _ts_ms(req: Request) -> int:
+    """``ts`` as unix milliseconds (a naive datetime is taken as UTC)."""
+    ts = req["ts"]
+    if isinstance(ts, datetime):
+        if ts.tzinfo is None:
+            ts = ts.replace(tzinfo=UTC)
+        return round(ts.timestamp() * 1000)
+    return int(ts)
+
+
+def _int(req: Request, key: str) -> int:
+    return max(0, int(req.get(key) or 0))
+
+
+def _str(req: Request, key: str) -> str:
+    return str(req.get(key) or "")
+
+
+def _full_blocks(tokens: int, block_size: int) -> int:
+    """``tokens`` rounded down to whole blocks (tokens)."""
+    return max(0, tokens) // block_size * block_size
+
+
+def _order_key(req: Request) -> tuple[int, str]:
+    return (_ts_ms(req), _str(req, "request_id"))
+
+
+def is_attributable(req: Request) -> bool:
+    """True when the request succeeded (status < 400) and missed tokens (prompt_tokens > cached_tokens)."""
+    return int(req.get("status") or 0) < 400 and _int(req, "prompt_tokens") > _int(req, "cached_tokens")
+
+
+def _can_be_predecessor(req: Request) -> bool:
+    # A failed request (e.g. 502, pod unreachable) left nothing in any cache.
+    return int(req.get("status") or 0) < 400 and _int(req, "prompt_tokens") > 0
+
+
+def _stable_prefix_tokens_raw(req: Request) -> int:
+    return sum(_int(req, s.tokens_field) for s in STABLE_SEGMENTS)
+
+
+# -- step 1: predecessor ------------------------------------------------------------------------------------
+class _Timeline:
+    """Requests under one key, sorted by (ts, request_id), for "latest strictly before t" lookups."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, str]] = []
+        self.reqs: list[Request] = []
+
+    def latest_before(self, ts_ms: int, not_before_ms: int) -> Request | None:
+        i = bisect.bisect_left(self.keys, (ts_ms, ""))  # every key with ts < ts_ms lies before i
+        if i == 0 or self.keys[i - 1][0] < not_before_ms:
+            return None
+        return self.reqs[i - 1]
+
+
+class PredecessorIndex:
+    """Finds each request's predecessor; built once over the window of candidate requests.
+
+    ``requests``: every request that may serve as a predecessor (the job loads ``ts`` in
+    [earliest target − horizon, latest target]); failed ones (status ≥ 400 or prompt_tokens = 0) are skipped.
+    ``horizon_seconds``: how far back a predecessor may lie (DESIGN.md "within the horizon").
+    Keys (all scoped by model, because a pod's cache holds one model's KV; rules 1 and 3 also by tenant, so
+    two tenants' "conv-1" never mix):
+    1. (tenant, model, conversation_id), else (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`;
+    2. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
+    3. (tenant, model, variant field, value) for each non-empty :data:`VARIANT_FIELDS` value; the latest of
+       the matches wins: :data:`VARIANT`.
+    """
+
+    def __init__(self, requests: Iterable[Request], horizon_seconds: float = DEFAULT_HORIZON_SECONDS) -> None:
+        self.horizon_ms = round(horizon_seconds * 1000)
+        self._timelines: dict[tuple[str, ...], _Timeline] = {}
+        seen: set[str] = set()
+        for req in sorted(requests, key=_order_key):
+            rid = _str(req, "request_id")
+            if rid in seen or not _can_be_predecessor(req):
+                continue
+            seen.add(rid)
+            for key in self._keys(req):
+                tl = self._timelines.setdefault(key, _Timeline())
+                tl.keys.append(_order_key(req))
+                tl.reqs.append(req)
+
+    @staticmethod
+    def _keys(req: Request) -> list[tuple[str, ...]]:
+        tenant, model = _str(req, "tenant_id"), _str(req, "model")
+        keys: list[tuple[str, ...]] = []
+        for field in ("conversation_id", "agent_run_id"):
+            if _str(req, field):
+                keys.append((field, tenant, model, _str(req, field)))
+        if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
+            keys.append(("prompt_fingerprint", model, _str(req, "prompt_fingerprint")))
+        for field in VARIANT_FIELDS:
+            if _str(req, field):
+                keys.append((field, tenant, model, _str(req, field)))
+        return keys
+
+    def _latest(self, key: tuple[str, ...], ts_ms: int) -> Request | None:
+        tl = self._timelines.get(key)
+        return tl.latest_before(ts_ms, ts_ms - self.horizon_ms) if tl else None
+
+    def find(self, req: Request) -> Predecessor | None:
+        """The predecessor of ``req`` (ts strictly before, at most ``horizon_seconds`` earlier), or None."""
+        keys = self._keys(req)
+        ts_ms = _ts_ms(req)
+        for key in keys:
+            if key[0] in ("conversation_id", "agent_run_id"):
+                found = self._latest(key, ts_ms)
+                if found is not None:
+                    return Predecessor(found, PREVIOUS_TURN)
+        for key in keys:
+            if key[0] == "prompt_fingerprint":
+                found = self._latest(key, ts_ms)
+                if found is not None:
+                    return Predecessor(found, FINGERPRINT)
+        matches = [m for key in keys if key[0] in VARIANT_FIELDS
+                   if (m := self._latest(key, ts_ms)) is not None]
+        if matches:
+            return Predecessor(max(matches, key=_order_key), VARIANT)
+        return None
+
+
+# -- step 2: shared prefix and drift ------------------------------------------------------------------------
+def segment_offsets(req: Request) -> tuple[int, ...] | None:
+    """Token offsets of the segment boundaries: (0, end of system, of tools, of retrieval, of history = end of
+    the stable prefix, prompt_tokens). None when the log has no segment token counts at all.
+
+    Segment counts exclude chat-template tokens (role markers, BOS, the generation prompt), so they sum to
+    slightly less than ``prompt_tokens`` (or, with ``token_count_method = estimate``, to something else). The
+    cumulative counts are scaled by prompt_tokens / Σ segments and floored, so every segment absorbs template
+    tokens in proportion to its size and the last boundary is exactly ``prompt_tokens``.
+    """
+    counts = [_int(req, s.tokens_field) for s in STABLE_SEGMENTS] + [_int(req, "suffix_tokens")]
+    total = sum(counts)
+    if total == 0:
+        return None
+    prompt = _int(req, "prompt_tokens")
+    out, cum = [0], 0
+    for n in counts:
+        cum += n
+        out.append(cum * prompt // total)
+    return tuple(out)
+
+
+def _segment_equal(req: Request, prev: Request, seg: Segment) -> bool:
+    return _str(req, seg.hash_field) == _str(prev, seg.hash_field)
+
+
+def _history_continues(req: Request, pred: Predecessor) -> bool:
+    """A next turn: this request's history as the previous turn saw it equals that turn's history."""
+    return pred.kind == PREVIOUS_TURN and _str(req, "prev_history_hash") == _str(pred.request,
+                                                                                  "history_prefix_hash")
+
+
+def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor, offsets: tuple[int, ...]) -> int:
+    """Where the predecessor's whole prompt ends in this request's tokens, for a continued conversation: its
+    history and suffix (and generation prompt) are this request's history, so it ends at this request's
+    history start plus the predecessor's tokens from its own history start on."""
+    prev_offsets = segment_offsets(pred.request)
+    prev_prompt = _int(pred.request, "prompt_tokens")
+    prev_history_start = prev_offsets[HISTORY] if prev_offsets else 0
+    return offsets[HISTORY] + prev_prompt - prev_history_start
+
+
+def _name_drift(req: Request, prev: Request, seg: Segment) -> str:
+    """Sub-cause for a segment whose raw hash differs (DESIGN.md: named by the variant hashes)."""
+    if seg.variant_field and _str(req, seg.variant_field) == _str(prev, seg.variant_field):
+        return seg.reordered
+    return seg.changed
+
+
+def _reusable_without_drift(req: Request, pred: Predecessor, offsets: tuple[int, ...], first: int) -> int:
+    """W: walk on past the drifted segment ``first``, counting later segments that are raw-equal or differ
+    only in a nameable way (variant-equal, or a continued history); stop at the first that is new content."""
+    prev = pred.request
+    prompt = _int(req, "prompt_tokens")
+    for i in range(first + 1, len(STABLE_SEGMENTS)):
+        seg = STABLE_SEGMENTS[i]
+        if _segment_equal(req, prev, seg):
+            continue
+        if i == HISTORY:
+            if _history_continues(req, pred):
+                return min(prompt, _predecessor_prompt_in_this_request(req, pred, offsets))
+            return offsets[i]
+        if _str(req, seg.variant_field) and _str(req, seg.variant_field) == _str(prev, seg.variant_field):
+            continue
+        return offsets[i]
+    return prompt if _str(req, "suffix_hash") == _str(prev, "suffix_hash") else offsets[HISTORY + 1]
+
+
+def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
+    """Shared length S and the drift, in tokens of ``req`` (see :class:`SharedPrefix`). None when ``req`` has
+    no segment token counts (positions cannot be placed).
+
+    Walk system, tools, retrieval, history, suffix; a segment counts while its raw hash equals the
+    predecessor's (an empty segment on both sides is equal). At the first that differs:
+    - system/tools/retrieval: drift named by the variant (norm / canonical / set equal → volatile_system /
+      tools_reordered / rag_reordered, else system_changed / tools_changed / rag_changed);
+    - history, previous-turn predecessor: if ``prev_history_hash`` equals the predecessor's
+      ``history_prefix_hash`` the conversation continued and S covers the predecessor's whole prompt (its
+      history and suffix are in this history); else ``history_truncated``;
+    - history, fingerprint or variant predecessor: different history is another conversation's content, not a
+      change: S ends there, no drift;
+    - suffix: the new message; S ends at the stable prefix (all of the prompt when the suffix is equal too).
+    S never exceeds the predecessor's prompt_tokens (nothing beyond it was cached).
+    """
+    offsets = segment_offsets(req)
+    if offsets is None:
+        return None
+    prev = pred.request
+    prompt = _int(req, "prompt_tokens")
+    cap = min(prompt, _int(prev, "prompt_tokens"))
+    for i, seg in enumerate(STABLE_SEGMENTS):
+        if _segment_equal(req, prev, seg):
+            continue
+        if i == HISTORY:
+            if _history_continues(req, pred):
+                # Everything before the history is raw-equal, so the predecessor's prompt is exactly this
+                # prompt's first prompt_tokens(predecessor) tokens.
+                return SharedPrefix(cap, reusable_without_drift_tokens=cap)
+            if pred.kind != PREVIOUS_TURN:
+                s = min(cap, offsets[i])
+                return SharedPrefix(s, reusable_without_drift_tokens=s)
+        d = min(cap, offsets[i])
+        w = max(d, _reusable_without_drift(req, pred, offsets, i))
+        return SharedPrefix(d, _name_drift(req, prev, seg), d, w)
+    s = prompt if _str(req, "suffix_hash") == _str(prev, "suffix_hash") else offsets[HISTORY + 1]
+    s = min(cap, s)
+    return SharedPrefix(s, reusable_without_drift_tokens=s)
+
+
+# -- step 3: token split ------------------------------------------------------------------------------------
+def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: int,
+                        stable_prefix_tokens: int | None, shared: SharedPrefix | None,
+                        reuse_cause: tuple[str, str] = (EVICTED, "")) -> list[tuple[str, str, int]]:
+    """Split the missed tokens [C, P) (C = cached_tokens, P = prompt_tokens) into (cause, sub_cause, tokens),
+    in prompt order, one entry per (cause, sub_cause); the tokens sum exactly to P − C (empty when ≤ 0).
+
+    B = ``block_size`` (tokens); L = floor((P − 1)/B)·B, the most vLLM can hit. ``stable_prefix_tokens`` (T):
+    where the suffix starts, None when the log has no segment counts; ``shared``: from :func:`shared_prefix`,
+    None without a predecessor; ``reuse_cause``: the cause of reusable-but-missed tokens (routed_away, or
+    evicted with its sub_cause). Zones cover [0, P) without overlap, each counted on its part of [C, P):
+    - C > L: vLLM cannot hit that much with this B, so the numbers (or B) are wrong: all ``unknown``;
+    - no segment counts: [0, L) ``unknown``;
+    - no predecessor: [0, floor(min(T, P−1)/B)·B) ``cold``; ``unknown`` instead when C > 0, since a hit
+      proves the prefix was seen by something the rules did not find;
+    - predecessor, 0 < S < B: [0, min(S, P−1)) ``below_block``;
+      predecessor, S ≥ B (or 0): [0, R) with R = floor(min(S, P−1)/B)·B → ``reuse_cause`` (the part below C
+      was hit, so only [C, R) counts);
+    - drift: from there to floor(min(W, P−1)/B)·B ``prefix_drift``/sub: this includes the partial block
+      before the change point, which the change broke;
+    - the rest (new suffix or new turn, the last partial block, the last token): ``unavoidable``.
+    """
+    p, c, b = max(0, prompt_tokens), max(0, cached_tokens), max(1, block_size)
+    if p - c <= 0:
+        return []
+    last_hittable = _full_blocks(p - 1, b)
+    if c > last_hittable:
+        return [(UNKNOWN, "", p - c)]
+    zones: list[tuple[int, str, str]] = []  # (end, cause, sub_cause); each starts where the previous ended
+    if stable_prefix_tokens is None:
+        zones.append((last_hittable, UNKNOWN, ""))
+    elif shared is None:
+        zones.append((_full_blocks(min(stable_prefix_tokens, p - 1), b), COLD if c == 0 else UNKNOWN, ""))
+    else:
+        s = min(max(0, shared.shared_tokens), p)
+        if 0 < s < b:
+            zones.append((min(s, p - 1), BELOW_BLOCK, ""))
+        else:
+            zones.append((_full_blocks(min(s, p - 1), b), *reuse_cause))
+        if shared.drift_sub_cause:
+            w = _full_blocks(min(shared.reusable_without_drift_tokens, p - 1), b)
+            zones.append((w, PREFIX_DRIFT, shared.drift_sub_cause))
+    zones.append((p, UNAVOIDABLE, ""))
+
+    totals: dict[tuple[str, str], int] = {}
+    start = 0
+    for end, cause, sub in zones:
+        end = max(start, end)
+        n = max(0, end - max(start, c))
+        if n:
+            totals[(cause, sub)] = totals.get((cause, sub), 0) + n
+        start = end
+    out = [(cause, sub, n) for (cause, sub), n in totals.items()]
+    assert sum(n for _, _, n in out) == p - c, (prompt_tokens, cached_tokens, zones)
+    return out
+
+
+# -- per request and per batch ------------------------------------------------------------------------------
+def _reuse_cause(req: Request, pred: Predecessor) -> tuple[str, str]:
+    """routed_away when another pod served the predecessor; evicted when this pod did (and lost it)."""
+    if _str(pred.request, "pod") != _str(req, "pod"):
+        return (ROUTED_AWAY, "")
+    return (EVICTED, EVICTED_BEFORE_NEXT_TURN if pred.kind == PREVIOUS_TURN else "")
+
+
+def attribute_request(req: Request, pred: Predecessor | None, block_size: int) -> list[MissRow]:
+    """The miss_attribution rows of one request (empty when it failed or missed nothing), in prompt order.
+
+    ``block_size``: tokens per KV block on the request's pod. ``gap_ms`` is filled whenever there is a
+    predecessor: its ts + e2e_ms → this ts, ms.
+    """
+    if not is_attributable(req):
+        return []
+    offsets = segment_offsets(req)
+    stable = offsets[HISTORY + 1] if offsets else None
+    shared = shared_prefix(req, pred) if pred is not None and offsets is not None else None
+    if offsets is None:
+        pred = None  # without segment counts, no predecessor rule can be checked
+    split = split_missed_tokens(
+        prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
+        block_size=block_size, stable_prefix_tokens=stable, shared=shared,
+        reuse_cause=_reuse_cause(req, pred) if pred is not None else (EVICTED, ""),
+    )
+    pred_id = pred_pod = ""
+    gap_ms: float | None = None
+    if pred is not None:
+        prev = pred.request
+        pred_id, pred_pod = _str(prev, "request_id"), _str(prev, "pod")
+        gap_ms = float(_ts_ms(req) - _ts_ms(prev)) - float(prev.get("e2e_ms") or 0.0)
+    return [
+        MissRow(_str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"), _str(req, "model"),
+                cause, sub, tokens, pred_id, pred_pod, gap_ms, block_size)
+        for cause, sub, tokens in split
+    ]
+
+
+def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
+              block_size_by_pod: Mapping[str, int] | None = None, default_block_size: int = DEFAULT_BLOCK_SIZE,
+              horizon_seconds: float = DEFAULT_HORIZON_SECONDS) -> list[MissRow]:
+    """Attribute the missed tokens of ``requests``; rows ordered by (ts, request_id), then prompt order.
+
+    ``window``: further requests that may be predecessors (``requests`` are candidates too).
+    ``block_size_by_pod``: tokens per block from each pod's ``vllm:cache_config_info``; a pod not in it (or
+    with a non-positive value) uses ``default_block_size`` (vLLM's default, 16).
+    ``horizon_seconds``: the furthest back a predecessor may lie.
+    """
+    targets = sorted(requests, key=_order_key)
+    index = PredecessorIndex([*window, *targets], horizon_seconds)
+    sizes = block_size_by_pod or {}
+    rows: list[MissRow] = []
+    for req in targets:
+        if not is_attributable(req):
+            continue
+        size = int(sizes.get(_str(req, "pod")) or 0)
+        rows.extend(attribute_request(req, index.find(req), size if size > 0 else default_block_size))
+    return rows

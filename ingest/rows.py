@@ -1,0 +1,91 @@
+"""Row mapping: one envelope → rows of one table (ingest's half of the event contract).
+
+Each table's columns are listed once here (:data:`COLUMNS`); a contract test checks that every table has
+the columns written. Timestamps are written as timezone-aware UTC datetimes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, MetricsScrape
+from collector.gateway_log import parse_ts_ms
+from ingest.errors import ContractViolation
+
+GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
+               "error", "system_hash", "system_norm_hash", "tools_hash", "tools_canonical_hash",
+               "retrieval_pack_hash", "retrieval_set_hash", "history_prefix_hash", "prev_history_hash",
+               "suffix_hash", "prompt_fingerprint", "token_count_method")
+GATEWAY_INT = ("status", "prompt_tokens", "cached_tokens", "completion_tokens", "system_tokens", "tools_tokens",
+               "retrieval_tokens", "history_tokens", "suffix_tokens")
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "gateway_requests": ("event_id", "request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT,
+                         "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
+    "vllm_metric_samples": ("event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"),
+    "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
+                        "parent_block_hash", "token_count", "block_size", "medium"),
+    "dead_letters": ("event_id", "ts", "source", "pod", "reason", "location", "raw"),
+}
+
+
+def _dt(ms: int | float) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def _float_or_none(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
+    r = p.record
+    return (ev.event_id, r["request_id"], _dt(parse_ts_ms(r["ts"])), str(r.get("tenant_id") or ""),
+            *(str(r.get(k) or "") for k in GATEWAY_STR), bool(r.get("stream", False)),
+            *(int(r.get(k) or 0) for k in GATEWAY_INT),
+            float(r.get("ttft_ms") or 0.0), float(r.get("e2e_ms") or 0.0),
+            _float_or_none(r.get("queue_wait_ms")), _float_or_none(r.get("tool_latency_ms")))
+
+
+def metric_rows(ev: Envelope, p: MetricsScrape) -> list[tuple[Any, ...]]:
+    ts = _dt(p.scraped_at_ms)
+    return [(ev.event_id, ts, ev.pod, s.labels.get("engine", ""), s.labels.get("model_name", ""), s.name,
+             s.labels, s.value) for s in p.samples]
+
+
+def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
+    ts = _dt(p.batch_ts * 1000)
+    engine = "" if p.dp_rank is None else str(p.dp_rank)
+    return [(ev.event_id, ts, ev.pod, engine, p.seq, i, e.type, e.block_hashes, e.parent_block_hash,
+             len(e.token_ids), e.block_size, e.medium or "") for i, e in enumerate(p.events)]
+
+
+def dead_letter_row(ev: Envelope, p: DeadLetter) -> tuple[Any, ...]:
+    return (ev.event_id, _dt(ev.observed_at_ms), p.source, ev.pod, p.reason, p.location, p.raw)
+
+
+def rows_for(ev: Envelope) -> tuple[str, list[tuple[Any, ...]]]:
+    """``(table, rows)`` for one envelope. Raises :class:`ContractViolation` if the payload cannot be mapped."""
+    p = ev.payload
+    try:
+        if isinstance(p, GatewayRequest):
+            return "gateway_requests", [gateway_row(ev, p)]
+        if isinstance(p, MetricsScrape):
+            return "vllm_metric_samples", metric_rows(ev, p)
+        if isinstance(p, KvEventBatch):
+            return "kv_block_events", kv_rows(ev, p)
+        if isinstance(p, DeadLetter):
+            return "dead_letters", [dead_letter_row(ev, p)]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ContractViolation(f"{ev.schema} {ev.event_id}: cannot map to a row: {exc!r}") from exc
+    raise ContractViolation(f"no row mapping for kind {ev.schema}")
+
+
+def contract_dead_letter(reason: str, location: str, raw: bytes | str, pod: str = "") -> tuple[Any, ...]:
+    """A ``dead_letters`` row for a message the ingester could not decode or the store refused."""
+    from collector.events import make_event_id
+
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    now = datetime.now(UTC)
+    return (make_event_id("dead_letter", "ingest", location, text[:512]), now, "ingest", pod, reason, location,
+            text[:65536])

@@ -1,0 +1,200 @@
+"""The store: kvscope's one door to ClickHouse (chDB in-process, or a server), used by ingest, the attribution
+job, the dashboard, ``kvscope query`` and ``kvscope sql``.
+
+The client is clickhouse-connect in both modes (``dsn="chdb:///abs/path"`` or ``http://host:8123``), so every
+statement is ClickHouse SQL and runs unchanged on chDB, a server or a cluster. chDB allows one data directory
+per process (../shared/reference/environment.md), so one :class:`Store` is opened per process and shared by
+threads; calls are serialised by a lock (clickhouse-connect clients are not safe for concurrent queries).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import clickhouse_connect
+import polars as pl
+from clickhouse_connect.driver import exceptions as ch_exc
+
+import sql as sqlfiles
+from ingest.errors import QueryError, RejectedRows, StoreUnavailable
+
+# ClickHouse error codes meaning "the rows are wrong" (permanent) vs "try again" (retryable).
+# Source: ClickHouse src/Common/ErrorCodes.cpp.
+_PERMANENT_CODES = {6, 26, 27, 38, 41, 53, 69, 70, 72, 117, 130, 131, 241}  # parse/type/overflow/size errors
+_RETRYABLE_CODES = {159, 160, 164 + 10_000, 202, 209, 210, 242, 252, 319, 425}  # timeouts, too many parts, net
+_CODE = re.compile(r"Code:\s*(\d+)")
+
+#: Limits enforced by the database on ad hoc SQL (STYLE.md §3, datasette's sql_time_limit_ms/max_returned_rows).
+#: ``readonly`` must come last: once it is set, no setting can change.
+ADHOC_SETTINGS: dict[str, Any] = {
+    "max_execution_time": 10,
+    "max_result_rows": 10_000,
+    "result_overflow_mode": "break",
+    "readonly": 1,
+}
+
+
+def _code(exc: BaseException) -> int | None:
+    m = _CODE.search(str(exc))
+    return int(m.group(1)) if m else None
+
+
+class Store:
+    """A ClickHouse database reached through one clickhouse-connect client.
+
+    Open with :meth:`open`. ``database`` is created if missing (tests isolate by database name).
+    Raises :class:`StoreUnavailable` when the store cannot be reached.
+    """
+
+    def __init__(self, client: Any, database: str, dsn: str) -> None:
+        self.client = client
+        self.database = database
+        self.dsn = dsn
+        self._lock = threading.RLock()
+        self._adhoc_client: Any = None
+
+    @classmethod
+    def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
+             database: str = "kvscope") -> Store:
+        """Open chDB at ``data_dir`` (embedded) or the server at ``clickhouse_url`` (e.g. ``http://ch:8123``).
+
+        Exactly one of the two is used; ``clickhouse_url`` wins when both are given.
+        """
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+            raise ValueError(f"database name {database!r} must be an identifier")
+        if clickhouse_url:
+            dsn = clickhouse_url
+        elif data_dir:
+            path = Path(data_dir).expanduser().resolve()
+            path.mkdir(parents=True, exist_ok=True)
+            dsn = f"chdb://{path}"
+        else:
+            raise ValueError("Store.open needs data_dir or clickhouse_url")
+        try:
+            boot = clickhouse_connect.get_client(dsn=dsn)
+            boot.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+            client = clickhouse_connect.get_client(dsn=dsn, database=database)
+        except ch_exc.Error as exc:
+            raise StoreUnavailable(f"cannot open ClickHouse at {dsn}: {exc}") from exc
+        return cls(client, database, dsn)
+
+    @contextmanager
+    def _translate(self, what: str) -> Iterator[None]:
+        try:
+            with self._lock:
+                yield
+        except ch_exc.OperationalError as exc:
+            raise StoreUnavailable(f"{what}: {exc}") from exc
+        except ch_exc.Error as exc:
+            code = _code(exc)
+            if code in _RETRYABLE_CODES:
+                raise StoreUnavailable(f"{what}: {exc}") from exc
+            raise QueryError(f"{what}: {exc}") from exc
+
+    # -- writes -------------------------------------------------------------------------------------------
+    def command(self, statement: str, parameters: dict[str, Any] | None = None) -> Any:
+        """Run a statement that returns no rows (DDL, INSERT ... SELECT)."""
+        with self._translate("command"):
+            return self.client.command(statement, parameters=parameters)
+
+    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
+        """Insert row tuples into ``table``.
+
+        Raises :class:`RejectedRows` when ClickHouse (or the client's serialiser) refuses the data: a
+        permanent error for these rows; :class:`StoreUnavailable` when it may succeed later.
+        """
+        if not rows:
+            return
+        try:
+            with self._lock:
+                self.client.insert(table, list(rows), column_names=list(column_names))
+        except ch_exc.OperationalError as exc:
+            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
+        except ch_exc.Error as exc:
+            code = _code(exc)
+            if code in _RETRYABLE_CODES:
+                raise StoreUnavailable(f"insert into {table}: {exc}") from exc
+            raise RejectedRows(table, str(exc), code) from exc
+        except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as exc:
+            raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def query_df(self, statement: str, parameters: dict[str, Any] | None = None,
+                 settings: dict[str, Any] | None = None) -> pl.DataFrame:
+        """Run a SELECT and return a polars DataFrame (through Arrow; DateTime64 columns stay datetimes)."""
+        with self._translate("query"):
+            table = self.client.query_arrow(statement, parameters=parameters, settings=settings)
+        return pl.from_arrow(table)  # type: ignore[return-value]
+
+    def query_rows(self, statement: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run a SELECT and return its rows as tuples (for small internal reads)."""
+        with self._translate("query"):
+            return list(self.client.query(statement, parameters=parameters).result_rows)
+
+    def named(self, name: str, params: dict[str, str] | None = None) -> pl.DataFrame:
+        """Run named query ``sql/queries/<name>.sql`` with typed parameters (defaults from its header).
+
+        Raises :class:`QueryError` for an unknown query or parameter, or a failing query.
+        """
+        try:
+            q = sqlfiles.load_query(name)
+            bound = q.bind(params or {})
+        except (KeyError, sqlfiles.HeaderError) as exc:
+            raise QueryError(str(exc).strip('"')) from exc
+        return self.query_df(q.sql, parameters=bound)
+
+    def adhoc(self, statement: str) -> pl.DataFrame:
+        """Run user SQL with the database enforcing read-only and limits (:data:`ADHOC_SETTINGS`).
+
+        On chDB the limits are set once on a separate session that stays ``readonly=1`` (clickhouse-connect's
+        chDB backend applies per-query settings with SET and cannot restore them after ``readonly=1``, which
+        would leave the writer's session read-only). On a server they travel with each query, where they
+        cannot outlive it; ``readonly=2`` there lets the same request carry the limits.
+        Raises :class:`QueryError` when the SQL fails or tries to write (ClickHouse code 164, READONLY).
+        """
+        if not self.dsn.startswith("chdb:"):
+            return self.query_df(statement, settings={**ADHOC_SETTINGS, "readonly": 2})
+        with self._translate("query"):
+            if self._adhoc_client is None:
+                client = clickhouse_connect.get_client(dsn=self.dsn, database=self.database)
+                for key, value in ADHOC_SETTINGS.items():
+                    client.command(f"SET {key} = {value!r}" if isinstance(value, str) else f"SET {key} = {value}")
+                self._adhoc_client = client
+            table = self._adhoc_client.query_arrow(statement)
+        return pl.from_arrow(table)  # type: ignore[return-value]
+
+    # -- schema -------------------------------------------------------------------------------------------
+    def migrate(self) -> list[str]:
+        """Apply ``sql/migrations`` not yet recorded in ``schema_migrations``; returns the versions applied.
+
+        Migrations are idempotent (IF NOT EXISTS), so a crash between a migration and its record is safe.
+        """
+        self.command(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
+            "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version"
+        )
+        done = {r[0] for r in self.query_rows("SELECT version FROM schema_migrations")}
+        applied = []
+        for version, text in sqlfiles.migrations():
+            if version in done:
+                continue
+            for statement in split_statements(text):
+                self.command(statement)
+            self.insert("schema_migrations", [(version,)], ["version"])
+            applied.append(version)
+        return applied
+
+
+def split_statements(text: str) -> list[str]:
+    """Split a migration file into statements on ``;`` at line ends, dropping comment-only chunks."""
+    out = []
+    for chunk in re.split(r";\s*(?:\n|$)", text):
+        body = "\n".join(line for line in chunk.splitlines() if not line.strip().startswith("--")).strip()
+        if body:
+            out.append(body)
+    return out

@@ -1,0 +1,334 @@
+"""``kvscope``: one command fronting every stage. ``kvscope --help`` lists the subcommands."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvscope.config import ConfigError, build_config, settings_table
+
+STORE_OPTIONS = [
+    click.option("--data-dir", default=None, help="chDB data directory [KVSCOPE_DATA_DIR]."),
+    click.option("--clickhouse-url", default=None, help="ClickHouse server URL instead of chDB [KVSCOPE_CLICKHOUSE_URL]."),
+    click.option("--database", default=None, help="Database name [KVSCOPE_DATABASE]."),
+]
+KAFKA_OPTION = click.option("--kafka-bootstrap", default=None,
+                            help="Kafka bootstrap servers instead of the in-process queue [KVSCOPE_KAFKA_BOOTSTRAP].")
+FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
+                             show_default=True)
+
+
+def store_options(fn):  # type: ignore[no-untyped-def]
+    for opt in reversed(STORE_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
+def _config(**overrides: Any):  # type: ignore[no-untyped-def]
+    try:
+        cfg = build_config({k: v for k, v in overrides.items() if v not in (None, ())})
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return cfg
+
+
+def _store(cfg):  # type: ignore[no-untyped-def]
+    from ingest.errors import KvscopeError
+    from kvscope.pipeline import open_store
+
+    try:
+        return open_store(cfg)
+    except KvscopeError as exc:
+        msg = str(exc)
+        if "Cannot lock file" in msg or "status" in msg and "lock" in msg.lower():
+            msg = (f"the chDB data directory {cfg.data_dir} is in use by another kvscope process (chDB allows one "
+                   "process per directory); stop it, or query through its dashboard's SQL page")
+        raise click.ClickException(msg) from exc
+
+
+def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    import polars as pl
+
+    if fmt == "json":
+        click.echo(df.write_json())
+    elif fmt == "csv":
+        click.echo(df.write_csv(), nl=False)
+    else:
+        with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
+            click.echo(str(df))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvscope")
+def main() -> None:
+    """kvscope: how many prompt tokens does the KV cache save, and why did the rest miss?"""
+
+
+@main.command()
+@click.option("--vllm", "vllm", multiple=True, help="vLLM pod: NAME=http://host:port or http://host:port (repeat).")
+@click.option("--gateway-log", multiple=True, help="Gateway fingerprint log (JSONL) to tail (repeat).")
+@click.option("--kv-events-endpoint", default=None, help="ZMQ endpoint to bind for KV events, e.g. tcp://127.0.0.1:5557.")
+@store_options
+@KAFKA_OPTION
+@click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
+@click.option("--address", "dashboard_address", default=None, help="Dashboard address [KVSCOPE_DASHBOARD_ADDRESS].")
+@click.option("--no-dashboard", is_flag=True, help="Run the pipeline only (until Ctrl-C).")
+def up(no_dashboard: bool, **opts: Any) -> None:
+    """Observe an existing fleet in one process: collect, ingest, attribute, and serve the dashboard."""
+    import streamlit  # noqa: F401  (import before threads start; environment.md)
+
+    from kvscope.pipeline import Pipeline, run_dashboard_inprocess
+
+    cfg = _config(**opts)
+    store = _store(cfg)
+    pipe = Pipeline(cfg, store=store)
+    pipe.start()
+    click.echo(f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} "
+               f"logs={cfg.list('gateway_log')}")
+    try:
+        if no_dashboard:
+            threading.Event().wait()
+        else:
+            click.echo(f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}")
+            run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        pipe.close()
+
+
+@main.command()
+@click.option("--pods", type=int, default=2, show_default=True, help="vLLM CPU servers to start.")
+@click.option("--scale", type=float, default=1.0, show_default=True, help="Workload size multiplier per round.")
+@click.option("--routing-policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None)
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path(".kvscope/demo"), show_default=True,
+              help="Where the demo writes server logs, the gateway log and workload labels.")
+@store_options
+@click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
+@click.option("--address", "dashboard_address", default=None, help="Dashboard address.")
+@click.option("--rounds", type=int, default=0, help="Workload rounds, then keep serving (0 = run until Ctrl-C).")
+def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> None:
+    """Demo fleet of real vLLM CPU servers + gateway + workload + `kvscope up`; prints the dashboard URL."""
+    import streamlit  # noqa: F401
+
+    from demo.run import DemoRun
+    from kvscope.pipeline import run_dashboard_inprocess
+
+    if opts.get("data_dir") is None and opts.get("clickhouse_url") is None:
+        opts["data_dir"] = str(workdir / "data")
+    cfg = _config(**opts)
+    store = _store(cfg)
+    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
+    run.start_background()
+    click.echo(f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}  (vLLM servers start in ~2 min; "
+               f"numbers appear as the workload runs; logs in {workdir})")
+    try:
+        run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        run.close()
+
+
+@main.command()
+@click.option("--vllm", "vllm", multiple=True, help="vLLM pod: NAME=http://host:port (repeat).")
+@click.option("--gateway-log", multiple=True, help="Gateway log (JSONL) to tail (repeat).")
+@click.option("--kv-events-endpoint", default=None, help="ZMQ endpoint to bind for KV events.")
+@KAFKA_OPTION
+def collect(**opts: Any) -> None:
+    """Run the collector only, publishing to Kafka (distributed mode)."""
+    from kvscope.pipeline import Pipeline
+
+    cfg = _config(**opts)
+    if not cfg.kafka_bootstrap:
+        raise click.UsageError("kvscope collect publishes to Kafka: give --kafka-bootstrap (or use kvscope up)")
+    pipe = Pipeline(cfg, collect=True, ingest=False, attribute=False)
+    pipe.start()
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pipe.close()
+
+
+@main.command()
+@store_options
+@KAFKA_OPTION
+@click.option("--consumer-group", default=None, help="Kafka consumer group [KVSCOPE_CONSUMER_GROUP].")
+@click.option("--attribution/--no-attribution", default=True, show_default=True,
+              help="Also run the miss-cause attribution job (idempotent; safe on every replica).")
+def ingest(attribution: bool, **opts: Any) -> None:
+    """Run an ingester: Kafka consumer group → ClickHouse (migrations applied at start)."""
+    from kvscope.pipeline import Pipeline
+
+    cfg = _config(**opts)
+    if not cfg.kafka_bootstrap:
+        raise click.UsageError("kvscope ingest consumes Kafka: give --kafka-bootstrap (or use kvscope up)")
+    pipe = Pipeline(cfg, store=_store(cfg), collect=False, ingest=True, attribute=attribution)
+    pipe.start()
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pipe.close()
+
+
+@main.command()
+@store_options
+@click.option("--port", "dashboard_port", type=int, default=None)
+@click.option("--address", "dashboard_address", default=None)
+def dashboard(**opts: Any) -> None:
+    """Serve the dashboard alone (reads a ClickHouse server, or a chDB directory no other process holds)."""
+    from kvscope.pipeline import run_dashboard_inprocess
+
+    cfg = _config(**opts)
+    run_dashboard_inprocess(_store(cfg), cfg.dashboard_address, cfg.dashboard_port)
+
+
+@main.command()
+@click.option("--pod", "pods", multiple=True, required=True, help="NAME=http://host:port of a vLLM pod (repeat).")
+@click.option("--log", "log_path", type=click.Path(path_type=Path), required=True, help="Fingerprint log to append to.")
+@click.option("--policy", "routing_policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None)
+@click.option("--tokenizer", default=None, help="HF tokenizer.json for segment token counts [KVSCOPE_TOKENIZER].")
+@click.option("--port", "gateway_port", type=int, default=None, help="Listen port [KVSCOPE_GATEWAY_PORT].")
+@click.option("--host", default="127.0.0.1", show_default=True)
+def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> None:
+    """The reference gateway: OpenAI-compatible proxy that routes and writes the fingerprint log."""
+    from gateway.proxy import make_app, serve
+
+    cfg = _config(**opts)
+    parsed = []
+    for spec in pods:
+        name, sep, url = spec.partition("=")
+        if not sep:
+            raise click.UsageError(f"--pod {spec!r}: expected NAME=http://host:port")
+        parsed.append((name, url.rstrip("/")))
+    app = make_app(parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None)
+    serve(app, host, cfg.gateway_port)
+
+
+@main.group(name="import")
+def import_() -> None:
+    """Load files into the store (gateway logs, /metrics snapshots)."""
+
+
+@import_.command("gateway-log")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@store_options
+def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
+    """Load gateway fingerprint log JSONL files; bad lines go to dead_letters with their reason."""
+    from collector.gateway_log import read_file
+    from kvscope.importer import import_events
+
+    cfg = _config(**opts)
+    store = _store(cfg)
+    for f in files:
+        written = import_events(store, read_file(f))
+        click.echo(f"{f}: {written.get('gateway_requests', 0)} requests, {written.get('dead_letters', 0)} dead letters")
+    from ingest.attribution_job import run_attribution
+
+    n = run_attribution(store, settle_seconds=0, horizon_seconds=cfg.attribution_horizon_seconds,
+                        default_block_size=cfg.default_block_size)
+    click.echo(f"attribution: {n} rows")
+
+
+@import_.command("metrics")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--pod", required=True, help="Pod name the snapshot came from.")
+@click.option("--at", "at", required=True, help="When it was scraped, ISO 8601 (e.g. 2026-11-29T12:00:00Z).")
+@store_options
+def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
+    """Load one /metrics snapshot (Prometheus text) as a scrape of POD at time AT."""
+    from collector.vllm_metrics import scrape_events
+    from kvscope.importer import import_events
+
+    try:
+        ts = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise click.BadParameter(f"{at!r} is not ISO 8601", param_hint="--at") from exc
+    if ts.tzinfo is None:
+        raise click.BadParameter("give a time zone (e.g. Z)", param_hint="--at")
+    cfg = _config(**opts)
+    store = _store(cfg)
+    events = scrape_events(pod, f"file://{Path(file).resolve()}", Path(file).read_text(errors="replace"),
+                           int(ts.timestamp() * 1000), 0.0)
+    written = import_events(store, events)
+    click.echo(f"{file}: {written.get('vllm_metric_samples', 0)} samples, {written.get('dead_letters', 0)} dead letters")
+
+
+def _params(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{p!r}: expected key=value", param_hint="--param")
+        out[k] = v
+    return out
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--param", "params", multiple=True, help="key=value for a query parameter (repeat).")
+@FORMAT_OPTION
+@click.option("--list", "list_", is_flag=True, help="List the named queries with their parameters and columns.")
+@store_options
+def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **opts: Any) -> None:
+    """Run a named query from sql/queries/ (see --list)."""
+    import sql as sqlfiles
+    from ingest.errors import QueryError
+
+    if list_ or not name:
+        for n in sqlfiles.query_names():
+            q = sqlfiles.load_query(n)
+            click.echo(f"{n}: {q.description}")
+            for p in q.params:
+                click.echo(f"    --param {p.name}=<{p.type}>" + (f" (default {p.default})" if p.default is not None else "")
+                           + (f"  {p.help}" if p.help else ""))
+            click.echo("    returns: " + ", ".join(f"{c.name} {c.type}" for c in q.returns))
+        return
+    cfg = _config(**opts)
+    try:
+        df = _store(cfg).named(name, _params(params))
+    except QueryError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _emit(df, fmt)
+
+
+@main.command(name="sql")
+@click.argument("statement")
+@FORMAT_OPTION
+@store_options
+def sql_(statement: str, fmt: str, **opts: Any) -> None:
+    """Run ad hoc SQL, read-only (enforced by the database: readonly, max_execution_time, max_result_rows)."""
+    from ingest.errors import QueryError
+
+    cfg = _config(**opts)
+    try:
+        df = _store(cfg).adhoc(statement)
+    except QueryError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _emit(df, fmt)
+
+
+@main.command()
+@store_options
+def migrate(**opts: Any) -> None:
+    """Apply the SQL migrations in sql/migrations (also done by every command that opens the store)."""
+    cfg = _config(**opts)
+    _store(cfg)
+    click.echo("migrations up to date")
+
+
+@main.command()
+def settings() -> None:
+    """Print every KVSCOPE_* setting with its default and meaning."""
+    click.echo(settings_table())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

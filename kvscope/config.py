@@ -1,0 +1,113 @@
+"""Configuration is one table (STYLE.md §7): every setting, its ``KVSCOPE_*`` variable, default and help.
+
+Each process builds a frozen :class:`Config` from command-line flags (highest), then the environment, then
+the defaults. An unknown ``KVSCOPE_`` variable stops start-up (a typo must not silently fall back).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    help: str
+    type: type = str
+
+    @property
+    def env(self) -> str:
+        return "KVSCOPE_" + self.name.upper()
+
+
+SETTINGS: list[Setting] = [
+    Setting("data_dir", str(Path.home() / ".kvscope" / "data"), "chDB data directory (embedded store)"),
+    Setting("clickhouse_url", "", "ClickHouse server URL (e.g. http://default:@clickhouse:8123); wins over data_dir"),
+    Setting("database", "kvscope", "ClickHouse database name"),
+    Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
+    Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
+    Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
+    Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port"),
+    Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
+    Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
+    Setting("scrape_interval_seconds", 5.0, "Seconds between /metrics scrapes of each pod", float),
+    Setting("attribution_interval_seconds", 5.0, "Seconds between miss-cause attribution runs", float),
+    Setting("attribution_settle_seconds", 2.0, "Requests younger than this (by ingest time) wait for the next run",
+            float),
+    Setting("attribution_horizon_seconds", 3600.0, "How far back a request's predecessor may be", float),
+    Setting("default_block_size", 16, "KV block size (tokens) when a pod's vllm:cache_config_info is not seen", int),
+    Setting("dashboard_address", "127.0.0.1", "Address the dashboard listens on"),
+    Setting("dashboard_port", 8501, "Port of the dashboard", int),
+    Setting("gateway_port", 8800, "Port of the reference gateway", int),
+    Setting("routing_policy", "round_robin", "Gateway routing policy: round_robin | prefix_affinity"),
+    Setting("tokenizer", "", "Path of a HF tokenizer.json the gateway counts segment tokens with"),
+    Setting("log_level", "INFO", "Python log level"),
+]
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Config:
+    data_dir: str
+    clickhouse_url: str
+    database: str
+    kafka_bootstrap: str
+    consumer_group: str
+    topic_namespace: str
+    vllm: str
+    gateway_log: str
+    kv_events_endpoint: str
+    scrape_interval_seconds: float
+    attribution_interval_seconds: float
+    attribution_settle_seconds: float
+    attribution_horizon_seconds: float
+    default_block_size: int
+    dashboard_address: str
+    dashboard_port: int
+    gateway_port: int
+    routing_policy: str
+    tokenizer: str
+    log_level: str
+
+    def list(self, name: str) -> list[str]:
+        """A comma-separated setting as a list (empty items dropped)."""
+        return [x.strip() for x in str(getattr(self, name)).split(",") if x.strip()]
+
+
+class ConfigError(ValueError):
+    """An unknown KVSCOPE_ variable or a value that does not convert."""
+
+
+def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Flags (``overrides``, None values ignored) > environment > defaults. Raises :class:`ConfigError`."""
+    env = os.environ if environ is None else environ
+    known = {s.env for s in SETTINGS}
+    unknown = sorted(k for k in env if k.startswith("KVSCOPE_") and k not in known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw = (overrides or {}).get(s.name)
+        if raw is None:
+            raw = env.get(s.env, s.default)
+        if isinstance(raw, list | tuple):
+            raw = ",".join(str(x) for x in raw)
+        try:
+            values[s.name] = s.type(raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{s.env}={raw!r}: expected {s.type.__name__}") from exc
+    assert {f.name for f in fields(Config)} == set(BY_NAME)
+    return Config(**values)
+
+
+def settings_table() -> str:
+    """The settings as a Markdown table (README and ``kvscope settings``)."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    for s in SETTINGS:
+        default = "~/.kvscope/data" if s.name == "data_dir" else s.default
+        lines.append(f"| `{s.env}` | `{default}` | {s.help} |")
+    return "\n".join(lines)

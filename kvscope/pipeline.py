@@ -1,0 +1,114 @@
+"""One process running every stage (``kvscope up``): collector → queue or Kafka → ingester → ClickHouse/chDB,
+the miss-cause attribution job, and (optionally) the Streamlit dashboard in-process.
+
+chDB allows one process per data directory (../shared/reference/environment.md), so in embedded mode
+everything that touches the store lives here, in threads sharing one :class:`ingest.store.Store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from collector.publish import KafkaPublisher, Message, Publisher, QueuePublisher
+from collector.service import Collector, parse_target
+from ingest.attribution_job import attribution_loop
+from ingest.ingester import Ingester
+from ingest.source import KafkaSource, QueueSource, Source
+from ingest.store import Store
+from kvscope.config import Config
+
+log = logging.getLogger("kvscope.pipeline")
+
+
+def open_store(cfg: Config) -> Store:
+    """The store the settings name (a server when ``clickhouse_url`` is set, else chDB), migrated."""
+    store = Store.open(data_dir=cfg.data_dir, clickhouse_url=cfg.clickhouse_url or None, database=cfg.database)
+    applied = store.migrate()
+    if applied:
+        log.info("migrations applied. versions=%s", ",".join(applied))
+    return store
+
+
+@dataclass
+class Pipeline:
+    """Collector, ingester and attribution threads over one store. ``start()`` returns once all run."""
+
+    cfg: Config
+    store: Store | None = None
+    collect: bool = True
+    ingest: bool = True
+    attribute: bool = True
+    stop: threading.Event = field(default_factory=threading.Event)
+    collector: Collector | None = None
+    ingester: Ingester | None = None
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _transport(self) -> tuple[Publisher | None, Source | None]:
+        if self.cfg.kafka_bootstrap:
+            ns = self.cfg.topic_namespace
+            pub = KafkaPublisher(self.cfg.kafka_bootstrap, namespace=ns) if self.collect else None
+            src = KafkaSource(self.cfg.kafka_bootstrap, self.cfg.consumer_group, namespace=ns) if self.ingest else None
+            return pub, src
+        q: queue.Queue[Message] = queue.Queue(maxsize=100_000)
+        return QueuePublisher(q), QueueSource(q)
+
+    def start(self) -> None:
+        if self.store is None and (self.ingest or self.attribute):
+            self.store = open_store(self.cfg)
+        publisher, source = self._transport()
+        if self.ingest:
+            assert self.store is not None and source is not None
+            self.ingester = Ingester(self.store, source)
+            self._spawn("ingest", lambda: self.ingester.run(self.stop))  # type: ignore[union-attr]
+        if self.attribute:
+            store = self.store
+            assert store is not None
+            self._spawn("attribution", lambda: attribution_loop(
+                store, self.stop, self.cfg.attribution_interval_seconds,
+                settle_seconds=self.cfg.attribution_settle_seconds,
+                horizon_seconds=self.cfg.attribution_horizon_seconds,
+                default_block_size=self.cfg.default_block_size))
+        if self.collect:
+            assert publisher is not None
+            for p in self.cfg.list("gateway_log"):
+                Path(p).parent.mkdir(parents=True, exist_ok=True)
+            self.collector = Collector(
+                publisher=publisher, targets=[parse_target(t) for t in self.cfg.list("vllm")],
+                gateway_logs=self.cfg.list("gateway_log"), kv_events_endpoint=self.cfg.kv_events_endpoint or None,
+                scrape_interval_seconds=self.cfg.scrape_interval_seconds, stop=self.stop)
+            self.collector.start()
+
+    def _spawn(self, name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        th = threading.Thread(target=fn, name=f"kvscope-{name}", daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def close(self, timeout: float = 15.0) -> None:
+        self.stop.set()
+        if self.collector:
+            self.collector.close(timeout)
+        for th in self._threads:
+            th.join(timeout)
+
+
+def run_dashboard_inprocess(store: Store, address: str, port: int) -> None:
+    """Serve the Streamlit dashboard from this process, reading ``store`` (blocks until interrupted).
+
+    Streamlit's config is set before ``bootstrap.run`` (passing port/address only as flag options there does
+    not take effect; ../shared/reference/environment.md).
+    """
+    from streamlit.web import bootstrap
+
+    import dashboard
+    from dashboard.data import register_store
+
+    register_store(store)
+    flags = {"server_port": port, "server_address": address, "server_headless": True,
+             "browser_gatherUsageStats": False, "server_fileWatcherType": "none", "server_runOnSave": False}
+    bootstrap.load_config_options(flags)
+    app = str(Path(dashboard.__file__).parent / "app.py")
+    bootstrap.run(app, False, [], flags)

@@ -1,0 +1,134 @@
+"""kvscope's SQL: numbered migrations (``sql/migrations/NNNN_<verb>_<object>.sql``) and named queries
+(``sql/queries/<name>.sql``), each named query opening with a header that :func:`load_query` parses.
+
+Header format (one item per ``--`` line, before the SQL)::
+
+    -- name: hit_rate
+    -- description: One sentence on what it returns.
+    -- param since: DateTime64(3) = 1970-01-01 00:00:00 | start of the window, UTC
+    -- returns: bucket DateTime | bucket start, UTC
+
+Parameters are bound as ClickHouse typed parameters (``{since:DateTime64(3)}``), never formatted in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+SQL_DIR = Path(str(resources.files(__name__)))
+MIGRATIONS_DIR = SQL_DIR / "migrations"
+QUERIES_DIR = SQL_DIR / "queries"
+
+_HEADER = re.compile(r"^--\s*(name|description|param|returns):\s*(.*)$")
+_PARAM = re.compile(r"^(\w+):\s*([^=|]+?)\s*(?:=\s*([^|]*?))?\s*(?:\|\s*(.*))?$")
+_RETURNS = re.compile(r"^(\w+)\s+([^|]+?)\s*(?:\|\s*(.*))?$")
+
+
+class HeaderError(ValueError):
+    """A named query's header is missing a field or a line does not parse."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """A typed parameter: ``name``, ClickHouse ``type``, ``default`` (string as written, None = required)."""
+
+    name: str
+    type: str
+    default: str | None
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Column:
+    """A returned column: ``name``, ClickHouse ``type``, ``help`` (meaning and unit)."""
+
+    name: str
+    type: str
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class NamedQuery:
+    """A parsed ``sql/queries/<name>.sql``: header fields and the SQL text (header included, comments are SQL)."""
+
+    name: str
+    description: str
+    params: list[Param] = field(default_factory=list)
+    returns: list[Column] = field(default_factory=list)
+    sql: str = ""
+
+    def bind(self, values: dict[str, str]) -> dict[str, str]:
+        """Parameter values for ClickHouse: defaults filled in, unknown or missing ones rejected.
+
+        Raises :class:`HeaderError` for an unknown parameter name or a required one left out.
+        """
+        known = {p.name for p in self.params}
+        unknown = set(values) - known
+        if unknown:
+            raise HeaderError(f"query {self.name} has no parameter(s) {sorted(unknown)}; it takes {sorted(known)}")
+        out: dict[str, str] = {}
+        for p in self.params:
+            if p.name in values:
+                out[p.name] = values[p.name]
+            elif p.default is not None:
+                out[p.name] = p.default.strip("'")
+            else:
+                raise HeaderError(f"query {self.name} needs parameter {p.name} ({p.type})")
+        return out
+
+
+def parse_query(text: str, source: str = "<string>") -> NamedQuery:
+    """Parse a named query file's header. Raises :class:`HeaderError` naming ``source`` and the line."""
+    name = description = None
+    params: list[Param] = []
+    returns: list[Column] = []
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            if line.strip():
+                break
+            continue
+        m = _HEADER.match(line)
+        if not m:
+            continue
+        key, value = m.group(1), m.group(2).strip()
+        if key == "name":
+            name = value
+        elif key == "description":
+            description = value
+        elif key == "param":
+            pm = _PARAM.match(value)
+            if not pm:
+                raise HeaderError(f"{source}: cannot parse param line {line!r}")
+            params.append(Param(pm.group(1), pm.group(2).strip(), pm.group(3), (pm.group(4) or "").strip()))
+        else:
+            rm = _RETURNS.match(value)
+            if not rm:
+                raise HeaderError(f"{source}: cannot parse returns line {line!r}")
+            returns.append(Column(rm.group(1), rm.group(2).strip(), (rm.group(3) or "").strip()))
+    if not name or not description or not returns:
+        raise HeaderError(f"{source}: header needs name, description and at least one returns line")
+    return NamedQuery(name, description, params, returns, text)
+
+
+def query_names() -> list[str]:
+    """Names of the named queries shipped in ``sql/queries/``."""
+    return sorted(p.stem for p in QUERIES_DIR.glob("*.sql"))
+
+
+def load_query(name: str) -> NamedQuery:
+    """Load ``sql/queries/<name>.sql``. Raises :class:`KeyError` if there is no such query."""
+    path = QUERIES_DIR / f"{name}.sql"
+    if not path.is_file():
+        raise KeyError(f"no named query {name!r}; known: {', '.join(query_names())}")
+    q = parse_query(path.read_text(), str(path))
+    if q.name != name:
+        raise HeaderError(f"{path}: header name {q.name!r} differs from the file name")
+    return q
+
+
+def migrations() -> list[tuple[str, str]]:
+    """``(version, sql_text)`` of every migration in order; version = file stem (``0001_create_x``)."""
+    return [(p.stem, p.read_text()) for p in sorted(MIGRATIONS_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))]

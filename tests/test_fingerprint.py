@@ -1,0 +1,435 @@
+"""Fingerprinting library: segment hashes, their drift-naming variants, token counts, and the log format."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from gateway.fingerprint import (
+    FingerprintError,
+    PromptFingerprint,
+    TokenCounter,
+    fingerprint_chat,
+    fingerprint_completion,
+    fingerprint_request,
+    hash_parts,
+)
+from gateway.log import SCHEMA_PATH, GatewayLogWriter, format_ts
+from gateway.normalize import VOLATILE_PATTERNS, mask_volatile
+
+EST = TokenCounter()
+SYSTEM = "You are the support assistant of Example Corp. Answer briefly and cite the policy."
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_order",
+            "description": "Find an order by id",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+        },
+    }
+]
+DOCS = [
+    {"title": "Refunds", "text": "Refunds are issued within 14 days."},
+    {"title": "Shipping", "text": "We ship worldwide."},
+    {"title": "Warranty", "text": "Two years on all devices."},
+]
+
+
+def chat(*messages, **extra):
+    return {"model": "tiny", "messages": list(messages), **extra}
+
+
+def sys(text=SYSTEM):
+    return {"role": "system", "content": text}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def bot(text):
+    return {"role": "assistant", "content": text}
+
+
+# --- normalization: one case per pattern, plus text that must stay ---------------------------------------
+
+PATTERN_CASES = {
+    "iso_datetime": [
+        ("Now: 2026-11-29T12:00:03.123Z.", "Now: <ts>."),
+        ("at 2026-11-29 12:00:03+01:00 sharp", "at <ts> sharp"),
+        ("at 2026-11-29T12:00", "at <ts>"),
+    ],
+    "uuid": [("session 9b2e4c1a-5f3d-4e6a-8b7c-0d1e2f3a4b5c ok", "session <uuid> ok")],
+    "request_id": [
+        ("id req-8f3a91c2 here", "id <id> here"),
+        ("reply to chatcmpl-abc123def456", "reply to <id>"),
+        ("tool call_9XbQ2kLm done", "tool <id> done"),
+    ],
+    "hex_id": [("trace 4bf92f3577b34da6a3ce929d0e0e4736.", "trace <hex>.")],
+    "iso_date": [("Today is 2026-11-29.", "Today is <date>.")],
+    "numeric_date": [("Date: 11/29/2026 and 29.11.2026", "Date: <date> and <date>")],
+    "month_date": [
+        ("Today is Sunday, November 29, 2026.", "Today is <date>."),
+        ("as of 29 Nov 2026", "as of <date>"),
+    ],
+    "clock_time": [("It is 09:41:07 now, or 9:41 pm", "It is <time> now, or <time>")],
+    "unix_epoch": [("ts=1795950818 and 1795950818123 ms", "ts=<epoch> and <epoch> ms")],
+}
+UNCHANGED = [
+    "Use request-handling rules and run_tools carefully.",
+    "Python 3.11 on port 8080, version 2.0.1, ratio 3:1.",
+    "Call us at 555 0199; order 12345 of 2026.",
+    "The deadbeef id is short.",
+]
+
+
+def test_every_pattern_has_cases():
+    assert {p.name for p in VOLATILE_PATTERNS} == set(PATTERN_CASES)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [(name, text, expected) for name, cases in PATTERN_CASES.items() for text, expected in cases],
+)
+def test_volatile_pattern_is_masked(name, text, expected):
+    assert mask_volatile(text) == expected
+
+
+@pytest.mark.parametrize("pattern", VOLATILE_PATTERNS, ids=lambda p: p.name)
+def test_pattern_example_masks_to_its_own_mask(pattern):
+    assert mask_volatile(f"x {pattern.example} y") == f"x {pattern.mask} y"
+
+
+@pytest.mark.parametrize("text", UNCHANGED)
+def test_stable_text_is_not_masked(text):
+    assert mask_volatile(text) == text
+
+
+def test_volatile_system_prompt_same_norm_hash_different_raw_hash():
+    a = fingerprint_chat(chat(sys(f"Now: 2026-11-29T12:00:03Z. req-11aa22bb. {SYSTEM}"), user("hi")), EST)
+    b = fingerprint_chat(chat(sys(f"Now: 2026-11-30T08:15:59Z. req-99ff00ee. {SYSTEM}"), user("hi")), EST)
+    c = fingerprint_chat(chat(sys(f"Now: 2026-11-30T08:15:59Z. req-99ff00ee. {SYSTEM} Be rude."), user("hi")), EST)
+    assert a.system_hash != b.system_hash
+    assert a.system_norm_hash == b.system_norm_hash
+    assert c.system_norm_hash != b.system_norm_hash
+    assert a.prompt_fingerprint != b.prompt_fingerprint
+
+
+# --- hashes ---------------------------------------------------------------------------------------------
+
+
+def test_hash_format():
+    h = hash_parts("a", "b")
+    assert re.fullmatch(r"[0-9a-f]{16}", h)
+    assert h != hash_parts("ab") and h != hash_parts("a\x1fb", "")
+    assert h == hash_parts("a\x1fb")  # the documented join: parts joined with U+001F
+
+
+def test_absent_segments_are_empty_with_zero_tokens():
+    fp = fingerprint_chat(chat(user("hello there")), EST)
+    for seg in ("system", "tools", "retrieval", "history"):
+        assert getattr(fp, f"{seg}_tokens") == 0
+    for name in (
+        "system_hash",
+        "system_norm_hash",
+        "tools_hash",
+        "tools_canonical_hash",
+        "retrieval_pack_hash",
+        "retrieval_set_hash",
+        "history_prefix_hash",
+        "prev_history_hash",
+        "prompt_fingerprint",
+    ):
+        assert getattr(fp, name) == "", name
+    assert fp.suffix_hash and fp.suffix_tokens == 3  # ceil(11 chars / 4)
+    assert fp.token_count_method == "estimate"
+
+
+def test_reordered_tool_keys_same_canonical_hash_different_raw_hash():
+    reordered = json.loads(json.dumps(TOOLS))
+    fn = reordered[0]["function"]
+    reordered[0]["function"] = {"parameters": fn["parameters"], "description": fn["description"], "name": fn["name"]}
+    a = fingerprint_chat(chat(sys(), user("q"), tools=TOOLS), EST)
+    b = fingerprint_chat(chat(sys(), user("q"), tools=reordered), EST)
+    assert a.tools_hash != b.tools_hash
+    assert a.tools_canonical_hash == b.tools_canonical_hash
+    assert a.tools_tokens == b.tools_tokens > 0
+    assert a.prompt_fingerprint != b.prompt_fingerprint
+    changed = copy.deepcopy(TOOLS)
+    changed[0]["function"]["description"] = "Find an order"
+    c = fingerprint_chat(chat(sys(), user("q"), tools=changed), EST)
+    assert c.tools_canonical_hash != a.tools_canonical_hash
+
+
+def test_shuffled_documents_same_set_hash_different_pack_hash():
+    shuffled = [DOCS[2], DOCS[0], DOCS[1]]
+    a = fingerprint_chat(chat(sys(), user("q"), documents=DOCS), EST)
+    b = fingerprint_chat(chat(sys(), user("q"), documents=shuffled), EST)
+    assert a.retrieval_pack_hash != b.retrieval_pack_hash
+    assert a.retrieval_set_hash == b.retrieval_set_hash
+    assert a.retrieval_tokens == b.retrieval_tokens > 0
+    c = fingerprint_chat(chat(sys(), user("q"), documents=DOCS[:2]), EST)
+    assert c.retrieval_set_hash != a.retrieval_set_hash
+
+
+def test_further_system_messages_are_retrieval():
+    body = chat(sys(), {"role": "system", "content": "Doc: refunds in 14 days."}, user("q"))
+    fp = fingerprint_chat(body, EST)
+    alone = fingerprint_chat(chat(sys(), user("q")), EST)
+    assert fp.system_hash == alone.system_hash
+    assert fp.retrieval_pack_hash and fp.retrieval_tokens == 6
+    assert fp.history_prefix_hash == ""
+
+
+def test_developer_role_is_system():
+    fp = fingerprint_chat(chat({"role": "developer", "content": SYSTEM}, user("q")), EST)
+    assert fp.system_hash and fp.system_tokens > 0
+
+
+def test_text_parts_hash_like_string_content():
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    a = fingerprint_chat(chat(sys(), parts), EST)
+    b = fingerprint_chat(chat(sys(), user("a\nb")), EST)
+    assert a.suffix_hash == b.suffix_hash and a.suffix_tokens == b.suffix_tokens
+
+
+def test_message_fields_all_count():
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup_order", "arguments": "{}"}}
+    base = chat(sys(), user("q"), {"role": "assistant", "content": None, "tool_calls": [call]}, user("again"))
+    other = copy.deepcopy(base)
+    other["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"order_id": "1"}'
+    a, b = fingerprint_chat(base, EST), fingerprint_chat(other, EST)
+    assert a.history_prefix_hash != b.history_prefix_hash
+    assert a.history_tokens > 0
+
+
+# --- history across turns -------------------------------------------------------------------------------
+
+
+def conversation_turns():
+    """Request bodies of a 4-turn conversation, each turn = the previous messages + reply + new message."""
+    messages = [sys(), user("Where is my order?")]
+    turns = [chat(*messages, tools=TOOLS)]
+    for reply, new in [("Which order id?", "It is 1234."), ("Shipped.", "Thanks!"), ("Welcome.", "Bye")]:
+        messages = messages + [bot(reply), user(new)]
+        turns.append(chat(*messages, tools=TOOLS))
+    return turns
+
+
+def test_prev_history_of_next_turn_equals_history_prefix_of_turn():
+    fps = [fingerprint_chat(body, EST) for body in conversation_turns()]
+    for prev, cur in zip(fps, fps[1:], strict=False):
+        assert cur.prev_history_hash == prev.history_prefix_hash
+        assert cur.parent_fingerprint == prev.prompt_fingerprint
+        assert cur.prompt_fingerprint != prev.prompt_fingerprint
+    assert fps[0].history_prefix_hash == "" and fps[-1].history_prefix_hash != ""
+
+
+def test_truncated_history_breaks_the_chain():
+    turns = conversation_turns()
+    fps = [fingerprint_chat(body, EST) for body in turns]
+    truncated = copy.deepcopy(turns[3])
+    del truncated["messages"][1:3]  # the client dropped the oldest exchange
+    fp = fingerprint_chat(truncated, EST)
+    assert fp.prev_history_hash != fps[2].history_prefix_hash
+    rewritten = copy.deepcopy(turns[3])
+    rewritten["messages"][1]["content"] = "Where is my parcel?"
+    assert fingerprint_chat(rewritten, EST).prev_history_hash != fps[2].history_prefix_hash
+
+
+def test_prev_history_with_parallel_tool_results():
+    """An agent turn that adds several tool results still links to the request that asked for them."""
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup_order", "arguments": "{}"}}
+    first = [sys(), user("Check orders 1 and 2")]
+    reply = {"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "c2"}]}
+    second = first + [reply, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    second.append({"role": "tool", "tool_call_id": "c2", "content": "late"})
+    third = second + [bot("Both shipped."), user("Thanks")]
+    fps = [fingerprint_chat(chat(*m), EST) for m in (first, second, third)]
+    assert fps[1].prev_history_hash == fps[0].history_prefix_hash == ""
+    assert fps[2].prev_history_hash == fps[1].history_prefix_hash != ""
+
+
+# --- completions ----------------------------------------------------------------------------------------
+
+
+def test_completion_prompt_is_suffix():
+    fp = fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST)
+    assert fp.system_hash == "" and fp.prompt_fingerprint == ""
+    assert fp.suffix_hash == hash_parts("Once upon a time") and fp.suffix_tokens == 4
+
+
+def test_completion_prefix_chars_split():
+    stable = "Policy as of 2026-11-29: be nice. "
+    a = fingerprint_completion({"prompt": stable + "Q1", "metadata": {"prefix_chars": len(stable)}}, EST)
+    b = fingerprint_completion({"prompt": stable + "Q2", "metadata": {"prefix_chars": len(stable)}}, EST)
+    assert a.system_hash == b.system_hash == hash_parts(stable)
+    assert a.prompt_fingerprint == b.prompt_fingerprint != ""
+    assert a.suffix_hash != b.suffix_hash
+    later = "Policy as of 2026-12-01: be nice. "
+    c = fingerprint_completion({"prompt": later + "Q1", "metadata": {"prefix_chars": len(later)}}, EST)
+    assert c.system_norm_hash == a.system_norm_hash and c.system_hash != a.system_hash
+
+
+def test_completion_prompt_lists_and_token_ids():
+    batch = fingerprint_completion({"prompt": ["ab", "cd"]}, EST)
+    assert batch.suffix_hash == hash_parts("ab", "cd") and batch.suffix_tokens == 2
+    ids = fingerprint_completion({"prompt": [5, 6, 7]}, EST)
+    assert ids.suffix_tokens == 3
+    with pytest.raises(FingerprintError):
+        fingerprint_completion({"prompt": {"x": 1}}, EST)
+
+
+def test_fingerprint_request_dispatch_and_errors():
+    body = chat(sys(), user("q"))
+    assert fingerprint_request(body, "chat.completions", EST) == fingerprint_chat(body, EST)
+    with pytest.raises(FingerprintError):
+        fingerprint_chat({"messages": "not a list"}, EST)
+    with pytest.raises(ValueError):
+        fingerprint_request(body, "embeddings", EST)  # type: ignore[arg-type]
+
+
+# --- token counting -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A small byte-level BPE tokenizer.json trained here (same kind as the demo's tiny model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([SYSTEM, *(d["text"] for d in DOCS)] * 20, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_token_counter_estimate():
+    assert EST.method == "estimate"
+    assert [EST.count(t) for t in ("", "a", "abcd", "abcde")] == [0, 1, 1, 2]
+
+
+def test_token_counter_tokenizer(tokenizer_file):
+    from tokenizers import Tokenizer
+
+    counter = TokenCounter(tokenizer_file)
+    assert counter.method == "tokenizer"
+    expected = len(Tokenizer.from_file(str(tokenizer_file)).encode(SYSTEM, add_special_tokens=False).ids)
+    assert counter.count(SYSTEM) == expected > 0
+    assert TokenCounter(tokenizer_file.parent).count(SYSTEM) == expected  # a model directory works too
+    fp = fingerprint_chat(chat(sys(), user("q")), counter)
+    assert fp.token_count_method == "tokenizer" and fp.system_tokens == expected
+
+
+# --- the log format -------------------------------------------------------------------------------------
+
+
+def log_validator() -> jsonschema.Validator:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def assert_valid_log_line(line: str) -> dict:
+    """Parse a log line and validate it against the schema (shared with the proxy tests)."""
+    record = json.loads(line)
+    log_validator().validate(record)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z", record["ts"])
+    return record
+
+
+def base_record(fp: PromptFingerprint, **overrides) -> dict:
+    return {
+        "request_id": "r1",
+        "ts": format_ts(1795950818.1234),
+        "tenant_id": "t",
+        "conversation_id": "",
+        "agent_run_id": "",
+        "model": "tiny",
+        "pod": "pod-0",
+        "endpoint": "chat.completions",
+        "stream": False,
+        "routing_policy": "round_robin",
+        "routing_reason": "round_robin",
+        "status": 200,
+        "error": "",
+        "prompt_tokens": 10,
+        "cached_tokens": 0,
+        "completion_tokens": 2,
+        "ttft_ms": 1.5,
+        "e2e_ms": 2.0,
+        "queue_wait_ms": None,
+        "tool_latency_ms": None,
+        **fp.to_log_fields(),
+        **overrides,
+    }
+
+
+def test_format_ts():
+    assert format_ts(1795950818.1239) == "2026-11-29T11:13:38.123Z"
+    assert format_ts(0.9999) == "1970-01-01T00:00:00.999Z"  # truncated, never rounded into the next second
+
+
+def test_every_fingerprint_log_line_validates(tmp_path, tokenizer_file):
+    bodies = [*conversation_turns(), chat(sys(), user("q"), documents=DOCS), chat(user("x"))]
+    rnd = random.Random(7)
+    shuffled = chat(sys(), user("q"), documents=rnd.sample(DOCS, 3))
+    writer = GatewayLogWriter(tmp_path / "logs" / "gateway.jsonl")
+    for counter in (EST, TokenCounter(tokenizer_file)):
+        for body in [*bodies, shuffled]:
+            writer.write(base_record(fingerprint_chat(body, counter)))
+        writer.write(base_record(fingerprint_completion({"prompt": "p"}, counter), endpoint="completions"))
+        writer.write(base_record(PromptFingerprint.empty(counter.method), status=502, error="down"))
+    writer.close()
+    lines = (tmp_path / "logs" / "gateway.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * (len(bodies) + 3)
+    for line in lines:
+        record = assert_valid_log_line(line)
+        assert record["log_version"] == 1
+
+
+def test_log_writer_rejects_missing_fields_and_reopens_after_rotation(tmp_path):
+    path = tmp_path / "g.jsonl"
+    writer = GatewayLogWriter(path)
+    fp = fingerprint_chat(chat(user("x")), EST)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        writer.write({k: v for k, v in base_record(fp).items() if k != "prompt_tokens"})
+    writer.write(base_record(fp, request_id="a"))
+    path.rename(tmp_path / "g.jsonl.1")
+    writer.write(base_record(fp, request_id="b"))
+    writer.close()
+    assert [json.loads(x)["request_id"] for x in path.read_text().splitlines()] == ["b"]
+    assert json.loads((tmp_path / "g.jsonl.1").read_text())["request_id"] == "a"
+
+
+def test_log_writer_concurrent_lines_stay_whole(tmp_path):
+    import threading
+
+    writer = GatewayLogWriter(tmp_path / "c.jsonl")
+    fp = fingerprint_chat(chat(sys("x" * 5000), user("y")), EST)
+
+    def work(n):
+        for i in range(50):
+            writer.write(base_record(fp, request_id=f"{n}-{i}", error="e" * 3000))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer.close()
+    lines = (tmp_path / "c.jsonl").read_text().splitlines()
+    assert len(lines) == 400 and len({json.loads(x)["request_id"] for x in lines}) == 400

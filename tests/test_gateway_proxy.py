@@ -1,0 +1,331 @@
+"""The reference gateway in front of real vLLM servers (`vllm_fleet`), plus the paths that need no pod
+(unreachable pod, bad body) and one seam test with httpx.MockTransport for what vLLM cannot show us
+(the forwarded body)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from gateway.fingerprint import TokenCounter, fingerprint_chat
+from gateway.log import SCHEMA_PATH
+from gateway.proxy import GatewayServer, make_app
+
+WORDS = (
+    "cache block prefix token pod gateway tenant policy refund order shipping warranty agent tool "
+    "schema document history system prompt answer request latency queue decode prefill"
+).split()
+
+
+def long_text(n_words: int, seed: str) -> str:
+    """A prompt of `n_words` words that starts with `seed` (so no other test shares its first block)."""
+    rnd = random.Random(seed)
+    return seed + " " + " ".join(rnd.choice(WORDS) for _ in range(n_words))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_VALIDATOR = None
+
+
+def validate(record: dict) -> dict:
+    global _VALIDATOR
+    if _VALIDATOR is None:
+        schema = json.loads(SCHEMA_PATH.read_text())
+        cls = jsonschema.validators.validator_for(schema)
+        _VALIDATOR = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    _VALIDATOR.validate(record)
+    return record
+
+
+def log_line(log_path: Path, request_id: str, timeout_seconds: float = 5.0) -> dict:
+    """The validated log record of `request_id` (written just after the response's last byte)."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if log_path.exists():
+            found = [json.loads(x) for x in log_path.read_text().splitlines() if request_id in x]
+            found = [r for r in found if r["request_id"] == request_id]
+            if found:
+                assert len(found) == 1, f"{len(found)} lines for {request_id}"
+                return validate(found[0])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no log line for {request_id}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    """Factory: gateway(pods, **make_app kwargs) → (client, log_path); servers stop at teardown."""
+    servers = []
+
+    def start(pods, **kwargs):
+        log_path = tmp_path / f"gateway-{len(servers)}.jsonl"
+        server = GatewayServer(make_app(pods, log_path, **kwargs)).start()
+        servers.append(server)
+        return httpx.Client(base_url=server.url, timeout=60), log_path
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+# --- no pod needed ----------------------------------------------------------------------------------------
+
+
+def test_unreachable_pod_gives_502_and_a_log_line(gateway):
+    client, log_path = gateway([("dead-0", f"http://127.0.0.1:{free_port()}")], policy="prefix_affinity")
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"X-Request-Id": "gw-dead-1", "X-Tenant-Id": "acme"},
+    )
+    assert r.status_code == 502 and r.headers["x-request-id"] == "gw-dead-1"
+    assert "no pod reachable" in r.json()["error"]["message"]
+    rec = log_line(log_path, "gw-dead-1")
+    assert rec["status"] == 502 and "dead-0" in rec["error"]
+    assert rec["pod"] == "dead-0" and rec["tenant_id"] == "acme"
+    assert rec["prompt_tokens"] == 0 and rec["suffix_tokens"] > 0
+    assert client.get("/health").json()["pods"][0]["up"] is False
+
+
+def test_invalid_body_gives_400_and_a_log_line(gateway):
+    client, log_path = gateway([("dead-0", f"http://127.0.0.1:{free_port()}")])
+    r = client.post("/v1/completions", content=b"{not json", headers={"X-Request-Id": "gw-bad-1"})
+    assert r.status_code == 400
+    rec = log_line(log_path, "gw-bad-1")
+    assert rec["status"] == 400 and rec["endpoint"] == "completions" and rec["pod"] == ""
+
+
+def test_forwarded_body_and_headers_seam(gateway):
+    """What reaches the pod: kvscope metadata removed, include_usage added, X-Request-Id set; the gateway
+    hides the usage chunk the client did not ask for but logs its numbers."""
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = json.loads(request.content)
+        seen["headers"] = request.headers
+        chunks = [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1,
+                                      "prompt_tokens_details": {"cached_tokens": 4}},
+             "metrics": {"queue_time_ms": 1.5}},
+        ]
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+    client, log_path = gateway([("mock", "http://mock:8000")], transport=httpx.MockTransport(handler))
+    body = {
+        "model": "tiny",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"tenant_id": "acme", "conversation_id": "c1", "prefix_chars": 3, "keep": "me"},
+    }
+    r = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32  # generated uuid4 hex
+    assert seen["body"]["metadata"] == {"keep": "me"}
+    assert seen["body"]["stream_options"] == {"include_usage": True}
+    assert seen["headers"]["x-request-id"] == rid and seen["headers"]["authorization"] == "Bearer k"
+    assert "usage" not in r.text and r.text.endswith("data: [DONE]\n\n")
+    rec = log_line(log_path, rid)
+    assert (rec["tenant_id"], rec["conversation_id"]) == ("acme", "c1")
+    assert (rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"]) == (7, 4, 1)
+    assert rec["queue_wait_ms"] == 1.5 and rec["stream"] is True
+
+    seen.clear()
+    client.post("/v1/chat/completions", json={**body, "metadata": {"tenant_id": "acme"}})
+    assert "metadata" not in seen["body"]
+
+
+# --- real vLLM --------------------------------------------------------------------------------------------
+
+
+def pods_of(fleet) -> list[tuple[str, str]]:
+    return [(pod.name, pod.base_url) for pod in fleet.pods]
+
+
+def chat_body(prefix_seed: str, question: str = "What now?", n_words: int = 300, **extra) -> dict:
+    return {
+        "model": "tiny",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "system", "content": long_text(n_words, prefix_seed)},
+            {"role": "user", "content": question},
+        ],
+        **extra,
+    }
+
+
+def assert_usage_logged(rec: dict, usage: dict) -> None:
+    assert rec["prompt_tokens"] == usage["prompt_tokens"] > 0
+    assert rec["cached_tokens"] == (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert rec["completion_tokens"] == usage["completion_tokens"]
+    assert 0 <= rec["ttft_ms"] <= rec["e2e_ms"]
+
+
+@pytest.mark.vllm
+def test_chat_non_streaming_passthrough_and_request_id(vllm_fleet, tiny_model_dir, gateway):
+    client, log_path = gateway(pods_of(vllm_fleet)[:1], tokenizer_path=tiny_model_dir)
+    rid = f"gw-chat-{uuid.uuid4().hex[:8]}"
+    body = chat_body(rid)
+    r = client.post(
+        "/v1/chat/completions", json=body, headers={"X-Request-Id": rid, "X-Conversation-Id": "conv-1"}
+    )
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["id"] == f"chatcmpl-{rid}" and r.headers["x-request-id"] == rid
+    assert data["choices"][0]["message"]["role"] == "assistant"
+    rec = log_line(log_path, rid)
+    assert_usage_logged(rec, data["usage"])
+    assert rec["pod"] == vllm_fleet.pods[0].name and rec["routing_reason"] == "round_robin"
+    assert rec["conversation_id"] == "conv-1" and rec["endpoint"] == "chat.completions"
+    assert rec["stream"] is False and rec["status"] == 200 and rec["error"] == ""
+    assert rec["token_count_method"] == "tokenizer"
+    expected = fingerprint_chat(body, TokenCounter(tiny_model_dir))
+    assert {k: rec[k] for k in expected.to_log_fields()} == expected.to_log_fields()
+    # segment tokens exclude the chat template, so they sum to at most the prompt
+    assert rec["system_tokens"] + rec["suffix_tokens"] <= rec["prompt_tokens"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("client_wants_usage", [False, True])
+def test_chat_streaming_passthrough(vllm_fleet, gateway, client_wants_usage):
+    client, log_path = gateway(pods_of(vllm_fleet)[:1])
+    rid = f"gw-stream-{uuid.uuid4().hex[:8]}"
+    body = chat_body(rid, stream=True)
+    if client_wants_usage:
+        body["stream_options"] = {"include_usage": True}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["id"] == f"chatcmpl-{rid}" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text
+    usage_chunks = [c for c in chunks if c.get("usage")]
+    rec = log_line(log_path, rid)
+    if client_wants_usage:
+        assert len(usage_chunks) == 1
+        assert_usage_logged(rec, usage_chunks[0]["usage"])
+    else:
+        assert usage_chunks == []  # the chunk the gateway asked for is not shown to the client
+        assert rec["prompt_tokens"] > 0 and rec["completion_tokens"] > 0
+    assert rec["stream"] is True and rec["status"] == 200 and rec["error"] == ""
+    assert 0 < rec["ttft_ms"] <= rec["e2e_ms"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_passthrough(vllm_fleet, gateway, stream):
+    client, log_path = gateway(pods_of(vllm_fleet)[:1])
+    rid = f"gw-cmpl-{uuid.uuid4().hex[:8]}"
+    stable = long_text(200, rid) + "\n"
+    body = {
+        "model": "tiny",
+        "prompt": stable + "Question: what now?",
+        "max_tokens": 4,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+        "metadata": {"prefix_chars": len(stable), "tenant_id": "acme"},
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    r = client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        usage = [c for c in chunks if c.get("usage")][-1]["usage"]
+        assert chunks[0]["id"] == f"cmpl-{rid}"
+    else:
+        usage = r.json()["usage"]
+        assert r.json()["id"] == f"cmpl-{rid}"
+    rec = log_line(log_path, rid)
+    assert_usage_logged(rec, usage)
+    assert rec["endpoint"] == "completions" and rec["tenant_id"] == "acme"
+    assert rec["system_hash"] and rec["prompt_fingerprint"] and rec["suffix_hash"]
+
+
+@pytest.mark.vllm
+def test_repeated_long_prompt_is_cached(vllm_fleet, gateway):
+    client, log_path = gateway(pods_of(vllm_fleet), policy="prefix_affinity")
+    seed = f"gw-repeat-{uuid.uuid4().hex[:8]}"
+    records = []
+    for i in range(2):
+        rid = f"{seed}-{i}"
+        r = client.post(
+            "/v1/chat/completions",
+            json=chat_body(seed, n_words=400),
+            headers={"X-Request-Id": rid, "X-Agent-Run-Id": seed},
+        )
+        assert r.status_code == 200, r.text
+        rec = log_line(log_path, rid)
+        assert_usage_logged(rec, r.json()["usage"])
+        records.append(rec)
+        time.sleep(0.2)
+    first, second = records
+    assert first["routing_reason"] == "affinity_new" and second["routing_reason"] == "affinity_hit"
+    assert second["pod"] == first["pod"]
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] > 0.8 * second["prompt_tokens"]
+    assert first["prompt_fingerprint"] == second["prompt_fingerprint"] != ""
+    assert first["tool_latency_ms"] is None and second["tool_latency_ms"] >= 150
+
+
+@pytest.mark.vllm
+def test_round_robin_sends_the_repeat_elsewhere(vllm_fleet, gateway):
+    if len(vllm_fleet.pods) < 2:
+        pytest.skip("needs two pods")
+    client, log_path = gateway(pods_of(vllm_fleet)[:2], policy="round_robin")
+    seed = f"gw-rr-{uuid.uuid4().hex[:8]}"
+    recs = []
+    for i in range(2):
+        rid = f"{seed}-{i}"
+        assert client.post("/v1/chat/completions", json=chat_body(seed), headers={"X-Request-Id": rid}).is_success
+        recs.append(log_line(log_path, rid))
+    assert recs[0]["pod"] != recs[1]["pod"]
+    assert recs[1]["cached_tokens"] == 0  # the other pod never saw the prefix: routed away
+
+
+@pytest.mark.vllm
+def test_failover_from_unreachable_pod(vllm_fleet, gateway):
+    pods = [("dead-0", f"http://127.0.0.1:{free_port()}"), pods_of(vllm_fleet)[0]]
+    client, log_path = gateway(pods, policy="round_robin")
+    rid = f"gw-failover-{uuid.uuid4().hex[:8]}"
+    r = client.post("/v1/chat/completions", json=chat_body(rid, n_words=20), headers={"X-Request-Id": rid})
+    assert r.status_code == 200, r.text
+    rec = log_line(log_path, rid)
+    assert rec["pod"] == vllm_fleet.pods[0].name and rec["routing_reason"] == "pod_down"
+
+
+@pytest.mark.vllm
+def test_pod_error_is_passed_through_and_logged(vllm_fleet, gateway):
+    client, log_path = gateway(pods_of(vllm_fleet)[:1])
+    rid = f"gw-404-{uuid.uuid4().hex[:8]}"
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
+    assert r.status_code == 404
+    assert "no-such-model" in r.json()["error"]["message"]
+    rec = log_line(log_path, rid)
+    assert rec["status"] == 404 and "no-such-model" in rec["error"] and rec["prompt_tokens"] == 0
+
+
+@pytest.mark.vllm
+def test_models_and_health(vllm_fleet, gateway):
+    client, _ = gateway(pods_of(vllm_fleet))
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    health = client.get("/health").json()
+    assert [p["name"] for p in health["pods"]] == [p.name for p in vllm_fleet.pods]
