@@ -31,7 +31,9 @@ class Message:
     offset: int = -1
 
 
-def to_messages(events: list[Envelope], max_events_per_message: int = 2000, namespace: str = "kvscope") -> list[Message]:
+def to_messages(
+    events: list[Envelope], max_events_per_message: int = 2000, namespace: str = "kvscope"
+) -> list[Message]:
     """Group envelopes into messages per (kind, pod), at most ``max_events_per_message`` each."""
     groups: dict[tuple[str, str], list[Envelope]] = defaultdict(list)
     for ev in events:
@@ -39,7 +41,9 @@ def to_messages(events: list[Envelope], max_events_per_message: int = 2000, name
     out = []
     for (kind, pod), evs in groups.items():
         for i in range(0, len(evs), max_events_per_message):
-            out.append(Message(topic_for(kind, namespace), pod.encode(), encode_batch(evs[i : i + max_events_per_message])))
+            out.append(
+                Message(topic_for(kind, namespace), pod.encode(), encode_batch(evs[i : i + max_events_per_message]))
+            )
     return out
 
 
@@ -69,8 +73,9 @@ class KafkaPublisher:
     Raises :class:`PublishError` when the broker cannot be reached or refuses a message.
     """
 
-    def __init__(self, bootstrap: str, *, namespace: str = "kvscope", create_topics: bool = True,
-                 partitions: int = 3) -> None:
+    def __init__(
+        self, bootstrap: str, *, namespace: str = "kvscope", create_topics: bool = True, partitions: int = 3
+    ) -> None:
         from kafka import KafkaProducer
         from kafka.errors import KafkaError
 
@@ -79,14 +84,23 @@ class KafkaPublisher:
         try:
             if create_topics:
                 ensure_topics(bootstrap, topics(namespace), partitions)
-            self._producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20,
-                                           compression_type="gzip", max_request_size=16 << 20, retries=5)
+            self._producer = KafkaProducer(
+                bootstrap_servers=bootstrap,
+                acks="all",
+                linger_ms=20,
+                compression_type="gzip",
+                max_request_size=16 << 20,
+                retries=5,
+            )
         except KafkaError as exc:
             raise PublishError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
 
     def publish(self, events: list[Envelope]) -> None:
         try:
-            futures = [self._producer.send(m.topic, key=m.key, value=m.value) for m in to_messages(events, namespace=self.namespace)]
+            futures = [
+                self._producer.send(m.topic, key=m.key, value=m.value)
+                for m in to_messages(events, namespace=self.namespace)
+            ]
             self._producer.flush()
             for f in futures:
                 f.get(timeout=30)

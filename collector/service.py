@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from collector.events import Envelope
 from collector.gateway_log import LogTailer
 from collector.kv_events import KvEventSubscriber
-from collector.publish import PublishError, Publisher
+from collector.publish import Publisher, PublishError
 from collector.vllm_metrics import ScrapeError, scrape
 
 log = logging.getLogger("kvscope.collector")

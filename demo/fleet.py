@@ -2,8 +2,14 @@
 
 Every pod publishes KV events to ONE endpoint on 127.0.0.1: with a concrete host vLLM *connects* its PUB
 socket there, so the kvscope collector binds a single SUB socket on `kv_events_port` and receives from all
-pods (start order does not matter: ZMQ reconnects). vLLM's KV-event batches do not name their pod (their
-`seq` restarts at 0 per publisher), so each pod publishes with its pod name as the ZMQ topic.
+pods. vLLM's KV-event batches do not name their pod (their `seq` restarts at 0 per publisher), so each pod
+publishes with its pod name as the ZMQ topic.
+
+Start order does not matter (ZMQ reconnects within ~0.2 s), but batches are lost around a late bind: what a
+pod publishes while no SUB is bound is dropped, and so was the first batch after the link came up, in every
+trial against vLLM 0.32 (pyzmq 27.3 / libzmq 4.3.5 with a connecting PUB does the same); later re-binds
+lost nothing. A collector sees the gap in a pod's `seq` and can fetch the missing batches from the pod's
+replay socket (`Pod.kv_replay_endpoint`, vLLM's ROUTER, which keeps the last 10,000 batches).
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ class FleetError(RuntimeError):
 
 @dataclass(frozen=True)
 class Pod:
-    """One vLLM server: `name` ("pod-0"…), `host`, `port`, its log file."""
+    """One vLLM server: `name` ("pod-0"…), `host`, HTTP `port`, its log file, its KV-event replay port."""
 
     name: str
     host: str
     port: int
     log_path: Path
+    kv_replay_port: int
 
     @property
     def base_url(self) -> str:
@@ -53,6 +60,13 @@ class Pod:
         """The ZMQ topic of this pod's KV-event messages (= `name`): the only pod identity they carry."""
         return self.name
 
+    @property
+    def kv_replay_endpoint(self) -> str:
+        """vLLM's KV-event replay socket (ROUTER, bound by the pod): send `[b"", seq as 8-byte big-endian]`
+        from a DEALER, get `[b"", topic, seq, payload]` for every buffered batch >= seq, then the end marker
+        `[b"", b"", seq -1 (signed), b""]` (vllm/distributed/kv_events.py `_service_replay`)."""
+        return f"tcp://{self.host}:{self.kv_replay_port}"
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bound to port 0, then released)."""
@@ -65,7 +79,8 @@ class VllmFleet:
     """N vLLM servers serving one model as `served_model_name`, each in its own process group.
 
     Use as a context manager (`with VllmFleet(...) as fleet:`) or call `start()` / `stop()`.
-    `start()` takes ~65 s for one server and ~106 s for two on 2 cores; each needs ~3 GB RSS.
+    `start()` takes ~40-65 s for one server and ~55-105 s for two on 2 cores (slowest on the first start of a
+    new model: vLLM's compile cache is cold); each server tree needs ~3.1 GB RSS.
     """
 
     def __init__(
@@ -98,7 +113,8 @@ class VllmFleet:
         self.extra_args = list(extra_args)
         self.startup_timeout_seconds = startup_timeout_seconds
         self.pods = [
-            Pod(f"pod-{i}", host, free_port(host), self.log_dir / f"pod-{i}.log") for i in range(num_pods)
+            Pod(f"pod-{i}", host, free_port(host), self.log_dir / f"pod-{i}.log", free_port(host))
+            for i in range(num_pods)
         ]
         self._procs: dict[str, subprocess.Popen] = {}
         self.startup_seconds: float | None = None
@@ -114,6 +130,7 @@ class VllmFleet:
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": self.kv_events_endpoint,
+            "replay_endpoint": pod.kv_replay_endpoint,
             "topic": pod.kv_events_topic,
         }
         argv = [

@@ -311,7 +311,7 @@ class Session:
             "agent_run_id": self.agent_run_id,
             "turn": turn,
             "pathology": pathology,
-            # intended tool latency before this call (agents, calls >= 2); the run may scale it
+            # tool latency before this call (agents, calls >= 2); run_workload scales it by wait_scale
             "tool_wait_ms": round(plan.wait_before_seconds * 1000) if self.is_agent and turn > 1 else None,
         }
 
@@ -444,6 +444,8 @@ def run_workload(
                 if turn > 1 and stop_event.wait(wait):
                     break
                 label = session.label(turn)
+                if label["tool_wait_ms"] is not None:
+                    label["tool_wait_ms"] = round(label["tool_wait_ms"] * wait_scale)  # what was waited
                 reply, outcome = _send(client, gateway_url, *session.request(turn, _now()))
                 label.update(outcome)
                 session.record_reply(turn, reply if reply is not None else "")

@@ -150,6 +150,7 @@ class _Exchange:
     queue_wait_ms: float | None = None
     tool_latency_ms: float | None = None
     done: bool = False  # the upstream stream was read to its end
+    holds_pod: bool = False  # counted in the router's in-flight count of `pod`
     logged: bool = False
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
@@ -162,7 +163,7 @@ class _Exchange:
             self.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, Mapping) else 0
         metrics = payload.get("metrics")
         if isinstance(metrics, Mapping) and metrics.get("queue_time_ms") is not None:
-            self.queue_wait_ms = float(metrics["queue_time_ms"])
+            self.queue_wait_ms = round(float(metrics["queue_time_ms"]), 3)
 
     def record(self, now: float) -> dict[str, Any]:
         e2e_ms = round((now - self.arrival) * 1000, 3)
@@ -208,9 +209,9 @@ def _has_content(chunk: Mapping[str, Any]) -> bool:
     return False
 
 
-class _LoggedResponse(Response):
-    """A Response that calls `on_done(exc)` once after sending (or failing to send) its body, then closes
-    `upstream` (closing an unfinished stream makes vLLM abort the generation)."""
+class _Logged:
+    """Mixin for a Response: calls `on_done(exc)` once after sending (or failing to send) the body, then
+    closes `upstream` (closing an unfinished stream makes vLLM abort the generation)."""
 
     on_done: Callable[[BaseException | None], None]
     upstream: httpx.Response
@@ -218,7 +219,7 @@ class _LoggedResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         exc: BaseException | None = None
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send)  # type: ignore[misc]
         except BaseException as e:
             exc = e
             raise
@@ -227,10 +228,12 @@ class _LoggedResponse(Response):
             await asyncio.shield(self.upstream.aclose())
 
 
-class _LoggedStreamingResponse(StreamingResponse):
-    on_done: Callable[[BaseException | None], None]
-    upstream: httpx.Response
-    __call__ = _LoggedResponse.__call__  # type: ignore[assignment]
+class _LoggedResponse(_Logged, Response):
+    pass
+
+
+class _LoggedStreamingResponse(_Logged, StreamingResponse):
+    pass
 
 
 class Gateway:
@@ -303,12 +306,23 @@ class Gateway:
             pass  # vLLM judges the body; the line keeps empty fingerprint fields
         ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)
         ex.tool_latency_ms = self.turns.arrive(ex.turn_key, arrival)
+        try:
+            return await self._forward(ex, body, headers)
+        except BaseException as exc:  # incl. cancellation at shutdown: still one line, pod released
+            if not ex.logged:
+                ex.status = ex.status if ex.status >= 400 else 500
+                ex.error = ex.error or f"gateway error: {type(exc).__name__}: {exc}"
+                self._finish(ex, exc)
+            raise
 
+    async def _forward(self, ex: _Exchange, body: dict[str, Any], headers: Mapping[str, str]) -> Response:
+        """Send the request to a pod (retrying another pod on a refused connection) and build the
+        response that relays the answer and writes the log line when done."""
         client_wants_usage = _prepare_body(body, ex.stream)
         upstream_headers = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
         upstream_headers.update({"x-request-id": ex.request_id, "accept-encoding": "identity"})
         payload = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        path = "/chat/completions" if endpoint == "chat.completions" else "/completions"
+        path = "/chat/completions" if ex.endpoint == "chat.completions" else "/completions"
         keys = (ex.fingerprint.prompt_fingerprint, ex.fingerprint.parent_fingerprint)
 
         tried: list[str] = []
@@ -318,6 +332,7 @@ class Gateway:
             except NoPodAvailable:
                 return self._finish_now(ex, 502, f"no pod reachable (tried {', '.join(tried)})")
             ex.pod, ex.routing_reason = route
+            ex.holds_pod = True
             assert self.client is not None, "Gateway.start() was not awaited"
             req = self.client.build_request(
                 "POST", self.base_urls[route.pod] + path, content=payload, headers=upstream_headers
@@ -325,12 +340,12 @@ class Gateway:
             try:
                 upstream = await self.client.send(req, stream=True)
                 break
-            except httpx.ConnectError:
-                self.router.release(route.pod)
+            except (httpx.ConnectError, httpx.ConnectTimeout):  # nothing reached the pod: safe to retry
+                self._release(ex)
                 self.router.mark_down(route.pod)
                 tried.append(route.pod)
             except httpx.HTTPError as exc:
-                self.router.release(route.pod)
+                self._release(ex)
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
                 return self._finish_now(ex, status, f"pod {route.pod}: {type(exc).__name__}: {exc}")
 
@@ -349,7 +364,7 @@ class Gateway:
                 content = await upstream.aread()
             except httpx.HTTPError as exc:
                 await upstream.aclose()
-                self.router.release(route.pod)
+                self._release(ex)
                 return self._finish_now(ex, 502, f"pod {route.pod}: {type(exc).__name__}: {exc}")
             finally:
                 ex.first_token = time.monotonic()
@@ -362,7 +377,7 @@ class Gateway:
                 except (ValueError, TypeError, AttributeError):
                     ex.error = "unreadable response body from the pod"
             response = _LoggedResponse(content, ex.status, headers=out_headers)
-        response.on_done = lambda exc: self._finish(ex, exc, release=True)
+        response.on_done = lambda exc: self._finish(ex, exc)
         response.upstream = upstream
         return response
 
@@ -405,7 +420,12 @@ class Gateway:
                 return False
         return True
 
-    def _finish(self, ex: _Exchange, exc: BaseException | None, release: bool) -> None:
+    def _release(self, ex: _Exchange) -> None:
+        if ex.holds_pod:
+            ex.holds_pod = False
+            self.router.release(ex.pod)
+
+    def _finish(self, ex: _Exchange, exc: BaseException | None) -> None:
         """Write the request's log line (once); release its pod and its turn."""
         if ex.logged:
             return
@@ -413,15 +433,14 @@ class Gateway:
         now = time.monotonic()
         if ex.stream and ex.status < 400 and not ex.done and not ex.error:
             ex.error = f"stream not completed: {type(exc).__name__ if exc else 'client disconnected'}"
-        if release and ex.pod:
-            self.router.release(ex.pod)
+        self._release(ex)
         self.turns.leave(ex.turn_key, now)
         self.log.write(ex.record(now))
 
     def _finish_now(self, ex: _Exchange, status: int, message: str) -> Response:
         """Log an error the gateway answers itself (no pod response) and build its response."""
         ex.status, ex.error = status, message
-        self._finish(ex, None, release=False)
+        self._finish(ex, None)
         return JSONResponse(_error_body(message, status), status, headers={"x-request-id": ex.request_id})
 
     async def models(self, request: Request) -> Response:

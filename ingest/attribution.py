@@ -7,11 +7,12 @@ the same order, so a rerun after a crash rewrites identical rows.
 
 The model, in three steps (one function each):
 
-1. **Predecessor** (:class:`PredecessorIndex`): the most recent earlier request (``ts`` strictly before, within
-   the horizon) that this request could have reused KV blocks from, by priority: the previous turn of the
-   same conversation, else of the same agent run; else the latest request of the same model with the same
-   ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose prefix is
-   the same modulo a nameable change (same normalized system prompt, canonical tools or retrieval set).
+1. **Predecessor** (:class:`PredecessorIndex`): the most recent earlier request (``ts`` strictly before,
+   within the horizon) that this request could have reused KV blocks from, by priority: the previous turn
+   of the same conversation, else of the same agent run; else the latest request of the same model with
+   the same ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose
+   prefix is the same modulo a nameable change (same normalized system prompt, canonical tools or
+   retrieval set).
 2. **Shared prefix and drift** (:func:`shared_prefix`): walk the segments [system][tools][retrieval]
    [history][suffix] in prompt order; the shared length S ends at the first segment whose raw hash differs,
    and that segment's variant hashes name the drift.
@@ -59,7 +60,8 @@ PREVIOUS_TURN = "previous_turn"
 FINGERPRINT = "fingerprint"
 VARIANT = "variant"
 
-#: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``), used for a pod whose ``vllm:cache_config_info`` is unknown.
+#: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``): tokens per block for a pod whose
+#: ``vllm:cache_config_info`` is unknown.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_HORIZON_SECONDS = 3600.0
 
@@ -315,19 +317,21 @@ def _history_continues(req: Request, pred: Predecessor) -> bool:
                                                                                   "history_prefix_hash")
 
 
-def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor, offsets: tuple[int, ...]) -> int:
-    """Where the predecessor's whole prompt ends in this request's tokens, for a continued conversation: its
-    history and suffix (and generation prompt) are this request's history, so it ends at this request's
-    history start plus the predecessor's tokens from its own history start on."""
-    prev_offsets = segment_offsets(pred.request)
-    prev_prompt = _int(pred.request, "prompt_tokens")
-    prev_history_start = prev_offsets[HISTORY] if prev_offsets else 0
-    return offsets[HISTORY] + prev_prompt - prev_history_start
+def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
+    """Where the predecessor's whole prompt ends in this request's tokens when the conversation continued
+    (its history, suffix and generation prompt are all in this request's history) but an earlier segment
+    changed: its prompt_tokens shifted by the change in length of the segments before the history (template
+    tokens are the same on both sides, so raw segment counts are exact here)."""
+    before = STABLE_SEGMENTS[:HISTORY]
+    shift = sum(_int(req, s.tokens_field) - _int(pred.request, s.tokens_field) for s in before)
+    return _int(pred.request, "prompt_tokens") + shift
 
 
 def _name_drift(req: Request, prev: Request, seg: Segment) -> str:
-    """Sub-cause for a segment whose raw hash differs (DESIGN.md: named by the variant hashes)."""
-    if seg.variant_field and _str(req, seg.variant_field) == _str(prev, seg.variant_field):
+    """Sub-cause for a segment whose raw hash differs (DESIGN.md: named by the variant hashes; a variant the
+    gateway left empty proves nothing, so it names the change, not a reordering)."""
+    variant = _str(req, seg.variant_field) if seg.variant_field else ""
+    if variant and variant == _str(prev, seg.variant_field):
         return seg.reordered
     return seg.changed
 
@@ -343,7 +347,7 @@ def _reusable_without_drift(req: Request, pred: Predecessor, offsets: tuple[int,
             continue
         if i == HISTORY:
             if _history_continues(req, pred):
-                return min(prompt, _predecessor_prompt_in_this_request(req, pred, offsets))
+                return min(prompt, _predecessor_prompt_in_this_request(req, pred))
             return offsets[i]
         if _str(req, seg.variant_field) and _str(req, seg.variant_field) == _str(prev, seg.variant_field):
             continue
@@ -482,14 +486,15 @@ def attribute_request(req: Request, pred: Predecessor | None, block_size: int) -
         pred_id, pred_pod = _str(prev, "request_id"), _str(prev, "pod")
         gap_ms = float(_ts_ms(req) - _ts_ms(prev)) - float(prev.get("e2e_ms") or 0.0)
     return [
-        MissRow(_str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"), _str(req, "model"),
-                cause, sub, tokens, pred_id, pred_pod, gap_ms, block_size)
+        MissRow(_str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"),
+                _str(req, "model"), cause, sub, tokens, pred_id, pred_pod, gap_ms, block_size)
         for cause, sub, tokens in split
     ]
 
 
 def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
-              block_size_by_pod: Mapping[str, int] | None = None, default_block_size: int = DEFAULT_BLOCK_SIZE,
+              block_size_by_pod: Mapping[str, int] | None = None,
+              default_block_size: int = DEFAULT_BLOCK_SIZE,
               horizon_seconds: float = DEFAULT_HORIZON_SECONDS) -> list[MissRow]:
     """Attribute the missed tokens of ``requests``; rows ordered by (ts, request_id), then prompt order.
 

@@ -109,7 +109,8 @@ def run_attribution(store: Store, *, now: datetime | None = None, settle_seconds
     )
     store.insert("miss_attribution", [(*r.as_tuple(), now) for r in rows], OUTPUT_COLUMNS)
     through = max(_utc(r["ingested_at"]) for r in picked)
-    store.insert("attribution_watermark", [(JOB_NAME, through, now)], ["job", "ingested_through", "updated_at"])
+    store.insert("attribution_watermark", [(JOB_NAME, through, now)],
+                 ["job", "ingested_through", "updated_at"])
     log.info("miss attribution: %d requests, %d rows written, through %s", len(picked), len(rows),
              through.isoformat())
     return len(rows)

@@ -15,13 +15,19 @@ from kvscope.config import ConfigError, build_config, settings_table
 
 STORE_OPTIONS = [
     click.option("--data-dir", default=None, help="chDB data directory [KVSCOPE_DATA_DIR]."),
-    click.option("--clickhouse-url", default=None, help="ClickHouse server URL instead of chDB [KVSCOPE_CLICKHOUSE_URL]."),
+    click.option(
+        "--clickhouse-url", default=None, help="ClickHouse server URL instead of chDB [KVSCOPE_CLICKHOUSE_URL]."
+    ),
     click.option("--database", default=None, help="Database name [KVSCOPE_DATABASE]."),
 ]
-KAFKA_OPTION = click.option("--kafka-bootstrap", default=None,
-                            help="Kafka bootstrap servers instead of the in-process queue [KVSCOPE_KAFKA_BOOTSTRAP].")
-FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
-                             show_default=True)
+KAFKA_OPTION = click.option(
+    "--kafka-bootstrap",
+    default=None,
+    help="Kafka bootstrap servers instead of the in-process queue [KVSCOPE_KAFKA_BOOTSTRAP].",
+)
+FORMAT_OPTION = click.option(
+    "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True
+)
 
 
 def store_options(fn):  # type: ignore[no-untyped-def]
@@ -48,8 +54,10 @@ def _store(cfg):  # type: ignore[no-untyped-def]
     except KvscopeError as exc:
         msg = str(exc)
         if "Cannot lock file" in msg or "status" in msg and "lock" in msg.lower():
-            msg = (f"the chDB data directory {cfg.data_dir} is in use by another kvscope process (chDB allows one "
-                   "process per directory); stop it, or query through its dashboard's SQL page")
+            msg = (
+                f"the chDB data directory {cfg.data_dir} is in use by another kvscope process (chDB allows one "
+                "process per directory); stop it, or query through its dashboard's SQL page"
+            )
         raise click.ClickException(msg) from exc
 
 
@@ -74,7 +82,9 @@ def main() -> None:
 @main.command()
 @click.option("--vllm", "vllm", multiple=True, help="vLLM pod: NAME=http://host:port or http://host:port (repeat).")
 @click.option("--gateway-log", multiple=True, help="Gateway fingerprint log (JSONL) to tail (repeat).")
-@click.option("--kv-events-endpoint", default=None, help="ZMQ endpoint to bind for KV events, e.g. tcp://127.0.0.1:5557.")
+@click.option(
+    "--kv-events-endpoint", default=None, help="ZMQ endpoint to bind for KV events, e.g. tcp://127.0.0.1:5557."
+)
 @store_options
 @KAFKA_OPTION
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
@@ -90,8 +100,9 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     store = _store(cfg)
     pipe = Pipeline(cfg, store=store)
     pipe.start()
-    click.echo(f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} "
-               f"logs={cfg.list('gateway_log')}")
+    click.echo(
+        f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
+    )
     try:
         if no_dashboard:
             threading.Event().wait()
@@ -108,8 +119,13 @@ def up(no_dashboard: bool, **opts: Any) -> None:
 @click.option("--pods", type=int, default=2, show_default=True, help="vLLM CPU servers to start.")
 @click.option("--scale", type=float, default=1.0, show_default=True, help="Workload size multiplier per round.")
 @click.option("--routing-policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None)
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path(".kvscope/demo"), show_default=True,
-              help="Where the demo writes server logs, the gateway log and workload labels.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=Path(".kvscope/demo"),
+    show_default=True,
+    help="Where the demo writes server logs, the gateway log and workload labels.",
+)
 @store_options
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
 @click.option("--address", "dashboard_address", default=None, help="Dashboard address.")
@@ -127,8 +143,10 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     store = _store(cfg)
     run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
     run.start_background()
-    click.echo(f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}  (vLLM servers start in ~2 min; "
-               f"numbers appear as the workload runs; logs in {workdir})")
+    click.echo(
+        f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}  (vLLM servers start in ~2 min; "
+        f"numbers appear as the workload runs; logs in {workdir})"
+    )
     try:
         run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)
     except KeyboardInterrupt:
@@ -161,8 +179,12 @@ def collect(**opts: Any) -> None:
 @store_options
 @KAFKA_OPTION
 @click.option("--consumer-group", default=None, help="Kafka consumer group [KVSCOPE_CONSUMER_GROUP].")
-@click.option("--attribution/--no-attribution", default=True, show_default=True,
-              help="Also run the miss-cause attribution job (idempotent; safe on every replica).")
+@click.option(
+    "--attribution/--no-attribution",
+    default=True,
+    show_default=True,
+    help="Also run the miss-cause attribution job (idempotent; safe on every replica).",
+)
 def ingest(attribution: bool, **opts: Any) -> None:
     """Run an ingester: Kafka consumer group → ClickHouse (migrations applied at start)."""
     from kvscope.pipeline import Pipeline
@@ -208,7 +230,9 @@ def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> No
         if not sep:
             raise click.UsageError(f"--pod {spec!r}: expected NAME=http://host:port")
         parsed.append((name, url.rstrip("/")))
-    app = make_app(parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None)
+    app = make_app(
+        parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None
+    )
     serve(app, host, cfg.gateway_port)
 
 
@@ -232,8 +256,12 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
         click.echo(f"{f}: {written.get('gateway_requests', 0)} requests, {written.get('dead_letters', 0)} dead letters")
     from ingest.attribution_job import run_attribution
 
-    n = run_attribution(store, settle_seconds=0, horizon_seconds=cfg.attribution_horizon_seconds,
-                        default_block_size=cfg.default_block_size)
+    n = run_attribution(
+        store,
+        settle_seconds=0,
+        horizon_seconds=cfg.attribution_horizon_seconds,
+        default_block_size=cfg.default_block_size,
+    )
     click.echo(f"attribution: {n} rows")
 
 
@@ -255,10 +283,13 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
         raise click.BadParameter("give a time zone (e.g. Z)", param_hint="--at")
     cfg = _config(**opts)
     store = _store(cfg)
-    events = scrape_events(pod, f"file://{Path(file).resolve()}", Path(file).read_text(errors="replace"),
-                           int(ts.timestamp() * 1000), 0.0)
+    events = scrape_events(
+        pod, f"file://{Path(file).resolve()}", Path(file).read_text(errors="replace"), int(ts.timestamp() * 1000), 0.0
+    )
     written = import_events(store, events)
-    click.echo(f"{file}: {written.get('vllm_metric_samples', 0)} samples, {written.get('dead_letters', 0)} dead letters")
+    click.echo(
+        f"{file}: {written.get('vllm_metric_samples', 0)} samples, {written.get('dead_letters', 0)} dead letters"
+    )
 
 
 def _params(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -287,8 +318,11 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **op
             q = sqlfiles.load_query(n)
             click.echo(f"{n}: {q.description}")
             for p in q.params:
-                click.echo(f"    --param {p.name}=<{p.type}>" + (f" (default {p.default})" if p.default is not None else "")
-                           + (f"  {p.help}" if p.help else ""))
+                click.echo(
+                    f"    --param {p.name}=<{p.type}>"
+                    + (f" (default {p.default})" if p.default is not None else "")
+                    + (f"  {p.help}" if p.help else "")
+                )
             click.echo("    returns: " + ", ".join(f"{c.name} {c.type}" for c in q.returns))
         return
     cfg = _config(**opts)

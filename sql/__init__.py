@@ -5,8 +5,8 @@ Header format (one item per ``--`` line, before the SQL)::
 
     -- name: hit_rate
     -- description: One sentence on what it returns.
-    -- param since: DateTime64(3) = 1970-01-01 00:00:00 | start of the window, UTC
-    -- returns: bucket DateTime | bucket start, UTC
+    -- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00.000 | start of the window, UTC
+    -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 
 Parameters are bound as ClickHouse typed parameters (``{since:DateTime64(3)}``), never formatted in.
 """
@@ -92,6 +92,8 @@ def parse_query(text: str, source: str = "<string>") -> NamedQuery:
             continue
         m = _HEADER.match(line)
         if not m:
+            if re.match(r"^--\s*(name|description|param|returns)\b", line):
+                raise HeaderError(f"{source}: header line {line!r} needs a colon after its keyword")
             continue
         key, value = m.group(1), m.group(2).strip()
         if key == "name":

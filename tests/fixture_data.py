@@ -1,8 +1,8 @@
-"""A small, realistic data set written straight into the store's tables, for the named-query and dashboard
+"""A small, realistic data set written straight into the store"s tables, for the named-query and dashboard
 tests (no collector, no Kafka): three tenants on two vLLM pods (block size 32) over three minutes.
 
 The numbers come from the real vLLM 0.32.0 CPU capture (../shared/reference/samples/README.md) where they
-can: pod-a's counters are the captured ones (9,818 queried / 4,064 hit, then 12,909 / 5,472) and the five
+can: pod-a"s counters are the captured ones (9,818 queried / 4,064 hit, then 12,909 / 5,472) and the five
 requests between those two scrapes are the five captured chat responses (762/0, 762/736, 764/672, 784/0,
 19/0 prompt/cached tokens), so Δqueries = Σprompt_tokens = 3,091 and Δhits = Σcached_tokens = 1,408 exactly.
 pod-b restarts between its first two scrapes (its counters drop from 5,000/2,000 to 800/288).
@@ -44,7 +44,7 @@ def at(seconds: float) -> datetime:
 
 
 def h(label: str) -> str:
-    """A realistic segment hash (16 hex chars) for a readable label; '' stays ''."""
+    """A realistic segment hash (16 hex chars) for a readable label; "" stays ""."""
     return hashlib.sha256(label.encode()).hexdigest()[:16] if label else ""
 
 
@@ -52,6 +52,7 @@ def h(label: str) -> str:
 # (request_id, t, tenant, conversation, agent_run, pod, status, prompt, cached, completion, ttft_ms,
 #  queue_wait_ms, tool_latency_ms, system, system_norm, tools, tools_canonical, rag, rag_set, history,
 #  suffix_tokens, fingerprint)
+# fmt: off
 REQUESTS: list[tuple[Any, ...]] = [
     ("cap-1-cold", 40, "acme", "conv-acme-1", "", "pod-a", 200, 762, 0, 8, 70.0, 2.0, None,
      "sys-acme", "sys-acme", "", "", "", "", "", 26, "fp-acme-A"),
@@ -66,7 +67,8 @@ REQUESTS: list[tuple[Any, ...]] = [
     ("cap-5-below-one-block", 80, "initech", "", "", "pod-a", 200, 19, 0, 8, 12.0, 0.2, None,
      "", "", "", "", "", "", "", 19, "fp-empty"),
     ("initech-c1-t2", 85, "initech", "conv-initech-1", "", "pod-b", 200, 400, 288, 8, 22.0, 0.3, None,
-     "sys-initech", "sys-initech", "", "", "rag-initech-2", "ragset-initech", "hist-i-2", 112, "fp-initech-2"),
+     "sys-initech", "sys-initech", "", "", "rag-initech-2", "ragset-initech", "hist-i-2", 112,
+     "fp-initech-2"),
     ("acme-c1-t3", 120, "acme", "conv-acme-1", "", "pod-b", 200, 800, 0, 16, 52.0, 0.4, None,
      "sys-acme", "sys-acme", "", "", "", "", "hist-a-3", 32, "fp-acme-3"),
     ("acme-c1-t4", 130, "acme", "conv-acme-1", "", "pod-b", 200, 832, 768, 16, 20.0, 0.6, None,
@@ -78,34 +80,32 @@ REQUESTS: list[tuple[Any, ...]] = [
     ("acme-c1-err", 145, "acme", "conv-acme-1", "", "pod-a", 400, 0, 0, 0, 3.0, None, None,
      "sys-acme", "sys-acme", "", "", "", "", "hist-a-5", 40, "fp-acme-5"),
 ]
+# fmt: on
 #: A re-delivered log line (same event_id, ts, tenant): FINAL must collapse it.
 DUPLICATED_REQUEST = "cap-2-warm"
 
-GATEWAY_COLUMNS = [
-    "event_id", "request_id", "ts", "tenant_id", "conversation_id", "agent_run_id", "model", "pod", "endpoint",
-    "routing_policy", "routing_reason", "stream", "status", "error", "prompt_tokens", "cached_tokens",
-    "completion_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms", "system_hash",
-    "system_norm_hash", "system_tokens", "tools_hash", "tools_canonical_hash", "tools_tokens",
-    "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens", "history_prefix_hash",
-    "prev_history_hash", "history_tokens", "suffix_hash", "suffix_tokens", "prompt_fingerprint",
-    "token_count_method",
-]
+GATEWAY_COLUMNS = """
+    event_id request_id ts tenant_id conversation_id agent_run_id model pod endpoint routing_policy
+    routing_reason stream status error prompt_tokens cached_tokens completion_tokens ttft_ms e2e_ms
+    queue_wait_ms tool_latency_ms system_hash system_norm_hash system_tokens tools_hash tools_canonical_hash
+    tools_tokens retrieval_pack_hash retrieval_set_hash retrieval_tokens history_prefix_hash prev_history_hash
+    history_tokens suffix_hash suffix_tokens prompt_fingerprint token_count_method
+""".split()
 
 
 def gateway_rows() -> list[tuple[Any, ...]]:
     rows = []
     for (rid, t, tenant, conv, run, pod, status, prompt, cached, completion, ttft, queue, tool, system,
-         system_norm, tools, tools_c, rag, rag_set, history, suffix, fp) in REQUESTS:
+         system_norm, tools, tools_c, rag, rag_set, history, suffix, fp) in REQUESTS:  # fmt: skip
         prefix = max(prompt - suffix, 0)
+        error = "maximum context length exceeded" if status >= 400 else ""
         rows.append((
             h("event:" + rid), rid, at(t), tenant, conv, run, "tiny", pod, "chat.completions",
-            "round_robin", "round_robin", False, status,
-            "maximum context length exceeded" if status >= 400 else "",
-            prompt, cached, completion, ttft, ttft + 40.0, queue, tool,
-            h(system), h(system_norm), prefix if system else 0, h(tools), h(tools_c), 40 if tools else 0,
-            h(rag), h(rag_set), 120 if rag else 0, h(history), "", 60 if history else 0,
+            "round_robin", "round_robin", False, status, error, prompt, cached, completion, ttft, ttft + 40.0,
+            queue, tool, h(system), h(system_norm), prefix if system else 0, h(tools), h(tools_c),
+            40 if tools else 0, h(rag), h(rag_set), 120 if rag else 0, h(history), "", 60 if history else 0,
             h("suffix:" + rid), suffix, h(fp), "tokenizer",
-        ))
+        ))  # fmt: skip
     rows += [r for r in rows if r[1] == DUPLICATED_REQUEST]
     return rows
 
@@ -115,13 +115,15 @@ def gateway_rows() -> list[tuple[Any, ...]]:
 # request sum to prompt - cached. acme-c1-t4 and initech-oneshot-2 leave the predecessor empty, so
 # tenant_affinity must find it itself (conversation, then fingerprint); cap-3-tools-reordered names a
 # predecessor in another tenant that only the attribution knows.
+# fmt: off
 ATTRIBUTION: list[tuple[Any, ...]] = [
     ("cap-1-cold", "cold", "", 736, "", "", None),
     ("cap-1-cold", "unavoidable", "", 26, "", "", None),
     ("cap-2-warm", "unavoidable", "", 26, "cap-1-cold", "pod-a", 9930.0),
     ("cap-3-tools-reordered", "prefix_drift", "tools_reordered", 64, "cap-2-warm", "pod-a", 9985.0),
     ("cap-3-tools-reordered", "unavoidable", "", 28, "cap-2-warm", "pod-a", 9985.0),
-    ("cap-4-timestamp-first", "prefix_drift", "volatile_system", 768, "cap-3-tools-reordered", "pod-a", 1500.0),
+    ("cap-4-timestamp-first", "prefix_drift", "volatile_system", 768, "cap-3-tools-reordered", "pod-a",
+     1500.0),
     ("cap-4-timestamp-first", "unavoidable", "", 16, "cap-3-tools-reordered", "pod-a", 1500.0),
     ("initech-c1-t1", "cold", "", 384, "", "", None),
     ("initech-c1-t1", "unavoidable", "", 16, "", "", None),
@@ -133,13 +135,14 @@ ATTRIBUTION: list[tuple[Any, ...]] = [
     ("initech-oneshot-2", "below_block", "", 19, "", "", None),
     ("globex-run1-s3", "unavoidable", "", 32, "cap-4-timestamp-first", "pod-a", 60000.0),
 ]
+# fmt: on
 #: An older attribution of cap-1-cold (same key, earlier attributed_at): FINAL must keep the newer one.
 STALE_ATTRIBUTION = ("cap-1-cold", "cold", "", 700, "", "", None)
 
 ATTRIBUTION_COLUMNS = [
     "request_id", "ts", "tenant_id", "pod", "model", "cause", "sub_cause", "tokens", "predecessor_request_id",
     "predecessor_pod", "gap_ms", "block_size", "attributed_at",
-]
+]  # fmt: skip
 
 
 def attribution_rows() -> list[tuple[Any, ...]]:
@@ -148,14 +151,16 @@ def attribution_rows() -> list[tuple[Any, ...]]:
     for stale, items in ((False, ATTRIBUTION), (True, [STALE_ATTRIBUTION])):
         for rid, cause, sub, tokens, pred, pred_pod, gap in items:
             req = by_id[rid]
+            attributed_at = at(200 if stale else 300)
             rows.append((rid, at(req[1]), req[2], req[5], "tiny", cause, sub, tokens, pred, pred_pod, gap,
-                         BLOCK_SIZE, at(200 if stale else 300)))
+                         BLOCK_SIZE, attributed_at))  # fmt: skip
     return rows
 
 
 # --- vllm_metric_samples ------------------------------------------------------------------------------------
 SCRAPES = (30, 90, 150)  # 12:00:30, 12:01:30, 12:02:30
-# Per pod, per scrape: (queries, hits, prompt_tokens, generation_tokens, kv_cache_usage_perc, created).
+# Per pod, per scrape: (queries, hits, prompt_tokens, generation_tokens, kv_cache_usage_perc, _created).
+# fmt: off
 COUNTERS: dict[str, list[tuple[float, float, float, float, float, float]]] = {
     "pod-a": [(9818, 4064, 9818, 98, 0.0, 1795949655.355),
               (12909, 5472, 12909, 138, 0.0, 1795949655.355),
@@ -174,9 +179,10 @@ QUEUE_LE = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.
 QUEUE_COUNTS = [[12] * 22, [17] * 22]
 CACHE_CONFIG_LABELS = {
     "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": "True",
-    "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": "1073741824", "kv_cache_size_tokens": "1048576",
-    "num_gpu_blocks": "32768", "prefix_caching_hash_algo": "sha256",
+    "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": "1073741824",
+    "kv_cache_size_tokens": "1048576", "num_gpu_blocks": "32768", "prefix_caching_hash_algo": "sha256",
 }
+# fmt: on
 
 METRIC_COLUMNS = ["event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"]
 
@@ -185,7 +191,7 @@ def metric_rows() -> list[tuple[Any, ...]]:
     rows: list[tuple[Any, ...]] = []
 
     def add(pod: str, t: float, name: str, value: float, extra: dict[str, str] | None = None,
-            model: str = "tiny") -> None:
+            model: str = "tiny") -> None:  # fmt: skip
         labels = {"engine": "0", **({"model_name": model} if model else {}), **(extra or {})}
         rows.append((h(f"scrape:{pod}:{t}"), at(t), pod, "0", model, name, labels, float(value)))
 
@@ -213,14 +219,13 @@ DEAD_LETTER_COLUMNS = ["event_id", "ts", "source", "pod", "reason", "location", 
 
 def dead_letter_rows() -> list[tuple[Any, ...]]:
     bad_line = 'vllm:prefix_cache_hits_total{engine="0" 12'
+    url, reason = "http://pod-a:8000/metrics", "malformed exposition line"
     return [
-        (h("dl1"), at(60), "vllm_metrics", "pod-a", "malformed exposition line", "http://pod-a:8000/metrics",
-         bad_line),
-        (h("dl2"), at(120), "vllm_metrics", "pod-a", "malformed exposition line", "http://pod-a:8000/metrics",
-         bad_line + "3"),
+        (h("dl1"), at(60), "vllm_metrics", "pod-a", reason, url, bad_line),
+        (h("dl2"), at(120), "vllm_metrics", "pod-a", reason, url, bad_line + "3"),
         (h("dl3"), at(90), "gateway_log", "", "missing required field request_id", "/var/log/gw.jsonl:4096",
          '{"ts": "2026-11-29T12:01:30.000Z"}'),
-    ]
+    ]  # fmt: skip
 
 
 def load_fixture(store: Any) -> None:

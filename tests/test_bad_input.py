@@ -56,7 +56,7 @@ def wait_rows(store, sql: str, n: int, timeout: float = 20.0) -> int:  # type: i
 
 
 def good_record(i: int) -> dict:
-    return {"log_version": 1, "request_id": f"good-{i}", "ts": "2026-11-29T12:00:0%d.000Z" % i,
+    return {"log_version": 1, "request_id": f"good-{i}", "ts": f"2026-11-29T12:00:0{i}.000Z",
             "tenant_id": "acme", "pod": "pod-0", "model": "tiny", "prompt_tokens": 762, "cached_tokens": 736,
             "completion_tokens": 8, "ttft_ms": 50.0, "e2e_ms": 80.0, "status": 200}
 

@@ -31,7 +31,7 @@ def test_deployment_has_every_stage() -> None:
 
 
 def test_environment_uses_only_known_settings_and_they_build() -> None:
-    for name, svc in SERVICES.items():
+    for name in SERVICES:
         env = env_of(name)
         kv = {k: v for k, v in env.items() if k.startswith("KVSCOPE_")}
         assert set(kv) <= KNOWN_ENV, f"{name}: unknown {set(kv) - KNOWN_ENV}"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from demo.workload import run_workload
@@ -180,3 +181,64 @@ def test_offsets_committed_nothing_redelivered(e2e) -> None:  # type: ignore[no-
         assert got == []
     finally:
         src.close()
+
+
+@pytest.mark.browser
+def test_dashboard_in_headless_chromium_shows_numbers(e2e, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`kvscope up` over the same fleet and gateway log, in its own process (its own chDB directory), viewed
+    in Debian's Chromium through Playwright; the screenshot is saved to tests/artifacts/dashboard.png."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    cfg = e2e["cfg"]
+    artifacts = Path(__file__).parent / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}
+    cmd = [sys.executable, "-m", "kvscope.cli", "up", "--data-dir", str(tmp_path / "data"), "--port", str(port),
+           "--gateway-log", cfg.gateway_log, *[a for t in cfg.list("vllm") for a in ("--vllm", t)]]
+    with open(artifacts / "kvscope-up.log", "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = f"http://127.0.0.1:{port}/"
+            wait_for(lambda: _http_ok(url) or proc.poll() is not None, 90, "the dashboard to listen")
+            assert proc.poll() is None, (artifacts / "kvscope-up.log").read_text()[-3000:]
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+                page = browser.new_page(viewport={"width": 1400, "height": 2200})
+                deadline = time.time() + 120
+                values: list[str] = []
+                while time.time() < deadline:
+                    page.goto(url, wait_until="networkidle")
+                    page.wait_for_selector("[data-testid='stMetricValue']", timeout=60_000)
+                    page.wait_for_timeout(1500)
+                    values = page.locator("[data-testid='stMetricValue']").all_inner_texts()
+                    if any(re.search(r"\d+(\.\d+)?\s*%", v) for v in values):
+                        break
+                    time.sleep(3)
+                page.wait_for_selector(".js-plotly-plot", timeout=30_000)
+                page.wait_for_timeout(2000)
+                page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+                browser.close()
+            print(f"\ndashboard metric values: {values}")
+            assert any(re.search(r"\d+(\.\d+)?\s*%", v) for v in values), values
+            assert (artifacts / "dashboard.png").stat().st_size > 20_000
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

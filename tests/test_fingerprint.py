@@ -115,7 +115,9 @@ def test_stable_text_is_not_masked(text):
 def test_volatile_system_prompt_same_norm_hash_different_raw_hash():
     a = fingerprint_chat(chat(sys(f"Now: 2026-11-29T12:00:03Z. req-11aa22bb. {SYSTEM}"), user("hi")), EST)
     b = fingerprint_chat(chat(sys(f"Now: 2026-11-30T08:15:59Z. req-99ff00ee. {SYSTEM}"), user("hi")), EST)
-    c = fingerprint_chat(chat(sys(f"Now: 2026-11-30T08:15:59Z. req-99ff00ee. {SYSTEM} Be rude."), user("hi")), EST)
+    c = fingerprint_chat(
+        chat(sys(f"Now: 2026-11-30T08:15:59Z. req-99ff00ee. {SYSTEM} Be rude."), user("hi")), EST
+    )
     assert a.system_hash != b.system_hash
     assert a.system_norm_hash == b.system_norm_hash
     assert c.system_norm_hash != b.system_norm_hash
@@ -155,7 +157,11 @@ def test_absent_segments_are_empty_with_zero_tokens():
 def test_reordered_tool_keys_same_canonical_hash_different_raw_hash():
     reordered = json.loads(json.dumps(TOOLS))
     fn = reordered[0]["function"]
-    reordered[0]["function"] = {"parameters": fn["parameters"], "description": fn["description"], "name": fn["name"]}
+    reordered[0]["function"] = {
+        "parameters": fn["parameters"],
+        "description": fn["description"],
+        "name": fn["name"],
+    }
     a = fingerprint_chat(chat(sys(), user("q"), tools=TOOLS), EST)
     b = fingerprint_chat(chat(sys(), user("q"), tools=reordered), EST)
     assert a.tools_hash != b.tools_hash

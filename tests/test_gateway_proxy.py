@@ -119,9 +119,15 @@ def test_forwarded_body_and_headers_seam(gateway):
         chunks = [
             {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
             {"choices": [{"index": 0, "delta": {"content": "ok"}}]},
-            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1,
-                                      "prompt_tokens_details": {"cached_tokens": 4}},
-             "metrics": {"queue_time_ms": 1.5}},
+            {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 7,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 4},
+                },
+                "metrics": {"queue_time_ms": 1.5},
+            },
         ]
         sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
@@ -247,7 +253,9 @@ def test_completions_passthrough(vllm_fleet, gateway, stream):
     r = client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
     assert r.status_code == 200, r.text
     if stream:
-        chunks = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        chunks = [
+            json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e.startswith("data: {")
+        ]
         usage = [c for c in chunks if c.get("usage")][-1]["usage"]
         assert chunks[0]["id"] == f"cmpl-{rid}"
     else:
@@ -294,7 +302,9 @@ def test_round_robin_sends_the_repeat_elsewhere(vllm_fleet, gateway):
     recs = []
     for i in range(2):
         rid = f"{seed}-{i}"
-        assert client.post("/v1/chat/completions", json=chat_body(seed), headers={"X-Request-Id": rid}).is_success
+        assert client.post(
+            "/v1/chat/completions", json=chat_body(seed), headers={"X-Request-Id": rid}
+        ).is_success
         recs.append(log_line(log_path, rid))
     assert recs[0]["pod"] != recs[1]["pod"]
     assert recs[1]["cached_tokens"] == 0  # the other pod never saw the prefix: routed away
@@ -329,3 +339,40 @@ def test_models_and_health(vllm_fleet, gateway):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
     health = client.get("/health").json()
     assert [p["name"] for p in health["pods"]] == [p.name for p in vllm_fleet.pods]
+
+
+@pytest.mark.vllm
+def test_concurrent_requests_each_log_one_line(vllm_fleet, gateway):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, log_path = gateway(pods_of(vllm_fleet), policy="prefix_affinity", max_inflight_per_pod=2)
+    seed = f"gw-conc-{uuid.uuid4().hex[:8]}"
+
+    def one(i: int) -> str:
+        rid = f"{seed}-{i}"
+        body = chat_body(seed, question=f"q{i}", stream=i % 2 == 0)
+        r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
+        assert r.status_code == 200, r.text
+        return rid
+
+    with ThreadPoolExecutor(8) as pool:
+        rids = list(pool.map(one, range(16)))
+    records = [log_line(log_path, rid) for rid in rids]
+    assert {r["routing_reason"] for r in records} <= {"affinity_new", "affinity_hit", "load_guard"}
+    assert len(log_path.read_text().splitlines()) == 16
+    deadline = time.monotonic() + 5
+    while any(p["inflight"] for p in client.get("/health").json()["pods"]):
+        assert time.monotonic() < deadline, "in-flight counts did not return to 0"
+        time.sleep(0.05)
+
+
+@pytest.mark.vllm
+def test_client_disconnect_mid_stream_still_logs(vllm_fleet, gateway):
+    client, log_path = gateway(pods_of(vllm_fleet)[:1])
+    rid = f"gw-gone-{uuid.uuid4().hex[:8]}"
+    body = chat_body(rid, n_words=20, stream=True, max_tokens=3000, ignore_eos=True)
+    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}) as r:
+        next(r.iter_bytes())
+    rec = log_line(log_path, rid, timeout_seconds=60)
+    assert rec["status"] == 200 and rec["error"].startswith("stream not completed")
+    assert rec["prompt_tokens"] == 0  # the usage chunk never came

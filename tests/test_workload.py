@@ -19,7 +19,7 @@ OUTCOME_FIELDS = ("status", "http_status", "prompt_tokens", "cached_tokens")
 
 
 def sessions_of(tenant: str, seed: int = 0, scale: float = 1.0) -> list:  # type: ignore[type-arg]
-    return [s for s in iter_sessions(seed, scale) if s.tenant.name == tenant]
+    return sorted((s for s in iter_sessions(seed, scale) if s.tenant.name == tenant), key=lambda s: s.index)
 
 
 def play(session, reply: str = "Noted.") -> list[tuple[dict, dict]]:  # type: ignore[no-untyped-def]
@@ -66,7 +66,7 @@ def test_acme_keeps_full_history_and_a_stable_system_prompt() -> None:
     bodies = [body for _, body in requests]
     assert [len(b["messages"]) for b in bodies] == [2, 4, 6]
     assert len({b["messages"][0]["content"] for b in bodies}) == 1
-    assert bodies[2]["messages"][:4] == bodies[1]["messages"][:3] + [{"role": "assistant", "content": "Noted."}]
+    assert bodies[2]["messages"][:5] == bodies[1]["messages"] + [{"role": "assistant", "content": "Noted."}]
     assert all(8 <= b["max_tokens"] <= 16 and "tools" not in b for b in bodies)
 
 
@@ -87,7 +87,9 @@ def test_initech_tools_are_equal_sorted_but_differ_as_sent() -> None:
         assert json.dumps(prev["tools"], sort_keys=True) == json.dumps(cur["tools"], sort_keys=True)
         assert json.dumps(prev["tools"]) != json.dumps(cur["tools"])
         # only inside `parameters`: vLLM re-serializes the outer levels, so only this order reaches the prompt
-        assert [list(t) for t in prev["tools"]] == [list(t) for t in cur["tools"]] == [["type", "function"]] * 4
+        assert (
+            [list(t) for t in prev["tools"]] == [list(t) for t in cur["tools"]] == [["type", "function"]] * 4
+        )
         assert [list(t["function"]) for t in cur["tools"]] == [["name", "description", "parameters"]] * 4
     # later calls append the assistant's tool call and the tool result to the previous call's messages
     second = bodies[1]["messages"]
@@ -102,8 +104,10 @@ def test_umbrella_sends_the_same_documents_in_another_order() -> None:
     canon = lambda docs: sorted(json.dumps(d) for d in docs)  # noqa: E731
     assert canon(first["documents"]) == canon(second["documents"])
     assert 4 <= len(first["documents"]) <= 6
-    assert all(set(d) == {"title", "text"} and all(isinstance(v, str) for v in d.values())
-               for d in first["documents"])  # fmt: skip  (vLLM accepts only string values)
+    assert all(
+        set(d) == {"title", "text"} and all(isinstance(v, str) for v in d.values())
+        for d in first["documents"]
+    )  # fmt: skip  (vLLM accepts only string values)
 
 
 def test_hooli_truncates_history_to_the_last_two_messages_from_turn_three() -> None:
@@ -137,8 +141,14 @@ class FakeVllm:
             return httpx.Response(503, text="overloaded")  # a failure: recorded, never raised
         usage = {"prompt_tokens": 100, "completion_tokens": 8,
                  "prompt_tokens_details": {"cached_tokens": 64}}  # fmt: skip
-        return httpx.Response(200, json={"id": "chatcmpl-" + request.headers["x-request-id"], "usage": usage,
-                                         "choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+        return httpx.Response(
+            200,
+            json={
+                "id": "chatcmpl-" + request.headers["x-request-id"],
+                "usage": usage,
+                "choices": [{"message": {"role": "assistant", "content": "ok"}}],
+            },
+        )
 
 
 def test_run_workload_sends_every_planned_request_and_writes_labels(tmp_path: Path) -> None:
@@ -147,6 +157,9 @@ def test_run_workload_sends_every_planned_request_and_writes_labels(tmp_path: Pa
     labels = run_workload("http://gateway.test/", seed=5, scale=0.5, concurrency=3, labels_path=labels_path,
                           wait_scale=0.02, transport=httpx.MockTransport(fake))  # fmt: skip
     planned = plan_labels(seed=5, scale=0.5)
+    for lb in planned:
+        if lb["tool_wait_ms"] is not None:
+            lb["tool_wait_ms"] = round(lb["tool_wait_ms"] * 0.02)  # the waits actually made
     assert [{k: v for k, v in lb.items() if k not in OUTCOME_FIELDS} for lb in labels] == planned
     assert len(fake.requests) == len(planned)
     assert {str(r.url) for r in fake.requests} == {"http://gateway.test/v1/chat/completions"}
@@ -170,8 +183,8 @@ def test_run_workload_sends_every_planned_request_and_writes_labels(tmp_path: Pa
 def test_loop_runs_new_sessions_until_stopped() -> None:
     stop = threading.Event()
     fake = FakeVllm(stop_after=120, stop_event=stop)
-    labels = run_workload("http://gateway.test", seed=1, scale=0.2, loop=True, stop_event=stop, wait_scale=0.0,
-                          transport=httpx.MockTransport(fake))  # fmt: skip
+    labels = run_workload("http://gateway.test", seed=1, scale=0.2, loop=True, stop_event=stop,
+                          wait_scale=0.0, transport=httpx.MockTransport(fake))  # fmt: skip
     assert stop.is_set()
     assert 120 <= len(labels) < 130
     assert len({lb["request_id"] for lb in labels}) == len(labels)  # new rounds get new session indices

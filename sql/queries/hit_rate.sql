@@ -89,27 +89,27 @@ WITH
 SELECT *
 FROM
 (
-SELECT
-    toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
-    'vllm' AS source,
-    toUInt64(round(sumIf(delta, kind = 'hits'))) AS hit_tokens,
-    toUInt64(round(sumIf(delta, kind = 'queries'))) AS query_tokens,
-    if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
-    CAST(NULL AS Nullable(Float64)) AS request_weighted_hit_rate,
-    CAST(NULL AS Nullable(UInt64)) AS requests
-FROM deltas
-WHERE ts >= {since:DateTime64(3, 'UTC')} AND NOT is_first
-GROUP BY bucket
-UNION ALL
-SELECT
-    toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
-    'gateway' AS source,
-    sum(toUInt64(cached_tokens)) AS hit_tokens,
-    sum(toUInt64(prompt_tokens)) AS query_tokens,
-    if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
-    CAST(avg(cached_tokens / prompt_tokens) AS Nullable(Float64)) AS request_weighted_hit_rate,
-    CAST(count() AS Nullable(UInt64)) AS requests
-FROM served
-GROUP BY bucket
+    SELECT
+        toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        'vllm' AS source,
+        toUInt64(round(sumIf(delta, kind = 'hits'))) AS hit_tokens,
+        toUInt64(round(sumIf(delta, kind = 'queries'))) AS query_tokens,
+        if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
+        CAST(NULL AS Nullable(Float64)) AS request_weighted_hit_rate,
+        CAST(NULL AS Nullable(UInt64)) AS requests
+    FROM deltas
+    WHERE ts >= {since:DateTime64(3, 'UTC')} AND NOT is_first
+    GROUP BY bucket
+    UNION ALL
+    SELECT
+        toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        'gateway' AS source,
+        sum(toUInt64(cached_tokens)) AS hit_tokens,
+        sum(toUInt64(prompt_tokens)) AS query_tokens,
+        if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
+        CAST(avg(cached_tokens / prompt_tokens) AS Nullable(Float64)) AS request_weighted_hit_rate,
+        CAST(count() AS Nullable(UInt64)) AS requests
+    FROM served
+    GROUP BY bucket
 )
 ORDER BY bucket, source

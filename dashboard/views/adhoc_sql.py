@@ -1,0 +1,43 @@
+"""SQL: ad hoc read-only queries (the database enforces readonly=1 and limits), and the named queries."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+import sql as sqlfiles
+from dashboard import charts, data
+from ingest.errors import KvscopeError
+
+st.header("SQL")
+st.caption(
+    "Read-only: the database refuses writes and caps run time and rows (Store.adhoc). Tables: "
+    "gateway_requests, vllm_metric_samples, kv_block_events, miss_attribution, dead_letters "
+    "(read gateway_requests and miss_attribution with FINAL)."
+)
+
+EXAMPLE = """SELECT tenant_id,
+       count() AS requests,
+       sum(cached_tokens) / sum(prompt_tokens) AS token_weighted_hit_rate
+FROM gateway_requests FINAL
+WHERE status < 400 AND prompt_tokens > 0
+GROUP BY tenant_id
+ORDER BY requests DESC"""
+
+text = st.text_area("Query", EXAMPLE, height=180, key="sql_text")
+if st.button("Run", type="primary", key="sql_run"):
+    try:
+        result = data.get_store().adhoc(text)
+    except (KvscopeError, RuntimeError) as exc:
+        st.error(f"Refused or failed: {exc}")
+    else:
+        st.caption(f"{result.height:,} rows")
+        charts.table(result, key="sql_result")
+
+with st.expander("Named queries (sql/queries)"):
+    for name in sqlfiles.query_names():
+        q = sqlfiles.load_query(name)
+        st.markdown(
+            f"**{name}**: {q.description}  \n"
+            f"params: {', '.join(f'`{p.name}`' for p in q.params) or 'none'}; "
+            f"columns: {', '.join(f'`{c.name}`' for c in q.returns)}"
+        )

@@ -1,0 +1,140 @@
+"""Overview: token-weighted hit rate from vLLM's counters and from the gateway, prefill tokens saved, missed
+tokens, prefill vs decode tokens, TTFT and queue wait."""
+
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from dashboard import charts, data
+
+SOURCES = {"vllm": "vLLM counters", "gateway": "gateway log"}
+#: Gap (fraction) between the two token-weighted hit rates worth flagging (DESIGN.md: "a disagreement is
+#: itself a finding").
+DISAGREEMENT = 0.005
+
+st.header("Overview")
+
+
+def headline(totals: pl.DataFrame) -> None:
+    by = {r["source"]: r for r in totals.iter_rows(named=True)}
+    vllm, gw = by.get("vllm", {}), by.get("gateway", {})
+    main = gw or vllm  # tokens saved/missed: per request from the gateway when it logs, else vLLM's counters
+    saved, looked_up = main.get("hit_tokens"), main.get("query_tokens")
+    cols = st.columns(3)
+    cols[0].metric(
+        "Token-weighted hit rate (vLLM)",
+        charts.pct(vllm.get("token_weighted_hit_rate")),
+        help="Δ vllm:prefix_cache_hits / Δ vllm:prefix_cache_queries, summed over engines and pods",
+    )
+    cols[1].metric(
+        "Token-weighted hit rate (gateway)",
+        charts.pct(gw.get("token_weighted_hit_rate")),
+        help="Σ cached_tokens / Σ prompt_tokens over the gateway's served requests",
+    )
+    cols[2].metric(
+        "Request-weighted hit rate (gateway)",
+        charts.pct(gw.get("request_weighted_hit_rate")),
+        help="Mean over requests of cached/prompt: shown only to expose the gap to the token-weighted one",
+    )
+    cols = st.columns(3)
+    cols[0].metric(
+        "Prefill tokens saved",
+        charts.count(saved),
+        help=f"prefix_cache_hit_tokens ({SOURCES['gateway' if gw else 'vllm']})",
+    )
+    cols[1].metric(
+        "Missed tokens",
+        charts.count(None if saved is None else looked_up - saved),
+        help=f"prefix_cache_miss_tokens = prompt − cached ({SOURCES['gateway' if gw else 'vllm']})",
+    )
+    cols[2].metric(
+        "Prompt tokens",
+        charts.count(looked_up),
+        help=f"prefill_tokens_total, cached ones included ({SOURCES['gateway' if gw else 'vllm']})",
+    )
+    a, b = vllm.get("token_weighted_hit_rate"), gw.get("token_weighted_hit_rate")
+    if a is not None and b is not None and abs(a - b) > DISAGREEMENT:
+        st.warning(
+            f"vLLM's counters and the gateway disagree by {abs(a - b) * 100:.1f} pp. That is a finding: "
+            "requests that bypass the gateway, pods the collector does not scrape, preempted requests "
+            "(not exported by vLLM), or a window edge between scrapes."
+        )
+
+
+def render(f: data.Filters) -> None:
+    if not data.has_data():
+        charts.no_data()
+        return
+    p = f.params()
+    totals = data.named("hit_rate_total", **p)
+    if totals.is_empty():
+        charts.no_data(in_window=True, latest=data.extent()[1])
+        return
+    headline(totals)
+    if f.tenant:
+        st.caption(
+            "vLLM's counters carry no tenant: with a tenant selected, only the gateway's numbers show."
+        )
+    b = data.bucket_seconds(f)
+    named_sources = pl.col("source").replace(SOURCES)
+    hr = data.named("hit_rate", **p, bucket_seconds=b).with_columns(named_sources)
+    charts.time_lines(
+        hr,
+        ["token_weighted_hit_rate", "request_weighted_hit_rate"],
+        "Prefix-cache hit rate",
+        color="source",
+        percent=True,
+        y_title="Hit rate",
+        key="hit_rate",
+    )
+    left, right = st.columns(2)
+    tokens = data.named("tokens", **p, bucket_seconds=b)
+    with left:
+        gw_tokens = tokens.filter(pl.col("source") == "gateway") if not tokens.is_empty() else tokens
+        charts.bars(
+            gw_tokens.rename(
+                {
+                    "cached_tokens": "Prefill tokens saved (cached)",
+                    "prefill_computed_tokens": "Prefill tokens computed",
+                    "decode_tokens": "Decode tokens",
+                },
+                strict=False,
+            ),
+            "bucket",
+            ["Prefill tokens saved (cached)", "Prefill tokens computed", "Decode tokens"],
+            "Prefill vs decode tokens (gateway)",
+            barmode="stack",
+            key="tokens_gateway",
+        )
+    with right:
+        vllm_tokens = tokens.filter(pl.col("source") == "vllm") if not tokens.is_empty() else tokens
+        charts.time_lines(
+            vllm_tokens.rename(
+                {"prompt_tokens": "Prefill tokens", "decode_tokens": "Decode tokens"}, strict=False
+            ),
+            ["Prefill tokens", "Decode tokens"],
+            "Prefill vs decode tokens (vLLM counters)",
+            y_title="tokens",
+            key="tokens_vllm",
+        )
+    lat = data.named("latency", **p, bucket_seconds=b)
+    left, right = st.columns(2)
+    for col, metric, title in ((left, "ttft_ms", "TTFT (ms)"), (right, "queue_wait_ms", "Queue wait (ms)")):
+        with col:
+            part = (
+                lat.filter(pl.col("metric") == metric).with_columns(named_sources)
+                if not lat.is_empty()
+                else lat
+            )
+            charts.time_lines(
+                part,
+                ["p50_ms", "p95_ms", "p99_ms"],
+                title,
+                color="source",
+                y_title="ms",
+                key=f"latency_{metric}",
+            )
+
+
+data.live(render)

@@ -1,0 +1,27 @@
+-- name: dimensions
+-- description: The tenants and pods seen in the window (for filter lists), with their request counts.
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- returns: kind String | tenant or pod
+-- returns: value String | tenant_id or pod name (non-empty)
+-- returns: requests UInt64 | requests in the gateway log (all statuses); 0 for a pod only seen in vLLM scrapes
+SELECT kind, value, sum(n) AS requests
+FROM
+(
+    SELECT 'tenant' AS kind, CAST(tenant_id AS String) AS value, count() AS n
+    FROM gateway_requests FINAL
+    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+    GROUP BY value
+    UNION ALL
+    SELECT 'pod' AS kind, CAST(pod AS String) AS value, count() AS n
+    FROM gateway_requests FINAL
+    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+    GROUP BY value
+    UNION ALL
+    SELECT DISTINCT 'pod' AS kind, CAST(pod AS String) AS value, toUInt64(0) AS n
+    FROM vllm_metric_samples
+    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+)
+WHERE value != ''
+GROUP BY kind, value
+ORDER BY kind DESC, value

@@ -1,0 +1,35 @@
+-- name: fingerprint_cardinality
+-- description: prompt_fingerprint_cardinality per tenant per bucket (distinct stable-prefix fingerprints; a jump means something volatile entered the prefix) and the same per segment, raw beside its normalized variant (raw > normalized = volatile values, reordered tools or RAG).
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: tenant: String = '' | tenant_id to keep, '' = all
+-- param: pod: String = '' | pod to keep, '' = all
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: by_tenant: UInt8 = 1 | 1 = one row per tenant and bucket; 0 = tenants pooled (tenant_id '')
+-- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
+-- returns: tenant_id String | tenant, or '' when by_tenant = 0
+-- returns: requests UInt64 | requests logged by the gateway (all statuses: the prompt was assembled either way)
+-- returns: prompt_fingerprint_cardinality UInt64 | distinct non-empty prompt_fingerprint values
+-- returns: system_hash_cardinality UInt64 | distinct non-empty system_hash (raw system prompt)
+-- returns: system_norm_hash_cardinality UInt64 | distinct non-empty system_norm_hash (volatile values masked)
+-- returns: tools_hash_cardinality UInt64 | distinct non-empty tools_hash (tool schemas as sent)
+-- returns: tools_canonical_hash_cardinality UInt64 | distinct non-empty tools_canonical_hash (JSON keys sorted)
+-- returns: retrieval_pack_hash_cardinality UInt64 | distinct non-empty retrieval_pack_hash (documents in prompt order)
+-- returns: retrieval_set_hash_cardinality UInt64 | distinct non-empty retrieval_set_hash (documents as a set)
+SELECT
+    toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+    if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant_id,
+    count() AS requests,
+    uniqExactIf(prompt_fingerprint, prompt_fingerprint != '') AS prompt_fingerprint_cardinality,
+    uniqExactIf(system_hash, system_hash != '') AS system_hash_cardinality,
+    uniqExactIf(system_norm_hash, system_norm_hash != '') AS system_norm_hash_cardinality,
+    uniqExactIf(tools_hash, tools_hash != '') AS tools_hash_cardinality,
+    uniqExactIf(tools_canonical_hash, tools_canonical_hash != '') AS tools_canonical_hash_cardinality,
+    uniqExactIf(retrieval_pack_hash, retrieval_pack_hash != '') AS retrieval_pack_hash_cardinality,
+    uniqExactIf(retrieval_set_hash, retrieval_set_hash != '') AS retrieval_set_hash_cardinality
+FROM gateway_requests FINAL
+WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+  AND ({tenant:String} = '' OR gateway_requests.tenant_id = {tenant:String})
+  AND ({pod:String} = '' OR pod = {pod:String})
+GROUP BY bucket, tenant_id
+ORDER BY bucket, tenant_id

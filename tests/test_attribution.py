@@ -1,0 +1,366 @@
+"""Unit tests of miss-cause attribution (ingest/attribution.py): one case per cause and sub-cause, built by
+hand with the numbers of real vLLM 0.32 captures (block size 32; ../shared/reference/samples/README.md:
+a 762-token prompt cold = 0 cached, repeated = 736 cached; tool keys reordered after the system prompt = 672
+cached of 764; a timestamp first = 0 cached of 784; a 19-token prompt = never cached)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from ingest import attribution as a
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+BLOCK = {"pod-a": 32, "pod-b": 32}
+
+
+def h(*parts: str) -> str:
+    """Like the gateway: first 64 bits of SHA-256 over the parts joined by U+001F; "" for absent."""
+    if not any(parts):
+        return ""
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
+def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run: str = "",
+        model: str = "tiny", pod: str = "pod-a", prompt: int = 762, cached: int = 0, e2e_ms: float = 400.0,
+        status: int = 200,
+        system: str = "You are the support agent of Acme.", system_norm: str | None = None,
+        system_tokens: int = 720, tools: str = "", tools_canonical: str | None = None, tools_tokens: int = 0,
+        rag: str = "", rag_set: str | None = None, rag_tokens: int = 0, history: str = "",
+        prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
+        ) -> dict[str, Any]:
+    """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw."""
+    sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
+    return {
+        "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
+        "agent_run_id": run, "model": model, "pod": pod, "status": status, "prompt_tokens": prompt,
+        "cached_tokens": cached, "e2e_ms": e2e_ms,
+        "system_hash": sh, "system_norm_hash": h(system if system_norm is None else system_norm),
+        "system_tokens": system_tokens,
+        "tools_hash": th, "tools_canonical_hash": h(tools if tools_canonical is None else tools_canonical),
+        "tools_tokens": tools_tokens,
+        "retrieval_pack_hash": rh, "retrieval_set_hash": h(rag if rag_set is None else rag_set),
+        "retrieval_tokens": rag_tokens,
+        "history_prefix_hash": hh, "prev_history_hash": h(prev_history), "history_tokens": history_tokens,
+        "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
+        "prompt_fingerprint": h(sh, th, rh, hh) if any((sh, th, rh, hh)) else "",
+    }
+
+
+def run(*requests: dict[str, Any], **kw: Any) -> list[a.MissRow]:
+    return a.attribute(list(requests), block_size_by_pod=kw.pop("block_size_by_pod", BLOCK), **kw)
+
+
+def split(rows: list[a.MissRow], rid: str) -> list[tuple[str, str, int]]:
+    return [(r.cause, r.sub_cause, r.tokens) for r in rows if r.request_id == rid]
+
+
+def missed(r: dict[str, Any]) -> int:
+    return r["prompt_tokens"] - r["cached_tokens"]
+
+
+def check_sum(rows: list[a.MissRow], r: dict[str, Any]) -> None:
+    assert sum(t for *_, t in split(rows, r["request_id"])) == missed(r)
+
+
+# -- one test per cause --------------------------------------------------------------------------------------
+def test_cold_first_request():
+    # cap-1-cold: 762 tokens, 0 cached; system 720 + suffix 22 scale to a stable prefix of 739 tokens.
+    r = req("cap-1-cold")
+    rows = run(r)
+    assert split(rows, "cap-1-cold") == [("cold", "", 736), ("unavoidable", "", 26)]
+    assert rows[0].predecessor_request_id == "" and rows[0].gap_ms is None and rows[0].block_size == 32
+    check_sum(rows, r)
+
+
+def test_fully_hit_request_has_only_unavoidable_tail():
+    # cap-2-warm: the same 762-token request again, same pod: 736 cached (last partial block + last token).
+    cold, warm = req("cap-1-cold"), req("cap-2-warm", at=5, cached=736)
+    rows = run(cold, warm)
+    assert split(rows, "cap-2-warm") == [("unavoidable", "", 26)]
+    assert rows[-1].predecessor_request_id == "cap-1-cold"
+    assert rows[-1].gap_ms == pytest.approx(5000 - 400)
+    check_sum(rows, warm)
+
+
+def turn2(rid: str, pod: str, cached: int, at: float = 3.0) -> dict[str, Any]:
+    """Turn 2 of conversation c1: history = turn 1's message and the reply; turn 1 had no history."""
+    return req(rid, at=at, conv="c1", pod=pod, prompt=830, cached=cached, history="q1|reply1",
+               prev_history="", history_tokens=50, suffix="q2", suffix_tokens=20)
+
+
+def test_conversation_turn_on_another_pod_is_routed_away():
+    t1, t2 = req("t1", conv="c1"), turn2("t2", pod="pod-b", cached=0)
+    rows = run(t1, t2)
+    # S = turn 1's whole prompt (762) → R = 736 reusable; the rest is turn 1's partial block + the new turn.
+    assert split(rows, "t2") == [("routed_away", "", 736), ("unavoidable", "", 94)]
+    row = rows[-1]
+    assert (row.predecessor_request_id, row.predecessor_pod) == ("t1", "pod-a")
+    assert row.gap_ms == pytest.approx(3000 - 400)
+    check_sum(rows, t2)
+
+
+def test_same_pod_cache_lost_is_evicted_before_next_turn_with_gap():
+    # The agent waited 45 s on a tool; LRU evicted the chain's tail: only the first 320 tokens still hit.
+    t1 = req("t1", conv="c1", e2e_ms=1500.0)
+    t2 = turn2("t2", pod="pod-a", cached=320, at=46.5)
+    rows = run(t1, t2)
+    assert split(rows, "t2") == [("evicted", "evicted_before_next_turn", 416), ("unavoidable", "", 94)]
+    assert rows[-1].gap_ms == pytest.approx(45_000)
+    check_sum(rows, t2)
+
+
+def test_evicted_without_previous_turn_has_no_flag():
+    r1, r2 = req("r1"), req("r2", at=600, suffix="q2")
+    rows = run(r1, r2)
+    assert split(rows, "r2") == [("evicted", "", 736), ("unavoidable", "", 26)]
+
+
+def test_agent_run_is_a_previous_turn_too():
+    t1 = req("s1", run="run-7")
+    t2 = req("s2", at=2, run="run-7", pod="pod-b", prompt=830, history="q1|call", history_tokens=50,
+             suffix="tool-result", suffix_tokens=20)
+    rows = run(t1, t2)
+    assert split(rows, "s2") == [("routed_away", "", 736), ("unavoidable", "", 94)]
+
+
+def test_timestamp_first_system_prompt_is_volatile_system():
+    # cap-4-timestamp-first: 784 tokens, 0 cached; single-turn requests never repeat a fingerprint, the
+    # predecessor is found by the normalized system hash.
+    base = "You are the support agent of Acme."
+    r1 = req("r1", system=f"[2026-11-29T12:00:00Z] {base}", system_norm=f"[<ts>] {base}", system_tokens=740,
+             prompt=784, suffix_tokens=20)
+    r2 = req("r2", at=60, system=f"[2026-11-29T12:01:00Z] {base}", system_norm=f"[<ts>] {base}",
+             system_tokens=740, prompt=784, suffix="q2", suffix_tokens=20)
+    rows = run(r1, r2)
+    assert split(rows, "r2") == [("prefix_drift", "volatile_system", 736), ("unavoidable", "", 48)]
+    assert rows[-1].predecessor_request_id == "r1"
+    check_sum(rows, r2)
+
+
+def test_timestamp_first_in_a_continued_conversation_drifts_over_the_previous_turn():
+    base = "You are the support agent of Acme."
+    t1 = req("t1", conv="c1", system=f"[12:00:00] {base}", system_norm=f"[<ts>] {base}")
+    t2 = req("t2", at=3, conv="c1", system=f"[12:00:03] {base}", system_norm=f"[<ts>] {base}", prompt=830,
+             history="q1|reply1", history_tokens=50, suffix="q2", suffix_tokens=20)
+    rows = run(t1, t2)
+    # Without the timestamp, turn 1's whole prompt (762 tokens → 736 in full blocks) would have hit.
+    assert split(rows, "t2") == [("prefix_drift", "volatile_system", 736), ("unavoidable", "", 94)]
+    assert rows[-1].predecessor_request_id == "t1"
+
+
+def test_changed_system_prompt_is_system_changed():
+    tools = '[{"name": "lookup", "parameters": {"type": "object"}}]'
+    r1 = req("r1", system="Policy v1", system_tokens=400, tools=tools, tools_tokens=300, prompt=740,
+             suffix_tokens=20)
+    r2 = req("r2", at=60, system="Policy v2", system_tokens=400, tools=tools, tools_tokens=300, prompt=740,
+             suffix="q2", suffix_tokens=20)
+    rows = run(r1, r2)  # found through the canonical tools hash; the stable prefix ends at 719
+    assert split(rows, "r2") == [("prefix_drift", "system_changed", 704), ("unavoidable", "", 36)]
+    check_sum(rows, r2)
+
+
+def test_reordered_tool_keys_are_tools_reordered():
+    # cap-3-tools-reordered: 764 tokens, 672 cached (the system prompt's blocks and then some).
+    a_json = '[{"name": "lookup", "description": "Find an order", "parameters": {}}]'
+    b_json = '[{"description": "Find an order", "name": "lookup", "parameters": {}}]'
+    kw = dict(system_tokens=600, tools_tokens=140, tools_canonical="canonical-lookup", prompt=764,
+              suffix_tokens=20)
+    r1 = req("cap-2", tools=a_json, **kw)
+    r2 = req("cap-3", at=1, tools=b_json, cached=672, **kw)
+    rows = run(r1, r2)
+    assert split(rows, "cap-3") == [("prefix_drift", "tools_reordered", 64), ("unavoidable", "", 28)]
+    check_sum(rows, r2)
+
+
+def test_changed_tools_are_tools_changed():
+    kw = dict(system_tokens=600, tools_tokens=140, prompt=764, suffix_tokens=20)
+    r1 = req("r1", tools='[{"name": "lookup"}]', **kw)
+    r2 = req("r2", at=1, tools='[{"name": "lookup"}, {"name": "refund"}]', cached=576, suffix="q2", **kw)
+    rows = run(r1, r2)
+    assert split(rows, "r2") == [("prefix_drift", "tools_changed", 160), ("unavoidable", "", 28)]
+    check_sum(rows, r2)
+
+
+def test_empty_variant_hashes_name_a_change_not_a_reordering():
+    kw = dict(system_tokens=600, tools_tokens=140, prompt=764, suffix_tokens=20)
+    r1 = req("r1", tools="A", tools_canonical="", **kw)
+    r2 = req("r2", at=1, tools="B", tools_canonical="", cached=576, **kw)
+    assert split(run(r1, r2), "r2")[0] == ("prefix_drift", "tools_changed", 160)
+
+
+@pytest.mark.parametrize(("rag_set_2", "sub"),
+                         [("docs{1,2,3}", "rag_reordered"), ("docs{1,2,4}", "rag_changed")])
+def test_retrieval_pack_reordered_or_changed(rag_set_2, sub):
+    kw = dict(system_tokens=300, rag_tokens=1200, prompt=1560, suffix_tokens=30)
+    r1 = req("r1", rag="doc1|doc2|doc3", rag_set="docs{1,2,3}", **kw)
+    r2 = req("r2", at=30, rag="doc3|doc1|doc2", rag_set=rag_set_2, cached=288, suffix="q2", **kw)
+    rows = run(r1, r2)
+    # the system prompt ends at 305: its 9 full blocks (288) hit; the pack's blocks would have hit up to 1504.
+    assert split(rows, "r2") == [("prefix_drift", sub, 1216), ("unavoidable", "", 56)]
+    check_sum(rows, r2)
+
+
+def test_truncated_history_is_history_truncated():
+    t2 = req("t2", conv="c2", system_tokens=500, prompt=880, history="m1|m2|m3", prev_history="m1",
+             history_tokens=300, suffix="m4", suffix_tokens=40)
+    # Turn 3 drops m1 (a sliding window): its prev_history (m2|m3) is not turn 2's history (m1|m2|m3).
+    t3 = req("t3", at=20, conv="c2", system_tokens=500, prompt=1180, cached=512, history="m2|m3|m4|m5",
+             prev_history="m2|m3", history_tokens=600, suffix="m6", suffix_tokens=50)
+    rows = run(t2, t3)
+    assert split(rows, "t3") == [("prefix_drift", "history_truncated", 608), ("unavoidable", "", 60)]
+    check_sum(rows, t3)
+
+
+def test_prompt_shorter_than_a_block_is_below_block():
+    # cap-5-below-one-block: a 19-token prompt is never cached, even when repeated.
+    r1 = req("r1", system="Be brief.", system_tokens=5, prompt=19, suffix="hi", suffix_tokens=10)
+    r2 = req("r2", at=1, system="Be brief.", system_tokens=5, prompt=19, suffix="hi", suffix_tokens=10)
+    rows = run(r1, r2)
+    assert split(rows, "r2") == [("below_block", "", 18), ("unavoidable", "", 1)]
+
+
+def test_shared_part_shorter_than_a_block_is_below_block():
+    r1 = req("r1", system="Be brief.", system_tokens=20, prompt=300, suffix="long q", suffix_tokens=260)
+    r2 = req("r2", at=1, system="Be brief.", system_tokens=20, prompt=300, suffix="other", suffix_tokens=260)
+    rows = run(r1, r2)
+    assert split(rows, "r2") == [("below_block", "", 21), ("unavoidable", "", 279)]
+    check_sum(rows, r2)
+
+
+# -- unknown: numbers the model cannot explain ---------------------------------------------------------------
+def test_more_cached_than_vllm_can_hit_is_unknown():
+    r = req("r", cached=750)  # > floor(761 / 32) * 32 = 736: the block size or the counts are wrong
+    assert split(run(r), "r") == [("unknown", "", 12)]
+
+
+def test_hit_without_any_predecessor_is_unknown_not_cold():
+    r = req("r", cached=320)  # a hit proves the prefix was seen; the rules found nothing
+    assert split(run(r), "r") == [("unknown", "", 416), ("unavoidable", "", 26)]
+
+
+def test_no_segment_counts_is_unknown_except_the_tail():
+    r = req("r", prompt=100, system_tokens=0, suffix_tokens=0)
+    assert split(run(r), "r") == [("unknown", "", 96), ("unavoidable", "", 4)]
+
+
+def test_whole_prompt_as_suffix_is_unavoidable():
+    # /v1/completions without a prefix split: the whole prompt is the suffix
+    r = req("r", system="", system_tokens=0, prompt=300, suffix_tokens=290)
+    assert split(run(r), "r") == [("unavoidable", "", 300)]
+
+
+@pytest.mark.parametrize("over", [dict(status=502), dict(cached=762), dict(cached=800), dict(prompt=0)])
+def test_no_rows_for_failed_or_fully_served_requests(over):
+    assert run(req("r", **over)) == []
+
+
+# -- predecessor rules ---------------------------------------------------------------------------------------
+def pred_of(rows: list[a.MissRow], rid: str) -> str:
+    return next(r.predecessor_request_id for r in rows if r.request_id == rid)
+
+
+def test_previous_turn_wins_over_a_later_fingerprint_match():
+    t1 = req("t1", conv="c1")
+    other = req("other", at=1, tenant="globex", pod="pod-b")  # same fingerprint, another tenant, later
+    t2 = turn2("t2", pod="pod-b", cached=0, at=2)
+    assert pred_of(run(t1, other, t2), "t2") == "t1"
+
+
+def test_fingerprint_predecessor_may_be_another_tenant():
+    r1, r2 = req("r1", tenant="globex", pod="pod-b"), req("r2", at=1, suffix="q2")
+    rows = run(r1, r2)
+    assert pred_of(rows, "r2") == "r1"
+    assert split(rows, "r2") == [("routed_away", "", 736), ("unavoidable", "", 26)]
+
+
+def test_variant_predecessor_stays_within_the_tenant():
+    r1 = req("r1", tenant="globex", system="[t1] hello", system_norm="[<ts>] hello")
+    r2 = req("r2", at=1, system="[t2] hello", system_norm="[<ts>] hello")
+    assert split(run(r1, r2), "r2")[0][0] == "cold"
+
+
+def test_horizon_and_strictly_earlier():
+    r1, same_ts, r3 = req("r1"), req("same", suffix="q2"), req("r3", at=7200, suffix="q3")
+    rows = run(r1, same_ts, r3)
+    assert pred_of(rows, "same") == ""  # the same ts is not strictly earlier
+    rows = run(r1, r3)
+    assert pred_of(rows, "r3") == ""
+    assert pred_of(run(r1, r3, horizon_seconds=7200), "r3") == "r1"
+
+
+def test_failed_and_other_model_requests_are_not_predecessors():
+    t1 = req("t1", conv="c1")
+    failed = req("failed", at=1, conv="c1", status=502, prompt=0)
+    other_model = req("m", at=1.5, conv="c1", model="big")
+    t2 = turn2("t2", pod="pod-b", cached=0, at=3)
+    assert pred_of(run(t1, failed, other_model, t2), "t2") == "t1"
+
+
+def test_window_requests_are_predecessors_but_not_attributed():
+    t1, t2 = req("t1", conv="c1"), turn2("t2", pod="pod-b", cached=0)
+    rows = a.attribute([t2], [t1], block_size_by_pod=BLOCK)
+    assert {r.request_id for r in rows} == {"t2"} and pred_of(rows, "t2") == "t1"
+
+
+def test_unknown_pod_falls_back_to_default_block_size():
+    rows = a.attribute([req("r", pod="pod-z", prompt=100, system_tokens=70, suffix_tokens=20)],
+                       block_size_by_pod=BLOCK)
+    # stable prefix 77 → 4 blocks of vLLM's default 16 = 64 cold
+    assert [(r.cause, r.tokens, r.block_size) for r in rows] == [("cold", 64, 16), ("unavoidable", 36, 16)]
+
+
+# -- the token split on its own ------------------------------------------------------------------------------
+def test_split_zones_are_counted_from_cached_tokens_on():
+    shared = a.SharedPrefix(603, "tools_reordered", 603, 764)
+    out = a.split_missed_tokens(prompt_tokens=764, cached_tokens=0, block_size=32, stable_prefix_tokens=743,
+                                shared=shared, reuse_cause=("routed_away", ""))
+    # reusable [0, 576), the change broke the block holding 603, drift up to 736, tail 28
+    assert out == [("routed_away", "", 576), ("prefix_drift", "tools_reordered", 160),
+                   ("unavoidable", "", 28)]
+
+
+# -- invariants ----------------------------------------------------------------------------------------------
+def test_random_traffic_sums_exactly_and_is_deterministic():
+    rnd = random.Random(7)
+    reqs = []
+    for i in range(400):
+        prompt = rnd.randint(0, 3000)
+        seg = [rnd.choice([0, rnd.randint(1, 900)]) for _ in range(5)]
+        reqs.append(req(
+            f"r{i:03d}", at=rnd.uniform(0, 5000), tenant=rnd.choice("ab"), conv=rnd.choice(["", "c1", "c2"]),
+            run=rnd.choice(["", "x"]), pod=rnd.choice(["pod-a", "pod-b", "pod-c"]), prompt=prompt,
+            cached=rnd.choice([0, rnd.randint(0, prompt + 50)]), status=rnd.choice([200, 200, 200, 500]),
+            system=rnd.choice(["", "s1", "s2"]), system_norm=rnd.choice([None, "n"]), system_tokens=seg[0],
+            tools=rnd.choice(["", "t1", "t2"]), tools_canonical=rnd.choice([None, "tc"]), tools_tokens=seg[1],
+            rag=rnd.choice(["", "r1", "r2"]), rag_set=rnd.choice([None, "rs"]), rag_tokens=seg[2],
+            history=rnd.choice(["", "h1", "h2"]), prev_history=rnd.choice(["", "h1"]), history_tokens=seg[3],
+            suffix=rnd.choice(["", "x1", "x2"]), suffix_tokens=seg[4],
+        ))
+    sizes = {"pod-a": 32, "pod-b": 16}
+    rows = a.attribute(reqs, block_size_by_pod=sizes)
+    shuffled = reqs[:]
+    rnd.shuffle(shuffled)
+    assert a.attribute(shuffled, block_size_by_pod=sizes) == rows
+    by_id: dict[str, int] = {}
+    for r in rows:
+        assert r.tokens > 0
+        assert r.cause in a.CAUSES
+        if r.cause == "prefix_drift":
+            assert r.sub_cause in a.DRIFT_SUB_CAUSES
+        elif r.cause == "evicted":
+            assert r.sub_cause in ("", "evicted_before_next_turn")
+        else:
+            assert r.sub_cause == ""
+        by_id[r.request_id] = by_id.get(r.request_id, 0) + r.tokens
+    for q in reqs:
+        if a.is_attributable(q):
+            assert by_id[q["request_id"]] == missed(q)
+        else:
+            assert q["request_id"] not in by_id
+    keys = [(r.request_id, r.cause, r.sub_cause) for r in rows]
+    assert len(keys) == len(set(keys))
