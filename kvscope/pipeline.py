@@ -46,6 +46,7 @@ class Pipeline:
     collector: Collector | None = None
     ingester: Ingester | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
+    _closers: list = field(default_factory=list)
 
     def _transport(self) -> tuple[Publisher | None, Source | None]:
         if self.cfg.kafka_bootstrap:
@@ -60,6 +61,7 @@ class Pipeline:
         if self.store is None and (self.ingest or self.attribute):
             self.store = open_store(self.cfg)
         publisher, source = self._transport()
+        self._closers = [x for x in (publisher, source) if x is not None]
         if self.ingest:
             assert self.store is not None and source is not None
             self.ingester = Ingester(self.store, source)
@@ -93,6 +95,8 @@ class Pipeline:
             self.collector.close(timeout)
         for th in self._threads:
             th.join(timeout)
+        for closer in self._closers:  # a consumer that leaves its group lets the next member join at once
+            closer.close()
 
 
 def run_dashboard_inprocess(store: Store, address: str, port: int) -> None:
