@@ -77,13 +77,11 @@ class DemoRun:
                       gateway_log=str(gw_log), kv_events_endpoint=self.fleet.kv_events_endpoint)
         self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop)
         self.pipeline.start()
-        round_no = 0
-        while not self.stop.is_set() and (self.rounds == 0 or round_no < self.rounds):
-            round_no += 1
-            self._step(f"workload round {round_no} via gateway {self.gateway.url}")
-            run_workload(self.gateway.url, seed=self.seed + round_no, scale=self.scale, stop_event=self.stop,
-                         labels_path=self.workdir / f"labels-{round_no}.jsonl", id_prefix=f"r{round_no}-")
-        self._step(f"workload finished after {round_no} round(s); pipeline still collecting")
+        # rounds == 0: new conversations forever (tenants keep their prompts, as real tenants do)
+        self._step(f"workload running via gateway {self.gateway.url}")
+        labels = run_workload(self.gateway.url, seed=self.seed, scale=self.scale * max(1, self.rounds),
+                              loop=self.rounds == 0, stop_event=self.stop, labels_path=self.workdir / "labels.jsonl")
+        self._step(f"workload finished after {len(labels)} requests; pipeline still collecting")
 
     def close(self) -> None:
         self.stop.set()

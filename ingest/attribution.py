@@ -409,8 +409,9 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
     evicted with its sub_cause). Zones cover [0, P) without overlap, each counted on its part of [C, P):
     - C > L: vLLM cannot hit that much with this B, so the numbers (or B) are wrong: all ``unknown``;
     - no segment counts: [0, L) ``unknown``;
-    - no predecessor: [0, floor(min(T, P−1)/B)·B) ``cold``; ``unknown`` instead when C > 0, since a hit
-      proves the prefix was seen by something the rules did not find;
+    - no predecessor: [0, floor(min(T, P−1)/B)·B) ``cold``; a hit C > 0 here is a short common opening (the
+      chat template's first tokens, a shared greeting) that some earlier prompt had: the missed rest of the
+      prefix was still never seen;
     - predecessor, 0 < S < B: [0, min(S, P−1)) ``below_block``;
       predecessor, S ≥ B (or 0): [0, R) with R = floor(min(S, P−1)/B)·B → ``reuse_cause`` (the part below C
       was hit, so only [C, R) counts);
@@ -428,7 +429,7 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
     if stable_prefix_tokens is None:
         zones.append((last_hittable, UNKNOWN, ""))
     elif shared is None:
-        zones.append((_full_blocks(min(stable_prefix_tokens, p - 1), b), COLD if c == 0 else UNKNOWN, ""))
+        zones.append((_full_blocks(min(stable_prefix_tokens, p - 1), b), COLD, ""))
     else:
         s = min(max(0, shared.shared_tokens), p)
         if 0 < s < b:

@@ -42,6 +42,8 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "kafka"):  # one line per request or per reconnect drowns the pipeline's own log
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     return cfg
 
 
@@ -129,7 +131,8 @@ def up(no_dashboard: bool, **opts: Any) -> None:
 @store_options
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
 @click.option("--address", "dashboard_address", default=None, help="Dashboard address.")
-@click.option("--rounds", type=int, default=0, help="Workload rounds, then keep serving (0 = run until Ctrl-C).")
+@click.option("--rounds", type=int, default=0,
+              help="Send the workload this many times (new conversations each), then keep serving; 0 = until Ctrl-C.")
 def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> None:
     """Demo fleet of real vLLM CPU servers + gateway + workload + `kvscope up`; prints the dashboard URL."""
     import streamlit  # noqa: F401
