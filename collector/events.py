@@ -59,7 +59,7 @@ class GatewayRequest(msgspec.Struct, frozen=True, tag="gateway_request"):
     ``record`` is the log object as written by the gateway (request_id, ts, tenant_id, segment hashes and
     token counts, prompt/cached/completion tokens, ttft_ms, ...); ``source_file`` and ``line_offset`` say
     where it was read (bytes offset of the line's start), for dead letters and checkpoints.
-    Natural key: ``record["request_id"]``.
+    Natural key: (``record["request_id"]``, ``record["ts"]``).
     """
 
     record: dict[str, Any]

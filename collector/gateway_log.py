@@ -3,7 +3,7 @@ events, one per line, and a ``DeadLetter`` for every line that is not a valid re
 
 :class:`LogTailer` follows a file from a byte offset and only ever consumes complete lines (a line still
 being written is left for the next poll). Re-reading a file after a restart is safe: a record's
-``event_id`` comes from its ``request_id``, so the store collapses the repeat.
+``event_id`` comes from its ``request_id`` and ``ts``, so the store collapses the repeat.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def line_event(line: str, *, pod: str, source_file: str, offset: int) -> Envelop
         dl = DeadLetter(source="gateway_log", reason=str(exc), raw=line[:MAX_RAW], location=f"{source_file}:{offset}")
         return envelope(dl, pod=pod, natural_key=(source_file, offset, line[:256]), observed_at_ms=now_ms)
     ev = GatewayRequest(record=rec, source_file=source_file, line_offset=offset)
-    return envelope(ev, pod=str(rec.get("pod", pod)), natural_key=(rec["request_id"],),
+    # (request_id, ts): a re-read line keeps its id; a client reusing a request id does not collapse two requests
+    return envelope(ev, pod=str(rec.get("pod", pod)), natural_key=(rec["request_id"], rec["ts"]),
                     observed_at_ms=parse_ts_ms(rec["ts"]))
 
 

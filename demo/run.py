@@ -79,8 +79,10 @@ class DemoRun:
         self.pipeline.start()
         # rounds == 0: new conversations forever (tenants keep their prompts, as real tenants do)
         self._step(f"workload running via gateway {self.gateway.url}")
+        run_id = time.strftime("%m%d%H%M%S")  # request ids stay unique across demo runs on the same store
         labels = run_workload(self.gateway.url, seed=self.seed, scale=self.scale * max(1, self.rounds),
-                              loop=self.rounds == 0, stop_event=self.stop, labels_path=self.workdir / "labels.jsonl")
+                              loop=self.rounds == 0, stop_event=self.stop, id_prefix=f"{run_id}-",
+                              labels_path=self.workdir / f"labels-{run_id}.jsonl")
         self._step(f"workload finished after {len(labels)} requests; pipeline still collecting")
 
     def close(self) -> None:

@@ -211,7 +211,7 @@ def test_dashboard_in_headless_chromium_shows_numbers(e2e, tmp_path: Path) -> No
             app = make_app([(p.name, p.base_url) for p in e2e["pods"]], Path(cfg.gateway_log),
                            policy="prefix_affinity", tokenizer_path=e2e["tokenizer"])
             with GatewayServer(app) as gw:
-                run_workload(gw.url, seed=11, scale=0.2, concurrency=2, wait_scale=0.2)
+                run_workload(gw.url, seed=23, scale=0.2, concurrency=2, wait_scale=0.2)  # seed 11: test_workload
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
                     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

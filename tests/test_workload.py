@@ -192,7 +192,9 @@ def test_loop_runs_new_sessions_until_stopped() -> None:
 
 @pytest.mark.vllm
 def test_pathologies_show_on_a_real_vllm_pod(vllm_fleet) -> None:  # type: ignore[no-untyped-def]
-    """All requests to one pod (no gateway): the stable prefix hits, each pathology cuts the hit short."""
+    """All requests to one pod (no gateway): the stable prefix hits, each pathology cuts the hit short.
+
+    Seed 11 is this test's alone: a pod that already served the same prompts would hit them in full."""
     labels = run_workload(vllm_fleet.pods[0].base_url, seed=11, scale=0.2, concurrency=2, wait_scale=0.2,
                           id_prefix="realpod-")  # fmt: skip
     assert labels and all(lb["status"] == "ok" for lb in labels), labels
