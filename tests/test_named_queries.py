@@ -18,7 +18,7 @@ import pytest
 
 import sql as sqlfiles
 from ingest.errors import QueryError
-from ingest.store import Store
+from ingest.store import Store, split_statements
 from tests.fixture_data import at, load_fixture
 
 PARAM_USE = re.compile(r"\{(\w+):([^{}]+)\}")
@@ -188,6 +188,29 @@ def test_hit_rate_filters_and_window(fx: Store) -> None:
         ("vllm", 6342),
         ("gateway", 6342),
     }
+
+
+def test_counter_deltas_view(store: Store) -> None:
+    """The counter rules the vLLM queries share live in one parameterized view (migration 0006): called
+    directly with typed parameters it gives the per-series deltas they sum; its migration reruns safely."""
+    migration = dict(sqlfiles.migrations())["0006_create_vllm_counter_deltas"]
+    for statement in split_statements(migration):
+        store.command(statement)  # already applied by migrate(): IF NOT EXISTS makes this a no-op
+    load_fixture(store)
+    call = (
+        "SELECT pod, ts, name, delta FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, "
+        "until = {until:DateTime64(3, 'UTC')}, pod = {pod:String}, counters = ['vllm:prefix_cache_queries_total']) "
+        "ORDER BY pod, ts"
+    )
+    window = {"since": "2026-11-29 12:01:00", "until": "2200-01-01 00:00:00"}
+    # The 12:00:30 scrapes are the baseline (read from a day before since); pod-b's drop is a restart.
+    assert store.query_df(call, {**window, "pod": ""}).rows() == [
+        ("pod-a", at(90), "vllm:prefix_cache_queries_total", 12909 - 9818),
+        ("pod-a", at(150), "vllm:prefix_cache_queries_total", 13709 - 12909),
+        ("pod-b", at(90), "vllm:prefix_cache_queries_total", 800),
+        ("pod-b", at(150), "vllm:prefix_cache_queries_total", 2451 - 800),
+    ]
+    assert store.query_df(call, {**window, "pod": "pod-b"})["delta"].to_list() == [800, 1651]
 
 
 def test_hit_rate_engines_name_generations_and_created(chdb_dir: Path) -> None:

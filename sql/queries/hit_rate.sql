@@ -13,69 +13,18 @@
 -- returns: request_weighted_hit_rate Nullable(Float64) | mean over served requests of cached/prompt, fraction 0..1; NULL for vllm
 -- returns: requests Nullable(UInt64) | served requests (status < 400, prompt_tokens > 0); NULL for vllm
 --
--- vLLM counters: one series per (metric, pod, engine, labels). A delta is taken between consecutive samples
--- of a series (lagInFrame over ts); a drop, or a change of the counter's _created sample, is a restart, and
--- the delta is then the new value; the first sample of a series contributes no delta. Samples are read from
--- one day before `since` so the first bucket has its baseline. Older vLLM (<= 0.11) exposes
--- vllm:gpu_prefix_cache_*; 0.10 exposes both generations with equal values, so at each scrape of a
--- (pod, engine) the older names are used only when the newer ones are absent (never both: no double count).
--- Duplicate samples (a re-sent scrape not yet merged) repeat a value and add a zero delta, so no FINAL here.
+-- vLLM counters: the deltas of vllm_counter_deltas (sql/migrations/0006), which holds the rules: deltas
+-- between consecutive samples of a series, restarts (a drop, or a change of _created: delta = the new value),
+-- no delta for a series' first sample, a baseline read from one day before `since`, and the older
+-- vllm:gpu_prefix_cache_* names (vLLM <= 0.11) used only where the newer ones are absent (never both).
 WITH
-    counters AS
-    (
-        SELECT
-            pod,
-            engine,
-            toString(mapSort(labels)) AS series_labels,
-            ts,
-            value,
-            if(endsWith(name, '_hits_total'), 'hits', 'queries') AS kind,
-            if(startsWith(name, 'vllm:gpu_'), 0, 1) AS generation,
-            replaceRegexpOne(name, '_total$', '_created') AS created_name,
-            max(generation) OVER (PARTITION BY pod, engine, ts) AS newest_generation
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total',
-                       'vllm:gpu_prefix_cache_hits_total', 'vllm:gpu_prefix_cache_queries_total')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-          AND {tenant:String} = ''
-    ),
-    created AS
-    (
-        SELECT name AS created_name, pod, engine, toString(mapSort(labels)) AS series_labels, ts,
-               max(value) AS created
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:prefix_cache_hits_created', 'vllm:prefix_cache_queries_created',
-                       'vllm:gpu_prefix_cache_hits_created', 'vllm:gpu_prefix_cache_queries_created')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-        GROUP BY created_name, pod, engine, series_labels, ts
-    ),
-    samples AS
-    (
-        SELECT c.pod AS pod, c.engine AS engine, c.series_labels AS series_labels, c.ts AS ts,
-               c.value AS value, c.kind AS kind, c.generation AS generation, cr.created AS created
-        FROM counters AS c
-        LEFT JOIN created AS cr
-            ON c.created_name = cr.created_name AND c.pod = cr.pod AND c.engine = cr.engine
-           AND c.series_labels = cr.series_labels AND c.ts = cr.ts
-        WHERE c.generation = c.newest_generation
-    ),
     deltas AS
     (
-        SELECT
-            ts,
-            kind,
-            row_number() OVER w = 1 AS is_first,
-            if(value < lagInFrame(value) OVER w
-                   OR (created > 0 AND lagInFrame(created) OVER w > 0 AND created != lagInFrame(created) OVER w),
-               value,
-               value - lagInFrame(value) OVER w) AS delta
-        FROM samples
-        WINDOW w AS (PARTITION BY kind, generation, pod, engine, series_labels ORDER BY ts
-                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
+        SELECT ts, name, delta
+        FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                                 pod = {pod:String},
+                                 counters = ['vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total'])
+        WHERE {tenant:String} = ''
     ),
     served AS
     (
@@ -92,13 +41,12 @@ FROM
     SELECT
         toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
         'vllm' AS source,
-        toUInt64(round(sumIf(delta, kind = 'hits'))) AS hit_tokens,
-        toUInt64(round(sumIf(delta, kind = 'queries'))) AS query_tokens,
+        toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_hits_total'))) AS hit_tokens,
+        toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_queries_total'))) AS query_tokens,
         if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
         CAST(NULL AS Nullable(Float64)) AS request_weighted_hit_rate,
         CAST(NULL AS Nullable(UInt64)) AS requests
     FROM deltas
-    WHERE ts >= {since:DateTime64(3, 'UTC')} AND NOT is_first
     GROUP BY bucket
     UNION ALL
     SELECT

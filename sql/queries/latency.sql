@@ -15,12 +15,13 @@
 --
 -- Gateway: quantilesExactInclusive (linear interpolation between order statistics, numpy's default) over
 -- served requests (status < 400); queue_wait_ms only where vLLM reported it.
--- vLLM: per series (pod, engine, labels incl. le) the count delta between consecutive scrapes (a drop is a
--- restart: delta = the new value; the first sample contributes nothing), summed per le over pods and
--- engines, then Prometheus histogram_quantile (promql/quantile.go bucketQuantile): cumulative counts made
--- monotonic; rank = q × count(+Inf); the first bucket whose count reaches the rank; linear interpolation
--- inside it from the previous bound (0 below the first); a rank in the +Inf bucket returns the highest
--- finite bound; NULL without a +Inf bucket, with fewer than two buckets, or with no observations.
+-- vLLM: per series (pod, engine, labels incl. le) the count delta between consecutive scrapes, from
+-- vllm_counter_deltas (sql/migrations/0006: a drop is a restart, delta = the new value; the first sample
+-- contributes nothing), summed per le over pods and engines, then Prometheus histogram_quantile
+-- (promql/quantile.go bucketQuantile): cumulative counts made monotonic; rank = q × count(+Inf); the first
+-- bucket whose count reaches the rank; linear interpolation inside it from the previous bound (0 below the
+-- first); a rank in the +Inf bucket returns the highest finite bound; NULL without a +Inf bucket, with
+-- fewer than two buckets, or with no observations.
 WITH
     gateway AS
     (
@@ -34,45 +35,28 @@ WITH
           AND ({pod:String} = '' OR pod = {pod:String})
           AND status < 400
     ),
-    hist_samples AS
-    (
-        SELECT
-            pod,
-            engine,
-            toString(mapSort(labels)) AS series_labels,
-            if(name = 'vllm:time_to_first_token_seconds_bucket', 'ttft_ms', 'queue_wait_ms') AS metric,
-            if(lower(labels['le']) IN ('+inf', 'inf'), inf, toFloat64OrNull(labels['le'])) AS le,
-            ts,
-            value
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:time_to_first_token_seconds_bucket', 'vllm:request_queue_time_seconds_bucket')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-          AND {tenant:String} = ''
-    ),
     hist_deltas AS
     (
         SELECT
             ts,
-            metric,
-            le,
-            row_number() OVER w = 1 AS is_first,
-            if(value < lagInFrame(value) OVER w, value, value - lagInFrame(value) OVER w) AS delta
-        FROM hist_samples
-        WHERE le IS NOT NULL
-        WINDOW w AS (PARTITION BY metric, pod, engine, series_labels ORDER BY ts
-                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
+            if(name = 'vllm:time_to_first_token_seconds_bucket', 'ttft_ms', 'queue_wait_ms') AS metric,
+            if(lower(le) IN ('+inf', 'inf'), inf, toFloat64OrNull(le)) AS bound,
+            delta
+        FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                                 pod = {pod:String},
+                                 counters = ['vllm:time_to_first_token_seconds_bucket',
+                                             'vllm:request_queue_time_seconds_bucket'])
+        WHERE {tenant:String} = ''
     ),
     hist_by_le AS
     (
         SELECT
             toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
             metric,
-            assumeNotNull(le) AS upper_bound,
+            assumeNotNull(bound) AS upper_bound,
             sum(delta) AS cumulative_count
         FROM hist_deltas
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND NOT is_first
+        WHERE bound IS NOT NULL
         GROUP BY bucket, metric, upper_bound
     ),
     hist AS

@@ -21,65 +21,9 @@
 -- returns: bytes_per_token Nullable(Float64) | kv_cache_memory_bytes / kv_cache_size_tokens from vllm:cache_config_info (vLLM >= 0.32), bytes per cached token
 -- returns: last_scrape_ts Nullable(DateTime64(3, 'UTC')) | latest vLLM sample of the pod in the window, UTC
 --
--- vllm_* columns: counter deltas as in hit_rate.sql (resets, first samples, name generations).
+-- vllm_* columns: counter deltas from vllm_counter_deltas (sql/migrations/0006: resets, first samples, name
+-- generations), summed per pod.
 WITH
-    counters AS
-    (
-        SELECT
-            pod,
-            engine,
-            toString(mapSort(labels)) AS series_labels,
-            ts,
-            value,
-            if(endsWith(name, '_hits_total'), 'hits', 'queries') AS kind,
-            if(startsWith(name, 'vllm:gpu_'), 0, 1) AS generation,
-            replaceRegexpOne(name, '_total$', '_created') AS created_name,
-            max(generation) OVER (PARTITION BY pod, engine, ts) AS newest_generation
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total',
-                       'vllm:gpu_prefix_cache_hits_total', 'vllm:gpu_prefix_cache_queries_total')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-          AND {tenant:String} = ''
-    ),
-    created AS
-    (
-        SELECT name AS created_name, pod, engine, toString(mapSort(labels)) AS series_labels, ts,
-               max(value) AS created
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:prefix_cache_hits_created', 'vllm:prefix_cache_queries_created',
-                       'vllm:gpu_prefix_cache_hits_created', 'vllm:gpu_prefix_cache_queries_created')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-        GROUP BY created_name, pod, engine, series_labels, ts
-    ),
-    samples AS
-    (
-        SELECT c.pod AS pod, c.engine AS engine, c.series_labels AS series_labels, c.ts AS ts,
-               c.value AS value, c.kind AS kind, c.generation AS generation, cr.created AS created
-        FROM counters AS c
-        LEFT JOIN created AS cr
-            ON c.created_name = cr.created_name AND c.pod = cr.pod AND c.engine = cr.engine
-           AND c.series_labels = cr.series_labels AND c.ts = cr.ts
-        WHERE c.generation = c.newest_generation
-    ),
-    deltas AS
-    (
-        SELECT
-            pod,
-            ts,
-            kind,
-            row_number() OVER w = 1 AS is_first,
-            if(value < lagInFrame(value) OVER w
-                   OR (created > 0 AND lagInFrame(created) OVER w > 0 AND created != lagInFrame(created) OVER w),
-               value,
-               value - lagInFrame(value) OVER w) AS delta
-        FROM samples
-        WINDOW w AS (PARTITION BY kind, generation, pod, engine, series_labels ORDER BY ts
-                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
-    ),
     served AS
     (
         SELECT CAST(pod AS String) AS pod_name,
@@ -96,10 +40,14 @@ WITH
     counted AS
     (
         SELECT CAST(pod AS String) AS pod_name,
-               CAST(toUInt64(round(sumIf(delta, kind = 'hits'))) AS Nullable(UInt64)) AS hit_tokens,
-               CAST(toUInt64(round(sumIf(delta, kind = 'queries'))) AS Nullable(UInt64)) AS query_tokens
-        FROM deltas
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND NOT is_first
+               CAST(toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_hits_total'))) AS Nullable(UInt64))
+                   AS hit_tokens,
+               CAST(toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_queries_total'))) AS Nullable(UInt64))
+                   AS query_tokens
+        FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                                 pod = {pod:String},
+                                 counters = ['vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total'])
+        WHERE {tenant:String} = ''
         GROUP BY pod_name
     ),
     scraped AS

@@ -13,62 +13,10 @@
 -- returns: prefill_computed_tokens Nullable(UInt64) | prefix_cache_miss_tokens: prompt tokens the pod computed (prompt - cached), tokens; NULL for vllm
 -- returns: decode_tokens UInt64 | decode_tokens_total: completion (generated) tokens, tokens
 --
--- vLLM counters: deltas per series between consecutive samples; a drop or a change of the counter's
--- _created sample is a restart (delta = the new value); the first sample of a series contributes nothing
--- (same rules as hit_rate.sql). vllm:prompt_tokens_total counts a prompt when its prefill finishes, the
--- gateway when the response arrives: short buckets can differ.
+-- vLLM counters: the deltas of vllm_counter_deltas (sql/migrations/0006: a drop or a change of the counter's
+-- _created sample is a restart, the first sample of a series contributes nothing). vllm:prompt_tokens_total
+-- counts a prompt when its prefill finishes, the gateway when the response arrives: short buckets can differ.
 WITH
-    counters AS
-    (
-        SELECT
-            pod,
-            engine,
-            toString(mapSort(labels)) AS series_labels,
-            ts,
-            value,
-            if(name = 'vllm:prompt_tokens_total', 'prompt', 'generation') AS kind,
-            replaceRegexpOne(name, '_total$', '_created') AS created_name
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:prompt_tokens_total', 'vllm:generation_tokens_total')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-          AND {tenant:String} = ''
-    ),
-    created AS
-    (
-        SELECT name AS created_name, pod, engine, toString(mapSort(labels)) AS series_labels, ts,
-               max(value) AS created
-        FROM vllm_metric_samples
-        WHERE name IN ('vllm:prompt_tokens_created', 'vllm:generation_tokens_created')
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY
-          AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
-        GROUP BY created_name, pod, engine, series_labels, ts
-    ),
-    samples AS
-    (
-        SELECT c.pod AS pod, c.engine AS engine, c.series_labels AS series_labels, c.ts AS ts,
-               c.value AS value, c.kind AS kind, cr.created AS created
-        FROM counters AS c
-        LEFT JOIN created AS cr
-            ON c.created_name = cr.created_name AND c.pod = cr.pod AND c.engine = cr.engine
-           AND c.series_labels = cr.series_labels AND c.ts = cr.ts
-    ),
-    deltas AS
-    (
-        SELECT
-            ts,
-            kind,
-            row_number() OVER w = 1 AS is_first,
-            if(value < lagInFrame(value) OVER w
-                   OR (created > 0 AND lagInFrame(created) OVER w > 0 AND created != lagInFrame(created) OVER w),
-               value,
-               value - lagInFrame(value) OVER w) AS delta
-        FROM samples
-        WINDOW w AS (PARTITION BY kind, pod, engine, series_labels ORDER BY ts
-                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
-    ),
     served AS
     (
         SELECT ts, prompt_tokens AS request_prompt_tokens, cached_tokens AS request_cached_tokens,
@@ -98,12 +46,14 @@ FROM
         toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
         'vllm' AS source,
         CAST(NULL AS Nullable(UInt64)) AS requests,
-        toUInt64(round(sumIf(delta, kind = 'prompt'))) AS prompt_tokens,
+        toUInt64(round(sumIf(delta, name = 'vllm:prompt_tokens_total'))) AS prompt_tokens,
         CAST(NULL AS Nullable(UInt64)) AS cached_tokens,
         CAST(NULL AS Nullable(UInt64)) AS prefill_computed_tokens,
-        toUInt64(round(sumIf(delta, kind = 'generation'))) AS decode_tokens
-    FROM deltas
-    WHERE ts >= {since:DateTime64(3, 'UTC')} AND NOT is_first
+        toUInt64(round(sumIf(delta, name = 'vllm:generation_tokens_total'))) AS decode_tokens
+    FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                             pod = {pod:String},
+                             counters = ['vllm:prompt_tokens_total', 'vllm:generation_tokens_total'])
+    WHERE {tenant:String} = ''
     GROUP BY bucket
 )
 ORDER BY bucket, source
