@@ -67,20 +67,22 @@ class Collector:
     _publish_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _publish(self, source: str, events: list[Envelope]) -> bool:
+        """Publish, retrying with backoff until it works; False only if ``stop`` is set before it does."""
         backoff = 0.5
-        while not self.stop.is_set():
+        while True:
             try:
                 with self._publish_lock:
-                    self.publisher.publish(events)
+                    if events:
+                        self.publisher.publish(events)
                 for ev in events:
                     EVENTS_PUBLISHED.labels(ev.schema).inc()
                 return True
             except PublishError as exc:
                 PUBLISH_FAILURES.labels(source).inc()
                 log.warning("publish failed, keeping events. source=%s retry_in_s=%.1f error=%s", source, backoff, exc)
-                self.stop.wait(backoff)
+                if self.stop.wait(backoff):
+                    return False
                 backoff = min(backoff * 2, 30.0)
-        return False
 
     def scrape_all(self, client: httpx.Client) -> int:
         """One scrape of every target; returns envelopes published."""
@@ -91,6 +93,10 @@ class Collector:
             except ScrapeError as exc:
                 SCRAPE_FAILURES.labels(t.pod).inc()
                 log.warning("scrape failed. pod=%s url=%s reason=%s", t.pod, t.metrics_url, exc.reason)
+                continue
+            except Exception:  # a bug on one pod's body must not stop the scrape loop for every pod
+                SCRAPE_FAILURES.labels(t.pod).inc()
+                log.exception("scrape of one pod failed unexpectedly; other pods continue. pod=%s", t.pod)
                 continue
             if self._publish("vllm_metrics", events):
                 n += len(events)
@@ -112,6 +118,7 @@ class Collector:
                 tailer.offset = offset
             if not events:
                 self.stop.wait(self.log_poll_seconds)
+        self._publish("gateway_log", tailer.poll())  # lines written before the stop still go out
 
     def _kv_loop(self, sub: KvEventSubscriber) -> None:
         try:

@@ -48,7 +48,7 @@ def parse_metrics(text: str) -> ParseResult:
     try:
         samples, types = _families(text)
         return ParseResult(samples, types, [])
-    except ValueError:
+    except (ValueError, IndexError, KeyError, TypeError):
         pass
     samples, types, bad = [], {}, []
     type_line: dict[str, str] = {}
@@ -61,11 +61,14 @@ def parse_metrics(text: str) -> ParseResult:
             if len(parts) >= 4 and parts[1] == "TYPE":
                 type_line[parts[2]] = stripped
             continue
-        name = stripped.split("{", 1)[0].split(None, 1)[0]
-        header = next((type_line[f] for f in _candidate_families(name) if f in type_line), "")
+        head = stripped.split("{", 1)[0].split(None, 1)
+        if not head:
+            bad.append((line[:MAX_RAW], "sample line has no metric name"))
+            continue
+        header = next((type_line[f] for f in _candidate_families(head[0]) if f in type_line), "")
         try:
             s, t = _families(f"{header}\n{line}\n" if header else f"{line}\n")
-        except ValueError as exc:
+        except (ValueError, IndexError, KeyError, TypeError) as exc:  # the parser's failures on odd lines
             bad.append((line[:MAX_RAW], f"unparseable sample line: {exc}"))
             continue
         samples.extend(s)

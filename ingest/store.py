@@ -18,6 +18,7 @@ from typing import Any
 
 import clickhouse_connect
 import polars as pl
+import pyarrow as pa
 from clickhouse_connect.driver import exceptions as ch_exc
 
 import sql as sqlfiles
@@ -29,14 +30,25 @@ _PERMANENT_CODES = {6, 26, 27, 38, 41, 53, 69, 70, 72, 117, 130, 131, 241}  # pa
 _RETRYABLE_CODES = {159, 160, 164 + 10_000, 202, 209, 210, 242, 252, 319, 425}  # timeouts, too many parts, net
 _CODE = re.compile(r"Code:\s*(\d+)")
 
+#: Rows an ad hoc query returns at most; a result of exactly this many rows was cut.
+ADHOC_MAX_ROWS = 10_000
 #: Limits enforced by the database on ad hoc SQL (STYLE.md §3, datasette's sql_time_limit_ms/max_returned_rows).
-#: ``readonly`` must come last: once it is set, no setting can change.
+#: ``result_overflow_mode=break`` stops at the end of the block that crosses the limit, so blocks are capped at
+#: the limit too. ``readonly`` must come last: once it is set, no setting can change.
 ADHOC_SETTINGS: dict[str, Any] = {
     "max_execution_time": 10,
-    "max_result_rows": 10_000,
+    "max_result_rows": ADHOC_MAX_ROWS,
+    "max_block_size": ADHOC_MAX_ROWS,
     "result_overflow_mode": "break",
     "readonly": 1,
 }
+# Literals, quoted names and comments are blanked before looking for a ';' followed by more SQL.
+_NOT_CODE = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|--[^\n]*|/\*.*?\*/", re.S)
+
+
+def _many_statements(statement: str) -> bool:
+    code = _NOT_CODE.sub(" ", statement)
+    return bool(re.search(r";\s*\S", code))
 
 
 def _code(exc: BaseException) -> int | None:
@@ -155,8 +167,22 @@ class Store:
         chDB backend applies per-query settings with SET and cannot restore them after ``readonly=1``, which
         would leave the writer's session read-only). On a server they travel with each query, where they
         cannot outlive it; ``readonly=2`` there lets the same request carry the limits.
-        Raises :class:`QueryError` when the SQL fails or tries to write (ClickHouse code 164, READONLY).
+        Returns at most :data:`ADHOC_MAX_ROWS` rows (exactly that many means the result was cut).
+        Raises :class:`QueryError` when the SQL fails, tries to write (ClickHouse code 164, READONLY), holds
+        more than one statement, or its result cannot be read.
         """
+        if _many_statements(statement):
+            raise QueryError("one statement at a time, please (a ';' is followed by more SQL)")
+        for attempt in (1, 2):  # a read-only query is safe to run again after a garbled result
+            try:
+                df = self._adhoc_once(statement)
+                break
+            except (pa.ArrowInvalid, OSError) as exc:
+                if attempt == 2:
+                    raise QueryError(f"the result could not be read: {exc}") from exc
+        return df.head(ADHOC_MAX_ROWS)
+
+    def _adhoc_once(self, statement: str) -> pl.DataFrame:
         if not self.dsn.startswith("chdb:"):
             return self.query_df(statement, settings={**ADHOC_SETTINGS, "readonly": 2})
         with self._translate("query"):

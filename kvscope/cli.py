@@ -47,15 +47,18 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
     return cfg
 
 
-def _store(cfg):  # type: ignore[no-untyped-def]
+def _store(cfg, *, must_exist: bool = False):  # type: ignore[no-untyped-def]
     from ingest.errors import KvscopeError
     from kvscope.pipeline import open_store
 
+    if must_exist and not cfg.clickhouse_url and not Path(cfg.data_dir).expanduser().is_dir():
+        raise click.ClickException(
+            f"no kvscope data at {cfg.data_dir}; give --data-dir (the demo keeps its data in .kvscope/demo/data)")
     try:
         return open_store(cfg)
     except KvscopeError as exc:
         msg = str(exc)
-        if "Cannot lock file" in msg or "status" in msg and "lock" in msg.lower():
+        if "Cannot lock file" in msg or "EmbeddedServer" in msg:
             msg = (
                 f"the chDB data directory {cfg.data_dir} is in use by another kvscope process (chDB allows one "
                 "process per directory); stop it, or query through its dashboard's SQL page"
@@ -68,11 +71,20 @@ def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
 
     if fmt == "json":
         click.echo(df.write_json())
-    elif fmt == "csv":
-        click.echo(df.write_csv(), nl=False)
+    elif fmt == "csv":  # CSV has no nested values: arrays, maps and tuples go out as JSON text
+        nested = [c for c, t in df.schema.items() if t.is_nested()]
+        flat = df.with_columns(pl.col(c).map_elements(_json_text, return_dtype=pl.String) for c in nested)
+        click.echo(flat.write_csv(), nl=False)
     else:
-        with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
+        with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200,
+                       tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
             click.echo(str(df))
+
+
+def _json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value.to_list() if hasattr(value, "to_list") else value, default=str)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -330,7 +342,7 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **op
         return
     cfg = _config(**opts)
     try:
-        df = _store(cfg).named(name, _params(params))
+        df = _store(cfg, must_exist=True).named(name, _params(params))
     except QueryError as exc:
         raise click.ClickException(str(exc)) from exc
     _emit(df, fmt)
@@ -343,13 +355,16 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **op
 def sql_(statement: str, fmt: str, **opts: Any) -> None:
     """Run ad hoc SQL, read-only (enforced by the database: readonly, max_execution_time, max_result_rows)."""
     from ingest.errors import QueryError
+    from ingest.store import ADHOC_MAX_ROWS
 
     cfg = _config(**opts)
     try:
-        df = _store(cfg).adhoc(statement)
+        df = _store(cfg, must_exist=True).adhoc(statement)
     except QueryError as exc:
         raise click.ClickException(str(exc)) from exc
     _emit(df, fmt)
+    if df.height >= ADHOC_MAX_ROWS:
+        click.echo(f"(result cut at {ADHOC_MAX_ROWS} rows)", err=True)
 
 
 @main.command()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from collector.publish import KafkaPublisher, Message, Publisher, QueuePublisher
 from collector.service import Collector, parse_target
-from ingest.attribution_job import attribution_loop
+from ingest.attribution_job import attribution_loop, run_attribution
+from ingest.errors import KvscopeError
 from ingest.ingester import Ingester
 from ingest.source import KafkaSource, QueueSource, Source
 from ingest.store import Store
@@ -47,6 +49,8 @@ class Pipeline:
     ingester: Ingester | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
     _closers: list = field(default_factory=list)
+    _ingest_stop: threading.Event = field(default_factory=threading.Event)
+    _queue: queue.Queue[Message] | None = None
 
     def _transport(self) -> tuple[Publisher | None, Source | None]:
         if self.cfg.kafka_bootstrap:
@@ -54,8 +58,8 @@ class Pipeline:
             pub = KafkaPublisher(self.cfg.kafka_bootstrap, namespace=ns) if self.collect else None
             src = KafkaSource(self.cfg.kafka_bootstrap, self.cfg.consumer_group, namespace=ns) if self.ingest else None
             return pub, src
-        q: queue.Queue[Message] = queue.Queue(maxsize=100_000)
-        return QueuePublisher(q), QueueSource(q)
+        self._queue = queue.Queue(maxsize=100_000)
+        return QueuePublisher(self._queue), QueueSource(self._queue)
 
     def start(self) -> None:
         if self.store is None and (self.ingest or self.attribute):
@@ -65,12 +69,12 @@ class Pipeline:
         if self.ingest:
             assert self.store is not None and source is not None
             self.ingester = Ingester(self.store, source)
-            self._spawn("ingest", lambda: self.ingester.run(self.stop))  # type: ignore[union-attr]
+            self._spawn("ingest", lambda: self.ingester.run(self._ingest_stop))  # type: ignore[union-attr]
         if self.attribute:
             store = self.store
             assert store is not None
             self._spawn("attribution", lambda: attribution_loop(
-                store, self.stop, self.cfg.attribution_interval_seconds,
+                store, self._ingest_stop, self.cfg.attribution_interval_seconds,
                 settle_seconds=self.cfg.attribution_settle_seconds,
                 horizon_seconds=self.cfg.attribution_horizon_seconds,
                 default_block_size=self.cfg.default_block_size))
@@ -90,12 +94,25 @@ class Pipeline:
         self._threads.append(th)
 
     def close(self, timeout: float = 15.0) -> None:
+        """Stop in data-flow order so nothing already read is dropped: the collector publishes what it has,
+        the ingester drains the in-process queue, the attribution job runs once more over the last requests,
+        then the transports close (a consumer that leaves its group lets the next member join at once)."""
         self.stop.set()
         if self.collector:
             self.collector.close(timeout)
+        deadline = time.monotonic() + timeout
+        while self._queue is not None and self.ingest and not self._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._ingest_stop.set()
         for th in self._threads:
             th.join(timeout)
-        for closer in self._closers:  # a consumer that leaves its group lets the next member join at once
+        if self.attribute and self.store is not None:
+            try:
+                run_attribution(self.store, settle_seconds=0.0, horizon_seconds=self.cfg.attribution_horizon_seconds,
+                                default_block_size=self.cfg.default_block_size)
+            except KvscopeError as exc:
+                log.warning("final attribution run failed. error=%s", exc)
+        for closer in self._closers:
             closer.close()
 
 

@@ -72,12 +72,26 @@ class NamedQuery:
         out: dict[str, str] = {}
         for p in self.params:
             if p.name in values:
-                out[p.name] = values[p.name]
+                out[p.name] = _clickhouse_time(values[p.name]) if p.type.startswith("DateTime") else values[p.name]
             elif p.default is not None:
                 out[p.name] = p.default.strip("'")
             else:
                 raise HeaderError(f"query {self.name} needs parameter {p.name} ({p.type})")
         return out
+
+
+def _clickhouse_time(value: str) -> str:
+    """An ISO 8601 time (``2026-11-29T12:00:00Z``, ``+01:00`` offsets too) as ClickHouse's UTC text
+    ``2026-11-29 12:00:00.000``; anything else is passed through for ClickHouse to judge."""
+    from datetime import UTC, datetime
+
+    try:
+        dt = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        return value
+    if dt.tzinfo is not None:
+        dt = dt.astimezone(UTC)
+    return dt.strftime("%Y-%m-%d %H:%M:%S.") + f"{dt.microsecond // 1000:03d}"
 
 
 def parse_query(text: str, source: str = "<string>") -> NamedQuery:
