@@ -147,13 +147,16 @@ def up(no_dashboard: bool, **opts: Any) -> None:
               help="Send the workload this many times (new conversations each), then keep serving; 0 = until Ctrl-C.")
 def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> None:
     """Demo fleet of real vLLM CPU servers + gateway + workload + `kvscope up`; prints the dashboard URL."""
+    import os
+
     import streamlit  # noqa: F401
 
     from demo.run import DemoRun
     from kvscope.pipeline import run_dashboard_inprocess
 
-    if opts.get("data_dir") is None and opts.get("clickhouse_url") is None:
-        opts["data_dir"] = str(workdir / "data")
+    chosen = ("data_dir", "clickhouse_url")
+    if all(opts.get(k) is None and not os.environ.get(f"KVSCOPE_{k.upper()}") for k in chosen):
+        opts["data_dir"] = str(workdir / "data")  # the demo's own store unless one was chosen
     cfg = _config(**opts)
     store = _store(cfg)
     run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
