@@ -65,6 +65,7 @@ class Collector:
     stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _publish_lock: threading.Lock = field(default_factory=threading.Lock)
+    _failing: set[str] = field(default_factory=set)
 
     def _publish(self, source: str, events: list[Envelope]) -> bool:
         """Publish, retrying with backoff until it works; False only if ``stop`` is set before it does."""
@@ -92,12 +93,18 @@ class Collector:
                 events = scrape(client, t.pod, t.metrics_url)
             except ScrapeError as exc:
                 SCRAPE_FAILURES.labels(t.pod).inc()
-                log.warning("scrape failed. pod=%s url=%s reason=%s", t.pod, t.metrics_url, exc.reason)
+                if t.pod not in self._failing:  # say it once per outage, not every interval
+                    log.warning("scrape failed; retrying every interval. pod=%s url=%s reason=%s",
+                                t.pod, t.metrics_url, exc.reason)
+                self._failing.add(t.pod)
                 continue
             except Exception:  # a bug on one pod's body must not stop the scrape loop for every pod
                 SCRAPE_FAILURES.labels(t.pod).inc()
                 log.exception("scrape of one pod failed unexpectedly; other pods continue. pod=%s", t.pod)
                 continue
+            if t.pod in self._failing:
+                self._failing.discard(t.pod)
+                log.info("scrape recovered. pod=%s", t.pod)
             if self._publish("vllm_metrics", events):
                 n += len(events)
         return n

@@ -63,20 +63,22 @@ class DemoRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._step("building the tiny model (first run only)")
         model_dir = build_tiny_model()
+        self.fleet = VllmFleet(model_dir, self.workdir / "logs", num_pods=self.pods)
+        gw_log = self.workdir / "gateway.jsonl"
+        cfg = replace(self.cfg, vllm=",".join(f"{p.name}={p.base_url}" for p in self.fleet.pods),
+                      gateway_log=str(gw_log), kv_events_endpoint=self.fleet.kv_events_endpoint)
+        # The collector binds the KV-event socket before the pods start: vLLM drops what it publishes while
+        # nobody listens, so this way the store gets every block event from seq 0.
+        self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop)
+        self.pipeline.start()
         self._step(f"starting {self.pods} vLLM CPU servers (~2 min)")
         t0 = time.monotonic()
-        self.fleet = VllmFleet(model_dir, self.workdir / "logs", num_pods=self.pods)
         self.fleet.start()
         log.info("vLLM fleet healthy. seconds=%.0f", time.monotonic() - t0)
-        gw_log = self.workdir / "gateway.jsonl"
         app = make_app([(p.name, p.base_url) for p in self.fleet.pods], gw_log, policy=self.cfg.routing_policy,
                        tokenizer_path=model_dir / "tokenizer.json")
         self.gateway = GatewayServer(app, port=self.cfg.gateway_port)
         self.gateway.start()
-        cfg = replace(self.cfg, vllm=",".join(f"{p.name}={p.base_url}" for p in self.fleet.pods),
-                      gateway_log=str(gw_log), kv_events_endpoint=self.fleet.kv_events_endpoint)
-        self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop)
-        self.pipeline.start()
         # rounds == 0: new conversations forever (tenants keep their prompts, as real tenants do)
         self._step(f"workload running via gateway {self.gateway.url}")
         run_id = time.strftime("%m%d%H%M%S")  # request ids stay unique across demo runs on the same store

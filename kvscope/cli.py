@@ -47,6 +47,15 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
     return cfg
 
 
+def _serve_self_metrics(cfg) -> None:  # type: ignore[no-untyped-def]
+    """kvscope's own Prometheus metrics (rows written, dead letters, scrape failures) on KVSCOPE_METRICS_PORT."""
+    if cfg.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.metrics_port, addr=cfg.dashboard_address)
+        click.echo(f"self-metrics: http://{cfg.dashboard_address}:{cfg.metrics_port}/metrics")
+
+
 def _store(cfg, *, must_exist: bool = False):  # type: ignore[no-untyped-def]
     from ingest.errors import KvscopeError
     from kvscope.pipeline import open_store
@@ -111,6 +120,7 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     from kvscope.pipeline import Pipeline, run_dashboard_inprocess
 
     cfg = _config(**opts)
+    _serve_self_metrics(cfg)
     store = _store(cfg)
     pipe = Pipeline(cfg, store=store)
     pipe.start()
@@ -158,6 +168,7 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     if all(opts.get(k) is None and not os.environ.get(f"KVSCOPE_{k.upper()}") for k in chosen):
         opts["data_dir"] = str(workdir / "data")  # the demo's own store unless one was chosen
     cfg = _config(**opts)
+    _serve_self_metrics(cfg)
     store = _store(cfg)
     run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
     run.start_background()
@@ -183,6 +194,7 @@ def collect(**opts: Any) -> None:
     from kvscope.pipeline import Pipeline
 
     cfg = _config(**opts)
+    _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
         raise click.UsageError("kvscope collect publishes to Kafka: give --kafka-bootstrap (or use kvscope up)")
     pipe = Pipeline(cfg, collect=True, ingest=False, attribute=False)
@@ -208,6 +220,7 @@ def ingest(attribution: bool, **opts: Any) -> None:
     from kvscope.pipeline import Pipeline
 
     cfg = _config(**opts)
+    _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
         raise click.UsageError("kvscope ingest consumes Kafka: give --kafka-bootstrap (or use kvscope up)")
     pipe = Pipeline(cfg, store=_store(cfg), collect=False, ingest=True, attribute=attribution)

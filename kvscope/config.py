@@ -46,6 +46,7 @@ SETTINGS: list[Setting] = [
     Setting("routing_policy", "round_robin", "Gateway routing policy: round_robin | prefix_affinity"),
     Setting("tokenizer", "", "Path of a HF tokenizer.json the gateway counts segment tokens with"),
     Setting("log_level", "INFO", "Python log level"),
+    Setting("metrics_port", 0, "Port serving kvscope's own Prometheus metrics (/metrics); 0 = off", int),
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -72,6 +73,7 @@ class Config:
     routing_policy: str
     tokenizer: str
     log_level: str
+    metrics_port: int
 
     def list(self, name: str) -> list[str]:
         """A comma-separated setting as a list (empty items dropped)."""
