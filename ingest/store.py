@@ -26,8 +26,8 @@ from ingest.errors import QueryError, RejectedRows, StoreUnavailable
 
 # ClickHouse error codes meaning "the rows are wrong" (permanent) vs "try again" (retryable).
 # Source: ClickHouse src/Common/ErrorCodes.cpp.
-_PERMANENT_CODES = {6, 26, 27, 38, 41, 53, 69, 70, 72, 117, 130, 131, 241}  # parse/type/overflow/size errors
-_RETRYABLE_CODES = {159, 160, 164 + 10_000, 202, 209, 210, 242, 252, 319, 425}  # timeouts, too many parts, net
+# Timeouts, too many simultaneous queries, socket/network errors, read-only replica, too many parts.
+_RETRYABLE_CODES = {159, 202, 209, 210, 242, 252, 425}
 _CODE = re.compile(r"Code:\s*(\d+)")
 
 #: Rows an ad hoc query returns at most; a result of exactly this many rows was cut.
@@ -96,7 +96,9 @@ class Store:
         return cls(client, database, dsn)
 
     @contextmanager
-    def _translate(self, what: str) -> Iterator[None]:
+    def _translate(self, what: str, table: str = "") -> Iterator[None]:
+        """Hold the lock and translate clickhouse-connect errors: network/timeouts → StoreUnavailable;
+        others → RejectedRows when writing ``table``, else QueryError."""
         try:
             with self._lock:
                 yield
@@ -106,6 +108,8 @@ class Store:
             code = _code(exc)
             if code in _RETRYABLE_CODES:
                 raise StoreUnavailable(f"{what}: {exc}") from exc
+            if table:
+                raise RejectedRows(table, str(exc), code) from exc
             raise QueryError(f"{what}: {exc}") from exc
 
     # -- writes -------------------------------------------------------------------------------------------
@@ -123,15 +127,8 @@ class Store:
         if not rows:
             return
         try:
-            with self._lock:
+            with self._translate(f"insert into {table}", table):
                 self.client.insert(table, list(rows), column_names=list(column_names))
-        except ch_exc.OperationalError as exc:
-            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
-        except ch_exc.Error as exc:
-            code = _code(exc)
-            if code in _RETRYABLE_CODES:
-                raise StoreUnavailable(f"insert into {table}: {exc}") from exc
-            raise RejectedRows(table, str(exc), code) from exc
         except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as exc:
             raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
 

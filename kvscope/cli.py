@@ -47,6 +47,21 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
     return cfg
 
 
+def _run_until_interrupted(pipe) -> None:  # type: ignore[no-untyped-def]
+    """Start a pipeline and run it until Ctrl-C or SIGTERM, then close it in data-flow order."""
+    import signal
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    pipe.start()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        pipe.close()
+
+
 def _serve_self_metrics(cfg) -> None:  # type: ignore[no-untyped-def]
     """kvscope's own Prometheus metrics (rows written, dead letters, scrape failures) on KVSCOPE_METRICS_PORT."""
     if cfg.metrics_port:
@@ -197,12 +212,7 @@ def collect(**opts: Any) -> None:
     _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
         raise click.UsageError("kvscope collect publishes to Kafka: give --kafka-bootstrap (or use kvscope up)")
-    pipe = Pipeline(cfg, collect=True, ingest=False, attribute=False)
-    pipe.start()
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pipe.close()
+    _run_until_interrupted(Pipeline(cfg, collect=True, ingest=False, attribute=False))
 
 
 @main.command()
@@ -223,12 +233,7 @@ def ingest(attribution: bool, **opts: Any) -> None:
     _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
         raise click.UsageError("kvscope ingest consumes Kafka: give --kafka-bootstrap (or use kvscope up)")
-    pipe = Pipeline(cfg, store=_store(cfg), collect=False, ingest=True, attribute=attribution)
-    pipe.start()
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pipe.close()
+    _run_until_interrupted(Pipeline(cfg, store=_store(cfg), collect=False, ingest=True, attribute=attribution))
 
 
 @main.command()
