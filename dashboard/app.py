@@ -18,6 +18,9 @@ import streamlit as st  # noqa: E402
 from dashboard import data  # noqa: E402
 
 st.set_page_config(page_title="kvscope", page_icon=":material/memory:", layout="wide")
+# No "Deploy" button and developer menu: the option takes effect from the next run on, the CSS at once.
+st.set_option("client.toolbarMode", "viewer")
+st.html("<style>[data-testid='stAppDeployButton'] {display: none}</style>")
 
 VIEWS = Path(__file__).parent / "views"
 PAGES = [

@@ -12,6 +12,7 @@ a failing query shows its error on the page and yields an empty frame, so a page
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,14 +119,34 @@ def current_filters() -> Filters:
     return f if isinstance(f, Filters) else Filters()
 
 
-def bucket_seconds(f: Filters) -> int:
-    """A chart bucket width for the window: about a hundred points, at least 15 s."""
+@dataclass(frozen=True)
+class Buckets:
+    """How a page's time charts are bucketed: ``seconds`` wide, over data that covers ``covered`` (the
+    window's start or the first data, whichever is later, to the newest data). A bucket reaching outside
+    ``covered`` holds only part of its time (the window's first bucket, the newest one still filling)."""
+
+    seconds: int
+    covered: tuple[datetime, datetime] | None = None
+
+
+def buckets(f: Filters, now: datetime | None = None) -> Buckets:
+    """The bucket width for the window (about a hundred points, at least 15 s) and the span the data covers."""
+    first, last = extent()
     seconds = TIME_RANGES.get(f.time_range)
     if seconds is None:
-        first, last = extent()
         seconds = int((last - first).total_seconds()) if first and last else 3600
+        start = first
+    else:
+        start = (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+        start = max(start, first) if first else start
     target = seconds / 100
-    return next((b for b in NICE_BUCKETS if b >= target), NICE_BUCKETS[-1])
+    width = next((b for b in NICE_BUCKETS if b >= target), NICE_BUCKETS[-1])
+    return Buckets(width, (start, last) if start and last else None)
+
+
+def bucket_seconds(f: Filters) -> int:
+    """A chart bucket width for the window: about a hundred points, at least 15 s."""
+    return buckets(f).seconds
 
 
 # -- queries -------------------------------------------------------------------------------------------------
@@ -172,3 +193,50 @@ def live(render: Callable[[Filters], None]) -> None:
     """Run a page body, rerunning it every :data:`REFRESH_SECONDS` when auto-refresh is on."""
     f = current_filters()
     st.fragment(render, run_every=REFRESH_SECONDS if f.auto_refresh else None)(f)
+
+
+# -- ad hoc SQL ----------------------------------------------------------------------------------------------
+#: A ClickHouse DateTime result type (not DateTime64), its time zone in group 1: Arrow carries it as uint32.
+_DATETIME = re.compile(r"(?:Nullable\()?(?:LowCardinality\()?DateTime(?:\('([^']*)'\))?\)*")
+_CH_ERROR = re.compile(r"Code:\s*(\d+)\.\s*DB::Exception:\s*(.*)", re.S)
+
+
+def adhoc(statement: str) -> pl.DataFrame:
+    """Run read-only user SQL (the store enforces read-only and limits) with its DateTime columns as datetimes.
+
+    ClickHouse's Arrow output carries ``DateTime`` as uint32 epoch seconds with no type metadata; the result's
+    ClickHouse types come from ``DESCRIBE TABLE (<query>)`` (asked only when an integer column came back, and
+    through the same read-only path), and those columns are cast back to UTC (or their own zone) datetimes.
+    """
+    store = get_store()
+    df = store.adhoc(statement)
+    ints = {name for name, dtype in df.schema.items() if dtype.is_integer()}
+    if not ints:
+        return df
+    try:  # the newline keeps a trailing -- comment from swallowing the parenthesis
+        types = store.adhoc(f"DESCRIBE TABLE (\n{statement.strip().rstrip(';')}\n)")
+    except Exception:  # noqa: BLE001  (SHOW, EXPLAIN ...: not a subquery, so no types; show the integers)
+        return df
+    casts = []
+    for name, ch_type in types.select("name", "type").iter_rows():
+        m = _DATETIME.fullmatch(ch_type)
+        if m and name in ints:
+            at = pl.from_epoch(name, time_unit="s").dt.replace_time_zone("UTC")
+            casts.append(at.dt.convert_time_zone(m.group(1)) if m.group(1) else at)
+    try:
+        return df.with_columns(casts) if casts else df
+    except pl.exceptions.PolarsError:  # an unknown time zone name, say: keep the integers
+        return df
+
+
+def error_text(exc: BaseException) -> str:
+    """A query error as one readable message: ClickHouse's text after ``DB::Exception:`` with its code, without
+    the driver's prefixes and the server's version and stack trace; any other error as its type and message."""
+    text = str(exc).strip()
+    m = _CH_ERROR.search(text)
+    if m:
+        message = re.split(r"\s*(?:\(version [^)]*\)|Stack trace:)", m.group(2).strip())[0]
+        return f"{message.strip()} [code {m.group(1)}]"
+    if isinstance(exc, KvscopeError):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -6,13 +6,19 @@ import streamlit as st
 
 import sql as sqlfiles
 from dashboard import charts, data
-from ingest.errors import KvscopeError
+from ingest.store import ADHOC_SETTINGS
 
+MAX_ROWS = int(ADHOC_SETTINGS["max_result_rows"])
+
+st.html(
+    "<style>.st-key-sql_text textarea {font-family: 'Source Code Pro', ui-monospace, SFMono-Regular, Menlo, "
+    "monospace; font-size: 0.875rem; line-height: 1.5}</style>"
+)
 st.header("SQL")
 st.caption(
-    "Read-only: the database refuses writes and caps run time and rows (Store.adhoc). Tables: "
-    "gateway_requests, vllm_metric_samples, kv_block_events, miss_attribution, dead_letters "
-    "(read gateway_requests and miss_attribution with FINAL)."
+    f"Read-only: the database refuses writes, stops a query after {ADHOC_SETTINGS['max_execution_time']} s "
+    f"and returns at most {MAX_ROWS:,} rows. Tables: gateway_requests, vllm_metric_samples, kv_block_events, "
+    "miss_attribution, dead_letters (read gateway_requests and miss_attribution with FINAL)."
 )
 
 EXAMPLE = """SELECT tenant_id,
@@ -26,12 +32,14 @@ ORDER BY requests DESC"""
 text = st.text_area("Query", EXAMPLE, height=180, key="sql_text")
 if st.button("Run", type="primary", key="sql_run"):
     try:
-        result = data.get_store().adhoc(text)
-    except (KvscopeError, RuntimeError) as exc:
-        st.error(f"Refused or failed: {exc}")
+        result = data.adhoc(text)
+    except Exception as exc:  # noqa: BLE001  (refused, bad SQL, an unreadable result: a message, no traceback)
+        st.error(f"**The query failed.** {charts.plain(data.error_text(exc))}", icon=":material/error:")
     else:
-        st.caption(f"{result.height:,} rows")
-        charts.table(result, key="sql_result")
+        cut = f" (the first {MAX_ROWS:,}: the limit)" if result.height >= MAX_ROWS else ""
+        st.caption(f"{result.height:,} rows{cut}")
+        if result.height:
+            charts.table(result, key="sql_result")
 
 with st.expander("Named queries (sql/queries)"):
     for name in sqlfiles.query_names():

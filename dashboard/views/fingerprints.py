@@ -1,4 +1,5 @@
-"""Fingerprints: prompt_fingerprint_cardinality per tenant and per segment over time (drift = a jump)."""
+"""Fingerprints: per tenant and segment, distinct raw vs normalized hashes over the window (raw ≫ normalized =
+a volatile value or a reordering breaks the prefix), the same over time, and prompt_fingerprint_cardinality."""
 
 from __future__ import annotations
 
@@ -9,59 +10,103 @@ from dashboard import charts, data
 
 st.header("Fingerprints")
 st.caption(
-    "Prompt fingerprint cardinality: distinct stable-prefix fingerprints per window. A jump means something "
-    "volatile entered the prefix. Per segment, a raw hash with more values than its normalized variant "
-    "points at the cause: volatile values in the system prompt, reordered tool schemas or RAG documents."
+    "The gateway hashes each segment of a prompt's stable prefix twice: as sent (raw) and normalized "
+    "(volatile values such as timestamps masked, tool-schema keys sorted, retrieved documents taken as a "
+    "set). Within a tenant both should stay put from request to request. **Raw ≫ normalized** means the "
+    "segment changes on every request in a way the normalization removes: a volatile value in the system "
+    "prompt, reordered tool schemas or reordered documents, each of which breaks the prefix cache from that "
+    "segment on."
 )
 
-#: column → (segment, variant): a raw hash and its normalized variant share a colour.
+#: segment → (raw column, normalized column): a raw hash and its normalized variant.
 SEGMENTS = {
-    "system_hash_cardinality": ("system prompt", "raw"),
-    "system_norm_hash_cardinality": ("system prompt", "normalized (volatile values masked)"),
-    "tools_hash_cardinality": ("tool schemas", "raw"),
-    "tools_canonical_hash_cardinality": ("tool schemas", "normalized (keys sorted)"),
-    "retrieval_pack_hash_cardinality": ("retrieval pack", "raw"),
-    "retrieval_set_hash_cardinality": ("retrieval pack", "normalized (as a set)"),
+    "system prompt": ("system_hash_cardinality", "system_norm_hash_cardinality"),
+    "tool schemas": ("tools_hash_cardinality", "tools_canonical_hash_cardinality"),
+    "retrieval pack": ("retrieval_pack_hash_cardinality", "retrieval_set_hash_cardinality"),
+}
+VARIANTS = {"raw": 0, "normalized": 1}
+#: A bucket wider than the epoch so far (until 2096): fingerprint_cardinality then counts over the whole window.
+WHOLE_WINDOW = 4_000_000_000
+COLUMN_LABELS = {
+    "requests": "Requests",
+    "prompt_fingerprint_cardinality": "Prompt fingerprints",
+    **{cols[i]: f"{seg}, {v}" for seg, cols in SEGMENTS.items() for v, i in VARIANTS.items()},
 }
 
 
-def segments_long(pooled: pl.DataFrame) -> pl.DataFrame:
+def by_segment(df: pl.DataFrame, index: str) -> pl.DataFrame:
+    """``index``, segment, raw, normalized, the cell text and colour (log ratio) of the tenant × segment map."""
+    parts = [
+        df.select(
+            index,
+            pl.lit(seg).alias("segment"),
+            pl.col(raw).alias("raw"),
+            pl.col(norm).alias("normalized"),
+        )
+        for seg, (raw, norm) in SEGMENTS.items()
+    ]
+    return pl.concat(parts).with_columns(
+        pl.when(pl.col("raw") == 0)
+        .then(pl.lit("not used"))
+        .otherwise(pl.format("{} raw / {} normalized", "raw", "normalized"))
+        .alias("text"),
+        (pl.col("raw") / pl.max_horizontal("normalized", 1)).log10().clip(0).fill_nan(0).alias("volatility"),
+    )
+
+
+def segments_over_time(pooled: pl.DataFrame) -> pl.DataFrame:
     """bucket, segment, variant, distinct values: one line per segment and variant."""
-    long = pooled.unpivot(
-        index="bucket", on=list(SEGMENTS), variable_name="column", value_name="distinct values"
+    long = by_segment(pooled, "bucket").unpivot(
+        index=["bucket", "segment"], on=list(VARIANTS), variable_name="variant", value_name="distinct values"
     )
-    return long.with_columns(
-        pl.col("column").replace_strict({k: v[0] for k, v in SEGMENTS.items()}).alias("segment"),
-        pl.col("column").replace_strict({k: v[1] for k, v in SEGMENTS.items()}).alias("variant"),
-    )
+    return long.filter(pl.col("distinct values") > 0)
 
 
 def render(f: data.Filters) -> None:
     if not data.has_data():
         charts.no_data()
         return
-    b = data.bucket_seconds(f)
-    per_tenant = data.named("fingerprint_cardinality", **f.params(), bucket_seconds=b, by_tenant=1)
+    per_tenant = data.named("fingerprint_cardinality", **f.params(), bucket_seconds=WHOLE_WINDOW, by_tenant=1)
     if per_tenant.is_empty():
         charts.no_data(in_window=True, latest=data.extent()[1])
         return
+    charts.heatmap(
+        by_segment(per_tenant, "tenant_id"),
+        "segment",
+        "tenant_id",
+        "volatility",
+        "Distinct values per tenant and segment over the window: raw vs normalized",
+        text="text",
+        color_scale="Reds",
+        show_scale=False,
+        key="fp_segments_tenants",
+    )
+    charts.table(per_tenant.drop("bucket"), labels=COLUMN_LABELS, key="fp_table")
+    bk = data.buckets(f)
+    pooled = data.named("fingerprint_cardinality", **f.params(), bucket_seconds=bk.seconds, by_tenant=0)
     charts.time_lines(
-        per_tenant,
+        segments_over_time(pooled) if not pooled.is_empty() else pooled,
+        "distinct values",
+        f"Distinct values per segment over time ({f.tenant or 'all tenants'})",
+        color="segment",
+        dash="variant",
+        buckets=bk,
+        key="fp_segments",
+    )
+    per_bucket = data.named("fingerprint_cardinality", **f.params(), bucket_seconds=bk.seconds, by_tenant=1)
+    charts.time_lines(
+        per_bucket,
         "prompt_fingerprint_cardinality",
         "Prompt fingerprint cardinality per tenant",
         color="tenant_id",
+        buckets=bk,
         key="fp_tenants",
     )
-    pooled = data.named("fingerprint_cardinality", **f.params(), bucket_seconds=b, by_tenant=0)
-    charts.time_lines(
-        segments_long(pooled) if not pooled.is_empty() else pooled,
-        "distinct values",
-        "Distinct values per segment, raw vs normalized (all tenants in the filter)",
-        color="segment",
-        dash="variant",
-        key="fp_segments",
+    st.caption(
+        "The prompt fingerprint covers the whole stable prefix, conversation history included, so every new "
+        "turn of a conversation has a new one: its cardinality follows traffic for healthy tenants too. A jump "
+        "against the tenant's own usual level is the signal; the segment map above says which segment moved."
     )
-    charts.table(per_tenant, key="fp_table")
 
 
 data.live(render)

@@ -55,9 +55,16 @@ def render(f: data.Filters) -> None:
     causes = label(causes)
     total = int(causes["missed_tokens"].sum())
     top = causes.row(0, named=True)
-    cols = st.columns(3)
+    cols = st.columns([1, 1.8, 1])  # room for the longest sub-cause, evicted_before_next_turn
     cols[0].metric("Missed tokens", charts.count(total))
-    cols[1].metric("Largest cause", top["label"], help=f"{charts.count(top['missed_tokens'])} missed tokens")
+    cols[1].metric(  # the sub-cause says most; its cause goes under it
+        "Largest cause",
+        top["sub_cause"] or top["cause"],
+        delta=top["cause"] if top["sub_cause"] else None,
+        delta_color="off",
+        delta_arrow="off",
+        help=f"{top['label']}: {charts.count(top['missed_tokens'])} missed tokens",
+    )
     cols[2].metric("Its share of missed tokens", charts.pct(top["share_of_missed"], 1))
     charts.bars(
         causes.sort("missed_tokens"),

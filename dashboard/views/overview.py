@@ -9,6 +9,7 @@ import streamlit as st
 from dashboard import charts, data
 
 SOURCES = {"vllm": "vLLM counters", "gateway": "gateway log"}
+LATENCY_SOURCES = {"gateway": "gateway (exact)", "vllm": "vLLM histogram (bucket-interpolated)"}
 #: Gap (fraction) between the two token-weighted hit rates worth flagging (DESIGN.md: "a disagreement is
 #: itself a finding").
 DISAGREEMENT = 0.005
@@ -76,9 +77,9 @@ def render(f: data.Filters) -> None:
         st.caption(
             "vLLM's counters carry no tenant: with a tenant selected, only the gateway's numbers show."
         )
-    b = data.bucket_seconds(f)
+    bk = data.buckets(f)
     named_sources = pl.col("source").replace(SOURCES)
-    hr = data.named("hit_rate", **p, bucket_seconds=b).with_columns(named_sources)
+    hr = data.named("hit_rate", **p, bucket_seconds=bk.seconds).with_columns(named_sources)
     charts.time_lines(
         hr,
         ["token_weighted_hit_rate", "request_weighted_hit_rate"],
@@ -86,10 +87,11 @@ def render(f: data.Filters) -> None:
         color="source",
         percent=True,
         y_title="Hit rate",
+        buckets=bk,
         key="hit_rate",
     )
     left, right = st.columns(2)
-    tokens = data.named("tokens", **p, bucket_seconds=b)
+    tokens = data.named("tokens", **p, bucket_seconds=bk.seconds)
     with left:
         gw_tokens = tokens.filter(pl.col("source") == "gateway") if not tokens.is_empty() else tokens
         charts.bars(
@@ -105,6 +107,8 @@ def render(f: data.Filters) -> None:
             ["Prefill tokens saved (cached)", "Prefill tokens computed", "Decode tokens"],
             "Prefill vs decode tokens (gateway)",
             barmode="stack",
+            buckets=bk,
+            legend_below=True,
             key="tokens_gateway",
         )
     with right:
@@ -116,25 +120,41 @@ def render(f: data.Filters) -> None:
             ["Prefill tokens", "Decode tokens"],
             "Prefill vs decode tokens (vLLM counters)",
             y_title="tokens",
+            buckets=bk,
+            empty=charts.NO_TENANT_IN_VLLM if f.tenant else charts.NO_DATA_IN_WINDOW,
+            legend_below=True,
             key="tokens_vllm",
         )
-    lat = data.named("latency", **p, bucket_seconds=b)
+    latency(data.named("latency", **p, bucket_seconds=bk.seconds), bk)
+
+
+def latency(lat: pl.DataFrame, bk: data.Buckets) -> None:
+    """TTFT and queue wait: the gateway's exact quantiles first; vLLM's histogram estimates dotted, hidden."""
+    lat = lat.with_columns(pl.col("source").replace(LATENCY_SOURCES)) if not lat.is_empty() else lat
+    has_gateway = not lat.is_empty() and (lat["source"] == LATENCY_SOURCES["gateway"]).any()
     left, right = st.columns(2)
     for col, metric, title in ((left, "ttft_ms", "TTFT (ms)"), (right, "queue_wait_ms", "Queue wait (ms)")):
         with col:
-            part = (
-                lat.filter(pl.col("metric") == metric).with_columns(named_sources)
-                if not lat.is_empty()
-                else lat
-            )
             charts.time_lines(
-                part,
+                lat.filter(pl.col("metric") == metric) if not lat.is_empty() else lat,
                 ["p50_ms", "p95_ms", "p99_ms"],
                 title,
                 color="source",
+                dash_map={v: "solid" if k == "gateway" else "dot" for k, v in LATENCY_SOURCES.items()},
+                hidden=[LATENCY_SOURCES["vllm"]] if has_gateway else [],
                 y_title="ms",
+                buckets=bk,
+                legend_below=True,
                 key=f"latency_{metric}",
             )
+    if not lat.is_empty() and (lat["source"] == LATENCY_SOURCES["vllm"]).any():
+        st.caption(
+            "Solid: the gateway's exact quantiles over its requests. Dotted (hidden while the gateway has "
+            "data; click the legend to show them): vLLM's own p50/p95/p99, interpolated inside its histogram "
+            "buckets as Prometheus histogram_quantile does. vLLM's buckets are coarse (queue time's first "
+            "one is 0–300 ms), so every queue wait under 300 ms, 0.03 ms included, reads there as "
+            "150 / 285 / 297 ms: a bucket artefact, not a measurement."
+        )
 
 
 data.live(render)

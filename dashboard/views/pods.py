@@ -27,14 +27,18 @@ def render(f: data.Filters) -> None:
                 ["Token-weighted hit rate (gateway)", "vllm_token_weighted_hit_rate"],
                 "Token-weighted hit rate per pod (gateway vs vLLM)",
                 percent=True,
+                legend_below=True,
                 key="pod_hit_rate",
             )
         with right:
             charts.bars(pods, "pod", "kv_cache_usage", "KV cache usage (latest)", percent=True, key="pod_kv")
-        st.caption(
+        note = (
             "KV cache usage counts blocks held by running requests; cached blocks no request holds count "
             "as free (vLLM's definition), so an idle pod shows ~0 % while still holding prefixes."
         )
+        if f.tenant:
+            note += " vLLM's counters carry no tenant: with a tenant selected, its hit-rate columns stay empty."
+        st.caption(note)
         charts.table(pods, percent_cols=PERCENT, key="pod_table")
     st.subheader("Dead letters")
     st.caption("Input the pipeline could not use, by source and reason: nothing is dropped silently.")
