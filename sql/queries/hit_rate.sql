@@ -29,11 +29,8 @@ WITH
     served AS
     (
         SELECT ts, prompt_tokens, cached_tokens
-        FROM gateway_requests FINAL
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({tenant:String} = '' OR tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR pod = {pod:String})
-          AND status < 400 AND prompt_tokens > 0
+        FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                             tenant = {tenant:String}, pod = {pod:String})
     )
 SELECT *
 FROM

@@ -30,9 +30,8 @@ WITH
             multiIf(agent_run_id != '', concat('run:', agent_run_id),
                     conversation_id != '', concat('conv:', conversation_id), '') AS thread,
             prompt_fingerprint
-        FROM gateway_requests FINAL
-        WHERE ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY AND ts < {until:DateTime64(3, 'UTC')}
-          AND status < 400 AND prompt_tokens > 0
+        FROM served_requests(since = {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY, until = {until:DateTime64(3, 'UTC')},
+                             tenant = '', pod = '')
     ),
     threaded AS
     (

@@ -23,11 +23,8 @@ FROM
 (
     SELECT CAST(tenant_id AS String) AS tenant, CAST(pod AS String) AS served_pod, prompt_tokens AS request_prompt_tokens,
            cached_tokens AS request_cached_tokens, suffix_tokens
-    FROM gateway_requests FINAL
-    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-      AND ({tenant:String} = '' OR tenant_id = {tenant:String})
-      AND ({pod:String} = '' OR pod = {pod:String})
-      AND status < 400 AND prompt_tokens > 0
+    FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                         tenant = {tenant:String}, pod = {pod:String})
 )
 GROUP BY tenant, served_pod
 ORDER BY tenant, served_pod

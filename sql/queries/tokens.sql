@@ -21,11 +21,8 @@ WITH
     (
         SELECT ts, prompt_tokens AS request_prompt_tokens, cached_tokens AS request_cached_tokens,
                completion_tokens AS request_completion_tokens
-        FROM gateway_requests FINAL
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({tenant:String} = '' OR tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR pod = {pod:String})
-          AND status < 400 AND prompt_tokens > 0
+        FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                             tenant = {tenant:String}, pod = {pod:String})
     )
 SELECT *
 FROM
