@@ -9,6 +9,7 @@ being written is left for the next poll). Re-reading a file after a restart is s
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from datetime import datetime
@@ -26,8 +27,30 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
     "prompt_tokens": int,
     "cached_tokens": int,
 }
-INT_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens", "status", "system_tokens", "tools_tokens",
-              "retrieval_tokens", "history_tokens", "suffix_tokens")
+#: Integer fields and their largest value (the ClickHouse column types of gateway_requests).
+INT_FIELDS = {
+    "prompt_tokens": 2**32 - 1,
+    "cached_tokens": 2**32 - 1,
+    "completion_tokens": 2**32 - 1,
+    "status": 2**16 - 1,
+    "system_tokens": 2**32 - 1,
+    "tools_tokens": 2**32 - 1,
+    "retrieval_tokens": 2**32 - 1,
+    "history_tokens": 2**32 - 1,
+    "suffix_tokens": 2**32 - 1,
+}
+FLOAT_FIELDS = ("ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms")
+STR_FIELDS = (
+    "tenant_id",
+    "conversation_id",
+    "agent_run_id",
+    "model",
+    "pod",
+    "endpoint",
+    "routing_policy",
+    "routing_reason",
+    "error",
+)
 
 
 class BadRecord(ValueError):
@@ -56,13 +79,30 @@ def validate_record(obj: Any) -> dict[str, Any]:
             raise BadRecord(f"field {key} is {type(obj[key]).__name__}, expected {typ.__name__}")  # type: ignore[union-attr]
     if not obj["request_id"]:
         raise BadRecord("empty request_id")
-    for key in INT_FIELDS:
+    for key, top in INT_FIELDS.items():
         v = obj.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise BadRecord(f"field {key} must be a non-negative integer, got {v!r}")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top):
+            raise BadRecord(f"field {key} must be an integer in [0, {top}], got {str(v)[:40]}")
+    for key in FLOAT_FIELDS:
+        v = obj.get(key)
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1e15 or not math.isfinite(v)
+        ):
+            raise BadRecord(f"field {key} must be a finite non-negative number of ms, got {str(v)[:40]}")
+    for key in STR_FIELDS:
+        v = obj.get(key)
+        if v is not None and not isinstance(v, str):
+            raise BadRecord(f"field {key} must be a string, got {type(v).__name__}")
+    if "stream" in obj and not isinstance(obj["stream"], bool):
+        raise BadRecord(f"field stream must be true or false, got {str(obj['stream'])[:40]}")
     if obj["cached_tokens"] > obj["prompt_tokens"]:
         raise BadRecord(f"cached_tokens {obj['cached_tokens']} exceeds prompt_tokens {obj['prompt_tokens']}")
-    parse_ts_ms(obj["ts"])
+    if not 946684800000 <= parse_ts_ms(obj["ts"]) < 4102444800000:
+        raise BadRecord(f"ts {obj['ts']!r} is outside 2000..2100")
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError) as exc:
+        raise BadRecord(f"record is not valid UTF-8 text: {exc}") from exc
     return obj
 
 
@@ -75,13 +115,17 @@ def line_event(line: str, *, pod: str, source_file: str, offset: int) -> Envelop
         except json.JSONDecodeError as exc:
             raise BadRecord(f"not JSON: {exc.msg} at column {exc.colno}") from exc
         rec = validate_record(obj)
-    except BadRecord as exc:
+    except (BadRecord, RecursionError, OverflowError, UnicodeError) as exc:
         dl = DeadLetter(source="gateway_log", reason=str(exc), raw=line[:MAX_RAW], location=f"{source_file}:{offset}")
         return envelope(dl, pod=pod, natural_key=(source_file, offset, line[:256]), observed_at_ms=now_ms)
     ev = GatewayRequest(record=rec, source_file=source_file, line_offset=offset)
     # (request_id, ts): a re-read line keeps its id; a client reusing a request id does not collapse two requests
-    return envelope(ev, pod=str(rec.get("pod", pod)), natural_key=(rec["request_id"], rec["ts"]),
-                    observed_at_ms=parse_ts_ms(rec["ts"]))
+    return envelope(
+        ev,
+        pod=str(rec.get("pod", pod)),
+        natural_key=(rec["request_id"], rec["ts"]),
+        observed_at_ms=parse_ts_ms(rec["ts"]),
+    )
 
 
 def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, str]], int]:
@@ -130,8 +174,37 @@ class LogTailer:
             fh.seek(self.offset)
             data = fh.read(self.max_bytes)
         lines, consumed = read_lines(data, self.offset)
+        if not lines and consumed == 0 and len(data) >= self.max_bytes:
+            skipped = self._skip_long_line(data)
+            return [skipped] if skipped else []
+        events = [line_event(text, pod=self.pod, source_file=str(self.path), offset=off) for off, text in lines]
         self.offset += consumed
-        return [line_event(text, pod=self.pod, source_file=str(self.path), offset=off) for off, text in lines]
+        return events
+
+    def _skip_long_line(self, head: bytes) -> Envelope | None:
+        """A line longer than ``max_bytes``: dead-letter its head and move past its newline; None while the
+        line is still being written."""
+        start = self.offset
+        with open(self.path, "rb") as fh:
+            fh.seek(start + len(head))
+            pos = start + len(head)
+            while chunk := fh.read(1 << 20):
+                nl = chunk.find(b"\n")
+                if nl >= 0:
+                    self.offset = pos + nl + 1
+                    break
+                pos += len(chunk)
+        if self.offset == start:
+            return None
+        dl = DeadLetter(
+            source="gateway_log",
+            reason=f"line longer than {self.max_bytes} bytes",
+            raw=head[:MAX_RAW].decode("utf-8", "replace"),
+            location=f"{self.path}:{start}",
+        )
+        return envelope(
+            dl, pod=self.pod, natural_key=(str(self.path), start, "long"), observed_at_ms=int(time.time() * 1000)
+        )
 
 
 def read_file(path: str | Path, *, pod: str = "gateway") -> list[Envelope]:

@@ -32,8 +32,10 @@ class BadKvMessage(ValueError):
 
 
 def _hash(value: Any) -> int:
-    if isinstance(value, int):
-        return value & 0xFFFFFFFFFFFFFFFF
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value < 2**64:
+            raise BadKvMessage(f"block hash {value} is outside 0..2**64-1")
+        return value
     if isinstance(value, bytes | bytearray):  # raw digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): low 64 bits
         return int.from_bytes(bytes(value)[-8:], "big")
     raise BadKvMessage(f"block hash of type {type(value).__name__}")
@@ -50,14 +52,23 @@ def decode_event(raw: Any) -> KvBlockEvent:
         raise BadKvMessage(f"not a KV event: {str(raw)[:200]}")
     parent = raw.get("parent_block_hash")
     token_ids = raw.get("token_ids") or []
-    if not isinstance(token_ids, list):
-        raise BadKvMessage("token_ids is not a list")
+    hashes = raw.get("block_hashes") or []
+    block_size = raw.get("block_size") or 0
+    if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise BadKvMessage("token_ids is not a list of integers")
+    if not isinstance(hashes, list):
+        raise BadKvMessage("block_hashes is not a list")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 <= block_size < 2**31:
+        raise BadKvMessage(f"block_size {str(block_size)[:40]} is not a token count")
+    for key in ("medium", "lora_name"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise BadKvMessage(f"{key} is {type(raw[key]).__name__}, not a string")
     return KvBlockEvent(
         type=raw["type"],
-        block_hashes=[_hash(h) for h in raw.get("block_hashes") or []],
+        block_hashes=[_hash(h) for h in hashes],
         parent_block_hash=None if parent is None else _hash(parent),
-        token_ids=[int(t) for t in token_ids],
-        block_size=int(raw.get("block_size") or 0),
+        token_ids=token_ids,
+        block_size=block_size,
         medium=raw.get("medium"),
         lora_name=raw.get("lora_name"),
     )
@@ -72,16 +83,16 @@ def decode_batch_payload(payload: bytes) -> tuple[float, list[KvBlockEvent], int
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         raise BadKvMessage("payload is not [ts, [events], dp_rank]")
     ts = obj[0]
-    if not isinstance(ts, int | float):
-        raise BadKvMessage(f"batch ts is {type(ts).__name__}")
-    dp_rank = obj[2] if len(obj) > 2 and isinstance(obj[2], int) else None
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not 946684800 <= ts < 4102444800:
+        raise BadKvMessage(f"batch ts {str(ts)[:40]} is not a unix time in 2000..2100")
+    dp_rank = obj[2] if len(obj) > 2 and isinstance(obj[2], int) and not isinstance(obj[2], bool) else None
     return float(ts), [decode_event(e) for e in obj[1]], dp_rank
 
 
 def message_event(frames: list[bytes], topic_pods: dict[str, str] | None = None) -> Envelope:
     """One multipart ZMQ message → ``KvEventBatch`` envelope, or ``DeadLetter`` envelope with the reason."""
     now_ms = int(time.time() * 1000)
-    topic = frames[0].decode("utf-8", "replace") if frames else ""
+    topic = frames[0].decode("utf-8", "replace").encode("utf-8", "replace").decode() if frames else ""
     pod = (topic_pods or {}).get(topic, topic or "unknown")
     try:
         if len(frames) != 3:
@@ -90,9 +101,10 @@ def message_event(frames: list[bytes], topic_pods: dict[str, str] | None = None)
             raise BadKvMessage(f"seq frame has {len(frames[1])} bytes, expected 8")
         seq = int.from_bytes(frames[1], "big")
         ts, events, dp_rank = decode_batch_payload(frames[2])
-    except BadKvMessage as exc:
+    except (BadKvMessage, RecursionError, ValueError, TypeError, OverflowError) as exc:
         raw = base64.b64encode(b"".join(frames))[:65536].decode()
-        dl = DeadLetter(source="kv_events", reason=str(exc), raw=raw, location=f"zmq:{topic}")
+        reason = str(exc) if isinstance(exc, BadKvMessage) else f"undecodable KV events: {exc!r}"[:500]
+        dl = DeadLetter(source="kv_events", reason=reason, raw=raw, location=f"zmq:{topic}")
         return envelope(dl, pod=pod, natural_key=(topic, raw[:512]), observed_at_ms=now_ms)
     batch = KvEventBatch(topic=topic, seq=seq, batch_ts=ts, dp_rank=dp_rank, events=events)
     return envelope(batch, pod=pod, natural_key=(topic, seq, ts), observed_at_ms=int(ts * 1000),

@@ -9,6 +9,7 @@ exposed; queries pick the names (../shared/reference/vllm.md §1, §8).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -87,9 +88,16 @@ def _candidate_families(sample_name: str) -> list[str]:
 def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms: float) -> list[Envelope]:
     """Events for one scrape: one ``MetricsScrape`` (if any sample parsed) and one ``DeadLetter`` per bad line.
 
-    ``event_id`` of the scrape = (pod, url, scraped_at_ms); of a dead letter = (url, scraped_at_ms, line).
+    NaN and ±Inf samples are dead-lettered too: the JSON contract carries finite floats only (vLLM's
+    counters and histograms are always finite). ``event_id`` of the scrape = (pod, url, scraped_at_ms); of a
+    dead letter = (url, scraped_at_ms, line).
     """
     parsed = parse_metrics(body)
+    finite = [s for s in parsed.samples if math.isfinite(s.value)]
+    if len(finite) < len(parsed.samples):
+        bad = [(f"{s.name}{s.labels} {s.value}", "non-finite sample value (NaN/Inf) is not stored")
+               for s in parsed.samples if not math.isfinite(s.value)]
+        parsed = ParseResult(finite, parsed.family_types, parsed.bad_lines + bad)
     out: list[Envelope] = []
     if parsed.samples:
         scrape = MetricsScrape(target=url, scraped_at_ms=scraped_at_ms, duration_ms=duration_ms,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -40,6 +41,8 @@ from gateway.fingerprint import (
 )
 from gateway.log import GatewayLogWriter, format_ts
 from gateway.routing import NoPodAvailable, make_router
+
+log = logging.getLogger("kvscope.gateway")
 
 # Body `metadata` keys that are kvscope's and never reach vLLM (vLLM 0.32 accepts and ignores unknown
 # request fields, `entrypoints/serve/engine/protocol.py OpenAIBaseModel`, so other metadata passes).
@@ -304,6 +307,8 @@ class Gateway:
             ex.fingerprint = await run_in_threadpool(fingerprint_request, body, endpoint, self.counter)
         except FingerprintError:
             pass  # vLLM judges the body; the line keeps empty fingerprint fields
+        except Exception:  # a body shape the library did not foresee must not drop the request
+            log.exception("fingerprinting failed; forwarding without a fingerprint. request_id=%s", ex.request_id)
         ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)
         ex.tool_latency_ms = self.turns.arrive(ex.turn_key, arrival)
         try:

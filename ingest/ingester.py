@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from collector.events import ContractError, decode_batch
+from collector.events import ContractError, decode_batch, encode_batch
 from collector.publish import Message
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
@@ -35,19 +35,26 @@ def _rows_of(messages: list[Message]) -> dict[str, list[tuple[Any, ...]]]:
     tables: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
     for m in messages:
         location = f"{m.topic}:{m.partition}:{m.offset}"
+        pod = m.key.decode("utf-8", "replace")
         try:
             events = decode_batch(m.value)
-        except ContractError as exc:
-            tables["dead_letters"].append(contract_dead_letter(str(exc), location, m.value, m.key.decode()))
+        except (ContractError, RecursionError) as exc:
+            tables["dead_letters"].append(contract_dead_letter(str(exc)[:1000], location, m.value, pod))
             continue
         for ev in events:
             try:
                 table, rows = rows_for(ev)
             except ContractViolation as exc:
-                tables["dead_letters"].append(contract_dead_letter(exc.reason, location, m.value, ev.pod))
+                tables["dead_letters"].append(contract_dead_letter(exc.reason, location, encode_batch([ev]), ev.pod))
                 continue
             tables[table].extend(rows)
     return tables
+
+
+def _single_envelopes(message: Message) -> list[Message]:
+    """One message per envelope of ``message`` (to find the envelope the store refused)."""
+    return [Message(message.topic, message.key, encode_batch([ev]), message.partition, message.offset)
+            for ev in decode_batch(message.value)]
 
 
 class Ingester:
@@ -87,6 +94,11 @@ class Ingester:
                 self._insert_isolating(messages[mid:])
                 return
             m = messages[0]
+            singles = _single_envelopes(m)
+            if len(singles) > 1:  # one refused envelope must not take the rest of its message with it
+                for single in singles:
+                    self._insert_isolating([single])
+                return
             INGEST_ERRORS.labels("rejected").inc()
             log.error("store refused a message; dead-lettered. table=%s reason=%s", exc.table, exc)
             row = contract_dead_letter(f"store refused rows for {exc.table}: {exc}",
@@ -125,3 +137,7 @@ class Ingester:
                 INGEST_ERRORS.labels("source_unavailable").inc()
                 log.warning("source unavailable. error=%s", exc)
                 stop.wait(1.0)
+            except Exception:  # a bug must not stop ingestion for good; the batch is not committed
+                INGEST_ERRORS.labels("unexpected").inc()
+                log.exception("ingest batch failed unexpectedly; an operator must look (uncommitted, retried)")
+                stop.wait(5.0)

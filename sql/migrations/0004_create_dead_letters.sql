@@ -1,6 +1,7 @@
 -- Input that could not be used, with its reason: malformed /metrics bodies, log lines, KV events, and
--- envelopes the ingester rejected. Plain MergeTree: every occurrence is worth seeing; event_id still allows
--- a dedup query. TTL keeps the table from growing without bound.
+-- envelopes the ingester rejected. ReplacingMergeTree keyed by (source, event_id): the id comes from where
+-- the input was and what it said, so re-reading the same bad line (a restart, a re-import) collapses instead
+-- of counting twice; read with FINAL for exact counts. TTL keeps the table from growing without bound.
 CREATE TABLE IF NOT EXISTS dead_letters
 (
     event_id     String,
@@ -12,6 +13,6 @@ CREATE TABLE IF NOT EXISTS dead_letters
     raw          String,
     ingested_at  DateTime64(3, 'UTC') DEFAULT now64(3)
 )
-ENGINE = MergeTree
-ORDER BY (source, ts)
+ENGINE = ReplacingMergeTree
+ORDER BY (source, event_id)
 TTL toDateTime(ts) + INTERVAL 30 DAY;

@@ -1,0 +1,87 @@
+"""Hostile input found by trying to break the pipeline: each is dead-lettered with a reason, never raises,
+and costs only itself (the good input beside it lands)."""
+
+from __future__ import annotations
+
+import json
+import queue
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from collector.events import GatewayRequest, envelope
+from collector.gateway_log import LogTailer, read_file
+from collector.kv_events import message_event
+from collector.publish import QueuePublisher
+from ingest.ingester import Ingester
+from ingest.source import QueueSource
+from kvscope.importer import import_events
+
+GOOD = {"log_version": 1, "request_id": "good", "ts": "2026-11-29T12:00:00.000Z", "tenant_id": "acme",
+        "pod": "pod-0", "model": "tiny", "prompt_tokens": 762, "cached_tokens": 736, "status": 200}
+
+
+def kv(payload: object, seq: int = 1) -> list[bytes]:
+    return [b"pod-0", seq.to_bytes(8, "big"), msgspec.msgpack.encode(payload)]
+
+
+@pytest.mark.parametrize("payload", [
+    [1e300, [{"type": "BlockStored", "block_size": 16}]],          # ts out of range (crashed the ingester)
+    [float("nan"), []],
+    [1795950818.0, [{"type": "BlockStored", "block_hashes": 5}]],
+    [1795950818.0, [{"type": "BlockStored", "token_ids": ["a"]}]],
+    [1795950818.0, [{"type": "BlockStored", "block_size": -16}]],
+    [1795950818.0, [{"type": "BlockStored", "block_hashes": [-1]}]],
+    [1795950818.0, [{"type": "BlockStored", "medium": 5}]],
+    [1795950818.0, [{"type": "Nope"}]],
+])
+def test_hostile_kv_messages_are_dead_letters(payload: object) -> None:
+    ev = message_event(kv(payload))
+    assert ev.schema == "dead_letter" and ev.payload.reason
+
+
+@pytest.mark.parametrize("line", [
+    json.dumps({**GOOD, "request_id": "\ud800"}),                   # lone surrogate (crashed the tailer)
+    "[" * 100_000 + "]" * 100_000,                                   # recursion
+    json.dumps({**GOOD, "ttft_ms": 10**400}),                        # int too large for a float
+    '{"request_id": "x", "ts": "2026-11-29T12:00:00Z", "prompt_tokens": 1, "cached_tokens": 0, "ttft_ms": NaN}',
+    json.dumps({**GOOD, "status": 70000}),                           # beyond UInt16
+    json.dumps({**GOOD, "prompt_tokens": 2**32 + 5}),                # beyond UInt32
+    json.dumps({**GOOD, "stream": "false"}),
+    json.dumps({**GOOD, "pod": {"name": "x"}}),
+    json.dumps({**GOOD, "ts": "9999-01-01T00:00:00Z"}),
+])
+def test_hostile_log_lines_cost_only_themselves(store, tmp_path: Path, line: str) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "g.jsonl"
+    log.write_text(json.dumps(GOOD) + "\n" + line + "\n" + json.dumps({**GOOD, "request_id": "good2"}) + "\n")
+    written = import_events(store, read_file(log))
+    assert written == {"gateway_requests": 2, "dead_letters": 1}
+    assert store.query_rows("SELECT count() FROM gateway_requests FINAL")[0][0] == 2
+    assert store.query_rows("SELECT count() FROM dead_letters FINAL")[0][0] == 1
+    import_events(store, read_file(log))  # a re-import counts nothing twice
+    assert store.query_rows("SELECT count() FROM dead_letters FINAL")[0][0] == 1
+
+
+def test_a_refused_envelope_does_not_take_its_message_with_it(store) -> None:  # type: ignore[no-untyped-def]
+    """An envelope from another producer that skipped validation: the store refuses its row; the good
+    envelope published in the same Kafka-sized message still lands."""
+    q: queue.Queue = queue.Queue()
+    good = envelope(GatewayRequest(record=GOOD), pod="pod-0", natural_key=("good",), observed_at_ms=1)
+    bad = envelope(GatewayRequest(record={**GOOD, "request_id": "bad", "status": 70000}), pod="pod-0",
+                   natural_key=("bad",), observed_at_ms=1)
+    QueuePublisher(q).publish([good, bad])
+    assert q.qsize() == 1  # one message carrying both
+    Ingester(store, QueueSource(q)).run_once()
+    assert store.query_rows("SELECT request_id FROM gateway_requests FINAL") == [("good",)]
+    [(reason,)] = store.query_rows("SELECT reason FROM dead_letters FINAL")
+    assert "gateway_requests" in reason
+
+
+def test_a_line_longer_than_the_read_window_is_skipped_not_stuck(tmp_path: Path) -> None:
+    log = tmp_path / "g.jsonl"
+    log.write_text("x" * 600 + "\n" + json.dumps(GOOD) + "\n")
+    tailer = LogTailer(log, max_bytes=256)
+    first = tailer.poll()
+    assert [e.schema for e in first] == ["dead_letter"] and "longer than 256" in first[0].payload.reason
+    assert [e.schema for e in tailer.poll()] == ["gateway_request"]
