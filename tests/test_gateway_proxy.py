@@ -295,8 +295,7 @@ def test_repeated_long_prompt_is_cached(vllm_fleet, gateway):
 
 @pytest.mark.vllm
 def test_round_robin_sends_the_repeat_elsewhere(vllm_fleet, gateway):
-    if len(vllm_fleet.pods) < 2:
-        pytest.skip("needs two pods")
+    assert len(vllm_fleet.pods) >= 2, "the session fleet has two pods"
     client, log_path = gateway(pods_of(vllm_fleet)[:2], policy="round_robin")
     seed = f"gw-rr-{uuid.uuid4().hex[:8]}"
     recs = []
