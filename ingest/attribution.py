@@ -414,7 +414,9 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
       prefix was still never seen;
     - predecessor, 0 < S < B: [0, min(S, P−1)) ``below_block``;
       predecessor, S ≥ B (or 0): [0, R) with R = floor(min(S, P−1)/B)·B → ``reuse_cause`` (the part below C
-      was hit, so only [C, R) counts);
+      was hit, so only [C, R) counts); a hit that ends within one block of R (R − B ≤ C < R) is taken as the
+      edge of sharing (the estimated segment boundary may overshoot the real one by a few template tokens),
+      so R = C and that block falls to the next zone;
     - drift: from there to floor(min(W, P−1)/B)·B ``prefix_drift``/sub: this includes the partial block
       before the change point, which the change broke;
     - the rest (new suffix or new turn, the last partial block, the last token): ``unavoidable``.
@@ -435,7 +437,13 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
         if 0 < s < b:
             zones.append((min(s, p - 1), BELOW_BLOCK, ""))
         else:
-            zones.append((_full_blocks(min(s, p - 1), b), *reuse_cause))
+            r = _full_blocks(min(s, p - 1), b)
+            if r - b <= c < r:
+                # A hit that stops within the last block before R: segment boundaries are placed by scaling
+                # (template tokens are spread), so that block may straddle the real end of the shared part;
+                # it is the edge of sharing, not a lost prefix (routed_away/evicted need at least a block).
+                r = c
+            zones.append((r, *reuse_cause))
         if shared.drift_sub_cause:
             w = _full_blocks(min(shared.reusable_without_drift_tokens, p - 1), b)
             zones.append((w, PREFIX_DRIFT, shared.drift_sub_cause))

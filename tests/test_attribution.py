@@ -114,6 +114,19 @@ def test_same_pod_cache_lost_is_evicted_before_next_turn_with_gap():
     check_sum(rows, t2)
 
 
+def test_a_hit_ending_within_one_block_of_the_estimate_is_the_edge_not_eviction():
+    # Seen on real vLLM: segment boundaries are scaled estimates, so the hit can stop one block short of R
+    # (704 of R = 736) with nothing evicted; that block is the edge of sharing, not a lost prefix.
+    t1 = req("t1", conv="c1")
+    t2 = turn2("t2", pod="pod-a", cached=704)
+    rows = run(t1, t2)
+    assert split(rows, "t2") == [("unavoidable", "", 830 - 704)]
+    check_sum(rows, t2)
+    # two blocks short is a lost prefix again
+    rows = run(t1, turn2("t3", pod="pod-a", cached=672))
+    assert split(rows, "t3")[0] == ("evicted", "evicted_before_next_turn", 64)
+
+
 def test_evicted_without_previous_turn_has_no_flag():
     r1, r2 = req("r1"), req("r2", at=600, suffix="q2")
     rows = run(r1, r2)
