@@ -73,6 +73,7 @@ class Ingester:
         self.poll_timeout_ms = poll_timeout_ms
         self.max_backoff_seconds = max_backoff_seconds
         self.messages_handled = 0
+        self.rows_written: dict[str, int] = defaultdict(int)  # table → rows inserted by this ingester
 
     def _insert(self, messages: list[Message]) -> None:
         tables = _rows_of(messages)
@@ -80,6 +81,7 @@ class Ingester:
             rows = tables[table]
             self.store.insert(table, rows, COLUMNS[table])
             ROWS_WRITTEN.labels(table).inc(len(rows))
+            self.rows_written[table] += len(rows)
             if table == "dead_letters":
                 for r in rows:
                     DEAD_LETTERS.labels(r[2]).inc()
