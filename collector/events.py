@@ -99,6 +99,29 @@ class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
     batch_ts: float
     dp_rank: int | None
     events: list[KvBlockEvent]
+    replayed: bool = False
+
+
+class KvEventGap(msgspec.Struct, frozen=True, tag="kv_event_gap"):
+    """A run of vLLM KV-event batches (sequence numbers) of one pod and engine that the collector did not
+    receive live, and what became of it.
+
+    Fields: ``topic`` (str, the ZMQ topic), ``dp_rank`` (int | None, the engine), ``first_seq`` and
+    ``last_seq`` (int, the missing sequence numbers, inclusive), ``detected_at_ms`` (int, unix ms),
+    ``reason`` (``missed`` = a later seq arrived first; ``collector_restart`` = the checkpointed seq and the
+    first seq after a restart are apart; ``publisher_restart`` = vLLM restarted and its first batch seen was
+    not seq 0), ``replayed_batches`` (int, batches recovered from vLLM's replay socket), ``recovered``
+    (bool, every missing batch was replayed). Natural key: (pod, topic, dp_rank, first_seq, last_seq).
+    """
+
+    topic: str
+    dp_rank: int | None
+    first_seq: int
+    last_seq: int
+    detected_at_ms: int
+    reason: str
+    replayed_batches: int = 0
+    recovered: bool = False
 
 
 class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):
@@ -115,12 +138,13 @@ class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):
     location: str = ""
 
 
-Payload = MetricsScrape | GatewayRequest | KvEventBatch | DeadLetter
+Payload = MetricsScrape | GatewayRequest | KvEventBatch | KvEventGap | DeadLetter
 
 KINDS: dict[str, type] = {
     "metrics_scrape": MetricsScrape,
     "gateway_request": GatewayRequest,
     "kv_event_batch": KvEventBatch,
+    "kv_event_gap": KvEventGap,
     "dead_letter": DeadLetter,
 }
 

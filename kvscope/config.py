@@ -34,6 +34,10 @@ SETTINGS: list[Setting] = [
     Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port"),
     Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
+    Setting("kv_events_replay", "", "Comma-separated POD=tcp://host:port of each pod's vLLM KV-event replay socket "
+            "(its kv-events-config replay_endpoint); missed batches are fetched from there"),
+    Setting("state_dir", str(Path.home() / ".kvscope" / "state"),
+            "Where the collector keeps its checkpoints (log offsets, KV-event sequence numbers)"),
     Setting("scrape_interval_seconds", 5.0, "Seconds between /metrics scrapes of each pod", float),
     Setting("attribution_interval_seconds", 5.0, "Seconds between miss-cause attribution runs", float),
     Setting("attribution_settle_seconds", 2.0, "Requests younger than this (by ingest time) wait for the next run",
@@ -62,6 +66,8 @@ class Config:
     vllm: str
     gateway_log: str
     kv_events_endpoint: str
+    kv_events_replay: str
+    state_dir: str
     scrape_interval_seconds: float
     attribution_interval_seconds: float
     attribution_settle_seconds: float
@@ -110,6 +116,6 @@ def settings_table() -> str:
     """The settings as a Markdown table (README and ``kvscope settings``)."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     for s in SETTINGS:
-        default = "~/.kvscope/data" if s.name == "data_dir" else s.default
+        default = {"data_dir": "~/.kvscope/data", "state_dir": "~/.kvscope/state"}.get(s.name, s.default)
         lines.append(f"| `{s.env}` | `{default}` | {s.help} |")
     return "\n".join(lines)
