@@ -28,6 +28,7 @@ same pod hit 736 with B = 32).
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import astuple, dataclass, fields
 from datetime import UTC, datetime
@@ -59,6 +60,11 @@ EVICTED_BEFORE_NEXT_TURN = "evicted_before_next_turn"
 PREVIOUS_TURN = "previous_turn"
 FINGERPRINT = "fingerprint"
 VARIANT = "variant"
+
+#: The keys on which a request finds its predecessor, as numbered in gateway_requests.predecessor_keys
+#: (sql/migrations/0008): conversation, agent run, prompt fingerprint, then the three variant hashes.
+KEY_CONVERSATION, KEY_AGENT_RUN, KEY_FINGERPRINT, KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET = range(1, 7)
+VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET)
 
 #: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``): tokens per block for a pod whose
 #: ``vllm:cache_config_info`` is unknown.
@@ -185,8 +191,14 @@ def _full_blocks(tokens: int, block_size: int) -> int:
     return max(0, tokens) // block_size * block_size
 
 
-def _order_key(req: Request) -> tuple[int, str]:
-    return (_ts_ms(req), _str(req, "request_id"))
+def order_key(req: Request) -> int:
+    """A request's arrival order, unique per request: ts in unix ms × 2^20 + 20 bits of MD5(request_id)
+    (orders requests of the same millisecond). The same formula as gateway_requests.order_key
+    (sql/migrations/0008); a request's predecessor has a smaller order key and an earlier millisecond."""
+    if "order_key" in req and req["order_key"] is not None:
+        return int(req["order_key"])
+    tie = int.from_bytes(hashlib.md5(_str(req, "request_id").encode()).digest()[:4], "little") >> 12
+    return _ts_ms(req) * 1048576 + tie
 
 
 def is_attributable(req: Request) -> bool:
@@ -194,8 +206,9 @@ def is_attributable(req: Request) -> bool:
     return int(req.get("status") or 0) < 400 and _int(req, "prompt_tokens") > _int(req, "cached_tokens")
 
 
-def _can_be_predecessor(req: Request) -> bool:
-    # A failed request (e.g. 502, pod unreachable) left nothing in any cache.
+def can_be_predecessor(req: Request) -> bool:
+    """True when a later request could reuse this one's KV blocks: it succeeded with a prompt (a failed
+    request, e.g. a 502 when the pod was unreachable, left nothing in any cache)."""
     return int(req.get("status") or 0) < 400 and _int(req, "prompt_tokens") > 0
 
 
@@ -204,85 +217,95 @@ def _stable_prefix_tokens_raw(req: Request) -> int:
 
 
 # -- step 1: predecessor ------------------------------------------------------------------------------------
+def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
+    """``(kind, key)`` for every key on which a later request may find ``req`` (or ``req`` its predecessor).
+
+    Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
+    variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
+    gateway_requests.predecessor_keys (sql/migrations/0008):
+    1. (tenant, model, conversation_id), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`;
+    3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
+    4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`.
+    """
+    tenant, model = _str(req, "tenant_id"), _str(req, "model")
+    out: list[tuple[int, tuple[str, ...]]] = []
+    for kind, field in ((KEY_CONVERSATION, "conversation_id"), (KEY_AGENT_RUN, "agent_run_id")):
+        if _str(req, field):
+            out.append((kind, (tenant, model, _str(req, field))))
+    if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
+        out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
+    for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=True):
+        if _str(req, field):
+            out.append((kind, (tenant, model, _str(req, field))))
+    return out
+
+
+def choose_predecessor(candidates: Mapping[int, Request]) -> Predecessor | None:
+    """The predecessor among ``candidates`` (key kind → the latest earlier request on that key of this
+    request, within the horizon): the previous turn of the conversation, else of the agent run; else the
+    fingerprint match; else the latest of the variant matches (by :func:`order_key`)."""
+    for kind in (KEY_CONVERSATION, KEY_AGENT_RUN):
+        if kind in candidates:
+            return Predecessor(candidates[kind], PREVIOUS_TURN)
+    if KEY_FINGERPRINT in candidates:
+        return Predecessor(candidates[KEY_FINGERPRINT], FINGERPRINT)
+    variants = [candidates[k] for k in VARIANT_KEYS if k in candidates]
+    if variants:
+        return Predecessor(max(variants, key=order_key), VARIANT)
+    return None
+
+
 class _Timeline:
-    """Requests under one key, sorted by (ts, request_id), for "latest strictly before t" lookups."""
+    """Requests under one key, sorted by :func:`order_key`, for "latest strictly before t" lookups."""
 
     def __init__(self) -> None:
-        self.keys: list[tuple[int, str]] = []
+        self.keys: list[int] = []
         self.reqs: list[Request] = []
 
     def latest_before(self, ts_ms: int, not_before_ms: int) -> Request | None:
-        i = bisect.bisect_left(self.keys, (ts_ms, ""))  # every key with ts < ts_ms lies before i
-        if i == 0 or self.keys[i - 1][0] < not_before_ms:
+        i = bisect.bisect_left(self.keys, ts_ms * 1048576)  # every request of an earlier millisecond lies before i
+        if i == 0 or _ts_ms(self.reqs[i - 1]) < not_before_ms:
             return None
         return self.reqs[i - 1]
 
 
 class PredecessorIndex:
-    """Finds each request's predecessor; built once over the window of candidate requests.
+    """Finds predecessors in memory, over a set of candidate requests (the store-backed job does the same
+    lookup in ClickHouse: ingest/attribution_job.py; this is the reference it is tested against).
 
-    ``requests``: every request that may serve as a predecessor (the job loads ``ts`` in
-    [earliest target − horizon, latest target]); failed ones (status ≥ 400 or prompt_tokens = 0) are skipped.
-    ``horizon_seconds``: how far back a predecessor may lie (DESIGN.md "within the horizon").
-    Keys (all scoped by model, because a pod's cache holds one model's KV; rules 1 and 3 also by tenant, so
-    two tenants' "conv-1" never mix):
-    1. (tenant, model, conversation_id), else (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`;
-    2. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
-    3. (tenant, model, variant field, value) for each non-empty :data:`VARIANT_FIELDS` value; the latest of
-       the matches wins: :data:`VARIANT`.
+    ``requests``: every request that may serve as a predecessor; failed ones (status ≥ 400 or
+    prompt_tokens = 0) are skipped. ``horizon_seconds``: how far back a predecessor may lie.
     """
 
     def __init__(self, requests: Iterable[Request], horizon_seconds: float = DEFAULT_HORIZON_SECONDS) -> None:
         self.horizon_ms = round(horizon_seconds * 1000)
-        self._timelines: dict[tuple[str, ...], _Timeline] = {}
+        self._timelines: dict[tuple[int, tuple[str, ...]], _Timeline] = {}
         seen: set[str] = set()
-        for req in sorted(requests, key=_order_key):
+        for req in sorted(requests, key=order_key):
             rid = _str(req, "request_id")
-            if rid in seen or not _can_be_predecessor(req):
+            if rid in seen or not can_be_predecessor(req):
                 continue
             seen.add(rid)
-            for key in self._keys(req):
+            for key in predecessor_keys(req):
                 tl = self._timelines.setdefault(key, _Timeline())
-                tl.keys.append(_order_key(req))
+                tl.keys.append(order_key(req))
                 tl.reqs.append(req)
 
-    @staticmethod
-    def _keys(req: Request) -> list[tuple[str, ...]]:
-        tenant, model = _str(req, "tenant_id"), _str(req, "model")
-        keys: list[tuple[str, ...]] = []
-        for field in ("conversation_id", "agent_run_id"):
-            if _str(req, field):
-                keys.append((field, tenant, model, _str(req, field)))
-        if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
-            keys.append(("prompt_fingerprint", model, _str(req, "prompt_fingerprint")))
-        for field in VARIANT_FIELDS:
-            if _str(req, field):
-                keys.append((field, tenant, model, _str(req, field)))
-        return keys
-
-    def _latest(self, key: tuple[str, ...], ts_ms: int) -> Request | None:
-        tl = self._timelines.get(key)
-        return tl.latest_before(ts_ms, ts_ms - self.horizon_ms) if tl else None
+    def candidates(self, req: Request) -> dict[int, Request]:
+        """Key kind → the latest request strictly earlier (an earlier millisecond) on that key, within the
+        horizon."""
+        ts_ms = _ts_ms(req)
+        out: dict[int, Request] = {}
+        for key in predecessor_keys(req):
+            tl = self._timelines.get(key)
+            found = tl.latest_before(ts_ms, ts_ms - self.horizon_ms) if tl else None
+            if found is not None:
+                out[key[0]] = found
+        return out
 
     def find(self, req: Request) -> Predecessor | None:
         """The predecessor of ``req`` (ts strictly before, at most ``horizon_seconds`` earlier), or None."""
-        keys = self._keys(req)
-        ts_ms = _ts_ms(req)
-        for key in keys:
-            if key[0] in ("conversation_id", "agent_run_id"):
-                found = self._latest(key, ts_ms)
-                if found is not None:
-                    return Predecessor(found, PREVIOUS_TURN)
-        for key in keys:
-            if key[0] == "prompt_fingerprint":
-                found = self._latest(key, ts_ms)
-                if found is not None:
-                    return Predecessor(found, FINGERPRINT)
-        matches = [m for key in keys if key[0] in VARIANT_FIELDS
-                   if (m := self._latest(key, ts_ms)) is not None]
-        if matches:
-            return Predecessor(max(matches, key=_order_key), VARIANT)
-        return None
+        return choose_predecessor(self.candidates(req))
 
 
 # -- step 2: shared prefix and drift ------------------------------------------------------------------------
@@ -470,35 +493,89 @@ def _reuse_cause(req: Request, pred: Predecessor) -> tuple[str, str]:
     return (EVICTED, EVICTED_BEFORE_NEXT_TURN if pred.kind == PREVIOUS_TURN else "")
 
 
-def attribute_request(req: Request, pred: Predecessor | None, block_size: int) -> list[MissRow]:
-    """The miss_attribution rows of one request (empty when it failed or missed nothing), in prompt order.
+@dataclass(frozen=True)
+class Verdict:
+    """The answer for one request: one request_attribution row (sql/migrations/0009).
 
-    ``block_size``: tokens per KV block on the request's pod. ``gap_ms`` is filled whenever there is a
-    predecessor: its ts + e2e_ms → this ts, ms.
+    ``causes``/``sub_causes``/``missed_tokens``: parallel tuples, one entry per (cause, sub_cause) in prompt
+    order, the tokens summing to prompt_tokens − cached_tokens (empty when the request failed or missed
+    nothing). ``predecessor_*``: the earlier request it could have reused blocks from ("" if none; kept for a
+    full hit too, for affinity); ``gap_ms``: predecessor end (its ts + e2e_ms) → this ts, ms (None without
+    predecessor); ``block_size``: tokens per KV block used for this request's pod.
     """
-    if not is_attributable(req):
-        return []
+
+    request_id: str
+    ts: datetime
+    tenant_id: str
+    pod: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    predecessor_request_id: str
+    predecessor_pod: str
+    predecessor_kind: str
+    gap_ms: float | None
+    block_size: int
+    causes: tuple[str, ...] = ()
+    sub_causes: tuple[str, ...] = ()
+    missed_tokens: tuple[int, ...] = ()
+
+    def values(self) -> tuple[Any, ...]:
+        """Values in :data:`VERDICT_COLUMNS` order."""
+        return astuple(self)
+
+    def rows(self) -> list[MissRow]:
+        """The verdict as one :class:`MissRow` per (cause, sub_cause), in prompt order."""
+        return [MissRow(self.request_id, self.ts, self.tenant_id, self.pod, self.model, cause, sub, tokens,
+                        self.predecessor_request_id, self.predecessor_pod, self.gap_ms, self.block_size)
+                for cause, sub, tokens in zip(self.causes, self.sub_causes, self.missed_tokens, strict=True)]
+
+
+VERDICT_COLUMNS = tuple(f.name for f in fields(Verdict))
+
+
+def judge(req: Request, pred: Predecessor | None, block_size: int) -> Verdict:
+    """The verdict for one request. ``block_size``: tokens per KV block on the request's pod.
+
+    A failed request (status ≥ 400) gets no predecessor and no causes; a request that missed nothing keeps
+    its predecessor and gets no causes.
+    """
+    if int(req.get("status") or 0) >= 400:
+        pred = None
     offsets = segment_offsets(req)
-    stable = offsets[HISTORY + 1] if offsets else None
-    shared = shared_prefix(req, pred) if pred is not None and offsets is not None else None
-    if offsets is None:
-        pred = None  # without segment counts, no predecessor rule can be checked
-    split = split_missed_tokens(
-        prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
-        block_size=block_size, stable_prefix_tokens=stable, shared=shared,
-        reuse_cause=_reuse_cause(req, pred) if pred is not None else (EVICTED, ""),
-    )
-    pred_id = pred_pod = ""
+    split: list[tuple[str, str, int]] = []
+    if is_attributable(req):
+        stable = offsets[HISTORY + 1] if offsets else None
+        shared = shared_prefix(req, pred) if pred is not None and offsets is not None else None
+        if offsets is None:
+            pred = None  # without segment counts, no predecessor rule can be checked
+        split = split_missed_tokens(
+            prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
+            block_size=block_size, stable_prefix_tokens=stable, shared=shared,
+            reuse_cause=_reuse_cause(req, pred) if pred is not None else (EVICTED, ""),
+        )
+    pred_id = pred_pod = kind = ""
     gap_ms: float | None = None
     if pred is not None:
         prev = pred.request
-        pred_id, pred_pod = _str(prev, "request_id"), _str(prev, "pod")
+        pred_id, pred_pod, kind = _str(prev, "request_id"), _str(prev, "pod"), pred.kind
         gap_ms = float(_ts_ms(req) - _ts_ms(prev)) - float(prev.get("e2e_ms") or 0.0)
-    return [
-        MissRow(_str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"),
-                _str(req, "model"), cause, sub, tokens, pred_id, pred_pod, gap_ms, block_size)
-        for cause, sub, tokens in split
-    ]
+    return Verdict(
+        _str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"), _str(req, "model"),
+        _int(req, "prompt_tokens"), _int(req, "cached_tokens"), pred_id, pred_pod, kind, gap_ms, block_size,
+        tuple(c for c, _, _ in split), tuple(sc for _, sc, _ in split), tuple(n for _, _, n in split))
+
+
+def attribute_request(req: Request, pred: Predecessor | None, block_size: int) -> list[MissRow]:
+    """The miss_attribution rows of one request (empty when it failed or missed nothing), in prompt order:
+    :func:`judge`'s verdict as rows."""
+    return judge(req, pred, block_size).rows()
+
+
+def block_size_for(req: Request, block_size_by_pod: Mapping[str, int], default_block_size: int) -> int:
+    """Tokens per block of the request's pod: its ``vllm:cache_config_info`` value, else the default."""
+    size = int(block_size_by_pod.get(_str(req, "pod")) or 0)
+    return size if size > 0 else default_block_size
 
 
 def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
@@ -512,13 +589,11 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
     with a non-positive value) uses ``default_block_size`` (vLLM's default, 16).
     ``horizon_seconds``: the furthest back a predecessor may lie.
     """
-    targets = sorted(requests, key=_order_key)
+    targets = sorted(requests, key=order_key)
     index = PredecessorIndex([*window, *targets], horizon_seconds)
     sizes = block_size_by_pod or {}
     rows: list[MissRow] = []
     for req in targets:
-        if not is_attributable(req):
-            continue
-        size = int(sizes.get(_str(req, "pod")) or 0)
-        rows.extend(attribute_request(req, index.find(req), size if size > 0 else default_block_size))
+        if is_attributable(req):
+            rows.extend(attribute_request(req, index.find(req), block_size_for(req, sizes, default_block_size)))
     return rows

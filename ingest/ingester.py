@@ -1,24 +1,34 @@
 """The ingester: transport messages → rows → ClickHouse, committing the source only after the insert.
 
-At-least-once, visibly (STYLE.md §4): a batch is polled, decoded, mapped and inserted table by table; only
-then is the source committed. A store outage (retryable) keeps the batch and backs off; rows the store
-refuses (permanent) are isolated by halving the batch and dead-lettered with the reason, then the rest is
-written and committed. Re-delivered messages carry the same ``event_id`` and collapse in the
-ReplacingMergeTree tables.
+At-least-once delivery, exactly-once rows (STYLE.md §4, docs/reliability.md):
+- A polled batch is decoded and mapped to rows per table; each table's rows are checked against the store
+  (:mod:`ingest.dedup`: what it already holds is dropped) and inserted; only then are the batch's own offsets
+  committed (explicit per-partition offsets, never the consumer's position).
+- Any failure that may pass (the store or broker away, a timeout, a memory limit, an unexpected exception,
+  which is a bug but must not lose data) keeps the batch: the source is rewound to it and the batch is
+  retried with exponential backoff and jitter, forever, and counted. The dedup check makes a retry of a
+  half-landed batch insert only what is missing.
+- Only data errors (:data:`ingest.store.DATA_ERROR_CODES`, values the client cannot serialise) are permanent:
+  the refused table's rows are halved until the refused row is alone; it goes to ``dead_letters`` with the
+  store's reason, and everything else of the batch lands. Tables that already landed are not re-inserted.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from collector.events import ContractError, decode_batch, encode_batch
 from collector.publish import Message
+from ingest.dedup import absent_rows
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
 from ingest.source import Source
@@ -27,42 +37,59 @@ from ingest.store import Store
 log = logging.getLogger("kvscope.ingest")
 
 ROWS_WRITTEN = Counter("kvscope_ingest_rows_written", "Rows inserted into ClickHouse", ["table"])
+ROWS_DUPLICATE = Counter("kvscope_ingest_rows_duplicate", "Rows dropped because the store already held them "
+                         "(redelivery, a collector re-send, a re-import)", ["table"])
 DEAD_LETTERS = Counter("kvscope_dead_letters", "Inputs dead-lettered, by source", ["source"])
 INGEST_ERRORS = Counter("kvscope_ingest_errors", "Ingest failures by kind", ["kind"])
+RETRIES = Counter("kvscope_ingest_retries", "Batches retried after a failure that may pass, by reason", ["reason"])
+BATCH_BACKOFF = Gauge("kvscope_ingest_backoff_seconds", "Current wait before retrying the held batch (0 = none)")
 
 
-def _rows_of(messages: list[Message]) -> dict[str, list[tuple[Any, ...]]]:
-    tables: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+@dataclass(frozen=True)
+class Origin:
+    """Where a row came from, for its dead letter: the message's location and pod, and the envelope."""
+
+    location: str
+    pod: str
+    envelope: bytes
+
+
+def _rows_of(messages: list[Message]) -> dict[str, list[tuple[tuple[Any, ...], Origin]]]:
+    """Rows per table, each with its origin; undecodable messages and unmappable envelopes become
+    dead-letter rows here (contract violations are permanent)."""
+    tables: dict[str, list[tuple[tuple[Any, ...], Origin]]] = defaultdict(list)
     for m in messages:
         location = f"{m.topic}:{m.partition}:{m.offset}"
         pod = m.key.decode("utf-8", "replace")
         try:
             events = decode_batch(m.value)
         except (ContractError, RecursionError) as exc:
-            tables["dead_letters"].append(contract_dead_letter(str(exc)[:1000], location, m.value, pod))
+            origin = Origin(location, pod, m.value)
+            tables["dead_letters"].append((contract_dead_letter(str(exc)[:1000], location, m.value, pod), origin))
             continue
         for ev in events:
+            origin = Origin(f"{location}:{ev.event_id}", ev.pod, b"")
             try:
                 table, rows = rows_for(ev)
             except ContractViolation as exc:
-                tables["dead_letters"].append(contract_dead_letter(exc.reason, location, encode_batch([ev]), ev.pod))
+                raw = encode_batch([ev])
+                tables["dead_letters"].append((contract_dead_letter(exc.reason, location, raw, ev.pod), origin))
                 continue
-            tables[table].extend(rows)
+            tables[table].extend((r, origin) for r in rows)
     return tables
 
 
-def _single_envelopes(message: Message) -> list[Message]:
-    """One message per envelope of ``message`` (to find the envelope the store refused)."""
-    return [Message(message.topic, message.key, encode_batch([ev]), message.partition, message.offset)
-            for ev in decode_batch(message.value)]
+def backoff_seconds(attempt: int, base: float = 0.5, cap: float = 30.0) -> float:
+    """Exponential backoff with full-range jitter: ``min(cap, base·2^attempt)`` × U(0.5, 1.5) seconds."""
+    return min(cap, base * (2 ** min(attempt, 16))) * random.uniform(0.5, 1.5)
 
 
 class Ingester:
     """Moves messages from a :class:`Source` into a :class:`Store`.
 
-    ``run_once`` handles one polled batch and returns the number of messages handled; ``run`` loops until
-    ``stop`` is set. Raises nothing for bad data; a store outage is retried with backoff up to
-    ``max_backoff_seconds`` between tries, forever (the batch is never dropped).
+    ``handle(messages)`` writes one batch (retrying until it lands or ``stop`` is set) and commits it;
+    ``run_once`` polls and handles one batch; ``run`` loops until ``stop`` is set. Bad data never raises.
+    ``rows_written`` counts rows this ingester inserted, per table.
     """
 
     def __init__(self, store: Store, source: Source, *, max_messages: int = 500, poll_timeout_ms: int = 500,
@@ -73,73 +100,124 @@ class Ingester:
         self.poll_timeout_ms = poll_timeout_ms
         self.max_backoff_seconds = max_backoff_seconds
         self.messages_handled = 0
-        self.rows_written: dict[str, int] = defaultdict(int)  # table → rows inserted by this ingester
+        self.rows_written: dict[str, int] = defaultdict(int)
 
-    def _insert(self, messages: list[Message]) -> None:
-        tables = _rows_of(messages)
-        for table in sorted(tables, key=lambda t: t == "dead_letters"):
-            rows = tables[table]
-            self.store.insert(table, rows, COLUMNS[table])
-            ROWS_WRITTEN.labels(table).inc(len(rows))
-            self.rows_written[table] += len(rows)
-            if table == "dead_letters":
-                for r in rows:
-                    DEAD_LETTERS.labels(r[2]).inc()
-
-    def _insert_isolating(self, messages: list[Message]) -> None:
+    # -- writing one table ------------------------------------------------------------------------------
+    def _write(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]]) -> None:
+        """Insert the rows the store does not hold yet; isolate and dead-letter rows it refuses as data."""
+        columns = COLUMNS[table]
+        keep = absent_rows(self.store, table, [r for r, _ in rows], columns)
+        if len(keep) < len(rows):
+            ROWS_DUPLICATE.labels(table).inc(len(rows) - len(keep))
+        todo = [rows[i] for i in keep]
+        if not todo:
+            return
         try:
-            self._insert(messages)
+            self.store.insert(table, [r for r, _ in todo], columns)
         except RejectedRows as exc:
-            if len(messages) > 1:
-                mid = len(messages) // 2
-                self._insert_isolating(messages[:mid])
-                self._insert_isolating(messages[mid:])
+            if len(todo) == 1:
+                self._dead_letter_refused(table, todo[0], exc)
                 return
-            m = messages[0]
-            singles = _single_envelopes(m)
-            if len(singles) > 1:  # one refused envelope must not take the rest of its message with it
-                for single in singles:
-                    self._insert_isolating([single])
-                return
-            INGEST_ERRORS.labels("rejected").inc()
-            log.error("store refused a message; dead-lettered. table=%s reason=%s", exc.table, exc)
-            row = contract_dead_letter(f"store refused rows for {exc.table}: {exc}",
-                                       f"{m.topic}:{m.partition}:{m.offset}", m.value, m.key.decode())
-            self.store.insert("dead_letters", [row], COLUMNS["dead_letters"])
-            DEAD_LETTERS.labels("ingest").inc()
+            mid = len(todo) // 2
+            self._write(table, todo[:mid])
+            self._write(table, todo[mid:])
+            return
+        ROWS_WRITTEN.labels(table).inc(len(todo))
+        self.rows_written[table] += len(todo)
+        if table == "dead_letters":
+            for row, _ in todo:
+                DEAD_LETTERS.labels(row[2]).inc()
 
-    def handle(self, messages: list[Message], stop: threading.Event | None = None) -> None:
-        """Insert ``messages`` (retrying store outages) and then commit the source."""
-        backoff = 0.5
+    def _dead_letter_refused(self, table: str, item: tuple[tuple[Any, ...], Origin], exc: RejectedRows) -> None:
+        row, origin = item
+        INGEST_ERRORS.labels("rejected").inc()
+        log.error("store refused a row; dead-lettered. table=%s location=%s reason=%s", table, origin.location, exc)
+        raw = json.dumps(dict(zip(COLUMNS[table], row, strict=False)), default=str, ensure_ascii=False)
+        dead = contract_dead_letter(f"store refused a row of {table}: {exc}"[:2000], origin.location, raw,
+                                    origin.pod)
+        if table != "dead_letters":
+            self._write("dead_letters", [(dead, origin)])
+            return
+        # A dead letter the store refuses: one plain ASCII attempt, then it is lost, loudly (never a loop).
+        ascii_row = tuple(v.encode("ascii", "replace").decode() if isinstance(v, str) else v for v in dead)
+        try:
+            self.store.insert("dead_letters", [ascii_row], COLUMNS["dead_letters"])
+        except RejectedRows:
+            INGEST_ERRORS.labels("dead_letter_lost").inc()
+            log.error("store refused a dead letter twice; it is lost. location=%s", origin.location)
+
+    def write_batch(self, messages: list[Message]) -> None:
+        """Write every row of ``messages`` (data tables first, dead letters last). Raises any failure that
+        may pass; the caller keeps the batch."""
+        tables = _rows_of(messages)
+        for table in sorted(tables, key=lambda t: (t == "dead_letters", t)):
+            self._write(table, tables[table])
+
+    # -- one batch, retried until it lands -----------------------------------------------------------------
+    def handle(self, messages: list[Message], stop: threading.Event | None = None) -> bool:
+        """Write ``messages`` and commit them; True once committed.
+
+        Retries every write failure that may pass with backoff and jitter, holding the batch. Returns False
+        with nothing committed when ``stop`` is set first (the source is rewound), or when the commit itself
+        fails (e.g. a rebalance took the partitions away: the next owner redelivers the batch, and the dedup
+        check keeps the rows this one already wrote from counting twice).
+        """
+        attempt = 0
         while True:
             try:
-                self._insert_isolating(messages)
+                self.write_batch(messages)
                 break
-            except RetryableError as exc:
-                INGEST_ERRORS.labels("store_unavailable").inc()
-                log.warning("store unavailable, keeping the batch. retry_in_s=%.1f error=%s", backoff, exc)
-                if stop is not None and stop.wait(backoff):
-                    raise
-                time.sleep(0 if stop is not None else backoff)
-                backoff = min(backoff * 2, self.max_backoff_seconds)
-        self.source.commit()
+            except Exception as exc:  # noqa: BLE001 - every failure keeps the batch; only data errors are final
+                reason = type(exc).__name__
+                RETRIES.labels(reason).inc()
+                wait = backoff_seconds(attempt, cap=self.max_backoff_seconds)
+                BATCH_BACKOFF.set(wait)
+                if isinstance(exc, RetryableError):
+                    log.warning("batch kept for retry. reason=%s retry_in_s=%.1f error=%s", reason, wait, exc)
+                else:
+                    log.exception("batch failed unexpectedly; kept for retry (an operator must look). "
+                                  "retry_in_s=%.1f", wait)
+                attempt += 1
+                if stop is None:
+                    time.sleep(wait)
+                elif stop.wait(wait):
+                    self._rewind(messages)
+                    return False
+        BATCH_BACKOFF.set(0)
+        try:
+            self.source.commit(messages)
+        except RetryableError as exc:
+            INGEST_ERRORS.labels("commit_failed").inc()
+            log.warning("commit failed; the batch will be redelivered (its rows are deduplicated). error=%s", exc)
+            self._rewind(messages)
+            return False
         self.messages_handled += len(messages)
+        return True
+
+    def _rewind(self, messages: list[Message]) -> None:
+        try:
+            self.source.rewind(messages)
+        except RetryableError as exc:  # e.g. the partitions were revoked: their next owner redelivers
+            log.warning("rewind failed; the batch comes back from the committed offsets. error=%s", exc)
 
     def run_once(self, stop: threading.Event | None = None) -> int:
+        """Poll one batch and handle it; returns the number of messages polled."""
         messages = self.source.poll(self.poll_timeout_ms, self.max_messages)
         if messages:
             self.handle(messages, stop)
         return len(messages)
 
     def run(self, stop: threading.Event) -> None:
+        """Poll and handle batches until ``stop`` is set. A poll failure (broker away) backs off and retries."""
+        attempt = 0
         while not stop.is_set():
             try:
                 self.run_once(stop)
-            except RetryableError as exc:
+                attempt = 0
+            except Exception as exc:  # noqa: BLE001 - the source failed to poll; nothing was taken
                 INGEST_ERRORS.labels("source_unavailable").inc()
-                log.warning("source unavailable. error=%s", exc)
-                stop.wait(1.0)
-            except Exception:  # a bug must not stop ingestion for good; the batch is not committed
-                INGEST_ERRORS.labels("unexpected").inc()
-                log.exception("ingest batch failed unexpectedly; an operator must look (uncommitted, retried)")
-                stop.wait(5.0)
+                wait = backoff_seconds(attempt, cap=self.max_backoff_seconds)
+                log.warning("source unavailable. retry_in_s=%.1f error=%s", wait, exc)
+                attempt += 1
+                stop.wait(wait)
+

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, MetricsScrape
+from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, MetricsScrape
 from collector.gateway_log import parse_ts_ms
 from ingest.errors import ContractViolation
 
@@ -21,11 +21,13 @@ GATEWAY_INT = ("status", "prompt_tokens", "cached_tokens", "completion_tokens", 
                "retrieval_tokens", "history_tokens", "suffix_tokens")
 
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "gateway_requests": ("event_id", "request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT,
+    "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT,
                          "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
     "vllm_metric_samples": ("event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
                         "parent_block_hash", "token_count", "block_size", "medium"),
+    "kv_event_gaps": ("event_id", "detected_at", "pod", "engine", "first_seq", "last_seq", "reason",
+                      "replayed_batches", "recovered"),
     "dead_letters": ("event_id", "ts", "source", "pod", "reason", "location", "raw"),
 }
 
@@ -40,7 +42,7 @@ def _float_or_none(v: Any) -> float | None:
 
 def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
     r = p.record
-    return (ev.event_id, r["request_id"], _dt(parse_ts_ms(r["ts"])), str(r.get("tenant_id") or ""),
+    return (r["request_id"], _dt(parse_ts_ms(r["ts"])), str(r.get("tenant_id") or ""),
             *(str(r.get(k) or "") for k in GATEWAY_STR), bool(r.get("stream", False)),
             *(int(r.get(k) or 0) for k in GATEWAY_INT),
             float(r.get("ttft_ms") or 0.0), float(r.get("e2e_ms") or 0.0),
@@ -60,6 +62,11 @@ def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
              len(e.token_ids), e.block_size, e.medium or "") for i, e in enumerate(p.events)]
 
 
+def kv_gap_row(ev: Envelope, p: KvEventGap) -> tuple[Any, ...]:
+    return (ev.event_id, _dt(p.detected_at_ms), ev.pod, "" if p.dp_rank is None else str(p.dp_rank), p.first_seq,
+            p.last_seq, p.reason, p.replayed_batches, p.recovered)
+
+
 def dead_letter_row(ev: Envelope, p: DeadLetter) -> tuple[Any, ...]:
     return (ev.event_id, _dt(ev.observed_at_ms), p.source, ev.pod, p.reason, p.location, p.raw)
 
@@ -74,6 +81,8 @@ def rows_for(ev: Envelope) -> tuple[str, list[tuple[Any, ...]]]:
             return "vllm_metric_samples", metric_rows(ev, p)
         if isinstance(p, KvEventBatch):
             return "kv_block_events", kv_rows(ev, p)
+        if isinstance(p, KvEventGap):
+            return "kv_event_gaps", [kv_gap_row(ev, p)]
         if isinstance(p, DeadLetter):
             return "dead_letters", [dead_letter_row(ev, p)]
     except Exception as exc:  # one envelope's bad values must cost only that envelope

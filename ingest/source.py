@@ -1,61 +1,77 @@
 """Where the ingester reads from: a Kafka consumer group (distributed) or the in-process queue (embedded).
 
-Both give batches of :class:`collector.publish.Message` and a ``commit()`` that the ingester calls only after
-ClickHouse confirmed the insert (STYLE.md §4). Only this module sees kafka-python exceptions.
+Both hand out batches of :class:`collector.publish.Message`. ``commit(batch)`` is called only after the
+store confirmed the batch's rows and commits exactly that batch (STYLE.md §4); ``rewind(batch)`` makes the
+next poll deliver the batch again (the ingester could not write it). Only this module sees kafka-python
+exceptions.
 """
 
 from __future__ import annotations
 
-import queue
-from typing import Protocol
+from collections import defaultdict
+from typing import Any, Protocol
+
+from prometheus_client import Gauge
 
 from collector.events import topics as contract_topics
-from collector.publish import Message
+from collector.publish import MemoryQueue, Message
 from ingest.errors import RetryableError
+
+CONSUMER_LAG = Gauge("kvscope_ingest_consumer_lag_messages", "Messages in the partition not yet committed by "
+                     "this ingester (Kafka high watermark - committed offset)", ["topic", "partition"])
+QUEUE_BYTES = Gauge("kvscope_ingest_queue_bytes", "Bytes in the in-process queue, in flight included (embedded)")
 
 
 class SourceUnavailable(RetryableError):
-    """The broker could not be reached or the commit failed."""
+    """The broker could not be reached, or a commit or seek failed."""
 
 
 class Source(Protocol):
     def poll(self, timeout_ms: int = 500, max_messages: int = 500) -> list[Message]: ...
-    def commit(self) -> None: ...
+    def commit(self, messages: list[Message]) -> None: ...
+    def rewind(self, messages: list[Message]) -> None: ...
     def close(self) -> None: ...
 
 
 class QueueSource:
-    """Embedded mode: drains the queue the :class:`collector.publish.QueuePublisher` fills. ``commit`` is a
-    no-op: the queue lives and dies with the process."""
+    """Embedded mode: drains the :class:`~collector.publish.MemoryQueue` the collector fills.
 
-    def __init__(self, q: queue.Queue[Message]) -> None:
+    A polled batch stays *in flight* until committed: until then every poll returns the same batch again, so
+    a batch the ingester could not write is never dropped. ``commit`` frees the queue's bytes and runs each
+    message's ``on_commit`` (the collector's checkpoint advances: its rows are in the store).
+    """
+
+    def __init__(self, q: MemoryQueue) -> None:
         self.queue = q
+        self._inflight: list[Message] = []
 
     def poll(self, timeout_ms: int = 500, max_messages: int = 500) -> list[Message]:
-        out: list[Message] = []
-        try:
-            out.append(self.queue.get(timeout=timeout_ms / 1000))
-        except queue.Empty:
-            return out
-        while len(out) < max_messages:
-            try:
-                out.append(self.queue.get_nowait())
-            except queue.Empty:
-                break
-        return out
+        if not self._inflight:
+            self._inflight = self.queue.take(max_messages, timeout_ms / 1000)
+        QUEUE_BYTES.set(self.queue.bytes_used)
+        return list(self._inflight)
 
-    def commit(self) -> None:
-        pass
+    def commit(self, messages: list[Message]) -> None:
+        done = self._inflight[: len(messages)]
+        self._inflight = self._inflight[len(messages):]
+        for m in done:
+            if m.on_commit is not None:
+                m.on_commit()
+        self.queue.release(done)
+        QUEUE_BYTES.set(self.queue.bytes_used)
+
+    def rewind(self, messages: list[Message]) -> None:
+        pass  # still in flight: the next poll returns them
 
     def close(self) -> None:
         pass
 
 
 class KafkaSource:
-    """A member of consumer group ``group_id`` on every kvscope topic, manual commits only.
+    """A member of consumer group ``group_id`` on every kvscope topic, committing explicit offsets only.
 
-    Session/heartbeat timeouts are short (6 s / 2 s) so a group forms quickly (tansu waits half the session
-    timeout on the first join; ../shared/reference/environment.md).
+    Session/heartbeat timeouts are short (6 s / 2 s) so a group forms quickly (the test broker waits half the
+    session timeout on the first join). Raises :class:`SourceUnavailable` when the broker cannot be reached.
     """
 
     def __init__(self, bootstrap: str, group_id: str, *, namespace: str = "kvscope",
@@ -82,14 +98,44 @@ class KafkaSource:
         return [Message(r.topic, r.key or b"", r.value, r.partition, r.offset)
                 for records in batches.values() for r in records]
 
-    def assignment(self) -> set:
+    def assignment(self) -> set[Any]:
         return set(self._consumer.assignment())
 
-    def commit(self) -> None:
+    @staticmethod
+    def _by_partition(messages: list[Message]) -> dict[tuple[str, int], list[int]]:
+        out: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for m in messages:
+            out[(m.topic, m.partition)].append(m.offset)
+        return out
+
+    def commit(self, messages: list[Message]) -> None:
+        """Commit, per partition, the offset after the last message of ``messages`` (what was written)."""
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(max(offs) + 1, "", -1)
+                   for (t, p), offs in self._by_partition(messages).items()}
+        if not offsets:
+            return
         try:
-            self._consumer.commit()
+            self._consumer.commit(offsets)
         except self._kafka_error as exc:
             raise SourceUnavailable(f"commit failed: {exc!r}") from exc
+        for tp, om in offsets.items():
+            high = self._consumer.highwater(tp)
+            if high is not None:
+                CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - om.offset))
+
+    def rewind(self, messages: list[Message]) -> None:
+        """Seek each partition of ``messages`` back to its first message, so the next poll redelivers them."""
+        from kafka.structs import TopicPartition
+
+        try:
+            for (t, p), offs in self._by_partition(messages).items():
+                tp = TopicPartition(t, p)
+                if tp in self._consumer.assignment():
+                    self._consumer.seek(tp, min(offs))
+        except (self._kafka_error, AssertionError, ValueError) as exc:
+            raise SourceUnavailable(f"seek failed: {exc!r}") from exc
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

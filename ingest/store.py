@@ -10,6 +10,7 @@ threads; calls are serialised by a lock (clickhouse-connect clients are not safe
 from __future__ import annotations
 
 import re
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,10 +25,29 @@ from clickhouse_connect.driver import exceptions as ch_exc
 import sql as sqlfiles
 from ingest.errors import QueryError, RejectedRows, StoreUnavailable
 
-# ClickHouse error codes meaning "the rows are wrong" (permanent) vs "try again" (retryable).
+# The ClickHouse error codes that mean "these rows are wrong" (parse, type, range): the only failures of an
+# insert that are permanent. Every other failure of a write (network, timeouts, memory limit 241, too many
+# parts 252, a missing table during a migration, an error without a code) may pass and is retried.
 # Source: ClickHouse src/Common/ErrorCodes.cpp.
-# Timeouts, too many simultaneous queries, socket/network errors, read-only replica, too many parts.
-_RETRYABLE_CODES = {159, 202, 209, 210, 242, 252, 425}
+DATA_ERROR_CODES = frozenset({
+    6,    # CANNOT_PARSE_TEXT
+    26,   # CANNOT_PARSE_QUOTED_STRING
+    27,   # CANNOT_PARSE_INPUT_ASSERTION_FAILED
+    38,   # CANNOT_PARSE_DATE
+    41,   # CANNOT_PARSE_DATETIME
+    53,   # TYPE_MISMATCH
+    69,   # ARGUMENT_OUT_OF_BOUND
+    70,   # CANNOT_CONVERT_TYPE
+    72,   # CANNOT_PARSE_NUMBER
+    117,  # INCORRECT_DATA
+    131,  # TOO_LARGE_STRING_SIZE
+    321,  # VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE
+    349,  # CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN
+})
+#: Read failures that may pass (timeouts, too many queries, network, memory limit, too many parts).
+_RETRYABLE_READ_CODES = {159, 202, 209, 210, 241, 242, 252, 425}
+#: What clickhouse-connect raises while serialising values that do not fit their column (a data error).
+_SERIALISE_ERRORS = (ValueError, TypeError, OverflowError, struct.error, ch_exc.DataError)
 _CODE = re.compile(r"Code:\s*(\d+)")
 
 #: Rows an ad hoc query returns at most; a result of exactly this many rows was cut.
@@ -96,20 +116,17 @@ class Store:
         return cls(client, database, dsn)
 
     @contextmanager
-    def _translate(self, what: str, table: str = "") -> Iterator[None]:
-        """Hold the lock and translate clickhouse-connect errors: network/timeouts → StoreUnavailable;
-        others → RejectedRows when writing ``table``, else QueryError."""
+    def _translate(self, what: str) -> Iterator[None]:
+        """Hold the lock and translate clickhouse-connect errors of a read or a command: network, timeouts
+        and load → StoreUnavailable (retry); others → QueryError (the statement itself is wrong)."""
         try:
             with self._lock:
                 yield
         except ch_exc.OperationalError as exc:
             raise StoreUnavailable(f"{what}: {exc}") from exc
         except ch_exc.Error as exc:
-            code = _code(exc)
-            if code in _RETRYABLE_CODES:
+            if _code(exc) in _RETRYABLE_READ_CODES:
                 raise StoreUnavailable(f"{what}: {exc}") from exc
-            if table:
-                raise RejectedRows(table, str(exc), code) from exc
             raise QueryError(f"{what}: {exc}") from exc
 
     # -- writes -------------------------------------------------------------------------------------------
@@ -119,17 +136,24 @@ class Store:
             return self.client.command(statement, parameters=parameters)
 
     def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
-        """Insert row tuples into ``table``.
+        """Insert row tuples into ``table`` (one INSERT; ClickHouse writes one part per partition touched).
 
-        Raises :class:`RejectedRows` when ClickHouse (or the client's serialiser) refuses the data: a
-        permanent error for these rows; :class:`StoreUnavailable` when it may succeed later.
+        Raises :class:`RejectedRows` only for data errors: the client could not serialise a value into its
+        column, or ClickHouse answered with one of :data:`DATA_ERROR_CODES`. Every other failure raises
+        :class:`StoreUnavailable` (retryable): the rows may or may not have landed, so a retry must first
+        check what the store holds (the ingester's dedup does).
         """
         if not rows:
             return
         try:
-            with self._translate(f"insert into {table}", table):
+            with self._lock:
                 self.client.insert(table, list(rows), column_names=list(column_names))
-        except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as exc:
+        except ch_exc.Error as exc:
+            code = _code(exc)
+            if code in DATA_ERROR_CODES or isinstance(exc, ch_exc.DataError):
+                raise RejectedRows(table, str(exc), code) from exc
+            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
+        except _SERIALISE_ERRORS as exc:
             raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
 
     # -- reads --------------------------------------------------------------------------------------------
@@ -195,7 +219,8 @@ class Store:
     def migrate(self) -> list[str]:
         """Apply ``sql/migrations`` not yet recorded in ``schema_migrations``; returns the versions applied.
 
-        Migrations are idempotent (IF NOT EXISTS), so a crash between a migration and its record is safe.
+        Migrations are safe to rerun (IF NOT EXISTS, guarded statements), so a crash between a migration and
+        its record is safe.
         """
         self.command(
             "CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
@@ -206,18 +231,39 @@ class Store:
         for version, text in sqlfiles.migrations():
             if version in done:
                 continue
-            for statement in split_statements(text):
-                self.command(statement)
+            self.run_migration(text)
             self.insert("schema_migrations", [(version,)], ["version"])
             applied.append(version)
         return applied
 
+    def run_migration(self, text: str) -> None:
+        """Run every statement of one migration file, skipping a guarded statement whose guard is false
+        (see :func:`split_statements`)."""
+        for guard, statement in split_statements(text):
+            if guard and not self.query_rows(guard)[0][0]:
+                continue
+            self.command(statement)
 
-def split_statements(text: str) -> list[str]:
-    """Split a migration file into statements on ``;`` at line ends, dropping comment-only chunks."""
+
+_GUARD = re.compile(r"^\s*--\s*if:\s*(.+)$")
+
+
+def split_statements(text: str) -> list[tuple[str, str]]:
+    """Split a migration file into ``(guard, statement)`` on ``;`` at line ends, dropping comment-only chunks.
+
+    A comment line ``-- if: SELECT ...`` inside a statement's chunk is its guard: the runner executes the
+    statement only when that SELECT returns a true first value. ClickHouse has no conditional RENAME or
+    INSERT; guards make such steps safe to rerun (e.g. "only if the old table still exists"). ``guard`` is
+    "" for an unguarded statement.
+    """
     out = []
     for chunk in re.split(r";\s*(?:\n|$)", text):
+        guard = ""
+        for line in chunk.splitlines():
+            m = _GUARD.match(line)
+            if m:
+                guard = m.group(1).strip()
         body = "\n".join(line for line in chunk.splitlines() if not line.strip().startswith("--")).strip()
         if body:
-            out.append(body)
+            out.append((guard, body))
     return out

@@ -47,18 +47,32 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
     return cfg
 
 
-def _run_until_interrupted(pipe) -> None:  # type: ignore[no-untyped-def]
-    """Start a pipeline and run it until Ctrl-C or SIGTERM, then close it in data-flow order."""
+def _stop_on_signals() -> threading.Event:
+    """An event set by SIGINT (Ctrl-C) or SIGTERM. Installed after the store is open: chDB replaces the
+    SIGINT handler when it starts, so without this Ctrl-C would never reach Python."""
     import signal
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    pipe.start()
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _wait(stop: threading.Event) -> None:
+    # wait in short slices: the main thread must return to the interpreter for the signal handler to run
+    while not stop.wait(0.5):
         pass
+
+
+def _run_until_interrupted(pipe) -> None:  # type: ignore[no-untyped-def]
+    """Start a pipeline and run it until Ctrl-C or SIGTERM, then close it in data-flow order (the collector
+    publishes what it read, the ingester drains, attribution runs once more)."""
+    pipe.start()
+    stop = _stop_on_signals()
+    try:
+        _wait(stop)
     finally:
+        click.echo("kvscope: stopping (draining the pipeline)", err=True)
         pipe.close()
 
 
@@ -138,16 +152,16 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     _serve_self_metrics(cfg)
     store = _store(cfg)
     pipe = Pipeline(cfg, store=store)
-    pipe.start()
     click.echo(
         f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
     )
+    if no_dashboard:
+        _run_until_interrupted(pipe)
+        return
+    pipe.start()
     try:
-        if no_dashboard:
-            threading.Event().wait()
-        else:
-            click.echo(f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}")
-            run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)
+        click.echo(f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}")
+        run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)  # Streamlit handles signals
     except KeyboardInterrupt:
         pass
     finally:
@@ -221,9 +235,10 @@ def collect(**opts: Any) -> None:
 @click.option("--consumer-group", default=None, help="Kafka consumer group [KVSCOPE_CONSUMER_GROUP].")
 @click.option(
     "--attribution/--no-attribution",
-    default=True,
+    default=False,
     show_default=True,
-    help="Also run the miss-cause attribution job (idempotent; safe on every replica).",
+    help="Also run the miss-cause attribution job. It must run in ONE process per database: use it on a "
+    "single replica, or run `kvscope attribute` as its own service.",
 )
 def ingest(attribution: bool, **opts: Any) -> None:
     """Run an ingester: Kafka consumer group → ClickHouse (migrations applied at start)."""
@@ -234,6 +249,30 @@ def ingest(attribution: bool, **opts: Any) -> None:
     if not cfg.kafka_bootstrap:
         raise click.UsageError("kvscope ingest consumes Kafka: give --kafka-bootstrap (or use kvscope up)")
     _run_until_interrupted(Pipeline(cfg, store=_store(cfg), collect=False, ingest=True, attribute=attribution))
+
+
+@main.command()
+@store_options
+@click.option("--once", is_flag=True, help="One run, then exit (e.g. from cron); default: every interval.")
+def attribute(once: bool, **opts: Any) -> None:
+    """Run the miss-cause attribution job alone (distributed mode: exactly one per database)."""
+    from ingest.attribution_job import attribution_loop, run_attribution
+    from kvscope.pipeline import attribution_kwargs
+
+    cfg = _config(**opts)
+    _serve_self_metrics(cfg)
+    store = _store(cfg)
+    kwargs = attribution_kwargs(cfg)
+    if once:
+        stats = run_attribution(store, **kwargs)
+        click.echo(f"attribution: {stats.arrivals} new answers, {stats.changed} changed")
+        return
+    stop = _stop_on_signals()
+    thread = threading.Thread(target=attribution_loop, args=(store, stop, cfg.attribution_interval_seconds),
+                              kwargs=kwargs, daemon=True)
+    thread.start()
+    _wait(stop)
+    thread.join(30)
 
 
 @main.command()
@@ -291,14 +330,10 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
         written = import_events(store, read_file(f))
         click.echo(f"{f}: {written.get('gateway_requests', 0)} requests, {written.get('dead_letters', 0)} dead letters")
     from ingest.attribution_job import run_attribution
+    from kvscope.pipeline import attribution_kwargs
 
-    n = run_attribution(
-        store,
-        settle_seconds=0,
-        horizon_seconds=cfg.attribution_horizon_seconds,
-        default_block_size=cfg.default_block_size,
-    )
-    click.echo(f"attribution: {n} rows")
+    stats = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
+    click.echo(f"attribution: {stats.arrivals} new answers, {stats.changed} changed")
 
 
 @import_.command("metrics")

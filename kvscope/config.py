@@ -38,10 +38,14 @@ SETTINGS: list[Setting] = [
             "(its kv-events-config replay_endpoint); missed batches are fetched from there"),
     Setting("state_dir", str(Path.home() / ".kvscope" / "state"),
             "Where the collector keeps its checkpoints (log offsets, KV-event sequence numbers)"),
+    Setting("queue_max_bytes", 256 << 20, "Embedded mode: bytes the in-process queue may hold (in flight included) "
+            "before the collector waits for the ingester", int),
     Setting("scrape_interval_seconds", 5.0, "Seconds between /metrics scrapes of each pod", float),
     Setting("attribution_interval_seconds", 5.0, "Seconds between miss-cause attribution runs", float),
-    Setting("attribution_settle_seconds", 2.0, "Requests younger than this (by ingest time) wait for the next run",
-            float),
+    Setting("attribution_settle_seconds", 2.0, "Requests ingested less than this long ago (store clock) wait for "
+            "the next attribution run", float),
+    Setting("attribution_overlap_seconds", 300.0, "Each attribution run looks this far before its watermark for "
+            "requests still unanswered (inserts that became visible late)", float),
     Setting("attribution_horizon_seconds", 3600.0, "How far back a request's predecessor may be", float),
     Setting("default_block_size", 16, "KV block size (tokens) when a pod's vllm:cache_config_info is not seen", int),
     Setting("dashboard_address", "127.0.0.1", "Address the dashboard listens on"),
@@ -68,9 +72,11 @@ class Config:
     kv_events_endpoint: str
     kv_events_replay: str
     state_dir: str
+    queue_max_bytes: int
     scrape_interval_seconds: float
     attribution_interval_seconds: float
     attribution_settle_seconds: float
+    attribution_overlap_seconds: float
     attribution_horizon_seconds: float
     default_block_size: int
     dashboard_address: str

@@ -15,7 +15,10 @@ class _NoSource:
     def poll(self, timeout_ms: int = 0, max_messages: int = 0) -> list[Message]:
         return []
 
-    def commit(self) -> None:
+    def commit(self, messages: list[Message]) -> None:
+        pass
+
+    def rewind(self, messages: list[Message]) -> None:
         pass
 
     def close(self) -> None:

@@ -8,13 +8,12 @@ everything that touches the store lives here, in threads sharing one :class:`ing
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collector.publish import KafkaPublisher, Message, Publisher, QueuePublisher
+from collector.publish import KafkaPublisher, MemoryQueue, Publisher, QueuePublisher
 from collector.service import Collector, parse_target
 from ingest.attribution_job import attribution_loop, run_attribution
 from ingest.errors import KvscopeError
@@ -35,6 +34,12 @@ def open_store(cfg: Config) -> Store:
     return store
 
 
+def attribution_kwargs(cfg: Config) -> dict[str, float | int]:
+    """The attribution job's settings (:func:`ingest.attribution_job.run_attribution` keywords)."""
+    return {"settle_seconds": cfg.attribution_settle_seconds, "overlap_seconds": cfg.attribution_overlap_seconds,
+            "horizon_seconds": cfg.attribution_horizon_seconds, "default_block_size": cfg.default_block_size}
+
+
 @dataclass
 class Pipeline:
     """Collector, ingester and attribution threads over one store. ``start()`` returns once all run."""
@@ -50,7 +55,7 @@ class Pipeline:
     _threads: list[threading.Thread] = field(default_factory=list)
     _closers: list = field(default_factory=list)
     _ingest_stop: threading.Event = field(default_factory=threading.Event)
-    _queue: queue.Queue[Message] | None = None
+    _queue: MemoryQueue | None = None
 
     def _transport(self) -> tuple[Publisher | None, Source | None]:
         if self.cfg.kafka_bootstrap:
@@ -58,7 +63,7 @@ class Pipeline:
             pub = KafkaPublisher(self.cfg.kafka_bootstrap, namespace=ns) if self.collect else None
             src = KafkaSource(self.cfg.kafka_bootstrap, self.cfg.consumer_group, namespace=ns) if self.ingest else None
             return pub, src
-        self._queue = queue.Queue(maxsize=100_000)
+        self._queue = MemoryQueue(max_bytes=self.cfg.queue_max_bytes)
         return QueuePublisher(self._queue), QueueSource(self._queue)
 
     def start(self) -> None:
@@ -74,10 +79,7 @@ class Pipeline:
             store = self.store
             assert store is not None
             self._spawn("attribution", lambda: attribution_loop(
-                store, self._ingest_stop, self.cfg.attribution_interval_seconds,
-                settle_seconds=self.cfg.attribution_settle_seconds,
-                horizon_seconds=self.cfg.attribution_horizon_seconds,
-                default_block_size=self.cfg.default_block_size))
+                store, self._ingest_stop, self.cfg.attribution_interval_seconds, **attribution_kwargs(self.cfg)))
         if self.collect:
             assert publisher is not None
             for p in self.cfg.list("gateway_log"):
@@ -108,8 +110,7 @@ class Pipeline:
             th.join(timeout)
         if self.attribute and self.store is not None:
             try:
-                run_attribution(self.store, settle_seconds=0.0, horizon_seconds=self.cfg.attribution_horizon_seconds,
-                                default_block_size=self.cfg.default_block_size)
+                run_attribution(self.store, **{**attribution_kwargs(self.cfg), "settle_seconds": 0.0})
             except KvscopeError as exc:
                 log.warning("final attribution run failed. error=%s", exc)
         for closer in self._closers:

@@ -81,11 +81,11 @@ REQUESTS: list[tuple[Any, ...]] = [
      "sys-acme", "sys-acme", "", "", "", "", "hist-a-5", 40, "fp-acme-5"),
 ]
 # fmt: on
-#: A re-delivered log line (same event_id, ts, tenant): FINAL must collapse it.
+#: A re-delivered log line (same request_id and ts): the load drops it as the ingester does.
 DUPLICATED_REQUEST = "cap-2-warm"
 
 GATEWAY_COLUMNS = """
-    event_id request_id ts tenant_id conversation_id agent_run_id model pod endpoint routing_policy
+    request_id ts tenant_id conversation_id agent_run_id model pod endpoint routing_policy
     routing_reason stream status error prompt_tokens cached_tokens completion_tokens ttft_ms e2e_ms
     queue_wait_ms tool_latency_ms system_hash system_norm_hash system_tokens tools_hash tools_canonical_hash
     tools_tokens retrieval_pack_hash retrieval_set_hash retrieval_tokens history_prefix_hash prev_history_hash
@@ -100,13 +100,13 @@ def gateway_rows() -> list[tuple[Any, ...]]:
         prefix = max(prompt - suffix, 0)
         error = "maximum context length exceeded" if status >= 400 else ""
         rows.append((
-            h("event:" + rid), rid, at(t), tenant, conv, run, "tiny", pod, "chat.completions",
+            rid, at(t), tenant, conv, run, "tiny", pod, "chat.completions",
             "round_robin", "round_robin", False, status, error, prompt, cached, completion, ttft, ttft + 40.0,
             queue, tool, h(system), h(system_norm), prefix if system else 0, h(tools), h(tools_c),
             40 if tools else 0, h(rag), h(rag_set), 120 if rag else 0, h(history), "", 60 if history else 0,
             h("suffix:" + rid), suffix, h(fp), "tokenizer",
         ))  # fmt: skip
-    rows += [r for r in rows if r[1] == DUPLICATED_REQUEST]
+    rows += [r for r in rows if r[0] == DUPLICATED_REQUEST]
     return rows
 
 
@@ -136,24 +136,35 @@ ATTRIBUTION: list[tuple[Any, ...]] = [
     ("globex-run1-s3", "unavoidable", "", 32, "cap-4-timestamp-first", "pod-a", 60000.0),
 ]
 # fmt: on
-#: An older attribution of cap-1-cold (same key, earlier attributed_at): FINAL must keep the newer one.
+#: An older answer for cap-1-cold, replaced later (a late predecessor): written as version 1, then cancelled
+#: (sign -1) with the current answer as version 2; readers weighting by sign must see only the current one.
 STALE_ATTRIBUTION = ("cap-1-cold", "cold", "", 700, "", "", None)
 
 ATTRIBUTION_COLUMNS = [
-    "request_id", "ts", "tenant_id", "pod", "model", "cause", "sub_cause", "tokens", "predecessor_request_id",
-    "predecessor_pod", "gap_ms", "block_size", "attributed_at",
+    "request_id", "ts", "tenant_id", "pod", "model", "prompt_tokens", "cached_tokens", "predecessor_request_id",
+    "predecessor_pod", "predecessor_kind", "gap_ms", "block_size", "causes", "sub_causes", "missed_tokens",
+    "attributed_at", "sign", "version",
 ]  # fmt: skip
 
 
+def _answer(items: list[tuple[Any, ...]], sign: int, version: int, t: float) -> tuple[Any, ...]:
+    req = {r[0]: r for r in REQUESTS}[items[0][0]]
+    rid = items[0][0]
+    pred, pred_pod, gap = items[0][4:7]
+    kind = "previous_turn" if pred else ""
+    return (rid, at(req[1]), req[2], req[5], "tiny", req[7], req[8], pred, pred_pod, kind, gap, BLOCK_SIZE,
+            [i[1] for i in items], [i[2] for i in items], [i[3] for i in items], at(t), sign, version)
+
+
 def attribution_rows() -> list[tuple[Any, ...]]:
-    by_id = {r[0]: r for r in REQUESTS}
-    rows = []
-    for stale, items in ((False, ATTRIBUTION), (True, [STALE_ATTRIBUTION])):
-        for rid, cause, sub, tokens, pred, pred_pod, gap in items:
-            req = by_id[rid]
-            attributed_at = at(200 if stale else 300)
-            rows.append((rid, at(req[1]), req[2], req[5], "tiny", cause, sub, tokens, pred, pred_pod, gap,
-                         BLOCK_SIZE, attributed_at))  # fmt: skip
+    """request_attribution rows: one answer per request (version 1), and cap-1-cold's stale answer cancelled."""
+    by_request: dict[str, list[tuple[Any, ...]]] = {}
+    for item in ATTRIBUTION:
+        by_request.setdefault(item[0], []).append(item)
+    stale = [STALE_ATTRIBUTION]
+    rows = [_answer(stale, 1, 1, 200), _answer(stale, -1, 1, 300)]
+    for rid, items in by_request.items():
+        rows.append(_answer(items, 1, 2 if rid == STALE_ATTRIBUTION[0] else 1, 300))
     return rows
 
 
@@ -230,7 +241,11 @@ def dead_letter_rows() -> list[tuple[Any, ...]]:
 
 def load_fixture(store: Any) -> None:
     """Insert the fixture into ``store`` (a migrated :class:`ingest.store.Store`)."""
-    store.insert("gateway_requests", gateway_rows(), GATEWAY_COLUMNS)
-    store.insert("miss_attribution", attribution_rows(), ATTRIBUTION_COLUMNS)
+    from ingest.dedup import absent_rows
+
+    rows = gateway_rows()
+    store.insert("gateway_requests", [rows[i] for i in absent_rows(store, "gateway_requests", rows, GATEWAY_COLUMNS)],
+                 GATEWAY_COLUMNS)
+    store.insert("request_attribution", attribution_rows(), ATTRIBUTION_COLUMNS)
     store.insert("vllm_metric_samples", metric_rows(), METRIC_COLUMNS)
     store.insert("dead_letters", dead_letter_rows(), DEAD_LETTER_COLUMNS)

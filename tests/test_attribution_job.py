@@ -4,17 +4,20 @@ Uses the ``store`` fixture of tests/conftest.py (one chDB directory per process,
 
 from __future__ import annotations
 
+import random
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from ingest import attribution, attribution_job
 from ingest.store import Store
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-INGESTED = T0 + timedelta(minutes=5)
-NOW = INGESTED + timedelta(seconds=10)
+#: Stamped before the job's clock (the store's now64) minus its settle time, so every run picks rows up.
+INGESTED = datetime.now(UTC) - timedelta(minutes=1)
 
 
 def h(text: str) -> str:
@@ -26,7 +29,7 @@ def gw(rid: str, *, at: float, ingested: datetime = INGESTED, conv: str = "", po
        history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22) -> dict[str, Any]:
     system = h("You are the support agent of Acme.")
     return {
-        "event_id": f"ev-{rid}", "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": "acme",
+        "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": "acme",
         "conversation_id": conv, "agent_run_id": "", "model": "tiny", "pod": pod, "status": status,
         "prompt_tokens": prompt, "cached_tokens": cached, "e2e_ms": 400.0,
         "system_hash": system, "system_norm_hash": system, "system_tokens": 720,
@@ -52,10 +55,30 @@ def insert_block_size(store: Store, pod: str, size: int, at: datetime) -> None:
 
 
 def attributed(store: Store) -> list[tuple[Any, ...]]:
+    """The current answers, one row per (request, cause), through the miss_attribution view."""
     return store.query_rows(
         "SELECT request_id, cause, sub_cause, tokens, predecessor_request_id, predecessor_pod, gap_ms, "
-        "block_size FROM miss_attribution FINAL ORDER BY ts, request_id, cause, sub_cause"
+        "block_size FROM miss_attribution ORDER BY ts, request_id, cause, sub_cause"
     )
+
+
+def weighted(store: Store) -> dict[tuple[str, str, str], int]:
+    """(request, cause, sub_cause) → Σ tokens × sign over every row ever written, without FINAL: what a
+    rollup fed from request_attribution sums. Exact only if no answer is counted twice."""
+    rows = store.query_rows(
+        "SELECT request_id, cause, sub_cause, sum(toInt64(tokens) * sign) FROM request_attribution "
+        "ARRAY JOIN causes AS cause, sub_causes AS sub_cause, missed_tokens AS tokens "
+        "GROUP BY request_id, cause, sub_cause")
+    return {(r[0], r[1], r[2]): r[3] for r in rows if r[3] != 0}
+
+
+def as_weighted(rows: list[tuple[Any, ...]]) -> dict[tuple[str, str, str], int]:
+    return {(r[0], r[1], r[2]): r[3] for r in rows}
+
+
+def run(store: Store, **kw: Any) -> attribution_job.RunStats:
+    kw.setdefault("default_block_size", 32)
+    return attribution_job.run_attribution(store, **kw)
 
 
 def traffic() -> list[dict[str, Any]]:
@@ -78,75 +101,141 @@ EXPECTED = [
 ]
 
 
-def test_job_writes_once_and_advances_the_watermark(store):
+def test_job_answers_every_request_once_and_advances_the_watermark(store):
     insert_block_size(store, "pod-a", 16, T0 - timedelta(hours=1))  # older sample: the latest one wins
     insert_block_size(store, "pod-a", 32, T0)
     insert_block_size(store, "pod-b", 32, T0)
     insert_requests(store, traffic())
     assert attribution_job.block_sizes(store) == {"pod-a": 32, "pod-b": 32}
 
-    assert attribution_job.run_attribution(store, now=NOW) == 5
+    assert run(store, default_block_size=16).arrivals == 4  # every request gets an answer, the failed one too
     assert attributed(store) == EXPECTED
-    assert attribution_job.read_watermark(store) == INGESTED
+    assert store.query_rows("SELECT count() FROM request_attribution")[0][0] == 4
+    mark = attribution_job.read_watermark(store)
+    assert mark > INGESTED
 
-    assert attribution_job.run_attribution(store, now=NOW + timedelta(seconds=30)) == 0
+    assert run(store).arrivals == 0  # nothing new: nothing written
     assert attributed(store) == EXPECTED
-    assert store.query_rows("SELECT count() FROM miss_attribution")[0][0] == 5
-    assert attribution_job.read_watermark(store) == INGESTED
+    assert store.query_rows("SELECT count() FROM request_attribution")[0][0] == 4
+    assert attribution_job.read_watermark(store) >= mark
+    assert weighted(store) == as_weighted(EXPECTED)
 
 
 def test_rows_sum_to_missed_tokens_per_request(store):
     insert_requests(store, traffic())
-    attribution_job.run_attribution(store, now=NOW)
+    run(store)
     rows = store.query_rows(
         "SELECT g.request_id, g.prompt_tokens - g.cached_tokens, sum(m.tokens) "
-        "FROM gateway_requests AS g FINAL INNER JOIN (SELECT * FROM miss_attribution FINAL) AS m "
-        "ON m.request_id = g.request_id "
+        "FROM gateway_requests AS g INNER JOIN miss_attribution AS m ON m.request_id = g.request_id "
         "GROUP BY g.request_id, g.prompt_tokens, g.cached_tokens ORDER BY g.request_id"
     )
     assert rows and all(missed == total for _, missed, total in rows)
 
 
-def test_crash_before_the_watermark_rewrites_identical_rows(store):
+def test_a_late_predecessor_corrects_its_successor(store):
+    """Turn 2 arrives first (lines of different pods travel on different partitions) and reads cold; turn 1
+    arrives two minutes later: turn 2 is re-answered routed_away, exactly once."""
+    t1, t2 = traffic()[:2]
+    insert_requests(store, [t2])
+    run(store)
+    assert [r[1:4] for r in attributed(store)] == [("cold", "", 800), ("unavoidable", "", 30)]
+    insert_requests(store, [{**t1, "ingested_at": INGESTED + timedelta(seconds=30)}])
+    stats = run(store)
+    assert (stats.arrivals, stats.examined, stats.changed) == (1, 1, 1)
+    assert attributed(store) == EXPECTED[:4]
+    assert weighted(store) == as_weighted(EXPECTED[:4])  # the cold answer is cancelled, not added to
+    assert run(store).arrivals == 0
+    assert weighted(store) == as_weighted(EXPECTED[:4])
+
+
+def test_rerunning_everything_changes_nothing(store):
+    """A crash before the watermark (or a reset) makes the next run look at everything again: only
+    unanswered requests are picked, and an unchanged answer writes nothing."""
     insert_requests(store, traffic())
-    # The crash: rows written with an earlier attributed_at, the watermark never advanced.
-    picked = [{k: v for k, v in r.items()} for r in traffic()]
-    rows = attribution.attribute(picked, block_size_by_pod={}, default_block_size=32)
-    store.insert("miss_attribution", [(*r.as_tuple(), NOW - timedelta(seconds=5)) for r in rows],
-                 attribution_job.OUTPUT_COLUMNS)
-    assert attribution_job.run_attribution(store, now=NOW, default_block_size=32) == 5
+    run(store)
+    before = store.query_rows("SELECT count() FROM request_attribution")[0][0]
+    store.command("TRUNCATE TABLE attribution_watermark")
+    assert run(store).arrivals == 0
+    assert store.query_rows("SELECT count() FROM request_attribution")[0][0] == before
     assert attributed(store) == EXPECTED
+
+
+def test_a_row_stamped_before_the_watermark_but_visible_after_is_answered(store):
+    insert_requests(store, traffic()[:1])
+    run(store)
+    mark = attribution_job.read_watermark(store)
+    # an insert that was in flight during the last run: stamped before its watermark, visible only now
+    late = gw("t2", at=3, conv="c1", pod="pod-b", prompt=830, history="q1|reply1", history_tokens=50, suffix="q2",
+              suffix_tokens=20, ingested=mark - timedelta(seconds=5))
+    insert_requests(store, [late])
+    assert run(store).arrivals == 1
+    assert attributed(store) == EXPECTED[:4]
 
 
 def test_later_requests_find_predecessors_already_attributed(store):
     insert_requests(store, traffic())
-    assert attribution_job.run_attribution(store, now=NOW, default_block_size=32) == 5
-    later = INGESTED + timedelta(minutes=1)
+    run(store)
     insert_requests(store, [gw("t3", at=70, conv="c1", pod="pod-b", prompt=900, cached=0,
                                history="q1|reply1|q2|reply2", prev_history="q1|reply1", history_tokens=120,
-                               suffix="q3", suffix_tokens=20, ingested=later)])
+                               suffix="q3", suffix_tokens=20, ingested=INGESTED + timedelta(seconds=20))])
     # Turn 3 continues turn 2 (830 tokens, pod-b) on pod-b after 66.6 s, but nothing was left in its cache.
-    n = attribution_job.run_attribution(store, now=later + timedelta(seconds=10), default_block_size=32)
-    assert n == 2
+    assert run(store).arrivals == 1
     t3 = [r for r in attributed(store) if r[0] == "t3"]
     assert t3 == [("t3", "evicted", "evicted_before_next_turn", 800, "t2", "pod-b", 66600.0, 32),
                   ("t3", "unavoidable", "", 100, "t2", "pod-b", 66600.0, 32)]
     assert attributed(store)[:5] == EXPECTED
-    assert attribution_job.read_watermark(store) == later
 
 
 def test_settle_leaves_the_newest_requests_for_the_next_run(store):
-    insert_requests(store, traffic())
-    assert attribution_job.run_attribution(store, now=INGESTED + timedelta(seconds=1), settle_seconds=2.0,
-                                           default_block_size=32) == 0
-    assert attribution_job.read_watermark(store) == datetime(1970, 1, 1, tzinfo=UTC)
-    assert attribution_job.run_attribution(store, now=INGESTED + timedelta(seconds=2), settle_seconds=2.0,
-                                           default_block_size=32) == 5
+    insert_requests(store, [{**r, "ingested_at": datetime.now(UTC) + timedelta(seconds=30)} for r in traffic()])
+    assert run(store, settle_seconds=2.0).arrivals == 0
+    assert run(store, settle_seconds=-60.0).arrivals == 4
+
+
+def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
+    """Conversations, agent runs, shared fingerprints and variants, several pods, some failures."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        conv = rnd.choice(["", "c1", "c2", "c3"])
+        hist = rnd.choice(["", "h1", "h2"])
+        out.append({**gw(f"r{i:04d}", at=rnd.uniform(0, 600), conv=conv, pod=rnd.choice(["pod-a", "pod-b"]),
+                         prompt=rnd.randint(1, 2000), status=rnd.choice([200, 200, 200, 503]),
+                         history=hist, prev_history=rnd.choice(["", "h1"]), history_tokens=rnd.randint(0, 300),
+                         suffix=rnd.choice(["q", "r"]), suffix_tokens=rnd.randint(1, 50)),
+                    "cached_tokens": 0, "tenant_id": rnd.choice(["acme", "globex"]),
+                    "agent_run_id": rnd.choice(["", "", "run1"]),
+                    "system_hash": h(rnd.choice(["s1", "s2", "s3"])), "system_norm_hash": h(rnd.choice(["n1", "n2"])),
+                    "tools_canonical_hash": h(rnd.choice(["", "t1"])),
+                    "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"]))})
+        if rnd.random() < 0.3:  # same millisecond as another request: the tie-break must agree too
+            out[-1]["ts"] = out[rnd.randrange(len(out))]["ts"]
+    return out
+
+
+@pytest.mark.parametrize("horizon", [3600.0, 45.0])
+def test_the_store_job_agrees_with_the_in_memory_reference_whatever_the_arrival_order(store, horizon):
+    """Requests arrive in random order over several runs, in chunks smaller than a run: the answers equal
+    the in-memory reference (ingest/attribution.py) computed over all requests at once. 30 % share a
+    millisecond with another request (the tie-break must agree); a 45 s horizon cuts some predecessors."""
+    reqs = random_traffic(300, seed=3)
+    expected = sorted((r.request_id, r.cause, r.sub_cause, r.tokens, r.predecessor_request_id, r.predecessor_pod)
+                      for r in attribution.attribute(reqs, block_size_by_pod={}, default_block_size=32,
+                                                     horizon_seconds=horizon))
+    shuffled = reqs[:]
+    random.Random(5).shuffle(shuffled)
+    for i in range(0, len(shuffled), 60):
+        insert_requests(store, [{**r, "ingested_at": INGESTED + timedelta(milliseconds=i)} for r in shuffled[i:i + 60]])
+        run(store, chunk_size=25, horizon_seconds=horizon)
+    got = sorted(r[:6] for r in attributed(store))
+    assert got == expected
+    assert weighted(store) == {(r[0], r[1], r[2]): r[3] for r in expected}
+    assert store.query_rows("SELECT count() FROM (SELECT request_id FROM request_attribution "
+                            "GROUP BY request_id HAVING sum(sign) != 1)")[0][0] == 0
 
 
 def test_loop_runs_until_stopped(store):
-    real_past = datetime.now(UTC) - timedelta(minutes=1)  # the loop uses the clock: ingested before it
-    insert_requests(store, [{**r, "ingested_at": real_past} for r in traffic()])
+    insert_requests(store, traffic())
     stop = threading.Event()
     thread = threading.Thread(target=attribution_job.attribution_loop, args=(store, stop, 0.05),
                               kwargs={"default_block_size": 32}, daemon=True)
@@ -154,7 +243,7 @@ def test_loop_runs_until_stopped(store):
     try:
         deadline = datetime.now(UTC) + timedelta(seconds=20)
         while datetime.now(UTC) < deadline:
-            if store.query_rows("SELECT count() FROM miss_attribution")[0][0]:
+            if store.query_rows("SELECT count() FROM request_attribution")[0][0]:
                 break
             stop.wait(0.05)
     finally:

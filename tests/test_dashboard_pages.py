@@ -299,7 +299,7 @@ def test_sql_page_shows_datetimes(fixture_store: Store) -> None:
     at.switch_page("views/adhoc_sql.py").run()
     at.text_area(key="sql_text").input(
         "SELECT toStartOfMinute(ts) AS minute, toDateTime(ts, 'Asia/Tokyo') AS tokyo, count() AS requests "
-        "FROM gateway_requests FINAL GROUP BY minute, tokyo ORDER BY tokyo LIMIT 1 -- first request"
+        "FROM gateway_requests GROUP BY minute, tokyo ORDER BY tokyo LIMIT 1 -- first request"
     )
     at.button(key="sql_run").click().run()
     assert_clean(at)

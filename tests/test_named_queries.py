@@ -18,7 +18,7 @@ import pytest
 
 import sql as sqlfiles
 from ingest.errors import QueryError
-from ingest.store import Store, split_statements
+from ingest.store import Store
 from tests.fixture_data import at, load_fixture
 
 PARAM_USE = re.compile(r"\{(\w+):([^{}]+)\}")
@@ -108,7 +108,7 @@ def test_columns_and_types_match_header(fx: Store, name: str) -> None:
 @pytest.mark.parametrize("name", QUERIES)
 def test_runs_on_empty_store(empty: Store, name: str) -> None:
     df = empty.named(name)
-    expected = 5 if name == "data_extent" else 0
+    expected = 6 if name == "data_extent" else 0
     assert df.height == expected
     assert df.columns == [c.name for c in sqlfiles.load_query(name).returns]
 
@@ -137,7 +137,7 @@ def test_hit_rate_per_bucket(fx: Store) -> None:
     # 12:02: pod-a 13709-12909 = 800 / 768; pod-b 2451-800 = 1651 / 1056-288 = 768.
     v2 = r[(at(120), "vllm")]
     assert (v2["hit_tokens"], v2["query_tokens"]) == (1536, 2451)
-    # gateway 12:00: cap-1 762/0 and cap-2 762/736 (its duplicate log line collapses under FINAL).
+    # gateway 12:00: cap-1 762/0 and cap-2 762/736 (its duplicate log line was dropped at load).
     g0 = r[(at(0), "gateway")]
     assert (g0["hit_tokens"], g0["query_tokens"], g0["requests"]) == (736, 1524, 2)
     assert g0["request_weighted_hit_rate"] == approx((0 + 736 / 762) / 2)
@@ -194,8 +194,7 @@ def test_counter_deltas_view(store: Store) -> None:
     """The counter rules the vLLM queries share live in one parameterized view (migration 0006): called
     directly with typed parameters it gives the per-series deltas they sum; its migration reruns safely."""
     migration = dict(sqlfiles.migrations())["0006_create_vllm_counter_deltas"]
-    for statement in split_statements(migration):
-        store.command(statement)  # already applied by migrate(): IF NOT EXISTS makes this a no-op
+    store.run_migration(migration)  # already applied by migrate(): IF NOT EXISTS makes this a no-op
     load_fixture(store)
     call = (
         "SELECT pod, ts, name, delta FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, "
@@ -286,7 +285,7 @@ def test_miss_causes(fx: Store) -> None:
     assert sum(x["missed_tokens"] for x in r) == total
     got = {(x["cause"], x["sub_cause"]): (x["missed_tokens"], x["requests"]) for x in r}
     assert got == {
-        ("cold", ""): (736 + 384, 2),  # the stale 700-token attribution of cap-1-cold is replaced (FINAL)
+        ("cold", ""): (736 + 384, 2),  # the stale 700-token answer of cap-1-cold is cancelled (sign -1)
         ("prefix_drift", "volatile_system"): (768, 1),
         ("routed_away", ""): (768, 1),
         ("unavoidable", ""): (26 + 26 + 28 + 16 + 16 + 112 + 32 + 64 + 32, 9),
@@ -553,8 +552,8 @@ def test_dimensions_and_extent(fx: Store) -> None:
         ("pod", "pod-b", 5),
     ]
     ext = by(rows(fx, "data_extent"), "table")
-    assert ext["gateway_requests"]["rows"] == 12  # the duplicate line collapsed
-    assert ext["miss_attribution"]["rows"] == 16  # the stale attribution replaced
+    assert ext["gateway_requests"]["rows"] == 12  # the duplicate line dropped at load, as the ingester does
+    assert ext["request_attribution"]["rows"] == 11  # one current answer per request (the stale one cancelled)
     assert (ext["vllm_metric_samples"]["first_ts"], ext["vllm_metric_samples"]["last_ts"]) == (
         at(30),
         at(150),

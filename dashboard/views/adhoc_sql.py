@@ -17,14 +17,15 @@ st.html(
 st.header("SQL")
 st.caption(
     f"Read-only: the database refuses writes, stops a query after {ADHOC_SETTINGS['max_execution_time']} s "
-    f"and returns at most {MAX_ROWS:,} rows. Tables: gateway_requests, vllm_metric_samples, kv_block_events, "
-    "miss_attribution, dead_letters (read gateway_requests and miss_attribution with FINAL)."
+    f"and returns at most {MAX_ROWS:,} rows. Tables: gateway_requests, request_attribution (weight by sign), "
+    "miss_attribution (one row per request and cause), vllm_metric_samples, kv_block_events, kv_event_gaps, "
+    "dead_letters."
 )
 
 EXAMPLE = """SELECT tenant_id,
        count() AS requests,
        sum(cached_tokens) / sum(prompt_tokens) AS token_weighted_hit_rate
-FROM gateway_requests FINAL
+FROM gateway_requests
 WHERE status < 400 AND prompt_tokens > 0
 GROUP BY tenant_id
 ORDER BY requests DESC"""

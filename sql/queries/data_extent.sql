@@ -1,7 +1,7 @@
 -- name: data_extent
 -- description: What the store holds, per table: rows and the time span they cover (the dashboard's "no data yet" check and "data through" caption).
--- returns: table String | gateway_requests, vllm_metric_samples, miss_attribution, kv_block_events or dead_letters
--- returns: rows UInt64 | rows (gateway_requests and miss_attribution after FINAL deduplication)
+-- returns: table String | gateway_requests, vllm_metric_samples, request_attribution, kv_block_events, kv_event_gaps or dead_letters
+-- returns: rows UInt64 | rows (request_attribution: requests with a current answer; dead_letters: distinct inputs)
 -- returns: first_ts Nullable(DateTime64(3, 'UTC')) | earliest ts, UTC; NULL when the table is empty
 -- returns: last_ts Nullable(DateTime64(3, 'UTC')) | latest ts, UTC; NULL when the table is empty
 SELECT table, rows, first_ts, last_ts
@@ -9,18 +9,22 @@ FROM
 (
     SELECT 'gateway_requests' AS table, count() AS rows,
            if(rows = 0, NULL, min(ts)) AS first_ts, if(rows = 0, NULL, max(ts)) AS last_ts
-    FROM gateway_requests FINAL
+    FROM gateway_requests
     UNION ALL
     SELECT 'vllm_metric_samples', count() AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
     FROM vllm_metric_samples
     UNION ALL
-    SELECT 'miss_attribution', count() AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
-    FROM miss_attribution FINAL
+    SELECT 'request_attribution', toUInt64(sum(sign)) AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
+    FROM request_attribution
     UNION ALL
     SELECT 'kv_block_events', count() AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
     FROM kv_block_events
     UNION ALL
-    SELECT 'dead_letters', count() AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
+    SELECT 'kv_event_gaps', uniqExact(event_id) AS rows, if(rows = 0, NULL, min(detected_at)),
+           if(rows = 0, NULL, max(detected_at))
+    FROM kv_event_gaps
+    UNION ALL
+    SELECT 'dead_letters', uniqExact(event_id) AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
     FROM dead_letters
 )
 ORDER BY table

@@ -9,12 +9,12 @@ SELECT kind, value, sum(n) AS requests
 FROM
 (
     SELECT 'tenant' AS kind, CAST(tenant_id AS String) AS value, count() AS n
-    FROM gateway_requests FINAL
+    FROM gateway_requests
     WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
     GROUP BY value
     UNION ALL
     SELECT 'pod' AS kind, CAST(pod AS String) AS value, count() AS n
-    FROM gateway_requests FINAL
+    FROM gateway_requests
     WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
     GROUP BY value
     UNION ALL

@@ -27,7 +27,7 @@ SELECT
     uniqExactIf(tools_canonical_hash, tools_canonical_hash != '') AS tools_canonical_hash_cardinality,
     uniqExactIf(retrieval_pack_hash, retrieval_pack_hash != '') AS retrieval_pack_hash_cardinality,
     uniqExactIf(retrieval_set_hash, retrieval_set_hash != '') AS retrieval_set_hash_cardinality
-FROM gateway_requests FINAL
+FROM gateway_requests
 WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
   AND ({tenant:String} = '' OR gateway_requests.tenant_id = {tenant:String})
   AND ({pod:String} = '' OR pod = {pod:String})

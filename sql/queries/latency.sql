@@ -29,7 +29,7 @@ WITH
             toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
             ttft_ms,
             queue_wait_ms
-        FROM gateway_requests FINAL
+        FROM gateway_requests
         WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND ({tenant:String} = '' OR tenant_id = {tenant:String})
           AND ({pod:String} = '' OR pod = {pod:String})

@@ -12,19 +12,20 @@
 -- returns: share_of_missed Float64 | missed_tokens / all missed tokens in the window and filters (all rows of the result), fraction 0..1
 -- returns: requests UInt64 | distinct requests with missed tokens of this cause
 --
--- miss_attribution is a ReplacingMergeTree(attributed_at): FINAL keeps the latest attribution of each
--- (request, cause, sub_cause).
+-- request_attribution keeps every answer ever written, a replaced one cancelled by a copy with sign -1
+-- (sql/migrations/0009): weighting by sign counts each request's current answer once, without FINAL.
 SELECT
     if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant_id,
     CAST(cause AS String) AS cause,
     CAST(sub_cause AS String) AS sub_cause,
-    sum(toUInt64(tokens)) AS missed_tokens,
+    toUInt64(sum(toInt64(tokens) * sign)) AS missed_tokens,
     missed_tokens / sum(missed_tokens) OVER () AS share_of_missed,
-    uniqExact(request_id) AS requests
-FROM miss_attribution FINAL
+    toUInt64(sum(sign)) AS requests
+FROM request_attribution
+ARRAY JOIN causes AS cause, sub_causes AS sub_cause, request_attribution.missed_tokens AS tokens
 WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-  AND ({tenant:String} = '' OR miss_attribution.tenant_id = {tenant:String})
+  AND ({tenant:String} = '' OR request_attribution.tenant_id = {tenant:String})
   AND ({pod:String} = '' OR pod = {pod:String})
-  AND tokens > 0
 GROUP BY tenant_id, cause, sub_cause
+HAVING missed_tokens > 0
 ORDER BY missed_tokens DESC, tenant_id, cause, sub_cause

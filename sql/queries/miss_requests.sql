@@ -23,26 +23,40 @@
 -- returns: conversation_id String | conversation ('' if none or the log row is missing)
 -- returns: agent_run_id String | agent run ('' if none or the log row is missing)
 -- returns: routing_reason String | why the gateway chose this pod ('' if the log row is missing)
+--
+-- The current answer of each request is the version of its request_attribution rows whose signs sum to +1
+-- (a replaced answer is cancelled by a -1 copy; sql/migrations/0009).
 WITH
+    answers AS
+    (
+        SELECT request_id, ts, any(tenant_id) AS tenant_id, any(pod) AS pod, any(causes) AS answer_causes,
+               any(sub_causes) AS answer_sub_causes, any(missed_tokens) AS answer_tokens,
+               any(predecessor_request_id) AS predecessor_request_id, any(predecessor_pod) AS predecessor_pod,
+               any(gap_ms) AS gap_ms
+        FROM request_attribution
+        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+          AND ({tenant:String} = '' OR request_attribution.tenant_id = {tenant:String})
+          AND ({pod:String} = '' OR request_attribution.pod = {pod:String})
+          AND notEmpty(causes)
+        GROUP BY request_id, ts, version
+        HAVING sum(sign) > 0
+    ),
     misses AS
     (
         SELECT
             ts, request_id, CAST(tenant_id AS String) AS tenant_id, CAST(pod AS String) AS pod, CAST(cause AS String) AS cause,
             CAST(sub_cause AS String) AS sub_cause, toUInt64(tokens) AS missed_tokens,
-            sum(toUInt64(tokens)) OVER (PARTITION BY request_id) AS request_missed_tokens,
+            toUInt64(arraySum(answer_tokens)) AS request_missed_tokens,
             predecessor_request_id, CAST(predecessor_pod AS String) AS predecessor_pod, gap_ms
-        FROM miss_attribution FINAL
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({tenant:String} = '' OR miss_attribution.tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR miss_attribution.pod = {pod:String})
-          AND tokens > 0
+        FROM answers
+        ARRAY JOIN answer_causes AS cause, answer_sub_causes AS sub_cause, answer_tokens AS tokens
     ),
     requests AS
     (
         SELECT request_id, any(prompt_tokens) AS prompt_tokens, any(cached_tokens) AS cached_tokens,
                any(conversation_id) AS conversation_id, any(agent_run_id) AS agent_run_id,
                any(CAST(routing_reason AS String)) AS routing_reason
-        FROM gateway_requests FINAL
+        FROM gateway_requests
         WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND request_id IN (SELECT request_id FROM misses)
         GROUP BY request_id

@@ -31,7 +31,7 @@ WITH
                countIf(status >= 400) AS errors,
                sumIf(toUInt64(prompt_tokens), status < 400) AS prompt_tokens_sum,
                sumIf(toUInt64(cached_tokens), status < 400) AS cached_tokens_sum
-        FROM gateway_requests FINAL
+        FROM gateway_requests
         WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND ({tenant:String} = '' OR tenant_id = {tenant:String})
           AND ({pod:String} = '' OR pod = {pod:String})

@@ -49,11 +49,13 @@ WITH
     ),
     attributed AS
     (
-        SELECT request_id, anyIf(CAST(predecessor_pod AS String), predecessor_pod != '') AS attributed_predecessor_pod
-        FROM miss_attribution FINAL
+        -- the current answer's predecessor (its request_attribution rows sum to sign +1; sql/migrations/0009)
+        SELECT request_id, any(CAST(predecessor_pod AS String)) AS attributed_predecessor_pod
+        FROM request_attribution
         WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND predecessor_pod != ''
-        GROUP BY request_id
+        GROUP BY request_id, ts, version
+        HAVING sum(sign) > 0
     ),
     requests AS
     (

@@ -1,0 +1,88 @@
+"""Exactly-once writes (ingester → here → store): before each insert, drop the rows the store already holds.
+
+Delivery is at least once everywhere upstream: Kafka redelivers after a crash or a rebalance, a collector
+re-sends from its last acknowledged checkpoint, an insert that timed out may have landed, a log can be
+imported twice. Instead of collapsing the copies later (ReplacingMergeTree + FINAL on every read, and
+materialized rollups that would count them twice), the ingester asks the store which identities of a batch
+it holds and inserts only the others. One query per table and batch, bounded by the batch's time range so
+ClickHouse reads only those days' partitions and the granules of that time.
+
+Identity per table (:data:`IDENTITY`): gateway requests by (request_id, ts); everything else by the envelope's
+``event_id`` (a whole scrape or KV-event batch shares one id, so its rows land or are skipped together).
+The identity's first column is matched with ``IN``; the rest are compared here.
+
+Not covered: two ingesters inserting the same identity at the same instant (only during a Kafka rebalance,
+when a revoked member finishes a batch its successor already re-polled); docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from ingest.store import Store
+
+
+@dataclass(frozen=True)
+class Identity:
+    """How rows of one table are told apart: ``columns`` (the identity; ``columns[0]`` is a String looked up
+    with IN), and ``ts_column`` (a DateTime64 column that bounds the lookup; None = not bounded)."""
+
+    columns: tuple[str, ...]
+    ts_column: str | None
+
+
+IDENTITY: dict[str, Identity] = {
+    "gateway_requests": Identity(("request_id", "ts"), "ts"),
+    "vllm_metric_samples": Identity(("event_id",), "ts"),
+    "kv_block_events": Identity(("event_id",), "ts"),
+    "kv_event_gaps": Identity(("event_id",), None),
+    "dead_letters": Identity(("event_id",), None),
+}
+
+
+def _normal(value: Any) -> Any:
+    """Identity values as comparable keys: datetimes as naive UTC with millisecond precision (what a
+    DateTime64(3, 'UTC') column holds, whichever way the client hands it back)."""
+    if isinstance(value, datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value.replace(microsecond=value.microsecond // 1000 * 1000)
+    return value
+
+
+def absent_rows(store: Store, table: str, rows: Sequence[tuple[Any, ...]], columns: Sequence[str]) -> list[int]:
+    """Indexes of the ``rows`` (tuples in ``columns`` order) whose identity ``table`` does not hold yet, in
+    order, each identity once (a batch may carry the same row twice). Tables without an :data:`IDENTITY`
+    entry keep every row. Raises what :meth:`Store.query_rows` raises (StoreUnavailable: retry the batch).
+    """
+    ident = IDENTITY.get(table)
+    if ident is None or not rows:
+        return list(range(len(rows)))
+    pos = [columns.index(c) for c in ident.columns]
+    keys = [tuple(_normal(row[p]) for p in pos) for row in rows]
+    present = _present(store, table, ident, rows, columns, keys)
+    out, seen = [], set()
+    for i, key in enumerate(keys):
+        if key not in present and key not in seen:
+            seen.add(key)
+            out.append(i)
+    return out
+
+
+def _present(store: Store, table: str, ident: Identity, rows: Sequence[tuple[Any, ...]], columns: Sequence[str],
+             keys: list[tuple[Any, ...]]) -> set[tuple[Any, ...]]:
+    first = sorted({k[0] for k in keys})
+    where = f"{ident.columns[0]} IN {{ids:Array(String)}}"
+    params: dict[str, Any] = {"ids": first}
+    if ident.ts_column is not None:
+        ts_pos = columns.index(ident.ts_column)
+        stamps = [row[ts_pos] for row in rows]
+        where += (f" AND {ident.ts_column} >= {{lo:DateTime64(3, 'UTC')}}"
+                  f" AND {ident.ts_column} <= {{hi:DateTime64(3, 'UTC')}}")
+        params.update(lo=min(stamps), hi=max(stamps))
+    cols = ", ".join(ident.columns)
+    found = store.query_rows(f"SELECT DISTINCT {cols} FROM {table} WHERE {where}", params)
+    return {tuple(_normal(v) for v in r) for r in found}
