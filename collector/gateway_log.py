@@ -1,22 +1,26 @@
 """Source: the gateway fingerprint log (JSONL, ``gateway/gateway_log.v1.schema.json``) → ``GatewayRequest``
 events, one per line, and a ``DeadLetter`` for every line that is not a valid record.
 
-:class:`LogTailer` follows a file from a byte offset and only ever consumes complete lines (a line still
-being written is left for the next poll). Re-reading a file after a restart is safe: a record's
-``event_id`` comes from its ``request_id`` and ``ts``, so the store collapses the repeat.
+:class:`GatewayLogSource` follows the file through rotations from a checkpoint that advances only when the
+caller acknowledges (``collector/file_tail.py``) and only ever consumes complete lines (a line still being
+written is left for the next poll). Re-reading lines after a restart is safe: a record's ``event_id`` comes
+from its ``request_id`` and ``ts``, so the store collapses the repeat. :func:`read_file` reads a finished file
+once (``kvscope import gateway-log``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, GatewayRequest, envelope
+from collector.file_tail import Chunk, FileFollower, Position
 
 MAX_RAW = 64 * 1024
 
@@ -146,64 +150,59 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, str]], i
     return out, pos
 
 
-class LogTailer:
-    """Follows one JSONL file. ``poll()`` returns the envelopes of the complete lines written since last time.
+class GatewayLogSource:
+    """Follows the gateway log at ``path`` from its checkpoint (key ``gateway_log:<path>`` in ``checkpoints``)
+    through rotations (:class:`collector.file_tail.FileFollower`).
 
-    A file that shrinks (truncated or replaced) is read again from the start. ``pod`` names the source in
-    dead letters (the gateway); records carry their own ``pod``.
+    ``pod`` names the source in dead letters (records carry their own ``pod``); a line longer than
+    ``max_bytes`` is dead-lettered by its head and skipped; ``rotate_wait_seconds``: how long a rotated-away
+    file must stay idle before it is dropped. OSError other than a missing file propagates from the
+    constructor and :meth:`poll` (the caller retries).
     """
 
-    def __init__(self, path: str | Path, *, pod: str = "gateway", offset: int = 0, max_bytes: int = 8 << 20):
+    def __init__(self, path: str | Path, checkpoints: CheckpointStore, *, pod: str = "gateway",
+                 max_bytes: int = 8 << 20, rotate_wait_seconds: float = 1.0) -> None:
         self.path = Path(path)
         self.pod = pod
-        self.offset = offset
-        self.max_bytes = max_bytes
-        self._inode: int | None = None
+        self.key = f"gateway_log:{path}"
+        self._checkpoints = checkpoints
+        start = Position.from_json(checkpoints.get(self.key))
+        self._follower = FileFollower(path, start, max_bytes=max_bytes, rotate_wait_seconds=rotate_wait_seconds)
 
-    def poll(self) -> list[Envelope]:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return []
-        if self._inode is not None and (st.st_ino != self._inode or st.st_size < self.offset):
-            self.offset = 0
-        self._inode = st.st_ino
-        if st.st_size <= self.offset:
-            return []
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            data = fh.read(self.max_bytes)
-        lines, consumed = read_lines(data, self.offset)
-        if not lines and consumed == 0 and len(data) >= self.max_bytes:
-            skipped = self._skip_long_line(data)
-            return [skipped] if skipped else []
-        events = [line_event(text, pod=self.pod, source_file=str(self.path), offset=off) for off, text in lines]
-        self.offset += consumed
-        return events
+    def poll(self) -> tuple[list[Envelope], Callable[[], None] | None]:
+        """Envelopes (``GatewayRequest``, or ``DeadLetter`` for bad or too-long lines) of the complete lines
+        read since the last poll, all from one file, and the ack that checkpoints the position just after
+        them; call it once they are durable downstream, in poll order. ``([], None)`` when nothing changed;
+        ``([], ack)`` when only the position moved (a file switch)."""
+        chunk = self._follower.read()
+        if chunk is None:
+            return [], None
+        if chunk.long_head is not None:
+            events = [self._long_line(chunk)]
+        else:
+            lines, _ = read_lines(chunk.data, chunk.start)
+            events = [line_event(text, pod=self.pod, source_file=chunk.name, offset=off) for off, text in lines]
+        value = chunk.end.to_json()
+        return events, lambda: self._checkpoints.put(self.key, value)
 
-    def _skip_long_line(self, head: bytes) -> Envelope | None:
-        """A line longer than ``max_bytes``: dead-letter its head and move past its newline; None while the
-        line is still being written."""
-        start = self.offset
-        with open(self.path, "rb") as fh:
-            fh.seek(start + len(head))
-            pos = start + len(head)
-            while chunk := fh.read(1 << 20):
-                nl = chunk.find(b"\n")
-                if nl >= 0:
-                    self.offset = pos + nl + 1
-                    break
-                pos += len(chunk)
-        if self.offset == start:
-            return None
+    def lag_bytes(self) -> int:
+        """Bytes written to the log (current and not yet drained rotated files) that are not read yet."""
+        return self._follower.lag_bytes()
+
+    def close(self) -> None:
+        """Close the open files (idempotent); the checkpoint stays where the last ack put it."""
+        self._follower.close()
+
+    def _long_line(self, chunk: Chunk) -> Envelope:
+        head = chunk.long_head or b""
         dl = DeadLetter(
             source="gateway_log",
-            reason=f"line longer than {self.max_bytes} bytes",
+            reason=f"line longer than {self._follower.max_bytes} bytes",
             raw=head[:MAX_RAW].decode("utf-8", "replace"),
-            location=f"{self.path}:{start}",
+            location=f"{chunk.name}:{chunk.start}",
         )
         return envelope(
-            dl, pod=self.pod, natural_key=(str(self.path), start, "long"), observed_at_ms=int(time.time() * 1000)
+            dl, pod=self.pod, natural_key=(chunk.name, chunk.start, "long"), observed_at_ms=int(time.time() * 1000)
         )
 
 

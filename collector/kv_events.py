@@ -7,18 +7,39 @@ encode tagged arrays ``["BlockStored", block_hashes, parent_block_hash, token_id
 Both decode here. When the pod's endpoint has a concrete host, vLLM *connects* to it, so the collector
 *binds* one SUB socket that every pod publishes to; the topic names the pod (the demo sets topic = pod name,
 and ``topic_pods`` maps other topics).
+
+Gaps: ``seq`` counts batches per publisher (one per pod and data-parallel rank, from 0 at each vLLM start), so
+:class:`KvEventSubscriber` tracks each stream (topic, dp_rank). A seq past the last one + 1 is a gap
+(``missed``; ``collector_restart`` for the first batch after a start, compared with the checkpoint); a seq at
+or below the last one is a duplicate when its batch is not newer (batch_ts), else a restarted vLLM
+(``publisher_restart``, a gap when its first seq seen is not 0). Gaps are fetched back from the pod's replay
+socket (``collector/kv_replay.py``) and reported as ``KvEventGap`` events either way.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 
-from collector.events import DeadLetter, Envelope, KvBlockEvent, KvEventBatch, envelope
+from collector.checkpoint import CheckpointStore
+from collector.events import DeadLetter, Envelope, KvBlockEvent, KvEventBatch, KvEventGap, envelope
+from collector.kv_replay import (
+    BATCHES_LOST,
+    BATCHES_REPLAYED,
+    DUPLICATES,
+    GAPS,
+    ReplayClient,
+)
+
+log = logging.getLogger("kvscope.collector")
 
 _ARRAY_FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
@@ -111,33 +132,171 @@ def message_event(frames: list[bytes], topic_pods: dict[str, str] | None = None)
                     engine="" if dp_rank is None else str(dp_rank))
 
 
-class KvEventSubscriber:
-    """A SUB socket bound at ``endpoint`` (e.g. ``tcp://127.0.0.1:5557``) receiving from every pod.
+def checkpoint_key(topic: str, dp_rank: int | None) -> str:
+    """CheckpointStore key of one KV-event stream: ``kv_events:<topic>:<dp_rank>`` (dp_rank None → empty)."""
+    return f"kv_events:{topic}:{'' if dp_rank is None else dp_rank}"
 
-    ``poll(timeout_ms)`` returns the envelopes of the messages waiting (up to ``max_messages``).
+
+@dataclass
+class _Stream:
+    """Where one stream (topic, dp_rank) is: last ``seq`` delivered and its ``batch_ts`` (None when restored from
+    a checkpoint without one); ``restored`` = the state came from the checkpoint, no batch seen since."""
+
+    seq: int
+    batch_ts: float | None
+    restored: bool = False
+
+
+class KvEventSubscriber:
+    """A SUB socket bound at ``endpoint`` (e.g. ``tcp://127.0.0.1:5557``) receiving from every pod, tracking each
+    stream's sequence numbers and fetching what it missed from vLLM's replay socket (``collector/kv_replay.py``).
+
+    A stream is one vLLM publisher: (topic, dp_rank). ``topic_pods`` maps topics to pod names (default: the topic
+    is the pod). ``replay_endpoints`` maps pod name → the replay endpoint of its dp rank 0 (rank r: port + r);
+    pods without one have their gaps reported as lost. ``checkpoints``: where :meth:`poll`'s ack stores each
+    stream's last delivered position (``{"seq": int, "batch_ts": float}``, key :func:`checkpoint_key`); a new
+    subscriber compares each stream's first batch with it. ``replay_timeout_seconds`` bounds the time spent per
+    gap. Raises ``zmq.ZMQError`` when ``endpoint`` cannot be bound (e.g. already bound by another socket).
     """
 
-    def __init__(self, endpoint: str, topic_pods: dict[str, str] | None = None, max_messages: int = 1000):
+    def __init__(self, endpoint: str, topic_pods: dict[str, str] | None = None, max_messages: int = 1000,
+                 *, checkpoints: CheckpointStore | None = None, replay_endpoints: dict[str, str] | None = None,
+                 replay_timeout_seconds: float = 2.0) -> None:
         self.endpoint = endpoint
         self.topic_pods = topic_pods or {}
         self.max_messages = max_messages
+        self.checkpoints = checkpoints
+        self.replay_endpoints = dict(replay_endpoints or {})
+        self.replay_timeout_seconds = replay_timeout_seconds
+        self.dropped: list[list[bytes]] = []  # frames discarded by the drop_next test hook
+        self._drop_left = 0
+        self._drop_topic: bytes | None = None
+        self._streams: dict[tuple[str, int | None], _Stream] = {}
+        self._polls = 0
+        self._acked: dict[tuple[str, int | None], int] = {}  # stream → number of the last poll acked
+        self._ack_lock = threading.Lock()
+        self._replay = ReplayClient(self.replay_endpoints, lambda frames: message_event(frames, self.topic_pods))
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
 
-    def poll(self, timeout_ms: int = 200) -> list[Envelope]:
+    def drop_next(self, n: int, topic: str | None = None) -> None:
+        """TEST HOOK (never used by the collector): discard the next ``n`` messages received, only those of
+        ``topic`` when given, as if the network had lost them; their frames go to :attr:`dropped`."""
+        self._drop_left = n
+        self._drop_topic = None if topic is None else topic.encode()
+
+    def poll(self, timeout_ms: int = 200) -> tuple[list[Envelope], Callable[[], None] | None]:
+        """Wait up to ``timeout_ms`` for messages, then take up to ``max_messages`` waiting ones.
+
+        Returns (envelopes, ack). Envelopes in arrival order: ``KvEventBatch`` (duplicates left out),
+        ``DeadLetter`` for undecodable messages, and before a batch that reveals a gap the ``KvEventGap`` and
+        the replayed batches (``replayed=True``, ascending seq). ``ack()`` (thread safe, call it once the
+        envelopes are durable downstream) checkpoints each stream delivered here; None when there is nothing
+        to ack. Bad input and replay failures never raise (they become dead letters and lost gaps).
+        """
         out: list[Envelope] = []
-        if not self._sock.poll(timeout_ms):
-            return out
-        while len(out) < self.max_messages:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            out.append(message_event(frames, self.topic_pods))
-        return out
+        touched: set[tuple[str, int | None]] = set()
+        if self._sock.poll(timeout_ms):
+            for _ in range(self.max_messages):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if self._drop_left > 0 and (self._drop_topic is None or frames[:1] == [self._drop_topic]):
+                    self._drop_left -= 1
+                    self.dropped.append(frames)
+                    continue
+                env = message_event(frames, self.topic_pods)
+                try:
+                    out.extend(self._admit(env, touched))
+                except Exception:  # a bug in gap tracking must not lose the batch or stop the loop
+                    log.exception("KV-event gap tracking failed; batch delivered as is. pod=%s", env.pod)
+                    out.append(env)
+        return out, self._ack_for(touched)
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+    def _admit(self, env: Envelope, touched: set[tuple[str, int | None]]) -> list[Envelope]:
+        """The envelopes one received message yields: [] for a duplicate, [gap, replayed..., env] after a gap."""
+        b = env.payload
+        if not isinstance(b, KvEventBatch):
+            return [env]
+        key = (b.topic, b.dp_rank)
+        st = self._streams.get(key) or self._restore(key)
+        out: list[Envelope] = []
+        if st is None or b.seq == st.seq + 1:
+            pass
+        elif b.seq > st.seq + 1:
+            out = self._recover(env.pod, b, st.seq + 1, "collector_restart" if st.restored else "missed",
+                                st if st.batch_ts is not None else None)
+        elif st.batch_ts is not None and b.batch_ts <= st.batch_ts:  # an older batch of the same publisher
+            DUPLICATES.labels(env.pod).inc()
+            return []
+        elif b.seq > 0:  # seq went back and the batch is newer: vLLM restarted and we missed its first batches
+            out = self._recover(env.pod, b, 0, "publisher_restart", None)
+        self._streams[key] = _Stream(b.seq, b.batch_ts)
+        touched.add(key)
+        out.append(env)
+        return out
+
+    def _restore(self, key: tuple[str, int | None]) -> _Stream | None:
+        value = self.checkpoints.get(checkpoint_key(*key)) if self.checkpoints is not None else None
+        if isinstance(value, dict):
+            ts = value.get("batch_ts")
+            ts = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
+            value = value.get("seq")
+        else:
+            ts = None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return _Stream(value, ts, restored=True)
+        return None
+
+    def _recover(self, pod: str, b: KvEventBatch, first: int, reason: str, verify: _Stream | None) -> list[Envelope]:
+        """Replay ``first..b.seq-1`` of ``b``'s stream; → [KvEventGap envelope, replayed batches...].
+
+        ``verify`` (the stream's last position, with its batch_ts): also fetch the last delivered batch; if vLLM
+        now holds a different batch under that seq, vLLM restarted unseen (e.g. while the collector was down) and
+        its seq already passed ours, so the gap is the new publisher's [0, b.seq-1] (``publisher_restart``).
+        Replay takes at most ``replay_timeout_seconds`` in all; failures leave the gap lost, never raise."""
+        now_ms = int(time.time() * 1000)
+        deadline = time.monotonic() + self.replay_timeout_seconds
+        last = b.seq - 1
+        got = self._replay.batches(pod, b.topic, b.dp_rank, first - 1 if verify else first, last, deadline)
+        if verify is not None and first - 1 in got and got[first - 1].payload.batch_ts != verify.batch_ts:
+            reason, first = "publisher_restart", 0
+            got = self._replay.batches(pod, b.topic, b.dp_rank, 0, last, deadline)
+        replayed = [got[s] for s in sorted(got) if s >= first]
+        missing, n = last - first + 1, len(replayed)
+        outcome = "recovered" if n == missing else "partial" if n else "lost"
+        GAPS.labels(pod, reason, outcome).inc()
+        BATCHES_REPLAYED.labels(pod).inc(n)
+        BATCHES_LOST.labels(pod).inc(missing - n)
+        log.log(logging.INFO if n == missing else logging.WARNING,
+                "KV-event gap. pod=%s topic=%s dp_rank=%s seqs=%d..%d reason=%s replayed=%d/%d",
+                pod, b.topic, b.dp_rank, first, last, reason, n, missing)
+        gap = KvEventGap(topic=b.topic, dp_rank=b.dp_rank, first_seq=first, last_seq=last, detected_at_ms=now_ms,
+                         reason=reason, replayed_batches=n, recovered=n == missing)
+        gap_env = envelope(gap, pod=pod, natural_key=(b.topic, b.dp_rank, first, last), observed_at_ms=now_ms,
+                           engine="" if b.dp_rank is None else str(b.dp_rank))
+        return [gap_env, *replayed]
+
+    def _ack_for(self, touched: set[tuple[str, int | None]]) -> Callable[[], None] | None:
+        if not touched or self.checkpoints is None:
+            return None
+        self._polls += 1
+        poll_no, store = self._polls, self.checkpoints
+        positions = {key: {"seq": self._streams[key].seq, "batch_ts": self._streams[key].batch_ts} for key in touched}
+
+        def ack() -> None:
+            with self._ack_lock:  # a late ack of an earlier poll must not move a checkpoint back
+                for key, position in positions.items():
+                    if self._acked.get(key, 0) < poll_no:
+                        self._acked[key] = poll_no
+                        store.put(checkpoint_key(*key), position)
+
+        return ack

@@ -113,11 +113,12 @@ def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms
 
 
 class ScrapeError(Exception):
-    """A target did not answer with HTTP 200 (carries ``pod``, ``url`` and the reason)."""
+    """A target did not answer with HTTP 200. Carries ``pod``, ``url``, ``reason`` (one sentence) and
+    ``kind`` (``timeout`` | ``connect`` | ``http_status`` | ``network``: the label of the failure metric)."""
 
-    def __init__(self, pod: str, url: str, reason: str) -> None:
+    def __init__(self, pod: str, url: str, reason: str, kind: str = "network") -> None:
         super().__init__(f"scrape of {pod} at {url} failed: {reason}")
-        self.pod, self.url, self.reason = pod, url, reason
+        self.pod, self.url, self.reason, self.kind = pod, url, reason, kind
 
 
 def scrape(client: httpx.Client, pod: str, url: str) -> list[Envelope]:
@@ -125,9 +126,13 @@ def scrape(client: httpx.Client, pod: str, url: str) -> list[Envelope]:
     t0 = time.monotonic()
     try:
         resp = client.get(url)
+    except httpx.TimeoutException as exc:
+        raise ScrapeError(pod, url, repr(exc), "timeout") from exc
+    except httpx.ConnectError as exc:
+        raise ScrapeError(pod, url, repr(exc), "connect") from exc
     except httpx.HTTPError as exc:
         raise ScrapeError(pod, url, repr(exc)) from exc
     if resp.status_code != 200:
-        raise ScrapeError(pod, url, f"HTTP {resp.status_code}")
+        raise ScrapeError(pod, url, f"HTTP {resp.status_code}", "http_status")
     duration_ms = (time.monotonic() - t0) * 1000
     return scrape_events(pod, url, resp.text, int(time.time() * 1000), duration_ms)

@@ -66,7 +66,8 @@ class DemoRun:
         self.fleet = VllmFleet(model_dir, self.workdir / "logs", num_pods=self.pods)
         gw_log = self.workdir / "gateway.jsonl"
         cfg = replace(self.cfg, vllm=",".join(f"{p.name}={p.base_url}" for p in self.fleet.pods),
-                      gateway_log=str(gw_log), kv_events_endpoint=self.fleet.kv_events_endpoint)
+                      gateway_log=str(gw_log), kv_events_endpoint=self.fleet.kv_events_endpoint,
+                      kv_events_replay=",".join(f"{p.kv_events_topic}={p.kv_replay_endpoint}" for p in self.fleet.pods))
         # The collector binds the KV-event socket before the pods start: vLLM drops what it publishes while
         # nobody listens, so this way the store gets every block event from seq 0.
         self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop)

@@ -53,21 +53,27 @@ def _normal(value: Any) -> Any:
     return value
 
 
-def absent_rows(store: Store, table: str, rows: Sequence[tuple[Any, ...]], columns: Sequence[str]) -> list[int]:
-    """Indexes of the ``rows`` (tuples in ``columns`` order) whose identity ``table`` does not hold yet, in
-    order, each identity once (a batch may carry the same row twice). Tables without an :data:`IDENTITY`
-    entry keep every row. Raises what :meth:`Store.query_rows` raises (StoreUnavailable: retry the batch).
+def absent_rows(store: Store, table: str, rows: Sequence[tuple[Any, ...]], columns: Sequence[str],
+                groups: Sequence[int] | None = None) -> list[int]:
+    """Indexes of the ``rows`` (tuples in ``columns`` order) whose identity ``table`` does not hold yet, in order.
+
+    ``groups``: the envelope each row came from (rows of one envelope share its identity when the identity
+    is the envelope's event id: a scrape's 447 samples). When a batch carries one identity in several
+    envelopes (a message delivered twice), only the first envelope's rows are kept. Default: every row its
+    own envelope. Tables without an :data:`IDENTITY` entry keep every row. Raises what
+    :meth:`Store.query_rows` raises (StoreUnavailable: retry the batch).
     """
     ident = IDENTITY.get(table)
     if ident is None or not rows:
         return list(range(len(rows)))
+    groups = groups if groups is not None else range(len(rows))
     pos = [columns.index(c) for c in ident.columns]
     keys = [tuple(_normal(row[p]) for p in pos) for row in rows]
     present = _present(store, table, ident, rows, columns, keys)
-    out, seen = [], set()
-    for i, key in enumerate(keys):
-        if key not in present and key not in seen:
-            seen.add(key)
+    out: list[int] = []
+    owner: dict[tuple[Any, ...], int] = {}
+    for i, (key, group) in enumerate(zip(keys, groups, strict=True)):
+        if key not in present and owner.setdefault(key, group) == group:
             out.append(i)
     return out
 

@@ -47,28 +47,32 @@ BATCH_BACKOFF = Gauge("kvscope_ingest_backoff_seconds", "Current wait before ret
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a row came from, for its dead letter: the message's location and pod, and the envelope."""
+    """Where a row came from: the message's location and pod (for its dead letter), and ``group``, the
+    envelope's number within the batch (rows of one envelope land or are skipped together)."""
 
     location: str
     pod: str
-    envelope: bytes
+    group: int
 
 
 def _rows_of(messages: list[Message]) -> dict[str, list[tuple[tuple[Any, ...], Origin]]]:
     """Rows per table, each with its origin; undecodable messages and unmappable envelopes become
     dead-letter rows here (contract violations are permanent)."""
     tables: dict[str, list[tuple[tuple[Any, ...], Origin]]] = defaultdict(list)
+    group = 0
     for m in messages:
         location = f"{m.topic}:{m.partition}:{m.offset}"
         pod = m.key.decode("utf-8", "replace")
         try:
             events = decode_batch(m.value)
         except (ContractError, RecursionError) as exc:
-            origin = Origin(location, pod, m.value)
+            group += 1
+            origin = Origin(location, pod, group)
             tables["dead_letters"].append((contract_dead_letter(str(exc)[:1000], location, m.value, pod), origin))
             continue
         for ev in events:
-            origin = Origin(f"{location}:{ev.event_id}", ev.pod, b"")
+            group += 1
+            origin = Origin(f"{location}:{ev.event_id}", ev.pod, group)
             try:
                 table, rows = rows_for(ev)
             except ContractViolation as exc:
@@ -106,7 +110,7 @@ class Ingester:
     def _write(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]]) -> None:
         """Insert the rows the store does not hold yet; isolate and dead-letter rows it refuses as data."""
         columns = COLUMNS[table]
-        keep = absent_rows(self.store, table, [r for r, _ in rows], columns)
+        keep = absent_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
         if len(keep) < len(rows):
             ROWS_DUPLICATE.labels(table).inc(len(rows) - len(keep))
         todo = [rows[i] for i in keep]

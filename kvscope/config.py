@@ -36,8 +36,8 @@ SETTINGS: list[Setting] = [
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
     Setting("kv_events_replay", "", "Comma-separated POD=tcp://host:port of each pod's vLLM KV-event replay socket "
             "(its kv-events-config replay_endpoint); missed batches are fetched from there"),
-    Setting("state_dir", str(Path.home() / ".kvscope" / "state"),
-            "Where the collector keeps its checkpoints (log offsets, KV-event sequence numbers)"),
+    Setting("state_dir", "", "Where the collector keeps its checkpoints (log offsets, KV-event sequence numbers); "
+            "'' = <data_dir>.state beside an embedded store, ~/.kvscope/state with a ClickHouse server"),
     Setting("queue_max_bytes", 256 << 20, "Embedded mode: bytes the in-process queue may hold (in flight included) "
             "before the collector waits for the ingester", int),
     Setting("scrape_interval_seconds", 5.0, "Seconds between /metrics scrapes of each pod", float),
@@ -122,6 +122,6 @@ def settings_table() -> str:
     """The settings as a Markdown table (README and ``kvscope settings``)."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     for s in SETTINGS:
-        default = {"data_dir": "~/.kvscope/data", "state_dir": "~/.kvscope/state"}.get(s.name, s.default)
+        default = "~/.kvscope/data" if s.name == "data_dir" else s.default
         lines.append(f"| `{s.env}` | `{default}` | {s.help} |")
     return "\n".join(lines)

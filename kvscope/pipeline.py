@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from collector.checkpoint import CheckpointStore
 from collector.publish import KafkaPublisher, MemoryQueue, Publisher, QueuePublisher
 from collector.service import Collector, parse_target
 from ingest.attribution_job import attribution_loop, run_attribution
@@ -32,6 +33,32 @@ def open_store(cfg: Config) -> Store:
     if applied:
         log.info("migrations applied. versions=%s", ",".join(applied))
     return store
+
+
+def checkpoint_path(cfg: Config) -> Path:
+    """The collector's checkpoint file: ``<state dir>/checkpoints-<database>-<namespace>.json``, one per
+    destination, so two pipelines on one machine that write to different stores never share positions. The
+    state dir is ``state_dir``, else ``<data_dir>.state`` beside an embedded store (checkpoints belong with
+    the data they describe), else ``~/.kvscope/state``."""
+    if cfg.state_dir:
+        base = Path(cfg.state_dir).expanduser()
+    elif not cfg.clickhouse_url and not cfg.kafka_bootstrap:
+        data = Path(cfg.data_dir).expanduser().resolve()
+        base = data.with_name(data.name + ".state")
+    else:
+        base = Path.home() / ".kvscope" / "state"
+    return base / f"checkpoints-{cfg.database}-{cfg.topic_namespace}.json"
+
+
+def parse_replay(specs: list[str]) -> dict[str, str]:
+    """``POD=tcp://host:port`` items → {pod: replay endpoint}. Raises ValueError for an item without ``=``."""
+    out = {}
+    for spec in specs:
+        pod, sep, endpoint = spec.partition("=")
+        if not sep or not pod or not endpoint.startswith("tcp://"):
+            raise ValueError(f"KV-event replay {spec!r} must be POD=tcp://host:port")
+        out[pod] = endpoint
+    return out
 
 
 def attribution_kwargs(cfg: Config) -> dict[str, float | int]:
@@ -87,6 +114,8 @@ class Pipeline:
             self.collector = Collector(
                 publisher=publisher, targets=[parse_target(t) for t in self.cfg.list("vllm")],
                 gateway_logs=self.cfg.list("gateway_log"), kv_events_endpoint=self.cfg.kv_events_endpoint or None,
+                kv_events_replay=parse_replay(self.cfg.list("kv_events_replay")),
+                checkpoints=CheckpointStore(checkpoint_path(self.cfg)),
                 scrape_interval_seconds=self.cfg.scrape_interval_seconds, stop=self.stop)
             self.collector.start()
 

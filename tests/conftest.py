@@ -56,30 +56,40 @@ def tansu_binary() -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def kafka_bootstrap() -> Iterator[str]:
-    """A real Kafka-protocol broker (tansu, memory only) for the session; topics are per test."""
+def start_tansu(log_name: str = "tansu.log") -> tuple[subprocess.Popen[bytes], str]:
+    """A real Kafka-protocol broker (tansu, memory only) on a free port: ``(process, "127.0.0.1:PORT")``,
+    returned once it accepts connections. Raises RuntimeError when it does not start."""
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     ARTIFACTS.mkdir(exist_ok=True)
-    logf = open(ARTIFACTS / "tansu.log", "wb")
+    logf = open(ARTIFACTS / log_name, "wb")  # noqa: SIM115 - the broker writes it for its lifetime
     proc = subprocess.Popen([tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
                             stdout=logf, stderr=subprocess.STDOUT)
+    logf.close()
     deadline = time.time() + 20
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tansu exited with {proc.returncode}; see {ARTIFACTS / 'tansu.log'}")
+            raise RuntimeError(f"tansu exited with {proc.returncode}; see {ARTIFACTS / log_name}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
+                return proc, f"127.0.0.1:{port}"
         except OSError:
             time.sleep(0.1)
-    else:
-        raise RuntimeError("tansu did not open its port within 20 s")
-    yield f"127.0.0.1:{port}"
+    proc.kill()
+    raise RuntimeError("tansu did not open its port within 20 s")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
-    logf.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """The session's broker (tansu); topics are per test."""
+    proc, bootstrap = start_tansu()
+    yield bootstrap
+    stop_process(proc)

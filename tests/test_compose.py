@@ -22,8 +22,10 @@ def env_of(name: str) -> dict[str, str]:
 
 
 def test_deployment_has_every_stage() -> None:
-    assert {"kafka", "clickhouse", "collector", "ingest", "dashboard", "gateway", "vllm"} <= set(SERVICES)
+    assert {"kafka", "clickhouse", "collector", "ingest", "attribute", "dashboard", "gateway", "vllm"} <= set(SERVICES)
     assert SERVICES["ingest"]["deploy"]["replicas"] == 2
+    assert SERVICES["attribute"]["deploy"]["replicas"] == 1  # one writer of request_attribution per database
+    assert "--attribution" not in SERVICES["ingest"]["command"]
     assert SERVICES["vllm"]["profiles"] == ["gpu"]
     kafka = env_of("kafka")
     assert "controller" in kafka["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
@@ -54,11 +56,11 @@ def test_commands_are_real_subcommands() -> None:
 
 def test_wiring_matches_across_services() -> None:
     kafka_port = env_of("kafka")["KAFKA_ADVERTISED_LISTENERS"].rsplit(":", 1)[1]
-    for name in ("collector", "ingest", "gateway", "dashboard"):
+    for name in ("collector", "ingest", "attribute", "gateway", "dashboard"):
         env = env_of(name)
         if name in ("collector", "ingest"):
             assert env["KVSCOPE_KAFKA_BOOTSTRAP"] == f"kafka:{kafka_port}"
-        if name in ("ingest", "dashboard"):
+        if name in ("ingest", "attribute", "dashboard"):
             assert env["KVSCOPE_CLICKHOUSE_URL"].endswith("@clickhouse:8123")
             password = env_of("clickhouse")["CLICKHOUSE_PASSWORD"]
             assert f":{password}@" in env["KVSCOPE_CLICKHOUSE_URL"]
@@ -74,3 +76,6 @@ def test_wiring_matches_across_services() -> None:
     pod_names = [t.split("=")[0] for t in env_of("collector")["KVSCOPE_VLLM"].split(",")]
     assert kv_cfg["topic"] in pod_names
     assert "vllm-0=http://vllm:8000" in SERVICES["gateway"]["command"]
+    # the collector's checkpoints survive a container restart
+    state = env_of("collector")["KVSCOPE_STATE_DIR"]
+    assert any(v.endswith(":" + state) for v in SERVICES["collector"]["volumes"])

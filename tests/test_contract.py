@@ -14,6 +14,7 @@ from collector.events import (
     GatewayRequest,
     KvBlockEvent,
     KvEventBatch,
+    KvEventGap,
     MetricSample,
     MetricsScrape,
     decode_batch,
@@ -32,6 +33,8 @@ EXAMPLES = [
     KvEventBatch(topic="pod-0", seq=10, batch_ts=1795950818.34, dp_rank=0,
                  events=[KvBlockEvent(type="BlockStored", block_hashes=[2**64 - 1], parent_block_hash=None,
                                       token_ids=list(range(32)), block_size=32, medium="GPU")]),
+    KvEventGap(topic="pod-0", dp_rank=0, first_seq=11, last_seq=13, detected_at_ms=1795950818340,
+               reason="missed", replayed_batches=3, recovered=True),
     DeadLetter(source="gateway_log", reason="not JSON", raw="{", location="g.jsonl:0"),
 ]
 

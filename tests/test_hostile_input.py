@@ -4,16 +4,16 @@ and costs only itself (the good input beside it lands)."""
 from __future__ import annotations
 
 import json
-import queue
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from collector.checkpoint import CheckpointStore
 from collector.events import GatewayRequest, envelope
-from collector.gateway_log import LogTailer, read_file
+from collector.gateway_log import GatewayLogSource, read_file
 from collector.kv_events import message_event
-from collector.publish import QueuePublisher
+from collector.publish import MemoryQueue, QueuePublisher
 from ingest.ingester import Ingester
 from ingest.source import QueueSource
 from kvscope.importer import import_events
@@ -57,31 +57,33 @@ def test_hostile_log_lines_cost_only_themselves(store, tmp_path: Path, line: str
     log.write_text(json.dumps(GOOD) + "\n" + line + "\n" + json.dumps({**GOOD, "request_id": "good2"}) + "\n")
     written = import_events(store, read_file(log))
     assert written == {"gateway_requests": 2, "dead_letters": 1}
-    assert store.query_rows("SELECT count() FROM gateway_requests FINAL")[0][0] == 2
-    assert store.query_rows("SELECT count() FROM dead_letters FINAL")[0][0] == 1
-    import_events(store, read_file(log))  # a re-import counts nothing twice
-    assert store.query_rows("SELECT count() FROM dead_letters FINAL")[0][0] == 1
+    assert store.query_rows("SELECT count() FROM gateway_requests")[0][0] == 2
+    assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 1
+    assert import_events(store, read_file(log)) == {}  # a re-import writes nothing: every row is already there
+    assert store.query_rows("SELECT count() FROM gateway_requests")[0][0] == 2
+    assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 1
 
 
 def test_a_refused_envelope_does_not_take_its_message_with_it(store) -> None:  # type: ignore[no-untyped-def]
     """An envelope from another producer that skipped validation: the store refuses its row; the good
     envelope published in the same Kafka-sized message still lands."""
-    q: queue.Queue = queue.Queue()
+    q = MemoryQueue()
     good = envelope(GatewayRequest(record=GOOD), pod="pod-0", natural_key=("good",), observed_at_ms=1)
     bad = envelope(GatewayRequest(record={**GOOD, "request_id": "bad", "status": 70000}), pod="pod-0",
                    natural_key=("bad",), observed_at_ms=1)
     QueuePublisher(q).publish([good, bad])
-    assert q.qsize() == 1  # one message carrying both
-    Ingester(store, QueueSource(q)).run_once()
-    assert store.query_rows("SELECT request_id FROM gateway_requests FINAL") == [("good",)]
-    [(reason,)] = store.query_rows("SELECT reason FROM dead_letters FINAL")
+    source = QueueSource(q)
+    assert len(source.poll()) == 1  # one message carrying both
+    Ingester(store, source).run_once()
+    assert store.query_rows("SELECT request_id FROM gateway_requests") == [("good",)]
+    [(reason,)] = store.query_rows("SELECT reason FROM dead_letters")
     assert "gateway_requests" in reason
 
 
 def test_a_line_longer_than_the_read_window_is_skipped_not_stuck(tmp_path: Path) -> None:
     log = tmp_path / "g.jsonl"
     log.write_text("x" * 600 + "\n" + json.dumps(GOOD) + "\n")
-    tailer = LogTailer(log, max_bytes=256)
-    first = tailer.poll()
+    tailer = GatewayLogSource(log, CheckpointStore(None), max_bytes=256)
+    first, _ = tailer.poll()
     assert [e.schema for e in first] == ["dead_letter"] and "longer than 256" in first[0].payload.reason
-    assert [e.schema for e in tailer.poll()] == ["gateway_request"]
+    assert [e.schema for e in tailer.poll()[0]] == ["gateway_request"]

@@ -1,0 +1,216 @@
+"""Faults on the way: the store refusing writes for a while, the broker frozen, a predecessor's line arriving
+late, the whole log read again. Each time: nothing committed past what the store holds, nothing lost after,
+nothing counted twice."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
+from conftest import start_tansu, stop_process
+from prometheus_client import REGISTRY
+
+from collector.events import topic_for
+from demo.history import format_ts, gateway_lines
+from ingest.store import Store
+from kvscope.config import Config, build_config
+from kvscope.pipeline import Pipeline
+from tests.kill_harness import wait_until
+
+
+class RefusingClient:
+    """The store's clickhouse-connect client with a switch: while ``refusing`` is True every insert fails as
+    a loaded server fails (code 241, memory limit exceeded). Reads pass through. A fault at the client
+    boundary, the only place kvscope sees ClickHouse."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.refusing = False
+        self.refused = 0
+
+    def insert(self, *args: Any, **kwargs: Any) -> Any:
+        if self.refusing:
+            self.refused += 1
+            raise DatabaseError("Code: 241. DB::Exception: Memory limit (total) exceeded: would use 9.31 GiB "
+                                "(MEMORY_LIMIT_EXCEEDED)")
+        return self._client.insert(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def config(store: Store, tmp: Path, **kw: Any) -> Config:
+    ns = f"f{uuid.uuid4().hex[:8]}"
+    return replace(build_config({}, environ={}), database=store.database, topic_namespace=ns,
+                   consumer_group=f"{ns}-ingest", gateway_log=str(tmp / "gateway.jsonl"), state_dir=str(tmp / "state"),
+                   attribution_interval_seconds=0.5, **kw)
+
+
+def append(path: Path, lines: list[str]) -> None:
+    with path.open("a") as fh:
+        fh.write("".join(line + "\n" for line in lines))
+
+
+def count(store: Store, sql: str = "SELECT count(), uniqExact(request_id) FROM gateway_requests") -> tuple:
+    return tuple(store.query_rows(sql)[0])
+
+
+def committed(bootstrap: str, group: str, topic: str) -> int:
+    """Σ over partitions of the group's committed offsets on ``topic`` (0 for none)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        return sum(consumer.committed(TopicPartition(topic, p)) or 0 for p in parts)
+    finally:
+        consumer.close(autocommit=False)
+
+
+def retries() -> float:
+    return sum(s.value for m in REGISTRY.collect() if m.name == "kvscope_ingest_retries"
+               for s in m.samples if s.name.endswith("_total"))
+
+
+@pytest.mark.broker
+def test_store_refusing_writes_commits_nothing_and_loses_nothing(store: Store, tmp_path: Path,
+                                                                  kafka_bootstrap: str) -> None:
+    lines = list(gateway_lines(300, seed=21, id_prefix="refused"))
+    cfg = config(store, tmp_path, kafka_bootstrap=kafka_bootstrap)
+    faulty = RefusingClient(store.client)
+    store.client = faulty
+    pipe = Pipeline(cfg, store=store)
+    pipe.start()
+    topic = topic_for("gateway_request", cfg.topic_namespace)
+    try:
+        append(Path(cfg.gateway_log), lines[:100])
+        wait_until(lambda: count(store)[0] == 100, 60, "the first 100 rows")
+        first = wait_until(lambda: committed(kafka_bootstrap, cfg.consumer_group, topic), 30, "a commit")
+        before = retries()
+        faulty.refusing = True
+        append(Path(cfg.gateway_log), lines[100:])
+        wait_until(lambda: faulty.refused >= 3, 60, "the ingester to retry the refused batch")
+        time.sleep(2)
+        assert count(store) == (100, 100)  # nothing landed
+        assert committed(kafka_bootstrap, cfg.consumer_group, topic) == first  # and nothing was committed
+        assert retries() > before
+        faulty.refusing = False
+        wait_until(lambda: count(store)[0] >= 300, 90, "the held batch to land")
+        time.sleep(2)
+        assert count(store) == (300, 300)
+        assert committed(kafka_bootstrap, cfg.consumer_group, topic) > first
+    finally:
+        pipe.close()
+
+
+def test_embedded_queue_holds_the_batch_while_the_store_refuses(store: Store, tmp_path: Path) -> None:
+    lines = list(gateway_lines(200, seed=22, id_prefix="held"))
+    cfg = config(store, tmp_path)
+    faulty = RefusingClient(store.client)
+    store.client = faulty
+    faulty.refusing = True
+    pipe = Pipeline(cfg, store=store)
+    pipe.start()
+    try:
+        append(Path(cfg.gateway_log), lines)
+        wait_until(lambda: faulty.refused >= 3, 60, "the ingester to retry")
+        assert count(store) == (0, 0)
+        assert not pipe._queue.empty()  # type: ignore[union-attr]  # the batch is still held, in flight
+        faulty.refusing = False
+        wait_until(lambda: count(store)[0] >= 200, 60, "the held batch to land")
+        time.sleep(1)
+        assert count(store) == (200, 200)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.broker
+def test_frozen_broker_loses_nothing(store: Store, tmp_path: Path) -> None:
+    """SIGSTOP the broker (a Kafka that stops answering, no connection refused) while lines keep coming."""
+    broker, bootstrap = start_tansu("tansu-frozen.log")
+    lines = list(gateway_lines(300, seed=23, id_prefix="frozen"))
+    cfg = config(store, tmp_path, kafka_bootstrap=bootstrap)
+    pipe = Pipeline(cfg, store=store)
+    try:
+        pipe.start()
+        append(Path(cfg.gateway_log), lines[:100])
+        wait_until(lambda: count(store)[0] == 100, 60, "the first 100 rows")
+        broker.send_signal(signal.SIGSTOP)
+        append(Path(cfg.gateway_log), lines[100:])
+        time.sleep(8)
+        assert count(store) == (100, 100)
+        broker.send_signal(signal.SIGCONT)
+        wait_until(lambda: count(store)[0] >= 300, 120, "the rest after the broker woke")
+        time.sleep(3)
+        assert count(store) == (300, 300)
+    finally:
+        broker.send_signal(signal.SIGCONT)
+        pipe.close()
+        stop_process(broker)
+
+
+# -- late data -------------------------------------------------------------------------------------------------
+T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=10)
+
+
+def turn(rid: str, at: float, pod: str, **kw: Any) -> str:
+    """A chat turn of conversation conv-late (tenant acme): 720 system tokens, a 22-token question."""
+    rec = {"log_version": 1, "request_id": rid, "ts": format_ts(T0 + timedelta(seconds=at)), "tenant_id": "acme",
+           "conversation_id": "conv-late", "agent_run_id": "", "model": "tiny", "pod": pod, "status": 200,
+           "prompt_tokens": 762, "cached_tokens": 0, "completion_tokens": 8, "ttft_ms": 50.0, "e2e_ms": 400.0,
+           "system_hash": "5y5", "system_norm_hash": "5y5", "system_tokens": 720, "tools_hash": "",
+           "tools_canonical_hash": "", "tools_tokens": 0, "retrieval_pack_hash": "", "retrieval_set_hash": "",
+           "retrieval_tokens": 0, "history_prefix_hash": "", "prev_history_hash": "", "history_tokens": 0,
+           "suffix_hash": "q1", "suffix_tokens": 22, "prompt_fingerprint": "fp1", **kw}
+    return json.dumps(rec)
+
+
+def causes(store: Store) -> dict[tuple[str, str, str], int]:
+    rows = store.named("miss_causes", {"by_tenant": "0"}).rows()
+    by_request = store.query_rows("SELECT request_id, cause, sum(tokens) FROM miss_attribution GROUP BY ALL")
+    return {("*", r[1], r[2]): r[3] for r in rows} | {(r[0], r[1], ""): r[2] for r in by_request}
+
+
+def test_a_late_predecessor_corrects_its_successor_and_a_reread_changes_nothing(store: Store,
+                                                                                   tmp_path: Path) -> None:
+    """Turn 2 (pod-b) is logged and attributed first: cold. Turn 1 (pod-a, two minutes earlier in event time)
+    is delivered well after (beyond the job's settle and overlap): turn 2 becomes routed_away. Then the
+    whole log is read again from scratch (checkpoints gone): every total stays the same."""
+    cfg = config(store, tmp_path, attribution_settle_seconds=0.2, attribution_overlap_seconds=1.0,
+                 default_block_size=32)
+    log = Path(cfg.gateway_log)
+    t2 = turn("late-t2", 120, "pod-b", prompt_tokens=830, history_prefix_hash="h1", history_tokens=50,
+              suffix_hash="q2", suffix_tokens=20)
+    t1 = turn("late-t1", 0, "pod-a")
+    pipe = Pipeline(cfg, store=store)
+    pipe.start()
+    try:
+        append(log, [t2])
+        wait_until(lambda: causes(store).get(("late-t2", "cold", "")), 30, "turn 2 attributed")
+        assert causes(store)[("late-t2", "cold", "")] == 800
+        time.sleep(3)  # several job runs: turn 2's answer is settled, the watermark well past it
+        append(log, [t1])
+        wait_until(lambda: causes(store).get(("late-t2", "routed_away", "")), 30, "turn 2 re-attributed")
+    finally:
+        pipe.close()
+    after = causes(store)
+    assert after[("late-t2", "routed_away", "")] == 736 and ("late-t2", "cold", "") not in after
+    assert after[("*", "routed_away", "")] == 736
+    # read everything again: a new pipeline with no checkpoints re-sends the whole log
+    cfg2 = replace(cfg, state_dir=str(tmp_path / "state-2"))
+    pipe = Pipeline(cfg2, store=store)
+    pipe.start()
+    try:
+        time.sleep(4)
+    finally:
+        pipe.close()
+    assert causes(store) == after
+    assert count(store) == (2, 2)
