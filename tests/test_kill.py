@@ -20,7 +20,7 @@ import pytest
 from conftest import free_port
 
 from demo.history import gateway_lines
-from tests.kill_harness import LogWriter, MovingMetrics, UpProcess, verify
+from tests.kill_harness import LogWriter, MovingMetrics, UpProcess, verify, wait_until
 
 LINES = int(os.environ.get("KVSCOPE_KILL_LINES", "12000"))
 RATE = float(os.environ.get("KVSCOPE_KILL_RATE", "400"))  # lines written per second
@@ -143,3 +143,30 @@ def test_rotation_both_ways_under_load_with_sigkills(tmp_path: Path) -> None:
         metrics.close()
     assert writer.written == n
     check_exact(verify(tmp_path / "data", database, n), n)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_drains_and_stops(sig: str, tmp_path: Path) -> None:
+    """`kvscope up --no-dashboard` stops on Ctrl-C (SIGINT, which chDB would otherwise swallow) and on SIGTERM:
+    it publishes what it read, drains the queue, answers every request, and exits 0."""
+    import signal
+
+    log = tmp_path / "gateway.jsonl"
+    metrics = MovingMetrics(free_port())
+    lines = list(gateway_lines(500, seed=13, id_prefix="kill", tenants=5, pods=2))
+    up, database = start_pipeline(tmp_path, log, metrics, None)
+    try:
+        up.start()
+        wait_until(lambda: up.metrics(), 60, "kvscope up to serve its self-metrics")
+        log.write_text("".join(line + "\n" for line in lines))
+        time.sleep(0.5)
+        assert up.proc is not None
+        up.proc.send_signal(getattr(signal, sig))
+        assert up.proc.wait(60) == 0
+    finally:
+        if up.alive():
+            up.kill()
+        metrics.close()
+    assert "stopping (draining the pipeline)" in up.log_path.read_text()
+    result = verify(tmp_path / "data", database, len(lines))
+    assert result["rows"] == result["answers"] == len(lines) and result["bad_answers"] == 0
