@@ -23,34 +23,48 @@ import msgspec
 SCHEMA_VERSION = 1
 
 
-class MetricSample(msgspec.Struct, frozen=True):
-    """One Prometheus sample from a vLLM ``/metrics`` body.
+class SeriesSample(msgspec.Struct, frozen=True, array_like=True):
+    """One kept series of a vLLM ``/metrics`` scrape (the allowlist: collector/vllm_metrics.py ``KEEP``).
 
     Fields: ``name`` (str, the exposed sample name, e.g. ``vllm:prefix_cache_hits_total`` or
-    ``vllm:time_to_first_token_seconds_bucket``), ``labels`` (dict[str, str], including ``engine`` and
-    ``model_name`` where vLLM sets them; ``le`` for buckets), ``value`` (float, in the metric's own unit:
-    tokens for the prefix-cache counters, seconds for the latency histograms).
+    ``vllm:time_to_first_token_seconds_bucket``), ``engine`` (str, vLLM's DP engine label, "" if absent),
+    ``model_name`` (str, "" if absent), ``label`` (str, the one label that tells the series of a family apart:
+    ``le`` of a histogram bucket, ``finished_reason``, ``source``; "" if none), ``value`` (float, the value as
+    exposed: cumulative for counters, current for gauges; unit of the metric: tokens, seconds, requests,
+    fraction), ``increase`` (float, counters: how much the series grew since the collector's previous sample
+    of it, restart-aware: after a restart, the new value; gauges: 0). Encoded as an array (compact on the
+    wire: a scrape carries ~100 of them).
     """
 
     name: str
-    labels: dict[str, str]
+    engine: str
+    model_name: str
+    label: str
     value: float
+    increase: float = 0.0
 
 
-class MetricsScrape(msgspec.Struct, frozen=True, tag="metrics_scrape"):
-    """One successful scrape of one pod's ``/metrics`` (all samples of that response).
+class VllmScrape(msgspec.Struct, frozen=True, tag="vllm_scrape"):
+    """One successful scrape of one pod's ``/metrics``, reduced to the series kvscope reads, with the
+    counter increases the collector computed from its previous sample (held in memory and checkpointed).
 
     Fields: ``target`` (str, the URL scraped), ``scraped_at_ms`` (int, unix ms when the response arrived),
-    ``duration_ms`` (float, scrape round trip), ``samples`` (list[MetricSample]), ``family_types``
-    (dict[str, str]: metric family → Prometheus type ``counter``/``gauge``/``histogram``/...).
-    Natural key: (pod, target, scraped_at_ms).
+    ``previous_scraped_at_ms`` (int, unix ms of the sample the increases are taken from; 0 when there was
+    none: the increases are then 0, a baseline), ``duration_ms`` (float, round trip), ``samples``
+    (list[SeriesSample]: every kept gauge, and every kept counter whose increase is not 0), ``cache_config``
+    (dict engine → the labels of its ``vllm:cache_config_info``: block_size, num_gpu_blocks,
+    kv_cache_memory_bytes, ...; present on the collector's first scrape of the pod and whenever they change,
+    {} otherwise), ``restarts`` (list[str]: each engine whose counters restarted since the previous scrape).
+    Natural key: (pod, scraped_at_ms): a re-sent scrape keeps its id and is stored once.
     """
 
     target: str
     scraped_at_ms: int
+    previous_scraped_at_ms: int
     duration_ms: float
-    samples: list[MetricSample]
-    family_types: dict[str, str] = {}
+    samples: list[SeriesSample]
+    cache_config: dict[str, dict[str, str]] = {}
+    restarts: list[str] = []
 
 
 class GatewayRequest(msgspec.Struct, frozen=True, tag="gateway_request"):
@@ -138,10 +152,10 @@ class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):
     location: str = ""
 
 
-Payload = MetricsScrape | GatewayRequest | KvEventBatch | KvEventGap | DeadLetter
+Payload = VllmScrape | GatewayRequest | KvEventBatch | KvEventGap | DeadLetter
 
 KINDS: dict[str, type] = {
-    "metrics_scrape": MetricsScrape,
+    "vllm_scrape": VllmScrape,
     "gateway_request": GatewayRequest,
     "kv_event_batch": KvEventBatch,
     "kv_event_gap": KvEventGap,
