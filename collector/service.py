@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import httpx
@@ -25,13 +26,14 @@ from collector.events import Envelope
 from collector.gateway_log import GatewayLogSource
 from collector.kv_events import KvEventSubscriber
 from collector.publish import Ack, Publisher, PublishError
-from collector.vllm_metrics import ScrapeError, scrape
+from collector.vllm_metrics import ScrapeError, ScrapeJournal, ScrapeState, advance, fetch
 
 log = logging.getLogger("kvscope.collector")
 
 EVENTS_PUBLISHED = Counter("kvscope_collector_events_published", "Envelopes published", ["kind"])
-SCRAPE_FAILURES = Counter("kvscope_collector_scrape_failures", "Failed /metrics scrapes (that interval's "
-                          "sample is missing; counters are cumulative, so the next scrape's deltas cover it)",
+SCRAPE_FAILURES = Counter("kvscope_collector_scrape_failures", "Failed or skipped /metrics scrapes (that "
+                          "interval's sample is missing; the next scrape's counter increases cover it): timeout, "
+                          "connect, http_status, network, bug, backlog (downstream not acknowledging)",
                           ["pod", "reason"])
 PUBLISH_FAILURES = Counter("kvscope_collector_publish_failures", "Publish attempts that failed and were retried",
                            ["source"])
@@ -79,6 +81,11 @@ class Collector:
     _publish_lock: threading.Lock = field(default_factory=threading.Lock)
     _failing: set[str] = field(default_factory=set)
     _failing_logs: set[GatewayLogSource] = field(default_factory=set)
+    max_unacked_scrapes: int = 0  # 0: 8 rounds' worth; beyond it the scrape loop waits for acks, scraping nothing
+    _journal: ScrapeJournal | None = None
+    _scrape_pool: ThreadPoolExecutor | None = None
+    _inflight: dict[str, Future[tuple[list[Envelope], ScrapeState]]] = field(default_factory=dict)
+    _backlogged: bool = False
 
     def _publish(self, source: str, events: list[Envelope], on_ack: Ack | None = None, *,
                  final: bool = False) -> bool:
@@ -107,36 +114,107 @@ class Collector:
                 if final:
                     time.sleep(min(wait, 1.0))
 
-    def scrape_all(self, client: httpx.Client) -> int:
-        """One scrape of every target; returns envelopes published."""
-        n = 0
+    def _scrape_journal(self) -> ScrapeJournal:
+        """The scrape journal, loaded at first use; the outbox a previous run left (scrapes computed and
+        checkpointed, not acknowledged) is published before any new scrape."""
+        if self._journal is None:
+            self._journal = ScrapeJournal(self.checkpoints, pods=[t.pod for t in self.targets])
+            events, ack = self._journal.recover()
+            if events:
+                log.info("re-publishing scrapes checkpointed before the last stop. envelopes=%d", len(events))
+                self._publish("vllm_metrics", events, ack)
+        return self._journal
+
+    def _scrape_one(self, client: httpx.Client, journal: ScrapeJournal, t: Target
+                    ) -> tuple[list[Envelope], ScrapeState]:
+        body, scraped_at_ms, duration_ms = fetch(client, t.pod, t.metrics_url)
+        return advance(journal.state(t.pod), t.pod, t.metrics_url, body, scraped_at_ms, duration_ms)
+
+    def scrape_all(self, client: httpx.Client, wait_seconds: float | None = None) -> int:
+        """One scrape round; returns envelopes published.
+
+        Every target not still in flight is fetched and computed on its own thread (one ``client`` pool); the
+        round waits for them up to ``wait_seconds`` (default 0.8 x the interval), then commits every result
+        that arrived (one checkpoint write for all pods: :class:`ScrapeJournal`) and publishes them as one
+        batch. A slow pod stays in flight (until the client's timeout) and misses only its own rounds; its
+        result is committed with a later round. While the downstream leaves more than ``max_unacked_scrapes``
+        scrapes unacknowledged, the round scrapes nothing (counted as ``backlog``): the next scrape's
+        increases cover the wait."""
+        journal = self._scrape_journal()
+        if self._scrape_pool is None:
+            self._scrape_pool = ThreadPoolExecutor(max(1, min(128, len(self.targets))), "collector-scrape")
+        limit = self.max_unacked_scrapes or 8 * max(1, len(self.targets))
+        backlogged = journal.pending() > limit
+        if backlogged != self._backlogged:
+            self._backlogged = backlogged
+            if backlogged:
+                log.warning("downstream has not acknowledged %d scrapes; scraping paused until it does",
+                            journal.pending())
         for t in self.targets:
+            if backlogged:
+                SCRAPE_FAILURES.labels(t.pod, "backlog").inc()
+            elif t.pod not in self._inflight:
+                self._inflight[t.pod] = self._scrape_pool.submit(self._scrape_one, client, journal, t)
+        timeout = 0.8 * self.scrape_interval_seconds if wait_seconds is None else wait_seconds
+        wait(list(self._inflight.values()), timeout=timeout)
+        results = [(t.pod, *r) for t in self.targets if (r := self._scrape_result(t)) is not None]
+        if not results:
+            return 0
+        try:
+            events, ack = journal.commit(results)
+        except OSError:  # nothing adopted: each pod's next scrape starts from its previous state
+            log.exception("cannot write the scrape checkpoint; this round is not published, the next one covers it")
+            return 0
+        return len(events) if self._publish("vllm_metrics", events, ack) else 0
+
+    def _scrape_result(self, t: Target) -> tuple[list[Envelope], ScrapeState] | None:
+        """A finished scrape of ``t`` (taken out of flight), or None (still running, or failed: counted)."""
+        fut = self._inflight.get(t.pod)
+        if fut is None or not fut.done():
+            return None
+        del self._inflight[t.pod]
+        try:
+            result = fut.result()
+        except ScrapeError as exc:
+            SCRAPE_FAILURES.labels(t.pod, exc.kind).inc()
+            if t.pod not in self._failing:  # say it once per outage, not every interval
+                log.warning("scrape failed; retrying every interval. pod=%s url=%s reason=%s",
+                            t.pod, t.metrics_url, exc.reason)
+            self._failing.add(t.pod)
+            return None
+        except Exception:  # a bug on one pod's body must not stop the scrape loop for every pod
+            SCRAPE_FAILURES.labels(t.pod, "bug").inc()
+            log.exception("scrape of one pod failed unexpectedly; other pods continue. pod=%s", t.pod)
+            return None
+        if t.pod in self._failing:
+            self._failing.discard(t.pod)
+            log.info("scrape recovered. pod=%s", t.pod)
+        return result
+
+    def close_scrapes(self) -> None:
+        """Stop the scrape threads (a scrape in flight is dropped: not committed, so nothing is lost) and write
+        the acknowledgements received since the last round."""
+        if self._scrape_pool is not None:
+            self._scrape_pool.shutdown(wait=False, cancel_futures=True)
+            self._scrape_pool = None
+        self._inflight.clear()
+        if self._journal is not None:
             try:
-                events = scrape(client, t.pod, t.metrics_url)
-            except ScrapeError as exc:
-                SCRAPE_FAILURES.labels(t.pod, exc.kind).inc()
-                if t.pod not in self._failing:  # say it once per outage, not every interval
-                    log.warning("scrape failed; retrying every interval. pod=%s url=%s reason=%s",
-                                t.pod, t.metrics_url, exc.reason)
-                self._failing.add(t.pod)
-                continue
-            except Exception:  # a bug on one pod's body must not stop the scrape loop for every pod
-                SCRAPE_FAILURES.labels(t.pod, "bug").inc()
-                log.exception("scrape of one pod failed unexpectedly; other pods continue. pod=%s", t.pod)
-                continue
-            if t.pod in self._failing:
-                self._failing.discard(t.pod)
-                log.info("scrape recovered. pod=%s", t.pod)
-            if self._publish("vllm_metrics", events):
-                n += len(events)
-        return n
+                self._journal.close()
+            except OSError:
+                log.exception("cannot write the scrape checkpoint at stop; acknowledged scrapes are re-sent once")
 
     def _scrape_loop(self) -> None:
-        with httpx.Client(timeout=max(1.0, self.scrape_interval_seconds)) as client:
-            while not self.stop.is_set():
-                t0 = time.monotonic()
-                self.scrape_all(client)
-                self.stop.wait(max(0.0, self.scrape_interval_seconds - (time.monotonic() - t0)))
+        n = max(1, len(self.targets))
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        try:
+            with httpx.Client(timeout=max(1.0, self.scrape_interval_seconds), limits=limits) as client:
+                while not self.stop.is_set():
+                    t0 = time.monotonic()
+                    self.scrape_all(client)
+                    self.stop.wait(max(0.0, self.scrape_interval_seconds - (time.monotonic() - t0)))
+        finally:
+            self.close_scrapes()
 
     def _poll_log(self, source: GatewayLogSource) -> tuple[list[Envelope], Ack | None]:
         """One poll; a file-system error (permissions, a vanished mount) is logged once per outage and

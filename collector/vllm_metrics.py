@@ -1,115 +1,260 @@
-"""Source: vLLM ``/metrics`` (Prometheus text exposition) → ``MetricsScrape`` events (+ ``DeadLetter`` per bad line).
+"""Source: vLLM ``/metrics`` → one ``VllmScrape`` per scrape (the kept series, counter increases computed here)
+plus one ``DeadLetter`` per bad line.
 
-Parsing uses ``prometheus_client``'s text parser. A body that fails to parse as a whole is parsed again one
-sample line at a time (each with its family's ``# TYPE`` line), so one malformed line costs only itself: the
-good samples are kept and each bad line becomes a dead letter with the parser's reason.
-Name generations (V1 ``vllm:prefix_cache_*``, older ``vllm:gpu_prefix_cache_*``, V0 gauges) are kept as
-exposed; queries pick the names (../shared/reference/vllm.md §1, §8).
+- :data:`KEEP` is the allowlist: only the series some query or panel reads are sent (names from vLLM's
+  ``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; older names from ../shared/reference/vllm.md §1).
+- :class:`ScrapeState` (one per pod) holds each kept counter's previous value and ``_created``, so a scrape
+  carries *increases* (restart-aware) and the store needs no window functions over raw samples.
+- :class:`ScrapeJournal` makes the increases exactly once across collector crashes: each round's new states
+  and the scrapes computed from them (the *outbox*) are checkpointed in one write before they are published;
+  an acknowledged scrape leaves the outbox; a restarted collector re-publishes the outbox first (the ingester
+  drops scrapes the store holds: identity (pod, scraped_at_ms)).
+
+Parsing is :func:`collector.prom_text.parse` (fast, checked differentially against prometheus_client).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+import msgspec
 
-from collector.events import DeadLetter, Envelope, MetricSample, MetricsScrape, envelope
+from collector.checkpoint import CheckpointStore
+from collector.events import DeadLetter, Envelope, SeriesSample, VllmScrape, envelope
+from collector.prom_text import parse
 
 MAX_RAW = 64 * 1024
 
+#: family → (kind, the label telling its series apart or "", who reads it). Counters are exposed as
+#: ``<family>_total`` (+ ``<family>_created``, read for restarts, not sent); histograms as ``_bucket`` (label
+#: ``le``), ``_sum``, ``_count`` (+ ``_created``); ``info`` goes to ``VllmScrape.cache_config``.
+KEEP: dict[str, tuple[str, str, str]] = {
+    "vllm:prefix_cache_queries": ("counter", "", "hit rate denominator, tokens queried: hit_rate, hit_rate_total, "
+                                  "pods queries; Overview hit-rate panel"),
+    "vllm:prefix_cache_hits": ("counter", "", "hit rate numerator, tokens hit: hit_rate, hit_rate_total, pods"),
+    "vllm:gpu_prefix_cache_queries": ("counter", "", "hit rate denominator on vLLM <= 0.11 (older name): same queries"),
+    "vllm:gpu_prefix_cache_hits": ("counter", "", "hit rate numerator on vLLM <= 0.11 (older name): same queries"),
+    "vllm:external_prefix_cache_queries": ("counter", "", "data quality: tokens looked up in a KV connector's "
+                                           "cross-instance cache (not the local prefix cache)"),
+    "vllm:external_prefix_cache_hits": ("counter", "", "data quality: hits served by a KV connector, which the "
+                                        "local hit rate does not include"),
+    "vllm:prompt_tokens": ("counter", "", "tokens query: prefill tokens per bucket (throughput)"),
+    "vllm:generation_tokens": ("counter", "", "tokens query: decode tokens per bucket (throughput)"),
+    "vllm:request_success": ("counter", "finished_reason", "request and error rates (stop, length, abort, error)"),
+    "vllm:num_preemptions": ("counter", "", "preemptions: KV-cache pressure evicting running requests"),
+    "vllm:time_to_first_token_seconds": ("histogram", "le", "latency query: vLLM TTFT p50/p95/p99"),
+    "vllm:request_queue_time_seconds": ("histogram", "le", "latency query: vLLM queue wait p50/p95/p99"),
+    "vllm:e2e_request_latency_seconds": ("histogram", "le", "end-to-end request latency quantiles"),
+    "vllm:inter_token_latency_seconds": ("histogram", "le", "decode speed: inter-token latency quantiles"),
+    "vllm:request_prefill_time_seconds": ("histogram", "le", "prefill time: what a missed prefix costs"),
+    "vllm:num_requests_running": ("gauge", "", "pods query (running requests), dimensions query (pods seen)"),
+    "vllm:num_requests_waiting": ("gauge", "", "queue depth beside the queue-wait latency"),
+    "vllm:kv_cache_usage_perc": ("gauge", "", "pods query: KV-cache usage (fraction); dimensions"),
+    "vllm:gpu_cache_usage_perc": ("gauge", "", "pods query: KV-cache usage on vLLM <= 0.10 (older name)"),
+    "vllm:cache_config_info": ("info", "", "block size for miss attribution, bytes per token: vllm_cache_config"),
+}
+
+_COUNTER, _GAUGE, _CREATED, _INFO = 0, 1, 2, 3
+
+
+def _specs(keep: Mapping[str, tuple[str, str, str]]) -> dict[str, tuple[int, str, str, bool]]:
+    """Exposed sample name → (kind, family, label name, whether the family's ``_created`` carries that label)."""
+    out: dict[str, tuple[int, str, str, bool]] = {}
+    for fam, (kind, label, _) in keep.items():
+        if kind == "counter":
+            out[fam + "_total"] = (_COUNTER, fam, label, True)
+            out[fam + "_created"] = (_CREATED, fam, label, True)
+        elif kind == "histogram":
+            out[fam + "_bucket"] = (_COUNTER, fam, "le", False)
+            out[fam + "_sum"] = (_COUNTER, fam, "", False)
+            out[fam + "_count"] = (_COUNTER, fam, "", False)
+            out[fam + "_created"] = (_CREATED, fam, "", False)
+        elif kind == "gauge":
+            out[fam] = (_GAUGE, fam, label, False)
+        elif kind == "info":
+            out[fam] = (_INFO, fam, "", False)
+        else:
+            raise ValueError(f"KEEP[{fam!r}]: unknown kind {kind!r}")
+    return out
+
+
+SPECS = _specs(KEEP)
+KEPT_NAMES = frozenset(SPECS)
+
+SeriesKey = tuple[str, str, str, str, str]  # (sample name | family, engine, model_name, label value, extra labels)
+
 
 @dataclass(frozen=True)
-class ParseResult:
-    """Samples parsed from one body, family → type, and ``(line, reason)`` for each line that failed."""
+class ScrapeState:
+    """What the collector remembers of one pod between scrapes (replaced, never mutated, by each scrape).
 
-    samples: list[MetricSample]
-    family_types: dict[str, str]
-    bad_lines: list[tuple[str, str]]
-
-
-def _families(text: str) -> tuple[list[MetricSample], dict[str, str]]:
-    samples: list[MetricSample] = []
-    types: dict[str, str] = {}
-    for fam in text_string_to_metric_families(text):
-        types[fam.name] = fam.type
-        for s in fam.samples:
-            samples.append(MetricSample(name=s.name, labels=dict(s.labels), value=float(s.value)))
-    return samples, types
-
-
-def parse_metrics(text: str) -> ParseResult:
-    """Parse a Prometheus text body (format 0.0.4, as vLLM serves it with ``prometheus_client``).
-
-    Returns every sample that parses; lines that do not are returned in ``bad_lines`` with the reason.
-    Never raises for malformed input.
+    ``scraped_at_ms`` (unix ms of the last scrape that had kept series; 0 = none), ``values`` (counter series
+    key → its last value; key = (sample name, engine, model_name, label value, extra labels rendered
+    ``k=v,...``: "" unless vLLM adds labels kvscope does not expect)), ``created`` ((family, engine,
+    model_name, label value or "" for histograms, extra) → ``_created``, unix seconds), ``cache_config``
+    (engine → labels of ``vllm:cache_config_info`` last seen), ``config_sent`` (this process already sent the
+    cache config; not persisted, so a restarted collector sends it once more).
     """
-    try:
-        samples, types = _families(text)
-        return ParseResult(samples, types, [])
-    except (ValueError, IndexError, KeyError, TypeError):
-        pass
-    samples, types, bad = [], {}, []
-    type_line: dict[str, str] = {}
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if stripped.startswith("#"):
-            parts = stripped.split(None, 3)
-            if len(parts) >= 4 and parts[1] == "TYPE":
-                type_line[parts[2]] = stripped
-            continue
-        head = stripped.split("{", 1)[0].split(None, 1)
-        if not head:
-            bad.append((line[:MAX_RAW], "sample line has no metric name"))
-            continue
-        header = next((type_line[f] for f in _candidate_families(head[0]) if f in type_line), "")
-        try:
-            s, t = _families(f"{header}\n{line}\n" if header else f"{line}\n")
-        except (ValueError, IndexError, KeyError, TypeError) as exc:  # the parser's failures on odd lines
-            bad.append((line[:MAX_RAW], f"unparseable sample line: {exc}"))
-            continue
-        samples.extend(s)
-        types.update(t)
-    return ParseResult(samples, types, bad)
+
+    scraped_at_ms: int = 0
+    values: dict[SeriesKey, float] = field(default_factory=dict)
+    created: dict[SeriesKey, float] = field(default_factory=dict)
+    cache_config: dict[str, dict[str, str]] = field(default_factory=dict)
+    config_sent: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form for the checkpoint (lists, not tuples: ``[*key, value]``); computed once per state."""
+        return self._json
+
+    @cached_property
+    def _json(self) -> dict[str, Any]:
+        return {"at": self.scraped_at_ms, "values": [[*k, v] for k, v in self.values.items()],
+                "created": [[*k, v] for k, v in self.created.items()], "cache_config": self.cache_config}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ScrapeState:
+        """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError on a foreign shape."""
+        return cls(int(obj["at"]), {_key(r): float(r[5]) for r in obj["values"]},
+                   {_key(r): float(r[5]) for r in obj["created"]},
+                   {str(e): {str(k): str(v) for k, v in lab.items()} for e, lab in obj["cache_config"].items()})
 
 
-def _candidate_families(sample_name: str) -> list[str]:
-    out = [sample_name]
-    for suffix in ("_total", "_created", "_bucket", "_count", "_sum", "_info"):
-        if sample_name.endswith(suffix):
-            out.append(sample_name[: -len(suffix)])
-    return out
+def _key(r: list[Any]) -> SeriesKey:
+    return (str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
 
 
-def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms: float) -> list[Envelope]:
-    """Events for one scrape: one ``MetricsScrape`` (if any sample parsed) and one ``DeadLetter`` per bad line.
+def _extra(labels: Mapping[str, str], label: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("engine", "model_name", label))
 
-    NaN and ±Inf samples are dead-lettered too: the JSON contract carries finite floats only (vLLM's
-    counters and histograms are always finite). ``event_id`` of the scrape = (pod, url, scraped_at_ms); of a
-    dead letter = (url, scraped_at_ms, line).
+
+def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: int,
+            duration_ms: float) -> tuple[list[Envelope], ScrapeState]:
+    """Events for one scrape of ``pod`` and the state after it (``state`` itself is left as it was).
+
+    Events: one ``VllmScrape`` when the body holds any kept series (every gauge; every counter, bucket, sum
+    and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
+    changes; ``restarts``), and one ``DeadLetter`` per bad line, per non-finite kept value (the JSON contract
+    carries finite floats) and per repeated series; a body without any kept series is one dead letter.
+    Increase of a counter series: value − previous; value when it restarted (value below previous, or its
+    family's ``_created`` changed: its engine is then listed in ``restarts``); 0 when there is no previous
+    value (a baseline). A series missing from a scrape keeps its previous value for the next one.
     """
-    parsed = parse_metrics(body)
-    finite = [s for s in parsed.samples if math.isfinite(s.value)]
-    if len(finite) < len(parsed.samples):
-        bad = [(f"{s.name}{s.labels} {s.value}", "non-finite sample value (NaN/Inf) is not stored")
-               for s in parsed.samples if not math.isfinite(s.value)]
-        parsed = ParseResult(finite, parsed.family_types, parsed.bad_lines + bad)
-    out: list[Envelope] = []
-    if parsed.samples:
-        scrape = MetricsScrape(target=url, scraped_at_ms=scraped_at_ms, duration_ms=duration_ms,
-                               samples=parsed.samples, family_types=parsed.family_types)
-        out.append(envelope(scrape, pod=pod, natural_key=(url, scraped_at_ms), observed_at_ms=scraped_at_ms))
-    for line, reason in parsed.bad_lines:
-        dl = DeadLetter(source="vllm_metrics", reason=reason, raw=line, location=url)
-        out.append(envelope(dl, pod=pod, natural_key=(url, scraped_at_ms, line), observed_at_ms=scraped_at_ms))
-    if not parsed.samples and not parsed.bad_lines:
-        dl = DeadLetter(source="vllm_metrics", reason="empty /metrics body", raw=body[:MAX_RAW], location=url)
-        out.append(envelope(dl, pod=pod, natural_key=(url, scraped_at_ms, "empty"), observed_at_ms=scraped_at_ms))
-    return out
+    parsed = parse(body, KEPT_NAMES)
+    bad = list(parsed.bad_lines)
+    counters: list[tuple[str, str, str, str, str, float, SeriesKey]] = []
+    gauges: list[SeriesSample] = []
+    created: dict[SeriesKey, float] = {}
+    config: dict[str, dict[str, str]] = {}
+    seen: set[tuple[str, SeriesKey]] = set()
+    extras = False
+    for name, labels, value in parsed.samples:
+        kind, family, lname, created_has_label = SPECS[name]
+        engine = labels.get("engine", "")
+        model = labels.get("model_name", "")
+        if kind == _INFO:
+            config[engine] = dict(labels)
+            continue
+        lab = labels.get(lname, "") if lname else ""
+        n_known = ("engine" in labels) + ("model_name" in labels) + (lname in labels if lname else 0)
+        extra = _extra(labels, lname) if len(labels) > n_known else ""
+        extras = extras or bool(extra)
+        key = (name, engine, model, lab, extra)
+        if (name, key) in seen:
+            bad.append((_render(name, labels, value), "the same series twice in one scrape: the first is kept"))
+            continue
+        seen.add((name, key))
+        if not math.isfinite(value):
+            bad.append((_render(name, labels, value), "non-finite sample value (NaN/Inf) is not stored"))
+        elif kind == _COUNTER:
+            counters.append((name, engine, model, lab, extra, value,
+                             (family, engine, model, lab if created_has_label else "", extra)))
+        elif kind == _GAUGE:
+            gauges.append(SeriesSample(name, engine, model, lab, value, 0.0))
+        else:
+            created[(family, engine, model, lab if created_has_label else "", extra)] = value
+
+    events: list[Envelope] = []
+    new_state = state
+    if counters or gauges or config or created:
+        samples, restarts, values, had_previous = _increases(state, counters, created)
+        samples += gauges
+        if extras:
+            samples = _merge(samples)
+        send_config = bool(config) and (not state.config_sent or config != state.cache_config)
+        scrape = VllmScrape(target=url, scraped_at_ms=scraped_at_ms,
+                            previous_scraped_at_ms=state.scraped_at_ms if had_previous else 0,
+                            duration_ms=duration_ms, samples=samples,
+                            cache_config=config if send_config else {}, restarts=sorted(restarts))
+        events.append(envelope(scrape, pod=pod, natural_key=(scraped_at_ms,), observed_at_ms=scraped_at_ms))
+        new_state = ScrapeState(scraped_at_ms, values, {**state.created, **created}, config or state.cache_config,
+                                state.config_sent or send_config)
+    elif not bad:
+        reason = "empty /metrics body" if not body.strip() else "no series kvscope keeps (not a vLLM /metrics?)"
+        bad.append((body[:MAX_RAW], reason))
+    for line, reason in bad:
+        dl = DeadLetter(source="vllm_metrics", reason=reason, raw=line[:MAX_RAW], location=url)
+        events.append(envelope(dl, pod=pod, natural_key=(url, scraped_at_ms, line), observed_at_ms=scraped_at_ms))
+    return events, new_state
+
+
+def _increases(state: ScrapeState, counters: list[tuple[str, str, str, str, str, float, SeriesKey]],
+               created: dict[SeriesKey, float]) -> tuple[list[SeriesSample], set[str], dict[SeriesKey, float], bool]:
+    """Samples of the counters that moved, engines that restarted, the new values, whether any had a previous."""
+    prev_values, prev_created = state.values, state.created
+    values = dict(prev_values)
+    samples: list[SeriesSample] = []
+    restarts: set[str] = set()
+    had_previous = False
+    for name, engine, model, lab, extra, value, ckey in counters:
+        key = (name, engine, model, lab, extra)
+        prev = prev_values.get(key)
+        values[key] = value
+        if prev is None:
+            continue
+        had_previous = True
+        c_new, c_old = created.get(ckey), prev_created.get(ckey)
+        if value < prev or (c_new is not None and c_old is not None and c_new != c_old):
+            restarts.add(engine)
+            increase = value
+        else:
+            increase = value - prev
+        if increase != 0:
+            samples.append(SeriesSample(name, engine, model, lab, value, increase))
+    return samples, restarts, values, had_previous
+
+
+def _merge(samples: list[SeriesSample]) -> list[SeriesSample]:
+    """Series that differ only by labels kvscope does not expect, summed on (name, engine, model_name, label)."""
+    acc: dict[tuple[str, str, str, str], list[float]] = {}
+    for s in samples:
+        a = acc.setdefault((s.name, s.engine, s.model_name, s.label), [0.0, 0.0])
+        a[0] += s.value
+        a[1] += s.increase
+    return [SeriesSample(*k, v, i) for k, (v, i) in acc.items()]
+
+
+def _render(name: str, labels: Mapping[str, str], value: float) -> str:
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} " + repr(value)
+
+
+def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms: float,
+                  state: ScrapeState | None = None) -> list[Envelope]:
+    """:func:`advance` for callers without a journal (``kvscope import metrics``, tests). Without ``state`` the
+    body is a baseline (increases 0: counters not sent; gauges and cache_config kept); with one, the state is
+    advanced in place (see :meth:`ScrapeJournal.state` for the collector's way)."""
+    events, new = advance(state or ScrapeState(), pod, url, body, scraped_at_ms, duration_ms)
+    if state is not None:
+        for f in ("scraped_at_ms", "values", "created", "cache_config", "config_sent"):
+            object.__setattr__(state, f, getattr(new, f))
+        state.__dict__.pop("_json", None)
+    return events
 
 
 class ScrapeError(Exception):
@@ -121,8 +266,8 @@ class ScrapeError(Exception):
         self.pod, self.url, self.reason, self.kind = pod, url, reason, kind
 
 
-def scrape(client: httpx.Client, pod: str, url: str) -> list[Envelope]:
-    """GET ``url`` and turn the body into events. Raises :class:`ScrapeError` on network or HTTP errors."""
+def fetch(client: httpx.Client, pod: str, url: str) -> tuple[str, int, float]:
+    """GET ``url``: (body, unix ms when the response arrived, round trip ms). Raises :class:`ScrapeError`."""
     t0 = time.monotonic()
     try:
         resp = client.get(url)
@@ -134,5 +279,117 @@ def scrape(client: httpx.Client, pod: str, url: str) -> list[Envelope]:
         raise ScrapeError(pod, url, repr(exc)) from exc
     if resp.status_code != 200:
         raise ScrapeError(pod, url, f"HTTP {resp.status_code}", "http_status")
-    duration_ms = (time.monotonic() - t0) * 1000
-    return scrape_events(pod, url, resp.text, int(time.time() * 1000), duration_ms)
+    return resp.text, int(time.time() * 1000), (time.monotonic() - t0) * 1000
+
+
+class ScrapeJournal:
+    """Every pod's :class:`ScrapeState` and the outbox of computed, unacknowledged scrapes, checkpointed as one
+    value under :data:`KEY` (``{"pods": {pod: state}, "outbox": [[pod, [envelope, ...]], ...]}``).
+
+    One checkpoint write per round, for all pods: :class:`CheckpointStore` rewrites its whole file on every
+    ``put``, so per-pod keys would cost one file write per pod. Use from one thread (the scrape loop), except
+    the acks, which may come from any thread:
+
+    1. :meth:`recover` once at start: the outbox a previous process left, to publish first.
+    2. per round, for each pod scraped: ``advance(journal.state(pod), ...)`` → (events, new state).
+    3. :meth:`commit` the round's results: states and outbox written (one ``put``), then publish what it
+       returns; its ``ack`` drops those scrapes from the outbox (written by the next commit or :meth:`flush`).
+
+    A crash before the write loses only this round's computation: the next scrape's increases start from the
+    previous state and cover it. After the write, the scrapes are re-published at the next start (same
+    ``scraped_at_ms``, so the same event ids) until acknowledged. Raises ``OSError`` from the write;
+    :class:`collector.checkpoint.CheckpointError` at construction if the value is foreign (not silently reset:
+    that would re-baseline, losing one interval per pod).
+    """
+
+    KEY = "vllm_metrics"
+
+    def __init__(self, store: CheckpointStore, pods: Iterable[str] | None = None) -> None:
+        """Load the journal from ``store``; with ``pods``, the states of other pods are dropped (their outbox
+        is still recovered)."""
+        self.store = store
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._states: dict[str, ScrapeState] = {}
+        self._outbox: dict[int, tuple[str, list[Envelope], list[Any]]] = {}  # seq → (pod, envelopes, JSON form)
+        raw = store.get(self.KEY) or {}
+        try:
+            self._states = {str(p): ScrapeState.from_json(s) for p, s in raw.get("pods", {}).items()}
+            for pod, evs in raw.get("outbox", []):
+                self._seq += 1
+                self._outbox[self._seq] = (pod, msgspec.convert(evs, list[Envelope]), evs)
+        except (ValueError, TypeError, KeyError, AttributeError, msgspec.ValidationError) as exc:
+            from collector.checkpoint import CheckpointError
+
+            raise CheckpointError(f"checkpoint key {self.KEY!r} of {store.path} is not a scrape journal: {exc}; "
+                                  "remove that key to start over (every pod's next scrape is then a baseline)") from exc
+        if pods is not None:
+            wanted = set(pods)
+            self._states = {p: s for p, s in self._states.items() if p in wanted}
+        self._recovered = list(self._outbox)
+        self._dirty = False
+        self._closed = False
+
+    def state(self, pod: str) -> ScrapeState:
+        """The committed state of ``pod`` (an empty one for a pod never scraped)."""
+        return self._states.get(pod) or ScrapeState()
+
+    def pending(self) -> int:
+        """Scrapes committed and not yet acknowledged."""
+        with self._lock:
+            return len(self._outbox)
+
+    def recover(self) -> tuple[list[Envelope], Callable[[], None] | None]:
+        """The outbox loaded at start (publish it before any new scrape) and the ack that clears it."""
+        seqs, self._recovered = self._recovered, []
+        return self._publishable(seqs)
+
+    def commit(self, results: list[tuple[str, list[Envelope], ScrapeState]]) -> tuple[list[Envelope],
+                                                                                        Callable[[], None] | None]:
+        """Adopt each ``(pod, events, new_state)``, write the checkpoint once, and return (events to publish,
+        their ack). On ``OSError`` nothing is adopted (the next scrape of each pod starts from its old state)."""
+        with self._lock:
+            states = dict(self._states)
+            outbox = dict(self._outbox)
+            seq = self._seq
+            for pod, events, new_state in results:
+                states[pod] = new_state
+                if events:
+                    seq += 1
+                    outbox[seq] = (pod, events, msgspec.to_builtins(events))
+            new_seqs = list(range(self._seq + 1, seq + 1))
+            if results or self._dirty:
+                self.store.put(self.KEY, self._snapshot(states, outbox))
+            self._states, self._outbox, self._seq, self._dirty = states, outbox, seq, False
+        return self._publishable(new_seqs)
+
+    def flush(self) -> None:
+        """Write the outbox if acks removed scrapes since the last write."""
+        self.commit([])
+
+    def close(self) -> None:
+        """At stop: :meth:`flush`, and from now on write each ack as it comes (the downstream may acknowledge
+        the last rounds after the scrape loop ended; without this they would be re-sent at the next start)."""
+        self._closed = True
+        self.flush()
+
+    def _publishable(self, seqs: list[int]) -> tuple[list[Envelope], Callable[[], None] | None]:
+        with self._lock:
+            events = [ev for s in seqs if s in self._outbox for ev in self._outbox[s][1]]
+        return events, ((lambda: self._ack(seqs)) if seqs else None)
+
+    def _ack(self, seqs: list[int]) -> None:
+        with self._lock:
+            outbox = dict(self._outbox)
+            for s in seqs:
+                outbox.pop(s, None)
+            self._outbox = outbox
+            self._dirty = True
+        if self._closed:
+            self.flush()
+
+    @staticmethod
+    def _snapshot(states: dict[str, ScrapeState], outbox: dict[int, tuple[str, list[Envelope], list[Any]]]
+                  ) -> dict[str, Any]:
+        return {"pods": {p: s.to_json() for p, s in states.items()},
+                "outbox": [[pod, js] for pod, _, js in outbox.values()]}

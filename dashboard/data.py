@@ -38,8 +38,8 @@ TIME_RANGES: dict[str, int | None] = {
     "All": None,
 }
 DEFAULT_TIME_RANGE = "Last 1 h"
-#: Bucket widths (seconds) a chart may use: ~100 points per chart, never below 15 s (scrapes are ~5 s).
-NICE_BUCKETS = (15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+#: Bucket widths (seconds) a chart may use: ~100 points per chart, never below a minute (the rollups' grain).
+NICE_BUCKETS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 REFRESH_SECONDS = 10
 ALL = ""  # a tenant/pod filter of '' means "all" in every named query
 
@@ -171,7 +171,7 @@ def extent() -> tuple[datetime | None, datetime | None]:
     df = data_extent()
     if df.is_empty():
         return None, None
-    df = df.filter(pl.col("table").is_in(["gateway_requests", "vllm_metric_samples"]) & (pl.col("rows") > 0))
+    df = df.filter(pl.col("table").is_in(["gateway_requests", "vllm_metrics"]) & (pl.col("rows") > 0))
     if df.is_empty():
         return None, None
     return df["first_ts"].min(), df["last_ts"].max()  # type: ignore[return-value]

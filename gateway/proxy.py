@@ -6,12 +6,16 @@ the body (kvscope's `metadata` keys removed; streams get `stream_options.include
 response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
 `usage.prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`, `metrics.queue_time_ms`
 with `--enable-per-request-metrics`; vLLM 0.32 `entrypoints/openai/chat_completion/serving.py`), and
-appends exactly one log line (`gateway.log`), also for errors.
+queues exactly one log line (`gateway.log.BackgroundLogWriter`), also for errors.
+
+Per-request costs are kept off the hot path: segment results are memoized by content
+(`gateway.fingerprint.SegmentCache`), the log line is encoded and written by a background thread, the
+pods are reached through one keep-alive pool (`gateway.upstream`), and a body whose metadata needs no
+change is forwarded as received, not re-encoded.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -24,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -36,11 +39,22 @@ from gateway.fingerprint import (
     Endpoint,
     FingerprintError,
     PromptFingerprint,
+    SegmentBudgetExceeded,
+    SegmentCache,
     TokenCounter,
     fingerprint_request,
 )
-from gateway.log import GatewayLogWriter, format_ts
+from gateway.log import BackgroundLogWriter, format_ts
 from gateway.routing import NoPodAvailable, make_router
+from gateway.upstream import (
+    Origin,
+    Timeouts,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger("kvscope.gateway")
 
@@ -65,8 +79,11 @@ _DROP_REQUEST_HEADERS = frozenset(
     }
 )
 # Generations can queue for minutes under load; connecting should be quick (a refused connect is retried).
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
+UPSTREAM_TIMEOUT = Timeouts(connect=5.0, read=600.0, write=60.0)
 TURN_MAP_SIZE = 100_000
+# Uncached segment text (characters) fingerprinted on the event loop; more goes to a worker thread so a
+# long new prompt (30 ms to tokenize 30k tokens) does not stall every other request. About 1 ms of work.
+INLINE_FINGERPRINT_BUDGET = 8_000
 
 
 def _error_body(message: str, status: int) -> dict[str, Any]:
@@ -217,7 +234,7 @@ class _Logged:
     closes `upstream` (closing an unfinished stream makes vLLM abort the generation)."""
 
     on_done: Callable[[BaseException | None], None]
-    upstream: httpx.Response
+    upstream: UpstreamResponse
 
     async def __call__(self, scope, receive, send) -> None:
         exc: BaseException | None = None
@@ -227,8 +244,10 @@ class _Logged:
             exc = e
             raise
         finally:
-            self.on_done(exc)  # synchronous: the line is written even when this task is being cancelled
-            await asyncio.shield(self.upstream.aclose())
+            # both synchronous: the line is queued and the connection released even when this task is being
+            # cancelled
+            self.on_done(exc)
+            self.upstream.close()
 
 
 class _LoggedResponse(_Logged, Response):
@@ -240,7 +259,7 @@ class _LoggedStreamingResponse(_Logged, StreamingResponse):
 
 
 class Gateway:
-    """State shared by the routes: pods, router, token counter, log writer, upstream client."""
+    """State shared by the routes: pods, router, token counter, segment cache, log writer, upstream pool."""
 
     def __init__(
         self,
@@ -249,29 +268,32 @@ class Gateway:
         policy: str,
         tokenizer_path: Path | None,
         max_inflight_per_pod: int,
-        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        segment_cache_entries: int = 50_000,
+        segment_cache_bytes: int = 256 * 2**20,
+        log_queue_size: int = 20_000,
     ) -> None:
         self.base_urls = {name: _api_base(url) for name, url in pods}
+        self.origins = {name: Origin.parse(url) for name, url in self.base_urls.items()}
         self.router = make_router(
             policy, [name for name, _ in pods], max_inflight_per_pod=max_inflight_per_pod
         )
         self.counter = TokenCounter(tokenizer_path)
-        self.log = GatewayLogWriter(log_path)
+        self.cache = SegmentCache(segment_cache_entries, segment_cache_bytes)
+        self.log = BackgroundLogWriter(log_path, max_queue=log_queue_size)
         self.turns = TurnGaps()
-        self.client: httpx.AsyncClient | None = None
-        self._transport = transport
+        self.client: UpstreamPool | None = None
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(
-            timeout=UPSTREAM_TIMEOUT,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            transport=self._transport,
-        )
+        self.client = UpstreamPool(UPSTREAM_TIMEOUT, max_idle_per_origin=64)
 
     async def stop(self) -> None:
         if self.client is not None:
             await self.client.aclose()
         self.log.close()
+
+    def _fingerprint(self, body: dict[str, Any], endpoint: Endpoint) -> PromptFingerprint:
+        return fingerprint_request(body, endpoint, self.counter, self.cache)
 
     # --- request handling -------------------------------------------------------------------------------
 
@@ -287,7 +309,8 @@ class Gateway:
             fingerprint=PromptFingerprint.empty(self.counter.method),
         )
         try:
-            body = json.loads(await request.body())
+            raw_body = await request.body()
+            body = json.loads(raw_body)
             if not isinstance(body, dict):
                 raise ValueError("the request body is not a JSON object")
         except ValueError as exc:
@@ -303,8 +326,13 @@ class Gateway:
         ex.request_id = ex.request_id or uuid.uuid4().hex
         ex.model = str(body.get("model") or "")
         ex.stream = bool(body.get("stream"))
-        try:  # tokenizing a long prompt takes milliseconds: keep it off the event loop
-            ex.fingerprint = await run_in_threadpool(fingerprint_request, body, endpoint, self.counter)
+        try:  # cached or short segments on the loop; tokenizing a long new prompt takes ms: on a thread
+            try:
+                ex.fingerprint = fingerprint_request(
+                    body, endpoint, self.counter, self.cache, budget=INLINE_FINGERPRINT_BUDGET
+                )
+            except SegmentBudgetExceeded:
+                ex.fingerprint = await run_in_threadpool(self._fingerprint, body, endpoint)
         except FingerprintError:
             pass  # vLLM judges the body; the line keeps empty fingerprint fields
         except Exception:  # a body shape the library did not foresee must not drop the request
@@ -312,7 +340,7 @@ class Gateway:
         ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)
         ex.tool_latency_ms = self.turns.arrive(ex.turn_key, arrival)
         try:
-            return await self._forward(ex, body, headers)
+            return await self._forward(ex, body, raw_body, headers)
         except BaseException as exc:  # incl. cancellation at shutdown: still one line, pod released
             if not ex.logged:
                 ex.status = ex.status if ex.status >= 400 else 500
@@ -320,13 +348,15 @@ class Gateway:
                 self._finish(ex, exc)
             raise
 
-    async def _forward(self, ex: _Exchange, body: dict[str, Any], headers: Mapping[str, str]) -> Response:
+    async def _forward(
+        self, ex: _Exchange, body: dict[str, Any], raw_body: bytes, headers: Mapping[str, str]
+    ) -> Response:
         """Send the request to a pod (retrying another pod on a refused connection) and build the
         response that relays the answer and writes the log line when done."""
-        client_wants_usage = _prepare_body(body, ex.stream)
-        upstream_headers = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
-        upstream_headers.update({"x-request-id": ex.request_id, "accept-encoding": "identity"})
-        payload = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        changed, client_wants_usage = _prepare_body(body, ex.stream)
+        upstream_headers = [(k, v) for k, v in headers.items() if k not in _DROP_REQUEST_HEADERS]
+        upstream_headers += [("x-request-id", ex.request_id), ("accept-encoding", "identity")]
+        payload = json.dumps(body, ensure_ascii=False).encode("utf-8") if changed else raw_body
         path = "/chat/completions" if ex.endpoint == "chat.completions" else "/completions"
         keys = (ex.fingerprint.prompt_fingerprint, ex.fingerprint.parent_fingerprint)
 
@@ -339,19 +369,18 @@ class Gateway:
             ex.pod, ex.routing_reason = route
             ex.holds_pod = True
             assert self.client is not None, "Gateway.start() was not awaited"
-            req = self.client.build_request(
-                "POST", self.base_urls[route.pod] + path, content=payload, headers=upstream_headers
-            )
             try:
-                upstream = await self.client.send(req, stream=True)
+                upstream = await self.client.request(
+                    "POST", self.origins[route.pod], path, upstream_headers, payload
+                )
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout):  # nothing reached the pod: safe to retry
+            except UpstreamConnectError:  # nothing reached the pod: safe to retry
                 self._release(ex)
                 self.router.mark_down(route.pod)
                 tried.append(route.pod)
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 self._release(ex)
-                status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+                status = 504 if isinstance(exc, UpstreamTimeout) else 502
                 return self._finish_now(ex, status, f"pod {route.pod}: {type(exc).__name__}: {exc}")
 
         ex.status = upstream.status_code
@@ -367,10 +396,14 @@ class Gateway:
         else:
             try:
                 content = await upstream.aread()
-            except httpx.HTTPError as exc:
-                await upstream.aclose()
+            except UpstreamError as exc:
+                upstream.close()
                 self._release(ex)
-                return self._finish_now(ex, 502, f"pod {route.pod}: {type(exc).__name__}: {exc}")
+                status = 504 if isinstance(exc, UpstreamTimeout) else 502
+                return self._finish_now(ex, status, f"pod {route.pod}: {type(exc).__name__}: {exc}")
+            except BaseException:
+                upstream.close()
+                raise
             finally:
                 ex.first_token = time.monotonic()
             ex.done = True
@@ -387,7 +420,7 @@ class Gateway:
         return response
 
     async def _relay_stream(
-        self, ex: _Exchange, upstream: httpx.Response, client_wants_usage: bool
+        self, ex: _Exchange, upstream: UpstreamResponse, client_wants_usage: bool
     ) -> AsyncIterator[bytes]:
         """Pass SSE events through unchanged, reading usage/metrics/errors on the way; drop the final
         usage-only chunk when the gateway added `include_usage` for itself."""
@@ -440,7 +473,7 @@ class Gateway:
             ex.error = f"stream not completed: {type(exc).__name__ if exc else 'client disconnected'}"
         self._release(ex)
         self.turns.leave(ex.turn_key, now)
-        self.log.write(ex.record(now))
+        self.log.submit(ex.record(now))
 
     def _finish_now(self, ex: _Exchange, status: int, message: str) -> Response:
         """Log an error the gateway answers itself (no pod response) and build its response."""
@@ -451,12 +484,16 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         """GET /v1/models from the first pod that answers."""
         assert self.client is not None
-        for base in self.base_urls.values():
+        for origin in self.origins.values():
             try:
-                upstream = await self.client.get(base + "/models", headers={"accept-encoding": "identity"})
-            except httpx.HTTPError:
+                upstream = await self.client.request("GET", origin, "/models", [("accept-encoding", "identity")])
+                try:
+                    content = await upstream.aread()
+                finally:
+                    upstream.close()
+            except UpstreamError:
                 continue
-            return Response(upstream.content, upstream.status_code, media_type="application/json")
+            return Response(content, upstream.status_code, media_type="application/json")
         return JSONResponse(_error_body("no pod reachable", 502), 502)
 
     async def health(self, request: Request) -> Response:
@@ -465,7 +502,21 @@ class Gateway:
             {"name": n, "base_url": u, "inflight": inflight[n], "up": self.router.is_up(n)}
             for n, u in self.base_urls.items()
         ]
-        return JSONResponse({"status": "ok", "routing_policy": self.router.policy, "pods": pods})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "routing_policy": self.router.policy,
+                "pods": pods,
+                "segment_cache": self.cache.stats(),
+                "log": {"written": self.log.written, "dropped": self.log.dropped},
+            }
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text of this process's default registry (e.g. dropped log records)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _api_base(url: str) -> str:
@@ -474,25 +525,31 @@ def _api_base(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def _prepare_body(body: dict[str, Any], stream: bool) -> bool:
-    """Edit `body` in place for vLLM; return whether the client itself asked for the usage chunk.
+def _prepare_body(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """Edit `body` in place for vLLM; return (whether it changed, whether the client itself asked for the
+    usage chunk).
 
     Removes kvscope's `metadata` keys (and `metadata` when nothing else is left); for streams sets
     `stream_options.include_usage` so the final chunk carries usage (vLLM refuses `stream_options`
     without `stream: true`, `entrypoints/openai/chat_completion/protocol.py validate_stream_options`)."""
+    changed = False
     metadata = body.get("metadata")
     if isinstance(metadata, dict):
         rest = {k: v for k, v in metadata.items() if k not in KVSCOPE_METADATA_KEYS}
-        if rest:
-            body["metadata"] = rest
-        else:
-            del body["metadata"]
+        if len(rest) != len(metadata):
+            changed = True
+            if rest:
+                body["metadata"] = rest
+            else:
+                del body["metadata"]
     if not stream:
-        return False
+        return changed, False
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     wants_usage = bool(options.get("include_usage"))
-    body["stream_options"] = {**options, "include_usage": True}
-    return wants_usage
+    if options.get("include_usage") is not True or "stream_options" not in body:
+        changed = True
+        body["stream_options"] = {**options, "include_usage": True}
+    return changed, wants_usage
 
 
 def make_app(
@@ -502,18 +559,31 @@ def make_app(
     tokenizer_path: Path | None = None,
     max_inflight_per_pod: int = 8,
     *,
-    transport: httpx.AsyncBaseTransport | None = None,
+    segment_cache_entries: int = 50_000,
+    segment_cache_bytes: int = 256 * 2**20,
+    log_queue_size: int = 20_000,
 ) -> Starlette:
     """The gateway as an ASGI app.
 
     `pods`: (name, base URL) pairs, e.g. ("pod-0", "http://127.0.0.1:8001") (a trailing /v1 is fine);
     `log_path`: the fingerprint log (JSONL, appended); `policy`: "round_robin" or "prefix_affinity";
     `tokenizer_path`: the served model's tokenizer.json (or its directory) for exact segment token counts,
-    else they are estimated (chars / 4). Routes: POST /v1/chat/completions, POST /v1/completions,
-    GET /v1/models, GET /health. `transport` replaces the upstream HTTP transport (a test seam, e.g.
-    `httpx.MockTransport`). Raises ValueError for an unknown policy or an empty pod list.
+    else they are estimated (chars / 4). `segment_cache_entries` / `segment_cache_bytes` bound the
+    per-segment memo (`gateway.fingerprint.SegmentCache`); `log_queue_size` bounds the records waiting for
+    the log writer thread (more are dropped and counted). Routes: POST /v1/chat/completions,
+    POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). Raises ValueError for an
+    unknown policy, an empty pod list or a pod URL that is not http(s).
     """
-    gateway = Gateway(pods, Path(log_path), policy, tokenizer_path, max_inflight_per_pod, transport)
+    gateway = Gateway(
+        pods,
+        Path(log_path),
+        policy,
+        tokenizer_path,
+        max_inflight_per_pod,
+        segment_cache_entries=segment_cache_entries,
+        segment_cache_bytes=segment_cache_bytes,
+        log_queue_size=log_queue_size,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -535,6 +605,7 @@ def make_app(
             HttpRoute("/v1/completions", completions, methods=["POST"]),
             HttpRoute("/v1/models", gateway.models, methods=["GET"]),
             HttpRoute("/health", gateway.health, methods=["GET"]),
+            HttpRoute("/metrics", gateway.metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
     )

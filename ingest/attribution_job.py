@@ -1,18 +1,20 @@
-"""The miss-cause attribution job (gateway_requests → ingest.attribution → request_attribution): attributes the
-requests that arrived since its last run and re-attributes those whose predecessor the arrivals changed.
+"""The miss-cause attribution job (gateway_requests → ingest.attribution_batch → request_attribution): attributes
+the requests that arrived since its last run and re-attributes those whose predecessor the arrivals changed.
 
 One answer per request, exact through crashes, reruns and late data (docs/reliability.md):
 - **What to do** is read from the store each run, never remembered: the *arrivals* are the requests ingested
   (server clock, ``ingested_at``) since the watermark minus ``overlap_seconds`` that have no answer yet;
-  their *successors* are, for each arrival and each of its predecessor keys, the next request on that key
-  within the horizon (the one request the arrival may have become the predecessor of), if it has an answer.
-  So a predecessor line that arrives late, by seconds or by the whole horizon, corrects its successors.
+  their *successors* are, for each arrival and each of its predecessor keys, the requests of the next later
+  millisecond on that key within the horizon (the only ones the arrival may have become the predecessor of),
+  if they have an answer. So a predecessor line that arrives late, by seconds or by the whole horizon,
+  corrects its successors.
 - **Predecessors** are found in ClickHouse (ASOF JOIN on ``request_keys``, sorted by key and arrival order),
-  chunk by chunk: memory is bounded by ``chunk_size``, never by the horizon or the history.
-- **Writes** are diffs against the current answers: a request whose answer is unchanged gets nothing; a
-  changed one gets its old row again with sign −1 and the new row with sign +1 and the next version, in one
-  INSERT (request_attribution is a VersionedCollapsingMergeTree). Successors are written before arrivals, so a
-  crash between the two leaves the arrivals unanswered and the next run redoes both; redoing is a no-op.
+  and the verdicts computed column-wise (:mod:`ingest.attribution_batch`), chunk by chunk: memory is bounded
+  by ``chunk_size``, never by the horizon or the history (docs/decisions.md: why ClickHouse for the join).
+- **Writes** are diffs: an arrival's first answer; for a successor, nothing when its answer is unchanged, else
+  its old row again with sign −1 and the new row with sign +1 and the next version, in one INSERT
+  (request_attribution is a VersionedCollapsingMergeTree). Successors are written before arrivals, so a crash
+  between the two leaves the arrivals unanswered and the next run redoes both; redoing is a no-op.
 - The watermark (``attribution_watermark``) moves to the run's upper bound once every chunk is written. The
   job must have one writer per database (the embedded process, or one ``kvscope attribute`` service).
 """
@@ -21,15 +23,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import polars as pl
+import pyarrow as pa
 from prometheus_client import Counter, Gauge
 
 from ingest import attribution
-from ingest.attribution import VERDICT_COLUMNS, Verdict
+from ingest.attribution import (
+    KEY_AGENT_RUN,
+    KEY_CONVERSATION,
+    KEY_FINGERPRINT,
+    VERDICT_COLUMNS,
+)
+from ingest.attribution_batch import judge_frame
 from ingest.errors import KvscopeError, RetryableError
 from ingest.store import Store
 
@@ -40,12 +49,18 @@ _FIELDS = (*attribution.REQUEST_FIELDS, "order_key")
 _SELECT = ", ".join(_FIELDS)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BETWEEN = "ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}"
+#: The rows of a staged set (attribution_stage): binding 10^5 ids as a parameter costs seconds of Python.
+_IN_SET = "(request_id, ts) IN (SELECT request_id, ts FROM attribution_stage WHERE set = {set:String})"
 WRITE_COLUMNS = (*VERDICT_COLUMNS, "attributed_at", "sign", "version")
+_KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attribution.PREVIOUS_TURN,
+               KEY_FINGERPRINT: attribution.FINGERPRINT}
 
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
                      "(new = first answer, changed = a late or corrected input changed it)", ["why"])
 UNCHANGED = Counter("kvscope_attribution_unchanged", "Successors re-examined whose answer stayed the same")
-WATERMARK_LAG = Gauge("kvscope_attribution_lag_seconds", "Server time minus the attribution watermark")
+#: Serialises runs in this process: the job is the only writer of request_attribution (see the docstring).
+_WRITER = threading.Lock()
+WATERMARK_LAG = Gauge("kvscope_attribution_lag_seconds", "Store time minus the attribution watermark")
 
 
 @dataclass(frozen=True)
@@ -79,27 +94,37 @@ def read_watermark(store: Store, job: str = JOB_NAME) -> datetime:
 
 
 def block_sizes(store: Store) -> dict[str, int]:
-    """Tokens per KV block for each pod: the latest ``block_size`` label of ``vllm:cache_config_info``
-    (vLLM's CacheConfig). Pods whose label is missing or not a positive integer are left out (the caller
-    falls back to its default)."""
-    rows = store.query_rows(
-        "SELECT pod, argMax(labels['block_size'], ts) FROM vllm_metric_samples "
-        "WHERE name = 'vllm:cache_config_info' AND labels['block_size'] != '' GROUP BY pod ORDER BY pod")
-    out: dict[str, int] = {}
-    for pod, value in rows:
-        try:
-            size = int(str(value))
-        except ValueError:
-            continue
-        if size > 0:
-            out[str(pod)] = size
-    return out
+    """Tokens per KV block for each pod: the latest ``block_size`` of its ``vllm:cache_config_info``
+    (table vllm_cache_config). Pods without one are left out (the caller falls back to its default)."""
+    rows = store.query_rows("SELECT pod, argMax(block_size, ts) AS b FROM vllm_cache_config GROUP BY pod "
+                            "HAVING b > 0 ORDER BY pod")
+    return {str(pod): int(size) for pod, size in rows}
 
 
 # -- reads ---------------------------------------------------------------------------------------------------
-def _arrivals(store: Store, since: datetime, upto: datetime, limit: int) -> list[dict[str, Any]]:
+def _span(frame: pl.DataFrame, column: str = "ts") -> dict[str, Any]:
+    return {"lo": frame[column].min(), "hi": frame[column].max()}
+
+
+def _stage(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:
+    """Put the (request_id, ts) of ``keys`` in attribution_stage as set ``name`` (replacing it); returns the
+    parameters that select it (set, lo, hi)."""
+    store.command("ALTER TABLE attribution_stage DELETE WHERE set = {set:String}", {"set": name})
+    staged = keys.select("request_id", pl.col("ts").dt.cast_time_unit("ms").dt.convert_time_zone("UTC")).unique()
+    store.insert_arrow("attribution_stage", staged.with_columns(pl.lit(name).alias("set"))
+                       .select("set", "request_id", "ts").to_arrow())
+    return {"set": name, **_span(keys)}
+
+
+def _answered_through(store: Store) -> datetime | None:
+    """The latest ts with an answer (None when nothing is answered yet)."""
+    rows = store.query_rows("SELECT max(ts), count() FROM request_attribution")
+    return _utc(rows[0][0]) if rows and rows[0][1] else None
+
+
+def _arrivals(store: Store, since: datetime, upto: datetime, limit: int) -> pl.DataFrame:
     """Up to ``limit`` requests ingested in (since, upto] that have no answer yet, oldest first."""
-    df = store.query_df(
+    return store.query_df(
         f"""
         WITH arrived AS
         (
@@ -116,34 +141,28 @@ def _arrivals(store: Store, since: datetime, upto: datetime, limit: int) -> list
         ORDER BY order_key
         LIMIT {{limit:UInt32}}
         """, {"since": since, "upto": upto, "limit": limit})
-    return df.to_dicts()
 
 
-def _requests_by_id(store: Store, ids: list[str], lo: datetime, hi: datetime) -> list[dict[str, Any]]:
-    if not ids:
-        return []
+def _requests(store: Store, keys: pl.DataFrame) -> pl.DataFrame:
+    """The gateway_requests rows of ``keys`` (columns request_id, ts)."""
+    if keys.is_empty():
+        return pl.DataFrame()
+    return store.query_df(f"SELECT {_SELECT} FROM gateway_requests WHERE {_IN_SET} AND {_BETWEEN}",
+                          _stage(store, "requests", keys))
+
+
+def _successors(store: Store, arrivals: pl.DataFrame, horizon_ms: int) -> pl.DataFrame:
+    """(request_id, ts) of the requests the arrivals may have become the predecessor of: on each key of an
+    arrival, every request of the first later millisecond that has one (a predecessor lies in an earlier
+    millisecond, so all requests of that millisecond look back past the same ones), within the horizon."""
     return store.query_df(
-        f"SELECT {_SELECT} FROM gateway_requests WHERE request_id IN {{ids:Array(String)}} AND {_BETWEEN}",
-        {"ids": ids, "lo": lo, "hi": hi}).to_dicts()
-
-
-def _successors(store: Store, arrivals: list[dict[str, Any]], horizon: timedelta) -> list[tuple[str, datetime]]:
-    """(request_id, ts) of the requests an arrival may have become the predecessor of: on each of its keys,
-    every request of the first later millisecond that has one (a predecessor lies in an earlier millisecond,
-    so all requests of that millisecond look back past the same ones), within the horizon."""
-    ids = [r["request_id"] for r in arrivals if attribution.can_be_predecessor(r)]
-    if not ids:
-        return []
-    lo = min(_utc(r["ts"]) for r in arrivals)
-    hi = max(_utc(r["ts"]) for r in arrivals)
-    rows = store.query_rows(
         f"""
         WITH
             arrival_keys AS
             (
                 SELECT ts, intDiv(order_key, 1048576) * 1048576 + 1048575 AS last_of_ms, k.key AS key
                 FROM gateway_requests ARRAY JOIN predecessor_keys AS k
-                WHERE request_id IN {{ids:Array(String)}} AND {_BETWEEN}
+                WHERE {_IN_SET} AND {_BETWEEN} AND status < 400 AND prompt_tokens > 0
             ),
             later AS
             (
@@ -163,26 +182,24 @@ def _successors(store: Store, arrivals: list[dict[str, Any]], horizon: timedelta
         WHERE key IN (SELECT key FROM nexts) AND (key, ts) IN (SELECT key, next_ts FROM nexts)
           AND ts > {{lo:DateTime64(3, 'UTC')}}
           AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{horizon:Int64}})
-        """, {"ids": ids, "lo": lo, "hi": hi, "horizon": int(horizon.total_seconds() * 1000)})
-    return [(str(r[0]), _utc(r[1])) for r in rows]
+        """, {**_stage(store, "arrivals", arrivals), "horizon": horizon_ms})
 
 
-def _candidates(store: Store, targets: list[dict[str, Any]], horizon: timedelta) -> dict[str, dict[int, tuple]]:
-    """Per target request_id: key kind → (request_id, ts) of the latest earlier request on that key (an
-    earlier millisecond, within the horizon)."""
-    ids = [r["request_id"] for r in targets]
-    lo = min(_utc(r["ts"]) for r in targets)
-    hi = max(_utc(r["ts"]) for r in targets)
-    rows = store.query_rows(
+def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int) -> pl.DataFrame:
+    """Per target (request_id, ts): the chosen predecessor's key kind and (request_id, ts). On each key the
+    latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority: conversation,
+    agent run, fingerprint, else the latest of the variant matches (ingest.attribution.choose_predecessor)."""
+    found = store.query_df(
         f"""
         WITH target_keys AS
         (
             SELECT request_id, ts, intDiv(order_key, 1048576) * 1048576 AS first_of_ms, k.kind AS kind,
                    k.key AS key
             FROM gateway_requests ARRAY JOIN predecessor_keys AS k
-            WHERE request_id IN {{ids:Array(String)}} AND {_BETWEEN}
+            WHERE {_IN_SET} AND {_BETWEEN}
         )
-        SELECT t.request_id, t.kind, p.request_id, p.ts
+        SELECT t.request_id AS request_id, t.ts AS ts, t.kind AS kind, p.request_id AS p_request_id,
+               p.ts AS p_ts, p.order_key AS p_order_key
         FROM target_keys AS t
         ASOF INNER JOIN
         (
@@ -192,104 +209,155 @@ def _candidates(store: Store, targets: list[dict[str, Any]], horizon: timedelta)
               AND ts <= {{hi:DateTime64(3, 'UTC')}}
         ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
-        """, {"ids": ids, "lo": lo, "hi": hi, "horizon": int(horizon.total_seconds() * 1000)})
-    out: dict[str, dict[int, tuple]] = defaultdict(dict)
-    for rid, kind, pid, pts in rows:
-        out[str(rid)][int(kind)] = (str(pid), _utc(pts))
-    return out
+        """, {**_stage(store, "targets", targets), "horizon": horizon_ms})
+    if found.is_empty():
+        return found
+    rank = pl.when(pl.col("kind") <= KEY_FINGERPRINT).then(pl.col("kind")).otherwise(4)
+    return (found.with_columns(rank.alias("rank"))
+            .sort(["request_id", "ts", "rank", "p_order_key"], descending=[False, False, False, True])
+            .unique(["request_id", "ts"], keep="first", maintain_order=True)
+            .with_columns(pl.col("kind").replace_strict(_KIND_NAMES, default=attribution.VARIANT,
+                                                        return_dtype=pl.String).alias("predecessor_kind"))
+            .select("request_id", "ts", "predecessor_kind", "p_request_id", "p_ts"))
 
 
-def _current(store: Store, ids: list[str], lo: datetime, hi: datetime) -> dict[str, tuple[int, tuple]]:
-    """request_id → (version, verdict values) of the current answer (the version whose rows sum to sign +1)."""
-    if not ids:
+def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tuple[int, tuple[Any, ...]]]:
+    """(request_id, ts) → (version, verdict values) of the current answer (the version whose rows sum to +1)."""
+    if keys.is_empty():
         return {}
     cols = ", ".join(f"any({c})" for c in VERDICT_COLUMNS if c not in ("request_id", "ts"))
     rows = store.query_rows(
-        f"SELECT request_id, ts, version, {cols} FROM request_attribution "
-        f"WHERE request_id IN {{ids:Array(String)}} AND {_BETWEEN} "
-        "GROUP BY request_id, ts, version HAVING sum(sign) > 0", {"ids": ids, "lo": lo, "hi": hi})
-    return {str(r[0]): (int(r[2]), (r[0], _utc(r[1]), *r[3:])) for r in rows}
+        f"SELECT request_id, ts, version, {cols} FROM request_attribution WHERE {_IN_SET} AND {_BETWEEN} "
+        "GROUP BY request_id, ts, version HAVING sum(sign) > 0", _stage(store, "current", keys))
+    return {(str(r[0]), _utc(r[1])): (int(r[2]), (r[0], _utc(r[1]), *r[3:])) for r in rows}
 
 
 # -- compute and write ---------------------------------------------------------------------------------------
-def _judge_all(store: Store, targets: list[dict[str, Any]], horizon: timedelta, sizes: dict[str, int],
-               default_block_size: int) -> list[Verdict]:
-    cands = _candidates(store, targets, horizon)
-    pred_keys = {v for c in cands.values() for v in c.values()}
-    preds: dict[tuple[str, datetime], dict[str, Any]] = {}
-    if pred_keys:
-        lo = min(t for _, t in pred_keys)
-        hi = max(t for _, t in pred_keys)
-        for r in _requests_by_id(store, sorted({i for i, _ in pred_keys}), lo, hi):
-            preds[(r["request_id"], _utc(r["ts"]))] = r
-    out = []
-    for req in targets:
-        found = {kind: preds[key] for kind, key in cands.get(req["request_id"], {}).items() if key in preds}
-        size = attribution.block_size_for(req, sizes, default_block_size)
-        out.append(attribution.judge(req, attribution.choose_predecessor(found), size))
-    return out
+def _verdicts(store: Store, targets: pl.DataFrame, horizon_ms: int, sizes: dict[str, int],
+              default_block_size: int) -> dict[str, Any]:
+    """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``."""
+    chosen = _predecessors(store, targets, horizon_ms)
+    frame = targets.with_columns(
+        pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
+    if chosen.is_empty():
+        frame = frame.with_columns(pl.lit("").alias("predecessor_kind"),
+                                   *[pl.lit(None).alias(f"p_{c}") for c in attribution.REQUEST_FIELDS])
+    else:
+        preds = _requests(store, chosen.select(pl.col("p_request_id").alias("request_id"),
+                                               pl.col("p_ts").alias("ts")))
+        preds = preds.drop("order_key").rename({c: f"p_{c}" for c in attribution.REQUEST_FIELDS})
+        frame = (frame.join(chosen, on=["request_id", "ts"], how="left")
+                 .join(preds, on=["p_request_id", "p_ts"], how="left"))
+    return judge_frame(frame)
+
+
+#: request_attribution's columns as Arrow types (nested lists built by pyarrow in C, not row by row).
+_ARROW = pa.schema([
+    ("request_id", pa.string()), ("ts", pa.timestamp("ms", tz="UTC")), ("tenant_id", pa.string()),
+    ("pod", pa.string()), ("model", pa.string()), ("prompt_tokens", pa.uint32()), ("cached_tokens", pa.uint32()),
+    ("predecessor_request_id", pa.string()), ("predecessor_pod", pa.string()), ("predecessor_kind", pa.string()),
+    ("gap_ms", pa.float64()), ("block_size", pa.uint32()), ("causes", pa.list_(pa.string())),
+    ("sub_causes", pa.list_(pa.string())), ("missed_tokens", pa.list_(pa.uint32())),
+    ("attributed_at", pa.timestamp("ms", tz="UTC")), ("sign", pa.int8()), ("version", pa.uint32()),
+])
+
+
+def _table(verdicts: dict[str, Any], attributed_at: datetime) -> pa.Table:
+    """First answers (sign +1, version 1) as an Arrow table in request_attribution's column order."""
+    n = len(verdicts["request_id"])
+    columns = [verdicts[c] for c in VERDICT_COLUMNS]
+    columns[VERDICT_COLUMNS.index("ts")] = verdicts["ts"].to_arrow()
+    arrays = [col.cast(field.type) if isinstance(col, pa.Array | pa.ChunkedArray) else pa.array(col, type=field.type)
+              for col, field in zip(columns, _ARROW, strict=False)]
+    arrays += [pa.array([attributed_at] * n, type=_ARROW.field("attributed_at").type),
+               pa.array([1] * n, type=pa.int8()), pa.array([1] * n, type=pa.uint32())]
+    return pa.Table.from_arrays(arrays, schema=_ARROW)
+
+
+def _write_changes(store: Store, verdicts: dict[str, Any], current: dict[tuple[str, datetime], tuple[int, tuple]],
+                   attributed_at: datetime) -> int:
+    """Write the successors' verdicts that differ from their current answers; returns how many changed."""
+    rows: list[tuple[Any, ...]] = []
+    verdicts = {c: v.to_pylist() if hasattr(v, "to_pylist") else v for c, v in verdicts.items()}
+    for k in range(len(verdicts["request_id"])):
+        new = tuple(verdicts[c][k] for c in VERDICT_COLUMNS)
+        new = tuple(_utc(v) if isinstance(v, datetime) else v for v in new)
+        old = current.get((new[0], new[1]))
+        if old is None:
+            continue
+        if _comparable(old[1]) == _comparable(new):
+            continue
+        rows.append((*old[1], attributed_at, -1, old[0]))
+        rows.append((*new, attributed_at, 1, old[0] + 1))
+    store.insert("request_attribution", rows, WRITE_COLUMNS)
+    return len(rows) // 2
 
 
 def _comparable(values: tuple) -> tuple:
-    return tuple(tuple(v) if isinstance(v, list) else (_utc(v) if isinstance(v, datetime) else v) for v in values)
-
-
-def _write(store: Store, verdicts: list[Verdict], attributed_at: datetime) -> int:
-    """Write the verdicts that differ from the current answers (one INSERT); returns how many changed."""
-    if not verdicts:
-        return 0
-    lo = min(_utc(v.ts) for v in verdicts)
-    hi = max(_utc(v.ts) for v in verdicts)
-    current = _current(store, [v.request_id for v in verdicts], lo, hi)
-    rows: list[tuple[Any, ...]] = []
-    for v in verdicts:
-        new = v.values()
-        old = current.get(v.request_id)
-        if old is not None and _comparable(old[1]) == _comparable(new):
-            continue
-        version = 1
-        if old is not None:
-            rows.append((*old[1], attributed_at, -1, old[0]))
-            version = old[0] + 1
-        rows.append((*new, attributed_at, 1, version))
-    store.insert("request_attribution", rows, WRITE_COLUMNS)
-    return sum(1 for r in rows if r[-2] == 1)
+    out = []
+    for v in values:
+        if isinstance(v, list | tuple):
+            v = tuple(int(x) if hasattr(x, "__int__") and not isinstance(x, str) else x for x in v)
+        elif isinstance(v, datetime):
+            v = _utc(v)
+        elif hasattr(v, "item"):
+            v = v.item()
+        out.append(v)
+    return tuple(out)
 
 
 def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_seconds: float = 300.0,
+                    stop: threading.Event | None = None,
                     horizon_seconds: float = attribution.DEFAULT_HORIZON_SECONDS,
-                    default_block_size: int = attribution.DEFAULT_BLOCK_SIZE, chunk_size: int = 20_000) -> RunStats:
+                    default_block_size: int = attribution.DEFAULT_BLOCK_SIZE,
+                    chunk_size: int = 100_000) -> RunStats:
     """One run: answer every request ingested up to (store clock − ``settle_seconds``) that has no answer,
     and re-answer their successors; then advance the watermark. Returns what it did.
 
     ``overlap_seconds``: how far before the watermark arrivals are looked for again (an insert stamped before
     the last run but visible only after it); only unanswered ones are picked, so the overlap costs a query,
     not work. ``horizon_seconds``: the furthest back a predecessor may lie. ``chunk_size``: arrivals per
-    chunk (memory bound). Raises :class:`~ingest.errors.StoreUnavailable` (retry later) or other
-    :class:`~ingest.errors.KvscopeError`; a failed run leaves the watermark and is safe to repeat.
+    chunk (bounds memory: about 2 KB per request in a chunk). Raises
+    :class:`~ingest.errors.StoreUnavailable` (retry later) or other :class:`~ingest.errors.KvscopeError`; a
+    failed run leaves the watermark and is safe to repeat. ``stop``: checked between chunks (a run over a big
+    backlog stops early, leaving the watermark). Runs in one process are serialised (one writer).
     """
+    with _WRITER:  # one writer: a final run at shutdown waits for the loop's run, never races it
+        return _run(store, settle_seconds, overlap_seconds, stop, horizon_seconds, default_block_size, chunk_size)
+
+
+def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
+         horizon_seconds: float, default_block_size: int, chunk_size: int) -> RunStats:
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
-    horizon = timedelta(seconds=horizon_seconds)
+    horizon_ms = int(horizon_seconds * 1000)
     sizes = block_sizes(store)
+    answered_through = _answered_through(store)
     stats = RunStats()
     while upto > since:
         arrivals = _arrivals(store, since, upto, chunk_size)
-        if not arrivals:
+        if arrivals.is_empty():
             break
-        arrived = {(r["request_id"], _utc(r["ts"])) for r in arrivals}
-        later = {k for k in _successors(store, arrivals, horizon) if k not in arrived}
-        successors = []
-        if later:
-            lo, hi = min(t for _, t in later), max(t for _, t in later)
-            ids = sorted({i for i, _ in later})
-            answered = _current(store, ids, lo, hi)
-            successors = [r for r in _requests_by_id(store, ids, lo, hi)
-                          if (r["request_id"], _utc(r["ts"])) in later and r["request_id"] in answered]
-        changed = _write(store, _judge_all(store, successors, horizon, sizes, default_block_size), now) \
-            if successors else 0
-        _write(store, _judge_all(store, arrivals, horizon, sizes, default_block_size), now)
+        # Only an arrival older than some answered request can have an answered successor (its successors
+        # lie later): in-order traffic and bulk loads skip the successor query altogether.
+        late = arrivals.filter(pl.col("ts") < answered_through) if answered_through else arrivals.clear()
+        later = pl.DataFrame(schema={"request_id": pl.String, "ts": arrivals.schema["ts"]})
+        if not late.is_empty():
+            later = _successors(store, late, horizon_ms).join(arrivals.select("request_id", "ts"),
+                                                              on=["request_id", "ts"], how="anti")
+        current = _current(store, later)
+        answered = pl.DataFrame({"request_id": [i for i, _ in current], "ts": [t for _, t in current]},
+                                schema={"request_id": pl.String, "ts": later.schema["ts"]})
+        successors = _requests(store, later.join(answered, on=["request_id", "ts"], how="semi"))
+        changed = 0
+        if not successors.is_empty():
+            changed = _write_changes(store, _verdicts(store, successors, horizon_ms, sizes, default_block_size),
+                                     current, now)
+        verdicts = _verdicts(store, arrivals, horizon_ms, sizes, default_block_size)
+        store.insert_arrow("request_attribution", _table(verdicts, now))
+        latest = arrivals["ts"].max()
+        answered_through = latest if answered_through is None else max(answered_through, latest)
         ATTRIBUTED.labels("new").inc(len(arrivals))
         ATTRIBUTED.labels("changed").inc(changed)
         UNCHANGED.inc(len(successors) - changed)
@@ -297,6 +365,8 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                          stats.examined + len(successors), stats.chunks + 1)
         if len(arrivals) < chunk_size:
             break
+        if stop is not None and stop.is_set():  # between chunks: the watermark stays, the next run resumes
+            return stats
     store.insert("attribution_watermark", [(JOB_NAME, upto, now)], ["job", "ingested_through", "updated_at"])
     WATERMARK_LAG.set((now - upto).total_seconds())
     if stats.arrivals:
@@ -307,7 +377,7 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
 
 def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds: float = 5.0,
                      **job_kwargs: Any) -> None:
-    """Run :func:`run_attribution` every ``interval_seconds`` until ``stop_event`` is set (a background thread
+    """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is set (a background thread
     in the embedded mode). ``job_kwargs`` are passed on.
 
     A store outage is logged as a warning and retried next interval; any other error is logged (ERROR: an
@@ -315,7 +385,7 @@ def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds
     """
     while not stop_event.is_set():
         try:
-            run_attribution(store, **job_kwargs)
+            run_attribution(store, stop=stop_event, **job_kwargs)
         except RetryableError as exc:
             log.warning("miss attribution: store unavailable, retrying in %.1f s: %s", interval_seconds, exc)
         except KvscopeError as exc:

@@ -7,8 +7,8 @@ materialized rollups that would count them twice), the ingester asks the store w
 it holds and inserts only the others. One query per table and batch, bounded by the batch's time range so
 ClickHouse reads only those days' partitions and the granules of that time.
 
-Identity per table (:data:`IDENTITY`): gateway requests by (request_id, ts); everything else by the envelope's
-``event_id`` (a whole scrape or KV-event batch shares one id, so its rows land or are skipped together).
+Identity per table (:data:`IDENTITY`): gateway requests by (request_id, ts); vLLM scrapes by (pod, ts) (a
+scrape's rows land or are skipped together); the rest by the envelope's ``event_id``.
 The identity's first column is matched with ``IN``; the rest are compared here.
 
 Not covered: two ingesters inserting the same identity at the same instant (only during a Kafka rebalance,
@@ -36,7 +36,8 @@ class Identity:
 
 IDENTITY: dict[str, Identity] = {
     "gateway_requests": Identity(("request_id", "ts"), "ts"),
-    "vllm_metric_samples": Identity(("event_id",), "ts"),
+    "vllm_metrics": Identity(("pod", "ts"), "ts"),
+    "vllm_cache_config": Identity(("pod", "ts"), "ts"),
     "kv_block_events": Identity(("event_id",), "ts"),
     "kv_event_gaps": Identity(("event_id",), None),
     "dead_letters": Identity(("event_id",), None),

@@ -74,12 +74,13 @@ def _rows_of(messages: list[Message]) -> dict[str, list[tuple[tuple[Any, ...], O
             group += 1
             origin = Origin(f"{location}:{ev.event_id}", ev.pod, group)
             try:
-                table, rows = rows_for(ev)
+                mapped = rows_for(ev)
             except ContractViolation as exc:
                 raw = encode_batch([ev])
                 tables["dead_letters"].append((contract_dead_letter(exc.reason, location, raw, ev.pod), origin))
                 continue
-            tables[table].extend((r, origin) for r in rows)
+            for table, rows in mapped:
+                tables[table].extend((r, origin) for r in rows)
     return tables
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, MetricsScrape
+from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, VllmScrape
 from collector.gateway_log import parse_ts_ms
 from ingest.errors import ContractViolation
 
@@ -23,7 +23,8 @@ GATEWAY_INT = ("status", "prompt_tokens", "cached_tokens", "completion_tokens", 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT,
                          "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
-    "vllm_metric_samples": ("event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"),
+    "vllm_metrics": ("ts", "pod", "engine", "model_name", "name", "label", "value", "increase"),
+    "vllm_cache_config": ("ts", "pod", "engine", "labels"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
                         "parent_block_hash", "token_count", "block_size", "medium"),
     "kv_event_gaps": ("event_id", "detected_at", "pod", "engine", "first_seq", "last_seq", "reason",
@@ -49,10 +50,14 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
             _float_or_none(r.get("queue_wait_ms")), _float_or_none(r.get("tool_latency_ms")))
 
 
-def metric_rows(ev: Envelope, p: MetricsScrape) -> list[tuple[Any, ...]]:
+def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
     ts = _dt(p.scraped_at_ms)
-    return [(ev.event_id, ts, ev.pod, s.labels.get("engine", ""), s.labels.get("model_name", ""), s.name,
-             s.labels, s.value) for s in p.samples]
+    return [(ts, ev.pod, x.engine, x.model_name, x.name, x.label, x.value, x.increase) for x in p.samples]
+
+
+def cache_config_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
+    ts = _dt(p.scraped_at_ms)
+    return [(ts, ev.pod, engine, labels) for engine, labels in sorted(p.cache_config.items())]
 
 
 def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
@@ -71,20 +76,21 @@ def dead_letter_row(ev: Envelope, p: DeadLetter) -> tuple[Any, ...]:
     return (ev.event_id, _dt(ev.observed_at_ms), p.source, ev.pod, p.reason, p.location, p.raw)
 
 
-def rows_for(ev: Envelope) -> tuple[str, list[tuple[Any, ...]]]:
-    """``(table, rows)`` for one envelope. Raises :class:`ContractViolation` if the payload cannot be mapped."""
+def rows_for(ev: Envelope) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """``[(table, rows), ...]`` for one envelope. Raises :class:`ContractViolation` if the payload cannot be
+    mapped."""
     p = ev.payload
     try:
         if isinstance(p, GatewayRequest):
-            return "gateway_requests", [gateway_row(ev, p)]
-        if isinstance(p, MetricsScrape):
-            return "vllm_metric_samples", metric_rows(ev, p)
+            return [("gateway_requests", [gateway_row(ev, p)])]
+        if isinstance(p, VllmScrape):
+            return [("vllm_metrics", metric_rows(ev, p)), ("vllm_cache_config", cache_config_rows(ev, p))]
         if isinstance(p, KvEventBatch):
-            return "kv_block_events", kv_rows(ev, p)
+            return [("kv_block_events", kv_rows(ev, p))]
         if isinstance(p, KvEventGap):
-            return "kv_event_gaps", [kv_gap_row(ev, p)]
+            return [("kv_event_gaps", [kv_gap_row(ev, p)])]
         if isinstance(p, DeadLetter):
-            return "dead_letters", [dead_letter_row(ev, p)]
+            return [("dead_letters", [dead_letter_row(ev, p)])]
     except Exception as exc:  # one envelope's bad values must cost only that envelope
         raise ContractViolation(f"{ev.schema} {ev.event_id}: cannot map to a row: {exc!r}"[:1000]) from exc
     raise ContractViolation(f"no row mapping for kind {ev.schema}")

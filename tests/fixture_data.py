@@ -112,9 +112,8 @@ def gateway_rows() -> list[tuple[Any, ...]]:
 
 # --- miss_attribution ---------------------------------------------------------------------------------------
 # (request_id, cause, sub_cause, tokens, predecessor_request_id, predecessor_pod, gap_ms). The tokens of a
-# request sum to prompt - cached. acme-c1-t4 and initech-oneshot-2 leave the predecessor empty, so
-# tenant_affinity must find it itself (conversation, then fingerprint); cap-3-tools-reordered names a
-# predecessor in another tenant that only the attribution knows.
+# request sum to prompt - cached. Predecessor kinds are in PREDECESSOR_KIND: cap-3-tools-reordered and
+# initech-oneshot-2 found theirs by prompt fingerprint (cap-3's in another tenant), the rest are previous turns.
 # fmt: off
 ATTRIBUTION: list[tuple[Any, ...]] = [
     ("cap-1-cold", "cold", "", 736, "", "", None),
@@ -131,8 +130,8 @@ ATTRIBUTION: list[tuple[Any, ...]] = [
     ("initech-c1-t2", "unavoidable", "", 112, "initech-c1-t1", "pod-b", 9920.0),
     ("acme-c1-t3", "routed_away", "", 768, "cap-2-warm", "pod-a", 69985.0),
     ("acme-c1-t3", "unavoidable", "", 32, "cap-2-warm", "pod-a", 69985.0),
-    ("acme-c1-t4", "unavoidable", "", 64, "", "", None),
-    ("initech-oneshot-2", "below_block", "", 19, "", "", None),
+    ("acme-c1-t4", "unavoidable", "", 64, "acme-c1-t3", "pod-b", 9908.0),
+    ("initech-oneshot-2", "below_block", "", 19, "cap-5-below-one-block", "pod-a", 54948.0),
     ("globex-run1-s3", "unavoidable", "", 32, "cap-4-timestamp-first", "pod-a", 60000.0),
 ]
 # fmt: on
@@ -147,11 +146,14 @@ ATTRIBUTION_COLUMNS = [
 ]  # fmt: skip
 
 
+PREDECESSOR_KIND = {"cap-3-tools-reordered": "fingerprint", "initech-oneshot-2": "fingerprint"}
+
+
 def _answer(items: list[tuple[Any, ...]], sign: int, version: int, t: float) -> tuple[Any, ...]:
     req = {r[0]: r for r in REQUESTS}[items[0][0]]
     rid = items[0][0]
     pred, pred_pod, gap = items[0][4:7]
-    kind = "previous_turn" if pred else ""
+    kind = PREDECESSOR_KIND.get(rid, "previous_turn") if pred else ""
     return (rid, at(req[1]), req[2], req[5], "tiny", req[7], req[8], pred, pred_pod, kind, gap, BLOCK_SIZE,
             [i[1] for i in items], [i[2] for i in items], [i[3] for i in items], at(t), sign, version)
 
@@ -168,7 +170,7 @@ def attribution_rows() -> list[tuple[Any, ...]]:
     return rows
 
 
-# --- vllm_metric_samples ------------------------------------------------------------------------------------
+# --- vllm_metrics ------------------------------------------------------------------------------------------
 SCRAPES = (30, 90, 150)  # 12:00:30, 12:01:30, 12:02:30
 # Per pod, per scrape: (queries, hits, prompt_tokens, generation_tokens, kv_cache_usage_perc, _created).
 # fmt: off
@@ -195,33 +197,47 @@ CACHE_CONFIG_LABELS = {
 }
 # fmt: on
 
-METRIC_COLUMNS = ["event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"]
+METRIC_COLUMNS = ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"]
+CONFIG_COLUMNS = ["ts", "pod", "engine", "labels"]
 
 
 def metric_rows() -> list[tuple[Any, ...]]:
+    """vllm_metrics rows as the collector sends them: gauges at every scrape; a counter only when it moved,
+    with its increase since the previous scrape (a drop is a restart: the increase is the new value)."""
     rows: list[tuple[Any, ...]] = []
+    previous: dict[tuple[str, str, str], float] = {}
 
-    def add(pod: str, t: float, name: str, value: float, extra: dict[str, str] | None = None,
-            model: str = "tiny") -> None:  # fmt: skip
-        labels = {"engine": "0", **({"model_name": model} if model else {}), **(extra or {})}
-        rows.append((h(f"scrape:{pod}:{t}"), at(t), pod, "0", model, name, labels, float(value)))
+    def add(pod: str, t: float, name: str, value: float, label: str = "", counter: bool = True) -> None:
+        key = (pod, name, label)
+        before = previous.get(key)
+        previous[key] = value
+        if not counter:
+            rows.append((at(t), pod, "0", "tiny", name, label, float(value), 0.0))
+            return
+        if before is None:
+            return  # the collector's first sample of a series is its baseline
+        increase = value - before if value >= before else value
+        if increase:
+            rows.append((at(t), pod, "0", "tiny", name, label, float(value), float(increase)))
 
     for pod, series in COUNTERS.items():
-        for t, (queries, hits, prompt, gen, usage, created) in zip(SCRAPES, series, strict=True):
+        for t, (queries, hits, prompt, gen, usage, _created) in zip(SCRAPES, series, strict=True):
             add(pod, t, "vllm:prefix_cache_queries_total", queries)
-            add(pod, t, "vllm:prefix_cache_queries_created", created)
             add(pod, t, "vllm:prefix_cache_hits_total", hits)
-            add(pod, t, "vllm:prefix_cache_hits_created", created)
             add(pod, t, "vllm:prompt_tokens_total", prompt)
             add(pod, t, "vllm:generation_tokens_total", gen)
-            add(pod, t, "vllm:kv_cache_usage_perc", usage)
-            add(pod, t, "vllm:cache_config_info", 1.0, CACHE_CONFIG_LABELS, model="")
+            add(pod, t, "vllm:kv_cache_usage_perc", usage, counter=False)
     for t, ttft, queue in zip(SCRAPES[:2], TTFT_COUNTS, QUEUE_COUNTS, strict=True):
         for le, n in zip(TTFT_LE, ttft, strict=True):
-            add("pod-a", t, "vllm:time_to_first_token_seconds_bucket", n, {"le": le})
+            add("pod-a", t, "vllm:time_to_first_token_seconds_bucket", n, le)
         for le, n in zip(QUEUE_LE, queue, strict=True):
-            add("pod-a", t, "vllm:request_queue_time_seconds_bucket", n, {"le": le})
+            add("pod-a", t, "vllm:request_queue_time_seconds_bucket", n, le)
     return rows
+
+
+def config_rows() -> list[tuple[Any, ...]]:
+    """vllm_cache_config: each pod's cache_config_info labels, sent with its first scrape."""
+    return [(at(SCRAPES[0]), pod, "0", CACHE_CONFIG_LABELS) for pod in PODS]
 
 
 # --- dead_letters -------------------------------------------------------------------------------------------
@@ -247,5 +263,6 @@ def load_fixture(store: Any) -> None:
     store.insert("gateway_requests", [rows[i] for i in absent_rows(store, "gateway_requests", rows, GATEWAY_COLUMNS)],
                  GATEWAY_COLUMNS)
     store.insert("request_attribution", attribution_rows(), ATTRIBUTION_COLUMNS)
-    store.insert("vllm_metric_samples", metric_rows(), METRIC_COLUMNS)
+    store.insert("vllm_metrics", metric_rows(), METRIC_COLUMNS)
+    store.insert("vllm_cache_config", config_rows(), CONFIG_COLUMNS)
     store.insert("dead_letters", dead_letter_rows(), DEAD_LETTER_COLUMNS)

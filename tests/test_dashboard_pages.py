@@ -124,22 +124,20 @@ def test_overview_latency_gateway_first(fixture_store: Store) -> None:
     assert any("bucket artefact" in c.value for c in at.caption)
 
 
-def test_time_charts_break_at_gaps_and_mark_partial_buckets(fixture_store: Store) -> None:
-    """15 s buckets over the fixture: the gateway logged nothing at 12:01:30 and 12:01:45, so its line breaks
-    there; the last bucket (12:02:30, where the data ends) is partial: an unconnected marker, shaded."""
+def test_time_charts_mark_partial_buckets(fixture_store: Store) -> None:
+    """Minute buckets (the rollups' grain) over the fixture: the last bucket (12:02, where the data ends at
+    12:02:30) is partial: an unconnected marker, shaded; the line never connects across gaps."""
     at = app(fixture_store)
     fig = figure(at, "hit_rate")
     (line,) = [t for t in traces(fig, "Token-weighted hit rate, gateway log") if "partial" not in t["name"]]
     by_bucket = points(line)
-    assert by_bucket["2026-11-29T12:01:15.000"] is not None
-    assert by_bucket["2026-11-29T12:01:30.000"] is None and by_bucket["2026-11-29T12:01:45.000"] is None
-    assert by_bucket["2026-11-29T12:02:00.000"] is not None
+    assert by_bucket["2026-11-29T12:01:00.000"] == pytest.approx((672 + 288) / (764 + 784 + 400 + 19 + 400))
     assert line["connectgaps"] is False
     vllm_line, vllm_partial = traces(fig, "Token-weighted hit rate, vLLM counters")
     assert vllm_partial["mode"] == "markers" and "partial bucket" in vllm_partial["name"]
     partial = points(vllm_partial)
-    assert partial["2026-11-29T12:02:30.000"] == pytest.approx((768 + 768) / (800 + 1651))
-    assert points(vllm_line)["2026-11-29T12:02:30.000"] is None
+    assert partial["2026-11-29T12:02:00.000"] == pytest.approx((768 + 768) / (800 + 1651))
+    assert points(vllm_line)["2026-11-29T12:02:00.000"] is None
     assert any(shape["type"] == "rect" for shape in fig["layout"]["shapes"])
 
 
@@ -360,7 +358,7 @@ def test_no_store_configured(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bucket_widths() -> None:
-    assert data.bucket_seconds(data.Filters(time_range="Last 15 min")) == 15
+    assert data.bucket_seconds(data.Filters(time_range="Last 15 min")) == 60  # never below the rollups' minute
     assert data.bucket_seconds(data.Filters(time_range="Last 1 h")) == 60
     assert data.bucket_seconds(data.Filters(time_range="Last 24 h")) == 900
     since, until = data.Filters(time_range="All").window()
@@ -370,7 +368,7 @@ def test_bucket_widths() -> None:
 def test_buckets_span(fixture_store: Store) -> None:
     data.register_store(fixture_store)
     b = data.buckets(data.Filters(time_range="All"))
-    assert b == data.Buckets(15, (fixture_time(30), fixture_time(150)))
+    assert b == data.Buckets(60, (fixture_time(30), fixture_time(150)))
     now = fixture_time(60) + timedelta(minutes=15)  # a window starting after the first data
     b = data.buckets(data.Filters(time_range="Last 15 min"), now=now)
     assert b.covered == (now - timedelta(minutes=15), fixture_time(150))

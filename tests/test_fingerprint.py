@@ -6,6 +6,7 @@ import copy
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -14,13 +15,15 @@ import pytest
 from gateway.fingerprint import (
     FingerprintError,
     PromptFingerprint,
+    SegmentBudgetExceeded,
+    SegmentCache,
     TokenCounter,
     fingerprint_chat,
     fingerprint_completion,
     fingerprint_request,
     hash_parts,
 )
-from gateway.log import SCHEMA_PATH, GatewayLogWriter, format_ts
+from gateway.log import SCHEMA_PATH, BackgroundLogWriter, GatewayLogWriter, format_ts
 from gateway.normalize import VOLATILE_PATTERNS, mask_volatile
 
 EST = TokenCounter()
@@ -439,3 +442,239 @@ def test_log_writer_concurrent_lines_stay_whole(tmp_path):
     writer.close()
     lines = (tmp_path / "c.jsonl").read_text().splitlines()
     assert len(lines) == 400 and len({json.loads(x)["request_id"] for x in lines}) == 400
+
+
+# --- the segment cache: identical fingerprints, bounded ---------------------------------------------------
+
+VOLATILE_BITS = [p.example for p in VOLATILE_PATTERNS] + ["", "Ünïcödé ✓ 日本語 🙂", "a\x1fb", '"quoted" \\ \n\t']
+
+
+def random_chat_body(rnd: random.Random) -> dict:
+    """A chat body drawn from a small pool of segments (so segments repeat across bodies, as in production),
+    with the shapes the fingerprinter reads: text-part lists, images, tool calls, names, extra system and
+    developer messages, documents as dicts/strings/nested values, tools with values that are equal in
+    Python but not in JSON (1, 1.0, True)."""
+
+    def text() -> str:
+        return " ".join(rnd.choice([SYSTEM, *VOLATILE_BITS, "What now?", "ok"]) for _ in range(rnd.randint(1, 4)))
+
+    def message(role: str) -> dict:
+        kind = rnd.randrange(6)
+        if kind == 0:
+            content = [{"type": "text", "text": text()}, {"type": "text", "text": text()}]
+        elif kind == 1:
+            content = [{"type": "text", "text": text()}, {"type": "image_url", "image_url": {"url": "data:x"}}]
+        elif kind == 2 and role == "assistant":
+            call = {"id": "call_9XbQ2kLm", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            return {"role": role, "content": None, "tool_calls": [call]}
+        elif kind == 3 and role == "user":
+            return {"role": "tool", "tool_call_id": "call_9XbQ2kLm", "content": text()}
+        else:
+            content = text()
+        msg = {"role": role, "content": content}
+        if rnd.random() < 0.1:
+            msg["name"] = "alice"
+        return msg
+
+    messages = []
+    if rnd.random() < 0.8:
+        messages.append({"role": rnd.choice(["system", "developer"]), "content": rnd.choice(VOLATILE_BITS) + SYSTEM})
+        for _ in range(rnd.randint(0, 2)):
+            messages.append({"role": "system", "content": text()})
+    for i in range(rnd.randint(0, 6)):
+        messages.append(message("user" if i % 2 == 0 else "assistant"))
+    messages.append(message("user"))
+    body = chat(*messages)
+    if rnd.random() < 0.5:
+        tools = copy.deepcopy(TOOLS)
+        tools[0]["function"]["parameters"]["properties"]["order_id"]["default"] = rnd.choice([1, 1.0, True, None])
+        if rnd.random() < 0.5:
+            tools[0]["function"] = dict(reversed(list(tools[0]["function"].items())))
+        body["tools"] = tools
+    if rnd.random() < 0.5:
+        docs = [*DOCS, "a plain string document", {"title": "Nested", "meta": {"b": [1, 2.5, False], "a": None}}]
+        body["documents"] = rnd.sample(docs, rnd.randint(1, len(docs)))
+    return body
+
+
+def random_completion_body(rnd: random.Random) -> dict:
+    stable = rnd.choice(VOLATILE_BITS) + SYSTEM
+    prompt = rnd.choice([stable + "Q: what now?", ["ab", "", stable], [5, 6, 7], [[1, 2], "x"], ""])
+    body = {"model": "tiny", "prompt": prompt}
+    if rnd.random() < 0.6:
+        body["metadata"] = {"prefix_chars": rnd.choice([len(stable), 3, 0, "7"])}
+    return body
+
+
+def test_cached_fingerprints_are_identical(tokenizer_file):
+    """Many requests, fingerprinted through one shared cache (warm, repeated segments), a tiny cache
+    (constant eviction) and a budgeted one, against the uncached functions, for both counters."""
+    rnd = random.Random(11)
+    bodies = [("chat.completions", random_chat_body(rnd)) for _ in range(300)]
+    bodies += [("completions", random_completion_body(rnd)) for _ in range(100)]
+    for counter in (EST, TokenCounter(tokenizer_file)):
+        shared, tiny = SegmentCache(), SegmentCache(max_entries=3, max_bytes=4096)
+        for endpoint, body in bodies * 2:
+            parsed = json.loads(json.dumps(body))  # as the gateway sees it: parsed afresh per request
+            expected = fingerprint_request(body, endpoint, counter)
+            assert fingerprint_request(parsed, endpoint, counter, shared) == expected
+            assert fingerprint_request(body, endpoint, counter, tiny) == expected
+            budgeted = SegmentCache()
+            try:
+                got = fingerprint_request(parsed, endpoint, counter, budgeted, budget=40)
+            except SegmentBudgetExceeded:
+                got = fingerprint_request(parsed, endpoint, counter, budgeted)  # resumes from what was cached
+            assert got == expected
+        assert shared.hits > shared.misses > 0 and tiny.evictions > 0
+
+
+def test_cache_tells_json_unequal_values_apart():
+    """1, 1.0 and True are equal in Python but not in JSON: each keeps its own hashes."""
+    cache = SegmentCache()
+    variants = []
+    for value in (1, 1.0, True):
+        tools = copy.deepcopy(TOOLS)
+        tools[0]["function"]["parameters"]["default"] = value
+        variants.append(chat(sys(), user("q"), tools=tools))
+    cached = [fingerprint_chat(b, EST, cache).tools_hash for b in variants * 2]
+    assert cached == [fingerprint_chat(b, EST).tools_hash for b in variants * 2]
+    assert len(set(cached)) == 3
+
+
+def test_cache_is_per_counter(tokenizer_file):
+    cache = SegmentCache()
+    body = chat(sys(), user("q"))
+    exact = TokenCounter(tokenizer_file)
+    assert fingerprint_chat(body, EST, cache).system_tokens == EST.count(SYSTEM)
+    assert fingerprint_chat(body, exact, cache).system_tokens == exact.count(SYSTEM) != EST.count(SYSTEM)
+
+
+def test_segment_cache_bounds():
+    by_entries = SegmentCache(max_entries=5)
+    for i in range(20):
+        fingerprint_chat(chat(sys(f"{SYSTEM} {i}"), user("q")), EST, by_entries)
+    assert len(by_entries) == 5 and by_entries.evictions > 0
+    by_bytes = SegmentCache(max_bytes=20_000)
+    for i in range(20):
+        fingerprint_chat(chat(sys(f"{i} " + "x" * 3000), user("q")), EST, by_bytes)
+    assert by_bytes.bytes <= 20_000 and 0 < len(by_bytes) < 20
+    assert by_bytes.stats()["bytes"] == by_bytes.bytes
+    huge = SegmentCache(max_bytes=20_000)  # a segment over a quarter of the bound is computed, not kept
+    assert fingerprint_chat(chat(sys("y" * 10_000)), EST, huge) == fingerprint_chat(chat(sys("y" * 10_000)), EST)
+    assert len(huge) == 0
+
+
+def test_tokenizer_counts_equal_plain_encode(tokenizer_file):
+    """The counter's fast batch encode gives exactly `len(encode(text).ids)`."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    counter = TokenCounter(tokenizer_file)
+    rnd = random.Random(5)
+    alphabet = SYSTEM + "".join(VOLATILE_BITS) + "  \n\n\t  ÄÖÜ€𝄞"
+    texts = ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 400))) for _ in range(300)]
+    texts += [SYSTEM * 50, " ", "\n", "🙂" * 30]
+    assert [counter.count(t) for t in texts] == [len(tok.encode(t, add_special_tokens=False).ids) for t in texts]
+
+
+# --- the background log writer ----------------------------------------------------------------------------
+
+
+def test_background_writer_loses_no_line_under_concurrency_and_rotation(tmp_path):
+    import threading
+
+    path = tmp_path / "bg.jsonl"
+    writer = BackgroundLogWriter(path, linger_seconds=0.001)
+    fp = fingerprint_chat(chat(sys(), user("y")), EST)
+    rotated = []
+    stop = threading.Event()
+
+    def rotate():
+        while not stop.is_set():
+            time.sleep(0.01)
+            if path.exists():
+                target = tmp_path / f"bg.jsonl.{len(rotated)}"
+                path.rename(target)
+                rotated.append(target)
+
+    def work(n):
+        for i in range(400):
+            assert writer.submit(base_record(fp, request_id=f"{n}-{i}", error="e" * (i % 7) * 300))
+            if i % 5 == 0:
+                time.sleep(0.001)  # spread the submissions over several rotations
+
+    rotator = threading.Thread(target=rotate)
+    rotator.start()
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    rotator.join()
+    writer.close()
+    files = [*rotated, path]
+    lines = [line for f in files if f.exists() for line in f.read_text().splitlines()]
+    ids = [json.loads(x)["request_id"] for x in lines]  # every line whole JSON
+    assert len(ids) == 3200 and len(set(ids)) == 3200
+    assert len(rotated) >= 2 and writer.written == 3200 and writer.dropped == 0
+    for f in files:
+        if f.exists():
+            assert f.read_bytes().endswith(b"\n")
+    per_file = {f.name: [json.loads(x)["request_id"] for x in f.read_text().splitlines()] for f in files if f.exists()}
+    for n in range(8):  # each thread's lines stay in submit order across the files
+        seq = [int(r.split("-")[1]) for f in files if f.exists() for r in per_file[f.name] if r.startswith(f"{n}-")]
+        assert seq == list(range(400))
+
+
+def test_background_writer_full_queue_drops_and_counts(tmp_path):
+    from prometheus_client import REGISTRY
+
+    def dropped() -> float:
+        return REGISTRY.get_sample_value("kvscope_gateway_log_records_dropped_total", {"reason": "queue_full"}) or 0.0
+
+    before = dropped()
+    writer = BackgroundLogWriter(tmp_path / "q.jsonl", max_queue=10, linger_seconds=0.5)
+    fp = fingerprint_chat(chat(user("x")), EST)
+    accepted = [writer.submit(base_record(fp, request_id=str(i))) for i in range(30)]
+    assert accepted.count(True) == 10 and accepted[:10] == [True] * 10
+    assert dropped() - before == 20 and writer.dropped == 20
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        writer.submit({k: v for k, v in base_record(fp).items() if k != "prompt_tokens"})
+    assert writer.flush(5)
+    assert [json.loads(x)["request_id"] for x in (tmp_path / "q.jsonl").read_text().splitlines()] == [
+        str(i) for i in range(10)
+    ]
+    writer.submit(base_record(fp, request_id="queued"))
+    writer.close()  # flushes what is queued
+    writer.submit(base_record(fp, request_id="late"))  # after close: written synchronously
+    writer.close()
+    ids = [json.loads(x)["request_id"] for x in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert ids == [*(str(i) for i in range(10)), "queued", "late"]
+    assert writer.written == 11  # the late line was written by the caller
+
+
+def test_background_writer_writes_batches_of_whole_lines(tmp_path):
+    """A burst becomes few write(2) calls, each of whole lines."""
+    import os
+
+    writes = []
+    real_write = os.write
+
+    path = tmp_path / "b.jsonl"
+    writer = BackgroundLogWriter(path, linger_seconds=0.2)
+    fp = fingerprint_chat(chat(user("x")), EST)
+
+    def spy(fd, data):
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    os.write = spy
+    try:
+        for i in range(100):
+            writer.submit(base_record(fp, request_id=str(i)))
+        writer.close()
+    finally:
+        os.write = real_write
+    assert len(writes) < 10 and all(w.endswith(b"\n") for w in writes)
+    assert len(path.read_text().splitlines()) == 100

@@ -1,6 +1,6 @@
-"""The reference gateway in front of real vLLM servers (`vllm_fleet`), plus the paths that need no pod
-(unreachable pod, bad body) and one seam test with httpx.MockTransport for what vLLM cannot show us
-(the forwarded body)."""
+"""The reference gateway in front of real vLLM servers (`vllm_fleet`), plus the paths that need no vLLM
+(unreachable pod, bad body) and those tested against `FakePod`, a real local HTTP server answering like
+vLLM, for what vLLM cannot show us (the forwarded body, connection reuse) or quickly."""
 
 from __future__ import annotations
 
@@ -108,31 +108,104 @@ def test_invalid_body_gives_400_and_a_log_line(gateway):
     assert rec["status"] == 400 and rec["endpoint"] == "completions" and rec["pod"] == ""
 
 
-def test_forwarded_body_and_headers_seam(gateway):
+class FakePod:
+    """A real HTTP/1.1 server (stdlib, one thread per connection, keep-alive) answering like vLLM 0.32:
+    /v1/chat/completions and /v1/completions with usage incl. `prompt_tokens_details.cached_tokens`, as JSON
+    or, for `stream: true`, as SSE in chunked transfer encoding; GET /v1/models. `requests` records what
+    arrived (raw body, headers); `status` makes it answer with an OpenAI-style error; `idle_timeout`
+    closes idle keep-alive connections (as uvicorn does after 5 s); `connections` counts accepted ones."""
+
+    def __init__(self, idle_timeout: float | None = None) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        pod = self
+        self.requests: list[dict] = []
+        self.status = 200
+        self.connections = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = idle_timeout
+
+            def setup(self) -> None:
+                super().setup()
+                pod.connections += 1
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers["content-length"]))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                pod.requests.append({"raw": raw, "body": json.loads(raw), "headers": headers})
+                rid = self.headers.get("x-request-id", "")
+                if pod.status != 200:
+                    error = {"message": "The model `nope` does not exist.", "type": "NotFoundError"}
+                    return self._send(pod.status, {"error": {**error, "param": None, "code": pod.status}})
+                usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                         "prompt_tokens_details": {"cached_tokens": 4}}
+                if not json.loads(raw).get("stream"):
+                    return self._send(200, {"id": f"chatcmpl-{rid}", "object": "chat.completion",
+                                            "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                                 "content": "ok"}}],
+                                            "usage": usage, "metrics": {"queue_time_ms": 1.5}})
+                chunks = [
+                    {"id": f"chatcmpl-{rid}", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                    {"id": f"chatcmpl-{rid}", "choices": [{"index": 0, "delta": {"content": "o"}}]},
+                    {"id": f"chatcmpl-{rid}", "choices": [{"index": 0, "delta": {"content": "k"}}]},
+                    {"id": f"chatcmpl-{rid}", "choices": [], "usage": usage, "metrics": {"queue_time_ms": 1.5}},
+                ]
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream; charset=utf-8")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for event in [*(f"data: {json.dumps(c)}\n\n" for c in chunks), "data: [DONE]\n\n"]:
+                    data = event.encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_pod():
+    pods = []
+
+    def start(**kwargs) -> FakePod:
+        pods.append(FakePod(**kwargs))
+        return pods[-1]
+
+    yield start
+    for pod in pods:
+        pod.close()
+
+
+def test_forwarded_body_and_headers(gateway, fake_pod):
     """What reaches the pod: kvscope metadata removed, include_usage added, X-Request-Id set; the gateway
-    hides the usage chunk the client did not ask for but logs its numbers."""
-    seen = {}
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen["body"] = json.loads(request.content)
-        seen["headers"] = request.headers
-        chunks = [
-            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-            {"choices": [{"index": 0, "delta": {"content": "ok"}}]},
-            {
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": 7,
-                    "completion_tokens": 1,
-                    "prompt_tokens_details": {"cached_tokens": 4},
-                },
-                "metrics": {"queue_time_ms": 1.5},
-            },
-        ]
-        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
-
-    client, log_path = gateway([("mock", "http://mock:8000")], transport=httpx.MockTransport(handler))
+    hides the usage chunk the client did not ask for but logs its numbers (chunked SSE from the pod)."""
+    pod = fake_pod()
+    client, log_path = gateway([("fake", pod.url)])
     body = {
         "model": "tiny",
         "stream": True,
@@ -142,18 +215,154 @@ def test_forwarded_body_and_headers_seam(gateway):
     r = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
     rid = r.headers["x-request-id"]
     assert len(rid) == 32  # generated uuid4 hex
+    seen = pod.requests[-1]
     assert seen["body"]["metadata"] == {"keep": "me"}
     assert seen["body"]["stream_options"] == {"include_usage": True}
     assert seen["headers"]["x-request-id"] == rid and seen["headers"]["authorization"] == "Bearer k"
     assert "usage" not in r.text and r.text.endswith("data: [DONE]\n\n")
+    assert r.text.count("data: ") == 4  # role, "o", "k", [DONE]
     rec = log_line(log_path, rid)
     assert (rec["tenant_id"], rec["conversation_id"]) == ("acme", "c1")
-    assert (rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"]) == (7, 4, 1)
-    assert rec["queue_wait_ms"] == 1.5 and rec["stream"] is True
+    assert (rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"]) == (7, 4, 2)
+    assert rec["queue_wait_ms"] == 1.5 and rec["stream"] is True and rec["error"] == ""
+    assert 0 < rec["ttft_ms"] <= rec["e2e_ms"]
 
-    seen.clear()
     client.post("/v1/chat/completions", json={**body, "metadata": {"tenant_id": "acme"}})
-    assert "metadata" not in seen["body"]
+    assert "metadata" not in pod.requests[-1]["body"]
+
+
+def test_unchanged_body_is_forwarded_as_sent(gateway, fake_pod):
+    """A body with nothing to remove or add reaches the pod byte for byte (no re-encoding)."""
+    pod = fake_pod()
+    client, log_path = gateway([("fake", pod.url)])
+    raw = b'{"model":"tiny",  "messages":[{"role":"user","content":"caf\\u00e9 1.50"}], "metadata":{"keep":1}}'
+    r = client.post("/v1/chat/completions", content=raw, headers={"X-Request-Id": "gw-raw-1"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-gw-raw-1"
+    assert pod.requests[-1]["raw"] == raw
+    rec = log_line(log_path, "gw-raw-1")
+    assert (rec["prompt_tokens"], rec["cached_tokens"], rec["status"]) == (7, 4, 200)
+
+
+def test_logged_fingerprints_equal_uncached_ones(gateway, fake_pod):
+    """Through the gateway's segment cache, repeated and shared segments log exactly the fingerprint the
+    uncached library computes."""
+    pod = fake_pod()
+    client, log_path = gateway([("fake", pod.url)], policy="prefix_affinity")
+    counter = TokenCounter()
+    system = {"role": "system", "content": "Now: 2026-11-29T12:00:03Z. " + long_text(300, "cache-eq")}
+    turns = [system, {"role": "user", "content": "first"}]
+    for i in range(6):
+        body = {"model": "tiny", "messages": list(turns), "documents": [{"title": "d", "text": long_text(50, "d")}]}
+        rid = f"gw-fp-{i}"
+        assert client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid}).status_code == 200
+        expected = fingerprint_chat(body, counter).to_log_fields()
+        rec = log_line(log_path, rid)
+        assert {k: rec[k] for k in expected} == expected
+        turns += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"next {i}"}]
+    health = client.get("/health").json()
+    assert health["segment_cache"]["hits"] > 0 and health["log"]["dropped"] == 0
+    assert "kvscope_gateway_log_records_dropped_total" in client.get("/metrics").text
+
+
+def test_keep_alive_reuse_and_pod_closing_idle_connections(gateway, fake_pod):
+    """Requests reuse pooled connections; a connection the pod closed while idle is not used (or is
+    retried on a new one), so no request fails."""
+    pod = fake_pod(idle_timeout=0.3)
+    client, log_path = gateway([("fake", pod.url)])
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(5):
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert pod.connections == 1
+    time.sleep(0.6)  # the pod closes the idle connection
+    for _ in range(3):
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert pod.connections == 2
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_pod_error_status_is_passed_through(gateway, fake_pod):
+    pod = fake_pod()
+    pod.status = 404
+    client, log_path = gateway([("fake", pod.url)])
+    for stream in (False, True):
+        rid = f"gw-err-{stream}"
+        body = {"model": "nope", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+        r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
+        assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+        rec = log_line(log_path, rid)
+        assert rec["status"] == 404 and "does not exist" in rec["error"] and rec["prompt_tokens"] == 0
+
+
+def test_concurrent_requests_each_log_one_line_without_pods(gateway, fake_pod):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pod = fake_pod()
+    client, log_path = gateway([("a", pod.url), ("b", pod.url)], policy="prefix_affinity")
+
+    def one(i: int) -> str:
+        rid = f"gw-many-{i}"
+        body = {"model": "tiny", "stream": i % 2 == 0, "messages": [{"role": "user", "content": f"q{i}"}]}
+        assert client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid}).status_code == 200
+        return rid
+
+    with ThreadPoolExecutor(16) as pool:
+        rids = list(pool.map(one, range(200)))
+    for rid in rids:
+        log_line(log_path, rid)
+    assert len(log_path.read_text().splitlines()) == 200
+
+
+def test_upstream_pool_retries_a_connection_closed_under_it_once():
+    """The race the idle check cannot see: the pod closes a kept-alive connection just as the next request
+    is sent. The pool retries on a new connection, once; a new connection that fails is an error."""
+    import asyncio
+
+    from gateway.upstream import Origin, UpstreamConnectError, UpstreamError, UpstreamPool
+
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    accepted = []
+
+    async def handle(reader, writer):
+        accepted.append(writer)
+        n = len(accepted)
+        served = 0
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            if n == 1 and served == 1 or n == 3:  # drop the 2nd request on the 1st connection, all on the 3rd
+                break
+            writer.write(answer)
+            served += 1
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1")
+        pool = UpstreamPool()
+        results = []
+        for _ in range(2):
+            response = await pool.request("GET", origin, "/models", [])
+            results.append(await response.aread())
+            response.close()
+        assert results == [b"ok", b"ok"] and len(accepted) == 2  # the 2nd went out again on a new connection
+        await pool.aclose()
+        pool = UpstreamPool()  # nothing pooled: the 3rd connection's silence is an error, not retried
+        try:
+            await pool.request("GET", origin, "/models", [])
+            raise AssertionError("expected UpstreamError")
+        except UpstreamError as exc:
+            assert not isinstance(exc, UpstreamConnectError)
+        assert len(accepted) == 3
+        server.close()
+        try:
+            await pool.request("GET", Origin.parse(f"http://127.0.0.1:{free_port()}"), "/", [])
+            raise AssertionError("expected UpstreamConnectError")
+        except UpstreamConnectError:
+            pass
+
+    asyncio.run(scenario())
 
 
 # --- real vLLM --------------------------------------------------------------------------------------------

@@ -176,12 +176,12 @@ def test_hit_rate_filters_and_window(fx: Store) -> None:
     r = by(rows(fx, "hit_rate_total", pod="pod-b"), "source")
     assert (r["vllm"]["hit_tokens"], r["vllm"]["query_tokens"]) == (1056, 2451)
     assert (r["gateway"]["hit_tokens"], r["gateway"]["query_tokens"]) == (1056, 2451)
-    # since after the first scrape: the 12:00:30 baseline is still read (one-day lookback): both deltas count.
+    # since after the first scrape: the increases were computed by the collector, stamped at the later scrape.
     r = by(rows(fx, "hit_rate_total", since="2026-11-29 12:01:00"), "source")
     assert r["vllm"]["query_tokens"] == 6342
     assert r["gateway"]["query_tokens"] == 2367 + 2451
-    # until before the 12:01:30 scrape: no vLLM delta yet.
-    r = by(rows(fx, "hit_rate_total", until="2026-11-29 12:01:30"), "source")
+    # until before the 12:01 minute (windows resolve to whole minutes): no vLLM increase yet.
+    r = by(rows(fx, "hit_rate_total", until="2026-11-29 12:01:00"), "source")
     assert set(r) == {"gateway"}
     # bucket_seconds: one hour puts everything in one bucket.
     assert {(x["source"], x["query_tokens"]) for x in rows(fx, "hit_rate", bucket_seconds=3600)} == {
@@ -190,90 +190,30 @@ def test_hit_rate_filters_and_window(fx: Store) -> None:
     }
 
 
-def test_counter_deltas_view(store: Store) -> None:
-    """The counter rules the vLLM queries share live in one parameterized view (migration 0006): called
-    directly with typed parameters it gives the per-series deltas they sum; its migration reruns safely."""
-    migration = dict(sqlfiles.migrations())["0006_create_vllm_counter_deltas"]
-    store.run_migration(migration)  # already applied by migrate(): IF NOT EXISTS makes this a no-op
-    load_fixture(store)
-    call = (
-        "SELECT pod, ts, name, delta FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, "
-        "until = {until:DateTime64(3, 'UTC')}, pod = {pod:String}, counters = ['vllm:prefix_cache_queries_total']) "
-        "ORDER BY pod, ts"
-    )
-    window = {"since": "2026-11-29 12:01:00", "until": "2200-01-01 00:00:00"}
-    # The 12:00:30 scrapes are the baseline (read from a day before since); pod-b's drop is a restart.
-    assert store.query_df(call, {**window, "pod": ""}).rows() == [
-        ("pod-a", at(90), "vllm:prefix_cache_queries_total", 12909 - 9818),
-        ("pod-a", at(150), "vllm:prefix_cache_queries_total", 13709 - 12909),
-        ("pod-b", at(90), "vllm:prefix_cache_queries_total", 800),
-        ("pod-b", at(150), "vllm:prefix_cache_queries_total", 2451 - 800),
-    ]
-    assert store.query_df(call, {**window, "pod": "pod-b"})["delta"].to_list() == [800, 1651]
-
-
-def test_hit_rate_engines_name_generations_and_created(chdb_dir: Path) -> None:
-    """Counter edge cases in a database of their own: DP engines, vLLM <= 0.11 names, both generations at
-    once (vLLM 0.10), and a restart seen only through _created (the value did not drop)."""
+def test_hit_rate_engines_and_name_generations(chdb_dir: Path) -> None:
+    """Counter increases as the collector sends them (its restart and generation rules are tested with the
+    collector): DP engines are summed before dividing, and vLLM <= 0.11's gpu_ names count the same."""
     s = Store.open(data_dir=chdb_dir, database=f"nq_counters_{uuid.uuid4().hex[:12]}")
     s.migrate()
-    samples: list[tuple[Any, ...]] = []
-
-    def add(pod: str, engine: str, name: str, t0: float, t1: float) -> None:
-        for t, v in ((0, t0), (30, t1)):
-            samples.append(
-                (
-                    f"{pod}-{t}",
-                    at(t),
-                    pod,
-                    engine,
-                    "tiny",
-                    name,
-                    {"engine": engine, "model_name": "tiny"},
-                    float(v),
-                )
-            )
-
-    # Two engines of one pod: (900 + 0) / (1000 + 100); the mean of ratios would be 0.45.
-    add("dp", "0", "vllm:prefix_cache_queries_total", 1000, 2000)
-    add("dp", "0", "vllm:prefix_cache_hits_total", 0, 900)
-    add("dp", "1", "vllm:prefix_cache_queries_total", 0, 100)
-    add("dp", "1", "vllm:prefix_cache_hits_total", 0, 0)
-    # vLLM <= 0.11: only the gpu_ names.
-    add("old", "0", "vllm:gpu_prefix_cache_queries_total", 100, 300)
-    add("old", "0", "vllm:gpu_prefix_cache_hits_total", 50, 150)
-    # vLLM 0.10: both generations with equal values; counted once.
-    for prefix in ("vllm:", "vllm:gpu_"):
-        add("both", "0", prefix + "prefix_cache_queries_total", 500, 900)
-        add("both", "0", prefix + "prefix_cache_hits_total", 100, 400)
-    # A restart between scrapes that served more than before: only _created shows it; delta = new value.
-    add("restart", "0", "vllm:prefix_cache_queries_total", 1000, 1500)
-    add("restart", "0", "vllm:prefix_cache_hits_total", 500, 600)
-    add("restart", "0", "vllm:prefix_cache_queries_created", 1795940000, 1795950000)
-    add("restart", "0", "vllm:prefix_cache_hits_created", 1795940000, 1795950000)
-    s.insert(
-        "vllm_metric_samples",
-        samples,
-        ["event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"],
-    )
+    increases = [  # (pod, engine, name, increase)
+        ("dp", "0", "vllm:prefix_cache_queries_total", 1000), ("dp", "0", "vllm:prefix_cache_hits_total", 900),
+        ("dp", "1", "vllm:prefix_cache_queries_total", 100),  # engine 1 hit nothing: the mean of ratios is 0.45
+        ("old", "0", "vllm:gpu_prefix_cache_queries_total", 200), ("old", "0", "vllm:gpu_prefix_cache_hits_total", 100),
+    ]
+    s.insert("vllm_metrics", [(at(30), pod, eng, "tiny", name, "", 0.0, float(n)) for pod, eng, name, n in increases],
+             ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"])
 
     def vllm(pod: str = "") -> tuple[int, int]:
         r = by(rows(s, "hit_rate_total", pod=pod), "source")["vllm"]
         return r["hit_tokens"], r["query_tokens"]
 
     assert vllm("dp") == (900, 1100)
-    assert by(rows(s, "hit_rate_total", pod="dp"), "source")["vllm"]["token_weighted_hit_rate"] == approx(
-        900 / 1100
-    )
+    assert by(rows(s, "hit_rate_total", pod="dp"), "source")["vllm"]["token_weighted_hit_rate"] == approx(900 / 1100)
     assert vllm("old") == (100, 200)
-    assert vllm("both") == (300, 400)
-    assert vllm("restart") == (600, 1500)
-    assert vllm() == (900 + 100 + 300 + 600, 1100 + 200 + 400 + 1500)
+    assert vllm() == (1000, 1300)
     assert [(r["pod"], r["vllm_hit_tokens"], r["vllm_query_tokens"]) for r in rows(s, "pods")] == [
-        ("both", 300, 400),
         ("dp", 900, 1100),
         ("old", 100, 200),
-        ("restart", 600, 1500),
     ]
     assert by(rows(s, "pods"), "pod")["dp"]["engines"] == 2
 
@@ -341,7 +281,7 @@ def test_miss_requests_drill_down(fx: Store) -> None:
 def test_tenant_affinity(fx: Store) -> None:
     r = by(rows(fx, "tenant_affinity"), "tenant_id")
     # acme: cap-2 (pred cap-1 on pod-a, same pod), acme-c1-t3 (pred cap-2 on pod-a, served by pod-b),
-    # acme-c1-t4 (no predecessor in the attribution: the conversation gives acme-c1-t3 on pod-b, same pod).
+    # acme-c1-t4 (pred acme-c1-t3 on pod-b, same pod).
     acme = r["acme"]
     assert (acme["requests_with_predecessor"], acme["predecessor_tokens"], acme["same_pod_tokens"]) == (
         3,
@@ -362,7 +302,7 @@ def test_tenant_affinity(fx: Store) -> None:
     assert (globex["requests_with_predecessor"], globex["predecessor_tokens"]) == (3, 764 + 784 + 800)
     assert globex["tenant_cache_affinity"] == approx(1.0)
     # initech: initech-c1-t2 follows t1 on pod-b; initech-oneshot-2 (no conversation) follows cap-5 by
-    # prompt_fingerprint, which pod-a served: 400 / (400 + 19).
+    # prompt_fingerprint (the attribution says so), which pod-a served: 400 / (400 + 19).
     initech = r["initech"]
     assert (
         initech["requests_with_predecessor"],
@@ -373,8 +313,8 @@ def test_tenant_affinity(fx: Store) -> None:
     # A pod filter keeps the requests served there, predecessors still found on every pod.
     acme_b = by(rows(fx, "tenant_affinity", pod="pod-b"), "tenant_id")["acme"]
     assert (acme_b["predecessor_tokens"], acme_b["same_pod_tokens"]) == (800 + 832, 832)
-    # A window starting after the predecessors still finds them (one-day lookback).
-    late = by(rows(fx, "tenant_affinity", since="2026-11-29 12:01:50"), "tenant_id")
+    # A window starting after the predecessors keeps their answers (the attribution named them).
+    late = by(rows(fx, "tenant_affinity", since="2026-11-29 12:02:00"), "tenant_id")
     assert late["acme"]["requests_with_predecessor"] == 2 and late["initech"]["same_pod_tokens"] == 0
 
 
@@ -428,12 +368,13 @@ def test_fingerprint_cardinality(fx: Store) -> None:
 # -- latency, tokens, pods, dead letters ---------------------------------------------------------------------
 def test_latency(fx: Store) -> None:
     r = by(rows(fx, "latency"), "bucket", "source", "metric")
-    # Gateway, exact (linear between order statistics): 12:01 TTFTs 12, 22, 30, 40, 50 ms.
+    # Gateway, t-digest over the rollup (a small set keeps every value: nearest rank): 12:01 TTFTs 12, 22, 30, 40,
+    # 50 ms.
     g = r[(at(60), "gateway", "ttft_ms")]
-    assert (g["p50_ms"], g["p95_ms"], g["p99_ms"], g["samples"]) == (approx(30), approx(48), approx(49.6), 5)
-    # queue_wait_ms where vLLM reported it (initech-c1-t1 did not): 0.2, 0.3, 0.5, 0.8.
+    assert (g["p50_ms"], g["p95_ms"], g["p99_ms"], g["samples"]) == (approx(30), approx(50), approx(50), 5)
+    # queue_wait_ms where vLLM reported it (initech-c1-t1 did not): 0.2, 0.3, 0.5, 0.8 (t-digest keeps float32).
     q = r[(at(60), "gateway", "queue_wait_ms")]
-    assert (q["p50_ms"], q["samples"]) == (approx(0.4), 4)
+    assert (round(q["p50_ms"], 6), q["samples"]) == (0.3, 4)
     assert r[(at(120), "gateway", "ttft_ms")]["samples"] == 4  # the 400 response is not served
     # vLLM, histogram_quantile over the real capture's TTFT deltas (5 requests): le 0.02 +2, 0.04 +1, 0.06 +1,
     # 0.08 +1. p50: rank 2.5 in (0.02, 0.04] holding 1 → 0.02 + 0.02 × 0.5 = 30 ms; p95: rank 4.75 in
@@ -448,35 +389,21 @@ def test_latency(fx: Store) -> None:
 
 
 def test_histogram_quantile_edges(chdb_dir: Path) -> None:
-    """A rank in the +Inf bucket returns the highest finite bound; a counter drop is a restart."""
+    """A rank in the +Inf bucket returns the highest finite bound (bucket increases as the collector sends
+    them; after a restart the increases are the new counts)."""
     s = Store.open(data_dir=chdb_dir, database=f"nq_hist_{uuid.uuid4().hex[:12]}")
     s.migrate()
-    samples = []
-    for t, counts in ((0, (5, 5, 5)), (30, (6, 8, 10)), (60, (1, 1, 1))):  # 30 s: +1, +3, +5; 60 s: restart
-        for le, n in zip(("0.5", "1.0", "+Inf"), counts, strict=True):
-            samples.append(
-                (
-                    f"h{t}",
-                    at(t),
-                    "p",
-                    "0",
-                    "tiny",
-                    "vllm:time_to_first_token_seconds_bucket",
-                    {"le": le},
-                    float(n),
-                )
-            )
-    s.insert(
-        "vllm_metric_samples",
-        samples,
-        ["event_id", "ts", "pod", "engine", "model_name", "name", "labels", "value"],
-    )
-    r = by(rows(s, "latency", bucket_seconds=30), "bucket")
-    first = r[at(30)]  # deltas 1, 3, 5 (cumulative): p50 rank 2.5 in (0.5, 1.0] holding 2 → 0.875 s
+    rows_ = []
+    for t, increases in ((60, (1, 3, 5)), (120, (1, 1, 1))):  # 12:01: +1, +3, +5 (cumulative per le); 12:02: restart
+        for le, n in zip(("0.5", "1.0", "+Inf"), increases, strict=True):
+            rows_.append((at(t), "p", "0", "tiny", "vllm:time_to_first_token_seconds_bucket", le, 0.0, float(n)))
+    s.insert("vllm_metrics", rows_, ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"])
+    r = by(rows(s, "latency", bucket_seconds=60), "bucket")
+    first = r[at(60)]  # p50 rank 2.5 in (0.5, 1.0] holding 2 → 0.875 s
     assert first["p50_ms"] == approx(875.0)
     assert first["p99_ms"] == approx(1000.0)  # rank 4.95 falls in +Inf → highest finite bound
     assert first["samples"] == 5
-    restart = r[at(60)]  # the drop to 1, 1, 1 is a restart: deltas = 1, 1, 1 → everything ≤ 0.5 s
+    restart = r[at(120)]  # 1, 1, 1 → everything ≤ 0.5 s
     assert restart["p50_ms"] == approx(250.0) and restart["samples"] == 1
 
 
@@ -554,7 +481,7 @@ def test_dimensions_and_extent(fx: Store) -> None:
     ext = by(rows(fx, "data_extent"), "table")
     assert ext["gateway_requests"]["rows"] == 12  # the duplicate line dropped at load, as the ingester does
     assert ext["request_attribution"]["rows"] == 11  # one current answer per request (the stale one cancelled)
-    assert (ext["vllm_metric_samples"]["first_ts"], ext["vllm_metric_samples"]["last_ts"]) == (
+    assert (ext["vllm_metrics"]["first_ts"], ext["vllm_metrics"]["last_ts"]) == (
         at(30),
         at(150),
     )

@@ -13,7 +13,8 @@
 --   2 agent run, 3 prompt fingerprint (any tenant), 4 normalized system prompt, 5 canonical tools,
 --   6 retrieval set; the same rules as ingest/attribution.py predecessor_keys().
 
--- Step 1, once: move the 0.1 table (ReplacingMergeTree keyed by event_id, no partitions) out of the way.
+-- Once: move the 0.1 table (ReplacingMergeTree keyed by event_id, no partitions) out of the way; its rows are
+-- copied in 0013, once every table and rollup that is fed from gateway_requests exists.
 -- if: SELECT count() FROM system.tables WHERE database = currentDatabase() AND name = 'gateway_requests' AND engine = 'ReplacingMergeTree'
 RENAME TABLE gateway_requests TO gateway_requests_v1;
 
@@ -73,13 +74,6 @@ PARTITION BY toYYYYMMDD(ts)
 ORDER BY (tenant_id, ts, request_id)
 TTL toDateTime(ts) + INTERVAL 30 DAY;
 
--- Step 3, once: copy the 0.1 rows (deduplicated there with FINAL) while the new table is still empty.
--- if: SELECT (SELECT count() FROM system.tables WHERE database = currentDatabase() AND name = 'gateway_requests_v1') > 0 AND (SELECT count() FROM gateway_requests) = 0
-INSERT INTO gateway_requests
-SELECT * EXCEPT (event_id, ingested_at), ingested_at FROM gateway_requests_v1 FINAL;
-
-DROP TABLE IF EXISTS gateway_requests_v1;
-
 -- served_requests read gateway_requests FINAL; MergeTree has no FINAL and needs none now.
 CREATE OR REPLACE VIEW served_requests AS
 SELECT *
@@ -108,14 +102,6 @@ TTL toDateTime(ts) + INTERVAL 30 DAY;
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS request_keys_mv TO request_keys AS
 SELECT k.key AS key, k.kind AS kind, order_key, ts, request_id
-FROM gateway_requests
-ARRAY JOIN predecessor_keys AS k
-WHERE status < 400 AND prompt_tokens > 0;
-
--- Rows copied from 0.1 were inserted before the view existed: index them once.
--- if: SELECT (SELECT count() FROM request_keys) = 0 AND (SELECT count() FROM gateway_requests) > 0
-INSERT INTO request_keys
-SELECT k.key, k.kind, order_key, ts, request_id
 FROM gateway_requests
 ARRAY JOIN predecessor_keys AS k
 WHERE status < 400 AND prompt_tokens > 0;

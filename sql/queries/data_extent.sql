@@ -1,6 +1,6 @@
 -- name: data_extent
 -- description: What the store holds, per table: rows and the time span they cover (the dashboard's "no data yet" check and "data through" caption).
--- returns: table String | gateway_requests, vllm_metric_samples, request_attribution, kv_block_events, kv_event_gaps or dead_letters
+-- returns: table String | gateway_requests, vllm_metrics, request_attribution, kv_block_events, kv_event_gaps or dead_letters
 -- returns: rows UInt64 | rows (request_attribution: requests with a current answer; dead_letters: distinct inputs)
 -- returns: first_ts Nullable(DateTime64(3, 'UTC')) | earliest ts, UTC; NULL when the table is empty
 -- returns: last_ts Nullable(DateTime64(3, 'UTC')) | latest ts, UTC; NULL when the table is empty
@@ -11,8 +11,8 @@ FROM
            if(rows = 0, NULL, min(ts)) AS first_ts, if(rows = 0, NULL, max(ts)) AS last_ts
     FROM gateway_requests
     UNION ALL
-    SELECT 'vllm_metric_samples', count() AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
-    FROM vllm_metric_samples
+    SELECT 'vllm_metrics', count() AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
+    FROM vllm_metrics
     UNION ALL
     SELECT 'request_attribution', toUInt64(sum(sign)) AS rows, if(rows = 0, NULL, min(ts)), if(rows = 0, NULL, max(ts))
     FROM request_attribution

@@ -5,22 +5,22 @@
 -- returns: kind String | tenant or pod
 -- returns: value String | tenant_id or pod name (non-empty)
 -- returns: requests UInt64 | requests in the gateway log (all statuses); 0 for a pod only seen in vLLM scrapes
+--
+-- Reads requests_rollup and vllm_rollup (sql/migrations/0012).
 SELECT kind, value, sum(n) AS requests
 FROM
 (
-    SELECT 'tenant' AS kind, CAST(tenant_id AS String) AS value, count() AS n
-    FROM gateway_requests
-    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+    SELECT 'tenant' AS kind, CAST(tenant_id AS String) AS value, sum(requests) AS n
+    FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
     GROUP BY value
     UNION ALL
-    SELECT 'pod' AS kind, CAST(pod AS String) AS value, count() AS n
-    FROM gateway_requests
-    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+    SELECT 'pod' AS kind, CAST(pod AS String) AS value, sum(requests) AS n
+    FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
     GROUP BY value
     UNION ALL
     SELECT DISTINCT 'pod' AS kind, CAST(pod AS String) AS value, toUInt64(0) AS n
-    FROM vllm_metric_samples
-    WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+    FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1, names = ['vllm:num_requests_running', 'vllm:kv_cache_usage_perc',
+                                                'vllm:gpu_cache_usage_perc'])
 )
 WHERE value != ''
 GROUP BY kind, value

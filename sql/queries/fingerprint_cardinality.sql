@@ -16,20 +16,27 @@
 -- returns: tools_canonical_hash_cardinality UInt64 | distinct non-empty tools_canonical_hash (JSON keys sorted)
 -- returns: retrieval_pack_hash_cardinality UInt64 | distinct non-empty retrieval_pack_hash (documents in prompt order)
 -- returns: retrieval_set_hash_cardinality UInt64 | distinct non-empty retrieval_set_hash (documents as a set)
-SELECT
-    toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
-    if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant_id,
-    count() AS requests,
-    uniqExactIf(prompt_fingerprint, prompt_fingerprint != '') AS prompt_fingerprint_cardinality,
-    uniqExactIf(system_hash, system_hash != '') AS system_hash_cardinality,
-    uniqExactIf(system_norm_hash, system_norm_hash != '') AS system_norm_hash_cardinality,
-    uniqExactIf(tools_hash, tools_hash != '') AS tools_hash_cardinality,
-    uniqExactIf(tools_canonical_hash, tools_canonical_hash != '') AS tools_canonical_hash_cardinality,
-    uniqExactIf(retrieval_pack_hash, retrieval_pack_hash != '') AS retrieval_pack_hash_cardinality,
-    uniqExactIf(retrieval_set_hash, retrieval_set_hash != '') AS retrieval_set_hash_cardinality
-FROM gateway_requests
-WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-  AND ({tenant:String} = '' OR gateway_requests.tenant_id = {tenant:String})
-  AND ({pod:String} = '' OR pod = {pod:String})
-GROUP BY bucket, tenant_id
+--
+-- Reads requests_rollup's uniqCombined states (sql/migrations/0012): exact below ~65k distinct values per row
+-- group, HyperLogLog (≈ 1 % error) above.
+SELECT bucket, tenant AS tenant_id, request_count AS requests, prompt_fingerprint_cardinality,
+       system_hash_cardinality, system_norm_hash_cardinality, tools_hash_cardinality,
+       tools_canonical_hash_cardinality, retrieval_pack_hash_cardinality, retrieval_set_hash_cardinality
+FROM
+(
+    SELECT
+        toDateTime64(toStartOfInterval(t, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant,
+        sum(requests) AS request_count,
+        uniqCombinedMerge(fingerprints) AS prompt_fingerprint_cardinality,
+        uniqCombinedMerge(system_hashes) AS system_hash_cardinality,
+        uniqCombinedMerge(system_norm_hashes) AS system_norm_hash_cardinality,
+        uniqCombinedMerge(tools_hashes) AS tools_hash_cardinality,
+        uniqCombinedMerge(tools_canonical_hashes) AS tools_canonical_hash_cardinality,
+        uniqCombinedMerge(retrieval_pack_hashes) AS retrieval_pack_hash_cardinality,
+        uniqCombinedMerge(retrieval_set_hashes) AS retrieval_set_hash_cardinality
+    FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0))
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    GROUP BY bucket, tenant
+)
 ORDER BY bucket, tenant_id

@@ -13,48 +13,36 @@
 -- returns: request_weighted_hit_rate Nullable(Float64) | mean over served requests of cached/prompt, fraction 0..1; NULL for vllm
 -- returns: requests Nullable(UInt64) | served requests (status < 400, prompt_tokens > 0); NULL for vllm
 --
--- vLLM counters: the deltas of vllm_counter_deltas (sql/migrations/0006), which holds the rules: deltas
--- between consecutive samples of a series, restarts (a drop, or a change of _created: delta = the new value),
--- no delta for a series' first sample, a baseline read from one day before `since`, and the older
--- vllm:gpu_prefix_cache_* names (vLLM <= 0.11) used only where the newer ones are absent (never both).
-WITH
-    deltas AS
-    (
-        SELECT ts, name, delta
-        FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                                 pod = {pod:String},
-                                 counters = ['vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total'])
-        WHERE {tenant:String} = ''
-    ),
-    served AS
-    (
-        SELECT ts, prompt_tokens, cached_tokens
-        FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                             tenant = {tenant:String}, pod = {pod:String})
-    )
+-- Reads the rollups (sql/migrations/0012): exact sums at minute resolution, whole hours from the hour tables.
+-- vLLM: the counter increases the collector computed between consecutive scrapes of each series (restarts
+-- handled there; docs/scale.md), stamped at the later scrape; older vLLM's vllm:gpu_prefix_cache_* names are
+-- read too (the collector keeps only one generation per scrape).
 SELECT *
 FROM
 (
     SELECT
-        toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        toDateTime64(toStartOfInterval(t, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
         'vllm' AS source,
-        toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_hits_total'))) AS hit_tokens,
-        toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_queries_total'))) AS query_tokens,
+        toUInt64(round(sumIf(increase, name IN ('vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total')))) AS hit_tokens,
+        toUInt64(round(sumIf(increase, name IN ('vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total')))) AS query_tokens,
         if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
         CAST(NULL AS Nullable(Float64)) AS request_weighted_hit_rate,
         CAST(NULL AS Nullable(UInt64)) AS requests
-    FROM deltas
+    FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0), names = ['vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total'])
+    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
     GROUP BY bucket
     UNION ALL
     SELECT
-        toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        toDateTime64(toStartOfInterval(t, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
         'gateway' AS source,
-        sum(toUInt64(cached_tokens)) AS hit_tokens,
-        sum(toUInt64(prompt_tokens)) AS query_tokens,
+        sum(cached_tokens) AS hit_tokens,
+        sum(prompt_tokens) AS query_tokens,
         if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
-        CAST(avg(cached_tokens / prompt_tokens) AS Nullable(Float64)) AS request_weighted_hit_rate,
-        CAST(count() AS Nullable(UInt64)) AS requests
-    FROM served
+        if(sum(served) > 0, sum(hit_ratio_sum) / sum(served), NULL) AS request_weighted_hit_rate,
+        CAST(sum(served) AS Nullable(UInt64)) AS requests
+    FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0))
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
     GROUP BY bucket
+    HAVING sum(served) > 0
 )
 ORDER BY bucket, source

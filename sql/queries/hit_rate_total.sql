@@ -11,45 +11,34 @@
 -- returns: request_weighted_hit_rate Nullable(Float64) | mean over served requests of cached/prompt, fraction 0..1; NULL for vllm
 -- returns: requests Nullable(UInt64) | served requests (status < 400, prompt_tokens > 0); NULL for vllm
 --
--- The vllm row sums the counter deltas of every series whose later sample falls in the window (see
--- vllm_counter_deltas in sql/migrations/0006 for the delta, reset and name-generation rules).
+-- Reads the rollups (sql/migrations/0012): exact sums at minute resolution, whole hours from the hour tables.
+-- vLLM: the counter increases the collector computed between consecutive scrapes of each series (restarts
+-- handled there; docs/scale.md), stamped at the later scrape; older vLLM's vllm:gpu_prefix_cache_* names are
+-- read too (the collector keeps only one generation per scrape).
 -- A source without data in the window has no row.
-WITH
-    deltas AS
-    (
-        SELECT name, delta
-        FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                                 pod = {pod:String},
-                                 counters = ['vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total'])
-        WHERE {tenant:String} = ''
-    ),
-    served AS
-    (
-        SELECT ts, prompt_tokens, cached_tokens
-        FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                             tenant = {tenant:String}, pod = {pod:String})
-    )
 SELECT *
 FROM
 (
     SELECT
         'vllm' AS source,
-        toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_hits_total'))) AS hit_tokens,
-        toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_queries_total'))) AS query_tokens,
+        toUInt64(round(sumIf(increase, name IN ('vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total')))) AS hit_tokens,
+        toUInt64(round(sumIf(increase, name IN ('vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total')))) AS query_tokens,
         if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
         CAST(NULL AS Nullable(Float64)) AS request_weighted_hit_rate,
         CAST(NULL AS Nullable(UInt64)) AS requests
-    FROM deltas
+    FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1, names = ['vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total'])
+    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
     HAVING count() > 0
     UNION ALL
     SELECT
         'gateway' AS source,
-        sum(toUInt64(cached_tokens)) AS hit_tokens,
-        sum(toUInt64(prompt_tokens)) AS query_tokens,
+        sum(cached_tokens) AS hit_tokens,
+        sum(prompt_tokens) AS query_tokens,
         if(query_tokens > 0, hit_tokens / query_tokens, NULL) AS token_weighted_hit_rate,
-        CAST(avg(cached_tokens / prompt_tokens) AS Nullable(Float64)) AS request_weighted_hit_rate,
-        CAST(count() AS Nullable(UInt64)) AS requests
-    FROM served
-    HAVING count() > 0
+        if(sum(served) > 0, sum(hit_ratio_sum) / sum(served), NULL) AS request_weighted_hit_rate,
+        CAST(sum(served) AS Nullable(UInt64)) AS requests
+    FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    HAVING sum(served) > 0
 )
 ORDER BY source

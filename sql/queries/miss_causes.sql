@@ -12,20 +12,22 @@
 -- returns: share_of_missed Float64 | missed_tokens / all missed tokens in the window and filters (all rows of the result), fraction 0..1
 -- returns: requests UInt64 | distinct requests with missed tokens of this cause
 --
--- request_attribution keeps every answer ever written, a replaced one cancelled by a copy with sign -1
--- (sql/migrations/0009): weighting by sign counts each request's current answer once, without FINAL.
-SELECT
-    if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant_id,
-    CAST(cause AS String) AS cause,
-    CAST(sub_cause AS String) AS sub_cause,
-    toUInt64(sum(toInt64(tokens) * sign)) AS missed_tokens,
-    missed_tokens / sum(missed_tokens) OVER () AS share_of_missed,
-    toUInt64(sum(sign)) AS requests
-FROM request_attribution
-ARRAY JOIN causes AS cause, sub_causes AS sub_cause, request_attribution.missed_tokens AS tokens
-WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-  AND ({tenant:String} = '' OR request_attribution.tenant_id = {tenant:String})
-  AND ({pod:String} = '' OR pod = {pod:String})
-GROUP BY tenant_id, cause, sub_cause
-HAVING missed_tokens > 0
+-- Reads misses_rollup (sql/migrations/0012): missed tokens and requests per cause, weighted by the sign of each
+-- answer (a replaced answer cancels itself), so exact without FINAL.
+SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
+       share_of_missed, affected AS requests
+FROM
+(
+    SELECT
+        if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant,
+        CAST(cause AS String) AS cause_name,
+        CAST(sub_cause AS String) AS sub_cause_name,
+        toUInt64(greatest(sum(missed_tokens), 0)) AS missed,
+        missed / sum(missed) OVER () AS share_of_missed,
+        toUInt64(greatest(sum(requests), 0)) AS affected
+    FROM misses_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    GROUP BY tenant, cause_name, sub_cause_name
+    HAVING missed > 0
+)
 ORDER BY missed_tokens DESC, tenant_id, cause, sub_cause

@@ -14,52 +14,41 @@
 -- returns: vllm_query_tokens Nullable(UInt64) | Δ vllm:prefix_cache_queries_total summed over engines, tokens
 -- returns: vllm_token_weighted_hit_rate Nullable(Float64) | vllm_hit_tokens / vllm_query_tokens, fraction 0..1
 -- returns: kv_cache_usage Nullable(Float64) | vllm:kv_cache_usage_perc (older: vllm:gpu_cache_usage_perc), latest sample in the window, mean over engines, fraction 0..1 of KV blocks held by running requests (cached free blocks count as free)
--- returns: engines UInt64 | distinct engine labels (data-parallel ranks) on vllm: samples in the window (1 when none carries the label, as in vLLM V0)
+-- returns: engines UInt64 | distinct engine labels (data-parallel ranks) on vLLM's series in the window (1 when none carries the label, as in vLLM V0)
 -- returns: block_size Nullable(UInt32) | vllm:cache_config_info block_size label, tokens per KV block
 -- returns: enable_prefix_caching String | vllm:cache_config_info label ('' if not scraped)
 -- returns: prefix_caching_hash_algo String | vllm:cache_config_info label ('' if not scraped)
 -- returns: bytes_per_token Nullable(Float64) | kv_cache_memory_bytes / kv_cache_size_tokens from vllm:cache_config_info (vLLM >= 0.32), bytes per cached token
 -- returns: last_scrape_ts Nullable(DateTime64(3, 'UTC')) | latest vLLM sample of the pod in the window, UTC
 --
--- vllm_* columns: counter deltas from vllm_counter_deltas (sql/migrations/0006: resets, first samples, name
--- generations), summed per pod.
+-- Reads requests_rollup and vllm_rollup (sql/migrations/0012; vLLM counter increases computed by the collector,
+-- restarts handled, both name generations read) and vllm_cache_config (the latest labels up to `until`).
 WITH
     served AS
     (
-        SELECT CAST(pod AS String) AS pod_name,
-               countIf(status < 400 AND prompt_tokens > 0) AS requests,
-               countIf(status >= 400) AS errors,
-               sumIf(toUInt64(prompt_tokens), status < 400) AS prompt_tokens_sum,
-               sumIf(toUInt64(cached_tokens), status < 400) AS cached_tokens_sum
-        FROM gateway_requests
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({tenant:String} = '' OR tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR pod = {pod:String})
+        SELECT CAST(pod AS String) AS pod_name, sum(r.served) AS requests, sum(r.errors) AS errors,
+               sum(r.prompt_tokens) AS prompt_tokens_sum, sum(r.cached_tokens) AS cached_tokens_sum
+        FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1) AS r
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
         GROUP BY pod_name
     ),
-    counted AS
+    series AS
     (
         SELECT CAST(pod AS String) AS pod_name,
-               CAST(toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_hits_total'))) AS Nullable(UInt64))
-                   AS hit_tokens,
-               CAST(toUInt64(round(sumIf(delta, name = 'vllm:prefix_cache_queries_total'))) AS Nullable(UInt64))
-                   AS query_tokens
-        FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                                 pod = {pod:String},
-                                 counters = ['vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total'])
-        WHERE {tenant:String} = ''
-        GROUP BY pod_name
-    ),
-    scraped AS
-    (
-        SELECT CAST(pod AS String) AS pod_name,
-               -- engine '' (vLLM V0, or metrics without the label) counts only when no sample has one
-               greatest(uniqExactIf(engine, startsWith(name, 'vllm:') AND engine != ''),
-                        toUInt64(countIf(startsWith(name, 'vllm:')) > 0)) AS engines,
-               CAST(max(ts) AS Nullable(DateTime64(3, 'UTC'))) AS last_scrape_ts
-        FROM vllm_metric_samples
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
+               CAST(toUInt64(round(sumIf(increase, name IN ('vllm:prefix_cache_hits_total',
+                                                             'vllm:gpu_prefix_cache_hits_total'))))
+                    AS Nullable(UInt64)) AS hit_tokens,
+               CAST(toUInt64(round(sumIf(increase, name IN ('vllm:prefix_cache_queries_total',
+                                                             'vllm:gpu_prefix_cache_queries_total'))))
+                    AS Nullable(UInt64)) AS query_tokens,
+               greatest(uniqExactIf(engine, engine != ''), toUInt64(count() > 0)) AS engines,
+               CAST(max(last_ts) AS Nullable(DateTime64(3, 'UTC'))) AS last_scrape_ts
+        FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1,
+                         names = ['vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total',
+                                  'vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total',
+                                  'vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc',
+                                  'vllm:num_requests_running'])
+        WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
         GROUP BY pod_name
     ),
     usage AS
@@ -67,29 +56,26 @@ WITH
         SELECT pod_name, CAST(avg(latest) AS Nullable(Float64)) AS kv_cache_usage
         FROM
         (
-            SELECT CAST(pod AS String) AS pod_name, engine, argMax(value, ts) AS latest
-            FROM vllm_metric_samples
-            WHERE name IN ('vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc')
-              AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-              AND ({pod:String} = '' OR pod = {pod:String})
+            SELECT CAST(pod AS String) AS pod_name, engine, argMaxMerge(last_value) AS latest
+            FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1, names = ['vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc'])
+            WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
             GROUP BY pod_name, engine
         )
         GROUP BY pod_name
     ),
     config AS
     (
-        SELECT CAST(pod AS String) AS pod_name, argMax(labels, ts) AS config_labels
-        FROM vllm_metric_samples
-        WHERE name = 'vllm:cache_config_info'
-          AND ts >= {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({pod:String} = '' OR pod = {pod:String})
+        SELECT CAST(pod AS String) AS pod_name, argMax(labels, ts) AS config_labels,
+               argMax(block_size, ts) AS config_block_size, argMax(bytes_per_token, ts) AS config_bytes_per_token
+        FROM vllm_cache_config
+        WHERE ts < {until:DateTime64(3, 'UTC')} AND ({pod:String} = '' OR pod = {pod:String})
         GROUP BY pod_name
     ),
     pod_names AS
     (
-        SELECT pod_name FROM served
+        SELECT pod_name FROM served WHERE requests + errors > 0
         UNION DISTINCT
-        SELECT pod_name FROM scraped WHERE {tenant:String} = ''
+        SELECT pod_name FROM series WHERE {tenant:String} = ''
     )
 SELECT
     p.pod_name AS pod,
@@ -102,17 +88,16 @@ SELECT
     c.query_tokens AS vllm_query_tokens,
     if(c.query_tokens > 0, c.hit_tokens / c.query_tokens, NULL) AS vllm_token_weighted_hit_rate,
     u.kv_cache_usage AS kv_cache_usage,
-    sc.engines AS engines,
-    toUInt32OrNull(cf.config_labels['block_size']) AS block_size,
+    c.engines AS engines,
+    if(cf.config_block_size > 0, CAST(cf.config_block_size AS Nullable(UInt32)), NULL) AS block_size,
     cf.config_labels['enable_prefix_caching'] AS enable_prefix_caching,
     cf.config_labels['prefix_caching_hash_algo'] AS prefix_caching_hash_algo,
-    toFloat64OrNull(cf.config_labels['kv_cache_memory_bytes'])
-        / nullIf(toFloat64OrNull(cf.config_labels['kv_cache_size_tokens']), 0) AS bytes_per_token,
-    sc.last_scrape_ts AS last_scrape_ts
+    if(toFloat64OrZero(cf.config_labels['kv_cache_size_tokens']) > 0, cf.config_bytes_per_token, NULL)
+        AS bytes_per_token,
+    c.last_scrape_ts AS last_scrape_ts
 FROM pod_names AS p
 LEFT JOIN served AS s ON p.pod_name = s.pod_name
-LEFT JOIN counted AS c ON p.pod_name = c.pod_name
-LEFT JOIN scraped AS sc ON p.pod_name = sc.pod_name
+LEFT JOIN series AS c ON p.pod_name = c.pod_name
 LEFT JOIN usage AS u ON p.pod_name = u.pod_name
 LEFT JOIN config AS cf ON p.pod_name = cf.pod_name
 ORDER BY pod

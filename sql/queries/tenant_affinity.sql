@@ -16,74 +16,40 @@
 -- returns: tenant_cache_affinity Nullable(Float64) | same_pod_tokens / predecessor_tokens, fraction 0..1; NULL when no request has a predecessor
 -- returns: pods UInt64 | distinct pods that served the tenant
 --
--- A request's predecessor (DESIGN.md, tenant_cache_affinity): the one miss_attribution names
--- (predecessor_request_id / predecessor_pod) when it names one; else the previous served request of the
--- same agent run, else of the same conversation; else the previous request with the same
--- prompt_fingerprint (any tenant: a shared prefix is shared whoever sent it). Requests up to one day
--- before `since` are read so that a request early in the window still finds its predecessor.
+-- A request's predecessor is the one the attribution job named (docs/miss-causes.md); affinity counts those
+-- that share the prefix: the previous turn of the conversation or agent run, or the same prompt_fingerprint.
+-- Reads requests_rollup and affinity_rollup (sql/migrations/0012), sign-weighted, exact.
 WITH
-    served AS
+    traffic AS
     (
-        SELECT
-            request_id, ts, CAST(tenant_id AS String) AS tenant, CAST(pod AS String) AS served_pod, prompt_tokens,
-            cached_tokens,
-            multiIf(agent_run_id != '', concat('run:', agent_run_id),
-                    conversation_id != '', concat('conv:', conversation_id), '') AS thread,
-            prompt_fingerprint
-        FROM served_requests(since = {since:DateTime64(3, 'UTC')} - INTERVAL 1 DAY, until = {until:DateTime64(3, 'UTC')},
-                             tenant = '', pod = '')
+        SELECT CAST(tenant_id AS String) AS tenant, sum(served) AS requests, sum(prompt_tokens) AS prompt_sum,
+               sum(cached_tokens) AS cached_sum, sum(hit_ratio_sum) AS ratio_sum,
+               uniqExactIf(pod, served > 0) AS pod_count
+        FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        GROUP BY tenant
+        HAVING requests > 0
     ),
-    threaded AS
+    affinity AS
     (
-        SELECT *,
-            if(thread != '' AND row_number() OVER by_thread > 1, lagInFrame(served_pod) OVER by_thread, '')
-                AS thread_predecessor_pod,
-            if(prompt_fingerprint != '' AND row_number() OVER by_fingerprint > 1,
-               lagInFrame(served_pod) OVER by_fingerprint, '') AS fingerprint_predecessor_pod
-        FROM served
-        WINDOW
-            by_thread AS (PARTITION BY tenant, thread ORDER BY ts, request_id
-                          ROWS BETWEEN 1 PRECEDING AND CURRENT ROW),
-            by_fingerprint AS (PARTITION BY prompt_fingerprint ORDER BY ts, request_id
-                               ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
-    ),
-    attributed AS
-    (
-        -- the current answer's predecessor (its request_attribution rows sum to sign +1; sql/migrations/0009)
-        SELECT request_id, any(CAST(predecessor_pod AS String)) AS attributed_predecessor_pod
-        FROM request_attribution
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND predecessor_pod != ''
-        GROUP BY request_id, ts, version
-        HAVING sum(sign) > 0
-    ),
-    requests AS
-    (
-        SELECT
-            t.tenant AS tenant, t.served_pod AS served_pod, t.prompt_tokens AS request_prompt_tokens,
-            t.cached_tokens AS request_cached_tokens,
-            multiIf(a.attributed_predecessor_pod != '', a.attributed_predecessor_pod,
-                    t.thread_predecessor_pod != '', t.thread_predecessor_pod,
-                    t.fingerprint_predecessor_pod) AS predecessor_pod
-        FROM threaded AS t
-        LEFT JOIN attributed AS a ON t.request_id = a.request_id
-        WHERE t.ts >= {since:DateTime64(3, 'UTC')}
-          AND ({tenant:String} = '' OR t.tenant = {tenant:String})
-          AND ({pod:String} = '' OR t.served_pod = {pod:String})
+        SELECT CAST(tenant_id AS String) AS tenant, sum(with_predecessor) AS with_pred,
+               sum(predecessor_tokens) AS pred_tokens, sum(same_pod_tokens) AS same_tokens
+        FROM affinity_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        GROUP BY tenant
     )
 SELECT
-    tenant AS tenant_id,
-    count() AS requests,
-    sum(toUInt64(request_prompt_tokens)) AS prompt_tokens,
-    sum(toUInt64(request_cached_tokens)) AS cached_tokens,
-    if(prompt_tokens > 0, cached_tokens / prompt_tokens, NULL) AS token_weighted_hit_rate,
-    CAST(avg(request_cached_tokens / request_prompt_tokens) AS Nullable(Float64)) AS request_weighted_hit_rate,
-    countIf(predecessor_pod != '') AS requests_with_predecessor,
-    sumIf(toUInt64(request_prompt_tokens), predecessor_pod != '') AS predecessor_tokens,
-    sumIf(toUInt64(request_prompt_tokens), predecessor_pod != '' AND predecessor_pod = served_pod)
-        AS same_pod_tokens,
+    t.tenant AS tenant_id,
+    t.requests AS requests,
+    t.prompt_sum AS prompt_tokens,
+    t.cached_sum AS cached_tokens,
+    if(t.prompt_sum > 0, t.cached_sum / t.prompt_sum, NULL) AS token_weighted_hit_rate,
+    if(t.requests > 0, t.ratio_sum / t.requests, NULL) AS request_weighted_hit_rate,
+    toUInt64(greatest(a.with_pred, 0)) AS requests_with_predecessor,
+    toUInt64(greatest(a.pred_tokens, 0)) AS predecessor_tokens,
+    toUInt64(greatest(a.same_tokens, 0)) AS same_pod_tokens,
     if(predecessor_tokens > 0, same_pod_tokens / predecessor_tokens, NULL) AS tenant_cache_affinity,
-    uniqExact(served_pod) AS pods
-FROM requests
-GROUP BY tenant
-ORDER BY tenant
+    t.pod_count AS pods
+FROM traffic AS t
+LEFT JOIN affinity AS a ON t.tenant = a.tenant
+ORDER BY tenant_id

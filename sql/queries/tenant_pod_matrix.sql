@@ -11,20 +11,18 @@
 -- returns: prompt_tokens UInt64 | Σ prompt tokens, tokens
 -- returns: cached_tokens UInt64 | Σ cached tokens, tokens
 -- returns: token_weighted_hit_rate Nullable(Float64) | cached_tokens / prompt_tokens, fraction 0..1
+--
+-- Reads requests_rollup (sql/migrations/0012).
 SELECT
-    tenant AS tenant_id,
-    served_pod AS pod,
-    count() AS requests,
-    sum(toUInt64(greatest(toInt64(request_prompt_tokens) - toInt64(suffix_tokens), 0))) AS prefix_tokens,
-    sum(toUInt64(request_prompt_tokens)) AS prompt_tokens,
-    sum(toUInt64(request_cached_tokens)) AS cached_tokens,
+    CAST(tenant_id AS String) AS tenant_id,
+    CAST(pod AS String) AS pod,
+    sum(served) AS requests,
+    sum(prefix_tokens) AS prefix_tokens,
+    sum(prompt_tokens) AS prompt_tokens,
+    sum(cached_tokens) AS cached_tokens,
     if(prompt_tokens > 0, cached_tokens / prompt_tokens, NULL) AS token_weighted_hit_rate
-FROM
-(
-    SELECT CAST(tenant_id AS String) AS tenant, CAST(pod AS String) AS served_pod, prompt_tokens AS request_prompt_tokens,
-           cached_tokens AS request_cached_tokens, suffix_tokens
-    FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                         tenant = {tenant:String}, pod = {pod:String})
-)
-GROUP BY tenant, served_pod
-ORDER BY tenant, served_pod
+FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
+WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+GROUP BY tenant_id, pod
+HAVING requests > 0
+ORDER BY tenant_id, pod

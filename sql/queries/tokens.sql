@@ -13,44 +13,38 @@
 -- returns: prefill_computed_tokens Nullable(UInt64) | prefix_cache_miss_tokens: prompt tokens the pod computed (prompt - cached), tokens; NULL for vllm
 -- returns: decode_tokens UInt64 | decode_tokens_total: completion (generated) tokens, tokens
 --
--- vLLM counters: the deltas of vllm_counter_deltas (sql/migrations/0006: a drop or a change of the counter's
--- _created sample is a restart, the first sample of a series contributes nothing). vllm:prompt_tokens_total
--- counts a prompt when its prefill finishes, the gateway when the response arrives: short buckets can differ.
-WITH
-    served AS
-    (
-        SELECT ts, prompt_tokens AS request_prompt_tokens, cached_tokens AS request_cached_tokens,
-               completion_tokens AS request_completion_tokens
-        FROM served_requests(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                             tenant = {tenant:String}, pod = {pod:String})
-    )
+-- Reads the rollups (sql/migrations/0012): exact sums at minute resolution, whole hours from the hour tables.
+-- vLLM: the counter increases the collector computed between consecutive scrapes of each series (restarts
+-- handled there; docs/scale.md), stamped at the later scrape; older vLLM's vllm:gpu_prefix_cache_* names are
+-- read too (the collector keeps only one generation per scrape).
+-- vllm:prompt_tokens_total counts a prompt when its prefill finishes, the gateway when the response arrives:
+-- short buckets can differ.
 SELECT *
 FROM
 (
     SELECT
-        toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        toDateTime64(toStartOfInterval(t, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
         'gateway' AS source,
-        CAST(count() AS Nullable(UInt64)) AS requests,
-        sum(toUInt64(request_prompt_tokens)) AS prompt_tokens,
-        CAST(sum(toUInt64(request_cached_tokens)) AS Nullable(UInt64)) AS cached_tokens,
-        CAST(sum(toUInt64(greatest(toInt64(request_prompt_tokens) - toInt64(request_cached_tokens), 0)))
-             AS Nullable(UInt64)) AS prefill_computed_tokens,
-        sum(toUInt64(request_completion_tokens)) AS decode_tokens
-    FROM served
+        CAST(sum(r.served) AS Nullable(UInt64)) AS requests,
+        sum(r.prompt_tokens) AS prompt_tokens,
+        CAST(sum(r.cached_tokens) AS Nullable(UInt64)) AS cached_tokens,
+        CAST(sum(r.prompt_tokens) - sum(r.cached_tokens) AS Nullable(UInt64)) AS prefill_computed_tokens,
+        sum(r.completion_tokens) AS decode_tokens
+    FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0)) AS r
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
     GROUP BY bucket
+    HAVING sum(r.served) > 0
     UNION ALL
     SELECT
-        toDateTime64(toStartOfInterval(ts, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
+        toDateTime64(toStartOfInterval(t, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
         'vllm' AS source,
         CAST(NULL AS Nullable(UInt64)) AS requests,
-        toUInt64(round(sumIf(delta, name = 'vllm:prompt_tokens_total'))) AS prompt_tokens,
+        toUInt64(round(sumIf(increase, name = 'vllm:prompt_tokens_total'))) AS prompt_tokens,
         CAST(NULL AS Nullable(UInt64)) AS cached_tokens,
         CAST(NULL AS Nullable(UInt64)) AS prefill_computed_tokens,
-        toUInt64(round(sumIf(delta, name = 'vllm:generation_tokens_total'))) AS decode_tokens
-    FROM vllm_counter_deltas(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                             pod = {pod:String},
-                             counters = ['vllm:prompt_tokens_total', 'vllm:generation_tokens_total'])
-    WHERE {tenant:String} = ''
+        toUInt64(round(sumIf(increase, name = 'vllm:generation_tokens_total'))) AS decode_tokens
+    FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0), names = ['vllm:prompt_tokens_total', 'vllm:generation_tokens_total'])
+    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
     GROUP BY bucket
 )
 ORDER BY bucket, source

@@ -1,0 +1,206 @@
+"""Miss-cause attribution over whole columns (the attribution job's hot path): the rules of
+:func:`ingest.attribution.judge`, applied to a chunk of requests at once with numpy, so a core attributes
+~10^5 requests per second instead of ~10^4. :mod:`ingest.attribution` stays the readable reference; a test
+checks that both give the same answer for every request of random traffic.
+
+Input: one polars DataFrame, a row per target request with its own :data:`ingest.attribution.REQUEST_FIELDS`
+and its chosen predecessor's fields prefixed ``p_`` (null when it has none), ``predecessor_kind`` ("" when
+none) and ``block_size`` (tokens per KV block of its pod). Output: :func:`judge_frame` returns the verdict
+columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from ingest.attribution import (
+    BELOW_BLOCK,
+    COLD,
+    EVICTED,
+    EVICTED_BEFORE_NEXT_TURN,
+    PREFIX_DRIFT,
+    PREVIOUS_TURN,
+    ROUTED_AWAY,
+    STABLE_SEGMENTS,
+    UNAVOIDABLE,
+    UNKNOWN,
+)
+
+_HASHES = [s.hash_field for s in STABLE_SEGMENTS]
+_TOKENS = [s.tokens_field for s in STABLE_SEGMENTS] + ["suffix_tokens"]
+HISTORY = 3
+
+
+def _i(df: pl.DataFrame, col: str) -> np.ndarray:
+    """An integer column as int64, nulls and negatives as 0 (the reference's ``_int``)."""
+    return np.maximum(df[col].fill_null(0).cast(pl.Int64).to_numpy(), 0)
+
+
+def _eq(df: pl.DataFrame, a: str, b: str) -> np.ndarray:
+    """Elementwise string equality, null read as "" (the reference's ``_str``)."""
+    return (df[a].fill_null("") == df[b].fill_null("")).to_numpy()
+
+
+def _nonempty(df: pl.DataFrame, col: str) -> np.ndarray:
+    return (df[col].fill_null("") != "").to_numpy()
+
+
+def _full(tokens: np.ndarray, block: np.ndarray) -> np.ndarray:
+    return np.maximum(tokens, 0) // block * block
+
+
+def _offsets(df: pl.DataFrame, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segment boundaries scaled to prompt_tokens (shape (n, 6)) and a mask of rows with segment counts."""
+    counts = np.stack([_i(df, c) for c in _TOKENS], axis=1)
+    total = counts.sum(axis=1)
+    cum = np.concatenate([np.zeros((len(df), 1), dtype=np.int64), np.cumsum(counts, axis=1)], axis=1)
+    safe = np.where(total == 0, 1, total)
+    return cum * prompt[:, None] // safe[:, None], total > 0
+
+
+def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.ndarray,
+            prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(S, drift sub-cause or "", W) per row, as :func:`ingest.attribution.shared_prefix` computes them."""
+    n = len(df)
+    cap = np.minimum(prompt, _i(df, "p_prompt_tokens"))
+    raw_eq = [_eq(df, h, "p_" + h) for h in _HASHES]
+    var_eq = [_nonempty(df, s.variant_field) & _eq(df, s.variant_field, "p_" + s.variant_field)
+              if s.variant_field else np.zeros(n, dtype=bool) for s in STABLE_SEGMENTS]
+    continues = prev_turn & _eq(df, "prev_history_hash", "p_history_prefix_hash")
+    suffix_eq = _eq(df, "suffix_hash", "p_suffix_hash")
+    tail = np.where(suffix_eq, prompt, off[:, HISTORY + 1])
+    shift = sum(_i(df, s.tokens_field) - _i(df, "p_" + s.tokens_field) for s in STABLE_SEGMENTS[:HISTORY])
+    continued_end = np.minimum(prompt, _i(df, "p_prompt_tokens") + shift)
+
+    first = np.full(n, len(STABLE_SEGMENTS))  # first segment whose raw hash differs (4 = none)
+    for i in range(len(STABLE_SEGMENTS) - 1, -1, -1):
+        first = np.where(~raw_eq[i], i, first)
+    s_out = np.minimum(cap, tail)
+    drift = np.full(n, "", dtype=object)
+    w_out = s_out.copy()
+
+    hist = first == HISTORY
+    s_out = np.where(hist & continues, cap, s_out)
+    w_out = np.where(hist & continues, cap, w_out)
+    other_kind = hist & ~continues & ~prev_turn
+    s_out = np.where(other_kind, np.minimum(cap, off[:, HISTORY]), s_out)
+    w_out = np.where(other_kind, np.minimum(cap, off[:, HISTORY]), w_out)
+
+    drifted = (first < HISTORY) | (hist & ~continues & prev_turn)
+    d = np.minimum(cap, off[np.arange(n), np.minimum(first, HISTORY)])
+    for i, seg in enumerate(STABLE_SEGMENTS):
+        at = drifted & (first == i)
+        name = seg.reordered if seg.variant_field else seg.changed
+        drift[at] = np.where(var_eq[i][at], name, seg.changed) if seg.variant_field else seg.changed
+    w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off)
+    s_out = np.where(drifted, d, s_out)
+    w_out = np.where(drifted, np.maximum(d, w), w_out)
+    return np.where(has_pred, s_out, 0), np.where(has_pred, drift, ""), np.where(has_pred, w_out, 0)
+
+
+def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq: list[np.ndarray],
+                            continues: np.ndarray, continued_end: np.ndarray, tail: np.ndarray,
+                            off: np.ndarray) -> np.ndarray:
+    """W: from the segment after the first change, the end of the run of raw-equal or nameably-changed
+    segments (a continued history reaches the predecessor's whole prompt)."""
+    n = len(first)
+    out = tail.copy()
+    done = np.zeros(n, dtype=bool)
+    for j in range(1, len(STABLE_SEGMENTS)):
+        active = (j > first) & ~done
+        if j == HISTORY:
+            stop = active & ~raw_eq[j]
+            out = np.where(stop, np.where(continues, continued_end, off[:, j]), out)
+        else:
+            stop = active & ~raw_eq[j] & ~var_eq[j]
+            out = np.where(stop, off[:, j], out)
+        done |= stop
+    return out
+
+
+def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np.ndarray, has_counts: np.ndarray,
+           has_pred: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray,
+           reuse: np.ndarray, reuse_sub: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(tokens, cause, sub_cause) per zone, in prompt order, as :func:`ingest.attribution.split_missed_tokens`."""
+    last = _full(prompt - 1, block)
+    n = len(prompt)
+    s = np.minimum(np.maximum(s, 0), prompt)
+    below = has_pred & (s > 0) & (s < block)
+    r = _full(np.minimum(s, prompt - 1), block)
+    r = np.where((r - block <= cached) & (cached < r), cached, r)
+    end1 = np.where(~has_counts, last, np.where(~has_pred, _full(np.minimum(stable, prompt - 1), block),
+                                                np.where(below, np.minimum(s, prompt - 1), r)))
+    cause1 = np.where(~has_counts, UNKNOWN, np.where(~has_pred, COLD, np.where(below, BELOW_BLOCK, reuse)))
+    sub1 = np.where(has_counts & has_pred & ~below, reuse_sub, "")
+    has_drift = has_counts & has_pred & (drift != "")
+    end2 = np.where(has_drift, _full(np.minimum(w, prompt - 1), block), 0)
+    out = []
+    start = np.zeros(n, dtype=np.int64)
+    for end, cause, sub in ((end1, cause1, sub1), (end2, np.full(n, PREFIX_DRIFT, dtype=object), drift),
+                            (prompt, np.full(n, UNAVOIDABLE, dtype=object), np.full(n, "", dtype=object))):
+        end = np.maximum(start, end)
+        out.append((np.maximum(0, end - np.maximum(start, cached)), cause, sub))
+        start = end
+    return out
+
+
+def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable: np.ndarray, over: np.ndarray,
+           missed: np.ndarray) -> tuple[pa.ListArray, pa.ListArray, pa.ListArray]:
+    """The zones as three Arrow list columns (causes, sub_causes, missed_tokens), empty zones left out, built
+    from flat arrays and offsets (no per-row Python). A request whose cached tokens exceed what vLLM can hit
+    at its block size gets one ``unknown`` entry with all its missed tokens."""
+    n = len(missed)
+    tok = np.stack([z[0] for z in zones], axis=1)
+    cause = np.stack([z[1] for z in zones], axis=1)
+    sub = np.stack([z[2] for z in zones], axis=1)
+    tok[~attributable] = 0
+    tok[over] = 0
+    tok[over, 0] = missed[over]
+    cause[over, 0], sub[over, 0] = UNKNOWN, ""
+    keep = tok > 0
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(keep.sum(axis=1), out=offsets[1:])
+    return (pa.ListArray.from_arrays(offsets, pa.array(cause[keep], type=pa.string())),
+            pa.ListArray.from_arrays(offsets, pa.array(sub[keep], type=pa.string())),
+            pa.ListArray.from_arrays(offsets, pa.array(tok[keep], type=pa.uint32())))
+
+
+def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
+    """Verdict columns for every row of ``df`` (see the module docstring), as lists/arrays keyed by
+    :data:`ingest.attribution.VERDICT_COLUMNS`. Pure; raises only on a frame that lacks a column."""
+    n = len(df)
+    prompt, cached = _i(df, "prompt_tokens"), _i(df, "cached_tokens")
+    block = np.maximum(_i(df, "block_size"), 1)
+    served = (df["status"].fill_null(0).cast(pl.Int64).to_numpy() < 400)
+    kind = df["predecessor_kind"].fill_null("").to_numpy().astype(object)
+    attributable = served & (prompt > cached)
+    off, has_counts = _offsets(df, prompt)
+    named = served & (kind != "")
+    # without segment counts no predecessor rule can be checked: an attributable request then has none
+    has_pred_out = named & (has_counts | ~attributable)
+    has_pred = named & has_counts
+    prev_turn = has_pred & (kind == PREVIOUS_TURN)
+    s, drift, w = _shared(df, prompt, off, has_pred, prev_turn)
+    same_pod = _eq(df, "pod", "p_pod")
+    reuse = np.where(same_pod, EVICTED, ROUTED_AWAY).astype(object)
+    reuse_sub = np.where(same_pod & prev_turn, EVICTED_BEFORE_NEXT_TURN, "").astype(object)
+    zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, reuse, reuse_sub)
+    over = attributable & (cached > _full(prompt - 1, block))
+    causes, subs, tokens = _lists(zones, attributable, over, prompt - cached)
+    ts_ms = df["ts"].dt.epoch("ms").to_numpy()
+    p_ts_ms = df["p_ts"].dt.epoch("ms").fill_null(0).to_numpy()
+    p_e2e = df["p_e2e_ms"].fill_null(0.0).to_numpy()
+    gap = np.where(has_pred_out, (ts_ms - p_ts_ms).astype(np.float64) - p_e2e, np.nan)
+    return {
+        "request_id": df["request_id"].to_list(), "ts": df["ts"], "tenant_id": df["tenant_id"].to_list(),
+        "pod": df["pod"].to_list(), "model": df["model"].to_list(), "prompt_tokens": prompt, "cached_tokens": cached,
+        "predecessor_request_id": np.where(has_pred_out, df["p_request_id"].fill_null("").to_numpy(), "").tolist(),
+        "predecessor_pod": np.where(has_pred_out, df["p_pod"].fill_null("").to_numpy(), "").tolist(),
+        "predecessor_kind": np.where(has_pred_out, kind, "").tolist(),
+        "gap_ms": [None if np.isnan(g) else float(g) for g in gap],
+        "block_size": _i(df, "block_size"), "causes": causes, "sub_causes": subs, "missed_tokens": tokens,
+    }
