@@ -45,6 +45,8 @@ WRITE_COLUMNS = (*VERDICT_COLUMNS, "attributed_at", "sign", "version")
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
                      "(new = first answer, changed = a late or corrected input changed it)", ["why"])
 UNCHANGED = Counter("kvscope_attribution_unchanged", "Successors re-examined whose answer stayed the same")
+#: Serialises runs in this process: the job is the only writer of request_attribution (see the docstring).
+_WRITER = threading.Lock()
 WATERMARK_LAG = Gauge("kvscope_attribution_lag_seconds", "Server time minus the attribution watermark")
 
 
@@ -257,6 +259,7 @@ def _write(store: Store, verdicts: list[Verdict], attributed_at: datetime) -> in
 
 
 def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_seconds: float = 300.0,
+                    stop: threading.Event | None = None,
                     horizon_seconds: float = attribution.DEFAULT_HORIZON_SECONDS,
                     default_block_size: int = attribution.DEFAULT_BLOCK_SIZE, chunk_size: int = 20_000) -> RunStats:
     """One run: answer every request ingested up to (store clock − ``settle_seconds``) that has no answer,
@@ -266,8 +269,16 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
     the last run but visible only after it); only unanswered ones are picked, so the overlap costs a query,
     not work. ``horizon_seconds``: the furthest back a predecessor may lie. ``chunk_size``: arrivals per
     chunk (memory bound). Raises :class:`~ingest.errors.StoreUnavailable` (retry later) or other
-    :class:`~ingest.errors.KvscopeError`; a failed run leaves the watermark and is safe to repeat.
+    :class:`~ingest.errors.KvscopeError`; a failed run leaves the watermark and is safe to repeat. ``stop``:
+    checked between chunks (a run over a big backlog stops early, leaving the watermark). Runs in one process
+    are serialised (one writer).
     """
+    with _WRITER:  # one writer: a final run at shutdown waits for the loop's run, never races it
+        return _run(store, settle_seconds, overlap_seconds, stop, horizon_seconds, default_block_size, chunk_size)
+
+
+def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
+         horizon_seconds: float, default_block_size: int, chunk_size: int) -> RunStats:
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
@@ -297,6 +308,8 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                          stats.examined + len(successors), stats.chunks + 1)
         if len(arrivals) < chunk_size:
             break
+        if stop is not None and stop.is_set():  # between chunks: the watermark stays, the next run resumes
+            return stats
     store.insert("attribution_watermark", [(JOB_NAME, upto, now)], ["job", "ingested_through", "updated_at"])
     WATERMARK_LAG.set((now - upto).total_seconds())
     if stats.arrivals:
@@ -307,7 +320,7 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
 
 def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds: float = 5.0,
                      **job_kwargs: Any) -> None:
-    """Run :func:`run_attribution` every ``interval_seconds`` until ``stop_event`` is set (a background thread
+    """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is set (a background thread
     in the embedded mode). ``job_kwargs`` are passed on.
 
     A store outage is logged as a warning and retried next interval; any other error is logged (ERROR: an
@@ -315,7 +328,7 @@ def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds
     """
     while not stop_event.is_set():
         try:
-            run_attribution(store, **job_kwargs)
+            run_attribution(store, stop=stop_event, **job_kwargs)
         except RetryableError as exc:
             log.warning("miss attribution: store unavailable, retrying in %.1f s: %s", interval_seconds, exc)
         except KvscopeError as exc:
