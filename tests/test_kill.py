@@ -62,7 +62,7 @@ def settle_and_stop(up: UpProcess, kafka: bool) -> None:
         assert up.alive(), f"kvscope up died; see {up.log_path}"
         streak = streak + 1 if caught_up(up, kafka) else 0
         time.sleep(1.0)
-    assert up.term() == 0, f"kvscope up did not stop cleanly; see {up.log_path}"
+    assert up.term(timeout=900) == 0, f"kvscope up did not stop cleanly; see {up.log_path}"
 
 
 def check_exact(result: dict[str, Any], n: int) -> None:
