@@ -10,126 +10,48 @@ once (``kvscope import gateway-log``).
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+
+import msgspec
 
 from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, GatewayRequest, envelope
 from collector.file_tail import Chunk, FileFollower, Position
+from collector.gateway_record import BadRecord, decode_record, ts_ms
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 MAX_RAW = 64 * 1024
 
-#: Fields the ingester needs with their JSON types; the rest of the schema is optional on read.
-REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "request_id": str,
-    "ts": str,
-    "prompt_tokens": int,
-    "cached_tokens": int,
-}
-#: Integer fields and their largest value (the ClickHouse column types of gateway_requests).
-INT_FIELDS = {
-    "prompt_tokens": 2**32 - 1,
-    "cached_tokens": 2**32 - 1,
-    "completion_tokens": 2**32 - 1,
-    "status": 2**16 - 1,
-    "system_tokens": 2**32 - 1,
-    "tools_tokens": 2**32 - 1,
-    "retrieval_tokens": 2**32 - 1,
-    "history_tokens": 2**32 - 1,
-    "suffix_tokens": 2**32 - 1,
-}
-FLOAT_FIELDS = ("ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms")
-STR_FIELDS = (
-    "tenant_id",
-    "conversation_id",
-    "agent_run_id",
-    "model",
-    "pod",
-    "endpoint",
-    "routing_policy",
-    "routing_reason",
-    "error",
-)
-
-
-class BadRecord(ValueError):
-    """A log line that is not a usable gateway record; the message is the dead-letter reason."""
-
 
 def parse_ts_ms(ts: str) -> int:
-    """RFC 3339 timestamp (``2026-11-29T12:00:00.123Z``) → unix ms. Raises :class:`BadRecord`."""
+    """RFC 3339 timestamp (``2026-11-29T12:00:00.123Z``) → unix ms (truncated). Raises :class:`BadRecord`."""
     try:
-        dt = datetime.fromisoformat(ts.replace("Z", "+00:00"))
+        dt = datetime.fromisoformat(ts)
     except ValueError as exc:
         raise BadRecord(f"ts {ts!r} is not an RFC 3339 timestamp") from exc
     if dt.tzinfo is None:
         raise BadRecord(f"ts {ts!r} has no time zone")
-    return int(dt.timestamp() * 1000)
+    return (dt - _EPOCH) // timedelta(milliseconds=1)
 
 
-def validate_record(obj: Any) -> dict[str, Any]:
-    """Check one decoded line; returns it unchanged. Raises :class:`BadRecord` with the reason."""
-    if not isinstance(obj, dict):
-        raise BadRecord(f"line is JSON {type(obj).__name__}, not an object")
-    for key, typ in REQUIRED.items():
-        if key not in obj:
-            raise BadRecord(f"missing field {key}")
-        if not isinstance(obj[key], typ) or isinstance(obj[key], bool):
-            raise BadRecord(f"field {key} is {type(obj[key]).__name__}, expected {typ.__name__}")  # type: ignore[union-attr]
-    if not obj["request_id"]:
-        raise BadRecord("empty request_id")
-    for key, top in INT_FIELDS.items():
-        v = obj.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top):
-            raise BadRecord(f"field {key} must be an integer in [0, {top}], got {str(v)[:40]}")
-    for key in FLOAT_FIELDS:
-        v = obj.get(key)
-        if v is not None and (
-            isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1e15 or not math.isfinite(v)
-        ):
-            raise BadRecord(f"field {key} must be a finite non-negative number of ms, got {str(v)[:40]}")
-    for key in STR_FIELDS:
-        v = obj.get(key)
-        if v is not None and not isinstance(v, str):
-            raise BadRecord(f"field {key} must be a string, got {type(v).__name__}")
-    if "stream" in obj and not isinstance(obj["stream"], bool):
-        raise BadRecord(f"field stream must be true or false, got {str(obj['stream'])[:40]}")
-    if obj["cached_tokens"] > obj["prompt_tokens"]:
-        raise BadRecord(f"cached_tokens {obj['cached_tokens']} exceeds prompt_tokens {obj['prompt_tokens']}")
-    if not 946684800000 <= parse_ts_ms(obj["ts"]) < 4102444800000:
-        raise BadRecord(f"ts {obj['ts']!r} is outside 2000..2100")
+def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int) -> Envelope:
+    """One log line → a ``GatewayRequest`` envelope (its record as decoded by
+    :func:`collector.gateway_record.decode_record`), or a ``DeadLetter`` envelope with the reason."""
     try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except (UnicodeEncodeError, ValueError) as exc:
-        raise BadRecord(f"record is not valid UTF-8 text: {exc}") from exc
-    return obj
-
-
-def line_event(line: str, *, pod: str, source_file: str, offset: int) -> Envelope:
-    """One log line → a ``GatewayRequest`` envelope, or a ``DeadLetter`` envelope with the reason."""
-    now_ms = int(time.time() * 1000)
-    try:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadRecord(f"not JSON: {exc.msg} at column {exc.colno}") from exc
-        rec = validate_record(obj)
+        rec = decode_record(line)
+        record = msgspec.to_builtins(rec)
     except (BadRecord, RecursionError, OverflowError, UnicodeError) as exc:
-        dl = DeadLetter(source="gateway_log", reason=str(exc), raw=line[:MAX_RAW], location=f"{source_file}:{offset}")
-        return envelope(dl, pod=pod, natural_key=(source_file, offset, line[:256]), observed_at_ms=now_ms)
-    ev = GatewayRequest(record=rec, source_file=source_file, line_offset=offset)
+        text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+        dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW], location=f"{source_file}:{offset}")
+        return envelope(dl, pod=pod, natural_key=(source_file, offset, text[:256]),
+                        observed_at_ms=int(time.time() * 1000))
+    ev = GatewayRequest(record=record, source_file=source_file, line_offset=offset)
     # (request_id, ts): a re-read line keeps its id; a client reusing a request id does not collapse two requests
-    return envelope(
-        ev,
-        pod=str(rec.get("pod", pod)),
-        natural_key=(rec["request_id"], rec["ts"]),
-        observed_at_ms=parse_ts_ms(rec["ts"]),
-    )
+    return envelope(ev, pod=rec.pod or pod, natural_key=(rec.request_id, record["ts"]), observed_at_ms=ts_ms(rec))
 
 
 def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, str]], int]:

@@ -115,14 +115,10 @@ class Collector:
                     time.sleep(min(wait, 1.0))
 
     def _scrape_journal(self) -> ScrapeJournal:
-        """The scrape journal, loaded at first use; the outbox a previous run left (scrapes computed and
-        checkpointed, not acknowledged) is published before any new scrape."""
+        """The scrape journal, loaded at first use (:meth:`start`: a foreign checkpoint stops start-up).
+        Raises :class:`collector.checkpoint.CheckpointError`."""
         if self._journal is None:
             self._journal = ScrapeJournal(self.checkpoints, pods=[t.pod for t in self.targets])
-            events, ack = self._journal.recover()
-            if events:
-                log.info("re-publishing scrapes checkpointed before the last stop. envelopes=%d", len(events))
-                self._publish("vllm_metrics", events, ack)
         return self._journal
 
     def _scrape_one(self, client: httpx.Client, journal: ScrapeJournal, t: Target
@@ -141,6 +137,11 @@ class Collector:
         scrapes unacknowledged, the round scrapes nothing (counted as ``backlog``): the next scrape's
         increases cover the wait."""
         journal = self._scrape_journal()
+        recovered, ack = journal.recover()  # the outbox a previous run left, once: before any new scrape
+        if recovered:
+            log.info("re-publishing scrapes checkpointed before the last stop. envelopes=%d", len(recovered))
+            if not self._publish("vllm_metrics", recovered, ack):
+                return 0
         if self._scrape_pool is None:
             self._scrape_pool = ThreadPoolExecutor(max(1, min(128, len(self.targets))), "collector-scrape")
         limit = self.max_unacked_scrapes or 8 * max(1, len(self.targets))
@@ -257,6 +258,7 @@ class Collector:
         """Start one thread per source (the KV socket is bound here, so a bad endpoint fails at once)."""
         loops: list[tuple[str, Callable[[], None]]] = []
         if self.targets:
+            self._scrape_journal()
             loops.append(("scrape", self._scrape_loop))
         for path in self.gateway_logs:
             source = GatewayLogSource(path, self.checkpoints)

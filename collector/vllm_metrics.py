@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from collector.checkpoint import CheckpointStore
+from collector.checkpoint import CheckpointError, CheckpointStore
 from collector.events import DeadLetter, Envelope, SeriesSample, VllmScrape, envelope
 from collector.prom_text import parse
 
@@ -110,24 +110,27 @@ class ScrapeState:
     config_sent: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form for the checkpoint (lists, not tuples: ``[*key, value]``); computed once per state."""
+        """JSON-able form for the checkpoint, computed once per state: ``{"at": ms, "values": [[name, engine,
+        model_name, extra, {label value: value}], ...], "created": [[family, engine, model_name, label, extra,
+        created], ...], "cache_config": {...}}`` (series grouped: the buckets of a histogram share one entry)."""
         return self._json
 
     @cached_property
     def _json(self) -> dict[str, Any]:
-        return {"at": self.scraped_at_ms, "values": [[*k, v] for k, v in self.values.items()],
+        groups: dict[tuple[str, str, str, str], dict[str, float]] = {}
+        for (name, engine, model, label, extra), v in self.values.items():
+            groups.setdefault((name, engine, model, extra), {})[label] = v
+        return {"at": self.scraped_at_ms, "values": [[*k, g] for k, g in groups.items()],
                 "created": [[*k, v] for k, v in self.created.items()], "cache_config": self.cache_config}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> ScrapeState:
-        """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError on a foreign shape."""
-        return cls(int(obj["at"]), {_key(r): float(r[5]) for r in obj["values"]},
-                   {_key(r): float(r[5]) for r in obj["created"]},
-                   {str(e): {str(k): str(v) for k, v in lab.items()} for e, lab in obj["cache_config"].items()})
-
-
-def _key(r: list[Any]) -> SeriesKey:
-    return (str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
+        """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError/AttributeError on a foreign shape."""
+        values = {(str(name), str(engine), str(model), str(label), str(extra)): float(v)
+                  for name, engine, model, extra, group in obj["values"] for label, v in group.items()}
+        created = {(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])): float(r[5]) for r in obj["created"]}
+        config = {str(e): {str(k): str(v) for k, v in lab.items()} for e, lab in obj["cache_config"].items()}
+        return cls(int(obj["at"]), values, created, config)
 
 
 def _extra(labels: Mapping[str, str], label: str) -> str:
@@ -152,25 +155,28 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     gauges: list[SeriesSample] = []
     created: dict[SeriesKey, float] = {}
     config: dict[str, dict[str, str]] = {}
-    seen: set[tuple[str, SeriesKey]] = set()
+    seen: set[SeriesKey] = set()
     extras = False
+    isfinite = math.isfinite
     for name, labels, value in parsed.samples:
         kind, family, lname, created_has_label = SPECS[name]
-        engine = labels.get("engine", "")
-        model = labels.get("model_name", "")
+        engine = labels.get("engine")
+        model = labels.get("model_name")
         if kind == _INFO:
-            config[engine] = dict(labels)
+            config[engine or ""] = dict(labels)
             continue
-        lab = labels.get(lname, "") if lname else ""
-        n_known = ("engine" in labels) + ("model_name" in labels) + (lname in labels if lname else 0)
-        extra = _extra(labels, lname) if len(labels) > n_known else ""
-        extras = extras or bool(extra)
+        lab = labels.get(lname) if lname else None
+        extra = ""
+        if len(labels) > (engine is not None) + (model is not None) + (lab is not None):
+            extra = _extra(labels, lname)
+            extras = True
+        engine, model, lab = engine or "", model or "", lab or ""
         key = (name, engine, model, lab, extra)
-        if (name, key) in seen:
+        if key in seen:
             bad.append((_render(name, labels, value), "the same series twice in one scrape: the first is kept"))
             continue
-        seen.add((name, key))
-        if not math.isfinite(value):
+        seen.add(key)
+        if not isfinite(value):
             bad.append((_render(name, labels, value), "non-finite sample value (NaN/Inf) is not stored"))
         elif kind == _COUNTER:
             counters.append((name, engine, model, lab, extra, value,
@@ -319,8 +325,6 @@ class ScrapeJournal:
                 self._seq += 1
                 self._outbox[self._seq] = (pod, msgspec.convert(evs, list[Envelope]), evs)
         except (ValueError, TypeError, KeyError, AttributeError, msgspec.ValidationError) as exc:
-            from collector.checkpoint import CheckpointError
-
             raise CheckpointError(f"checkpoint key {self.KEY!r} of {store.path} is not a scrape journal: {exc}; "
                                   "remove that key to start over (every pod's next scrape is then a baseline)") from exc
         if pods is not None:

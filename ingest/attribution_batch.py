@@ -172,7 +172,6 @@ def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable:
 def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
     """Verdict columns for every row of ``df`` (see the module docstring), as lists/arrays keyed by
     :data:`ingest.attribution.VERDICT_COLUMNS`. Pure; raises only on a frame that lacks a column."""
-    n = len(df)
     prompt, cached = _i(df, "prompt_tokens"), _i(df, "cached_tokens")
     block = np.maximum(_i(df, "block_size"), 1)
     served = (df["status"].fill_null(0).cast(pl.Int64).to_numpy() < 400)

@@ -39,6 +39,7 @@ from ingest.attribution import (
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import judge_frame
+from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
 from ingest.store import Store
 
@@ -49,8 +50,8 @@ _FIELDS = (*attribution.REQUEST_FIELDS, "order_key")
 _SELECT = ", ".join(_FIELDS)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BETWEEN = "ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}"
-#: The rows of a staged set (attribution_stage): binding 10^5 ids as a parameter costs seconds of Python.
-_IN_SET = "(request_id, ts) IN (SELECT request_id, ts FROM attribution_stage WHERE set = {set:String})"
+#: The rows of a staged set (ingest.dedup.stage_keys): binding 10^5 ids as a parameter costs seconds of Python.
+_IN_SET = IN_STAGE
 WRITE_COLUMNS = (*VERDICT_COLUMNS, "attributed_at", "sign", "version")
 _KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attribution.PREVIOUS_TURN,
                KEY_FINGERPRINT: attribution.FINGERPRINT}
@@ -107,13 +108,7 @@ def _span(frame: pl.DataFrame, column: str = "ts") -> dict[str, Any]:
 
 
 def _stage(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:
-    """Put the (request_id, ts) of ``keys`` in attribution_stage as set ``name`` (replacing it); returns the
-    parameters that select it (set, lo, hi)."""
-    store.command("ALTER TABLE attribution_stage DELETE WHERE set = {set:String}", {"set": name})
-    staged = keys.select("request_id", pl.col("ts").dt.cast_time_unit("ms").dt.convert_time_zone("UTC")).unique()
-    store.insert_arrow("attribution_stage", staged.with_columns(pl.lit(name).alias("set"))
-                       .select("set", "request_id", "ts").to_arrow())
-    return {"set": name, **_span(keys)}
+    return stage_keys(store, f"attribution:{name}", keys)
 
 
 def _answered_through(store: Store) -> datetime | None:
@@ -122,25 +117,42 @@ def _answered_through(store: Store) -> datetime | None:
     return _utc(rows[0][0]) if rows and rows[0][1] else None
 
 
-def _arrivals(store: Store, since: datetime, upto: datetime, limit: int) -> pl.DataFrame:
-    """Up to ``limit`` requests ingested in (since, upto] that have no answer yet, oldest first."""
-    return store.query_df(
-        f"""
-        WITH arrived AS
-        (
-            SELECT request_id, ts FROM gateway_requests
-            WHERE ingested_at > {{since:DateTime64(3, 'UTC')}} AND ingested_at <= {{upto:DateTime64(3, 'UTC')}}
-        )
-        SELECT {_SELECT}
-        FROM gateway_requests
-        WHERE ingested_at > {{since:DateTime64(3, 'UTC')}} AND ingested_at <= {{upto:DateTime64(3, 'UTC')}}
-          AND (request_id, ts) NOT IN
-              (SELECT request_id, ts FROM request_attribution
-               WHERE ts >= (SELECT min(ts) FROM arrived) AND ts <= (SELECT max(ts) FROM arrived)
-                 AND request_id IN (SELECT request_id FROM arrived))
-        ORDER BY order_key
-        LIMIT {{limit:UInt32}}
-        """, {"since": since, "upto": upto, "limit": limit})
+_WINDOW = "ingested_at > {since:DateTime64(3, 'UTC')} AND ingested_at <= {upto:DateTime64(3, 'UTC')}"
+
+
+def _chunk_bounds(store: Store, since: datetime, upto: datetime, chunk_size: int) -> list[int]:
+    """order_key boundaries splitting the requests ingested in (since, upto] into chunks of about
+    ``chunk_size``: [b0, b1, ...] with chunk i = (b_i, b_i+1] (b0 below every key). One query, whatever the
+    window: the chunks are then read by key range, not by sorting the window again for each."""
+    n = store.query_rows(f"SELECT count() FROM gateway_requests WHERE {_WINDOW}", {"since": since, "upto": upto})[0][0]
+    if not n:
+        return []
+    k = max(1, -(-n // chunk_size))
+    levels = ", ".join(f"{i / k:.9f}" for i in range(1, k))
+    top = store.query_rows(f"SELECT max(order_key) FROM gateway_requests WHERE {_WINDOW}",
+                           {"since": since, "upto": upto})[0][0]
+    inner = []
+    if levels:
+        inner = store.query_rows(f"SELECT quantilesExactLow({levels})(order_key) FROM gateway_requests "
+                                 f"WHERE {_WINDOW}", {"since": since, "upto": upto})[0][0]
+    return [-1, *sorted(set(int(b) for b in inner)), int(top)]
+
+
+def _arrivals(store: Store, since: datetime, upto: datetime, lo: int, hi: int) -> pl.DataFrame:
+    """The requests ingested in (since, upto] with order_key in (lo, hi] that have no answer yet."""
+    frame = store.query_df(
+        f"SELECT {_SELECT} FROM gateway_requests WHERE {_WINDOW} "
+        "AND order_key > {lo:Int64} AND order_key <= {hi:UInt64} ORDER BY order_key",
+        {"since": since, "upto": upto, "lo": lo, "hi": hi})
+    if frame.is_empty():
+        return frame
+    answered = store.query_df(
+        f"SELECT request_id, ts FROM request_attribution WHERE {_IN_SET} AND {_BETWEEN}",
+        _stage(store, "chunk", frame))
+    if answered.is_empty():
+        return frame
+    return frame.join(answered.with_columns(pl.col("ts").dt.cast_time_unit("ms")), on=["request_id", "ts"],
+                      how="anti")
 
 
 def _requests(store: Store, keys: pl.DataFrame) -> pl.DataFrame:
@@ -335,10 +347,11 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     sizes = block_sizes(store)
     answered_through = _answered_through(store)
     stats = RunStats()
-    while upto > since:
-        arrivals = _arrivals(store, since, upto, chunk_size)
+    bounds = _chunk_bounds(store, since, upto, chunk_size) if upto > since else []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        arrivals = _arrivals(store, since, upto, lo, hi)
         if arrivals.is_empty():
-            break
+            continue
         # Only an arrival older than some answered request can have an answered successor (its successors
         # lie later): in-order traffic and bulk loads skip the successor query altogether.
         late = arrivals.filter(pl.col("ts") < answered_through) if answered_through else arrivals.clear()
@@ -363,8 +376,6 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         UNCHANGED.inc(len(successors) - changed)
         stats = RunStats(stats.arrivals + len(arrivals), stats.changed + changed,
                          stats.examined + len(successors), stats.chunks + 1)
-        if len(arrivals) < chunk_size:
-            break
         if stop is not None and stop.is_set():  # between chunks: the watermark stays, the next run resumes
             return stats
     store.insert("attribution_watermark", [(JOB_NAME, upto, now)], ["job", "ingested_through", "updated_at"])
@@ -377,8 +388,8 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
 
 def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds: float = 5.0,
                      **job_kwargs: Any) -> None:
-    """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is set (a background thread
-    in the embedded mode). ``job_kwargs`` are passed on.
+    """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is
+    set (a background thread in the embedded mode). ``job_kwargs`` are passed on.
 
     A store outage is logged as a warning and retried next interval; any other error is logged (ERROR: an
     operator must act) and the loop keeps going, so the thread never dies silently.

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import polars as pl
+
 from ingest.store import Store
 
 
@@ -93,3 +95,18 @@ def _present(store: Store, table: str, ident: Identity, rows: Sequence[tuple[Any
     cols = ", ".join(ident.columns)
     found = store.query_rows(f"SELECT DISTINCT {cols} FROM {table} WHERE {where}", params)
     return {tuple(_normal(v) for v in r) for r in found}
+
+
+def stage_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:
+    """Put the distinct (request_id, ts) of ``keys`` in table key_stage as set ``name``, replacing the set;
+    returns the query parameters that select it: ``set`` (use ``(request_id, ts) IN (SELECT request_id, ts
+    FROM key_stage WHERE set = {set:String})``), and ``lo``/``hi``, the ts range (to bound the other side).
+    Set names must be unique per writer (two writers sharing a name would see each other's keys)."""
+    store.command("ALTER TABLE key_stage DELETE WHERE set = {set:String}", {"set": name})
+    staged = keys.select("request_id", pl.col("ts").dt.cast_time_unit("ms").dt.convert_time_zone("UTC")).unique()
+    store.insert_arrow("key_stage", staged.with_columns(pl.lit(name).alias("set")).select("set", "request_id", "ts")
+                       .to_arrow())
+    return {"set": name, "lo": keys["ts"].min(), "hi": keys["ts"].max()}
+
+
+IN_STAGE = "(request_id, ts) IN (SELECT request_id, ts FROM key_stage WHERE set = {set:String})"

@@ -83,19 +83,23 @@ class Store:
     Raises :class:`StoreUnavailable` when the store cannot be reached.
     """
 
-    def __init__(self, client: Any, database: str, dsn: str) -> None:
+    def __init__(self, client: Any, database: str, dsn: str, cluster: str = "") -> None:
         self.client = client
         self.database = database
         self.dsn = dsn
+        self.cluster = cluster
         self._lock = threading.RLock()
         self._adhoc_client: Any = None
 
     @classmethod
     def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
-             database: str = "kvscope") -> Store:
+             database: str = "kvscope", cluster: str = "") -> Store:
         """Open chDB at ``data_dir`` (embedded) or the server at ``clickhouse_url`` (e.g. ``http://ch:8123``).
 
-        Exactly one of the two is used; ``clickhouse_url`` wins when both are given.
+        Exactly one of the two is used; ``clickhouse_url`` wins when both are given. ``cluster`` (server only):
+        a cluster name from the server's ``remote_servers``: the database is created ON CLUSTER with the
+        Replicated database engine, so every migration's DDL reaches every replica, and the migrations'
+        MergeTree-family tables are created as their Replicated* engines (:func:`replicated`). docs/scale.md.
         """
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
             raise ValueError(f"database name {database!r} must be an identifier")
@@ -107,13 +111,15 @@ class Store:
             dsn = f"chdb://{path}"
         else:
             raise ValueError("Store.open needs data_dir or clickhouse_url")
+        if cluster and not clickhouse_url:
+            raise ValueError("a ClickHouse cluster needs clickhouse_url (chDB is one process)")
         try:
             boot = clickhouse_connect.get_client(dsn=dsn)
-            boot.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+            boot.command(create_database(database, cluster))
             client = clickhouse_connect.get_client(dsn=dsn, database=database)
         except ch_exc.Error as exc:
             raise StoreUnavailable(f"cannot open ClickHouse at {dsn}: {exc}") from exc
-        return cls(client, database, dsn)
+        return cls(client, database, dsn, cluster)
 
     @contextmanager
     def _translate(self, what: str) -> Iterator[None]:
@@ -155,6 +161,20 @@ class Store:
             raise StoreUnavailable(f"insert into {table}: {exc}") from exc
         except _SERIALISE_ERRORS as exc:
             raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
+
+    def insert_raw(self, table: str, data: bytes, fmt: str, settings: dict[str, Any] | None = None) -> None:
+        """Insert ``data`` in ClickHouse input format ``fmt`` (e.g. JSONEachRow: ClickHouse parses it). Errors as
+        :meth:`insert` (a parse error of the data is :class:`RejectedRows`)."""
+        if not data:
+            return
+        try:
+            with self._lock:
+                self.client.raw_insert(table, None, insert_block=data, fmt=fmt, settings=settings)
+        except ch_exc.Error as exc:
+            code = _code(exc)
+            if code in DATA_ERROR_CODES or isinstance(exc, ch_exc.DataError):
+                raise RejectedRows(table, str(exc), code) from exc
+            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
 
     def insert_arrow(self, table: str, data: pa.Table) -> None:
         """Insert an Arrow table (columns named as the table's): the fast path for column-wise writers (the
@@ -254,11 +274,57 @@ class Store:
 
     def run_migration(self, text: str) -> None:
         """Run every statement of one migration file, skipping a guarded statement whose guard is false
-        (see :func:`split_statements`)."""
+        (see :func:`split_statements`); on a cluster, with Replicated* engines (:func:`replicated`)."""
         for guard, statement in split_statements(text):
             if guard and not self.query_rows(guard)[0][0]:
                 continue
-            self.command(statement)
+            self.command(replicated(statement) if self.cluster else statement)
+
+    def apply_retention(self, raw_days: int, rollup_days: int) -> list[str]:
+        """Set each table's TTL to ``raw_days`` (raw tables) or ``rollup_days`` (rollups) when it differs;
+        returns the tables changed. ClickHouse then drops expired parts in the background (partitions are
+        days or months, so whole partitions go)."""
+        changed = []
+        current = dict(self.query_rows(
+            "SELECT name, create_table_query FROM system.tables WHERE database = currentDatabase()"))
+        for table, column, rollup in RETENTION:
+            days = rollup_days if rollup else raw_days
+            ttl = f"toDateTime({column}) + toIntervalDay({days})"
+            query = current.get(table, "")
+            if not query or f"toIntervalDay({days})" in query:
+                continue
+            self.command(f"ALTER TABLE {table} MODIFY TTL {ttl}")
+            changed.append(table)
+        return changed
+
+
+#: (table, time column, is a rollup) of every table with a retention TTL (KVSCOPE_RETENTION_DAYS,
+#: KVSCOPE_ROLLUP_RETENTION_DAYS).
+RETENTION = (
+    ("gateway_requests", "ts", False), ("request_keys", "ts", False), ("request_attribution", "ts", False),
+    ("vllm_metrics", "ts", False), ("kv_block_events", "ts", False), ("kv_event_gaps", "detected_at", False),
+    ("dead_letters", "ts", False),
+    ("requests_1m", "minute", True), ("requests_1h", "minute", True), ("misses_1m", "minute", True),
+    ("misses_1h", "minute", True), ("affinity_1m", "minute", True), ("affinity_1h", "minute", True),
+    ("vllm_1m", "minute", True), ("vllm_1h", "minute", True), ("vllm_cache_config", "ts", True),
+)
+_MERGE_TREE = re.compile(
+    r"\bENGINE\s*=\s*((?:Replacing|Aggregating|VersionedCollapsing|Collapsing|Summing)?MergeTree)\b")
+
+
+def create_database(database: str, cluster: str = "") -> str:
+    """The CREATE DATABASE statement: plain, or on ``cluster`` with the Replicated database engine (DDL in it
+    is replicated to every replica; ClickHouse docs, "Replicated database engine")."""
+    if not cluster:
+        return f"CREATE DATABASE IF NOT EXISTS {database}"
+    return (f"CREATE DATABASE IF NOT EXISTS {database} ON CLUSTER '{cluster}' "
+            f"ENGINE = Replicated('/clickhouse/databases/{database}', '{{shard}}', '{{replica}}')")
+
+
+def replicated(statement: str) -> str:
+    """``statement`` with its MergeTree-family engine replaced by the Replicated* one (no arguments: in a
+    Replicated database the Keeper path and replica name come from the database)."""
+    return _MERGE_TREE.sub(lambda m: f"ENGINE = Replicated{m.group(1)}", statement)
 
 
 _GUARD = re.compile(r"^\s*--\s*if:\s*(.+)$")

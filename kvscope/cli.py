@@ -320,15 +320,15 @@ def import_() -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @store_options
 def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
-    """Load gateway fingerprint log JSONL files; bad lines go to dead_letters with their reason."""
-    from collector.gateway_log import read_file
-    from kvscope.importer import import_events
+    """Load gateway fingerprint log JSONL files (streamed, any size); bad lines go to dead_letters with their
+    reason; lines already in the store are skipped."""
+    from ingest.bulk import load_gateway_log
 
     cfg = _config(**opts)
     store = _store(cfg)
     for f in files:
-        written = import_events(store, read_file(f))
-        click.echo(f"{f}: {written.get('gateway_requests', 0)} requests, {written.get('dead_letters', 0)} dead letters")
+        stats = load_gateway_log(store, f)
+        click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, {stats.dead_letters} dead letters")
     from ingest.attribution_job import run_attribution
     from kvscope.pipeline import attribution_kwargs
 
@@ -358,9 +358,8 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
         pod, f"file://{Path(file).resolve()}", Path(file).read_text(errors="replace"), int(ts.timestamp() * 1000), 0.0
     )
     written = import_events(store, events)
-    click.echo(
-        f"{file}: {written.get('vllm_metric_samples', 0)} samples, {written.get('dead_letters', 0)} dead letters"
-    )
+    click.echo(f"{file}: {written.get('vllm_metrics', 0)} series (a lone snapshot is a baseline: gauges and the cache "
+               f"config; counters need a previous scrape), {written.get('dead_letters', 0)} dead letters")
 
 
 def _params(pairs: tuple[str, ...]) -> dict[str, str]:

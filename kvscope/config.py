@@ -28,6 +28,11 @@ SETTINGS: list[Setting] = [
     Setting("data_dir", str(Path.home() / ".kvscope" / "data"), "chDB data directory (embedded store)"),
     Setting("clickhouse_url", "", "ClickHouse server URL (e.g. http://default:@clickhouse:8123); wins over data_dir"),
     Setting("database", "kvscope", "ClickHouse database name"),
+    Setting("clickhouse_cluster", "", "ClickHouse cluster (remote_servers name) to create the database on, "
+            "replicated; '' = a single server or chDB"),
+    Setting("retention_days", 30, "Days raw rows (requests, answers, vLLM series, KV events, dead letters) are kept",
+            int),
+    Setting("rollup_retention_days", 400, "Days the per-minute and per-hour rollups are kept", int),
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
@@ -64,6 +69,9 @@ class Config:
     data_dir: str
     clickhouse_url: str
     database: str
+    clickhouse_cluster: str
+    retention_days: int
+    rollup_retention_days: int
     kafka_bootstrap: str
     consumer_group: str
     topic_namespace: str

@@ -28,10 +28,15 @@ log = logging.getLogger("kvscope.pipeline")
 
 def open_store(cfg: Config) -> Store:
     """The store the settings name (a server when ``clickhouse_url`` is set, else chDB), migrated."""
-    store = Store.open(data_dir=cfg.data_dir, clickhouse_url=cfg.clickhouse_url or None, database=cfg.database)
+    store = Store.open(data_dir=cfg.data_dir, clickhouse_url=cfg.clickhouse_url or None, database=cfg.database,
+                       cluster=cfg.clickhouse_cluster)
     applied = store.migrate()
     if applied:
         log.info("migrations applied. versions=%s", ",".join(applied))
+    changed = store.apply_retention(cfg.retention_days, cfg.rollup_retention_days)
+    if changed:
+        log.info("retention set. raw_days=%d rollup_days=%d tables=%s", cfg.retention_days,
+                 cfg.rollup_retention_days, ",".join(changed))
     return store
 
 

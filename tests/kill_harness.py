@@ -189,10 +189,11 @@ CHECKS = {
                     "FROM gateway_requests",
     "attributed_total": "SELECT sum(toInt64(tokens) * sign) FROM request_attribution "
                         "ARRAY JOIN missed_tokens AS tokens",
-    "scrapes": "SELECT count(), uniqExact(ts) FROM vllm_metric_samples WHERE name = 'vllm:prefix_cache_queries_total'",
-    "vllm_delta": "SELECT sum(delta) FROM vllm_counter_deltas(since = '1970-01-01 00:00:00', "
-                  "until = '2200-01-01 00:00:00', pod = '', counters = ['vllm:prefix_cache_queries_total'])",
-    "vllm_span": "SELECT max(value) - min(value) FROM vllm_metric_samples "
+    # a gauge is sent with every scrape: one row per scrape, so duplicates would show
+    "scrapes": "SELECT count(), uniqExact(ts) FROM vllm_metrics WHERE name = 'vllm:num_requests_running'",
+    # the collector's increases add up to the counter's span since the value before its first stored increase
+    "vllm_delta": "SELECT sum(increase) FROM vllm_metrics WHERE name = 'vllm:prefix_cache_queries_total'",
+    "vllm_span": "SELECT max(value) - argMin(value - increase, ts) FROM vllm_metrics "
                  "WHERE name = 'vllm:prefix_cache_queries_total'",
 }
 

@@ -15,8 +15,8 @@ from collector.events import (
     KvBlockEvent,
     KvEventBatch,
     KvEventGap,
-    MetricSample,
-    MetricsScrape,
+    SeriesSample,
+    VllmScrape,
     decode_batch,
     encode_batch,
     envelope,
@@ -25,9 +25,9 @@ from collector.events import (
 from ingest.rows import COLUMNS, rows_for
 
 EXAMPLES = [
-    MetricsScrape(target="http://p:8000/metrics", scraped_at_ms=1, duration_ms=2.5,
-                  samples=[MetricSample("vllm:prefix_cache_hits_total", {"engine": "0", "model_name": "tiny"}, 4064.0)],
-                  family_types={"vllm:prefix_cache_hits": "counter"}),
+    VllmScrape(target="http://p:8000/metrics", scraped_at_ms=1, previous_scraped_at_ms=0, duration_ms=2.5,
+               samples=[SeriesSample("vllm:prefix_cache_hits_total", "0", "tiny", "", 4064.0, 1408.0)],
+               cache_config={"0": {"block_size": "32", "num_gpu_blocks": "128"}}, restarts=["0"]),
     GatewayRequest(record={"request_id": "r1", "ts": "2026-11-29T12:00:00.000Z", "prompt_tokens": 762,
                            "cached_tokens": 736, "tenant_id": "acme"}, source_file="g.jsonl", line_offset=0),
     KvEventBatch(topic="pod-0", seq=10, batch_ts=1795950818.34, dp_rank=0,
@@ -79,6 +79,8 @@ def test_every_table_has_the_columns_written(store) -> None:  # type: ignore[no-
 @pytest.mark.parametrize("payload", EXAMPLES, ids=lambda p: type(p).__name__)
 def test_every_kind_maps_to_rows_the_store_accepts(store, payload) -> None:  # type: ignore[no-untyped-def]
     ev = envelope(payload, pod="pod-0", natural_key=("k",), observed_at_ms=1_795_950_818_000)
-    table, rows = rows_for(ev)
-    store.insert(table, rows, COLUMNS[table])
-    assert store.query_rows(f"SELECT count() FROM {table}")[0][0] == len(rows) >= 1
+    mapped = rows_for(ev)
+    assert mapped and all(rows for _, rows in mapped)
+    for table, rows in mapped:
+        store.insert(table, rows, COLUMNS[table])
+        assert store.query_rows(f"SELECT count() FROM {table}")[0][0] == len(rows) >= 1

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.broker]
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
+RUNNING = "vllm:num_requests_running"  # a gauge: sent with every scrape
 
 
 def read_counters(metrics_url: str) -> dict[str, float]:
@@ -73,7 +74,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
         pipe.start()
         try:
             def scraped_all() -> bool:
-                rows = store.query_rows(f"SELECT uniqExact(pod) FROM vllm_metric_samples WHERE name = '{QUERIES}'")
+                rows = store.query_rows(f"SELECT uniqExact(pod) FROM vllm_metrics WHERE name = '{RUNNING}'")
                 return rows[0][0] == len(pods)
             wait_for(scraped_all, 60, "a first scrape of every pod")
             before = {p.name: read_counters(p.metrics_url) for p in pods}
@@ -84,7 +85,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
 
             def scraped_after() -> bool:
                 rows = store.query_rows(
-                    f"SELECT pod, max(ts) FROM vllm_metric_samples WHERE name = '{QUERIES}' GROUP BY pod")
+                    f"SELECT pod, max(ts) FROM vllm_metrics WHERE name = '{RUNNING}' GROUP BY pod")
                 return len(rows) == len(pods) and all(r[1].timestamp() > t_done + 0.5 for r in rows)
             wait_for(scraped_after, 60, "a scrape of every pod after the workload")
             n_lines = sum(1 for line in gw_log.read_text().splitlines() if line.strip())

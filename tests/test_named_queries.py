@@ -490,21 +490,22 @@ def test_dimensions_and_extent(fx: Store) -> None:
 
 
 def test_real_capture_through_the_collector(chdb_dir: Path) -> None:
-    """The two real /metrics captures (tests/samples), parsed by the collector and mapped by ingest as in
-    production, give the capture's numbers: Δ 1,408 hit of 3,091 queried (README of the samples)."""
-    from collector.events import MetricsScrape
-    from collector.vllm_metrics import scrape_events
-    from ingest.rows import COLUMNS, metric_rows
+    """The two real /metrics captures (tests/samples), scraped in turn by the collector (which computes the
+    counter increases) and mapped by ingest as in production, give the capture's numbers: Δ 1,408 hit of
+    3,091 queried (README of the samples)."""
+    from collector.vllm_metrics import ScrapeState, scrape_events
+    from ingest.rows import COLUMNS, rows_for
 
     s = Store.open(data_dir=chdb_dir, database=f"nq_real_{uuid.uuid4().hex[:12]}")
     s.migrate()
     samples = Path(__file__).parent / "samples"
     t0 = int(at(0).timestamp() * 1000)
+    state = ScrapeState()
     for i, name in enumerate(("vllm_0.32.0_cpu_real_metrics_1.txt", "vllm_0.32.0_cpu_real_metrics_2.txt")):
         body = (samples / name).read_text()
-        for ev in scrape_events("pod-a", "http://pod-a:8000/metrics", body, t0 + i * 60_000, 5.0):
-            if isinstance(ev.payload, MetricsScrape):
-                s.insert("vllm_metric_samples", metric_rows(ev, ev.payload), COLUMNS["vllm_metric_samples"])
+        for ev in scrape_events("pod-a", "http://pod-a:8000/metrics", body, t0 + i * 60_000, 5.0, state):
+            for table, rows_ in rows_for(ev):
+                s.insert(table, rows_, COLUMNS[table])
     vllm = by(rows(s, "hit_rate_total"), "source")["vllm"]
     assert (vllm["hit_tokens"], vllm["query_tokens"]) == (1408, 3091)
     tokens = rows(s, "tokens")

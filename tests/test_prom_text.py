@@ -51,10 +51,15 @@ def test_every_capture_parses_as_prometheus_client_parses_it(path: Path) -> None
     for keep in (KEPT_NAMES, {n for n in names if n.startswith("vllm:")}, {n for n in names if "bucket" in n},
                  set(), names):
         assert same(mine(body, keep), [r for r in ref if r[0] in keep])
-    # the same bodies through the careful path (CRLF line ends, tab separators, indented lines)
+    # the same bodies with indented lines and names in braces (the fast path sends these lines the careful way),
+    # and with CRLF line ends and tab separators (the whole body goes the careful way)
+    indented = body.replace('\nvllm:prefix_cache_hits_total{', '\n{__name__="vllm:prefix_cache_hits_total",'
+                            ).replace("\nvllm:", "\n  vllm:")
+    assert indented.count('{__name__="vllm:prefix_cache_hits_total",') == body.count("\nvllm:prefix_cache_hits_total{")
     odd = body.replace("\n", "\r\n").replace("} ", "}\t").replace("\nvllm:", "\n  vllm:")
-    assert same(mine(odd, KEPT_NAMES), [r for r in ref if r[0] in KEPT_NAMES])
-    assert same(mine(odd), ref)
+    for variant in (indented, odd):
+        assert same(mine(variant, KEPT_NAMES), [r for r in ref if r[0] in KEPT_NAMES])
+        assert same(mine(variant), ref)
 
 
 # --- random expositions -------------------------------------------------------------------------------------
@@ -83,7 +88,10 @@ def sample_lines(draw: st.DrawFn) -> str:
     block = ",".join(f'{k}="{v}"' for k, v in labels)
     if labels and draw(st.booleans()):
         block += ","
-    head = name + (f"{{{block}}}" if labels or draw(st.booleans()) else "")
+    if draw(st.integers(0, 9)) == 0:  # the name inside the braces (prometheus_client's UTF-8 form)
+        head = "{" + ",".join([f'__name__="{name}"', *([block] if block else [])]) + "}"
+    else:
+        head = name + (f"{{{block}}}" if labels or draw(st.booleans()) else "")
     line = head + draw(separators) + draw(numbers)
     if draw(st.booleans()):
         line += draw(separators) + str(draw(st.integers(-(10**13), 10**13)))

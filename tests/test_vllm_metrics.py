@@ -384,3 +384,29 @@ def test_the_scrape_loop_keeps_its_interval_while_a_pod_hangs(servers, tmp_path:
     # the checkpoint holds the fast pod's state and an empty outbox (everything was acknowledged)
     journal = ScrapeJournal(CheckpointStore(tmp_path / "c.json"))
     assert journal.state("fast").scraped_at_ms == fast[-1] and journal.pending() == 0
+
+
+def test_a_restarted_collector_publishes_the_outbox_first_then_continues(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Killed after the checkpoint write and the publish, before the ack (the in-process queue died with it)."""
+    path = tmp_path / "checkpoints.json"
+    q1, q2 = MemoryQueue(), MemoryQueue()
+    first = Collector(publisher=QueuePublisher(q1), checkpoints=CheckpointStore(path),
+                      targets=[Target("pod-0", servers(BODY1))], scrape_interval_seconds=1.0)
+    with httpx.Client(timeout=5.0) as client:
+        assert first.scrape_all(client) == 1  # the baseline, never acknowledged: q1 is never drained
+    first.close_scrapes()
+    lost = decode_batch(q1.take(10, 0.1)[0].value)
+    second = Collector(publisher=QueuePublisher(q2), checkpoints=CheckpointStore(path),
+                       targets=[Target("pod-0", servers(BODY2))], scrape_interval_seconds=1.0)
+    second.start()  # loads the journal; its scrape loop re-publishes the outbox, then scrapes
+    try:
+        deadline = time.time() + 10
+        events: list[Envelope] = []
+        while len(events) < 2 and time.time() < deadline:
+            events += drain(q2)
+    finally:
+        second.close()
+    assert events[0] == lost[0]  # the same scrape, the same event id: the ingester stores it once
+    inc = increases(events[1].payload)
+    assert inc[("vllm:prefix_cache_queries_total", "0", "")] == 3091  # from the first collector's state
+    assert events[1].payload.previous_scraped_at_ms == lost[0].payload.scraped_at_ms

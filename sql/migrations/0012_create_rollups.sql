@@ -259,10 +259,10 @@ UNION ALL
 SELECT minute AS t, * EXCEPT minute FROM vllm_1h
 WHERE name IN {names:Array(String)} AND split AND minute >= h0 AND minute < h1;
 
--- attribution_stage: the attribution job's scratch: the (request_id, ts) sets of the chunk it works on (its
--- arrivals, their successors, their predecessors), so its queries join them instead of binding 10^5 ids as a
--- parameter. One writer (the job) truncates a set before refilling it; Memory: nothing to keep across restarts.
-CREATE TABLE IF NOT EXISTS attribution_stage
+-- key_stage: scratch sets of (request_id, ts) that a query joins instead of binding 10^5 ids as a parameter
+-- (the attribution job's chunks, a bulk import's dedup check). Each writer uses its own set names and replaces
+-- a set before reusing it; Memory: nothing to keep across restarts.
+CREATE TABLE IF NOT EXISTS key_stage
 (
     set         LowCardinality(String),
     request_id  String,

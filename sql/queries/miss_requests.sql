@@ -24,32 +24,33 @@
 -- returns: agent_run_id String | agent run ('' if none or the log row is missing)
 -- returns: routing_reason String | why the gateway chose this pod ('' if the log row is missing)
 --
--- The current answer of each request is the version of its request_attribution rows whose signs sum to +1
--- (a replaced answer is cancelled by a -1 copy; sql/migrations/0009).
+-- The current answer of a request is its request_attribution row with sign +1 that no row with sign -1 of the
+-- same version cancels (a replaced answer is cancelled that way; sql/migrations/0009). The cancelled set is
+-- small, so the anti-join is cheap; the top rows then come from a partial sort, no GROUP BY over the window.
 WITH
-    answers AS
+    cancelled AS
     (
-        SELECT request_id, ts, any(tenant_id) AS tenant_id, any(pod) AS pod, any(causes) AS answer_causes,
-               any(sub_causes) AS answer_sub_causes, any(missed_tokens) AS answer_tokens,
-               any(predecessor_request_id) AS predecessor_request_id, any(predecessor_pod) AS predecessor_pod,
-               any(gap_ms) AS gap_ms
-        FROM request_attribution
-        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-          AND ({tenant:String} = '' OR request_attribution.tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR request_attribution.pod = {pod:String})
-          AND notEmpty(causes)
-        GROUP BY request_id, ts, version
-        HAVING sum(sign) > 0
+        SELECT request_id, version FROM request_attribution
+        WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
     ),
     misses AS
     (
         SELECT
-            ts, request_id, CAST(tenant_id AS String) AS tenant_id, CAST(pod AS String) AS pod, CAST(cause AS String) AS cause,
-            CAST(sub_cause AS String) AS sub_cause, toUInt64(tokens) AS missed_tokens,
-            toUInt64(arraySum(answer_tokens)) AS request_missed_tokens,
-            predecessor_request_id, CAST(predecessor_pod AS String) AS predecessor_pod, gap_ms
-        FROM answers
-        ARRAY JOIN answer_causes AS cause, answer_sub_causes AS sub_cause, answer_tokens AS tokens
+            a.ts AS ts, a.request_id AS request_id, CAST(a.tenant_id AS String) AS tenant_id,
+            CAST(a.pod AS String) AS pod, CAST(c AS String) AS cause, CAST(sc AS String) AS sub_cause,
+            toUInt64(n) AS missed_tokens, toUInt64(arraySum(a.missed_tokens)) AS request_missed_tokens,
+            a.predecessor_request_id AS predecessor_request_id,
+            CAST(a.predecessor_pod AS String) AS predecessor_pod, a.gap_ms AS gap_ms
+        FROM request_attribution AS a
+        ARRAY JOIN a.causes AS c, a.sub_causes AS sc, a.missed_tokens AS n
+        WHERE a.sign = 1 AND a.ts >= {since:DateTime64(3, 'UTC')} AND a.ts < {until:DateTime64(3, 'UTC')}
+          AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
+          AND ({pod:String} = '' OR a.pod = {pod:String})
+          AND ({cause:String} = '' OR c = {cause:String})
+          AND ({sub_cause:String} = '' OR sc = {sub_cause:String})
+          AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)
+        ORDER BY missed_tokens DESC, ts DESC, request_id, cause, sub_cause
+        LIMIT {limit:UInt32}
     ),
     requests AS
     (
@@ -70,7 +71,4 @@ SELECT
     r.routing_reason AS routing_reason
 FROM misses AS m
 LEFT JOIN requests AS r ON m.request_id = r.request_id
-WHERE ({cause:String} = '' OR m.cause = {cause:String})
-  AND ({sub_cause:String} = '' OR m.sub_cause = {sub_cause:String})
 ORDER BY missed_tokens DESC, ts DESC, request_id, cause, sub_cause
-LIMIT {limit:UInt32}

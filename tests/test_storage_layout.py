@@ -1,0 +1,133 @@
+"""Storage layout: retention applied from the settings, the cluster DDL, rollups equal the raw aggregates, a
+0.1 store migrated in place."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+import sql as sqlfiles
+from ingest.store import RETENTION, Store, create_database, replicated, split_statements
+
+
+def test_retention_is_applied_and_only_when_it_changes(store: Store) -> None:
+    changed = store.apply_retention(7, 90)
+    assert set(changed) == {t for t, _, _ in RETENTION}
+    queries = dict(store.query_rows("SELECT name, create_table_query FROM system.tables "
+                                    "WHERE database = currentDatabase()"))
+    assert "toIntervalDay(7)" in queries["gateway_requests"] and "toIntervalDay(90)" in queries["requests_1m"]
+    assert store.apply_retention(7, 90) == []
+
+
+def test_cluster_ddl_uses_replicated_engines() -> None:
+    assert create_database("kv", "main") == ("CREATE DATABASE IF NOT EXISTS kv ON CLUSTER 'main' ENGINE = "
+                                             "Replicated('/clickhouse/databases/kv', '{shard}', '{replica}')")
+    engines = set()
+    for _, text in sqlfiles.migrations():
+        for _, statement in split_statements(text):
+            out = replicated(statement)
+            if "ENGINE" in statement and "MergeTree" in statement:
+                assert "ENGINE = Replicated" in out, statement[:200]
+                engines.add(out.split("ENGINE = ", 1)[1].split()[0].split("(")[0])
+            else:
+                assert out == statement
+    assert engines == {"ReplicatedMergeTree", "ReplicatedReplacingMergeTree", "ReplicatedAggregatingMergeTree",
+                       "ReplicatedVersionedCollapsingMergeTree"}
+    assert replicated("CREATE TABLE s (x UInt8) ENGINE = Memory") == "CREATE TABLE s (x UInt8) ENGINE = Memory"
+
+
+def test_a_cluster_needs_a_server(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cluster needs clickhouse_url"):
+        Store.open(data_dir=tmp_path, database=f"c_{uuid.uuid4().hex[:8]}", cluster="main")
+
+
+def test_every_rollup_equals_the_same_aggregate_over_raw_rows(store: Store) -> None:
+    """Minute and hour rollups (sql/migrations/0012) against GROUP BYs over the raw tables: requests, misses
+    (sign-weighted, after a re-attribution replaced answers), affinity and vLLM series."""
+    from bench.history import gateway_table, vllm_table
+    from ingest.attribution_job import run_attribution
+
+    store.insert_arrow("gateway_requests", gateway_table(3000, rate_per_second=5.0, seed=4))
+    store.insert_arrow("vllm_metrics", vllm_table(2, seconds=1800, interval_seconds=5.0, seed=4))
+    run_attribution(store, settle_seconds=-60)
+    store.command("TRUNCATE TABLE attribution_watermark")  # answers exist: a rerun writes nothing new
+    run_attribution(store, settle_seconds=-60)
+
+    def same(rollup: str, raw: str) -> None:
+        got, want = sorted(store.query_rows(rollup)), sorted(store.query_rows(raw))
+        assert got == want and want, (rollup, got[:3], want[:3])
+
+    req_cols = ("sum(requests), sum(served), sum(errors), sum(prompt_tokens), sum(cached_tokens), "
+                "sum(completion_tokens), sum(prefix_tokens), round(sum(hit_ratio_sum), 6), "
+                "uniqCombinedMerge(fingerprints), uniqCombinedMerge(system_hashes)")
+    raw_req = ("count(), countIf(status < 400 AND prompt_tokens > 0), countIf(status >= 400), "
+               "sumIf(toUInt64(prompt_tokens), status < 400 AND prompt_tokens > 0), "
+               "sumIf(toUInt64(cached_tokens), status < 400 AND prompt_tokens > 0), "
+               "sumIf(toUInt64(completion_tokens), status < 400 AND prompt_tokens > 0), "
+               "sumIf(toUInt64(greatest(toInt64(prompt_tokens) - toInt64(suffix_tokens), 0)), "
+               "status < 400 AND prompt_tokens > 0), "
+               "round(sumIf(cached_tokens / prompt_tokens, status < 400 AND prompt_tokens > 0), 6), "
+               "uniqExactIf(prompt_fingerprint, prompt_fingerprint != ''), uniqExactIf(system_hash, system_hash != '')")
+    for table, unit in (("requests_1m", "toStartOfMinute"), ("requests_1h", "toStartOfHour")):
+        same(f"SELECT minute, tenant_id, pod, {req_cols} FROM {table} GROUP BY minute, tenant_id, pod",
+             f"SELECT {unit}(ts), tenant_id, pod, {raw_req} FROM gateway_requests GROUP BY 1, tenant_id, pod")
+    for table, unit in (("misses_1m", "toStartOfMinute"), ("misses_1h", "toStartOfHour")):
+        same(f"SELECT minute, tenant_id, pod, cause, sub_cause, sum(missed_tokens), sum(requests) FROM {table} "
+             "GROUP BY ALL HAVING sum(requests) != 0",
+             f"SELECT {unit}(ts), tenant_id, pod, cause, sub_cause, sum(toInt64(n) * sign), sum(toInt64(sign)) "
+             "FROM (SELECT * FROM request_attribution FINAL) ARRAY JOIN causes AS cause, sub_causes AS sub_cause, "
+             "missed_tokens AS n GROUP BY ALL")
+    same("SELECT minute, tenant_id, pod, sum(with_predecessor), sum(predecessor_tokens), sum(same_pod_tokens) "
+         "FROM affinity_1m GROUP BY ALL",
+         "SELECT toStartOfMinute(ts), tenant_id, pod, "
+         "countIf(predecessor_kind IN ('previous_turn', 'fingerprint')), "
+         "sumIf(toInt64(prompt_tokens), predecessor_kind IN ('previous_turn', 'fingerprint')), "
+         "sumIf(toInt64(prompt_tokens), predecessor_kind IN ('previous_turn', 'fingerprint') "
+         "AND predecessor_pod = pod) "
+         "FROM request_attribution FINAL GROUP BY ALL")
+    for table, unit in (("vllm_1m", "toStartOfMinute"), ("vllm_1h", "toStartOfHour")):
+        same(f"SELECT minute, pod, name, label, sum(increase), sum(samples), max(value_max), "
+             f"argMaxMerge(last_value) FROM {table} GROUP BY ALL",
+             f"SELECT {unit}(ts), pod, name, label, sum(increase), count(), max(value), argMax(value, ts) "
+             "FROM vllm_metrics GROUP BY ALL")
+    assert store.query_rows("SELECT sum(sign) FROM request_attribution")[0][0] == 3000
+
+
+def test_a_store_written_by_0_1_is_migrated_in_place(chdb_dir: Path) -> None:
+    """Migrations 0001-0007 (kvscope 0.1), 0.1-shaped rows, then the rest: the rows are carried over, the
+    materialized views fill request_keys and the rollups, 0.1's tables are gone."""
+    s = Store.open(data_dir=chdb_dir, database=f"v01_{uuid.uuid4().hex[:10]}")
+    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
+              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
+    for version, text in sqlfiles.migrations():
+        if version < "0008":
+            s.run_migration(text)
+            s.insert("schema_migrations", [(version,)], ["version"])
+    from datetime import UTC, datetime, timedelta
+
+    t0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    rows = [(f"ev{i}", f"r{i}", t0 + timedelta(seconds=i), "acme", "c1", "", "tiny", "pod-a", 762,
+             0 if i == 0 else 736, "sys", 720, "q", 22, "fp") for i in range(3)]
+    cols = ["event_id", "request_id", "ts", "tenant_id", "conversation_id", "agent_run_id", "model", "pod",
+            "prompt_tokens", "cached_tokens", "system_hash", "system_tokens", "suffix_hash", "suffix_tokens",
+            "prompt_fingerprint"]
+    s.insert("gateway_requests", rows + rows[:1], cols)  # a duplicate that 0.1's FINAL collapsed
+    samples = [(f"s{k}", t0 + timedelta(seconds=30 * k), "pod-a", "0", "tiny", "vllm:prefix_cache_queries_total",
+                {"engine": "0"}, float(1000 + 500 * k)) for k in range(3)]
+    samples.append(("cfg", t0, "pod-a", "0", "", "vllm:cache_config_info", {"block_size": "32"}, 1.0))
+    s.insert("vllm_metric_samples", samples, ["event_id", "ts", "pod", "engine", "model_name", "name", "labels",
+                                              "value"])
+    s.migrate()
+    tables = {r[0] for r in s.query_rows("SELECT name FROM system.tables WHERE database = currentDatabase()")}
+    assert not tables & {"gateway_requests_v1", "vllm_metric_samples", "vllm_counter_deltas"}
+    assert s.query_rows("SELECT count(), uniqExact(request_id) FROM gateway_requests")[0] == (3, 3)
+    assert s.query_rows("SELECT sum(requests), sum(cached_tokens) FROM requests_1m")[0] == (3, 1472)
+    assert s.query_rows("SELECT count() FROM request_keys")[0][0] == 6  # conversation and fingerprint of each
+    assert s.query_rows("SELECT sum(increase) FROM vllm_metrics")[0][0] == 1000.0
+    assert s.query_rows("SELECT sum(increase) FROM vllm_1m")[0][0] == 1000.0
+    assert s.query_rows("SELECT block_size FROM vllm_cache_config")[0][0] == 32
+    from ingest.attribution_job import run_attribution
+
+    assert run_attribution(s, settle_seconds=-60).arrivals == 3  # 0.1's answers are re-derived
