@@ -5,8 +5,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: help demo test test-fast lint install system-deps clean
+.PHONY: help demo test test-fast bench lint install system-deps clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s '	'
@@ -32,6 +33,9 @@ test: $(STAMP) system-deps  ## README command 2: the whole test suite (starts vL
 
 test-fast: $(STAMP)  ## tests that need no vLLM server, broker or browser
 	$(BIN)/python -m pytest -m "not vllm and not broker and not browser" $(PYTEST_ARGS)
+
+bench: $(STAMP)  ## fleet-scale figures beside their goals (10^6 and 10^7 requests; ~30 min; docs/scale.md)
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 lint: $(STAMP)  ## ruff
 	$(BIN)/ruff check .

@@ -25,7 +25,8 @@ from collector.events import (
 from ingest.rows import COLUMNS, rows_for
 
 EXAMPLES = [
-    VllmScrape(target="http://p:8000/metrics", scraped_at_ms=1, previous_scraped_at_ms=0, duration_ms=2.5,
+    VllmScrape(target="http://p:8000/metrics", scraped_at_ms=1_795_950_818_000, previous_scraped_at_ms=0,
+               duration_ms=2.5,
                samples=[SeriesSample("vllm:prefix_cache_hits_total", "0", "tiny", "", 4064.0, 1408.0)],
                cache_config={"0": {"block_size": "32", "num_gpu_blocks": "128"}}, restarts=["0"]),
     GatewayRequest(record={"request_id": "r1", "ts": "2026-11-29T12:00:00.000Z", "prompt_tokens": 762,
