@@ -246,8 +246,9 @@ def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tup
 
 # -- compute and write ---------------------------------------------------------------------------------------
 def _verdicts(store: Store, targets: pl.DataFrame, horizon_ms: int, sizes: dict[str, int],
-              default_block_size: int) -> dict[str, Any]:
-    """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``."""
+              default_block_size: int, known: pl.DataFrame | None = None) -> dict[str, Any]:
+    """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``. ``known``: request rows already
+    read (this chunk and the previous one: most predecessors are recent), so only the others are fetched."""
     chosen = _predecessors(store, targets, horizon_ms)
     frame = targets.with_columns(
         pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
@@ -255,9 +256,14 @@ def _verdicts(store: Store, targets: pl.DataFrame, horizon_ms: int, sizes: dict[
         frame = frame.with_columns(pl.lit("").alias("predecessor_kind"),
                                    *[pl.lit(None).alias(f"p_{c}") for c in attribution.REQUEST_FIELDS])
     else:
-        preds = _requests(store, chosen.select(pl.col("p_request_id").alias("request_id"),
-                                               pl.col("p_ts").alias("ts")))
-        preds = preds.drop("order_key").rename({c: f"p_{c}" for c in attribution.REQUEST_FIELDS})
+        wanted = chosen.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
+        have = pl.concat([targets, known]) if known is not None and not known.is_empty() else targets
+        have = have.select(*_FIELDS).unique(["request_id", "ts"])
+        missing = wanted.join(have, on=["request_id", "ts"], how="anti")
+        found = have.join(wanted, on=["request_id", "ts"], how="semi")
+        if not missing.is_empty():
+            found = pl.concat([found, _requests(store, missing).select(found.columns)], how="vertical_relaxed")
+        preds = found.drop("order_key").rename({c: f"p_{c}" for c in attribution.REQUEST_FIELDS})
         frame = (frame.join(chosen, on=["request_id", "ts"], how="left")
                  .join(preds, on=["p_request_id", "p_ts"], how="left"))
     return judge_frame(frame)
@@ -348,6 +354,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     answered_through = _answered_through(store)
     stats = RunStats()
     bounds = _chunk_bounds(store, since, upto, chunk_size) if upto > since else []
+    previous: pl.DataFrame | None = None
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         arrivals = _arrivals(store, since, upto, lo, hi)
         if arrivals.is_empty():
@@ -367,8 +374,9 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         if not successors.is_empty():
             changed = _write_changes(store, _verdicts(store, successors, horizon_ms, sizes, default_block_size),
                                      current, now)
-        verdicts = _verdicts(store, arrivals, horizon_ms, sizes, default_block_size)
+        verdicts = _verdicts(store, arrivals, horizon_ms, sizes, default_block_size, previous)
         store.insert_arrow("request_attribution", _table(verdicts, now))
+        previous = arrivals
         latest = arrivals["ts"].max()
         answered_through = latest if answered_through is None else max(answered_through, latest)
         ATTRIBUTED.labels("new").inc(len(arrivals))

@@ -6,7 +6,8 @@
 -- * ORDER BY (tenant_id, ts, request_id): drill-downs filter by tenant and time; request_id last makes
 --   the key unique per request.
 -- * ingested_at (the server's clock, one clock for every writer) with a minmax index: the attribution job
---   picks up what arrived since its watermark without scanning every part.
+--   picks up what arrived since its watermark without scanning every part; order_key has one too (the job
+--   reads its chunks by order_key range).
 -- * predecessor_keys / order_key (MATERIALIZED: computed once, at insert, from the row itself): the keys on
 --   which a later request may find this one as its predecessor, and a unique arrival order (ts in ms, then
 --   20 bits of MD5(request_id) to order requests of the same millisecond). Kinds: 1 conversation,
@@ -67,7 +68,8 @@ CREATE TABLE IF NOT EXISTS gateway_requests
         (4, if(system_norm_hash != '', cityHash64(4, tenant_id, model, system_norm_hash), 0)),
         (5, if(tools_canonical_hash != '', cityHash64(5, tenant_id, model, tools_canonical_hash), 0)),
         (6, if(retrieval_set_hash != '', cityHash64(6, tenant_id, model, retrieval_set_hash), 0))]),
-    INDEX ingested_at_minmax ingested_at TYPE minmax GRANULARITY 1
+    INDEX ingested_at_minmax ingested_at TYPE minmax GRANULARITY 1,
+    INDEX order_key_minmax order_key TYPE minmax GRANULARITY 1
 )
 ENGINE = MergeTree
 PARTITION BY toYYYYMMDD(ts)
