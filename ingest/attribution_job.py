@@ -320,8 +320,8 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
 
 def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds: float = 5.0,
                      **job_kwargs: Any) -> None:
-    """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is set (a background thread
-    in the embedded mode). ``job_kwargs`` are passed on.
+    """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is
+    set (a background thread in the embedded mode). ``job_kwargs`` are passed on.
 
     A store outage is logged as a warning and retried next interval; any other error is logged (ERROR: an
     operator must act) and the loop keeps going, so the thread never dies silently.
