@@ -47,15 +47,18 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
     return cfg
 
 
+_STOP = threading.Event()
+
+
 def _stop_on_signals() -> threading.Event:
-    """An event set by SIGINT (Ctrl-C) or SIGTERM. Installed after the store is open: chDB replaces the
-    SIGINT handler when it starts, so without this Ctrl-C would never reach Python."""
+    """The event SIGINT (Ctrl-C) and SIGTERM set. Call it when the command starts (a signal during start-up is
+    then remembered, not a traceback) and again once the store is open: chDB replaces the SIGINT handler when
+    it starts, so without the second call Ctrl-C would never reach Python."""
     import signal
 
-    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+        signal.signal(sig, lambda *_: _STOP.set())
+    return _STOP
 
 
 def _wait(stop: threading.Event) -> None:
@@ -148,14 +151,16 @@ def up(no_dashboard: bool, **opts: Any) -> None:
 
     from kvscope.pipeline import Pipeline, run_dashboard_inprocess
 
+    _stop_on_signals()
     cfg = _config(**opts)
-    _serve_self_metrics(cfg)
     store = _store(cfg)
+    _stop_on_signals()  # again: chDB took SIGINT when it opened
+    _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours
     pipe = Pipeline(cfg, store=store)
     click.echo(
         f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
     )
-    if no_dashboard:
+    if no_dashboard or _STOP.is_set():
         _run_until_interrupted(pipe)
         return
     pipe.start()
@@ -222,6 +227,7 @@ def collect(**opts: Any) -> None:
     """Run the collector only, publishing to Kafka (distributed mode)."""
     from kvscope.pipeline import Pipeline
 
+    _stop_on_signals()
     cfg = _config(**opts)
     _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
@@ -244,6 +250,7 @@ def ingest(attribution: bool, **opts: Any) -> None:
     """Run an ingester: Kafka consumer group → ClickHouse (migrations applied at start)."""
     from kvscope.pipeline import Pipeline
 
+    _stop_on_signals()
     cfg = _config(**opts)
     _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
