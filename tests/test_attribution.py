@@ -339,22 +339,30 @@ def test_split_zones_are_counted_from_cached_tokens_on():
 
 
 # -- invariants ----------------------------------------------------------------------------------------------
-def test_random_traffic_sums_exactly_and_is_deterministic():
-    rnd = random.Random(7)
+def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
+    """Random traffic over every field the rules read (segments present or not, equal or not, variants, two
+    tenants, three pods, failures, cached beyond what can hit), ts in whole milliseconds."""
+    rnd = random.Random(seed)
     reqs = []
-    for i in range(400):
+    for i in range(n):
         prompt = rnd.randint(0, 3000)
         seg = [rnd.choice([0, rnd.randint(1, 900)]) for _ in range(5)]
         reqs.append(req(
-            f"r{i:03d}", at=rnd.uniform(0, 5000), tenant=rnd.choice("ab"), conv=rnd.choice(["", "c1", "c2"]),
-            run=rnd.choice(["", "x"]), pod=rnd.choice(["pod-a", "pod-b", "pod-c"]), prompt=prompt,
-            cached=rnd.choice([0, rnd.randint(0, prompt + 50)]), status=rnd.choice([200, 200, 200, 500]),
+            f"r{i:04d}", at=round(rnd.uniform(0, 5000), 3), tenant=rnd.choice("ab"),
+            conv=rnd.choice(["", "c1", "c2"]), run=rnd.choice(["", "x"]), pod=rnd.choice(["pod-a", "pod-b", "pod-c"]),
+            prompt=prompt, cached=rnd.choice([0, rnd.randint(0, prompt + 50)]), status=rnd.choice([200, 200, 200, 500]),
             system=rnd.choice(["", "s1", "s2"]), system_norm=rnd.choice([None, "n"]), system_tokens=seg[0],
             tools=rnd.choice(["", "t1", "t2"]), tools_canonical=rnd.choice([None, "tc"]), tools_tokens=seg[1],
             rag=rnd.choice(["", "r1", "r2"]), rag_set=rnd.choice([None, "rs"]), rag_tokens=seg[2],
             history=rnd.choice(["", "h1", "h2"]), prev_history=rnd.choice(["", "h1"]), history_tokens=seg[3],
             suffix=rnd.choice(["", "x1", "x2"]), suffix_tokens=seg[4],
         ))
+    return reqs
+
+
+def test_random_traffic_sums_exactly_and_is_deterministic():
+    rnd = random.Random(7)
+    reqs = random_requests(400, seed=7)
     sizes = {"pod-a": 32, "pod-b": 16}
     rows = a.attribute(reqs, block_size_by_pod=sizes)
     shuffled = reqs[:]

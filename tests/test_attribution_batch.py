@@ -3,34 +3,12 @@ same verdict as the readable per-request reference (ingest/attribution.py judge)
 
 from __future__ import annotations
 
-import random
-from typing import Any
-
 import polars as pl
 import pytest
-from test_attribution import req
+from test_attribution import random_requests
 
 from ingest import attribution as a
 from ingest.attribution_batch import judge_frame
-
-
-def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
-    rnd = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = rnd.randint(0, 3000)
-        seg = [rnd.choice([0, rnd.randint(1, 900)]) for _ in range(5)]
-        out.append(req(
-            f"r{i:04d}", at=round(rnd.uniform(0, 5000), 3), tenant=rnd.choice("ab"), conv=rnd.choice(["", "c1", "c2"]),
-            run=rnd.choice(["", "x"]), pod=rnd.choice(["pod-a", "pod-b", "pod-c"]), prompt=prompt,
-            cached=rnd.choice([0, rnd.randint(0, prompt + 50)]), status=rnd.choice([200, 200, 200, 500]),
-            system=rnd.choice(["", "s1", "s2"]), system_norm=rnd.choice([None, "n"]), system_tokens=seg[0],
-            tools=rnd.choice(["", "t1", "t2"]), tools_canonical=rnd.choice([None, "tc"]), tools_tokens=seg[1],
-            rag=rnd.choice(["", "r1", "r2"]), rag_set=rnd.choice([None, "rs"]), rag_tokens=seg[2],
-            history=rnd.choice(["", "h1", "h2"]), prev_history=rnd.choice(["", "h1"]), history_tokens=seg[3],
-            suffix=rnd.choice(["", "x1", "x2"]), suffix_tokens=seg[4],
-        ))
-    return out
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -20,6 +20,7 @@ from gateway.proxy import GatewayServer, make_app
 from ingest.attribution_job import run_attribution
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
+from tests.kill_harness import wait_until as wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.broker]
 
@@ -37,16 +38,6 @@ def read_counters(metrics_url: str) -> dict[str, float]:
             if s.name in out:
                 out[s.name] += s.value
     return out
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):  # type: ignore[no-untyped-def]
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
