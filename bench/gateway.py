@@ -13,7 +13,8 @@ The fake upstream is a minimal HTTP/1.1 server answering /v1/chat/completions li
 generator (raw asyncio sockets, keep-alive, 1k-token bodies with a shared system prompt and a unique
 question) in this one. Everything shares the machine's cores, as it would in production on one box.
 
-Usage: `python bench/gateway.py [--seconds 5] [--clients 16] [--estimate] [--json]`; `main(argv) -> dict`.
+Usage: `python bench/gateway.py [--seconds 4] [--clients 16] [--counts both|estimate|tokenizer] [--json]`;
+`main(argv) -> dict` (keys: goals, fingerprint.{estimate,tokenizer}, proxy.{estimate,tokenizer}). Takes ~1 min.
 """
 
 from __future__ import annotations
@@ -208,6 +209,18 @@ def _fast_loop() -> None:
         pass
 
 
+def _run(coro):
+    """asyncio.run on uvloop when installed, without changing the caller's event loop policy."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
 def _serve_upstream(port: int) -> None:
     _fast_loop()
 
@@ -321,12 +334,13 @@ async def _load(port: int, clients: int, seconds: float, max_requests: int = 10*
 
 
 def _measure(port: int, clients: int, seconds: float) -> dict[str, float]:
-    asyncio.run(_load(port, clients, min(1.0, seconds / 3)))  # warm-up: connections, caches, JIT-free paths
+    warm = _run(_load(port, clients, min(1.0, seconds / 3)))  # warm-up: connections, tokenizer cache
     t0 = time.perf_counter()
-    latencies = asyncio.run(_load(port, clients, seconds))
+    latencies = _run(_load(port, clients, seconds))
     elapsed = time.perf_counter() - t0
     q = statistics.quantiles(latencies, n=100)
     return {
+        "sent": len(warm) + len(latencies),
         "requests": len(latencies),
         "rps": round(len(latencies) / elapsed, 1),
         "p50_ms": round(statistics.median(latencies) * 1000, 3),
@@ -353,7 +367,8 @@ def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int) -> di
         gw1 = _measure(gw_port, 1, seconds)
         direct_n = _measure(up_port, clients, seconds)
         gw_n = _measure(gw_port, clients, seconds)
-        time.sleep(0.5)  # let the background writer flush
+        procs[-1].terminate()  # a graceful stop flushes the log writer
+        procs[-1].wait(30)
         lines = sum(1 for _ in log_path.open("rb")) if log_path.exists() else 0
         return {
             "token_count_method": "tokenizer" if tokenizer_path else "estimate",
@@ -366,6 +381,7 @@ def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int) -> di
             "gateway_vs_direct": round(gw_n["rps"] / direct_n["rps"], 3),
             "concurrent": {"direct": direct_n, "gateway": gw_n},
             "log_lines": lines,
+            "log_lines_expected": gw1["sent"] + gw_n["sent"],
         }
     finally:
         for proc in procs:
@@ -395,7 +411,7 @@ def _verdict(value: float, goal: float, higher_is_better: bool) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
-    fp, px = result["fingerprint"], result["proxy"]
+    fp = result["fingerprint"]
     lines = [f"fingerprint, ~{fp['request_tokens_estimate']:,}-token chat request (median ms):"]
     goal = GOALS["fingerprint_repeated_ms"]
     for method in ("estimate", "tokenizer"):
@@ -405,9 +421,15 @@ def report(result: dict[str, Any]) -> str:
                 f"  {method:9s}  cold {m['cold_ms']:8.3f}   repeated {m['repeated_ms']:7.3f}"
                 f" (goal <= {goal}: {_verdict(m['repeated_ms'], goal, False)})   next turn {m['next_turn_ms']:7.3f}"
             )
+    for px in result.get("proxy", {}).values():
+        lines += _proxy_report(px)
+    return "\n".join(lines)
+
+
+def _proxy_report(px: dict[str, Any]) -> list[str]:
     one = px["one_client"]
-    lines += [
-        f"gateway (1 process) vs fake upstream, 1k-token bodies, counts by {px['token_count_method']}:",
+    return [
+        f"gateway (1 process) vs fake upstream, 1k-token bodies, segment tokens by {px['token_count_method']}:",
         f"  1 client   direct p50 {one['direct']['p50_ms']:.3f} p95 {one['direct']['p95_ms']:.3f} ms;"
         f" gateway p50 {one['gateway']['p50_ms']:.3f} p95 {one['gateway']['p95_ms']:.3f} ms",
         f"  added      p50 {px['added_p50_ms']:.3f} ms (goal <= {GOALS['added_p50_ms']}:"
@@ -415,16 +437,19 @@ def report(result: dict[str, Any]) -> str:
         f"  {px['clients']} clients requests/s: gateway {px['gateway_rps']:,.0f} (goal >= {GOALS['gateway_rps']:,.0f}:"
         f" {_verdict(px['gateway_rps'], GOALS['gateway_rps'], True)}), direct {px['direct_rps']:,.0f}"
         f" ({px['gateway_vs_direct']:.2f}x)",
+        f"  log lines written {px['log_lines']:,} of {px['log_lines_expected']:,} requests",
     ]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the figures beside their goals, return them as a dict."""
     parser = argparse.ArgumentParser(prog="bench/gateway.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each load phase")
+    parser.add_argument("--seconds", type=float, default=4.0, help="duration of each load phase")
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--estimate", action="store_true", help="gateway counts tokens by estimate, not tokenizer")
+    parser.add_argument(
+        "--counts", choices=["both", "estimate", "tokenizer"], default="both",
+        help="how the gateway counts segment tokens during the load phases",
+    )
     parser.add_argument("--skip-proxy", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the dict as JSON after the report")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
@@ -436,14 +461,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif role == "gateway":
             _serve_gateway(int(rest[0]), rest[1], rest[2], rest[3])
         return {}
-    _fast_loop()
     tokenizer = _tokenizer(False)
     result: dict[str, Any] = {"goals": GOALS, "fingerprint": bench_fingerprint(tokenizer)}
     if not args.skip_proxy:
-        result["proxy"] = bench_proxy(None if args.estimate else tokenizer, args.seconds, args.clients)
-        print(report(result))
-    else:
-        print(json.dumps(result["fingerprint"], indent=1))
+        methods = ["estimate", "tokenizer"] if args.counts == "both" else [args.counts]
+        result["proxy"] = {
+            m: bench_proxy(tokenizer if m == "tokenizer" else None, args.seconds, args.clients) for m in methods
+        }
+    print(report(result))
     if args.json:
         print(json.dumps(result, indent=1))
     return result

@@ -10,12 +10,13 @@ queues exactly one log line (`gateway.log.BackgroundLogWriter`), also for errors
 
 Per-request costs are kept off the hot path: segment results are memoized by content
 (`gateway.fingerprint.SegmentCache`), the log line is encoded and written by a background thread, the
-pods are reached through one keep-alive pool (`gateway.upstream`), and a body whose metadata needs no
-change is forwarded as received, not re-encoded.
+pods are reached through one keep-alive pool (aiohttp, `gateway.upstream`), and a body whose metadata
+needs no change is forwarded as received, not re-encoded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -47,13 +48,13 @@ from gateway.fingerprint import (
 from gateway.log import BackgroundLogWriter, format_ts
 from gateway.routing import NoPodAvailable, make_router
 from gateway.upstream import (
-    Origin,
     Timeouts,
+    UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
-    UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
+    pod_url,
 )
 
 log = logging.getLogger("kvscope.gateway")
@@ -79,7 +80,7 @@ _DROP_REQUEST_HEADERS = frozenset(
     }
 )
 # Generations can queue for minutes under load; connecting should be quick (a refused connect is retried).
-UPSTREAM_TIMEOUT = Timeouts(connect=5.0, read=600.0, write=60.0)
+UPSTREAM_TIMEOUT = Timeouts(connect=5.0, read=600.0)
 TURN_MAP_SIZE = 100_000
 # Uncached segment text (characters) fingerprinted on the event loop; more goes to a worker thread so a
 # long new prompt (30 ms to tokenize 30k tokens) does not stall every other request. About 1 ms of work.
@@ -274,7 +275,10 @@ class Gateway:
         log_queue_size: int = 20_000,
     ) -> None:
         self.base_urls = {name: _api_base(url) for name, url in pods}
-        self.origins = {name: Origin.parse(url) for name, url in self.base_urls.items()}
+        self.urls = {  # per pod and path, parsed once
+            name: {path: pod_url(url, path) for path in ("/chat/completions", "/completions", "/models")}
+            for name, url in self.base_urls.items()
+        }
         self.router = make_router(
             policy, [name for name, _ in pods], max_inflight_per_pod=max_inflight_per_pod
         )
@@ -282,10 +286,10 @@ class Gateway:
         self.cache = SegmentCache(segment_cache_entries, segment_cache_bytes)
         self.log = BackgroundLogWriter(log_path, max_queue=log_queue_size)
         self.turns = TurnGaps()
-        self.client: UpstreamPool | None = None
+        self.client: UpstreamClient | None = None
 
     async def start(self) -> None:
-        self.client = UpstreamPool(UPSTREAM_TIMEOUT, max_idle_per_origin=64)
+        self.client = UpstreamClient(UPSTREAM_TIMEOUT)
 
     async def stop(self) -> None:
         if self.client is not None:
@@ -370,9 +374,7 @@ class Gateway:
             ex.holds_pod = True
             assert self.client is not None, "Gateway.start() was not awaited"
             try:
-                upstream = await self.client.request(
-                    "POST", self.origins[route.pod], path, upstream_headers, payload
-                )
+                upstream = await self.client.request("POST", self.urls[route.pod][path], upstream_headers, payload)
                 break
             except UpstreamConnectError:  # nothing reached the pod: safe to retry
                 self._release(ex)
@@ -426,6 +428,9 @@ class Gateway:
         usage-only chunk when the gateway added `include_usage` for itself."""
         buffer = b""
         async for data in upstream.aiter_bytes():
+            # reads of already buffered bytes do not suspend: let the loop run (a client's disconnect, other
+            # requests) once per piece, as httpx/anyio did with a checkpoint per read
+            await asyncio.sleep(0)
             buffer += data
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
@@ -484,9 +489,9 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         """GET /v1/models from the first pod that answers."""
         assert self.client is not None
-        for origin in self.origins.values():
+        for urls in self.urls.values():
             try:
-                upstream = await self.client.request("GET", origin, "/models", [("accept-encoding", "identity")])
+                upstream = await self.client.request("GET", urls["/models"], [("accept-encoding", "identity")])
                 try:
                     content = await upstream.aread()
                 finally:

@@ -68,15 +68,18 @@ def log_line(log_path: Path, request_id: str, timeout_seconds: float = 5.0) -> d
 @pytest.fixture
 def gateway(tmp_path):
     """Factory: gateway(pods, **make_app kwargs) → (client, log_path); servers stop at teardown."""
-    servers = []
+    servers, clients = [], []
 
     def start(pods, **kwargs):
         log_path = tmp_path / f"gateway-{len(servers)}.jsonl"
         server = GatewayServer(make_app(pods, log_path, **kwargs)).start()
         servers.append(server)
-        return httpx.Client(base_url=server.url, timeout=60), log_path
+        clients.append(httpx.Client(base_url=server.url, timeout=60))
+        return clients[-1], log_path
 
     yield start
+    for client in clients:
+        client.close()
     for server in servers:
         server.stop()
 
@@ -312,12 +315,14 @@ def test_concurrent_requests_each_log_one_line_without_pods(gateway, fake_pod):
     assert len(log_path.read_text().splitlines()) == 200
 
 
-def test_upstream_pool_retries_a_connection_closed_under_it_once():
+def test_upstream_client_retries_a_connection_closed_under_it_once():
     """The race the idle check cannot see: the pod closes a kept-alive connection just as the next request
-    is sent. The pool retries on a new connection, once; a new connection that fails is an error."""
+    is sent. The gateway's POST goes out again on a new connection (aiohttp itself retries only idempotent
+    methods), once: a pod that closes every connection unanswered is an error, a refused one a connect
+    error (another pod may be tried)."""
     import asyncio
 
-    from gateway.upstream import Origin, UpstreamConnectError, UpstreamError, UpstreamPool
+    from gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
     answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
     accepted = []
@@ -328,10 +333,12 @@ def test_upstream_pool_retries_a_connection_closed_under_it_once():
         served = 0
         while True:
             try:
-                await reader.readuntil(b"\r\n\r\n")
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = [int(x.split(b":")[1]) for x in head.lower().split(b"\r\n") if x.startswith(b"content-length")]
+                await reader.readexactly(length[0] if length else 0)
             except (asyncio.IncompleteReadError, ConnectionError):
                 break
-            if n == 1 and served == 1 or n == 3:  # drop the 2nd request on the 1st connection, all on the 3rd
+            if n == 1 and served == 1 or n >= 3:  # drop the 2nd request on the 1st connection, all from the 3rd
                 break
             writer.write(answer)
             served += 1
@@ -339,30 +346,88 @@ def test_upstream_pool_retries_a_connection_closed_under_it_once():
 
     async def scenario():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1")
-        pool = UpstreamPool()
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        client = UpstreamClient()
         results = []
         for _ in range(2):
-            response = await pool.request("GET", origin, "/models", [])
+            response = await client.request("POST", url, [("content-type", "application/json")], b"{}")
             results.append(await response.aread())
             response.close()
         assert results == [b"ok", b"ok"] and len(accepted) == 2  # the 2nd went out again on a new connection
-        await pool.aclose()
-        pool = UpstreamPool()  # nothing pooled: the 3rd connection's silence is an error, not retried
+        await client.aclose()
+        client = UpstreamClient()  # the 3rd connection closes unanswered, and so does the 4th: an error
         try:
-            await pool.request("GET", origin, "/models", [])
+            await client.request("POST", url, [], b"{}")
             raise AssertionError("expected UpstreamError")
         except UpstreamError as exc:
             assert not isinstance(exc, UpstreamConnectError)
-        assert len(accepted) == 3
+        assert len(accepted) == 4
         server.close()
         try:
-            await pool.request("GET", Origin.parse(f"http://127.0.0.1:{free_port()}"), "/", [])
+            await client.request("POST", f"http://127.0.0.1:{free_port()}/v1/completions", [], b"{}")
             raise AssertionError("expected UpstreamConnectError")
         except UpstreamConnectError:
             pass
+        await client.aclose()
+        assert client.closed
 
     asyncio.run(scenario())
+
+
+def test_upstream_client_read_timeouts():
+    """No response head within the read timeout, or a stream that stalls between two pieces, is an
+    `UpstreamTimeout` (the gateway answers 504 / logs the stream as not completed); the pieces that did
+    arrive are passed on with the chunked framing removed."""
+    import asyncio
+
+    from gateway.upstream import Timeouts, UpstreamClient, UpstreamTimeout
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"/stall-stream" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"d\r\ndata: first\n\n\r\n")
+        await reader.read()  # nothing more (no head at all for /stall-head) until the client gives up
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = UpstreamClient(Timeouts(connect=1.0, read=0.3))
+        t0 = time.monotonic()
+        try:
+            await client.request("POST", base + "/stall-head", [], b"{}")
+            raise AssertionError("expected UpstreamTimeout")
+        except UpstreamTimeout:
+            pass
+        assert 0.25 < time.monotonic() - t0 < 2
+        response = await client.request("POST", base + "/stall-stream", [], b"{}")
+        assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+        pieces = []
+        try:
+            async for piece in response.aiter_bytes():
+                pieces.append(piece)
+            raise AssertionError("expected UpstreamTimeout")
+        except UpstreamTimeout:
+            pass
+        response.close()
+        assert b"".join(pieces) == b"data: first\n\n"
+        await client.aclose()
+        server.close()
+        await asyncio.sleep(0.05)  # the handlers see the connections close
+
+    asyncio.run(scenario())
+
+
+def test_gateway_closes_its_upstream_client_on_shutdown(tmp_path, fake_pod):
+    pod = fake_pod()
+    app = make_app([("fake", pod.url)], tmp_path / "gateway.jsonl")
+    with GatewayServer(app) as server:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+        client = app.state.gateway.client
+        assert not client.closed
+    assert client.closed
 
 
 # --- real vLLM --------------------------------------------------------------------------------------------
