@@ -74,6 +74,9 @@ class Collector:
     kv_events_endpoint: str | None = None
     kv_events_replay: dict[str, str] = field(default_factory=dict)
     checkpoints: CheckpointStore = field(default_factory=lambda: CheckpointStore(None))
+    #: the scrape journal's own file (its state is large at many pods and rewritten every round); None = the
+    #: sources' file
+    scrape_checkpoints: CheckpointStore | None = None
     scrape_interval_seconds: float = 5.0
     log_poll_seconds: float = 0.5
     stop: threading.Event = field(default_factory=threading.Event)
@@ -118,7 +121,8 @@ class Collector:
         """The scrape journal, loaded at first use (:meth:`start`: a foreign checkpoint stops start-up).
         Raises :class:`collector.checkpoint.CheckpointError`."""
         if self._journal is None:
-            self._journal = ScrapeJournal(self.checkpoints, pods=[t.pod for t in self.targets])
+            store = self.scrape_checkpoints or self.checkpoints
+            self._journal = ScrapeJournal(store, pods=[t.pod for t in self.targets])
         return self._journal
 
     def _scrape_one(self, client: httpx.Client, journal: ScrapeJournal, t: Target

@@ -121,6 +121,7 @@ class Pipeline:
                 gateway_logs=self.cfg.list("gateway_log"), kv_events_endpoint=self.cfg.kv_events_endpoint or None,
                 kv_events_replay=parse_replay(self.cfg.list("kv_events_replay")),
                 checkpoints=CheckpointStore(checkpoint_path(self.cfg)),
+                scrape_checkpoints=CheckpointStore(checkpoint_path(self.cfg).with_suffix(".scrapes.json")),
                 scrape_interval_seconds=self.cfg.scrape_interval_seconds, stop=self.stop)
             self.collector.start()
 
