@@ -2,7 +2,7 @@
 
 Every event is an :class:`Envelope` around one payload kind. Envelopes travel in batches: one Kafka message
 (or one in-process queue item) carries ``list[Envelope]`` encoded as JSON by :func:`encode_batch`, because
-kafka-python tops out at ~10k messages/s here (see ../shared/reference/environment.md) while one scrape or
+kafka-python tops out at ~10k messages/s here (docs/environment.md) while one scrape or
 one KV-event batch already holds hundreds of facts.
 
 Rules (STYLE.md §2):

@@ -2,7 +2,7 @@
 plus one ``DeadLetter`` per bad line.
 
 - :data:`KEEP` is the allowlist: only the series some query or panel reads are sent (names from vLLM's
-  ``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; older names from ../shared/reference/vllm.md §1).
+  ``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; older names: docs/environment.md).
 - :class:`ScrapeState` (one per pod) holds each kept counter's previous value and ``_created``, so a scrape
   carries *increases* (restart-aware) and the store needs no window functions over raw samples.
 - :class:`ScrapeJournal` makes the increases exactly once across collector crashes: each round's new states

@@ -2,7 +2,7 @@
 
 A system prompt that carries "Current time: 2026-11-29T12:00:03Z" or "request req-8f3a91c2" changes on every
 request, so vLLM's prefix cache misses from the first changed block on (a timestamp line in front of a
-1,293-token system prompt gave 0 cached tokens on vLLM 0.32, `shared/reference/environment.md`). Hashing the
+1,293-token system prompt gave 0 cached tokens on vLLM 0.32, `docs/environment.md`). Hashing the
 prompt with such values masked lets attribution name the miss `prefix_drift/volatile_system` (normalized hash
 equal, raw hash different) instead of `system_changed`.
 

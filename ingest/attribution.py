@@ -19,7 +19,7 @@ The model, in three steps (one function each):
 3. **Token split** (:func:`split_missed_tokens`): lay labelled zones over token positions [0, prompt_tokens)
    and count, per zone, the missed tokens [cached_tokens, prompt_tokens) that fall in it.
 
-vLLM facts used (vLLM 0.32, ``v1/core/kv_cache_manager.py``, ``../shared/reference/vllm.md`` §4): only full
+vLLM facts used (vLLM 0.32, ``v1/core/kv_cache_manager.py``, docs/environment.md): only full
 blocks of ``block_size`` tokens are cached and hit, per pod; the last prompt token is always recomputed, so
 the most a request can hit is ``floor((prompt_tokens - 1) / B) * B`` (a real 762-token prompt repeated on the
 same pod hit 736 with B = 32).

@@ -3,7 +3,7 @@ job, the dashboard, ``kvscope query`` and ``kvscope sql``.
 
 The client is clickhouse-connect in both modes (``dsn="chdb:///abs/path"`` or ``http://host:8123``), so every
 statement is ClickHouse SQL and runs unchanged on chDB, a server or a cluster. chDB allows one data directory
-per process (../shared/reference/environment.md), so one :class:`Store` is opened per process and shared by
+per process (docs/environment.md), so one :class:`Store` is opened per process and shared by
 threads; calls are serialised by a lock (clickhouse-connect clients are not safe for concurrent queries).
 """
 

@@ -147,7 +147,7 @@ def main() -> None:
 @click.option("--no-dashboard", is_flag=True, help="Run the pipeline only (until Ctrl-C).")
 def up(no_dashboard: bool, **opts: Any) -> None:
     """Observe an existing fleet in one process: collect, ingest, attribute, and serve the dashboard."""
-    import streamlit  # noqa: F401  (import before threads start; environment.md)
+    import streamlit  # noqa: F401  (import before threads start; docs/environment.md)
 
     from kvscope.pipeline import Pipeline, run_dashboard_inprocess
 

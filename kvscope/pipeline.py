@@ -1,7 +1,7 @@
 """One process running every stage (``kvscope up``): collector → queue or Kafka → ingester → ClickHouse/chDB,
 the miss-cause attribution job, and (optionally) the Streamlit dashboard in-process.
 
-chDB allows one process per data directory (../shared/reference/environment.md), so in embedded mode
+chDB allows one process per data directory (docs/environment.md), so in embedded mode
 everything that touches the store lives here, in threads sharing one :class:`ingest.store.Store`.
 """
 
@@ -156,7 +156,7 @@ def run_dashboard_inprocess(store: Store, address: str, port: int) -> None:
     """Serve the Streamlit dashboard from this process, reading ``store`` (blocks until interrupted).
 
     Streamlit's config is set before ``bootstrap.run`` (passing port/address only as flag options there does
-    not take effect; ../shared/reference/environment.md).
+    not take effect; docs/environment.md).
     """
     from streamlit.web import bootstrap
 

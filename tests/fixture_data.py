@@ -1,7 +1,7 @@
 """A small, realistic data set written straight into the store"s tables, for the named-query and dashboard
 tests (no collector, no Kafka): three tenants on two vLLM pods (block size 32) over three minutes.
 
-The numbers come from the real vLLM 0.32.0 CPU capture (../shared/reference/samples/README.md) where they
+The numbers come from the real vLLM 0.32.0 CPU capture (tests/samples) where they
 can: pod-a"s counters are the captured ones (9,818 queried / 4,064 hit, then 12,909 / 5,472) and the five
 requests between those two scrapes are the five captured chat responses (762/0, 762/736, 764/672, 784/0,
 19/0 prompt/cached tokens), so Δqueries = Σprompt_tokens = 3,091 and Δhits = Σcached_tokens = 1,408 exactly.

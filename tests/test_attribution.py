@@ -1,5 +1,5 @@
 """Unit tests of miss-cause attribution (ingest/attribution.py): one case per cause and sub-cause, built by
-hand with the numbers of real vLLM 0.32 captures (block size 32; ../shared/reference/samples/README.md:
+hand with the numbers of real vLLM 0.32 captures (block size 32; tests/samples:
 a 762-token prompt cold = 0 cached, repeated = 736 cached; tool keys reordered after the system prompt = 672
 cached of 764; a timestamp first = 0 cached of 784; a 19-token prompt = never cached)."""
 
