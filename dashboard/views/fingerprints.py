@@ -25,8 +25,11 @@ SEGMENTS = {
     "retrieval pack": ("retrieval_pack_hash_cardinality", "retrieval_set_hash_cardinality"),
 }
 VARIANTS = {"raw": 0, "normalized": 1}
-#: A bucket wider than the epoch so far (until 2096): fingerprint_cardinality then counts over the whole window.
-WHOLE_WINDOW = 4_000_000_000
+#: A bucket wider than the epoch so far (until 2096), whole hours (so the hour rollups serve it):
+#: fingerprint_cardinality then counts over the whole window.
+WHOLE_WINDOW = 3600 * 1_111_112
+#: Tenants drawn in the per-tenant cardinality chart (the highest peaks); the table above lists them all.
+TOP_TENANTS = 20
 COLUMN_LABELS = {
     "requests": "Requests",
     "prompt_fingerprint_cardinality": "Prompt fingerprints",
@@ -94,10 +97,15 @@ def render(f: data.Filters) -> None:
         key="fp_segments",
     )
     per_bucket = data.named("fingerprint_cardinality", **f.params(), bucket_seconds=bk.seconds, by_tenant=1)
+    top = (per_tenant.sort("prompt_fingerprint_cardinality", descending=True).head(TOP_TENANTS)["tenant_id"]
+           if not per_bucket.is_empty() else [])
+    shown = per_bucket.filter(pl.col("tenant_id").is_in(list(top))) if not per_bucket.is_empty() else per_bucket
+    more = per_tenant.height - len(top)
     charts.time_lines(
-        per_bucket,
+        shown,
         "prompt_fingerprint_cardinality",
-        "Prompt fingerprint cardinality per tenant",
+        "Prompt fingerprint cardinality per tenant" + (f" (the {TOP_TENANTS} highest; {more} more in the table)"
+                                                       if more > 0 else ""),
         color="tenant_id",
         buckets=bk,
         key="fp_tenants",
