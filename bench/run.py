@@ -126,10 +126,19 @@ def bench_attribution(store: Any, n: int) -> None:
 QUERY_CASES: list[tuple[str, dict[str, str]]] = []
 
 
+def dashboard_bucket(window: timedelta) -> int:
+    """The bucket width the dashboard uses for a window (about 100 points, never below a minute)."""
+    from dashboard.data import NICE_BUCKETS
+
+    target = window.total_seconds() / 100
+    return next((b for b in NICE_BUCKETS if b >= target), NICE_BUCKETS[-1])
+
+
 def bench_queries(store: Any, label: str, repeat: int) -> None:
     import sql as sqlfiles
 
     now = datetime.now(UTC)
+    first = store.query_rows("SELECT min(ts) FROM gateway_requests")[0][0]
     windows = {"1h": now - timedelta(hours=1), "24h": now - timedelta(hours=24),
                "all": datetime(1970, 1, 1, tzinfo=UTC)}
     tenant = store.query_rows("SELECT tenant_id FROM gateway_requests LIMIT 1")[0][0]
@@ -142,7 +151,9 @@ def bench_queries(store: Any, label: str, repeat: int) -> None:
             for fname, extra in (("", {}), ("tenant", {"tenant": tenant}), ("pod", {"pod": "pod-1"})):
                 if fname and fname not in names:
                     continue
-                params = {k: v for k, v in {"since": since.strftime("%Y-%m-%d %H:%M:%S"), **extra}.items()
+                span = now - max(since, first.replace(tzinfo=UTC) if first.tzinfo is None else first)
+                bucket = {"bucket_seconds": str(dashboard_bucket(span))}  # as the dashboard asks
+                params = {k: v for k, v in {"since": since.strftime("%Y-%m-%d %H:%M:%S"), **bucket, **extra}.items()
                           if k in names}
                 times = timed(lambda name=name, params=params: store.named(name, params), repeat)
                 p50, p95 = statistics.median(times) * 1000, pct(times, 0.95) * 1000
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
     parser.add_argument("--quick", action="store_true", help="CI size: 20,000 requests, 3 runs, short sub-benches")
     parser.add_argument("--no-collector", action="store_true")
     parser.add_argument("--no-gateway", action="store_true")
+    parser.add_argument("--reuse", metavar="DIR", help="measure queries, pages and bytes again on the stores a "
+                        "previous run left in DIR (its chDB directory), without generating or attributing")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.import_lines, args.repeat = [20_000], 20_000, 3
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
 
     from ingest.store import Store
 
-    data_dir = tempfile.mkdtemp(prefix="kvscope-bench-")
+    data_dir = args.reuse or tempfile.mkdtemp(prefix="kvscope-bench-")
 
     def store_factory(name: str) -> Store:
         s = Store.open(data_dir=data_dir, database=f"bench_{name}")
@@ -249,14 +262,17 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
         label = f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
         print(f"\n== {label} requests ==", flush=True)
         store = store_factory(label.replace(".", "_"))
-        if n == args.requests[0]:
-            bench_insert(store, n)
-        rate = load_history(store, n)
-        report(f"{label} insert through gateway_requests + views (rows/s)", f"{rate:,.0f}", "")
-        bench_attribution(store, n)
+        if not args.reuse:
+            if n == args.requests[0]:
+                bench_insert(store, n)
+            rate = load_history(store, n)
+            report(f"{label} insert through gateway_requests + views (rows/s)", f"{rate:,.0f}", "")
+            bench_attribution(store, n)
         bench_bytes(store, label, n)
         bench_queries(store, label, args.repeat)
         bench_pages(store, label, max(3, args.repeat // 2))
+    if args.reuse:
+        return ROWS
     print("\n== import and metrics ==", flush=True)
     bench_import(store_factory, args.import_lines)
     bench_metrics_bytes(store_factory)
