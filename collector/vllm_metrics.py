@@ -28,7 +28,7 @@ import msgspec
 
 from collector.checkpoint import CheckpointError, CheckpointStore
 from collector.events import DeadLetter, Envelope, SeriesSample, VllmScrape, envelope
-from collector.prom_text import parse
+from collector.prom_text import Sample, parse
 
 MAX_RAW = 64 * 1024
 
@@ -61,6 +61,15 @@ KEEP: dict[str, tuple[str, str, str]] = {
     "vllm:cache_config_info": ("info", "", "block size for miss attribution, bytes per token: vllm_cache_config"),
 }
 
+#: older family → the family that replaced it (vLLM PR #18354, 0.10: both are exposed with equal values, the
+#: older with "DEPRECATED" in its HELP; docs/environment.md). A scrape that has the newer family drops the older,
+#: so the store holds one generation per scrape and queries may sum both names.
+SUPERSEDED_BY: dict[str, str] = {
+    "vllm:gpu_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "vllm:gpu_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc",
+}
+
 _COUNTER, _GAUGE, _CREATED, _INFO = 0, 1, 2, 3
 
 
@@ -87,6 +96,13 @@ def _specs(keep: Mapping[str, tuple[str, str, str]]) -> dict[str, tuple[int, str
 
 SPECS = _specs(KEEP)
 KEPT_NAMES = frozenset(SPECS)
+
+
+def _drop_superseded(samples: list[Sample]) -> list[Sample]:
+    """``samples`` without those of an older family whose newer family (:data:`SUPERSEDED_BY`) is present."""
+    families = {SPECS[name][1] for name, _, _ in samples}
+    gone = {old for old, new in SUPERSEDED_BY.items() if old in families and new in families}
+    return [s for s in samples if SPECS[s[0]][1] not in gone] if gone else samples
 
 SeriesKey = tuple[str, str, str, str, str]  # (sample name | family, engine, model_name, label value, extra labels)
 
@@ -147,7 +163,8 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     carries finite floats) and per repeated series; a body without any kept series is one dead letter.
     Increase of a counter series: value − previous; value when it restarted (value below previous, or its
     family's ``_created`` changed: its engine is then listed in ``restarts``); 0 when there is no previous
-    value (a baseline). A series missing from a scrape keeps its previous value for the next one.
+    value (a baseline). A series missing from a scrape keeps its previous value for the next one. An older
+    name whose newer name is in the same body (vLLM 0.10 exposes both) is left out: :data:`SUPERSEDED_BY`.
     """
     parsed = parse(body, KEPT_NAMES)
     bad = list(parsed.bad_lines)
@@ -158,7 +175,8 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     seen: set[SeriesKey] = set()
     extras = False
     isfinite = math.isfinite
-    for name, labels, value in parsed.samples:
+    samples = _drop_superseded(parsed.samples) if "vllm:gpu_" in body else parsed.samples
+    for name, labels, value in samples:
         kind, family, lname, created_has_label = SPECS[name]
         engine = labels.get("engine")
         model = labels.get("model_name")

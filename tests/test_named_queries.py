@@ -17,9 +17,13 @@ import polars as pl
 import pytest
 
 import sql as sqlfiles
+from collector.events import VllmScrape
+from collector.vllm_metrics import ScrapeState, scrape_events
 from ingest.errors import QueryError
+from ingest.rows import metric_rows
 from ingest.store import Store
 from tests.fixture_data import at, load_fixture
+from tests.test_vllm_metrics import BODY1, vllm_0_10
 
 PARAM_USE = re.compile(r"\{(\w+):([^{}]+)\}")
 QUERIES = sqlfiles.query_names()
@@ -192,7 +196,8 @@ def test_hit_rate_filters_and_window(fx: Store) -> None:
 
 def test_hit_rate_engines_and_name_generations(chdb_dir: Path) -> None:
     """Counter increases as the collector sends them (its restart and generation rules are tested with the
-    collector): DP engines are summed before dividing, and vLLM <= 0.11's gpu_ names count the same."""
+    collector): DP engines are summed before dividing, vLLM <= 0.11's gpu_ names count the same, and vLLM 0.10's
+    two generations of one counter are counted once."""
     s = Store.open(data_dir=chdb_dir, database=f"nq_counters_{uuid.uuid4().hex[:12]}")
     s.migrate()
     increases = [  # (pod, engine, name, increase)
@@ -200,8 +205,16 @@ def test_hit_rate_engines_and_name_generations(chdb_dir: Path) -> None:
         ("dp", "1", "vllm:prefix_cache_queries_total", 100),  # engine 1 hit nothing: the mean of ratios is 0.45
         ("old", "0", "vllm:gpu_prefix_cache_queries_total", 200), ("old", "0", "vllm:gpu_prefix_cache_hits_total", 100),
     ]
+    columns = ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"]
     s.insert("vllm_metrics", [(at(30), pod, eng, "tiny", name, "", 0.0, float(n)) for pod, eng, name, n in increases],
-             ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"])
+             columns)
+    # vLLM 0.10 exposes both generations with equal values: through the collector, counted once.
+    state = ScrapeState()
+    for seconds, queries, hits in ((20, 500.0, 100.0), (30, 900.0, 400.0)):
+        ms = int(at(seconds).timestamp() * 1000)
+        for ev in scrape_events("both", "http://both/metrics", vllm_0_10(BODY1, queries, hits), ms, 1.0, state):
+            if isinstance(ev.payload, VllmScrape):
+                s.insert("vllm_metrics", metric_rows(ev, ev.payload), columns)
 
     def vllm(pod: str = "") -> tuple[int, int]:
         r = by(rows(s, "hit_rate_total", pod=pod), "source")["vllm"]
@@ -210,12 +223,28 @@ def test_hit_rate_engines_and_name_generations(chdb_dir: Path) -> None:
     assert vllm("dp") == (900, 1100)
     assert by(rows(s, "hit_rate_total", pod="dp"), "source")["vllm"]["token_weighted_hit_rate"] == approx(900 / 1100)
     assert vllm("old") == (100, 200)
-    assert vllm() == (1000, 1300)
+    assert vllm("both") == (300, 400)
+    assert vllm() == (1300, 1700)
     assert [(r["pod"], r["vllm_hit_tokens"], r["vllm_query_tokens"]) for r in rows(s, "pods")] == [
+        ("both", 300, 400),
         ("dp", 900, 1100),
         ("old", 100, 200),
     ]
     assert by(rows(s, "pods"), "pod")["dp"]["engines"] == 2
+
+
+def test_the_sql_examples_in_the_docs_run(fx: Store) -> None:
+    """Every ```sql block of README.md and docs/*.md runs on a migrated store as written."""
+    root = Path(__file__).parents[1]
+    blocks = [(f.name, b) for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+              for b in re.findall(r"```sql\n(.*?)```", f.read_text(), re.S)]
+    assert blocks
+    for name, block in blocks:
+        for statement in filter(str.strip, block.split(";")):
+            try:
+                fx.query_rows(statement)
+            except Exception as exc:  # noqa: BLE001 - the message names the block
+                pytest.fail(f"{name}: {statement.strip()[:80]}...: {exc}")
 
 
 # -- miss causes ---------------------------------------------------------------------------------------------

@@ -99,6 +99,50 @@ def test_a_restart_gives_the_new_value_when_created_changes() -> None:
     assert increases(p)[("vllm:prefix_cache_hits_total", "0", "")] == 1408  # its own _created did not change
 
 
+def vllm_0_10(body: str, queries: float, hits: float, usage: float = 0.25) -> str:
+    """A real capture as vLLM 0.10 exposes it: the prefix-cache counters and KV usage under both names
+    (docs/environment.md), the older ones equal to the newer."""
+    out = with_counters(body, queries, hits)
+    created = 'vllm:prefix_cache_queries_created{engine="0",model_name="tiny"} 1.795949655355018e+09'
+    assert created in out
+    older = "\n".join([
+        "# HELP vllm:gpu_prefix_cache_queries_total (DEPRECATED) GPU prefix cache queries, in terms of tokens.",
+        "# TYPE vllm:gpu_prefix_cache_queries_total counter",
+        f'vllm:gpu_prefix_cache_queries_total{{engine="0",model_name="tiny"}} {queries!r}',
+        'vllm:gpu_prefix_cache_queries_created{engine="0",model_name="tiny"} 1.795949655355018e+09',
+        "# HELP vllm:gpu_prefix_cache_hits_total (DEPRECATED) GPU prefix cache hits, in terms of tokens.",
+        "# TYPE vllm:gpu_prefix_cache_hits_total counter",
+        f'vllm:gpu_prefix_cache_hits_total{{engine="0",model_name="tiny"}} {hits!r}',
+        'vllm:gpu_prefix_cache_hits_created{engine="0",model_name="tiny"} 1.795949655355053e+09',
+        "# HELP vllm:gpu_cache_usage_perc (DEPRECATED) GPU KV-cache usage.",
+        "# TYPE vllm:gpu_cache_usage_perc gauge",
+        f'vllm:gpu_cache_usage_perc{{engine="0",model_name="tiny"}} {usage!r}',
+    ])
+    return out + older + "\n"
+
+
+def test_vllm_0_10_exposes_both_name_generations_and_one_is_kept() -> None:
+    state = ScrapeState()
+    first = scrape_of(scrape_events("pod-0", URL, vllm_0_10(BODY1, 500.0, 100.0), 1_000, 4.0, state))
+    assert "vllm:gpu_cache_usage_perc" not in {s.name for s in first.samples}
+    assert "vllm:kv_cache_usage_perc" in {s.name for s in first.samples}
+    second = scrape_of(scrape_events("pod-0", URL, vllm_0_10(BODY1, 900.0, 400.0), 6_000, 4.0, state))
+    inc = increases(second)
+    assert inc[("vllm:prefix_cache_queries_total", "0", "")] == 400
+    assert inc[("vllm:prefix_cache_hits_total", "0", "")] == 300
+    assert not any(name.startswith("vllm:gpu_") for name, _, _ in inc)
+    # Only the older names (vLLM 0.7-0.9): they are kept.
+    old_only = "\n".join(line for line in vllm_0_10(BODY1, 900.0, 400.0).splitlines()
+                         if not any(n in line for n in ("vllm:prefix_cache", "vllm:kv_cache_usage")))
+    older_state = ScrapeState()
+    scrape_events("pod-0", URL, old_only.replace(" 900.0", " 500.0").replace(" 400.0", " 100.0"), 1_000, 4.0,
+                  older_state)
+    older = scrape_of(scrape_events("pod-0", URL, old_only, 6_000, 4.0, older_state))
+    assert "vllm:gpu_cache_usage_perc" in {s.name for s in older.samples}
+    assert increases(older)[("vllm:gpu_prefix_cache_queries_total", "0", "")] == 400
+    assert increases(older)[("vllm:gpu_prefix_cache_hits_total", "0", "")] == 300
+
+
 def test_data_parallel_engines_are_separate_series() -> None:
     state = ScrapeState()
     first = scrape_of(scrape_events("pod-0", URL, DP2, 1_000, 1.0, state))
