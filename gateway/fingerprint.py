@@ -315,18 +315,6 @@ def _document_text(doc: Any) -> str:
     return _json(doc, sort_keys=False)
 
 
-def _retrieval(documents: Sequence[Any], extra_system: Sequence[Mapping[str, Any]], counter: TokenCounter):
-    """(pack_hash, set_hash, tokens) over `documents` (as sent) then further system messages."""
-    pack = [hash_parts(_json(d, sort_keys=False)) for d in documents]
-    items = [hash_parts(_json(d, sort_keys=True)) for d in documents]
-    msg_hashes = [message_hash(m) for m in extra_system]
-    pack += msg_hashes
-    items += msg_hashes
-    tokens = sum(counter.count(_document_text(d)) for d in documents)
-    tokens += sum(counter.count(message_text(m)) for m in extra_system)
-    return _segment_hash(pack), _segment_hash(sorted(items)), tokens
-
-
 def _tools(tools: Any, counter: TokenCounter) -> tuple[str, str, int]:
     """(raw_hash, canonical_hash, tokens) of the body's `tools` (absent when missing or empty)."""
     if not tools:
@@ -370,31 +358,7 @@ def fingerprint_chat(
     With a `cache`, per-segment results are memoized (identical output); `budget` then caps the size
     (characters / pickle bytes) of uncached segments this call may compute, else SegmentBudgetExceeded.
     """
-    if cache is not None:
-        return _CachedSegments(cache, counter, budget).chat(body)
-    system, extra_system, history, suffix, documents = _split_chat(body)
-    system_hash = message_hash(system) if system else ""
-    tools_hash, tools_canonical, tools_tokens = _tools(body.get("tools"), counter)
-    pack_hash, set_hash, retrieval_tokens = _retrieval(documents, extra_system, counter)
-    history_hash = _segment_hash([message_hash(m) for m in history])
-    return PromptFingerprint(
-        system_hash=system_hash,
-        system_norm_hash=message_hash(system, mask=True) if system else "",
-        system_tokens=counter.count(message_text(system)) if system else 0,
-        tools_hash=tools_hash,
-        tools_canonical_hash=tools_canonical,
-        tools_tokens=tools_tokens,
-        retrieval_pack_hash=pack_hash,
-        retrieval_set_hash=set_hash,
-        retrieval_tokens=retrieval_tokens,
-        history_prefix_hash=history_hash,
-        prev_history_hash=_segment_hash([message_hash(m) for m in _previous_request_history(history)]),
-        history_tokens=sum(counter.count(message_text(m)) for m in history),
-        suffix_hash=_segment_hash([message_hash(m) for m in suffix]),
-        suffix_tokens=sum(counter.count(message_text(m)) for m in suffix),
-        prompt_fingerprint=_fingerprint(system_hash, tools_hash, pack_hash, history_hash),
-        token_count_method=counter.method,
-    )
+    return _Segments(cache, counter, budget).chat(body)
 
 
 def _prompt_items(prompt: Any) -> list[str | list[int]]:
@@ -458,20 +422,7 @@ def fingerprint_completion(
     several prompts (a batch) hash as one suffix H(p1, p2, ...). Raises FingerprintError on other shapes.
     `cache` and `budget`: as for `fingerprint_chat`.
     """
-    if cache is not None:
-        return _CachedSegments(cache, counter, budget).completion(body)
-    system_text, items = _split_completion(body)
-    suffix_parts = [i if isinstance(i, str) else _json(i, sort_keys=False) for i in items if i]
-    suffix_tokens = sum(counter.count(i) if isinstance(i, str) else len(i) for i in items)
-    system_hash = hash_parts(system_text) if system_text else ""
-    return _completion_fingerprint(
-        system_hash,
-        hash_parts(mask_volatile(system_text)) if system_text else "",
-        counter.count(system_text),
-        _segment_hash(suffix_parts),
-        suffix_tokens,
-        counter.method,
-    )
+    return _Segments(cache, counter, budget).completion(body)
 
 
 def fingerprint_request(
@@ -492,27 +443,27 @@ def fingerprint_request(
     raise ValueError(f"unknown endpoint {endpoint!r}")
 
 
-# --- memoized segments --------------------------------------------------------------------------------
+# --- segments, memoized or not ------------------------------------------------------------------------
 
 _MESSAGE, _DOCUMENT, _TOOLS, _TEXT = "message", "document", "tools", "text"
 
 
-class _CachedSegments:
-    """One fingerprint's segment computations through a SegmentCache.
-
-    Each entry holds exactly what the uncached functions above compute for that segment (same helper
-    calls), so both paths give identical fingerprints:
+class _Segments:
+    """One fingerprint's segment computations, through a SegmentCache when there is one (else each entry is
+    computed directly, and `budget` does not apply), so both paths give identical fingerprints. Entries:
     message → [message_hash(m), count(message_text(m)), message_hash(m, mask=True) once needed];
     document → [H(json as sent), H(json sorted), count(document text)];
     tools → [H(json as sent), H(json sorted), count(json as sent)];
     text (completions) → [H(text), count(text), H(mask_volatile(text)) once needed]."""
 
-    def __init__(self, cache: SegmentCache, counter: TokenCounter, budget: int | None) -> None:
+    def __init__(self, cache: SegmentCache | None, counter: TokenCounter, budget: int | None) -> None:
         self.cache = cache
         self.counter = counter
         self.budget = budget
 
     def _entry(self, kind: str, value: Any, compute) -> list[Any]:
+        if self.cache is None:
+            return compute(value)
         if isinstance(value, str):
             raw: Any = value
         else:
