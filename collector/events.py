@@ -5,7 +5,7 @@ Every event is an :class:`Envelope` around one payload kind. Envelopes travel in
 kafka-python tops out at ~10k messages/s here (docs/environment.md) while one scrape or
 one KV-event batch already holds hundreds of facts.
 
-Rules (STYLE.md §2):
+Rules:
 - ``event_id`` is derived from the source's natural key (:func:`make_event_id`), so a re-send after a crash
   carries the same id and the store deduplicates on it.
 - Topics are ``kvscope.<kind>.v<major>``, keyed by pod.

@@ -29,7 +29,7 @@ NO_TENANT_IN_VLLM = "vLLM's counters carry no tenant; pick **All tenants** in th
 #: How a missing value shows in tables.
 MISSING = "–"
 
-#: Labels of the terms DESIGN.md defines, used for axis titles, legends and column headers.
+#: Labels of the terms docs/miss-causes.md defines, used for axis titles, legends and column headers.
 LABELS = {
     "token_weighted_hit_rate": "Token-weighted hit rate",
     "request_weighted_hit_rate": "Request-weighted hit rate",
@@ -310,7 +310,7 @@ def table(
     labels: dict[str, str] | None = None,
     key: str | None = None,
 ) -> None:
-    """A data table with DESIGN.md's names (or ``labels``) as headers, fractions shown as percentages and
+    """A data table with docs/miss-causes.md's names (or ``labels``) as headers, fractions shown as percentages and
     missing values as an en dash."""
     if df.is_empty():
         st.caption(NO_DATA_IN_WINDOW)

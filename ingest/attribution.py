@@ -1,5 +1,5 @@
 """Miss-cause attribution, the pure logic (gateway_requests → here → miss_attribution): for every request,
-name the cause of each prompt token vLLM's prefix cache did not serve (DESIGN.md, Definitions → Miss causes).
+name the cause of each prompt token vLLM's prefix cache did not serve (docs/miss-causes.md).
 
 No I/O here: :mod:`ingest.attribution_job` reads requests and block sizes from the store, calls
 :func:`attribute`, and writes the rows. Everything is deterministic: the same requests give the same rows in
@@ -34,7 +34,7 @@ from dataclasses import astuple, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-# -- names (DESIGN.md, Definitions → Miss causes; use exactly these everywhere) ------------------------------
+# -- names (docs/miss-causes.md; use exactly these everywhere) ------------------------------
 UNAVOIDABLE = "unavoidable"
 BELOW_BLOCK = "below_block"
 COLD = "cold"
@@ -99,7 +99,7 @@ class Segment:
     changed: str
 
 
-#: The stable prefix in prompt order (the suffix follows; DESIGN.md Inputs item 3). History has no variant
+#: The stable prefix in prompt order (the suffix follows; docs/miss-causes.md). History has no variant
 #: hash: continuity is checked with ``prev_history_hash`` instead (see :func:`shared_prefix`).
 STABLE_SEGMENTS = (
     Segment("system", "system_hash", "system_tokens", "system_norm_hash", VOLATILE_SYSTEM, SYSTEM_CHANGED),
@@ -351,7 +351,7 @@ def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
 
 
 def _name_drift(req: Request, prev: Request, seg: Segment) -> str:
-    """Sub-cause for a segment whose raw hash differs (DESIGN.md: named by the variant hashes; a variant the
+    """Sub-cause for a segment whose raw hash differs (docs/miss-causes.md: named by the variant hashes; a variant the
     gateway left empty proves nothing, so it names the change, not a reordering)."""
     variant = _str(req, seg.variant_field) if seg.variant_field else ""
     if variant and variant == _str(prev, seg.variant_field):

@@ -1,6 +1,6 @@
 """The ingester: transport messages → rows → ClickHouse, committing the source only after the insert.
 
-At-least-once delivery, exactly-once rows (STYLE.md §4, docs/reliability.md):
+At-least-once delivery, exactly-once rows (docs/reliability.md):
 - A polled batch is decoded and mapped to rows per table; each table's rows are checked against the store
   (:mod:`ingest.dedup`: what it already holds is dropped) and inserted; only then are the batch's own offsets
   committed (explicit per-partition offsets, never the consumer's position).

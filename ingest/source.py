@@ -1,7 +1,7 @@
 """Where the ingester reads from: a Kafka consumer group (distributed) or the in-process queue (embedded).
 
 Both hand out batches of :class:`collector.publish.Message`. ``commit(batch)`` is called only after the
-store confirmed the batch's rows and commits exactly that batch (STYLE.md §4); ``rewind(batch)`` makes the
+store confirmed the batch's rows and commits exactly that batch; ``rewind(batch)`` makes the
 next poll deliver the batch again (the ingester could not write it). Only this module sees kafka-python
 exceptions.
 """

@@ -52,7 +52,7 @@ _CODE = re.compile(r"Code:\s*(\d+)")
 
 #: Rows an ad hoc query returns at most; a result of exactly this many rows was cut.
 ADHOC_MAX_ROWS = 10_000
-#: Limits enforced by the database on ad hoc SQL (STYLE.md §3, datasette's sql_time_limit_ms/max_returned_rows).
+#: Limits enforced by the database on ad hoc SQL (datasette's sql_time_limit_ms/max_returned_rows).
 #: ``result_overflow_mode=break`` stops at the end of the block that crosses the limit, so blocks are capped at
 #: the limit too. ``readonly`` must come last: once it is set, no setting can change.
 ADHOC_SETTINGS: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Configuration is one table (STYLE.md §7): every setting, its ``KVSCOPE_*`` variable, default and help.
+"""Configuration is one table: every setting, its ``KVSCOPE_*`` variable, default and help.
 
 Each process builds a frozen :class:`Config` from command-line flags (highest), then the environment, then
 the defaults. An unknown ``KVSCOPE_`` variable stops start-up (a typo must not silently fall back).

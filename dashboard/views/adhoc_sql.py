@@ -18,8 +18,9 @@ st.header("SQL")
 st.caption(
     f"Read-only: the database refuses writes, stops a query after {ADHOC_SETTINGS['max_execution_time']} s "
     f"and returns at most {MAX_ROWS:,} rows. Tables: gateway_requests, request_attribution (weight by sign), "
-    "miss_attribution (one row per request and cause), vllm_metric_samples, kv_block_events, kv_event_gaps, "
-    "dead_letters."
+    "miss_attribution (one row per request and cause), vllm_metrics (kept vLLM series; counters as increases), "
+    "vllm_cache_config, kv_block_events, kv_event_gaps, dead_letters; rollups requests_1m/1h, misses_1m/1h, "
+    "affinity_1m/1h, vllm_1m/1h (docs/scale.md)."
 )
 
 EXAMPLE = """SELECT tenant_id,

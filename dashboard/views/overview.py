@@ -10,7 +10,7 @@ from dashboard import charts, data
 
 SOURCES = {"vllm": "vLLM counters", "gateway": "gateway log"}
 LATENCY_SOURCES = {"gateway": "gateway (exact)", "vllm": "vLLM histogram (bucket-interpolated)"}
-#: Gap (fraction) between the two token-weighted hit rates worth flagging (DESIGN.md: "a disagreement is
+#: Gap (fraction) between the two token-weighted hit rates worth flagging (docs/miss-causes.md: "a disagreement is
 #: itself a finding").
 DISAGREEMENT = 0.005
 

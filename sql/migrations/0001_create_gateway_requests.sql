@@ -1,6 +1,6 @@
 -- One row per request the gateway served (gateway fingerprint log, schema gateway/gateway_log.v1.schema.json).
 -- ReplacingMergeTree: a re-delivered log line carries the same event_id, ts and request_id, so duplicates
--- collapse on merge and queries read with FINAL (dedup on event_id, STYLE.md §4).
+-- collapse on merge and queries read with FINAL (dedup on event_id).
 -- ORDER BY starts with tenant_id and ts: every panel filters by time range and most by tenant.
 CREATE TABLE IF NOT EXISTS gateway_requests
 (
