@@ -12,10 +12,12 @@ does. Handled, without losing a line:
 - copytruncate: the unread tail is read from the sibling copy with our fingerprint; with no copy it is a
   plain truncation and the bytes known to be skipped are counted;
 - deletion: the open (unlinked) file is drained, then the path is read from 0 when it reappears;
-- a restart after rotations: the checkpointed file is found among the siblings by fingerprint.
+- a restart after rotations: the checkpointed file is found among the siblings by fingerprint, drained, then
+  every sibling written after it (the rotations since the checkpoint, however many) is read whole, oldest
+  first, before the current file.
 
-Not handled: a file created and rotated away again between two reads (or two rotations while down) is not
-seen; compressed rotated files cannot be read.
+Not handled: a file created and rotated away again between two reads of a running follower is not seen;
+compressed rotated files are not read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ log = logging.getLogger("kvscope.collector")
 
 #: The fingerprint covers the first line, or this many bytes of it when it is longer.
 FINGERPRINT_BYTES = 4096
+#: Rotated files with these suffixes are compressed (logrotate's ``compress``) and never read.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 _SCAN = 1 << 20
 
 LAG_BYTES = Gauge("kvscope_collector_log_lag_bytes", "Bytes written to the log not yet read", ["path"])
@@ -211,17 +215,19 @@ class FileFollower:
             self._files = [cur]
             return
         old = self._find_sibling(pos, exclude=cur.ident if cur else None)
+        newer: list[_File] = []
         if old is not None:
             old.offset, old.fp, old.detached = pos.offset, pos.fingerprint, True
+            newer = self._newer_siblings(old, exclude=cur.ident if cur else None)
             ROTATIONS.labels(self.label, "resumed_rotated").inc()
             log.info("log was rotated while the collector was down; draining the rotated file first. path=%s "
-                     "rotated=%s offset=%d", self.label, old.name, pos.offset)
+                     "rotated=%s offset=%d then=%s", self.label, old.name, pos.offset, [f.name for f in newer])
         else:
             RESUME_MISSES.labels(self.label).inc()
             log.error("checkpointed log file not found; lines after its checkpoint may be lost, reading the "
                       "current file from the start. path=%s fingerprint=%s offset=%d inode=%d last_name=%s",
                       self.label, pos.fingerprint, pos.offset, pos.ino, pos.file)
-        self._files = [f for f in (old, cur) if f is not None]
+        self._files = [f for f in (old, *newer, cur) if f is not None]
 
     def _holds(self, f: _File, pos: Position) -> bool:
         """Whether ``f`` is the checkpointed file: same fingerprint (or, while it had none, same inode)
@@ -233,13 +239,7 @@ class FileFollower:
         """The file beside the log (name starting with the log's name) that holds ``pos`` (see
         :meth:`_holds`), other than ``exclude``; the same inode as ``pos`` first, then the largest."""
         found: list[_File] = []
-        try:
-            entries = list(os.scandir(self.path.parent))
-        except FileNotFoundError:
-            return None
-        for entry in entries:
-            if entry.name == self.path.name or not entry.name.startswith(self.path.name):
-                continue
+        for entry in self._siblings():
             try:
                 f = self._open(Path(entry.path)) if entry.is_file() else None
             except OSError:  # unreadable: not ours to follow
@@ -252,6 +252,42 @@ class FileFollower:
         for f in found[1:]:
             f.close()
         return found[0] if found else None
+
+    def _newer_siblings(self, old: _File, exclude: tuple[int, int] | None) -> list[_File]:
+        """The rotated files written after ``old`` (the checkpointed file, found rotated away), oldest first:
+        siblings modified at or after ``old``'s last write, other than ``old``, ``exclude`` (the current file),
+        copies of ``old`` (same first line) and compressed files. When the checkpoint lags the rotations
+        (acknowledgements are slower than rotations, or several rotations happened while the collector was
+        down), their lines were never acknowledged: each is read whole, after ``old`` and before the current
+        file. Rename keeps a file's modification time and a copy gets the copy's time, so both sort after
+        ``old``; older rotations sort before it and are not read again."""
+        since = os.fstat(old.fh.fileno()).st_mtime_ns
+        found: list[tuple[int, str, _File]] = []
+        for entry in self._siblings():
+            if entry.name.endswith(_COMPRESSED):
+                continue
+            try:
+                f = self._open(Path(entry.path)) if entry.is_file() else None
+            except OSError:
+                continue
+            if f is None:
+                continue
+            mtime = os.fstat(f.fh.fileno()).st_mtime_ns
+            if f.ident in (old.ident, exclude) or mtime < since or (old.fp and f.current_fp() == old.fp):
+                f.close()
+                continue
+            f.detached = True
+            found.append((mtime, f.name, f))
+        found.sort(key=lambda t: (t[0], t[1]))
+        return [f for _, _, f in found]
+
+    def _siblings(self) -> list[os.DirEntry[str]]:
+        """Directory entries beside the log whose names start with the log's name (not the log itself)."""
+        try:
+            entries = list(os.scandir(self.path.parent))
+        except FileNotFoundError:
+            return []
+        return [e for e in entries if e.name != self.path.name and e.name.startswith(self.path.name)]
 
     @staticmethod
     def _open(path: Path) -> _File | None:
