@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,6 +21,15 @@ from ingest.store import Store
 from kvscope.cli import main
 
 LONG = "SELECT count() FROM numbers(1000000000000)"  # runs until its time limit, or until killed
+
+
+@pytest.fixture(scope="module")
+def store(chdb_dir: Path) -> Store:
+    """One migrated database for the module, holding one dead letter ``kept`` (the refusals must keep it)."""
+    s = Store.open(data_dir=chdb_dir, database=f"t_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    s.insert("dead_letters", [("kept", "test", datetime.now(UTC))], ["event_id", "source", "ts"])
+    return s
 
 
 def cli(store: Store, *args: str) -> tuple[int, str, str]:
@@ -91,7 +101,6 @@ REFUSED = {
 
 @pytest.mark.parametrize("statement", list(REFUSED))
 def test_writes_and_admin_statements_are_refused_as_read_only(store: Store, statement: str) -> None:
-    store.insert("dead_letters", [("kept", "test", datetime.now(UTC))], ["event_id", "source", "ts"])
     with pytest.raises(QueryError) as err:
         store.adhoc(statement)
     assert str(err.value).startswith(f"read-only: {REFUSED[statement]} is refused")
