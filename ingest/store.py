@@ -5,6 +5,8 @@ The client is clickhouse-connect in both modes (``dsn="chdb:///abs/path"`` or ``
 statement is ClickHouse SQL and runs unchanged on chDB, a server or a cluster. chDB allows one data directory
 per process (docs/environment.md), so one :class:`Store` is opened per process and shared by
 threads; calls are serialised by a lock (clickhouse-connect clients are not safe for concurrent queries).
+Ad hoc SQL has a client and a lock of its own (a second chDB session on the same engine), so a slow user query
+never pauses ingestion.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ import pyarrow as pa
 from clickhouse_connect.driver import exceptions as ch_exc
 
 import sql as sqlfiles
+from ingest.adhoc import (
+    ADHOC_MAX_MEMORY_BYTES,
+    ADHOC_MAX_ROWS,
+    FORMAT_QUERY,
+    adhoc_settings,
+    check_read_only,
+    error_line,
+    unique_names,
+)
 from ingest.errors import QueryError, RejectedRows, StoreUnavailable
 
 # The ClickHouse error codes that mean "these rows are wrong" (parse, type, range): the only failures of an
@@ -50,27 +61,6 @@ _RETRYABLE_READ_CODES = {159, 202, 209, 210, 241, 242, 252, 425}
 _SERIALISE_ERRORS = (ValueError, TypeError, OverflowError, struct.error, ch_exc.DataError)
 _CODE = re.compile(r"Code:\s*(\d+)")
 
-#: Rows an ad hoc query returns at most; a result of exactly this many rows was cut.
-ADHOC_MAX_ROWS = 10_000
-#: Limits enforced by the database on ad hoc SQL (datasette's sql_time_limit_ms/max_returned_rows).
-#: ``result_overflow_mode=break`` stops at the end of the block that crosses the limit, so blocks are capped at
-#: the limit too. ``readonly`` must come last: once it is set, no setting can change.
-ADHOC_SETTINGS: dict[str, Any] = {
-    "max_execution_time": 10,
-    "max_result_rows": ADHOC_MAX_ROWS,
-    "max_block_size": ADHOC_MAX_ROWS,
-    "result_overflow_mode": "break",
-    "readonly": 1,
-}
-# Literals, quoted names and comments are blanked before looking for a ';' followed by more SQL.
-_NOT_CODE = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|--[^\n]*|/\*.*?\*/", re.S)
-
-
-def _many_statements(statement: str) -> bool:
-    code = _NOT_CODE.sub(" ", statement)
-    return bool(re.search(r";\s*\S", code))
-
-
 def _code(exc: BaseException) -> int | None:
     m = _CODE.search(str(exc))
     return int(m.group(1)) if m else None
@@ -83,23 +73,31 @@ class Store:
     Raises :class:`StoreUnavailable` when the store cannot be reached.
     """
 
-    def __init__(self, client: Any, database: str, dsn: str, cluster: str = "") -> None:
+    def __init__(self, client: Any, database: str, dsn: str, cluster: str = "",
+                 adhoc: dict[str, Any] | None = None) -> None:
         self.client = client
         self.database = database
         self.dsn = dsn
         self.cluster = cluster
+        #: The settings ad hoc queries run under (:func:`ingest.adhoc.adhoc_settings`).
+        self.adhoc_settings = adhoc or adhoc_settings()
         self._lock = threading.RLock()
+        # Ad hoc SQL has its own client (its own chDB session) and its own lock: a slow user query never holds
+        # the lock the ingester and the attribution job write under.
+        self._adhoc_lock = threading.Lock()
         self._adhoc_client: Any = None
 
     @classmethod
     def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
-             database: str = "kvscope", cluster: str = "") -> Store:
+             database: str = "kvscope", cluster: str = "",
+             adhoc_max_memory_bytes: int = ADHOC_MAX_MEMORY_BYTES) -> Store:
         """Open chDB at ``data_dir`` (embedded) or the server at ``clickhouse_url`` (e.g. ``http://ch:8123``).
 
         Exactly one of the two is used; ``clickhouse_url`` wins when both are given. ``cluster`` (server only):
         a cluster name from the server's ``remote_servers``: the database is created ON CLUSTER with the
         Replicated database engine, so every migration's DDL reaches every replica, and the migrations'
         MergeTree-family tables are created as their Replicated* engines (:func:`replicated`). docs/scale.md.
+        ``adhoc_max_memory_bytes``: the memory cap of each ad hoc query (:meth:`adhoc`).
         """
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
             raise ValueError(f"database name {database!r} must be an identifier")
@@ -119,7 +117,7 @@ class Store:
             client = clickhouse_connect.get_client(dsn=dsn, database=database)
         except ch_exc.Error as exc:
             raise StoreUnavailable(f"cannot open ClickHouse at {dsn}: {exc}") from exc
-        return cls(client, database, dsn, cluster)
+        return cls(client, database, dsn, cluster, adhoc_settings(adhoc_max_memory_bytes))
 
     @contextmanager
     def _translate(self, what: str) -> Iterator[None]:
@@ -218,38 +216,66 @@ class Store:
         return self.query_df(q.sql, parameters=bound)
 
     def adhoc(self, statement: str) -> pl.DataFrame:
-        """Run user SQL with the database enforcing read-only and limits (:data:`ADHOC_SETTINGS`).
+        """Run one user statement, read-only, under :attr:`adhoc_settings` (time, memory, result rows and bytes).
 
-        On chDB the limits are set once on a separate session that stays ``readonly=1`` (clickhouse-connect's
-        chDB backend applies per-query settings with SET and cannot restore them after ``readonly=1``, which
-        would leave the writer's session read-only). On a server they travel with each query, where they
-        cannot outlive it; ``readonly=2`` there lets the same request carry the limits.
-        Returns at most :data:`ADHOC_MAX_ROWS` rows (exactly that many means the result was cut).
-        Raises :class:`QueryError` when the SQL fails, tries to write (ClickHouse code 164, READONLY), holds
-        more than one statement, or its result cannot be read.
+        ClickHouse parses the statement first (:data:`ingest.adhoc.FORMAT_QUERY`) and only reads run
+        (:func:`ingest.adhoc.check_read_only`); the database's ``readonly`` stays the guard. The query runs on
+        the ad hoc client, never under the writers' lock, so ingestion goes on while it runs. On chDB that
+        client is its own session, set read-only once (clickhouse-connect's chDB backend applies per-query
+        settings with SET and cannot restore them after ``readonly=1``); on a server the settings travel with
+        each query, where they cannot outlive it (``readonly=2`` lets the request carry them).
+        Returns at most :data:`~ingest.adhoc.ADHOC_MAX_ROWS` rows (exactly that many: the result may have been
+        cut), repeated column names made unique (:func:`~ingest.adhoc.unique_names`).
+        Raises :class:`QueryError` (one line, :func:`~ingest.adhoc.error_line`) when the statement is not a
+        single read, fails, exceeds a limit or its result cannot be read; :class:`StoreUnavailable` when the
+        store cannot be reached.
         """
-        if _many_statements(statement):
-            raise QueryError("one statement at a time, please (a ';' is followed by more SQL)")
         for attempt in (1, 2):  # a read-only query is safe to run again after a garbled result
             try:
-                df = self._adhoc_once(statement)
+                table = self._adhoc_once(statement)
                 break
-            except (pa.ArrowInvalid, OSError) as exc:
+            except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
                 if attempt == 2:
                     raise QueryError(f"the result could not be read: {exc}") from exc
-        return df.head(ADHOC_MAX_ROWS)
+        df = pl.from_arrow(table.rename_columns(unique_names(table.column_names)))
+        return df.head(ADHOC_MAX_ROWS)  # type: ignore[union-attr]
 
-    def _adhoc_once(self, statement: str) -> pl.DataFrame:
-        if not self.dsn.startswith("chdb:"):
-            return self.query_df(statement, settings={**ADHOC_SETTINGS, "readonly": 2})
-        with self._translate("query"):
-            if self._adhoc_client is None:
+    def _adhoc_once(self, statement: str) -> pa.Table:
+        per_query = None if self.dsn.startswith("chdb:") else {**self.adhoc_settings, "readonly": 2}
+        with self._adhoc_lock:
+            client = self._adhoc_session()
+            try:
+                rendered = client.query(FORMAT_QUERY, parameters={"statement": statement}, settings=per_query)
+                check_read_only(rendered.result_rows[0][0])
+                return client.query_arrow(statement, settings=per_query)
+            except ch_exc.OperationalError as exc:
+                self._drop_adhoc_session()
+                raise StoreUnavailable(f"ad hoc query: {error_line(str(exc))}") from exc
+            except ch_exc.Error as exc:
+                # chDB can hand the next query on a session the rest of a failed Arrow result: start afresh
+                self._drop_adhoc_session()
+                raise QueryError(error_line(str(exc))) from exc
+            except (pa.ArrowInvalid, OSError, UnicodeDecodeError):
+                self._drop_adhoc_session()
+                raise
+
+    def _adhoc_session(self) -> Any:
+        """The ad hoc client, opened on first use (call with ``_adhoc_lock`` held)."""
+        if self._adhoc_client is None:
+            try:
                 client = clickhouse_connect.get_client(dsn=self.dsn, database=self.database)
-                for key, value in ADHOC_SETTINGS.items():
-                    client.command(f"SET {key} = {value!r}" if isinstance(value, str) else f"SET {key} = {value}")
-                self._adhoc_client = client
-            table = self._adhoc_client.query_arrow(statement)
-        return pl.from_arrow(table)  # type: ignore[return-value]
+                if self.dsn.startswith("chdb:"):
+                    for key, value in self.adhoc_settings.items():  # readonly last: then nothing can change
+                        client.command(f"SET {key} = {value!r}" if isinstance(value, str) else f"SET {key} = {value}")
+            except ch_exc.Error as exc:
+                raise StoreUnavailable(f"cannot open the ad hoc session at {self.dsn}: {exc}") from exc
+            self._adhoc_client = client
+        return self._adhoc_client
+
+    def _drop_adhoc_session(self) -> None:
+        client, self._adhoc_client = self._adhoc_client, None
+        if client is not None:
+            client.close()
 
     # -- schema -------------------------------------------------------------------------------------------
     def migrate(self) -> list[str]:

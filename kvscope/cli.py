@@ -107,6 +107,14 @@ def _store(cfg, *, must_exist: bool = False):  # type: ignore[no-untyped-def]
         raise click.ClickException(msg) from exc
 
 
+def _store_error(exc: Exception) -> click.ClickException:
+    """A store error (refused, bad SQL, a limit, the store unreachable) as click's one-line ``Error: ...``, exit
+    code 1, no traceback."""
+    from ingest.adhoc import error_line
+
+    return click.ClickException(error_line(str(exc)))
+
+
 def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
     import polars as pl
 
@@ -388,7 +396,7 @@ def _params(pairs: tuple[str, ...]) -> dict[str, str]:
 def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **opts: Any) -> None:
     """Run a named query from sql/queries/ (see --list)."""
     import sql as sqlfiles
-    from ingest.errors import QueryError
+    from ingest.errors import KvscopeError
 
     if list_ or not name:
         for n in sqlfiles.query_names():
@@ -405,8 +413,8 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **op
     cfg = _config(**opts)
     try:
         df = _store(cfg, must_exist=True).named(name, _params(params))
-    except QueryError as exc:
-        raise click.ClickException(str(exc)) from exc
+    except KvscopeError as exc:
+        raise _store_error(exc) from exc
     _emit(df, fmt)
 
 
@@ -415,18 +423,20 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **op
 @FORMAT_OPTION
 @store_options
 def sql_(statement: str, fmt: str, **opts: Any) -> None:
-    """Run ad hoc SQL, read-only (enforced by the database: readonly, max_execution_time, max_result_rows)."""
-    from ingest.errors import QueryError
-    from ingest.store import ADHOC_MAX_ROWS
+    """Run one read-only statement (SELECT, WITH, SHOW, DESCRIBE, EXISTS, EXPLAIN), with the database enforcing
+    readonly, max_execution_time, max_memory_usage (KVSCOPE_ADHOC_MAX_MEMORY_BYTES), max_result_rows and
+    max_result_bytes. A failure is one line on stderr and exit code 1."""
+    from ingest.adhoc import ADHOC_MAX_ROWS
+    from ingest.errors import KvscopeError
 
     cfg = _config(**opts)
     try:
         df = _store(cfg, must_exist=True).adhoc(statement)
-    except QueryError as exc:
-        raise click.ClickException(str(exc)) from exc
+    except KvscopeError as exc:
+        raise _store_error(exc) from exc
     _emit(df, fmt)
     if df.height >= ADHOC_MAX_ROWS:
-        click.echo(f"(result cut at {ADHOC_MAX_ROWS} rows)", err=True)
+        click.echo(f"(at most {ADHOC_MAX_ROWS} rows are returned: the result may have more)", err=True)
 
 
 @main.command()

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -33,6 +35,8 @@ SETTINGS: list[Setting] = [
     Setting("retention_days", 30, "Days raw rows (requests, answers, vLLM series, KV events, dead letters) are kept",
             int),
     Setting("rollup_retention_days", 400, "Days the per-minute and per-hour rollups are kept", int),
+    Setting("adhoc_max_memory_bytes", ADHOC_MAX_MEMORY_BYTES, "Memory one ad hoc query (kvscope sql, the "
+            "dashboard's SQL page) may use (ClickHouse max_memory_usage); over it the query fails", int),
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
@@ -72,6 +76,7 @@ class Config:
     clickhouse_cluster: str
     retention_days: int
     rollup_retention_days: int
+    adhoc_max_memory_bytes: int
     kafka_bootstrap: str
     consumer_group: str
     topic_namespace: str

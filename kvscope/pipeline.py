@@ -29,7 +29,7 @@ log = logging.getLogger("kvscope.pipeline")
 def open_store(cfg: Config) -> Store:
     """The store the settings name (a server when ``clickhouse_url`` is set, else chDB), migrated."""
     store = Store.open(data_dir=cfg.data_dir, clickhouse_url=cfg.clickhouse_url or None, database=cfg.database,
-                       cluster=cfg.clickhouse_cluster)
+                       cluster=cfg.clickhouse_cluster, adhoc_max_memory_bytes=cfg.adhoc_max_memory_bytes)
     applied = store.migrate()
     if applied:
         log.info("migrations applied. versions=%s", ",".join(applied))

@@ -285,8 +285,11 @@ def test_sql_page_reads_and_refuses_writes(fixture_store: Store) -> None:
     at.text_area(key="sql_text").input("INSERT INTO dead_letters (event_id) VALUES ('x')")
     at.button(key="sql_run").click().run()
     assert not at.exception
-    assert at.error and "readonly" in at.error[0].value.lower()
+    assert at.error and "read-only: INSERT INTO is refused" in at.error[0].value.replace("\\", "")
     assert "DB::Exception" not in at.error[0].value  # the message, not the driver's wrapping
+    at.text_area(key="sql_text").input("KILL QUERY WHERE 1")
+    at.button(key="sql_run").click().run()
+    assert at.error and "read-only: KILL QUERY is refused" in at.error[0].value.replace("\\", "")
     assert fixture_store.query_rows("SELECT count() FROM dead_letters WHERE event_id = 'x'")[0][0] == 0
     assert "Store.adhoc" not in " ".join(c.value for c in at.caption)
 

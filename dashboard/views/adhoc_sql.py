@@ -1,4 +1,5 @@
-"""SQL: ad hoc read-only queries (the database enforces readonly=1 and limits), and the named queries."""
+"""SQL: ad hoc read-only queries (one read statement; the database enforces readonly and the limits), and the
+named queries."""
 
 from __future__ import annotations
 
@@ -6,21 +7,21 @@ import streamlit as st
 
 import sql as sqlfiles
 from dashboard import charts, data
-from ingest.store import ADHOC_SETTINGS
-
-MAX_ROWS = int(ADHOC_SETTINGS["max_result_rows"])
+from ingest.adhoc import ADHOC_MAX_RESULT_BYTES, ADHOC_MAX_ROWS
 
 st.html(
     "<style>.st-key-sql_text textarea {font-family: 'Source Code Pro', ui-monospace, SFMono-Regular, Menlo, "
     "monospace; font-size: 0.875rem; line-height: 1.5}</style>"
 )
 st.header("SQL")
+limits = data.get_store().adhoc_settings
 st.caption(
-    f"Read-only: the database refuses writes, stops a query after {ADHOC_SETTINGS['max_execution_time']} s "
-    f"and returns at most {MAX_ROWS:,} rows. Tables: gateway_requests, request_attribution (weight by sign), "
-    "miss_attribution (one row per request and cause), vllm_metrics (kept vLLM series; counters as increases), "
-    "vllm_cache_config, kv_block_events, kv_event_gaps, dead_letters; rollups requests_1m/1h, misses_1m/1h, "
-    "affinity_1m/1h, vllm_1m/1h (docs/scale.md)."
+    "Read-only: one SELECT, WITH, SHOW, DESCRIBE, EXISTS or EXPLAIN; the database refuses writes, stops a query "
+    f"after {limits['max_execution_time']} s or {limits['max_memory_usage'] / 2**30:g} GiB of memory, and "
+    f"returns at most {ADHOC_MAX_ROWS:,} rows and {ADHOC_MAX_RESULT_BYTES >> 20} MiB. Tables: gateway_requests, "
+    "request_attribution (weight by sign), miss_attribution (one row per request and cause), vllm_metrics (kept "
+    "vLLM series; counters as increases), vllm_cache_config, kv_block_events, kv_event_gaps, dead_letters; "
+    "rollups requests_1m/1h, misses_1m/1h, affinity_1m/1h, vllm_1m/1h (docs/scale.md)."
 )
 
 EXAMPLE = """SELECT tenant_id,
@@ -35,10 +36,10 @@ text = st.text_area("Query", EXAMPLE, height=180, key="sql_text")
 if st.button("Run", type="primary", key="sql_run"):
     try:
         result = data.adhoc(text)
-    except Exception as exc:  # noqa: BLE001  (refused, bad SQL, an unreadable result: a message, no traceback)
+    except Exception as exc:  # noqa: BLE001  (refused, bad SQL, a limit, an unreadable result: a message, no traceback)
         st.error(f"**The query failed.** {charts.plain(data.error_text(exc))}", icon=":material/error:")
     else:
-        cut = f" (the first {MAX_ROWS:,}: the limit)" if result.height >= MAX_ROWS else ""
+        cut = f" (at most {ADHOC_MAX_ROWS:,} are shown: there may be more)" if result.height == ADHOC_MAX_ROWS else ""
         st.caption(f"{result.height:,} rows{cut}")
         if result.height:
             charts.table(result, key="sql_result")
