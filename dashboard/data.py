@@ -59,8 +59,9 @@ def registered_store() -> Store | None:
 
 
 @st.cache_resource(show_spinner=False)
-def _store_from_env(clickhouse_url: str, data_dir: str, database: str) -> Store:
-    return Store.open(clickhouse_url=clickhouse_url or None, data_dir=data_dir or None, database=database)
+def _store_from_env(clickhouse_url: str, data_dir: str, database: str, adhoc_max_memory_bytes: int) -> Store:
+    return Store.open(clickhouse_url=clickhouse_url or None, data_dir=data_dir or None, database=database,
+                      adhoc_max_memory_bytes=adhoc_max_memory_bytes)
 
 
 def get_store() -> Store:
@@ -78,7 +79,10 @@ def get_store() -> Store:
             "No store configured: run `kvscope up`, or set KVSCOPE_CLICKHOUSE_URL "
             "(a ClickHouse server) or KVSCOPE_DATA_DIR (a chDB directory no other process holds)."
         )
-    return _store_from_env(url, data_dir, os.environ.get("KVSCOPE_DATABASE", "kvscope"))
+    from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
+
+    memory = int(os.environ.get("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "") or ADHOC_MAX_MEMORY_BYTES)
+    return _store_from_env(url, data_dir, os.environ.get("KVSCOPE_DATABASE", "kvscope"), memory)
 
 
 # -- filters -------------------------------------------------------------------------------------------------
