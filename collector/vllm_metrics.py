@@ -37,9 +37,9 @@ from collector.prom_text import Sample, parse
 
 MAX_RAW = 64 * 1024
 
-SCRAPE_ANOMALIES = Counter("kvscope_collector_scrape_anomalies", "Scrapes and counter samples that break a counter "
-                           "rule (each is also a dead letter): decrease_without_restart (a counter went down while "
-                           "its _created did not change: taken as a reset), not_after_previous (a scrape not later "
+SCRAPE_ANOMALIES = Counter("kvscope_collector_scrape_anomalies", "Counter series and scrapes that break a counter "
+                           "rule (also in a dead letter): decrease_without_restart (series that went down while "
+                           "their _created did not change: taken as a reset), not_after_previous (scrapes not later "
                            "than the pod's previous one: refused)", ["pod", "kind"])
 
 #: family → (kind, the label telling its series apart or "", who reads it). Counters are exposed as
@@ -178,15 +178,17 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     Events: one ``VllmScrape`` when the body holds any kept series (every gauge; every counter, bucket, sum
     and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
     changes; ``restarts``), and one ``DeadLetter`` per bad line, per non-finite kept value (the JSON contract
-    carries finite floats), per repeated series and per counter that went down without a restart; a body
+    carries finite floats), per repeated series, and one listing the counters that went down without a
+    restart; a body
     without any kept series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter.
     Counter rules (docs/reliability.md, "vLLM counters"):
 
     - increase = value − previous;
     - a restart (its family's ``_created`` changed, or the value went down): increase = value, its engine
       listed in ``restarts``. A value that went down while ``_created`` did not change is also taken as a
-      reset (what Prometheus ``rate()`` does with any decrease) but is not listed as a restart: it is a dead
-      letter "counter went down without a restart" and counted in ``kvscope_collector_scrape_anomalies``;
+      reset (what Prometheus ``rate()`` does with any decrease) but is not listed as a restart: the scrape's
+      dead letter "counter went down without a restart" lists those series (one per line of its ``raw``),
+      and each is counted in ``kvscope_collector_scrape_anomalies``;
     - a series without a previous value: increase = value when its ``_created`` (unix s, pod clock) is at or
       after ``state.watching_since_ms`` (collector clock; Prometheus's created-timestamp zero injection: the
       series was born while kvscope watched, so all of it happened since), else 0 (a baseline);
@@ -250,10 +252,11 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
         samples = inc.samples + gauges
         if extras:
             samples = _merge(samples)
-        for line in inc.decreases:
-            SCRAPE_ANOMALIES.labels(pod, "decrease_without_restart").inc()
-            bad.append((line, "counter went down without a restart (its _created did not change): taken as a reset "
-                        "as Prometheus rate() does; two processes behind one target?"))
+        if inc.decreases:
+            SCRAPE_ANOMALIES.labels(pod, "decrease_without_restart").inc(len(inc.decreases))
+            bad.append(("\n".join(inc.decreases), f"counter went down without a restart (its _created did not "
+                        f"change): taken as a reset as Prometheus rate() does; {len(inc.decreases)} series (raw: "
+                        "one per line); two processes behind one target?"))
         send_config = bool(config) and (not state.config_sent or config != state.cache_config)
         previous = state.scraped_at_ms if inc.had_previous else state.watching_since_ms if inc.injected else 0
         scrape = VllmScrape(target=url, scraped_at_ms=scraped_at_ms, previous_scraped_at_ms=previous,
