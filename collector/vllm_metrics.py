@@ -206,7 +206,7 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
         return [dead_letter_event(pod, url, scraped_at_ms, body[:MAX_RAW], reason)], state
     problem = body_problem(body)
     if problem:
-        return [dead_letter_event(pod, url, scraped_at_ms, body[:MAX_RAW], problem)], state
+        return [dead_letter_event(pod, url, scraped_at_ms, body.strip()[:MAX_RAW], problem)], state
     parsed = parse(body, KEPT_NAMES)
     bad = list(parsed.bad_lines)
     counters: list[tuple[str, str, str, str, str, float, SeriesKey]] = []

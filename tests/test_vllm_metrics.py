@@ -212,7 +212,7 @@ def test_non_metrics_body_is_a_dead_letter_not_an_exception() -> None:
     assert all(e.schema == "dead_letter" and "unparseable sample line" in e.payload.reason for e in events)
     html = "<!DOCTYPE html>\n<html><body>502 Bad Gateway</body></html>\n"
     [page] = scrape_events("pod-0", URL, html, 1, 1.0)  # one dead letter for the page, not one per line
-    assert page.payload.raw == html and page.payload.reason.startswith("an HTML page, not Prometheus text")
+    assert page.payload.raw == html.strip() and page.payload.reason.startswith("an HTML page, not Prometheus text")
     [binary] = scrape_events("pod-0", URL, "\x1f\ufffd\x08\x00\x00", 1, 1.0)
     assert binary.payload.reason.startswith("not UTF-8 Prometheus text")
     assert scrape_events("pod-0", URL, "", 1, 1.0)[0].payload.reason == "empty /metrics body"
