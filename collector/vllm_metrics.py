@@ -5,7 +5,7 @@ plus one ``DeadLetter`` per bad line.
   ``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; older names: docs/environment.md).
 - :class:`ScrapeState` (one per pod) holds each kept counter's previous value and ``_created``, so a scrape
   carries *increases* (restart-aware) and the store needs no window functions over raw samples.
-- The counter rules (docs/reliability.md, "vLLM counters"): a series first seen is a baseline unless its
+- The counter rules (docs/reliability.md, "vLLM targets and counters"): a series first seen is a baseline unless its
   ``_created`` is at or after the time kvscope started watching the pod (then its whole value is counted, as
   Prometheus's created-timestamp zero injection does); a decrease is a reset, flagged when ``_created`` did
   not change; a scrape not later than the pod's previous one is refused.
@@ -181,7 +181,7 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     carries finite floats), per repeated series, and one listing the counters that went down without a
     restart; a body
     without any kept series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter.
-    Counter rules (docs/reliability.md, "vLLM counters"):
+    Counter rules (docs/reliability.md, "vLLM targets and counters"):
 
     - increase = value − previous;
     - a restart (its family's ``_created`` changed, or the value went down): increase = value, its engine

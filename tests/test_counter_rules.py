@@ -1,4 +1,4 @@
-"""The vLLM counter rules (collector/vllm_metrics.py, docs/reliability.md "vLLM counters") on real captures:
+"""The vLLM counter rules (collector/vllm_metrics.py, docs/reliability.md "vLLM targets and counters") on real captures:
 created-timestamp zero injection from the watch start (checkpointed), a decrease without a ``_created`` change
 flagged, a scrape not after the pod's previous one refused. Right values from tests/samples/README.md."""
 
