@@ -179,16 +179,17 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
     changes; ``restarts``), and one ``DeadLetter`` per bad line, per non-finite kept value (the JSON contract
     carries finite floats), per repeated series, and one listing the counters that went down without a
-    restart; a body
-    without any kept series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter.
+    restart; a body without any kept series, and an empty, HTML or binary body (:func:`body_problem`), is
+    one dead letter.
     Counter rules (docs/reliability.md, "vLLM targets and counters"):
 
     - increase = value − previous;
-    - a restart (its family's ``_created`` changed, or the value went down): increase = value, its engine
-      listed in ``restarts``. A value that went down while ``_created`` did not change is also taken as a
-      reset (what Prometheus ``rate()`` does with any decrease) but is not listed as a restart: the scrape's
-      dead letter "counter went down without a restart" lists those series (one per line of its ``raw``),
-      and each is counted in ``kvscope_collector_scrape_anomalies``;
+    - a restart (its family's ``_created`` changed, or the value went down on a pod that exposes no
+      ``_created``): increase = value, its engine listed in ``restarts``. A value that went down while
+      ``_created`` did not change is also taken as a reset (what Prometheus ``rate()`` does with any
+      decrease) but is not listed as a restart: the scrape's dead letter "counter went down without a
+      restart" lists those series (one per line of its ``raw``), and each is counted in
+      ``kvscope_collector_scrape_anomalies``;
     - a series without a previous value: increase = value when its ``_created`` (unix s, pod clock) is at or
       after ``state.watching_since_ms`` (collector clock; Prometheus's created-timestamp zero injection: the
       series was born while kvscope watched, so all of it happened since), else 0 (a baseline);
