@@ -37,7 +37,8 @@ SETTINGS: list[Setting] = [
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
-    Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port"),
+    Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port (name = host:port); "
+            "each name and each URL once"),
     Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
     Setting("kv_events_replay", "", "Comma-separated POD=tcp://host:port of each pod's vLLM KV-event replay socket "
