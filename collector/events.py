@@ -49,12 +49,13 @@ class VllmScrape(msgspec.Struct, frozen=True, tag="vllm_scrape"):
     counter increases the collector computed from its previous sample (held in memory and checkpointed).
 
     Fields: ``target`` (str, the URL scraped), ``scraped_at_ms`` (int, unix ms when the response arrived),
-    ``previous_scraped_at_ms`` (int, unix ms of the sample the increases are taken from; 0 when there was
-    none: the increases are then 0, a baseline), ``duration_ms`` (float, round trip), ``samples``
-    (list[SeriesSample]: every kept gauge, and every kept counter whose increase is not 0), ``cache_config``
-    (dict engine → the labels of its ``vllm:cache_config_info``: block_size, num_gpu_blocks,
-    kv_cache_memory_bytes, ...; present on the collector's first scrape of the pod and whenever they change,
-    {} otherwise), ``restarts`` (list[str]: each engine whose counters restarted since the previous scrape).
+    ``previous_scraped_at_ms`` (int, unix ms of the sample the increases are taken from; on a pod's first scrape,
+    the pod's watch start when a series born after it was counted from 0, else 0: a baseline), ``duration_ms``
+    (float, round trip), ``samples`` (list[SeriesSample]: every kept gauge, and every kept counter whose increase
+    is not 0), ``cache_config`` (dict engine → the labels of its ``vllm:cache_config_info``: block_size,
+    num_gpu_blocks, kv_cache_memory_bytes, ...; present on the collector's first scrape of the pod and whenever
+    they change, {} otherwise), ``restarts`` (list[str]: each engine whose counters restarted since the previous
+    scrape).
     Natural key: (pod, scraped_at_ms): a re-sent scrape keeps its id and is stored once.
     """
 

@@ -51,7 +51,7 @@ class Target:
 
 def parse_target(spec: str) -> Target:
     """``name=http://host:port`` or ``http://host:port`` (name = host:port); ``/metrics`` is appended to a
-    URL without a path."""
+    URL without a path. Raises ValueError for anything else."""
     name, _, url = spec.rpartition("=") if "=" in spec.split("://", 1)[0] else ("", "", spec)
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -61,6 +61,34 @@ def parse_target(spec: str) -> Target:
     if not name:
         name = url.split("://", 1)[1].split("/", 1)[0]
     return Target(name, url)
+
+
+def parse_targets(specs: list[str]) -> list[Target]:
+    """Every spec through :func:`parse_target`, checked with :func:`check_targets`. Raises ValueError."""
+    targets = [parse_target(s) for s in specs]
+    check_targets(targets)
+    return targets
+
+
+def check_targets(targets: list[Target]) -> None:
+    """Refuse two targets with one pod name (their counters would interleave as one series: each scrape of
+    the other process reads as a restart) and two names for one URL (every token of that pod counted twice in
+    fleet totals). URLs are compared as given after :func:`parse_target`'s normalisation (scheme and host
+    case-insensitive); two spellings of one host (localhost and 127.0.0.1) are not detected. Raises
+    ValueError naming the duplicates."""
+    names: dict[str, str] = {}
+    urls: dict[str, str] = {}
+    for t in targets:
+        scheme, _, rest = t.metrics_url.partition("://")
+        host, slash, path = rest.partition("/")
+        url = f"{scheme.lower()}://{host.lower()}{slash}{path}"
+        if t.pod in names:
+            raise ValueError(f"two vLLM targets are named {t.pod!r} ({names[t.pod]} and {t.metrics_url}); "
+                             "give each pod its own name: NAME=http://host:port")
+        if url in urls:
+            raise ValueError(f"vLLM target {t.metrics_url} is given twice, as {urls[url]!r} and {t.pod!r}; "
+                             "one pod must have one name (its counters would be counted twice)")
+        names[t.pod], urls[url] = t.metrics_url, t.pod
 
 
 @dataclass
@@ -89,6 +117,9 @@ class Collector:
     _scrape_pool: ThreadPoolExecutor | None = None
     _inflight: dict[str, Future[tuple[list[Envelope], ScrapeState]]] = field(default_factory=dict)
     _backlogged: bool = False
+
+    def __post_init__(self) -> None:
+        check_targets(self.targets)
 
     def _publish(self, source: str, events: list[Envelope], on_ack: Ack | None = None, *,
                  final: bool = False) -> bool:
@@ -148,6 +179,7 @@ class Collector:
                 return 0
         if self._scrape_pool is None:
             self._scrape_pool = ThreadPoolExecutor(max(1, min(128, len(self.targets))), "collector-scrape")
+        journal.watch([t.pod for t in self.targets], int(time.time() * 1000))  # before any first attempt
         limit = self.max_unacked_scrapes or 8 * max(1, len(self.targets))
         backlogged = journal.pending() > limit
         if backlogged != self._backlogged:
@@ -163,12 +195,12 @@ class Collector:
         timeout = 0.8 * self.scrape_interval_seconds if wait_seconds is None else wait_seconds
         wait(list(self._inflight.values()), timeout=timeout)
         results = [(t.pod, *r) for t in self.targets if (r := self._scrape_result(t)) is not None]
-        if not results:
-            return 0
         try:
-            events, ack = journal.commit(results)
+            events, ack = journal.commit(results)  # also writes the watch starts of pods not answering yet
         except OSError:  # nothing adopted: each pod's next scrape starts from its previous state
             log.exception("cannot write the scrape checkpoint; this round is not published, the next one covers it")
+            return 0
+        if not events:
             return 0
         return len(events) if self._publish("vllm_metrics", events, ack) else 0
 

@@ -5,6 +5,10 @@ plus one ``DeadLetter`` per bad line.
   ``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; older names: docs/environment.md).
 - :class:`ScrapeState` (one per pod) holds each kept counter's previous value and ``_created``, so a scrape
   carries *increases* (restart-aware) and the store needs no window functions over raw samples.
+- The counter rules (docs/reliability.md, "vLLM targets and counters"): a series first seen is a baseline unless its
+  ``_created`` is at or after the time kvscope started watching the pod (then its whole value is counted, as
+  Prometheus's created-timestamp zero injection does); a decrease is a reset, flagged when ``_created`` did
+  not change; a scrape not later than the pod's previous one is refused.
 - :class:`ScrapeJournal` makes the increases exactly once across collector crashes: each round's new states
   and the scrapes computed from them (the *outbox*) are checkpointed in one write before they are published;
   an acknowledged scrape leaves the outbox; a restarted collector re-publishes the outbox first (the ingester
@@ -25,12 +29,18 @@ from typing import Any
 
 import httpx
 import msgspec
+from prometheus_client import Counter
 
 from collector.checkpoint import CheckpointError, CheckpointStore
 from collector.events import DeadLetter, Envelope, SeriesSample, VllmScrape, envelope
 from collector.prom_text import Sample, parse
 
 MAX_RAW = 64 * 1024
+
+SCRAPE_ANOMALIES = Counter("kvscope_collector_scrape_anomalies", "Counter series and scrapes that break a counter "
+                           "rule (also in a dead letter): decrease_without_restart (series that went down while "
+                           "their _created did not change: taken as a reset), not_after_previous (scrapes not later "
+                           "than the pod's previous one: refused)", ["pod", "kind"])
 
 #: family → (kind, the label telling its series apart or "", who reads it). Counters are exposed as
 #: ``<family>_total`` (+ ``<family>_created``, read for restarts, not sent); histograms as ``_bucket`` (label
@@ -111,7 +121,9 @@ SeriesKey = tuple[str, str, str, str, str]  # (sample name | family, engine, mod
 class ScrapeState:
     """What the collector remembers of one pod between scrapes (replaced, never mutated, by each scrape).
 
-    ``scraped_at_ms`` (unix ms of the last scrape that had kept series; 0 = none), ``values`` (counter series
+    ``scraped_at_ms`` (unix ms of the last scrape that had kept series; 0 = none), ``watching_since_ms`` (unix
+    ms, collector clock, of the collector's first scrape attempt of the pod, checkpointed with the state; 0 =
+    unknown, e.g. ``kvscope import``: no series is then counted from 0), ``values`` (counter series
     key → its last value; key = (sample name, engine, model_name, label value, extra labels rendered
     ``k=v,...``: "" unless vLLM adds labels kvscope does not expect)), ``created`` ((family, engine,
     model_name, label value or "" for histograms, extra) → ``_created``, unix seconds), ``cache_config``
@@ -120,15 +132,17 @@ class ScrapeState:
     """
 
     scraped_at_ms: int = 0
+    watching_since_ms: int = 0
     values: dict[SeriesKey, float] = field(default_factory=dict)
     created: dict[SeriesKey, float] = field(default_factory=dict)
     cache_config: dict[str, dict[str, str]] = field(default_factory=dict)
     config_sent: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form for the checkpoint, computed once per state: ``{"at": ms, "values": [[name, engine,
-        model_name, extra, {label value: value}], ...], "created": [[family, engine, model_name, label, extra,
-        created], ...], "cache_config": {...}}`` (series grouped: the buckets of a histogram share one entry)."""
+        """JSON-able form for the checkpoint, computed once per state: ``{"at": ms, "since": ms, "values":
+        [[name, engine, model_name, extra, {label value: value}], ...], "created": [[family, engine, model_name,
+        label, extra, created], ...], "cache_config": {...}}`` (series grouped: a histogram's buckets share one
+        entry)."""
         return self._json
 
     @cached_property
@@ -136,17 +150,21 @@ class ScrapeState:
         groups: dict[tuple[str, str, str, str], dict[str, float]] = {}
         for (name, engine, model, label, extra), v in self.values.items():
             groups.setdefault((name, engine, model, extra), {})[label] = v
-        return {"at": self.scraped_at_ms, "values": [[*k, g] for k, g in groups.items()],
-                "created": [[*k, v] for k, v in self.created.items()], "cache_config": self.cache_config}
+        return {"at": self.scraped_at_ms, "since": self.watching_since_ms,
+                "values": [[*k, g] for k, g in groups.items()], "created": [[*k, v] for k, v in self.created.items()],
+                "cache_config": self.cache_config}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> ScrapeState:
-        """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError/AttributeError on a foreign shape."""
+        """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError/AttributeError on a foreign shape. A
+        checkpoint written before ``since`` existed watches from its last scrape (a later ``_created`` is then
+        surely a series born after that scrape)."""
         values = {(str(name), str(engine), str(model), str(label), str(extra)): float(v)
                   for name, engine, model, extra, group in obj["values"] for label, v in group.items()}
         created = {(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])): float(r[5]) for r in obj["created"]}
         config = {str(e): {str(k): str(v) for k, v in lab.items()} for e, lab in obj["cache_config"].items()}
-        return cls(int(obj["at"]), values, created, config)
+        at = int(obj["at"])
+        return cls(at, int(obj.get("since", at)), values, created, config)
 
 
 def _extra(labels: Mapping[str, str], label: str) -> str:
@@ -160,12 +178,36 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     Events: one ``VllmScrape`` when the body holds any kept series (every gauge; every counter, bucket, sum
     and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
     changes; ``restarts``), and one ``DeadLetter`` per bad line, per non-finite kept value (the JSON contract
-    carries finite floats) and per repeated series; a body without any kept series is one dead letter.
-    Increase of a counter series: value − previous; value when it restarted (value below previous, or its
-    family's ``_created`` changed: its engine is then listed in ``restarts``); 0 when there is no previous
-    value (a baseline). A series missing from a scrape keeps its previous value for the next one. An older
-    name whose newer name is in the same body (vLLM 0.10 exposes both) is left out: :data:`SUPERSEDED_BY`.
+    carries finite floats), per repeated series, and one listing the counters that went down without a
+    restart; a body without any kept series, and an empty, HTML or binary body (:func:`body_problem`), is
+    one dead letter.
+    Counter rules (docs/reliability.md, "vLLM targets and counters"):
+
+    - increase = value − previous;
+    - a restart (its family's ``_created`` changed, or the value went down on a pod that exposes no
+      ``_created``): increase = value, its engine listed in ``restarts``. A value that went down while
+      ``_created`` did not change is also taken as a reset (what Prometheus ``rate()`` does with any
+      decrease) but is not listed as a restart: the scrape's dead letter "counter went down without a
+      restart" lists those series (one per line of its ``raw``), and each is counted in
+      ``kvscope_collector_scrape_anomalies``;
+    - a series without a previous value: increase = value when its ``_created`` (unix s, pod clock) is at or
+      after ``state.watching_since_ms`` (collector clock; Prometheus's created-timestamp zero injection: the
+      series was born while kvscope watched, so all of it happened since), else 0 (a baseline);
+    - a series missing from a scrape keeps its previous value for the next one.
+
+    A scrape whose ``scraped_at_ms`` is not after the pod's previous one (two targets sharing a name, a
+    clock stepped back) is refused: one dead letter, the state unchanged, so the next scrape's increases
+    cover the interval and the store never holds two scrapes of one pod at one instant. An older name whose
+    newer name is in the same body (vLLM 0.10 exposes both) is left out: :data:`SUPERSEDED_BY`.
     """
+    if state.scraped_at_ms and scraped_at_ms <= state.scraped_at_ms:
+        SCRAPE_ANOMALIES.labels(pod, "not_after_previous").inc()
+        reason = (f"scrape at {scraped_at_ms} ms is not after this pod's previous scrape at {state.scraped_at_ms} "
+                  "ms (two targets with one name? a clock stepped back?): refused, the earlier one is kept")
+        return [dead_letter_event(pod, url, scraped_at_ms, body[:MAX_RAW], reason)], state
+    problem = body_problem(body)
+    if problem:
+        return [dead_letter_event(pod, url, scraped_at_ms, body.strip()[:MAX_RAW], problem)], state
     parsed = parse(body, KEPT_NAMES)
     bad = list(parsed.bad_lines)
     counters: list[tuple[str, str, str, str, str, float, SeriesKey]] = []
@@ -207,51 +249,96 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     events: list[Envelope] = []
     new_state = state
     if counters or gauges or config or created:
-        samples, restarts, values, had_previous = _increases(state, counters, created)
-        samples += gauges
+        inc = _increases(state, counters, created)
+        samples = inc.samples + gauges
         if extras:
             samples = _merge(samples)
+        if inc.decreases:
+            SCRAPE_ANOMALIES.labels(pod, "decrease_without_restart").inc(len(inc.decreases))
+            bad.append(("\n".join(inc.decreases), f"counter went down without a restart (its _created did not "
+                        f"change): taken as a reset as Prometheus rate() does; {len(inc.decreases)} series (raw: "
+                        "one per line); two processes behind one target?"))
         send_config = bool(config) and (not state.config_sent or config != state.cache_config)
-        scrape = VllmScrape(target=url, scraped_at_ms=scraped_at_ms,
-                            previous_scraped_at_ms=state.scraped_at_ms if had_previous else 0,
+        previous = state.scraped_at_ms if inc.had_previous else state.watching_since_ms if inc.injected else 0
+        scrape = VllmScrape(target=url, scraped_at_ms=scraped_at_ms, previous_scraped_at_ms=previous,
                             duration_ms=duration_ms, samples=samples,
-                            cache_config=config if send_config else {}, restarts=sorted(restarts))
+                            cache_config=config if send_config else {}, restarts=sorted(inc.restarts))
         events.append(envelope(scrape, pod=pod, natural_key=(scraped_at_ms,), observed_at_ms=scraped_at_ms))
-        new_state = ScrapeState(scraped_at_ms, values, {**state.created, **created}, config or state.cache_config,
-                                state.config_sent or send_config)
+        new_state = ScrapeState(scraped_at_ms, state.watching_since_ms, inc.values, {**state.created, **created},
+                                config or state.cache_config, state.config_sent or send_config)
     elif not bad:
-        reason = "empty /metrics body" if not body.strip() else "no series kvscope keeps (not a vLLM /metrics?)"
-        bad.append((body[:MAX_RAW], reason))
-    for line, reason in bad:
-        dl = DeadLetter(source="vllm_metrics", reason=reason, raw=line[:MAX_RAW], location=url)
-        events.append(envelope(dl, pod=pod, natural_key=(url, scraped_at_ms, line), observed_at_ms=scraped_at_ms))
+        bad.append((body[:MAX_RAW], "no series kvscope keeps (not a vLLM /metrics?)"))
+    events.extend(dead_letter_event(pod, url, scraped_at_ms, line, reason) for line, reason in bad)
     return events, new_state
 
 
+def body_problem(body: str) -> str:
+    """Why ``body`` cannot be a ``/metrics`` body at all (one sentence, the dead letter's reason), or "" when
+    it may be one: empty, an HTML page, binary or compressed bytes (a NUL or U+FFFD in its first 4 KiB)."""
+    head = body.lstrip()[:64].lower()
+    if not head:
+        return "empty /metrics body"
+    if head.startswith(("<!doctype html", "<html", "<head", "<body", "<?xml")):
+        return "an HTML page, not Prometheus text (an error or login page of a proxy?)"
+    if "\ufffd" in body[:4096] or "\x00" in body[:4096]:
+        return "not UTF-8 Prometheus text (binary or compressed bytes?)"
+    return ""
+
+
+def dead_letter_event(pod: str, url: str, scraped_at_ms: int, line: str, reason: str) -> Envelope:
+    """A ``vllm_metrics`` dead letter for ``line`` (cut to :data:`MAX_RAW`) of the scrape of ``pod`` at ``url``."""
+    dl = DeadLetter(source="vllm_metrics", reason=reason, raw=line[:MAX_RAW], location=url)
+    return envelope(dl, pod=pod, natural_key=(url, scraped_at_ms, line), observed_at_ms=scraped_at_ms)
+
+
+@dataclass
+class _Increases:
+    """What :func:`_increases` found: samples of the counters that moved, engines that restarted, the new
+    values, whether any series had a previous value, whether any was counted from 0 (created after the
+    watch began), and the rendered lines of counters that went down without a restart."""
+
+    samples: list[SeriesSample]
+    restarts: set[str]
+    values: dict[SeriesKey, float]
+    had_previous: bool = False
+    injected: bool = False
+    decreases: list[str] = field(default_factory=list)
+
+
 def _increases(state: ScrapeState, counters: list[tuple[str, str, str, str, str, float, SeriesKey]],
-               created: dict[SeriesKey, float]) -> tuple[list[SeriesSample], set[str], dict[SeriesKey, float], bool]:
-    """Samples of the counters that moved, engines that restarted, the new values, whether any had a previous."""
+               created: dict[SeriesKey, float]) -> _Increases:
+    """The counter rules of :func:`advance` applied to one scrape's counters."""
     prev_values, prev_created = state.values, state.created
-    values = dict(prev_values)
-    samples: list[SeriesSample] = []
-    restarts: set[str] = set()
-    had_previous = False
+    since_s = state.watching_since_ms / 1000 if state.watching_since_ms else math.inf
+    out = _Increases([], set(), dict(prev_values))
     for name, engine, model, lab, extra, value, ckey in counters:
         key = (name, engine, model, lab, extra)
         prev = prev_values.get(key)
-        values[key] = value
+        out.values[key] = value
+        c_new = created.get(ckey)
         if prev is None:
-            continue
-        had_previous = True
-        c_new, c_old = created.get(ckey), prev_created.get(ckey)
-        if value < prev or (c_new is not None and c_old is not None and c_new != c_old):
-            restarts.add(engine)
+            if c_new is None or c_new < since_s:
+                continue  # a baseline: born before kvscope watched, or no _created to tell
+            out.injected = True
             increase = value
         else:
-            increase = value - prev
+            out.had_previous = True
+            c_old = prev_created.get(ckey)
+            known = c_new is not None and c_old is not None
+            if known and c_new != c_old:
+                out.restarts.add(engine)
+                increase = value
+            elif value < prev:
+                if known:
+                    out.decreases.append(f"{name}{{engine={engine!r},label={lab!r}}} {prev!r} -> {value!r}")
+                else:
+                    out.restarts.add(engine)  # no _created to tell: a restart, as before
+                increase = value
+            else:
+                increase = value - prev
         if increase != 0:
-            samples.append(SeriesSample(name, engine, model, lab, value, increase))
-    return samples, restarts, values, had_previous
+            out.samples.append(SeriesSample(name, engine, model, lab, value, increase))
+    return out
 
 
 def _merge(samples: list[SeriesSample]) -> list[SeriesSample]:
@@ -275,10 +362,15 @@ def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms
     advanced in place (see :meth:`ScrapeJournal.state` for the collector's way)."""
     events, new = advance(state or ScrapeState(), pod, url, body, scraped_at_ms, duration_ms)
     if state is not None:
-        for f in ("scraped_at_ms", "values", "created", "cache_config", "config_sent"):
+        for f in ("scraped_at_ms", "watching_since_ms", "values", "created", "cache_config", "config_sent"):
             object.__setattr__(state, f, getattr(new, f))
         state.__dict__.pop("_json", None)
     return events
+
+
+def _watching(state: ScrapeState, since_ms: int) -> ScrapeState:
+    return ScrapeState(state.scraped_at_ms, since_ms, state.values, state.created, state.cache_config,
+                       state.config_sent)
 
 
 class ScrapeError(Exception):
@@ -315,7 +407,8 @@ class ScrapeJournal:
     the acks, which may come from any thread:
 
     1. :meth:`recover` once at start: the outbox a previous process left, to publish first.
-    2. per round, for each pod scraped: ``advance(journal.state(pod), ...)`` → (events, new state).
+    2. per round, :meth:`watch` the pods (records each one's first attempt), then for each pod scraped:
+       ``advance(journal.state(pod), ...)`` → (events, new state).
     3. :meth:`commit` the round's results: states and outbox written (one ``put``), then publish what it
        returns; its ``ack`` drops those scrapes from the outbox (written by the next commit or :meth:`flush`).
 
@@ -355,6 +448,19 @@ class ScrapeJournal:
     def state(self, pod: str) -> ScrapeState:
         """The committed state of ``pod`` (an empty one for a pod never scraped)."""
         return self._states.get(pod) or ScrapeState()
+
+    def watch(self, pods: Iterable[str], now_ms: int) -> None:
+        """Record ``now_ms`` (unix ms) as the time kvscope started watching each of ``pods`` not watched yet (no
+        state, or a state without ``watching_since_ms``); written with the next :meth:`commit` or
+        :meth:`flush`. Call it before the first scrape attempt of a pod, so a series born after it (its
+        ``_created``) is counted from 0 (:func:`advance`). A pod's watch start never moves once recorded, so a
+        restarted collector neither recounts a series nor loses one born while it was down."""
+        with self._lock:
+            for pod in pods:
+                st = self._states.get(pod)
+                if st is None or not st.watching_since_ms:
+                    self._states = {**self._states, pod: _watching(st or ScrapeState(), now_ms)}
+                    self._dirty = True
 
     def pending(self) -> int:
         """Scrapes committed and not yet acknowledged."""

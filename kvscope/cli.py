@@ -357,9 +357,9 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
 @click.option("--at", "at", required=True, help="When it was scraped, ISO 8601 (e.g. 2026-11-29T12:00:00Z).")
 @store_options
 def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
-    """Load one /metrics snapshot (Prometheus text) as a scrape of POD at time AT."""
-    from collector.vllm_metrics import scrape_events
-    from kvscope.importer import import_events
+    """Load one /metrics snapshot (Prometheus text) as a scrape of POD at time AT. Exits 1 when nothing was
+    loaded (empty, HTML, gzip or non-vLLM body; a scrape of POD at AT already stored): see dead_letters."""
+    from kvscope.importer import import_metrics as load
 
     try:
         ts = datetime.fromisoformat(at.replace("Z", "+00:00"))
@@ -369,12 +369,13 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
         raise click.BadParameter("give a time zone (e.g. Z)", param_hint="--at")
     cfg = _config(**opts)
     store = _store(cfg)
-    events = scrape_events(
-        pod, f"file://{Path(file).resolve()}", Path(file).read_text(errors="replace"), int(ts.timestamp() * 1000), 0.0
-    )
-    written = import_events(store, events)
-    click.echo(f"{file}: {written.get('vllm_metrics', 0)} series (a lone snapshot is a baseline: gauges and the cache "
-               f"config; counters need a previous scrape), {written.get('dead_letters', 0)} dead letters")
+    result = load(store, pod, Path(file), Path(file).read_bytes(), int(ts.timestamp() * 1000))
+    if not result.loaded:
+        why = "; ".join(dict.fromkeys(result.reasons)) or (
+            "the body holds only counters, and a lone snapshot's counters are a baseline (no previous scrape)")
+        raise click.ClickException(f"{file}: nothing loaded: {why} ({len(result.reasons)} dead letters)")
+    click.echo(f"{file}: {result.series} series, {result.configs} cache configs (a lone snapshot is a baseline: "
+               f"gauges and the cache config; counters need a previous scrape), {len(result.reasons)} dead letters")
 
 
 def _params(pairs: tuple[str, ...]) -> dict[str, str]:

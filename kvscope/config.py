@@ -1,7 +1,8 @@
 """Configuration is one table: every setting, its ``KVSCOPE_*`` variable, default and help.
 
 Each process builds a frozen :class:`Config` from command-line flags (highest), then the environment, then
-the defaults. An unknown ``KVSCOPE_`` variable stops start-up (a typo must not silently fall back).
+the defaults. An unknown ``KVSCOPE_`` variable stops start-up (a typo must not silently fall back), and so does
+a vLLM target list with two targets of one name or one URL under two names.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ SETTINGS: list[Setting] = [
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
-    Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port"),
+    Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port (name = host:port); "
+            "each name and each URL once"),
     Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
     Setting("kv_events_replay", "", "Comma-separated POD=tcp://host:port of each pod's vLLM KV-event replay socket "
@@ -128,7 +130,23 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{s.env}={raw!r}: expected {s.type.__name__}") from exc
     assert {f.name for f in fields(Config)} == set(BY_NAME)
-    return Config(**values)
+    cfg = Config(**values)
+    _check_targets(cfg)
+    return cfg
+
+
+def _check_targets(cfg: Config) -> None:
+    """Refuse a bad ``vllm`` target list at start: a spec that is not NAME=URL or URL, two targets with one
+    name, one URL under two names (:func:`collector.service.check_targets`). Raises :class:`ConfigError`."""
+    specs = cfg.list("vllm")
+    if not specs:
+        return
+    from collector.service import parse_targets
+
+    try:
+        parse_targets(specs)
+    except ValueError as exc:
+        raise ConfigError(f"KVSCOPE_VLLM / --vllm: {exc}") from exc
 
 
 def settings_table() -> str:

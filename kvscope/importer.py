@@ -3,8 +3,13 @@ path's isolation: a refused envelope is dead-lettered with its reason and the re
 
 from __future__ import annotations
 
-from collector.events import Envelope
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from collector.events import DeadLetter, Envelope
 from collector.publish import Message, to_messages
+from collector.vllm_metrics import MAX_RAW, dead_letter_event, scrape_events
 from ingest.ingester import Ingester
 from ingest.store import Store
 
@@ -30,3 +35,59 @@ def import_events(store: Store, events: list[Envelope]) -> dict[str, int]:
     ingester = Ingester(store, _NoSource())
     ingester.handle(to_messages(events))
     return dict(ingester.rows_written)
+
+
+@dataclass(frozen=True)
+class MetricsImport:
+    """What ``kvscope import metrics`` loaded: ``series`` (rows written to vllm_metrics), ``configs`` (rows
+    written to vllm_cache_config), ``reasons`` (the reason of each dead letter, in order)."""
+
+    series: int
+    configs: int
+    reasons: list[str]
+
+    @property
+    def loaded(self) -> bool:
+        """Whether anything but dead letters was written."""
+        return self.series + self.configs > 0
+
+
+def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -> MetricsImport:
+    """Load one ``/metrics`` body (``raw``, the file's bytes) as a scrape of ``pod`` at ``at_ms`` (unix ms).
+
+    A lone snapshot is a baseline (:func:`collector.vllm_metrics.scrape_events`: gauges and the cache config;
+    counters need a previous scrape). Refused whole, as one dead letter with its reason: gzip bytes, bytes
+    that are not UTF-8 (a UTF-8 BOM is dropped), and a second scrape of ``pod`` at ``at_ms`` when the store
+    holds one (the first is kept: one scrape per pod and instant, so a query's "latest value" has one
+    answer). Every other bad input is dead-lettered as the live collector does. Raises what
+    :meth:`Store.query_rows` raises.
+    """
+    url = f"file://{path.resolve()}"
+    problem, body = "", ""
+    if raw[:2] == b"\x1f\x8b":
+        problem = "gzip-compressed bytes, not Prometheus text: decompress the file first (gunzip)"
+    else:
+        try:
+            body = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            problem = f"not UTF-8 text ({exc.reason} at byte {exc.start}): a /metrics body is UTF-8"
+    if not problem and _scrape_stored(store, pod, at_ms):
+        problem = (f"the store already holds a scrape of pod {pod!r} at this time: a second scrape of one pod at "
+                   "one instant is refused (the first is kept); give another --at")
+    if problem:
+        text = raw[:MAX_RAW].decode("utf-8", "backslashreplace")
+        events = [dead_letter_event(pod, url, at_ms, text, problem)]
+    else:
+        events = scrape_events(pod, url, body, at_ms, 0.0)
+    written = import_events(store, events)
+    reasons = [e.payload.reason for e in events if isinstance(e.payload, DeadLetter)]
+    return MetricsImport(written.get("vllm_metrics", 0), written.get("vllm_cache_config", 0), reasons)
+
+
+def _scrape_stored(store: Store, pod: str, at_ms: int) -> bool:
+    ts = datetime.fromtimestamp(at_ms / 1000, UTC)
+    rows = store.query_rows(
+        "SELECT 1 FROM vllm_metrics WHERE pod = {pod:String} AND ts = {ts:DateTime64(3, 'UTC')} LIMIT 1 "
+        "UNION ALL SELECT 1 FROM vllm_cache_config WHERE pod = {pod:String} AND ts = {ts:DateTime64(3, 'UTC')} "
+        "LIMIT 1", {"pod": pod, "ts": ts})
+    return bool(rows)

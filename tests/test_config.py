@@ -1,11 +1,17 @@
-"""The settings table: every setting documented, env and flags applied, unknown KVSCOPE_ variables refused."""
+"""The settings table: every setting documented, env and flags applied, unknown KVSCOPE_ variables and
+duplicate vLLM targets refused."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from collector.publish import MemoryQueue, QueuePublisher
+from collector.service import Collector, Target, parse_targets
+from kvscope.cli import main
 from kvscope.config import SETTINGS, ConfigError, build_config
 
 
@@ -32,3 +38,34 @@ def test_unknown_variable_stops_startup() -> None:
 def test_bad_value_is_named() -> None:
     with pytest.raises(ConfigError, match="KVSCOPE_DASHBOARD_PORT"):
         build_config({}, environ={"KVSCOPE_DASHBOARD_PORT": "eighty"})
+
+
+@pytest.mark.parametrize(("vllm", "message"), [
+    ("a=http://h:8000,a=http://h:8001", "two vLLM targets are named 'a'"),
+    ("http://h:8000,http://h:8000/metrics", "two vLLM targets are named 'h:8000'"),  # the default name is host:port
+    ("a=http://h:8000,b=http://H:8000/metrics", "vLLM target http://H:8000/metrics is given twice, as 'a' and 'b'"),
+    ("a=h:8000", "must be an http(s) URL"),
+])
+def test_bad_vllm_targets_stop_startup(vllm: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_config({"vllm": vllm}, environ={})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_config({}, environ={"KVSCOPE_VLLM": vllm})
+
+
+def test_distinct_vllm_targets_are_accepted() -> None:
+    cfg = build_config({"vllm": ["a=http://h:8000", "b=http://h:8001", "http://g:8000"]}, environ={})
+    assert [t.pod for t in parse_targets(cfg.list("vllm"))] == ["a", "b", "g:8000"]
+
+
+def test_a_collector_refuses_two_targets_with_one_name() -> None:
+    """Before: accepted, and the two pods' counters interleaved as one series."""
+    with pytest.raises(ValueError, match="two vLLM targets are named 'pod-0'"):
+        Collector(publisher=QueuePublisher(MemoryQueue()),
+                  targets=[Target("pod-0", "http://a:8000/metrics"), Target("pod-0", "http://b:8000/metrics")])
+
+
+def test_the_cli_refuses_two_targets_with_one_name() -> None:
+    result = CliRunner().invoke(main, ["collect", "--kafka-bootstrap", "localhost:1", "--vllm", "a=http://h:1",
+                                       "--vllm", "a=http://h:2"], env={})
+    assert result.exit_code == 2 and "two vLLM targets are named 'a'" in result.output

@@ -77,11 +77,19 @@ def test_two_real_captures_give_exactly_the_counter_differences() -> None:
     assert "vllm:num_preemptions_total" not in {s.name for s in second.samples}  # did not move
 
 
+def without_created(body: str) -> str:
+    """A real capture without its ``_created`` series (prometheus_client with created series disabled)."""
+    return "".join(line for line in body.splitlines(keepends=True) if "_created" not in line)
+
+
 def test_a_restart_gives_the_new_value_when_a_counter_drops() -> None:
+    """Without ``_created`` a drop cannot be told from a restart: taken as one (a decrease whose ``_created``
+    did not change is flagged instead: tests/test_counter_rules.py)."""
     state = ScrapeState()
-    scrape_events("pod-0", URL, BODY2, 1_000, 1.0, state)
-    p = scrape_of(scrape_events("pod-0", URL, BODY1, 2_000, 1.0, state))  # every counter went back
-    assert p.restarts == ["0"]
+    scrape_events("pod-0", URL, without_created(BODY2), 1_000, 1.0, state)
+    events = scrape_events("pod-0", URL, without_created(BODY1), 2_000, 1.0, state)  # every counter went back
+    p = scrape_of(events)
+    assert p.restarts == ["0"] and len(events) == 1  # no dead letter
     assert increases(p)[("vllm:prefix_cache_queries_total", "0", "")] == 9818
     assert increases(p)[("vllm:prefix_cache_hits_total", "0", "")] == 4064
 
@@ -199,9 +207,14 @@ def test_bad_lines_and_non_finite_values_are_dead_letters_and_the_rest_is_kept()
 
 
 def test_non_metrics_body_is_a_dead_letter_not_an_exception() -> None:
-    events = scrape_events("pod-0", URL, "<html>502 Bad Gateway</html>\n{oops}\n", 1, 1.0)
-    assert [e.payload.raw for e in events] == ["<html>502 Bad Gateway</html>", "{oops}"]
+    events = scrape_events("pod-0", URL, "up 1\n{oops}\n", 1, 1.0)
+    assert [e.payload.raw for e in events] == ["{oops}"]
     assert all(e.schema == "dead_letter" and "unparseable sample line" in e.payload.reason for e in events)
+    html = "<!DOCTYPE html>\n<html><body>502 Bad Gateway</body></html>\n"
+    [page] = scrape_events("pod-0", URL, html, 1, 1.0)  # one dead letter for the page, not one per line
+    assert page.payload.raw == html.strip() and page.payload.reason.startswith("an HTML page, not Prometheus text")
+    [binary] = scrape_events("pod-0", URL, "\x1f\ufffd\x08\x00\x00", 1, 1.0)
+    assert binary.payload.reason.startswith("not UTF-8 Prometheus text")
     assert scrape_events("pod-0", URL, "", 1, 1.0)[0].payload.reason == "empty /metrics body"
     [other] = scrape_events("pod-0", URL, "# HELP up x\nup 1\n", 1, 1.0)
     assert other.payload.reason.startswith("no series kvscope keeps")
