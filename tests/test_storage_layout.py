@@ -44,12 +44,19 @@ def test_a_cluster_needs_a_server(tmp_path: Path) -> None:
 
 
 def test_every_rollup_equals_the_same_aggregate_over_raw_rows(store: Store) -> None:
-    """Minute and hour rollups (sql/migrations/0012) against GROUP BYs over the raw tables: requests, misses
-    (sign-weighted, after a re-attribution replaced answers), affinity and vLLM series."""
+    """Minute and hour rollups (sql/migrations/0012, 0014) against GROUP BYs over the raw tables: requests (every
+    7th with its cached count not reported), misses (sign-weighted, after a re-attribution replaced answers),
+    affinity and vLLM series."""
+    import pyarrow as pa
+
     from bench.history import gateway_table, vllm_table
     from ingest.attribution_job import run_attribution
 
-    store.insert_arrow("gateway_requests", gateway_table(3000, rate_per_second=5.0, seed=4))
+    table = gateway_table(3000, rate_per_second=5.0, seed=4)
+    cached = table["cached_tokens"].to_pylist()
+    unknown = pa.array([None if i % 7 == 0 else c for i, c in enumerate(cached)], type=pa.uint32())
+    table = table.set_column(table.schema.get_field_index("cached_tokens"), "cached_tokens", unknown)
+    store.insert_arrow("gateway_requests", table)
     store.insert_arrow("vllm_metrics", vllm_table(2, seconds=1800, interval_seconds=5.0, seed=4))
     run_attribution(store, settle_seconds=-60)
     store.command("TRUNCATE TABLE attribution_watermark")  # answers exist: a rerun writes nothing new
@@ -61,14 +68,17 @@ def test_every_rollup_equals_the_same_aggregate_over_raw_rows(store: Store) -> N
 
     req_cols = ("sum(requests), sum(served), sum(errors), sum(prompt_tokens), sum(cached_tokens), "
                 "sum(completion_tokens), sum(prefix_tokens), round(sum(hit_ratio_sum), 6), "
+                "sum(known_served), sum(known_prompt_tokens), "
                 "uniqCombinedMerge(fingerprints), uniqCombinedMerge(system_hashes)")
+    known = "status < 400 AND prompt_tokens > 0 AND cached_tokens IS NOT NULL"
     raw_req = ("count(), countIf(status < 400 AND prompt_tokens > 0), countIf(status >= 400), "
                "sumIf(toUInt64(prompt_tokens), status < 400 AND prompt_tokens > 0), "
-               "sumIf(toUInt64(cached_tokens), status < 400 AND prompt_tokens > 0), "
+               f"sum(if({known}, toUInt64(assumeNotNull(cached_tokens)), 0)), "
                "sumIf(toUInt64(completion_tokens), status < 400 AND prompt_tokens > 0), "
                "sumIf(toUInt64(greatest(toInt64(prompt_tokens) - toInt64(suffix_tokens), 0)), "
                "status < 400 AND prompt_tokens > 0), "
-               "round(sumIf(cached_tokens / prompt_tokens, status < 400 AND prompt_tokens > 0), 6), "
+               f"round(sum(if({known}, assumeNotNull(cached_tokens) / prompt_tokens, 0)), 6), "
+               f"countIf({known}), sumIf(toUInt64(prompt_tokens), {known}), "
                "uniqExactIf(prompt_fingerprint, prompt_fingerprint != ''), uniqExactIf(system_hash, system_hash != '')")
     for table, unit in (("requests_1m", "toStartOfMinute"), ("requests_1h", "toStartOfHour")):
         same(f"SELECT minute, tenant_id, pod, {req_cols} FROM {table} GROUP BY minute, tenant_id, pod",
