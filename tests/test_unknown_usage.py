@@ -178,3 +178,20 @@ def test_exclusive_usage_contract() -> None:
     with pytest.raises(BadRecord, match="exceeds prompt_tokens"):
         decode_record(json.dumps({**FLEET[1], "cached_tokens": 1001}))
     assert decode_record(json.dumps(FLEET[7])).cached_tokens is None
+
+
+def test_the_overview_shows_the_coverage_beside_the_hit_rate(store: Store, tmp_path: Path) -> None:
+    """The fleet on the dashboard: gateway hit rate 2,700 / 6,000 = 45.00 %, coverage 6,000 / 10,400 = 57.69 %."""
+    from dashboard import data
+    from tests.test_dashboard_pages import app, assert_clean, metrics
+
+    load(store, FLEET, "live", tmp_path)
+    try:
+        at = app(store)
+        assert_clean(at)
+        m = metrics(at)
+    finally:
+        data.register_store(None)
+    assert m["Token-weighted hit rate (gateway)"] == "45.00%"
+    assert m["Cached-count coverage (gateway)"] == "57.69%"
+    assert m["Prefill tokens saved"] == "2,700" and m["Missed tokens"] == "3,300"
