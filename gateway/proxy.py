@@ -493,7 +493,7 @@ class Gateway:
             ex.prompt_tokens = (fp.system_tokens + fp.tools_tokens + fp.retrieval_tokens + fp.history_tokens
                                 + fp.suffix_tokens)
             ex.cached_tokens = None
-            ex.error = ex.error or "stream not completed: no usage chunk"
+            ex.error = ex.error or "stream ended without usage: prompt_tokens from the fingerprint"
         self._release(ex)
         self.turns.leave(ex.turn_key, now)
         self.log.submit(ex.record(now))

@@ -141,3 +141,35 @@ def test_a_store_written_by_0_1_is_migrated_in_place(chdb_dir: Path) -> None:
     from ingest.attribution_job import run_attribution
 
     assert run_attribution(s, settle_seconds=-60).arrivals == 3  # 0.1's answers are re-derived
+
+
+def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: Path) -> None:
+    """Rows and rollups written before 0014 (cached 0 and 736 of 762) keep their values and count as known:
+    coverage 1.0, hit rate 736 / (2 × 762); after 0014 a row with a NULL count is not known; rerunning 0014
+    changes nothing."""
+    from datetime import UTC, datetime, timedelta
+
+    s = Store.open(data_dir=chdb_dir, database=f"m14_{uuid.uuid4().hex[:10]}")
+    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
+              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
+    migrations = dict(sqlfiles.migrations())
+    for version, text in migrations.items():
+        if version < "0014":
+            s.run_migration(text)
+            s.insert("schema_migrations", [(version,)], ["version"])
+    t0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    cols = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens"]
+    s.insert("gateway_requests", [("old0", t0, "acme", "pod-a", 200, 762, 0),
+                                  ("old1", t0 + timedelta(seconds=1), "acme", "pod-a", 200, 762, 736)], cols)
+    assert s.migrate() == ["0014_nullable_cached_tokens"]
+    s.insert("gateway_requests", [("new0", t0 + timedelta(seconds=2), "acme", "pod-a", 200, 1000, None)], cols)
+    assert s.query_rows("SELECT request_id, cached_tokens FROM gateway_requests ORDER BY request_id") == [
+        ("new0", None), ("old0", 0), ("old1", 736)]
+    assert s.query_rows("SELECT sum(served), sum(known_served), sum(prompt_tokens), sum(known_prompt_tokens), "
+                        "sum(cached_tokens) FROM requests_1m")[0] == (3, 2, 2524, 1524, 736)
+    assert s.query_rows("SELECT sum(known_served), sum(known_prompt_tokens) FROM requests_1h")[0] == (2, 1524)
+    gw = s.named("hit_rate_total").row(0, named=True)
+    assert gw["token_weighted_hit_rate"] == pytest.approx(736 / 1524)
+    assert gw["cached_tokens_coverage"] == pytest.approx(1524 / 2524)
+    s.run_migration(migrations["0014_nullable_cached_tokens"])  # safe to rerun: the rollups are untouched
+    assert s.query_rows("SELECT sum(known_served), sum(known_prompt_tokens) FROM requests_1m")[0] == (2, 1524)
