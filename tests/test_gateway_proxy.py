@@ -119,7 +119,8 @@ class FakePod:
     arrived (raw body, headers); `status` makes it answer with an OpenAI-style error; `idle_timeout`
     closes idle keep-alive connections (as uvicorn does after 5 s); `connections` counts accepted ones.
     `details` shapes usage.prompt_tokens_details: "reported" (cached_tokens 4), "null" (vLLM without
-    --enable-prompt-tokens-details), "absent" or "no_key" (forks); `cut_stream` closes a stream after its
+    --enable-prompt-tokens-details), "absent" or "no_key" (forks), "no_usage" (a stream without its usage
+    chunk: a server that ignores `include_usage`); `cut_stream` closes a stream after its
     content chunks, before the usage chunk and the end of the chunked body (a pod that dies mid-stream)."""
 
     def __init__(self, idle_timeout: float | None = None) -> None:
@@ -178,6 +179,8 @@ class FakePod:
                 self.send_header("content-type", "text/event-stream; charset=utf-8")
                 self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
+                if pod.details == "no_usage":
+                    chunks.pop()
                 events = [*(f"data: {json.dumps(c)}\n\n" for c in chunks), "data: [DONE]\n\n"]
                 for event in events[:3] if pod.cut_stream else events:
                     data = event.encode()
@@ -316,24 +319,27 @@ def test_cached_tokens_not_reported_are_logged_as_null(gateway, fake_pod, detail
     assert rec["cached_tokens"] is None and rec["prompt_tokens"] == 7 and rec["error"] == ""
 
 
-def test_a_stream_cut_before_its_usage_keeps_the_fingerprint_prompt_count(gateway, fake_pod):
-    """The pod closes the stream before the usage chunk: the request stays served with the fingerprint's
-    token count (estimate: ceil(400 / 4) system + ceil(40 / 4) user = 110) and cached_tokens null."""
+@pytest.mark.parametrize("how", ["cut", "no_usage"])
+def test_a_stream_without_usage_keeps_the_fingerprint_prompt_count(gateway, fake_pod, how):
+    """The pod closes the stream before the usage chunk, or ends it without one: the request stays served with
+    the fingerprint's token count (estimate: ceil(400 / 4) system + ceil(40 / 4) user = 110) and cached_tokens
+    null; `error` says why."""
     pod = fake_pod()
-    pod.cut_stream = True
+    pod.cut_stream = how == "cut"
+    pod.details = "no_usage" if how == "no_usage" else "reported"
     client, log_path = gateway([("fake-0", pod.url)])
     body = {"model": "tiny", "stream": True, "messages": [{"role": "system", "content": "s" * 400},
                                                            {"role": "user", "content": "q" * 40}]}
     try:
-        with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": "gw-cut-1"}) as r:
+        with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": f"gw-{how}-1"}) as r:
             for _ in r.iter_bytes():
                 pass
     except httpx.HTTPError:
         pass  # the client sees the broken stream too
-    rec = log_line(log_path, "gw-cut-1")
+    rec = log_line(log_path, f"gw-{how}-1")
     assert (rec["status"], rec["prompt_tokens"], rec["cached_tokens"]) == (200, 110, None)
     assert (rec["system_tokens"], rec["suffix_tokens"], rec["token_count_method"]) == (100, 10, "estimate")
-    assert rec["error"].startswith("stream not completed")
+    assert rec["error"].startswith("stream not completed" if how == "cut" else "stream ended without usage")
 
 
 def test_pod_error_status_is_passed_through(gateway, fake_pod):
