@@ -5,14 +5,16 @@ A line is a JSON object (``gateway/gateway_log.v1.schema.json``); :class:`Gatewa
 reads, with the column types' ranges (UInt16 status, UInt32 token counts, non-negative finite ms). Decoding
 is msgspec's (C, ~1 µs a line): unknown fields are ignored, a field of the wrong type or out of range is
 refused with the field's name. Required: ``request_id`` (non-empty), ``ts`` (RFC 3339 with a time zone, in
-2000..2100), ``prompt_tokens``, ``cached_tokens`` (≤ prompt_tokens).
+2000..2100), ``prompt_tokens``, ``cached_tokens`` (null = the pod did not report it; ≤ prompt_tokens when known
+and the usage convention is OpenAI's). Usage conventions (``usage_convention``; docs/miss-causes.md "Usage
+conventions"): :func:`inclusive_usage` turns a record's counts into OpenAI-inclusive ones.
 """
 
 from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -25,12 +27,17 @@ _EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzin
 
 class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One request as the gateway logged it. Token counts in tokens, durations in ms; optional fields default
-    to None (unknown) and are stored as ''/0 where the column has no NULL."""
+    to None (unknown) and are stored as ''/0 where the column has no NULL (``cached_tokens`` stays NULL).
+
+    ``usage_convention``: how the token counts are meant (None = "openai"): "openai" = ``prompt_tokens``
+    includes the cached ones (vLLM, OpenAI); "exclusive" = Anthropic-style, ``prompt_tokens`` holds only the
+    uncached input (``input_tokens``), the cache reads are in ``cache_read_input_tokens`` (else
+    ``cached_tokens``) and the tokens written to the cache in ``cache_creation_input_tokens``."""
 
     request_id: Annotated[str, msgspec.Meta(min_length=1)]
     ts: datetime
     prompt_tokens: U32
-    cached_tokens: U32
+    cached_tokens: U32 | None
     tenant_id: str | None = None
     conversation_id: str | None = None
     agent_run_id: str | None = None
@@ -63,6 +70,9 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     suffix_tokens: U32 | None = None
     prompt_fingerprint: str | None = None
     token_count_method: str | None = None
+    usage_convention: Literal["openai", "exclusive"] | None = None
+    cache_read_input_tokens: U32 | None = None
+    cache_creation_input_tokens: U32 | None = None
 
 
 class BadRecord(ValueError):
@@ -100,9 +110,37 @@ def decode_record(line: bytes | str) -> GatewayRecord:
         raise BadRecord(f"ts {rec.ts.isoformat()} has no time zone")
     if not _EARLIEST <= rec.ts < _LATEST:
         raise BadRecord(f"ts {rec.ts.isoformat()} is outside 2000..2100")
-    if rec.cached_tokens > rec.prompt_tokens:
+    if rec.usage_convention == "exclusive":
+        if None not in (rec.cached_tokens, rec.cache_read_input_tokens) and \
+                rec.cached_tokens != rec.cache_read_input_tokens:
+            raise BadRecord(f"exclusive usage: cached_tokens {rec.cached_tokens} differs from "
+                            f"cache_read_input_tokens {rec.cache_read_input_tokens}")
+        if record_usage(rec)[0] > 2**32 - 1:
+            raise BadRecord("exclusive usage: input + cache read + cache creation tokens exceed 2^32 - 1")
+    elif rec.cached_tokens is not None and rec.cached_tokens > rec.prompt_tokens:
         raise BadRecord(f"cached_tokens {rec.cached_tokens} exceeds prompt_tokens {rec.prompt_tokens}")
     return rec
+
+
+def inclusive_usage(prompt_tokens: int, cached_tokens: int | None, usage_convention: str | None = None,
+                    cache_read_input_tokens: int | None = None,
+                    cache_creation_input_tokens: int | None = None) -> tuple[int, int | None]:
+    """(prompt tokens, cached tokens or None = not reported) in the OpenAI-inclusive convention, the one the
+    store holds, from a record's fields of the same names (docs/miss-causes.md, "Usage conventions").
+
+    "openai" (or None): as logged. "exclusive" (Anthropic-style): prompt = input (``prompt_tokens``) + cache read
+    + cache creation, cached = cache read, where cache read = ``cache_read_input_tokens``, else
+    ``cached_tokens``; an unknown cache read gives prompt = input + cache creation and cached None."""
+    if usage_convention != "exclusive":
+        return prompt_tokens, cached_tokens
+    read = cache_read_input_tokens if cache_read_input_tokens is not None else cached_tokens
+    return prompt_tokens + (read or 0) + (cache_creation_input_tokens or 0), read
+
+
+def record_usage(rec: GatewayRecord) -> tuple[int, int | None]:
+    """:func:`inclusive_usage` of a decoded record."""
+    return inclusive_usage(rec.prompt_tokens, rec.cached_tokens, rec.usage_convention,
+                           rec.cache_read_input_tokens, rec.cache_creation_input_tokens)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -33,6 +33,7 @@ MISSING = "–"
 LABELS = {
     "token_weighted_hit_rate": "Token-weighted hit rate",
     "request_weighted_hit_rate": "Request-weighted hit rate",
+    "cached_tokens_coverage": "Cached-count coverage",
     "tenant_cache_affinity": "Tenant cache affinity",
     "prompt_fingerprint_cardinality": "Prompt fingerprint cardinality",
     "missed_tokens": "Missed tokens",

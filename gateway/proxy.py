@@ -4,9 +4,11 @@ log (client → gateway → vLLM pod; gateway → log file → collector).
 Per request it fingerprints the prompt (`gateway.fingerprint`), picks a pod (`gateway.routing`), forwards
 the body (kvscope's `metadata` keys removed; streams get `stream_options.include_usage`), passes the
 response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
-`usage.prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`, `metrics.queue_time_ms`
-with `--enable-per-request-metrics`; vLLM 0.32 `entrypoints/openai/chat_completion/serving.py`), and
-queues exactly one log line (`gateway.log.BackgroundLogWriter`), also for errors.
+`usage.prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`, else logged as null;
+`metrics.queue_time_ms` with `--enable-per-request-metrics`; vLLM 0.32
+`entrypoints/openai/chat_completion/serving.py`), and queues exactly one log line
+(`gateway.log.BackgroundLogWriter`), also for errors. A stream that ends without its usage chunk is logged
+with the fingerprint's token count as its prompt and a null cached count.
 
 Per-request costs are kept off the hot path: segment results are memoized by content
 (`gateway.fingerprint.SegmentCache`), the log line is encoded and written by a background thread, the
@@ -165,8 +167,9 @@ class _Exchange:
     status: int = 0
     error: str = ""
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # None: the pod did not report it (logged as null, never as 0)
     completion_tokens: int = 0
+    usage_seen: bool = False  # a usage object arrived from the pod
     first_token: float | None = None  # monotonic seconds
     queue_wait_ms: float | None = None
     tool_latency_ms: float | None = None
@@ -175,13 +178,19 @@ class _Exchange:
     logged: bool = False
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
-        """Take usage and per-request metrics from a response body or stream chunk, when present."""
+        """Take usage and per-request metrics from a response body or stream chunk, when present.
+
+        ``cached_tokens`` is the pod's ``usage.prompt_tokens_details.cached_tokens`` when it is there, else None
+        (vLLM without --enable-prompt-tokens-details sends ``prompt_tokens_details: null``; forks may drop the
+        key): an unreported count is unknown, not 0."""
         usage = payload.get("usage")
         if isinstance(usage, Mapping):
+            self.usage_seen = True
             self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
             details = usage.get("prompt_tokens_details")
-            self.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, Mapping) else 0
+            cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+            self.cached_tokens = None if cached is None else int(cached)
         metrics = payload.get("metrics")
         if isinstance(metrics, Mapping) and metrics.get("queue_time_ms") is not None:
             self.queue_wait_ms = round(float(metrics["queue_time_ms"]), 3)
@@ -476,6 +485,15 @@ class Gateway:
         now = time.monotonic()
         if ex.stream and ex.status < 400 and not ex.done and not ex.error:
             ex.error = f"stream not completed: {type(exc).__name__ if exc else 'client disconnected'}"
+        if ex.stream and ex.status < 400 and not ex.usage_seen:
+            # The usage chunk never came (client gone, stream cut): vLLM still prefilled the prompt. Keep the
+            # request served with the fingerprint's count (segment tokens, by token_count_method) and the
+            # cached count unknown (docs/decisions.md, "A stream without usage").
+            fp = ex.fingerprint
+            ex.prompt_tokens = (fp.system_tokens + fp.tools_tokens + fp.retrieval_tokens + fp.history_tokens
+                                + fp.suffix_tokens)
+            ex.cached_tokens = None
+            ex.error = ex.error or "stream ended without usage: prompt_tokens from the fingerprint"
         self._release(ex)
         self.turns.leave(ex.turn_key, now)
         self.log.submit(ex.record(now))

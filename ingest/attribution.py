@@ -42,7 +42,9 @@ ROUTED_AWAY = "routed_away"
 EVICTED = "evicted"
 PREFIX_DRIFT = "prefix_drift"
 UNKNOWN = "unknown"
-CAUSES = (UNAVOIDABLE, BELOW_BLOCK, COLD, ROUTED_AWAY, EVICTED, PREFIX_DRIFT, UNKNOWN)
+#: The pod did not report the request's cached count: all its prompt tokens, hit or missed, carry this cause.
+NOT_REPORTED = "not_reported"
+CAUSES = (UNAVOIDABLE, BELOW_BLOCK, COLD, ROUTED_AWAY, EVICTED, PREFIX_DRIFT, UNKNOWN, NOT_REPORTED)
 
 VOLATILE_SYSTEM = "volatile_system"
 SYSTEM_CHANGED = "system_changed"
@@ -201,9 +203,19 @@ def order_key(req: Request) -> int:
     return _ts_ms(req) * 1048576 + tie
 
 
+def cached_unknown(req: Request) -> bool:
+    """True when the pod did not report the request's cached count (``cached_tokens`` NULL)."""
+    return req.get("cached_tokens") is None
+
+
 def is_attributable(req: Request) -> bool:
-    """True when the request succeeded (status < 400) and missed tokens (prompt_tokens > cached_tokens)."""
-    return int(req.get("status") or 0) < 400 and _int(req, "prompt_tokens") > _int(req, "cached_tokens")
+    """True when the request succeeded (status < 400) and missed tokens (prompt_tokens > cached_tokens), or may
+    have (a prompt whose cached count was not reported)."""
+    if int(req.get("status") or 0) >= 400:
+        return False
+    if cached_unknown(req):
+        return _int(req, "prompt_tokens") > 0
+    return _int(req, "prompt_tokens") > _int(req, "cached_tokens")
 
 
 def can_be_predecessor(req: Request) -> bool:
@@ -499,8 +511,9 @@ class Verdict:
 
     ``causes``/``sub_causes``/``missed_tokens``: parallel tuples, one entry per (cause, sub_cause) in prompt
     order, the tokens summing to prompt_tokens − cached_tokens (empty when the request failed or missed
-    nothing). ``predecessor_*``: the earlier request it could have reused blocks from ("" if none; kept for a
-    full hit too, for affinity); ``gap_ms``: predecessor end (its ts + e2e_ms) → this ts, ms (None without
+    nothing); ``cached_tokens`` None (not reported): one :data:`NOT_REPORTED` entry with all prompt tokens.
+    ``predecessor_*``: the earlier request it could have reused blocks from ("" if none; kept for a full hit
+    too, for affinity); ``gap_ms``: predecessor end (its ts + e2e_ms) → this ts, ms (None without
     predecessor); ``block_size``: tokens per KV block used for this request's pod.
     """
 
@@ -510,7 +523,7 @@ class Verdict:
     pod: str
     model: str
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None
     predecessor_request_id: str
     predecessor_pod: str
     predecessor_kind: str
@@ -538,22 +551,26 @@ def judge(req: Request, pred: Predecessor | None, block_size: int) -> Verdict:
     """The verdict for one request. ``block_size``: tokens per KV block on the request's pod.
 
     A failed request (status ≥ 400) gets no predecessor and no causes; a request that missed nothing keeps
-    its predecessor and gets no causes.
+    its predecessor and gets no causes; a request whose cached count was not reported keeps its predecessor
+    (when it has segment counts) and gets one cause, :data:`NOT_REPORTED`, for all its prompt tokens: which
+    of them missed, and why, cannot be told.
     """
     if int(req.get("status") or 0) >= 400:
         pred = None
     offsets = segment_offsets(req)
     split: list[tuple[str, str, int]] = []
     if is_attributable(req):
-        stable = offsets[HISTORY + 1] if offsets else None
-        shared = shared_prefix(req, pred) if pred is not None and offsets is not None else None
         if offsets is None:
             pred = None  # without segment counts, no predecessor rule can be checked
-        split = split_missed_tokens(
-            prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
-            block_size=block_size, stable_prefix_tokens=stable, shared=shared,
-            reuse_cause=_reuse_cause(req, pred) if pred is not None else (EVICTED, ""),
-        )
+        if cached_unknown(req):
+            split = [(NOT_REPORTED, "", _int(req, "prompt_tokens"))]
+        else:
+            split = split_missed_tokens(
+                prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
+                block_size=block_size, stable_prefix_tokens=offsets[HISTORY + 1] if offsets else None,
+                shared=shared_prefix(req, pred) if pred is not None else None,
+                reuse_cause=_reuse_cause(req, pred) if pred is not None else (EVICTED, ""),
+            )
     pred_id = pred_pod = kind = ""
     gap_ms: float | None = None
     if pred is not None:
@@ -562,7 +579,8 @@ def judge(req: Request, pred: Predecessor | None, block_size: int) -> Verdict:
         gap_ms = float(_ts_ms(req) - _ts_ms(prev)) - float(prev.get("e2e_ms") or 0.0)
     return Verdict(
         _str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"), _str(req, "model"),
-        _int(req, "prompt_tokens"), _int(req, "cached_tokens"), pred_id, pred_pod, kind, gap_ms, block_size,
+        _int(req, "prompt_tokens"), None if cached_unknown(req) else _int(req, "cached_tokens"), pred_id, pred_pod,
+        kind, gap_ms, block_size,
         tuple(c for c, _, _ in split), tuple(sc for _, sc, _ in split), tuple(n for _, _, n in split))
 
 

@@ -22,6 +22,7 @@ from ingest.attribution import (
     COLD,
     EVICTED,
     EVICTED_BEFORE_NEXT_TURN,
+    NOT_REPORTED,
     PREFIX_DRIFT,
     PREVIOUS_TURN,
     ROUTED_AWAY,
@@ -148,19 +149,21 @@ def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np
     return out
 
 
-def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable: np.ndarray, over: np.ndarray,
-           missed: np.ndarray) -> tuple[pa.ListArray, pa.ListArray, pa.ListArray]:
+def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable: np.ndarray,
+           whole: list[tuple[np.ndarray, str, np.ndarray]]) -> tuple[pa.ListArray, pa.ListArray, pa.ListArray]:
     """The zones as three Arrow list columns (causes, sub_causes, missed_tokens), empty zones left out, built
-    from flat arrays and offsets (no per-row Python). A request whose cached tokens exceed what vLLM can hit
-    at its block size gets one ``unknown`` entry with all its missed tokens."""
-    n = len(missed)
+    from flat arrays and offsets (no per-row Python). ``whole``: (rows, cause, tokens) of requests that get one
+    entry instead of zones: cached tokens beyond what vLLM can hit at the block size (``unknown``, the missed
+    tokens), a cached count not reported (``not_reported``, the prompt tokens)."""
     tok = np.stack([z[0] for z in zones], axis=1)
     cause = np.stack([z[1] for z in zones], axis=1)
     sub = np.stack([z[2] for z in zones], axis=1)
+    n = len(tok)
     tok[~attributable] = 0
-    tok[over] = 0
-    tok[over, 0] = missed[over]
-    cause[over, 0], sub[over, 0] = UNKNOWN, ""
+    for rows, name, tokens in whole:
+        tok[rows] = 0
+        tok[rows, 0] = tokens[rows]
+        cause[rows, 0], sub[rows, 0] = name, ""
     keep = tok > 0
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(keep.sum(axis=1), out=offsets[1:])
@@ -173,10 +176,11 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
     """Verdict columns for every row of ``df`` (see the module docstring), as lists/arrays keyed by
     :data:`ingest.attribution.VERDICT_COLUMNS`. Pure; raises only on a frame that lacks a column."""
     prompt, cached = _i(df, "prompt_tokens"), _i(df, "cached_tokens")
+    unknown = df["cached_tokens"].is_null().to_numpy()
     block = np.maximum(_i(df, "block_size"), 1)
     served = (df["status"].fill_null(0).cast(pl.Int64).to_numpy() < 400)
     kind = df["predecessor_kind"].fill_null("").to_numpy().astype(object)
-    attributable = served & (prompt > cached)
+    attributable = served & np.where(unknown, prompt > 0, prompt > cached)
     off, has_counts = _offsets(df, prompt)
     named = served & (kind != "")
     # without segment counts no predecessor rule can be checked: an attributable request then has none
@@ -188,15 +192,17 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
     reuse = np.where(same_pod, EVICTED, ROUTED_AWAY).astype(object)
     reuse_sub = np.where(same_pod & prev_turn, EVICTED_BEFORE_NEXT_TURN, "").astype(object)
     zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, reuse, reuse_sub)
-    over = attributable & (cached > _full(prompt - 1, block))
-    causes, subs, tokens = _lists(zones, attributable, over, prompt - cached)
+    over = attributable & ~unknown & (cached > _full(prompt - 1, block))
+    causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, prompt - cached),
+                                                        (attributable & unknown, NOT_REPORTED, prompt)])
     ts_ms = df["ts"].dt.epoch("ms").to_numpy()
     p_ts_ms = df["p_ts"].dt.epoch("ms").fill_null(0).to_numpy()
     p_e2e = df["p_e2e_ms"].fill_null(0.0).to_numpy()
     gap = np.where(has_pred_out, (ts_ms - p_ts_ms).astype(np.float64) - p_e2e, np.nan)
     return {
         "request_id": df["request_id"].to_list(), "ts": df["ts"], "tenant_id": df["tenant_id"].to_list(),
-        "pod": df["pod"].to_list(), "model": df["model"].to_list(), "prompt_tokens": prompt, "cached_tokens": cached,
+        "pod": df["pod"].to_list(), "model": df["model"].to_list(), "prompt_tokens": prompt,
+        "cached_tokens": pa.array(cached, type=pa.uint32(), mask=unknown),
         "predecessor_request_id": np.where(has_pred_out, df["p_request_id"].fill_null("").to_numpy(), "").tolist(),
         "predecessor_pod": np.where(has_pred_out, df["p_pod"].fill_null("").to_numpy(), "").tolist(),
         "predecessor_kind": np.where(has_pred_out, kind, "").tolist(),

@@ -69,26 +69,42 @@ _JSON_SETTINGS = {"input_format_skip_unknown_fields": 1, "date_time_input_format
                   "input_format_null_as_default": 1}
 
 
+#: The SELECT expressions that normalize a line's counts to the OpenAI-inclusive convention (the store's):
+#: collector.gateway_record.inclusive_usage in SQL, over the usage fields staged beside the table's columns.
+_EXCLUSIVE = "ifNull(usage_convention, '') = 'exclusive'"
+_CACHE_READ = "coalesce(cache_read_input_tokens, cached_tokens)"
+_NORMALIZED = {
+    "prompt_tokens": f"if({_EXCLUSIVE}, toUInt32(toUInt64(prompt_tokens) + ifNull({_CACHE_READ}, 0) "
+                     f"+ ifNull(cache_creation_input_tokens, 0)), prompt_tokens)",
+    "cached_tokens": f"if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens)",
+}
+
+
 class _JsonStage:
-    """A Memory table with gateway_requests' columns that ClickHouse fills from the validated lines' JSON
-    (its parser, not Python's, builds the columns), then moves into gateway_requests minus what it holds."""
+    """A Memory table with gateway_requests' columns (and the usage fields) that ClickHouse fills from the
+    validated lines' JSON (its parser, not Python's, builds the columns), then moves into gateway_requests
+    minus what it holds, token counts normalized (:data:`_NORMALIZED`)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.name = f"load_{uuid.uuid4().hex}"
         cols = ", ".join(COLUMNS["gateway_requests"])
         store.command(f"CREATE TABLE {self.name} ENGINE = Memory AS SELECT {cols} FROM gateway_requests WHERE 0")
+        store.command(f"ALTER TABLE {self.name} ADD COLUMN usage_convention Nullable(String), "
+                      "ADD COLUMN cache_read_input_tokens Nullable(UInt32), "
+                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32)")
 
     def insert_absent(self, lines: list[bytes]) -> int:
         """Insert the rows of ``lines`` (already valid records) that the store does not hold; returns how many.
         Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder accepted (the
         caller then loads that chunk line by line), or what the store raises."""
         cols = ", ".join(COLUMNS["gateway_requests"])
+        exprs = ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
         self.store.command(f"TRUNCATE TABLE {self.name}")
         self.store.insert_raw(self.name, b"\n".join(lines), "JSONEachRow", _JSON_SETTINGS)
         before = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0]
         self.store.command(
-            f"INSERT INTO gateway_requests ({cols}) SELECT {cols} FROM {self.name} "
+            f"INSERT INTO gateway_requests ({cols}) SELECT {exprs} FROM {self.name} "
             f"WHERE (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests "
             f"WHERE ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})) "
             "LIMIT 1 BY request_id, ts")

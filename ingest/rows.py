@@ -11,18 +11,21 @@ from typing import Any
 
 from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, VllmScrape
 from collector.gateway_log import parse_ts_ms
+from collector.gateway_record import inclusive_usage
 from ingest.errors import ContractViolation
 
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
                "error", "system_hash", "system_norm_hash", "tools_hash", "tools_canonical_hash",
                "retrieval_pack_hash", "retrieval_set_hash", "history_prefix_hash", "prev_history_hash",
                "suffix_hash", "prompt_fingerprint", "token_count_method")
-GATEWAY_INT = ("status", "prompt_tokens", "cached_tokens", "completion_tokens", "system_tokens", "tools_tokens",
-               "retrieval_tokens", "history_tokens", "suffix_tokens")
+GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "retrieval_tokens",
+               "history_tokens", "suffix_tokens")
+#: The usage fields a log line may carry besides prompt_tokens/cached_tokens (collector/gateway_record.py).
+USAGE_FIELDS = ("usage_convention", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT,
-                         "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
+    "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT, "prompt_tokens",
+                         "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
     "vllm_metrics": ("ts", "pod", "engine", "model_name", "name", "label", "value", "increase"),
     "vllm_cache_config": ("ts", "pod", "engine", "labels"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
@@ -42,10 +45,15 @@ def _float_or_none(v: Any) -> float | None:
 
 
 def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
+    """A gateway_requests row; token counts normalized to the OpenAI-inclusive convention
+    (:func:`collector.gateway_record.inclusive_usage`), ``cached_tokens`` None when not reported."""
     r = p.record
+    cached = r.get("cached_tokens")
+    prompt, cached = inclusive_usage(int(r.get("prompt_tokens") or 0), None if cached is None else int(cached),
+                                     *(r.get(k) for k in USAGE_FIELDS))
     return (r["request_id"], _dt(parse_ts_ms(r["ts"])), str(r.get("tenant_id") or ""),
             *(str(r.get(k) or "") for k in GATEWAY_STR), bool(r.get("stream", False)),
-            *(int(r.get(k) or 0) for k in GATEWAY_INT),
+            *(int(r.get(k) or 0) for k in GATEWAY_INT), prompt, cached,
             float(r.get("ttft_ms") or 0.0), float(r.get("e2e_ms") or 0.0),
             _float_or_none(r.get("queue_wait_ms")), _float_or_none(r.get("tool_latency_ms")))
 

@@ -26,7 +26,7 @@ def h(*parts: str) -> str:
 
 
 def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run: str = "",
-        model: str = "tiny", pod: str = "pod-a", prompt: int = 762, cached: int = 0, e2e_ms: float = 400.0,
+        model: str = "tiny", pod: str = "pod-a", prompt: int = 762, cached: int | None = 0, e2e_ms: float = 400.0,
         status: int = 200,
         system: str = "You are the support agent of Acme.", system_norm: str | None = None,
         system_tokens: int = 720, tools: str = "", tools_canonical: str | None = None, tools_tokens: int = 0,
@@ -60,7 +60,8 @@ def split(rows: list[a.MissRow], rid: str) -> list[tuple[str, str, int]]:
 
 
 def missed(r: dict[str, Any]) -> int:
-    return r["prompt_tokens"] - r["cached_tokens"]
+    """Tokens the causes must sum to: prompt − cached, or the whole prompt when cached was not reported."""
+    return r["prompt_tokens"] - (r["cached_tokens"] or 0)
 
 
 def check_sum(rows: list[a.MissRow], r: dict[str, Any]) -> None:
@@ -341,7 +342,7 @@ def test_split_zones_are_counted_from_cached_tokens_on():
 # -- invariants ----------------------------------------------------------------------------------------------
 def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
     """Random traffic over every field the rules read (segments present or not, equal or not, variants, two
-    tenants, three pods, failures, cached beyond what can hit), ts in whole milliseconds."""
+    tenants, three pods, failures, cached beyond what can hit or not reported), ts in whole milliseconds."""
     rnd = random.Random(seed)
     reqs = []
     for i in range(n):
@@ -350,7 +351,8 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
         reqs.append(req(
             f"r{i:04d}", at=round(rnd.uniform(0, 5000), 3), tenant=rnd.choice("ab"),
             conv=rnd.choice(["", "c1", "c2"]), run=rnd.choice(["", "x"]), pod=rnd.choice(["pod-a", "pod-b", "pod-c"]),
-            prompt=prompt, cached=rnd.choice([0, rnd.randint(0, prompt + 50)]), status=rnd.choice([200, 200, 200, 500]),
+            prompt=prompt, cached=rnd.choice([0, None, rnd.randint(0, prompt + 50)]),
+            status=rnd.choice([200, 200, 200, 500]),
             system=rnd.choice(["", "s1", "s2"]), system_norm=rnd.choice([None, "n"]), system_tokens=seg[0],
             tools=rnd.choice(["", "t1", "t2"]), tools_canonical=rnd.choice([None, "tc"]), tools_tokens=seg[1],
             rag=rnd.choice(["", "r1", "r2"]), rag_set=rnd.choice([None, "rs"]), rag_tokens=seg[2],
@@ -386,3 +388,24 @@ def test_random_traffic_sums_exactly_and_is_deterministic():
             assert q["request_id"] not in by_id
     keys = [(r.request_id, r.cause, r.sub_cause) for r in rows]
     assert len(keys) == len(set(keys))
+
+
+def test_a_cached_count_not_reported_is_one_not_reported_cause_not_invented_misses():
+    """Turn 2 repeats turn 1's 762-token prompt on the same pod; its pod did not report cached tokens. By hand:
+    one cause, not_reported, for all 762 prompt tokens (not 736 `evicted` + 26 `unavoidable`, what cached = 0
+    gave); the predecessor is kept. Turn 3 (cached 736 reported) still finds turn 2 as its predecessor."""
+    t1 = req("t1", at=0, conv="c", cached=0)
+    t2 = req("t2", at=10, conv="c", cached=None)
+    t3 = req("t3", at=20, conv="c", cached=704)
+    rows = a.attribute([t1, t2, t3], block_size_by_pod={"pod-a": 32})
+    by_req = {}
+    for r in rows:
+        by_req.setdefault(r.request_id, []).append((r.cause, r.sub_cause, r.tokens, r.predecessor_request_id))
+    assert by_req["t2"] == [("not_reported", "", 762, "t1")]
+    # t3: hit 704 of L = floor(761/32)*32 = 736; [704, 736) is one block within R - B: the edge of sharing, so
+    # unavoidable 762 - 704 = 58; its predecessor is t2
+    assert by_req["t3"] == [("unavoidable", "", 58, "t2")]
+    verdict = a.judge(t2, a.Predecessor(t1, a.PREVIOUS_TURN), 32)
+    assert verdict.cached_tokens is None and verdict.missed_tokens == (762,)
+    before = a.judge({**t2, "cached_tokens": 0}, a.Predecessor(t1, a.PREVIOUS_TURN), 32)
+    assert before.causes == ("evicted", "unavoidable") and before.missed_tokens == (736, 26)

@@ -191,7 +191,8 @@ def test_settle_leaves_the_newest_requests_for_the_next_run(store):
 
 
 def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
-    """Conversations, agent runs, shared fingerprints and variants, several pods, some failures."""
+    """Conversations, agent runs, shared fingerprints and variants, several pods, some failures, a third of the
+    cached counts not reported."""
     rnd = random.Random(seed)
     out = []
     for i in range(n):
@@ -201,7 +202,7 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
                          prompt=rnd.randint(1, 2000), status=rnd.choice([200, 200, 200, 503]),
                          history=hist, prev_history=rnd.choice(["", "h1"]), history_tokens=rnd.randint(0, 300),
                          suffix=rnd.choice(["q", "r"]), suffix_tokens=rnd.randint(1, 50)),
-                    "cached_tokens": 0, "tenant_id": rnd.choice(["acme", "globex"]),
+                    "cached_tokens": rnd.choice([0, 0, None]), "tenant_id": rnd.choice(["acme", "globex"]),
                     "agent_run_id": rnd.choice(["", "", "run1"]),
                     "system_hash": h(rnd.choice(["s1", "s2", "s3"])), "system_norm_hash": h(rnd.choice(["n1", "n2"])),
                     "tools_canonical_hash": h(rnd.choice(["", "t1"])),

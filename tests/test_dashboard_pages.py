@@ -99,6 +99,7 @@ def test_overview(fixture_store: Store) -> None:
     assert m["Token-weighted hit rate (vLLM)"] == "50.96%"
     assert m["Token-weighted hit rate (gateway)"] == "50.96%"
     assert m["Request-weighted hit rate (gateway)"] == "40.44%"
+    assert m["Cached-count coverage (gateway)"] == "100.00%"  # every fixture request reports cached tokens
     assert m["Prefill tokens saved"] == "3,232"
     assert m["Missed tokens"] == "3,110"
     assert not at.warning  # the two sources agree on the fixture

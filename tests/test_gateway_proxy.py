@@ -5,6 +5,7 @@ vLLM, for what vLLM cannot show us (the forwarded body, connection reuse) or qui
 from __future__ import annotations
 
 import json
+import math
 import random
 import socket
 import time
@@ -116,7 +117,11 @@ class FakePod:
     /v1/chat/completions and /v1/completions with usage incl. `prompt_tokens_details.cached_tokens`, as JSON
     or, for `stream: true`, as SSE in chunked transfer encoding; GET /v1/models. `requests` records what
     arrived (raw body, headers); `status` makes it answer with an OpenAI-style error; `idle_timeout`
-    closes idle keep-alive connections (as uvicorn does after 5 s); `connections` counts accepted ones."""
+    closes idle keep-alive connections (as uvicorn does after 5 s); `connections` counts accepted ones.
+    `details` shapes usage.prompt_tokens_details: "reported" (cached_tokens 4), "null" (vLLM without
+    --enable-prompt-tokens-details), "absent" or "no_key" (forks), "no_usage" (a stream without its usage
+    chunk: a server that ignores `include_usage`); `cut_stream` closes a stream after its
+    content chunks, before the usage chunk and the end of the chunked body (a pod that dies mid-stream)."""
 
     def __init__(self, idle_timeout: float | None = None) -> None:
         import threading
@@ -126,6 +131,8 @@ class FakePod:
         self.requests: list[dict] = []
         self.status = 200
         self.connections = 0
+        self.details = "reported"
+        self.cut_stream = False
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -151,6 +158,12 @@ class FakePod:
                     return self._send(pod.status, {"error": {**error, "param": None, "code": pod.status}})
                 usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
                          "prompt_tokens_details": {"cached_tokens": 4}}
+                if pod.details == "null":
+                    usage["prompt_tokens_details"] = None
+                elif pod.details == "absent":
+                    del usage["prompt_tokens_details"]
+                elif pod.details == "no_key":
+                    usage["prompt_tokens_details"] = {"audio_tokens": 0}
                 if not json.loads(raw).get("stream"):
                     return self._send(200, {"id": f"chatcmpl-{rid}", "object": "chat.completion",
                                             "choices": [{"index": 0, "message": {"role": "assistant",
@@ -166,10 +179,16 @@ class FakePod:
                 self.send_header("content-type", "text/event-stream; charset=utf-8")
                 self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
-                for event in [*(f"data: {json.dumps(c)}\n\n" for c in chunks), "data: [DONE]\n\n"]:
+                if pod.details == "no_usage":
+                    chunks.pop()
+                events = [*(f"data: {json.dumps(c)}\n\n" for c in chunks), "data: [DONE]\n\n"]
+                for event in events[:3] if pod.cut_stream else events:
                     data = event.encode()
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.flush()
+                if pod.cut_stream:
+                    self.close_connection = True
+                    return
                 self.wfile.write(b"0\r\n\r\n")
 
             def _send(self, status: int, payload: dict) -> None:
@@ -281,6 +300,46 @@ def test_keep_alive_reuse_and_pod_closing_idle_connections(gateway, fake_pod):
         assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert pod.connections == 2
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.parametrize("details", ["null", "absent", "no_key"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_not_reported_are_logged_as_null(gateway, fake_pod, details, stream):
+    """A pod that does not report usage.prompt_tokens_details.cached_tokens (vLLM without
+    --enable-prompt-tokens-details sends null; forks drop it or the key): cached_tokens null, not 0; the
+    prompt count is the pod's (7)."""
+    pod = fake_pod()
+    pod.details = details
+    client, log_path = gateway([("fake-0", pod.url)])
+    rid = f"gw-nodetails-{details}-{stream}"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
+    assert r.status_code == 200
+    rec = log_line(log_path, rid)
+    assert rec["cached_tokens"] is None and rec["prompt_tokens"] == 7 and rec["error"] == ""
+
+
+@pytest.mark.parametrize("how", ["cut", "no_usage"])
+def test_a_stream_without_usage_keeps_the_fingerprint_prompt_count(gateway, fake_pod, how):
+    """The pod closes the stream before the usage chunk, or ends it without one: the request stays served with
+    the fingerprint's token count (estimate: ceil(400 / 4) system + ceil(40 / 4) user = 110) and cached_tokens
+    null; `error` says why."""
+    pod = fake_pod()
+    pod.cut_stream = how == "cut"
+    pod.details = "no_usage" if how == "no_usage" else "reported"
+    client, log_path = gateway([("fake-0", pod.url)])
+    body = {"model": "tiny", "stream": True, "messages": [{"role": "system", "content": "s" * 400},
+                                                           {"role": "user", "content": "q" * 40}]}
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": f"gw-{how}-1"}) as r:
+            for _ in r.iter_bytes():
+                pass
+    except httpx.HTTPError:
+        pass  # the client sees the broken stream too
+    rec = log_line(log_path, f"gw-{how}-1")
+    assert (rec["status"], rec["prompt_tokens"], rec["cached_tokens"]) == (200, 110, None)
+    assert (rec["system_tokens"], rec["suffix_tokens"], rec["token_count_method"]) == (100, 10, "estimate")
+    assert rec["error"].startswith("stream not completed" if how == "cut" else "stream ended without usage")
 
 
 def test_pod_error_status_is_passed_through(gateway, fake_pod):
@@ -451,7 +510,7 @@ def chat_body(prefix_seed: str, question: str = "What now?", n_words: int = 300,
 
 def assert_usage_logged(rec: dict, usage: dict) -> None:
     assert rec["prompt_tokens"] == usage["prompt_tokens"] > 0
-    assert rec["cached_tokens"] == (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert rec["cached_tokens"] == (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     assert rec["completion_tokens"] == usage["completion_tokens"]
     assert 0 <= rec["ttft_ms"] <= rec["e2e_ms"]
 
@@ -648,4 +707,7 @@ def test_client_disconnect_mid_stream_still_logs(vllm_fleet, gateway):
         next(r.iter_bytes())
     rec = log_line(log_path, rid, timeout_seconds=60)
     assert rec["status"] == 200 and rec["error"].startswith("stream not completed")
-    assert rec["prompt_tokens"] == 0  # the usage chunk never came
+    # the usage chunk never came, but vLLM prefilled the prompt: the fingerprint's estimate (no tokenizer:
+    # ceil(chars / 4) per message; "What now?" is 9 characters) and an unknown cached count
+    system = body["messages"][0]["content"]
+    assert (rec["prompt_tokens"], rec["cached_tokens"]) == (math.ceil(len(system) / 4) + 3, None)

@@ -44,12 +44,19 @@ def test_a_cluster_needs_a_server(tmp_path: Path) -> None:
 
 
 def test_every_rollup_equals_the_same_aggregate_over_raw_rows(store: Store) -> None:
-    """Minute and hour rollups (sql/migrations/0012) against GROUP BYs over the raw tables: requests, misses
-    (sign-weighted, after a re-attribution replaced answers), affinity and vLLM series."""
+    """Minute and hour rollups (sql/migrations/0012, 0014) against GROUP BYs over the raw tables: requests (every
+    7th with its cached count not reported), misses (sign-weighted, after a re-attribution replaced answers),
+    affinity and vLLM series."""
+    import pyarrow as pa
+
     from bench.history import gateway_table, vllm_table
     from ingest.attribution_job import run_attribution
 
-    store.insert_arrow("gateway_requests", gateway_table(3000, rate_per_second=5.0, seed=4))
+    table = gateway_table(3000, rate_per_second=5.0, seed=4)
+    cached = table["cached_tokens"].to_pylist()
+    unknown = pa.array([None if i % 7 == 0 else c for i, c in enumerate(cached)], type=pa.uint32())
+    table = table.set_column(table.schema.get_field_index("cached_tokens"), "cached_tokens", unknown)
+    store.insert_arrow("gateway_requests", table)
     store.insert_arrow("vllm_metrics", vllm_table(2, seconds=1800, interval_seconds=5.0, seed=4))
     run_attribution(store, settle_seconds=-60)
     store.command("TRUNCATE TABLE attribution_watermark")  # answers exist: a rerun writes nothing new
@@ -61,14 +68,17 @@ def test_every_rollup_equals_the_same_aggregate_over_raw_rows(store: Store) -> N
 
     req_cols = ("sum(requests), sum(served), sum(errors), sum(prompt_tokens), sum(cached_tokens), "
                 "sum(completion_tokens), sum(prefix_tokens), round(sum(hit_ratio_sum), 6), "
+                "sum(known_served), sum(known_prompt_tokens), "
                 "uniqCombinedMerge(fingerprints), uniqCombinedMerge(system_hashes)")
+    known = "status < 400 AND prompt_tokens > 0 AND cached_tokens IS NOT NULL"
     raw_req = ("count(), countIf(status < 400 AND prompt_tokens > 0), countIf(status >= 400), "
                "sumIf(toUInt64(prompt_tokens), status < 400 AND prompt_tokens > 0), "
-               "sumIf(toUInt64(cached_tokens), status < 400 AND prompt_tokens > 0), "
+               f"sum(if({known}, toUInt64(assumeNotNull(cached_tokens)), 0)), "
                "sumIf(toUInt64(completion_tokens), status < 400 AND prompt_tokens > 0), "
                "sumIf(toUInt64(greatest(toInt64(prompt_tokens) - toInt64(suffix_tokens), 0)), "
                "status < 400 AND prompt_tokens > 0), "
-               "round(sumIf(cached_tokens / prompt_tokens, status < 400 AND prompt_tokens > 0), 6), "
+               f"round(sum(if({known}, assumeNotNull(cached_tokens) / prompt_tokens, 0)), 6), "
+               f"countIf({known}), sumIf(toUInt64(prompt_tokens), {known}), "
                "uniqExactIf(prompt_fingerprint, prompt_fingerprint != ''), uniqExactIf(system_hash, system_hash != '')")
     for table, unit in (("requests_1m", "toStartOfMinute"), ("requests_1h", "toStartOfHour")):
         same(f"SELECT minute, tenant_id, pod, {req_cols} FROM {table} GROUP BY minute, tenant_id, pod",
@@ -131,3 +141,35 @@ def test_a_store_written_by_0_1_is_migrated_in_place(chdb_dir: Path) -> None:
     from ingest.attribution_job import run_attribution
 
     assert run_attribution(s, settle_seconds=-60).arrivals == 3  # 0.1's answers are re-derived
+
+
+def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: Path) -> None:
+    """Rows and rollups written before 0014 (cached 0 and 736 of 762) keep their values and count as known:
+    coverage 1.0, hit rate 736 / (2 × 762); after 0014 a row with a NULL count is not known; rerunning 0014
+    changes nothing."""
+    from datetime import UTC, datetime, timedelta
+
+    s = Store.open(data_dir=chdb_dir, database=f"m14_{uuid.uuid4().hex[:10]}")
+    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
+              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
+    migrations = dict(sqlfiles.migrations())
+    for version, text in migrations.items():
+        if version < "0014":
+            s.run_migration(text)
+            s.insert("schema_migrations", [(version,)], ["version"])
+    t0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    cols = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens"]
+    s.insert("gateway_requests", [("old0", t0, "acme", "pod-a", 200, 762, 0),
+                                  ("old1", t0 + timedelta(seconds=1), "acme", "pod-a", 200, 762, 736)], cols)
+    assert s.migrate() == ["0014_nullable_cached_tokens"]
+    s.insert("gateway_requests", [("new0", t0 + timedelta(seconds=2), "acme", "pod-a", 200, 1000, None)], cols)
+    assert s.query_rows("SELECT request_id, cached_tokens FROM gateway_requests ORDER BY request_id") == [
+        ("new0", None), ("old0", 0), ("old1", 736)]
+    assert s.query_rows("SELECT sum(served), sum(known_served), sum(prompt_tokens), sum(known_prompt_tokens), "
+                        "sum(cached_tokens) FROM requests_1m")[0] == (3, 2, 2524, 1524, 736)
+    assert s.query_rows("SELECT sum(known_served), sum(known_prompt_tokens) FROM requests_1h")[0] == (2, 1524)
+    gw = s.named("hit_rate_total").row(0, named=True)
+    assert gw["token_weighted_hit_rate"] == pytest.approx(736 / 1524)
+    assert gw["cached_tokens_coverage"] == pytest.approx(1524 / 2524)
+    s.run_migration(migrations["0014_nullable_cached_tokens"])  # safe to rerun: the rollups are untouched
+    assert s.query_rows("SELECT sum(known_served), sum(known_prompt_tokens) FROM requests_1m")[0] == (2, 1524)

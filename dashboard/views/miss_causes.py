@@ -10,7 +10,8 @@ from dashboard import charts, data
 st.header("Miss causes")
 st.caption(
     "Every missed prompt token (prompt − cached) is attributed to one cause: unavoidable, below_block, "
-    "cold, routed_away, evicted, prefix_drift (by the first segment that changed) or unknown."
+    "cold, routed_away, evicted, prefix_drift (by the first segment that changed) or unknown; a request whose "
+    "pod did not report its cached count puts all its prompt tokens under not_reported."
 )
 
 ALL_CAUSES = "All causes"

@@ -1,5 +1,5 @@
-"""Overview: token-weighted hit rate from vLLM's counters and from the gateway, prefill tokens saved, missed
-tokens, prefill vs decode tokens, TTFT and queue wait."""
+"""Overview: token-weighted hit rate from vLLM's counters and from the gateway (with the coverage of the
+gateway's cached counts), prefill tokens saved, missed tokens, prefill vs decode tokens, TTFT and queue wait."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def headline(totals: pl.DataFrame) -> None:
     vllm, gw = by.get("vllm", {}), by.get("gateway", {})
     main = gw or vllm  # tokens saved/missed: per request from the gateway when it logs, else vLLM's counters
     saved, looked_up = main.get("hit_tokens"), main.get("query_tokens")
-    cols = st.columns(3)
+    known = ", requests with a reported cached count" if gw else ""
+    cols = st.columns(4)
     cols[0].metric(
         "Token-weighted hit rate (vLLM)",
         charts.pct(vllm.get("token_weighted_hit_rate")),
@@ -31,12 +32,21 @@ def headline(totals: pl.DataFrame) -> None:
     cols[1].metric(
         "Token-weighted hit rate (gateway)",
         charts.pct(gw.get("token_weighted_hit_rate")),
-        help="Σ cached_tokens / Σ prompt_tokens over the gateway's served requests",
+        help="Σ cached_tokens / Σ prompt_tokens over the gateway's served requests whose pod reported the cached "
+        "count (a count not reported is unknown, not 0)",
     )
     cols[2].metric(
+        "Cached-count coverage (gateway)",
+        charts.pct(gw.get("cached_tokens_coverage")),
+        help="Prompt tokens of the requests whose cached count the pod reported / all prompt tokens: the share "
+        "of traffic the gateway's hit rate covers (vLLM without --enable-prompt-tokens-details, forks that omit "
+        "it, streams cut before their usage chunk lower it)",
+    )
+    cols[3].metric(
         "Request-weighted hit rate (gateway)",
         charts.pct(gw.get("request_weighted_hit_rate")),
-        help="Mean over requests of cached/prompt: shown only to expose the gap to the token-weighted one",
+        help="Mean over requests (with a reported cached count) of cached/prompt: shown only to expose the gap "
+        "to the token-weighted one",
     )
     cols = st.columns(3)
     cols[0].metric(
@@ -47,12 +57,12 @@ def headline(totals: pl.DataFrame) -> None:
     cols[1].metric(
         "Missed tokens",
         charts.count(None if saved is None else looked_up - saved),
-        help=f"prefix_cache_miss_tokens = prompt − cached ({SOURCES['gateway' if gw else 'vllm']})",
+        help=f"prefix_cache_miss_tokens = prompt − cached ({SOURCES['gateway' if gw else 'vllm']}{known})",
     )
     cols[2].metric(
         "Prompt tokens",
         charts.count(looked_up),
-        help=f"prefill_tokens_total, cached ones included ({SOURCES['gateway' if gw else 'vllm']})",
+        help=f"prefill_tokens_total, cached ones included ({SOURCES['gateway' if gw else 'vllm']}{known})",
     )
     a, b = vllm.get("token_weighted_hit_rate"), gw.get("token_weighted_hit_rate")
     if a is not None and b is not None and abs(a - b) > DISAGREEMENT:
@@ -60,7 +70,16 @@ def headline(totals: pl.DataFrame) -> None:
             f"vLLM's counters and the gateway disagree by {abs(a - b) * 100:.1f} pp. That is a finding: "
             "requests that bypass the gateway, pods the collector does not scrape, preempted requests "
             "(not exported by vLLM), or a window edge between scrapes."
+            + _coverage_note(gw.get("cached_tokens_coverage"))
         )
+
+
+def _coverage_note(coverage: float | None) -> str:
+    """A sentence for the disagreement banner when the gateway's hit rate covers only part of the traffic."""
+    if coverage is None or coverage >= 1:
+        return ""
+    return (f" The gateway's hit rate covers {charts.pct(coverage, 1)} of its prompt tokens: the rest come "
+            "from pods that did not report cached tokens.")
 
 
 def render(f: data.Filters) -> None:

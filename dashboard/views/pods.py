@@ -8,7 +8,7 @@ from dashboard import charts, data
 
 st.header("Pods")
 
-PERCENT = ["token_weighted_hit_rate", "vllm_token_weighted_hit_rate", "kv_cache_usage"]
+PERCENT = ["token_weighted_hit_rate", "cached_tokens_coverage", "vllm_token_weighted_hit_rate", "kv_cache_usage"]
 
 
 def render(f: data.Filters) -> None:

@@ -18,6 +18,7 @@ COLUMNS = [
     "tenant_id",
     "tenant_cache_affinity",
     "token_weighted_hit_rate",
+    "cached_tokens_coverage",
     "request_weighted_hit_rate",
     "requests",
     "requests_with_predecessor",
@@ -25,7 +26,7 @@ COLUMNS = [
     "cached_tokens",
     "pods",
 ]
-PERCENT = ["tenant_cache_affinity", "token_weighted_hit_rate", "request_weighted_hit_rate"]
+PERCENT = ["tenant_cache_affinity", "token_weighted_hit_rate", "cached_tokens_coverage", "request_weighted_hit_rate"]
 
 
 def render(f: data.Filters) -> None:

@@ -14,9 +14,9 @@
 -- returns: cause String | miss cause
 -- returns: sub_cause String | sub-cause ('' if none)
 -- returns: missed_tokens UInt64 | missed tokens of this request explained by this cause, tokens
--- returns: request_missed_tokens UInt64 | all missed tokens of this request (prompt - cached), tokens
+-- returns: request_missed_tokens UInt64 | all missed tokens of this request (prompt - cached; the whole prompt when cached was not reported), tokens
 -- returns: prompt_tokens UInt64 | the request's prompt tokens (gateway log; 0 if the log row is missing)
--- returns: cached_tokens UInt64 | the request's cached tokens (gateway log; 0 if the log row is missing)
+-- returns: cached_tokens Nullable(UInt64) | the request's cached tokens (gateway log; NULL when the pod did not report it or the log row is missing)
 -- returns: predecessor_request_id String | the request whose prefix this one should have reused ('' if none)
 -- returns: predecessor_pod String | pod that served the predecessor ('' if none)
 -- returns: gap_ms Nullable(Float64) | time between the predecessor and this request, ms (NULL if none)
@@ -65,7 +65,7 @@ WITH
 SELECT
     m.ts AS ts, m.request_id AS request_id, m.tenant_id AS tenant_id, m.pod AS pod, m.cause AS cause,
     m.sub_cause AS sub_cause, m.missed_tokens AS missed_tokens, m.request_missed_tokens AS request_missed_tokens,
-    toUInt64(r.prompt_tokens) AS prompt_tokens, toUInt64(r.cached_tokens) AS cached_tokens,
+    toUInt64(r.prompt_tokens) AS prompt_tokens, CAST(r.cached_tokens AS Nullable(UInt64)) AS cached_tokens,
     m.predecessor_request_id AS predecessor_request_id, m.predecessor_pod AS predecessor_pod,
     m.gap_ms AS gap_ms, r.conversation_id AS conversation_id, r.agent_run_id AS agent_run_id,
     r.routing_reason AS routing_reason

@@ -8,8 +8,9 @@
 -- returns: requests UInt64 | served requests (status < 400, prompt_tokens > 0)
 -- returns: errors UInt64 | requests the gateway answered with status >= 400
 -- returns: prompt_tokens UInt64 | Σ prompt tokens of served requests, tokens
--- returns: cached_tokens UInt64 | Σ cached tokens (prefix_cache_hit_tokens), tokens
--- returns: token_weighted_hit_rate Nullable(Float64) | cached_tokens / prompt_tokens (gateway), fraction 0..1
+-- returns: cached_tokens UInt64 | Σ cached tokens (prefix_cache_hit_tokens) of the requests whose cached count is known, tokens
+-- returns: token_weighted_hit_rate Nullable(Float64) | cached_tokens / prompt tokens of the requests whose cached count is known (gateway), fraction 0..1
+-- returns: cached_tokens_coverage Nullable(Float64) | prompt tokens of served requests whose cached count the pod reported / prompt_tokens, fraction 0..1 (the share the hit rate covers)
 -- returns: vllm_hit_tokens Nullable(UInt64) | Δ vllm:prefix_cache_hits_total summed over engines, tokens
 -- returns: vllm_query_tokens Nullable(UInt64) | Δ vllm:prefix_cache_queries_total summed over engines, tokens
 -- returns: vllm_token_weighted_hit_rate Nullable(Float64) | vllm_hit_tokens / vllm_query_tokens, fraction 0..1
@@ -21,13 +22,14 @@
 -- returns: bytes_per_token Nullable(Float64) | kv_cache_memory_bytes / kv_cache_size_tokens from vllm:cache_config_info (vLLM >= 0.32), bytes per cached token
 -- returns: last_scrape_ts Nullable(DateTime64(3, 'UTC')) | latest vLLM sample of the pod in the window, UTC
 --
--- Reads requests_rollup and vllm_rollup (sql/migrations/0012; vLLM counter increases computed by the collector,
+-- Reads requests_rollup and vllm_rollup (sql/migrations/0012, 0014; vLLM counter increases computed by the collector,
 -- restarts handled, both name generations read) and vllm_cache_config (the latest labels up to `until`).
 WITH
     served AS
     (
         SELECT CAST(pod AS String) AS pod_name, sum(r.served) AS requests, sum(r.errors) AS errors,
-               sum(r.prompt_tokens) AS prompt_tokens_sum, sum(r.cached_tokens) AS cached_tokens_sum
+               sum(r.prompt_tokens) AS prompt_tokens_sum, sum(r.cached_tokens) AS cached_tokens_sum,
+               sum(r.known_prompt_tokens) AS known_prompt_sum
         FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1) AS r
         WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
         GROUP BY pod_name
@@ -83,7 +85,8 @@ SELECT
     s.errors AS errors,
     s.prompt_tokens_sum AS prompt_tokens,
     s.cached_tokens_sum AS cached_tokens,
-    if(s.prompt_tokens_sum > 0, s.cached_tokens_sum / s.prompt_tokens_sum, NULL) AS token_weighted_hit_rate,
+    if(s.known_prompt_sum > 0, s.cached_tokens_sum / s.known_prompt_sum, NULL) AS token_weighted_hit_rate,
+    if(s.prompt_tokens_sum > 0, s.known_prompt_sum / s.prompt_tokens_sum, NULL) AS cached_tokens_coverage,
     c.hit_tokens AS vllm_hit_tokens,
     c.query_tokens AS vllm_query_tokens,
     if(c.query_tokens > 0, c.hit_tokens / c.query_tokens, NULL) AS vllm_token_weighted_hit_rate,

@@ -9,10 +9,11 @@
 -- returns: requests UInt64 | served requests (status < 400, prompt_tokens > 0)
 -- returns: prefix_tokens UInt64 | Σ max(prompt_tokens - suffix_tokens, 0): tokens of the stable prefix (everything before the final message, chat-template tokens included), tokens
 -- returns: prompt_tokens UInt64 | Σ prompt tokens, tokens
--- returns: cached_tokens UInt64 | Σ cached tokens, tokens
--- returns: token_weighted_hit_rate Nullable(Float64) | cached_tokens / prompt_tokens, fraction 0..1
+-- returns: cached_tokens UInt64 | Σ cached tokens of the requests whose cached count is known, tokens
+-- returns: token_weighted_hit_rate Nullable(Float64) | cached_tokens / prompt tokens of the requests whose cached count is known, fraction 0..1
+-- returns: cached_tokens_coverage Nullable(Float64) | prompt tokens of served requests whose cached count the pod reported / prompt_tokens, fraction 0..1 (the share the hit rate covers)
 --
--- Reads requests_rollup (sql/migrations/0012).
+-- Reads requests_rollup (sql/migrations/0012, 0014).
 SELECT
     CAST(tenant_id AS String) AS tenant_id,
     CAST(pod AS String) AS pod,
@@ -20,7 +21,8 @@ SELECT
     sum(prefix_tokens) AS prefix_tokens,
     sum(prompt_tokens) AS prompt_tokens,
     sum(cached_tokens) AS cached_tokens,
-    if(prompt_tokens > 0, cached_tokens / prompt_tokens, NULL) AS token_weighted_hit_rate
+    if(sum(known_prompt_tokens) > 0, cached_tokens / sum(known_prompt_tokens), NULL) AS token_weighted_hit_rate,
+    if(prompt_tokens > 0, sum(known_prompt_tokens) / prompt_tokens, NULL) AS cached_tokens_coverage
 FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
 WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
 GROUP BY tenant_id, pod

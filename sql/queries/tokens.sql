@@ -9,11 +9,12 @@
 -- returns: source String | gateway (per-request usage) or vllm (counter deltas)
 -- returns: requests Nullable(UInt64) | served requests (status < 400, prompt_tokens > 0); NULL for vllm
 -- returns: prompt_tokens UInt64 | prefill_tokens_total: all prompt tokens, cached ones included, tokens
--- returns: cached_tokens Nullable(UInt64) | prefix_cache_hit_tokens: prompt tokens served from the prefix cache, tokens; NULL for vllm (see hit_rate for vLLM's hit counters)
--- returns: prefill_computed_tokens Nullable(UInt64) | prefix_cache_miss_tokens: prompt tokens the pod computed (prompt - cached), tokens; NULL for vllm
+-- returns: cached_tokens Nullable(UInt64) | prefix_cache_hit_tokens: prompt tokens served from the prefix cache, of the requests whose cached count is known, tokens; NULL for vllm (see hit_rate for vLLM's hit counters)
+-- returns: prefill_computed_tokens Nullable(UInt64) | prefix_cache_miss_tokens: prompt tokens the pod computed (prompt - cached) of the requests whose cached count is known, tokens; NULL for vllm
 -- returns: decode_tokens UInt64 | decode_tokens_total: completion (generated) tokens, tokens
+-- returns: cached_tokens_coverage Nullable(Float64) | prompt tokens of the requests whose cached count is known / prompt_tokens, fraction 0..1; NULL for vllm
 --
--- Reads the rollups (sql/migrations/0012): exact sums at minute resolution, whole hours from the hour tables.
+-- Reads the rollups (sql/migrations/0012, 0014): exact sums at minute resolution, whole hours from the hour tables.
 -- vLLM: the counter increases the collector computed between consecutive scrapes of each series (restarts
 -- handled there; docs/scale.md), stamped at the later scrape; older vLLM's vllm:gpu_prefix_cache_* names are
 -- read too (the collector keeps only one generation per scrape).
@@ -28,8 +29,9 @@ FROM
         CAST(sum(r.served) AS Nullable(UInt64)) AS requests,
         sum(r.prompt_tokens) AS prompt_tokens,
         CAST(sum(r.cached_tokens) AS Nullable(UInt64)) AS cached_tokens,
-        CAST(sum(r.prompt_tokens) - sum(r.cached_tokens) AS Nullable(UInt64)) AS prefill_computed_tokens,
-        sum(r.completion_tokens) AS decode_tokens
+        CAST(sum(r.known_prompt_tokens) - sum(r.cached_tokens) AS Nullable(UInt64)) AS prefill_computed_tokens,
+        sum(r.completion_tokens) AS decode_tokens,
+        if(sum(r.prompt_tokens) > 0, sum(r.known_prompt_tokens) / sum(r.prompt_tokens), NULL) AS cached_tokens_coverage
     FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0)) AS r
     WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
     GROUP BY bucket
@@ -42,7 +44,8 @@ FROM
         toUInt64(round(sumIf(increase, name = 'vllm:prompt_tokens_total'))) AS prompt_tokens,
         CAST(NULL AS Nullable(UInt64)) AS cached_tokens,
         CAST(NULL AS Nullable(UInt64)) AS prefill_computed_tokens,
-        toUInt64(round(sumIf(increase, name = 'vllm:generation_tokens_total'))) AS decode_tokens
+        toUInt64(round(sumIf(increase, name = 'vllm:generation_tokens_total'))) AS decode_tokens,
+        CAST(NULL AS Nullable(Float64)) AS cached_tokens_coverage
     FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0), names = ['vllm:prompt_tokens_total', 'vllm:generation_tokens_total'])
     WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
     GROUP BY bucket
