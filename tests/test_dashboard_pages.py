@@ -32,6 +32,7 @@ PAGES = [
     "views/miss_causes.py",
     "views/fingerprints.py",
     "views/pods.py",
+    "views/data_quality.py",
     "views/adhoc_sql.py",
 ]
 
@@ -259,6 +260,35 @@ def test_pods(fixture_store: Store) -> None:
     kv = figure(at, "pod_kv")
     assert kv["layout"]["yaxis"]["range"] == [0, 1]  # not -100 %…100 % when usage is ~0
     assert kv["data"][0]["texttemplate"] == "%{y:.1%}"
+
+
+def test_data_quality_when_the_sources_agree(fixture_store: Store) -> None:
+    at = app(fixture_store)
+    at.switch_page("views/data_quality.py").run()
+    assert_clean(at)
+    assert [s.value for s in at.success] == ["Both sources agree on every pod (2)."]
+    assert list(at.dataframe[0].value["likely_cause"]) == ["agree", "agree"]
+
+
+def test_data_quality_names_each_disagreement_and_the_overview_links_to_it(chdb_dir: Path) -> None:
+    """One pod per cause (tests/test_data_quality.py): a warning for each pod that disagrees, with its evidence;
+    the overview's disagreement banner links to the page."""
+    from tests.test_data_quality import load
+
+    s = Store.open(data_dir=chdb_dir, database=f"dash_dq_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    load(s)
+    at = app(s)
+    assert any("disagree" in w.value for w in at.warning)
+    assert any("data_quality" in str(link.proto) for link in at.get("page_link"))
+    at.switch_page("views/data_quality.py").run()
+    assert_clean(at)
+    warnings = {w.value.split("**")[1]: w.value for w in at.warning}
+    assert sorted(warnings) == ["bypass", "connector", "details", "direct", "preempt", "unscraped"]
+    assert "hits from a KV connector (+30.0 pp)" in warnings["connector"] and "300 tokens" in warnings["connector"]
+    assert "requests not seen by the gateway (-20.0 pp)" in warnings["bypass"]
+    assert "cached counts not reported (+25.0 pp)" in warnings["details"]
+    assert "40 % of the prompt tokens" in warnings["details"]
 
 
 def test_pods_with_a_tenant(fixture_store: Store) -> None:

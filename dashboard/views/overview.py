@@ -72,6 +72,8 @@ def headline(totals: pl.DataFrame) -> None:
             "(not exported by vLLM), or a window edge between scrapes."
             + _coverage_note(gw.get("cached_tokens_coverage"))
         )
+        st.page_link("views/data_quality.py", label="Data quality: the gap per pod and its likely cause",
+                     icon=":material/rule:")
 
 
 def _coverage_note(coverage: float | None) -> str:

@@ -1,0 +1,48 @@
+"""Data quality: per pod, vLLM's counters beside the gateway log, the gap and its likely cause
+(named query ``data_quality``; the rules in docs/miss-causes.md, "When the two sources disagree")."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import charts, data
+
+st.header("Data quality")
+
+PERCENT = ["cached_tokens_coverage", "request_coverage", "gateway_hit_rate", "vllm_hit_rate"]
+CAUSES = {
+    "no_vllm_metrics": "vLLM series missing",
+    "no_gateway_traffic": "no gateway traffic",
+    "external_kv_connector": "hits from a KV connector",
+    "requests_not_seen_by_gateway": "requests not seen by the gateway",
+    "details_not_reported": "cached counts not reported",
+    "preemption_recompute": "preemption recomputes",
+    "unexplained": "unexplained",
+}
+
+
+def render(f: data.Filters) -> None:
+    st.caption(
+        "Two sources measure the prefix-cache hit rate: vLLM's counters (Δ hits / Δ queries) and the gateway log "
+        "(Σ cached / Σ prompt over requests whose cached count was reported). They should agree within 0.5 pp; "
+        "when they do not, the evidence below says why. vLLM's counters carry no tenant, so this page ignores the "
+        "tenant filter."
+    )
+    if not data.has_data():
+        charts.no_data()
+        return
+    dq = data.named("data_quality", **f.params(tenant=False))
+    if dq.is_empty():
+        charts.no_data(in_window=True, latest=data.extent()[1])
+        return
+    findings = dq.filter(dq["likely_cause"] != "agree")
+    if findings.is_empty():
+        st.success(f"Both sources agree on every pod ({dq.height}).")
+    for row in findings.iter_rows(named=True):
+        gap = "" if row["gap_pp"] is None else f" ({float(row['gap_pp']):+.1f} pp)"
+        st.warning(f"**{row['pod']}**: {CAUSES.get(row['likely_cause'], row['likely_cause'])}{gap}: "
+                   f"{row['evidence']}.")
+    charts.table(dq, percent_cols=PERCENT, key="data_quality")
+
+
+data.live(render)

@@ -1,0 +1,105 @@
+"""The data-quality query (sql/queries/data_quality.sql): per pod, vLLM's counters beside the gateway log, the gap
+and its likely cause. One pod per cause, each with figures chosen by hand; expected values computed in the
+comments. Rows go through the real store (chDB) and its rollups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ingest.store import Store
+from tests.fixture_data import at
+
+GATEWAY_COLUMNS = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens"]
+VLLM_COLUMNS = ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"]
+
+# pod → gateway requests as (prompt_tokens, cached_tokens or None = not reported)
+GATEWAY: dict[str, list[tuple[int, int | None]]] = {
+    "agree": [(100, 40)] * 10,  # 1000 prompt, 400 cached: 40 %
+    "bypass": [(100, 40)] * 5,  # 500 / 200: 40 %
+    "connector": [(250, 175)] * 4,  # 1000 / 700: 70 %
+    "details": [(200, 150), (200, 150), (300, None), (300, None)],  # known 400 / 300: 75 %; coverage 400/1000
+    "preempt": [(200, 100)] * 3,  # 600 / 300: 50 %
+    "unscraped": [(100, 50)] * 2,
+}
+# pod → {series: increase} over the window
+VLLM: dict[str, dict[str, float]] = {
+    "agree": {"vllm:request_success_total": 10, "vllm:prompt_tokens_total": 1000,
+              "vllm:prefix_cache_queries_total": 1000, "vllm:prefix_cache_hits_total": 400},
+    "bypass": {"vllm:request_success_total": 8, "vllm:prompt_tokens_total": 800,  # 3 requests not via the gateway
+               "vllm:prefix_cache_queries_total": 800, "vllm:prefix_cache_hits_total": 480},  # 60 %
+    "connector": {"vllm:request_success_total": 4, "vllm:prompt_tokens_total": 1000,
+                  "vllm:prefix_cache_queries_total": 1000, "vllm:prefix_cache_hits_total": 400,  # local only: 40 %
+                  "vllm:external_prefix_cache_hits_total": 300},
+    "details": {"vllm:request_success_total": 4, "vllm:prompt_tokens_total": 1000,
+                "vllm:prefix_cache_queries_total": 1000, "vllm:prefix_cache_hits_total": 500},  # 50 %
+    "preempt": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 600,
+                "vllm:prefix_cache_queries_total": 900, "vllm:prefix_cache_hits_total": 600,  # 300 recomputed: 66.7 %
+                "vllm:num_preemptions_total": 2},
+    "direct": {"vllm:request_success_total": 6, "vllm:prompt_tokens_total": 600,
+               "vllm:prefix_cache_queries_total": 600, "vllm:prefix_cache_hits_total": 300},
+}
+
+
+def load(s: Store) -> None:
+    """Insert :data:`GATEWAY` and :data:`VLLM` into a migrated store (also used by the dashboard tests)."""
+    rows = [(f"{pod}-{i}", at(10 + i), "acme", pod, 200, prompt, cached)
+            for pod, requests in GATEWAY.items() for i, (prompt, cached) in enumerate(requests)]
+    s.insert("gateway_requests", rows, GATEWAY_COLUMNS)
+    label = {"vllm:request_success_total": "stop"}
+    s.insert("vllm_metrics", [(at(30), pod, "0", "tiny", name, label.get(name, ""), 0.0, float(n))
+                              for pod, series in VLLM.items() for name, n in series.items()], VLLM_COLUMNS)
+
+
+@pytest.fixture(scope="module")
+def dq(chdb_dir) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    import uuid
+
+    s = Store.open(data_dir=chdb_dir, database=f"dq_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    load(s)
+    return {r["pod"]: r for r in s.named("data_quality", {}).to_dicts()}
+
+
+def test_every_pod_of_either_source_has_a_row(dq: dict[str, dict[str, Any]]) -> None:
+    assert sorted(dq) == sorted(set(GATEWAY) | set(VLLM))
+
+
+@pytest.mark.parametrize(
+    ("pod", "cause", "gap_pp", "gap_tokens"),
+    [
+        ("agree", "agree", 0.0, 0),  # 40 % vs 40 %
+        ("bypass", "requests_not_seen_by_gateway", -20.0, 200 - 480),  # 40 % vs 60 %
+        ("connector", "external_kv_connector", 30.0, 700 - 400),  # 70 % vs 40 %
+        ("details", "details_not_reported", 25.0, 300 - 500),  # 75 % (known only) vs 50 %
+        ("preempt", "preemption_recompute", (0.5 - 600 / 900) * 100, 300 - 600),  # 50 % vs 66.7 %
+    ],
+)
+def test_gap_and_likely_cause(dq: dict[str, dict[str, Any]], pod: str, cause: str, gap_pp: float,
+                              gap_tokens: int) -> None:
+    row = dq[pod]
+    assert row["likely_cause"] == cause
+    assert row["gap_pp"] == pytest.approx(gap_pp)
+    assert row["gap_tokens"] == gap_tokens
+    assert row["evidence"]
+
+
+def test_coverage_of_each_input(dq: dict[str, dict[str, Any]]) -> None:
+    assert dq["details"]["cached_tokens_coverage"] == pytest.approx(400 / 1000)
+    assert dq["details"]["gateway_hit_rate"] == pytest.approx(300 / 400)
+    assert dq["agree"]["cached_tokens_coverage"] == 1.0
+    assert dq["bypass"]["request_coverage"] == pytest.approx(5 / 8)
+    assert (dq["bypass"]["vllm_prompt_tokens"], dq["bypass"]["gateway_prompt_tokens"]) == (800, 500)
+    assert "3 requests" not in dq["bypass"]["evidence"] and "8 requests" in dq["bypass"]["evidence"]
+    assert dq["connector"]["external_hit_tokens"] == 300 and "300 tokens" in dq["connector"]["evidence"]
+    assert dq["preempt"]["preemptions"] == 2
+
+
+def test_a_pod_seen_by_one_source_only(dq: dict[str, dict[str, Any]]) -> None:
+    direct, unscraped = dq["direct"], dq["unscraped"]
+    assert (direct["likely_cause"], direct["gateway_requests"], direct["vllm_requests"]) == ("no_gateway_traffic", 0, 6)
+    assert direct["gateway_hit_rate"] is None and direct["gap_pp"] is None
+    assert (unscraped["likely_cause"], unscraped["vllm_requests"], unscraped["vllm_hit_rate"]) == (
+        "no_vllm_metrics", None, None)
+    assert unscraped["gateway_hit_rate"] == 0.5
