@@ -44,7 +44,7 @@ def serve(body: bytes) -> http.server.ThreadingHTTPServer:
     return srv
 
 
-def wait_rows(store, sql: str, n: int, timeout: float = 20.0) -> int:  # type: ignore[no-untyped-def]
+def wait_rows(store, sql: str, n: int, timeout: float = 60.0) -> int:  # type: ignore[no-untyped-def]
     deadline = time.time() + timeout
     got = 0
     while time.time() < deadline:
@@ -83,6 +83,9 @@ def test_malformed_metrics_and_log_lines_are_dead_lettered(store, tmp_path: Path
         assert wait_rows(store, "SELECT count() FROM gateway_requests", 2) == 2
         assert wait_rows(store, "SELECT count() FROM dead_letters WHERE source = 'gateway_log'", 5) == 5
         assert wait_rows(store, "SELECT uniqExact(event_id) FROM dead_letters WHERE source = 'vllm_metrics'", 2) >= 2
+        # two scrapes of the broken body at least (under load the two dead letters above may be one per pod)
+        assert wait_rows(store, "SELECT count() FROM vllm_metrics WHERE pod = 'bad' "
+                                "AND name = 'vllm:num_requests_running'", 2, timeout=60) >= 2
         # the pipeline keeps going: a line appended later still arrives
         with log.open("a") as fh:
             fh.write(json.dumps(good_record(5)) + "\n")
