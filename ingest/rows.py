@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, VllmScrape
-from collector.gateway_log import parse_ts_ms
+from collector.gateway_record import record_from_builtins, ts_ms
 from ingest.errors import ContractViolation
 
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
@@ -37,17 +37,15 @@ def _dt(ms: int | float) -> datetime:
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
-def _float_or_none(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
 def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
-    r = p.record
-    return (r["request_id"], _dt(parse_ts_ms(r["ts"])), str(r.get("tenant_id") or ""),
-            *(str(r.get(k) or "") for k in GATEWAY_STR), bool(r.get("stream", False)),
-            *(int(r.get(k) or 0) for k in GATEWAY_INT),
-            float(r.get("ttft_ms") or 0.0), float(r.get("e2e_ms") or 0.0),
-            _float_or_none(r.get("queue_wait_ms")), _float_or_none(r.get("tool_latency_ms")))
+    """The ``gateway_requests`` row of a record: its fields as :class:`collector.gateway_record.GatewayRecord`
+    holds them (absent fields already hold their "none" value). The record is read through that contract
+    again because an envelope may come from any producer; raises ``BadRecord`` (a ContractViolation in
+    :func:`rows_for`) when it breaks it."""
+    rec = record_from_builtins(p.record)
+    return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR), rec.stream,
+            *(getattr(rec, k) for k in GATEWAY_INT),
+            rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms)
 
 
 def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
