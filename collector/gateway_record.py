@@ -18,7 +18,8 @@ real date and time, in 2000..2100 once converted to UTC, and ``cached_tokens`` �
 - Hashes: 16 lowercase hex characters, or '' when the segment is absent (``gateway/fingerprint.py``).
 - Identifiers and labels: at most :data:`NAME_MAX_CHARS` characters, else the line is refused (they are keys:
   cutting them would merge distinct values). Free text is kept, cut to its cap with a visible marker
-  (:data:`TEXT_CAPS`): a 5 MB ``error`` is stored as its first 1,024 characters and the marker.
+  (:data:`TEXT_CAPS`): a 5 MB ``error`` is stored as 1,024 characters, its first 998 and
+  ``…[truncated 4999002 chars]``.
 - ``ts`` is rewritten in one canonical form, UTC with milliseconds (``2026-11-29T12:00:00.123Z``, fraction
   truncated like ``gateway.log.format_ts``), so every path keys a request by the same (request_id, ts).
 
@@ -49,7 +50,7 @@ Hash = Annotated[str, msgspec.Meta(pattern=HASH_PATTERN)]
 #: :func:`_parse_ts`.
 TS_PATTERN = (r"^(20[0-9]{2})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):([0-5][0-9]):"
               r"([0-5][0-9])(?:\.([0-9]{1,9}))?([Zz]|([+-])([01][0-9]|2[0-3]):([0-5][0-9]))(?!\n)$")
-#: Free-text fields and their caps in characters; a longer value keeps its head and gets the marker.
+#: Free-text fields and their caps in characters; a longer value is cut to the cap, the marker included.
 TEXT_CAPS = {"error": 1024, "routing_reason": 256}
 TRUNCATED_MARKER = "…[truncated {n} chars]"
 
@@ -153,7 +154,17 @@ def _parse_ts(ts: str) -> datetime:
 
 
 def _cap(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + TRUNCATED_MARKER.format(n=len(text) - limit)
+    """``text`` if it fits in ``limit`` characters, else its head and the marker, ``limit`` characters in all
+    (so a capped value passes the cap again unchanged)."""
+    if len(text) <= limit:
+        return text
+    digits = 1
+    while True:  # the marker's length depends on the count it names
+        keep = limit - len(TRUNCATED_MARKER.format(n=0)) - digits + 1
+        cut = len(text) - keep
+        if len(str(cut)) == digits:
+            return text[:keep] + TRUNCATED_MARKER.format(n=cut)
+        digits += 1
 
 
 def _checked(rec: GatewayRecord) -> GatewayRecord:
@@ -183,15 +194,15 @@ def decode_record(line: bytes | str) -> GatewayRecord:
             raise BadRecord(f"not UTF-8: a lone surrogate at character {exc.start}") from exc
     if line.startswith(_BOM):
         line = line[len(_BOM):]
+    try:  # the whole line: msgspec skips unknown fields' keys and values without checking them
+        line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise BadRecord(f"not UTF-8 at byte {bad.start}") from None
     try:
         rec = _decoder.decode(line)
     except msgspec.ValidationError as exc:
         raise BadRecord(_reason(exc)) from exc
     except msgspec.DecodeError as exc:
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            raise BadRecord(f"not UTF-8 at byte {bad.start}") from exc
         raise BadRecord(f"not JSON: {exc}") from exc
     except (RecursionError, OverflowError, ValueError) as exc:  # defensive: msgspec raises the two above
         raise BadRecord(f"not JSON: {type(exc).__name__}: {exc}") from exc
