@@ -29,6 +29,7 @@ message is the dead-letter reason.
 
 from __future__ import annotations
 
+import operator
 import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
@@ -43,9 +44,10 @@ Ms = Annotated[float, msgspec.Meta(ge=0, lt=1e15)]
 #: routing_policy, token_count_method), in characters.
 NAME_MAX_CHARS = 512
 Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX_CHARS)]
-#: ``(?!\n)$``: Python's ``$`` (which jsonschema uses too) also matches before a final newline.
+#: The schema's pattern for hashes (``(?!\n)$``: Python's ``$``, which jsonschema uses too, also matches
+#: before a final newline); :func:`_checked` applies the same rule without a regex (msgspec runs a pattern
+#: through Python's re for every field, which tripled the decoding time; one fullmatch over all of them).
 HASH_PATTERN = r"^(?:[0-9a-f]{16})?(?!\n)$"
-Hash = Annotated[str, msgspec.Meta(pattern=HASH_PATTERN)]
 #: RFC 3339 date-time with a time zone, year 2000..2099, at most 9 fraction digits; the groups are read by
 #: :func:`_parse_ts`.
 TS_PATTERN = (r"^(20[0-9]{2})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):([0-5][0-9]):"
@@ -61,7 +63,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     log_version: Literal[1]
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX_CHARS)]
-    ts: Annotated[str, msgspec.Meta(pattern=TS_PATTERN)]
+    ts: str  # TS_PATTERN, checked by _checked
     tenant_id: Name
     status: U16
     prompt_tokens: U32
@@ -80,21 +82,21 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: U32 = 0
     queue_wait_ms: Ms | None = None
     tool_latency_ms: Ms | None = None
-    system_hash: Hash = ""
-    system_norm_hash: Hash = ""
+    system_hash: str = ""
+    system_norm_hash: str = ""
     system_tokens: U32 = 0
-    tools_hash: Hash = ""
-    tools_canonical_hash: Hash = ""
+    tools_hash: str = ""
+    tools_canonical_hash: str = ""
     tools_tokens: U32 = 0
-    retrieval_pack_hash: Hash = ""
-    retrieval_set_hash: Hash = ""
+    retrieval_pack_hash: str = ""
+    retrieval_set_hash: str = ""
     retrieval_tokens: U32 = 0
-    history_prefix_hash: Hash = ""
-    prev_history_hash: Hash = ""
+    history_prefix_hash: str = ""
+    prev_history_hash: str = ""
     history_tokens: U32 = 0
-    suffix_hash: Hash = ""
+    suffix_hash: str = ""
     suffix_tokens: U32 = 0
-    prompt_fingerprint: Hash = ""
+    prompt_fingerprint: str = ""
     token_count_method: Name = ""
 
 
@@ -107,7 +109,10 @@ _MISSING = re.compile(r"Object missing required field `(\w+)`")
 _AT = re.compile(r"^(.*?) - at `\$\.(\w+)`$")
 _TS = re.compile(TS_PATTERN)
 _BOM = b"\xef\xbb\xbf"
-_HASHES = frozenset(f for f in GatewayRecord.__struct_fields__ if f.endswith("_hash") or f == "prompt_fingerprint")
+_HASHES = tuple(f for f in GatewayRecord.__struct_fields__ if f.endswith("_hash") or f == "prompt_fingerprint")
+_hashes_of = operator.attrgetter(*_HASHES)
+_ONE_HASH = re.compile(r"(?:[0-9a-f]{16})?")
+_ALL_HASHES = re.compile(r"(?:[0-9a-f]{16})?" + r",(?:[0-9a-f]{16})?" * (len(_HASHES) - 1))
 _EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -124,19 +129,15 @@ def _reason(exc: msgspec.ValidationError) -> str:
         detail, field = m.group(1), m.group(2)
         if field == "log_version":
             return f"log_version must be the integer 1, this reader's version ({detail})"
-        if field in _HASHES and "regex" in detail:
-            return f"field {field}: not a hash (16 lowercase hex characters, or '' when the segment is absent)"
-        if field == "ts" and "regex" in detail:
-            return "field ts: not an RFC 3339 timestamp with a time zone in 2000..2099"
         return f"field {field}: {detail}"
     return text
 
 
 def _parse_ts(ts: str) -> datetime:
-    """``ts`` (already matching :data:`TS_PATTERN`) → aware datetime, fraction truncated to µs. Raises
-    :class:`BadRecord` for a date or time that does not exist (2026-02-30) or one outside 2000..2100 UTC."""
+    """``ts`` → aware datetime, fraction truncated to µs. Raises :class:`BadRecord` when it does not match
+    :data:`TS_PATTERN`, is not a real date and time (2026-02-30) or is outside 2000..2100 UTC."""
     m = _TS.match(ts)
-    if m is None:  # a record built without the decoder
+    if m is None:
         raise BadRecord("field ts: not an RFC 3339 timestamp with a time zone in 2000..2099")
     year, month, day, hour, minute, second, frac, _, sign, off_h, off_m = m.groups()
     tz = UTC
@@ -168,19 +169,39 @@ def _cap(text: str, limit: int) -> str:
 
 
 def _checked(rec: GatewayRecord) -> GatewayRecord:
-    """The checks the Struct's types cannot make; returns the record with ts canonical and free text capped."""
-    dt = _parse_ts(rec.ts).astimezone(UTC)
+    """The checks the Struct's types do not make; returns the record with ts canonical and free text capped."""
+    hashes = _hashes_of(rec)
+    if not _ALL_HASHES.fullmatch(",".join(hashes)):  # one regex over all of them: ~0.5 µs, not 10 × 1 µs
+        field = next(f for f, v in zip(_HASHES, hashes, strict=True) if not _ONE_HASH.fullmatch(v))
+        raise BadRecord(f"field {field}: not a hash (16 lowercase hex characters, or '' when the segment is "
+                        "absent)")
+    ts = _canonical_ts(rec.ts)
     if rec.cached_tokens > rec.prompt_tokens:
         raise BadRecord(f"cached_tokens {rec.cached_tokens} exceeds prompt_tokens {rec.prompt_tokens}")
     changes: dict[str, Any] = {}
-    ts = dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
-    if ts != rec.ts:
+    if ts is not rec.ts:
         changes["ts"] = ts
-    for field, limit in TEXT_CAPS.items():
-        value = getattr(rec, field)
-        if len(value) > limit:
-            changes[field] = _cap(value, limit)
+    if len(rec.error) > TEXT_CAPS["error"]:
+        changes["error"] = _cap(rec.error, TEXT_CAPS["error"])
+    if len(rec.routing_reason) > TEXT_CAPS["routing_reason"]:
+        changes["routing_reason"] = _cap(rec.routing_reason, TEXT_CAPS["routing_reason"])
     return msgspec.structs.replace(rec, **changes) if changes else rec
+
+
+def _canonical_ts(ts: str) -> str:
+    """``ts`` in the stored form (UTC, ms, ``Z``); ``ts`` itself when it already is (what gateways write)."""
+    if len(ts) == 24 and ts[10] == "T" and ts[19] == "." and ts[23] == "Z" and _TS.match(ts):
+        try:  # the fast path: fromisoformat is C, and the form leaves nothing to convert
+            dt = datetime.fromisoformat(ts)
+        except ValueError:
+            _parse_ts(ts)  # raises with the reason
+            raise
+        if not _EARLIEST <= dt < _LATEST:
+            raise BadRecord(f"ts {ts} is outside 2000..2100 (UTC)")
+        return ts
+    dt = _parse_ts(ts).astimezone(UTC)
+    return (f"{dt.year:04d}-{dt.month:02d}-{dt.day:02d}T{dt.hour:02d}:{dt.minute:02d}:{dt.second:02d}."
+            f"{dt.microsecond // 1000:03d}Z")
 
 
 def decode_record(line: bytes | str) -> GatewayRecord:
@@ -220,5 +241,6 @@ def record_from_builtins(obj: Any) -> GatewayRecord:
 
 
 def ts_ms(rec: GatewayRecord) -> int:
-    """The record's ts (canonical once checked) as unix milliseconds (truncated, exact: no float rounding)."""
-    return (_parse_ts(rec.ts) - _EPOCH) // timedelta(milliseconds=1)
+    """The ts of a checked record (canonical: UTC, milliseconds) as unix milliseconds (exact: no float
+    rounding)."""
+    return (datetime.fromisoformat(rec.ts) - _EPOCH) // timedelta(milliseconds=1)

@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import pytest
 
+from collector.gateway_record import decode_record
 from gateway.fingerprint import TokenCounter, fingerprint_chat
 from gateway.log import SCHEMA_PATH
 from gateway.proxy import GatewayServer, make_app
@@ -47,6 +48,7 @@ def validate(record: dict) -> dict:
         cls = jsonschema.validators.validator_for(schema)
         _VALIDATOR = cls(schema, format_checker=cls.FORMAT_CHECKER)
     _VALIDATOR.validate(record)
+    decode_record(json.dumps(record))  # kvscope's reader accepts it too (BadRecord says why not)
     return record
 
 
