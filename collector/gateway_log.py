@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import msgspec
@@ -22,20 +21,7 @@ from collector.events import DeadLetter, Envelope, GatewayRequest, envelope
 from collector.file_tail import Chunk, FileFollower, Position
 from collector.gateway_record import BadRecord, decode_record, ts_ms
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
 MAX_RAW = 64 * 1024
-
-
-def parse_ts_ms(ts: str) -> int:
-    """RFC 3339 timestamp (``2026-11-29T12:00:00.123Z``) → unix ms (truncated). Raises :class:`BadRecord`."""
-    try:
-        dt = datetime.fromisoformat(ts)
-    except ValueError as exc:
-        raise BadRecord(f"ts {ts!r} is not an RFC 3339 timestamp") from exc
-    if dt.tzinfo is None:
-        raise BadRecord(f"ts {ts!r} has no time zone")
-    return (dt - _EPOCH) // timedelta(milliseconds=1)
 
 
 def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int) -> Envelope:
@@ -43,21 +29,24 @@ def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int) ->
     :func:`collector.gateway_record.decode_record`), or a ``DeadLetter`` envelope with the reason."""
     try:
         rec = decode_record(line)
-        record = msgspec.to_builtins(rec)
-    except (BadRecord, RecursionError, OverflowError, UnicodeError) as exc:
-        text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+    except BadRecord as exc:
+        # the raw line shown beside the reason; U+FFFD here only marks the bytes the reason names
+        raw = line if isinstance(line, bytes) else line.encode("utf-8", "replace")
+        text = raw.decode("utf-8", "replace")
         dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW], location=f"{source_file}:{offset}")
         return envelope(dl, pod=pod, natural_key=(source_file, offset, text[:256]),
                         observed_at_ms=int(time.time() * 1000))
+    record = msgspec.to_builtins(rec)
     ev = GatewayRequest(record=record, source_file=source_file, line_offset=offset)
     # (request_id, ts): a re-read line keeps its id; a client reusing a request id does not collapse two requests
     return envelope(ev, pod=rec.pod or pod, natural_key=(rec.request_id, record["ts"]), observed_at_ms=ts_ms(rec))
 
 
-def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, str]], int]:
-    """Split ``data`` (read from ``start_offset``) into complete lines: ``([(offset, text)], consumed_bytes)``.
+def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]], int]:
+    """Split ``data`` (read from ``start_offset``) into complete lines: ``([(offset, line)], consumed_bytes)``.
 
-    Bytes after the last newline are not consumed. Invalid UTF-8 is replaced (and then fails JSON parsing).
+    Bytes after the last newline are not consumed; a carriage return before the newline is dropped. Lines stay
+    bytes: the record decoder checks their UTF-8 (strictly) and drops a byte order mark.
     """
     out = []
     pos = 0
@@ -67,7 +56,7 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, str]], i
             break
         raw = data[pos:nl]
         if raw.strip():
-            out.append((start_offset + pos, raw.decode("utf-8", errors="replace")))
+            out.append((start_offset + pos, raw.rstrip(b"\r")))
         pos = nl + 1
     return out, pos
 

@@ -1,20 +1,43 @@
 """The gateway fingerprint log's record, typed (gateway log line → here → GatewayRequest event or dead letter):
-one decoder for the tailer, ``kvscope import`` and the bulk path, so the checks live in one place.
+the one contract of a log line, used by the tailer, ``kvscope import``, the bulk path and the ingester's row
+mapping, so the checks live in one place.
 
-A line is a JSON object (``gateway/gateway_log.v1.schema.json``); :class:`GatewayRecord` lists what kvscope
-reads, with the column types' ranges (UInt16 status, UInt32 token counts, non-negative finite ms). Decoding
-is msgspec's (C, ~1 µs a line): unknown fields are ignored, a field of the wrong type or out of range is
-refused with the field's name. Required: ``request_id`` (non-empty), ``ts`` (RFC 3339 with a time zone, in
-2000..2100), ``prompt_tokens``, ``cached_tokens`` (null = the pod did not report it; ≤ prompt_tokens when known
-and the usage convention is OpenAI's). Usage conventions (``usage_convention``; docs/miss-causes.md "Usage
-conventions"): :func:`inclusive_usage` turns a record's counts into OpenAI-inclusive ones.
+A line is a UTF-8 JSON object described by ``gateway/gateway_log.v1.schema.json``; :class:`GatewayRecord` is
+the same contract as a msgspec Struct (a test runs good and bad lines through both and checks they agree).
+What the schema cannot say is checked here after decoding and described in the schema's prose: ``ts`` is a
+real date and time, in 2000..2100 once converted to UTC, and ``cached_tokens`` ≤ ``prompt_tokens`` when known
+and the usage convention is OpenAI's (under "exclusive", ``cached_tokens`` equals ``cache_read_input_tokens``
+when both are given, and the inclusive prompt fits a UInt32).
+
+- Strict UTF-8: invalid bytes refuse the line ("not UTF-8 at byte N"), never U+FFFD; a UTF-8 byte order
+  mark before the line is dropped (JSON text MAY start with one, RFC 8259 §8.1).
+- ``log_version`` must be the integer 1 (what ``gateway/log.py`` writes).
+- ``cached_tokens`` is required and may be null: the pod did not report it (unknown, not 0).
+- Usage conventions (``usage_convention``; docs/miss-causes.md "Usage conventions"): :func:`inclusive_usage`
+  turns a record's counts into the OpenAI-inclusive ones the store holds.
+- Required: ``log_version``, ``request_id`` (non-empty), ``ts``, ``tenant_id`` (may be empty: no tenant),
+  ``status``, ``prompt_tokens``, ``cached_tokens``, ``ttft_ms``, ``e2e_ms``. Every other field may be absent;
+  absent means what the reference gateway writes for "none": '' for text and hashes, 0 for token counts,
+  false for ``stream``, null for ``queue_wait_ms`` / ``tool_latency_ms``. A field present with the wrong
+  type (null included, except for those two) refuses the line.
+- Hashes: 16 lowercase hex characters, or '' when the segment is absent (``gateway/fingerprint.py``).
+- Identifiers and labels: at most :data:`NAME_MAX_CHARS` characters, else the line is refused (they are keys:
+  cutting them would merge distinct values). Free text is kept, cut to its cap with a visible marker
+  (:data:`TEXT_CAPS`): a 5 MB ``error`` is stored as 1,024 characters, its first 998 and
+  ``…[truncated 4999002 chars]``.
+- ``ts`` is rewritten in one canonical form, UTC with milliseconds (``2026-11-29T12:00:00.123Z``, fraction
+  truncated like ``gateway.log.format_ts``), so every path keys a request by the same (request_id, ts).
+
+Unknown fields are ignored. Decoding is msgspec's (C) plus the checks above, a few µs a line; a refusal is
+:class:`BadRecord` whose message is the dead-letter reason.
 """
 
 from __future__ import annotations
 
+import operator
 import re
-from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,54 +45,67 @@ U16 = Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 #: Milliseconds: finite, non-negative (JSON has no NaN; msgspec refuses an int too large for a float).
 Ms = Annotated[float, msgspec.Meta(ge=0, lt=1e15)]
-_EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
+#: Longest identifier or label (request_id, tenant_id, conversation_id, agent_run_id, model, pod, endpoint,
+#: routing_policy, token_count_method), in characters.
+NAME_MAX_CHARS = 512
+Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX_CHARS)]
+#: The schema's pattern for hashes (``(?!\n)$``: Python's ``$``, which jsonschema uses too, also matches
+#: before a final newline). :func:`_checked` applies it to all hash fields at once, with one regex over
+#: their values joined: as a msgspec ``Meta(pattern=...)`` it ran through Python's re once per field, which
+#: tripled the decoding time.
+HASH_PATTERN = r"^(?:[0-9a-f]{16})?(?!\n)$"
+#: RFC 3339 date-time with a time zone, year 2000..2099, at most 9 fraction digits; the groups are read by
+#: :func:`_parse_ts`.
+TS_PATTERN = (r"^(20[0-9]{2})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):([0-5][0-9]):"
+              r"([0-5][0-9])(?:\.([0-9]{1,9}))?([Zz]|([+-])([01][0-9]|2[0-3]):([0-5][0-9]))(?!\n)$")
+#: Free-text fields and their caps in characters; a longer value is cut to the cap, the marker included.
+TEXT_CAPS = {"error": 1024, "routing_reason": 256}
+TRUNCATED_MARKER = "…[truncated {n} chars]"
 
 
 class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One request as the gateway logged it. Token counts in tokens, durations in ms; optional fields default
-    to None (unknown) and are stored as ''/0 where the column has no NULL (``cached_tokens`` stays NULL).
+    """One request as the gateway logged it. Token counts in tokens, durations in ms; an absent optional
+    field holds its "none" value ('' / 0 / False / None), which is also what the store holds. The fields
+    named ``*_hash`` and ``prompt_fingerprint`` follow :data:`HASH_PATTERN` and ``ts`` :data:`TS_PATTERN`
+    (checked after decoding, by :func:`decode_record` and :func:`record_from_builtins`)."""
 
-    ``usage_convention``: how the token counts are meant (None = "openai"): "openai" = ``prompt_tokens``
-    includes the cached ones (vLLM, OpenAI); "exclusive" = Anthropic-style, ``prompt_tokens`` holds only the
-    uncached input (``input_tokens``), the cache reads are in ``cache_read_input_tokens`` (else
-    ``cached_tokens``) and the tokens written to the cache in ``cache_creation_input_tokens``."""
-
-    request_id: Annotated[str, msgspec.Meta(min_length=1)]
-    ts: datetime
+    log_version: Literal[1]
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX_CHARS)]
+    ts: str  # TS_PATTERN, checked by _checked
+    tenant_id: Name
+    status: U16
     prompt_tokens: U32
-    cached_tokens: U32 | None
-    tenant_id: str | None = None
-    conversation_id: str | None = None
-    agent_run_id: str | None = None
-    model: str | None = None
-    pod: str | None = None
-    endpoint: str | None = None
-    routing_policy: str | None = None
-    routing_reason: str | None = None
-    stream: bool | None = None
-    status: U16 | None = None
-    error: str | None = None
-    completion_tokens: U32 | None = None
-    ttft_ms: Ms | None = None
-    e2e_ms: Ms | None = None
+    cached_tokens: U32 | None  # None: the pod did not report it (unknown, not 0)
+    ttft_ms: Ms
+    e2e_ms: Ms
+    conversation_id: Name = ""
+    agent_run_id: Name = ""
+    model: Name = ""
+    pod: Name = ""
+    endpoint: Name = ""
+    routing_policy: Name = ""
+    routing_reason: str = ""
+    stream: bool = False
+    error: str = ""
+    completion_tokens: U32 = 0
     queue_wait_ms: Ms | None = None
     tool_latency_ms: Ms | None = None
-    system_hash: str | None = None
-    system_norm_hash: str | None = None
-    system_tokens: U32 | None = None
-    tools_hash: str | None = None
-    tools_canonical_hash: str | None = None
-    tools_tokens: U32 | None = None
-    retrieval_pack_hash: str | None = None
-    retrieval_set_hash: str | None = None
-    retrieval_tokens: U32 | None = None
-    history_prefix_hash: str | None = None
-    prev_history_hash: str | None = None
-    history_tokens: U32 | None = None
-    suffix_hash: str | None = None
-    suffix_tokens: U32 | None = None
-    prompt_fingerprint: str | None = None
-    token_count_method: str | None = None
+    system_hash: str = ""
+    system_norm_hash: str = ""
+    system_tokens: U32 = 0
+    tools_hash: str = ""
+    tools_canonical_hash: str = ""
+    tools_tokens: U32 = 0
+    retrieval_pack_hash: str = ""
+    retrieval_set_hash: str = ""
+    retrieval_tokens: U32 = 0
+    history_prefix_hash: str = ""
+    prev_history_hash: str = ""
+    history_tokens: U32 = 0
+    suffix_hash: str = ""
+    suffix_tokens: U32 = 0
+    prompt_fingerprint: str = ""
+    token_count_method: Name = ""
     usage_convention: Literal["openai", "exclusive"] | None = None
     cache_read_input_tokens: U32 | None = None
     cache_creation_input_tokens: U32 | None = None
@@ -82,34 +118,75 @@ class BadRecord(ValueError):
 _decoder = msgspec.json.Decoder(GatewayRecord)
 _MISSING = re.compile(r"Object missing required field `(\w+)`")
 _AT = re.compile(r"^(.*?) - at `\$\.(\w+)`$")
+_TS = re.compile(TS_PATTERN)
+_BOM = b"\xef\xbb\xbf"
+_HASHES = tuple(f for f in GatewayRecord.__struct_fields__ if f.endswith("_hash") or f == "prompt_fingerprint")
+_hashes_of = operator.attrgetter(*_HASHES)
+_ONE_HASH = re.compile(r"(?:[0-9a-f]{16})?")
+_ALL_HASHES = re.compile(r"(?:[0-9a-f]{16})?" + r",(?:[0-9a-f]{16})?" * (len(_HASHES) - 1))
+_EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _reason(exc: msgspec.ValidationError) -> str:
     text = str(exc)
     if m := _MISSING.search(text):
-        return f"missing field {m.group(1)}"
+        field = m.group(1)
+        return "missing log_version (this reader knows version 1)" if field == "log_version" else \
+            f"missing field {field}"
     if text.startswith("Expected `object`, got"):
         return f"line is JSON {text.split('got `', 1)[1].rstrip('`')}, not an object"
     if m := _AT.match(text):
-        return f"field {m.group(2)}: {m.group(1)}"
+        detail, field = m.group(1), m.group(2)
+        if field == "log_version":
+            return f"log_version must be the integer 1, this reader's version ({detail})"
+        return f"field {field}: {detail}"
     return text
 
 
-def decode_record(line: bytes | str) -> GatewayRecord:
-    """One log line → :class:`GatewayRecord`. Raises :class:`BadRecord` with the reason (not JSON, not an
-    object, a missing or mistyped field, ts without a time zone or outside 2000..2100, cached > prompt)."""
+def _parse_ts(ts: str) -> datetime:
+    """``ts`` → aware datetime, fraction truncated to µs. Raises :class:`BadRecord` when it does not match
+    :data:`TS_PATTERN`, is not a real date and time (2026-02-30) or is outside 2000..2100 UTC."""
+    m = _TS.match(ts)
+    if m is None:
+        raise BadRecord("field ts: not an RFC 3339 timestamp with a time zone in 2000..2099")
+    year, month, day, hour, minute, second, frac, _, sign, off_h, off_m = m.groups()
+    tz = UTC
+    if sign:
+        offset = timedelta(hours=int(off_h), minutes=int(off_m))
+        tz = timezone(-offset if sign == "-" else offset)
     try:
-        rec = _decoder.decode(line)
-    except msgspec.ValidationError as exc:
-        if "`$.ts`" in str(exc) or "datetime" in str(exc):
-            raise BadRecord(f"ts is not an RFC 3339 timestamp ({exc})") from exc
-        raise BadRecord(_reason(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise BadRecord(f"not JSON: {exc}") from exc
-    if rec.ts.tzinfo is None:
-        raise BadRecord(f"ts {rec.ts.isoformat()} has no time zone")
-    if not _EARLIEST <= rec.ts < _LATEST:
-        raise BadRecord(f"ts {rec.ts.isoformat()} is outside 2000..2100")
+        dt = datetime(int(year), int(month), int(day), int(hour), int(minute), int(second),
+                      int((frac or "0")[:6].ljust(6, "0")), tzinfo=tz)
+    except ValueError as exc:
+        raise BadRecord(f"ts {ts} is not a real date and time ({exc})") from exc
+    if not _EARLIEST <= dt < _LATEST:
+        raise BadRecord(f"ts {ts} is outside 2000..2100 (UTC)")
+    return dt
+
+
+def _cap(text: str, limit: int) -> str:
+    """``text`` if it fits in ``limit`` characters, else its head and the marker, ``limit`` characters in all
+    (so a capped value passes the cap again unchanged)."""
+    if len(text) <= limit:
+        return text
+    digits = 1
+    while True:  # the marker's length depends on the count it names
+        keep = limit - len(TRUNCATED_MARKER.format(n=0)) - digits + 1
+        cut = len(text) - keep
+        if len(str(cut)) == digits:
+            return text[:keep] + TRUNCATED_MARKER.format(n=cut)
+        digits += 1
+
+
+def _checked(rec: GatewayRecord) -> GatewayRecord:
+    """The checks the Struct's types do not make; returns the record with ts canonical and free text capped."""
+    hashes = _hashes_of(rec)
+    if not _ALL_HASHES.fullmatch(",".join(hashes)):  # one regex over all of them: ~0.5 µs, not 10 × 1 µs
+        field = next(f for f, v in zip(_HASHES, hashes, strict=True) if not _ONE_HASH.fullmatch(v))
+        raise BadRecord(f"field {field}: not a hash (16 lowercase hex characters, or '' when the segment is "
+                        "absent)")
+    ts = _canonical_ts(rec.ts)
     if rec.usage_convention == "exclusive":
         if None not in (rec.cached_tokens, rec.cache_read_input_tokens) and \
                 rec.cached_tokens != rec.cache_read_input_tokens:
@@ -119,7 +196,66 @@ def decode_record(line: bytes | str) -> GatewayRecord:
             raise BadRecord("exclusive usage: input + cache read + cache creation tokens exceed 2^32 - 1")
     elif rec.cached_tokens is not None and rec.cached_tokens > rec.prompt_tokens:
         raise BadRecord(f"cached_tokens {rec.cached_tokens} exceeds prompt_tokens {rec.prompt_tokens}")
-    return rec
+    changes: dict[str, Any] = {}
+    if ts is not rec.ts:
+        changes["ts"] = ts
+    if len(rec.error) > TEXT_CAPS["error"]:
+        changes["error"] = _cap(rec.error, TEXT_CAPS["error"])
+    if len(rec.routing_reason) > TEXT_CAPS["routing_reason"]:
+        changes["routing_reason"] = _cap(rec.routing_reason, TEXT_CAPS["routing_reason"])
+    return msgspec.structs.replace(rec, **changes) if changes else rec
+
+
+def _canonical_ts(ts: str) -> str:
+    """``ts`` in the stored form (UTC, ms, ``Z``); ``ts`` itself when it already is (what gateways write)."""
+    if len(ts) == 24 and ts[10] == "T" and ts[19] == "." and ts[23] == "Z" and _TS.match(ts):
+        try:  # the fast path: fromisoformat is C, and the form leaves nothing to convert
+            dt = datetime.fromisoformat(ts)
+        except ValueError:
+            _parse_ts(ts)  # raises with the reason
+            raise
+        if not _EARLIEST <= dt < _LATEST:
+            raise BadRecord(f"ts {ts} is outside 2000..2100 (UTC)")
+        return ts
+    dt = _parse_ts(ts).astimezone(UTC)
+    return (f"{dt.year:04d}-{dt.month:02d}-{dt.day:02d}T{dt.hour:02d}:{dt.minute:02d}:{dt.second:02d}."
+            f"{dt.microsecond // 1000:03d}Z")
+
+
+def decode_record(line: bytes | str) -> GatewayRecord:
+    """One log line (without its newline) → :class:`GatewayRecord`. Raises :class:`BadRecord` with the reason:
+    not UTF-8 (at byte N), not JSON, not an object, a missing or mistyped field, log_version not 1, a ts that
+    is not RFC 3339 with a time zone or outside 2000..2100, cached > prompt."""
+    if isinstance(line, str):
+        try:
+            line = line.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRecord(f"not UTF-8: a lone surrogate at character {exc.start}") from exc
+    if line.startswith(_BOM):
+        line = line[len(_BOM):]
+    try:  # the whole line: msgspec skips unknown fields' keys and values without checking them
+        line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise BadRecord(f"not UTF-8 at byte {bad.start}") from None
+    try:
+        rec = _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise BadRecord(_reason(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise BadRecord(f"not JSON: {exc}") from exc
+    except (RecursionError, OverflowError, ValueError) as exc:  # defensive: msgspec raises the two above
+        raise BadRecord(f"not JSON: {type(exc).__name__}: {exc}") from exc
+    return _checked(rec)
+
+
+def record_from_builtins(obj: Any) -> GatewayRecord:
+    """A record already decoded into Python values (an envelope's ``GatewayRequest.record``, which any
+    producer may have built) → :class:`GatewayRecord`, with the same checks as :func:`decode_record`.
+    Raises :class:`BadRecord`."""
+    try:
+        return _checked(msgspec.convert(obj, GatewayRecord))
+    except msgspec.ValidationError as exc:
+        raise BadRecord(_reason(exc)) from exc
 
 
 def inclusive_usage(prompt_tokens: int, cached_tokens: int | None, usage_convention: str | None = None,
@@ -143,9 +279,7 @@ def record_usage(rec: GatewayRecord) -> tuple[int, int | None]:
                            rec.cache_read_input_tokens, rec.cache_creation_input_tokens)
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
 def ts_ms(rec: GatewayRecord) -> int:
-    """The record's ts as unix milliseconds (truncated, exact: no float rounding)."""
-    return (rec.ts - _EPOCH) // timedelta(milliseconds=1)
+    """The ts of a checked record (canonical: UTC, milliseconds) as unix milliseconds (exact: no float
+    rounding)."""
+    return (datetime.fromisoformat(rec.ts) - _EPOCH) // timedelta(milliseconds=1)

@@ -46,7 +46,8 @@ class GatewayLogWriter:
     """Appends log lines to `path` (created with its parent directory if missing).
 
     `write(fields)` adds `log_version` and checks that every required field of the schema is present
-    (ValueError otherwise; the types are the caller's job and a test validates them against the schema).
+    (ValueError otherwise; the types are the caller's job and a test validates them against the schema;
+    the whole contract, what readers refuse and cap, is docs/gateway-log.md).
     OSError from the file system propagates. Thread safe; `close()` is idempotent.
     """
 

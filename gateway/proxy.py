@@ -7,8 +7,9 @@ response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
 `usage.prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`, else logged as null;
 `metrics.queue_time_ms` with `--enable-per-request-metrics`; vLLM 0.32
 `entrypoints/openai/chat_completion/serving.py`), and queues exactly one log line
-(`gateway.log.BackgroundLogWriter`), also for errors. A stream that ends without its usage chunk is logged
-with the fingerprint's token count as its prompt and a null cached count.
+(`gateway.log.BackgroundLogWriter`), also for errors (whose `error` field holds the type, status and a
+scrubbed message, never the pod's text: `gateway.error_text`). A stream that ends without its usage chunk is
+logged with the fingerprint's token count as its prompt and a null cached count.
 
 Per-request costs are kept off the hot path: segment results are memoized by content
 (`gateway.fingerprint.SegmentCache`), the log line is encoded and written by a background thread, the
@@ -38,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
+from gateway.error_text import gateway_error, pod_error
 from gateway.fingerprint import (
     Endpoint,
     FingerprintError,
@@ -92,15 +94,6 @@ INLINE_FINGERPRINT_BUDGET = 8_000
 def _error_body(message: str, status: int) -> dict[str, Any]:
     """OpenAI-style error object, as vLLM returns it."""
     return {"error": {"message": message, "type": "GatewayError", "param": None, "code": status}}
-
-
-def _error_message(content: bytes) -> str:
-    """The `error.message` of an OpenAI/vLLM error body, else the body's first 500 characters."""
-    try:
-        err = json.loads(content)["error"]
-        return str(err["message"] if isinstance(err, Mapping) else err)[:500]
-    except (ValueError, KeyError, TypeError):
-        return content.decode("utf-8", "replace")[:500]
 
 
 class TurnGaps:
@@ -357,7 +350,8 @@ class Gateway:
         except BaseException as exc:  # incl. cancellation at shutdown: still one line, pod released
             if not ex.logged:
                 ex.status = ex.status if ex.status >= 400 else 500
-                ex.error = ex.error or f"gateway error: {type(exc).__name__}: {exc}"
+                # the class only: an exception's text may carry request content
+                ex.error = ex.error or gateway_error(ex.status, type(exc).__name__)
                 self._finish(ex, exc)
             raise
 
@@ -419,7 +413,7 @@ class Gateway:
                 ex.first_token = time.monotonic()
             ex.done = True
             if ex.status >= 400:
-                ex.error = _error_message(content)
+                ex.error = pod_error(content, ex.status)
             else:
                 try:
                     ex.read_usage(json.loads(content))
@@ -466,7 +460,7 @@ class Gateway:
             if ex.first_token is None and _has_content(chunk):
                 ex.first_token = time.monotonic()
             if "error" in chunk:
-                ex.error = _error_message(data)
+                ex.error = pod_error(data, ex.status)
             ex.read_usage(chunk)
             if not client_wants_usage and chunk.get("usage") and not chunk.get("choices"):
                 return False
@@ -500,7 +494,7 @@ class Gateway:
 
     def _finish_now(self, ex: _Exchange, status: int, message: str) -> Response:
         """Log an error the gateway answers itself (no pod response) and build its response."""
-        ex.status, ex.error = status, message
+        ex.status, ex.error = status, gateway_error(status, message)
         self._finish(ex, None)
         return JSONResponse(_error_body(message, status), status, headers={"x-request-id": ex.request_id})
 

@@ -4,9 +4,10 @@ gateway_requests, streamed in chunks so memory stays bounded by the chunk, whate
 The same contract as the live path (one decoder: :func:`collector.gateway_record.decode_record`; a bad line is a
 dead letter with its reason, at ``file:offset``) and the same exactly-once rule (rows whose (request_id, ts) the
 store holds are dropped, so a re-import writes nothing), without envelopes: the live path's per-event
-envelopes exist for Kafka. Python only validates each line (msgspec, C); ClickHouse parses the valid lines'
-JSON into a Memory stage table and moves them into gateway_requests minus what it holds, in one INSERT SELECT
-(``make bench`` prints the rate beside the store's own insert rate).
+envelopes exist for Kafka. Python validates each line and re-encodes the record (msgspec, C: canonical ts,
+capped free text, absent fields filled), so ClickHouse stores what the record decided, not the raw line;
+ClickHouse parses that JSON into a Memory stage table and moves the rows into gateway_requests minus what it
+holds, in one INSERT SELECT (``make bench`` prints the rate beside the store's own insert rate).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from collector.events import DeadLetter, envelope
 from collector.gateway_log import MAX_RAW, line_event
-from collector.gateway_record import BadRecord, GatewayRecord, decode_record
+from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows
 from ingest.errors import RejectedRows
 from ingest.rows import COLUMNS, dead_letter_row
@@ -65,6 +68,8 @@ def _chunks(path: Path, lines_per_chunk: int) -> Iterator[list[tuple[int, bytes]
         yield chunk
 
 
+_encode = msgspec.json.Encoder().encode
+
 _JSON_SETTINGS = {"input_format_skip_unknown_fields": 1, "date_time_input_format": "best_effort",
                   "input_format_null_as_default": 1}
 
@@ -95,7 +100,7 @@ class _JsonStage:
                       "ADD COLUMN cache_creation_input_tokens Nullable(UInt32)")
 
     def insert_absent(self, lines: list[bytes]) -> int:
-        """Insert the rows of ``lines`` (already valid records) that the store does not hold; returns how many.
+        """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold; returns how many.
         Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder accepted (the
         caller then loads that chunk line by line), or what the store raises."""
         cols = ", ".join(COLUMNS["gateway_requests"])
@@ -123,14 +128,12 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     json_stage = _JsonStage(store)
     now_ms = int(time.time() * 1000)
     for chunk in _chunks(path, lines_per_chunk):
-        good: list[GatewayRecord] = []
-        good_lines: list[bytes] = []
+        good: list[bytes] = []
         dead = []
         for offset, line in chunk:
             try:
-                good.append(decode_record(line))
-                good_lines.append(line)
-            except (BadRecord, RecursionError, OverflowError, UnicodeError) as exc:
+                good.append(_encode(decode_record(line)))
+            except BadRecord as exc:
                 text = line.decode("utf-8", "replace")
                 dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW], location=f"{path}:{offset}")
                 ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256]), observed_at_ms=now_ms)
@@ -138,7 +141,7 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
         stats.lines += len(chunk)
         if good:
             try:
-                inserted = json_stage.insert_absent(good_lines)
+                inserted = json_stage.insert_absent(good)
             except RejectedRows:  # ClickHouse refused a line the decoder accepted: this chunk line by line,
                 # with the live path's isolation (the refused row becomes a dead letter with the store's reason)
                 events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]

@@ -10,8 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, VllmScrape
-from collector.gateway_log import parse_ts_ms
-from collector.gateway_record import inclusive_usage
+from collector.gateway_record import record_from_builtins, record_usage, ts_ms
 from ingest.errors import ContractViolation
 
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
@@ -20,8 +19,6 @@ GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "r
                "suffix_hash", "prompt_fingerprint", "token_count_method")
 GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "retrieval_tokens",
                "history_tokens", "suffix_tokens")
-#: The usage fields a log line may carry besides prompt_tokens/cached_tokens (collector/gateway_record.py).
-USAGE_FIELDS = ("usage_convention", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT, "prompt_tokens",
@@ -40,22 +37,17 @@ def _dt(ms: int | float) -> datetime:
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
-def _float_or_none(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
 def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
-    """A gateway_requests row; token counts normalized to the OpenAI-inclusive convention
-    (:func:`collector.gateway_record.inclusive_usage`), ``cached_tokens`` None when not reported."""
-    r = p.record
-    cached = r.get("cached_tokens")
-    prompt, cached = inclusive_usage(int(r.get("prompt_tokens") or 0), None if cached is None else int(cached),
-                                     *(r.get(k) for k in USAGE_FIELDS))
-    return (r["request_id"], _dt(parse_ts_ms(r["ts"])), str(r.get("tenant_id") or ""),
-            *(str(r.get(k) or "") for k in GATEWAY_STR), bool(r.get("stream", False)),
-            *(int(r.get(k) or 0) for k in GATEWAY_INT), prompt, cached,
-            float(r.get("ttft_ms") or 0.0), float(r.get("e2e_ms") or 0.0),
-            _float_or_none(r.get("queue_wait_ms")), _float_or_none(r.get("tool_latency_ms")))
+    """The ``gateway_requests`` row of a record: its fields as :class:`collector.gateway_record.GatewayRecord`
+    holds them (absent fields already hold their "none" value). The record is read through that contract
+    again because an envelope may come from any producer; raises ``BadRecord`` (a ContractViolation in
+    :func:`rows_for`) when it breaks it. Token counts are stored OpenAI-inclusive
+    (:func:`collector.gateway_record.inclusive_usage`); ``cached_tokens`` None when not reported."""
+    rec = record_from_builtins(p.record)
+    prompt, cached = record_usage(rec)
+    return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR), rec.stream,
+            *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
+            rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms)
 
 
 def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:

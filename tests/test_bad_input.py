@@ -69,7 +69,7 @@ def test_malformed_metrics_and_log_lines_are_dead_lettered(store, tmp_path: Path
     srv_bad = serve(broken)
     srv_junk = serve(b"<html>502 Bad Gateway</html>\n")
     log = tmp_path / "gateway.jsonl"
-    lines = [json.dumps(good_record(1)), "{not json", json.dumps({"request_id": "x"}),
+    lines = [json.dumps(good_record(1)), "{not json", json.dumps({"log_version": 1, "request_id": "x"}),
              json.dumps({**good_record(2), "cached_tokens": 900}), json.dumps(good_record(3)),
              json.dumps({**good_record(4), "ts": "yesterday"}), "[1, 2]"]
     log.write_text("\n".join(lines) + "\n")
@@ -97,7 +97,7 @@ def test_malformed_metrics_and_log_lines_are_dead_lettered(store, tmp_path: Path
     reasons = dict(store.query_rows(
         "SELECT raw, any(reason) FROM dead_letters WHERE source = 'gateway_log' GROUP BY raw"))
     assert reasons["{not json"].startswith("not JSON")
-    assert "missing field ts" in reasons[json.dumps({"request_id": "x"})]
+    assert "missing field ts" in reasons[json.dumps({"log_version": 1, "request_id": "x"})]
     assert "exceeds prompt_tokens" in reasons[lines[3]]
     assert "RFC 3339" in reasons[lines[5]]
     assert "not an object" in reasons["[1, 2]"]

@@ -4,6 +4,7 @@ nothing counted twice."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import time
@@ -161,15 +162,20 @@ def test_frozen_broker_loses_nothing(store: Store, tmp_path: Path) -> None:
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=10)
 
 
+def hx(name: str) -> str:
+    """A hash in the log's format (16 lowercase hex characters) standing for ``name``."""
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
 def turn(rid: str, at: float, pod: str, **kw: Any) -> str:
     """A chat turn of conversation conv-late (tenant acme): 720 system tokens, a 22-token question."""
     rec = {"log_version": 1, "request_id": rid, "ts": format_ts(T0 + timedelta(seconds=at)), "tenant_id": "acme",
            "conversation_id": "conv-late", "agent_run_id": "", "model": "tiny", "pod": pod, "status": 200,
            "prompt_tokens": 762, "cached_tokens": 0, "completion_tokens": 8, "ttft_ms": 50.0, "e2e_ms": 400.0,
-           "system_hash": "5y5", "system_norm_hash": "5y5", "system_tokens": 720, "tools_hash": "",
+           "system_hash": hx("5y5"), "system_norm_hash": hx("5y5"), "system_tokens": 720, "tools_hash": "",
            "tools_canonical_hash": "", "tools_tokens": 0, "retrieval_pack_hash": "", "retrieval_set_hash": "",
            "retrieval_tokens": 0, "history_prefix_hash": "", "prev_history_hash": "", "history_tokens": 0,
-           "suffix_hash": "q1", "suffix_tokens": 22, "prompt_fingerprint": "fp1", **kw}
+           "suffix_hash": hx("q1"), "suffix_tokens": 22, "prompt_fingerprint": hx("fp1"), **kw}
     return json.dumps(rec)
 
 
@@ -187,8 +193,8 @@ def test_a_late_predecessor_corrects_its_successor_and_a_reread_changes_nothing(
     cfg = config(store, tmp_path, attribution_settle_seconds=0.2, attribution_overlap_seconds=1.0,
                  default_block_size=32)
     log = Path(cfg.gateway_log)
-    t2 = turn("late-t2", 120, "pod-b", prompt_tokens=830, history_prefix_hash="h1", history_tokens=50,
-              suffix_hash="q2", suffix_tokens=20)
+    t2 = turn("late-t2", 120, "pod-b", prompt_tokens=830, history_prefix_hash=hx("h1"), history_tokens=50,
+              suffix_hash=hx("q2"), suffix_tokens=20)
     t1 = turn("late-t1", 0, "pod-a")
     pipe = Pipeline(cfg, store=store)
     pipe.start()

@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from collector.gateway_record import decode_record
 from gateway.fingerprint import (
     FingerprintError,
     PromptFingerprint,
@@ -353,9 +354,10 @@ def log_validator() -> jsonschema.Validator:
 
 
 def assert_valid_log_line(line: str) -> dict:
-    """Parse a log line and validate it against the schema (shared with the proxy tests)."""
+    """Parse a log line and validate it against the schema and kvscope's reader (shared with the proxy tests)."""
     record = json.loads(line)
     log_validator().validate(record)
+    decode_record(line)  # raises BadRecord with the reason if the reader would dead-letter it
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z", record["ts"])
     return record
 

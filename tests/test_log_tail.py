@@ -27,7 +27,7 @@ def record(i: int, **extra: object) -> dict[str, object]:
     """A schema-complete gateway record with request id ``r-<i>``."""
     rec: dict[str, object] = {k: None for k in REQUIRED_FIELDS if k != "log_version"}
     rec.update(request_id=f"r-{i}", ts=format_ts(1_800_000_000 + i / 1000), stream=False, prompt_tokens=64,
-               cached_tokens=32, status=200, tenant_id="acme", pod="pod-0")
+               cached_tokens=32, status=200, tenant_id="acme", pod="pod-0", ttft_ms=1.0, e2e_ms=2.0)
     rec.update(extra)
     return rec
 

@@ -1,0 +1,68 @@
+"""No prompt text in the store, on a real vLLM server: a request whose prompt carries a unique canary makes vLLM
+answer 400 with a validation error that quotes the prompt; the request goes through the reference gateway,
+is ingested, and then every file kvscope wrote (the chDB directory, the gateway log, the checkpoints) is read
+byte by byte: the canary is nowhere, while the request's row (status 400, scrubbed error) is there.
+
+A control string sent the same way in a field the store does keep (conversation_id) is found in the chDB files
+and the log, so the search would see the canary if it had been stored."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.proxy import GatewayServer, make_app
+from kvscope.config import build_config
+from kvscope.pipeline import Pipeline
+from tests.kill_harness import wait_until
+
+pytestmark = pytest.mark.vllm
+
+
+def files_holding(roots: list[Path], needle: bytes) -> list[Path]:
+    """Every regular file under ``roots`` whose bytes contain ``needle``."""
+    found = []
+    for root in roots:
+        for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+            if needle in path.read_bytes():
+                found.append(path)
+    return found
+
+
+def test_a_prompt_quoted_by_a_vllm_400_never_reaches_the_store(vllm_fleet, store, chdb_dir, tmp_path: Path):  # type: ignore[no-untyped-def]
+    canary = f"kvscopecanary{uuid.uuid4().hex}"
+    control = f"kvscopecontrol{uuid.uuid4().hex}"
+    log = tmp_path / "gateway.jsonl"
+    state = tmp_path / "state"
+    pod = vllm_fleet.pods[0]
+    cfg = replace(build_config({}, environ={}), database=store.database, state_dir=str(state),
+                  gateway_log=str(log), scrape_interval_seconds=3600, attribution_interval_seconds=3600)
+    pipe = Pipeline(cfg, store=store)
+    with GatewayServer(make_app([(pod.name, pod.base_url)], log)) as gw:
+        pipe.start()
+        try:
+            with httpx.Client(base_url=gw.url, timeout=60) as client:
+                # a prompt list mixing text and a token id: vLLM's pydantic check quotes the text back
+                r = client.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                                         "prompt": [f"{canary} the secret prompt", 7]},
+                                headers={"X-Request-Id": "canary-1", "X-Conversation-Id": control})
+            assert r.status_code == 400, r.text
+            assert canary in r.text  # vLLM did quote the prompt: the client gets it, the log must not
+            wait_until(lambda: store.query_rows("SELECT count() FROM gateway_requests")[0][0] == 1, 60,
+                       "the request's row")
+        finally:
+            pipe.close()
+    [(status, error, conversation)] = store.query_rows(
+        "SELECT status, error, conversation_id FROM gateway_requests WHERE request_id = 'canary-1'")
+    assert status == 400 and conversation == control
+    assert re.fullmatch(r"400 Bad Request: request failed validation \(\d+ errors\)", error), error
+    assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 0
+    roots = [chdb_dir, log, state]
+    assert files_holding(roots, canary.encode()) == []
+    held = files_holding(roots, control.encode())
+    assert log in held and any(chdb_dir in p.parents for p in held), held
