@@ -98,6 +98,20 @@ class Position:
 START = Position(None, 0)
 
 
+def start_position(path: str | Path) -> Position | None:
+    """The position "nothing read yet" of the file ``path`` names now: offset 0, its fingerprint (None while its
+    first line is incomplete) and identity. None when no regular file is there. A follower started from it
+    later finds that file again, renamed or copied, and reads every file written after it (:class:`FileFollower`).
+    """
+    f = FileFollower._open(Path(path))
+    if f is None:
+        return None
+    try:
+        return Position(f.current_fp(), 0, *f.ident, file=f.name)
+    finally:
+        f.close()
+
+
 @dataclass(frozen=True)
 class Chunk:
     """What one read produced, all from one file (``name``): ``data`` holds whole lines, each ending in

@@ -18,7 +18,7 @@ import msgspec
 
 from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, GatewayRequest, envelope
-from collector.file_tail import Chunk, FileFollower, Position
+from collector.file_tail import Chunk, FileFollower, Position, start_position
 from collector.gateway_record import BadRecord, decode_record, ts_ms
 
 MAX_RAW = 64 * 1024
@@ -61,6 +61,26 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]],
     return out, pos
 
 
+def checkpoint_key(path: str | Path) -> str:
+    """The key of a gateway log's position in the collector's :class:`CheckpointStore`."""
+    return f"gateway_log:{path}"
+
+
+def watch(path: str | Path, checkpoints: CheckpointStore) -> bool:
+    """Record that kvscope watches the log at ``path`` from now: when it has no checkpoint yet, checkpoint the
+    start of the file the path names (:func:`collector.file_tail.start_position`). Called first thing at
+    start-up, before the store opens: a collector killed before its first acknowledgement then still resumes
+    from that file, through any rotations since, instead of from whatever file the path names at the next
+    start. Returns whether a position was recorded. Raises what :meth:`CheckpointStore.put` raises."""
+    if checkpoints.get(checkpoint_key(path)) is not None:
+        return False
+    pos = start_position(path)
+    if pos is None:
+        return False
+    checkpoints.put(checkpoint_key(path), pos.to_json())
+    return True
+
+
 class GatewayLogSource:
     """Follows the gateway log at ``path`` from its checkpoint (key ``gateway_log:<path>`` in ``checkpoints``)
     through rotations (:class:`collector.file_tail.FileFollower`).
@@ -75,7 +95,7 @@ class GatewayLogSource:
                  max_bytes: int = 8 << 20, rotate_wait_seconds: float = 1.0) -> None:
         self.path = Path(path)
         self.pod = pod
-        self.key = f"gateway_log:{path}"
+        self.key = checkpoint_key(path)
         self._checkpoints = checkpoints
         start = Position.from_json(checkpoints.get(self.key))
         self._follower = FileFollower(path, start, max_bytes=max_bytes, rotate_wait_seconds=rotate_wait_seconds)

@@ -157,10 +157,11 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     """Observe an existing fleet in one process: collect, ingest, attribute, and serve the dashboard."""
     import streamlit  # noqa: F401  (import before threads start; docs/environment.md)
 
-    from kvscope.pipeline import Pipeline, run_dashboard_inprocess
+    from kvscope.pipeline import Pipeline, run_dashboard_inprocess, watch_logs
 
     _stop_on_signals()
     cfg = _config(**opts)
+    watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
     store = _store(cfg)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours

@@ -55,6 +55,17 @@ def checkpoint_path(cfg: Config) -> Path:
     return base / f"checkpoints-{cfg.database}-{cfg.topic_namespace}.json"
 
 
+def watch_logs(cfg: Config) -> None:
+    """Checkpoint the start of each gateway log that has no checkpoint yet (:func:`collector.gateway_log.watch`):
+    call it first at start-up, before opening the store, so lines written while kvscope starts are never lost to
+    a rotation."""
+    from collector.gateway_log import watch
+
+    checkpoints = CheckpointStore(checkpoint_path(cfg))
+    for p in cfg.list("gateway_log"):
+        watch(p, checkpoints)
+
+
 def parse_replay(specs: list[str]) -> dict[str, str]:
     """``POD=tcp://host:port`` items → {pod: replay endpoint}. Raises ValueError for an item without ``=``."""
     out = {}
@@ -116,6 +127,7 @@ class Pipeline:
             assert publisher is not None
             for p in self.cfg.list("gateway_log"):
                 Path(p).parent.mkdir(parents=True, exist_ok=True)
+            watch_logs(self.cfg)
             self.collector = Collector(
                 publisher=publisher, targets=[parse_target(t) for t in self.cfg.list("vllm")],
                 gateway_logs=self.cfg.list("gateway_log"), kv_events_endpoint=self.cfg.kv_events_endpoint or None,

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from collector.checkpoint import CheckpointStore
-from collector.gateway_log import GatewayLogSource
+from collector.gateway_log import GatewayLogSource, watch
 from gateway.log import REQUIRED_FIELDS, GatewayLogWriter, format_ts
 
 WAIT = 0.1  # rotate_wait_seconds of the sources under test
@@ -377,6 +377,26 @@ def test_a_checkpoint_two_rotations_behind_reads_every_file_written_since(tmp_pa
     sink.drain(source(path, CheckpointStore(ckpt)))
     assert sink.got == ids(range(25)) + ids(range(10, 15))  # 10..14 twice: read once unacked, then again
     assert max(sink.got.values()) <= 2 and not sink.dead
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_collector_killed_before_its_first_ack_resumes_from_where_it_started_watching(
+    tmp_path: Path, watched: bool
+) -> None:
+    """kvscope checkpoints the start of the log when it starts (before its store opens). Killed before its first
+    acknowledgement, with the log rotated twice since (rename, then copytruncate), the next start still reads
+    every line; without that first checkpoint it would read only the file the path names then."""
+    path, ckpt = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json"
+    write(path, range(10))
+    if watched:
+        assert watch(path, CheckpointStore(ckpt)) and not watch(path, CheckpointStore(ckpt))  # only the first time
+    os.rename(path, tmp_path / "gw.jsonl.1")
+    write(path, range(10, 15))
+    copytruncate_to(tmp_path / "gw.jsonl.2")(path)
+    write(path, range(15, 20))
+    sink = Sink()
+    sink.drain(source(path, CheckpointStore(ckpt)))
+    assert sink.got == (ids(range(20)) if watched else ids(range(15, 20)))
 
 
 def test_a_restart_whose_checkpointed_file_is_gone_says_so_and_reads_the_path(
