@@ -21,6 +21,7 @@ GATEWAY: dict[str, list[tuple[int, int | None]]] = {
     "connector": [(250, 175)] * 4,  # 1000 / 700: 70 %
     "details": [(200, 150), (200, 150), (300, None), (300, None)],  # known 400 / 300: 75 %; coverage 400/1000
     "preempt": [(200, 100)] * 3,  # 600 / 300: 50 %
+    "edge": [(100, 50)] * 4,  # 400 / 200: 50 %; vLLM's last scrape saw 3 of the 4 finished
     "unscraped": [(100, 50)] * 2,
 }
 # pod → {series: increase} over the window
@@ -37,6 +38,8 @@ VLLM: dict[str, dict[str, float]] = {
     "preempt": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 600,
                 "vllm:prefix_cache_queries_total": 900, "vllm:prefix_cache_hits_total": 600,  # 300 recomputed: 66.7 %
                 "vllm:num_preemptions_total": 2},
+    "edge": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 300,
+             "vllm:prefix_cache_queries_total": 300, "vllm:prefix_cache_hits_total": 120},  # 40 %
     "direct": {"vllm:request_success_total": 6, "vllm:prompt_tokens_total": 600,
                "vllm:prefix_cache_queries_total": 600, "vllm:prefix_cache_hits_total": 300},
 }
@@ -74,6 +77,7 @@ def test_every_pod_of_either_source_has_a_row(dq: dict[str, dict[str, Any]]) -> 
         ("connector", "external_kv_connector", 30.0, 700 - 400),  # 70 % vs 40 %
         ("details", "details_not_reported", 25.0, 300 - 500),  # 75 % (known only) vs 50 %
         ("preempt", "preemption_recompute", (0.5 - 600 / 900) * 100, 300 - 600),  # 50 % vs 66.7 %
+        ("edge", "window_edge", 10.0, 200 - 120),  # 50 % vs 40 %, 4 requests logged vs 3 finished
     ],
 )
 def test_gap_and_likely_cause(dq: dict[str, dict[str, Any]], pod: str, cause: str, gap_pp: float,

@@ -15,6 +15,7 @@ CAUSES = {
     "no_gateway_traffic": "no gateway traffic",
     "external_kv_connector": "hits from a KV connector",
     "requests_not_seen_by_gateway": "requests not seen by the gateway",
+    "window_edge": "window edge",
     "details_not_reported": "cached counts not reported",
     "preemption_recompute": "preemption recomputes",
     "unexplained": "unexplained",

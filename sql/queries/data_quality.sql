@@ -19,7 +19,7 @@
 -- returns: gap_tokens Nullable(Int64) | gateway_hit_tokens - vllm_hit_tokens, tokens (positive: the gateway counted more hits)
 -- returns: external_hit_tokens Nullable(UInt64) | Δ vllm:external_prefix_cache_hits_total: hits served by a KV connector, tokens
 -- returns: preemptions Nullable(UInt64) | Δ vllm:num_preemptions_total
--- returns: likely_cause String | agree, no_vllm_metrics, no_gateway_traffic, external_kv_connector, requests_not_seen_by_gateway, details_not_reported, preemption_recompute, unexplained (the first rule that holds; docs/miss-causes.md "When the two sources disagree")
+-- returns: likely_cause String | agree, no_vllm_metrics, no_gateway_traffic, external_kv_connector, requests_not_seen_by_gateway, window_edge, details_not_reported, preemption_recompute, unexplained (the first rule that holds; docs/miss-causes.md "When the two sources disagree")
 -- returns: evidence String | the figures behind likely_cause, in words
 --
 -- Reads requests_rollup and vllm_rollup (sql/migrations/0012, 0014). The sources agree when |gap_pp| < 0.5.
@@ -88,6 +88,7 @@ SELECT
         gap_pp IS NOT NULL AND abs(gap_pp) < 0.5, 'agree',
         external_hit_tokens > 0, 'external_kv_connector',
         vllm_requests > gateway_requests, 'requests_not_seen_by_gateway',
+        gateway_requests > vllm_requests, 'window_edge',
         cached_tokens_coverage < 0.99, 'details_not_reported',
         preemptions > 0 AND gap_tokens < 0, 'preemption_recompute',
         'unexplained') AS likely_cause,
@@ -101,6 +102,9 @@ SELECT
         likely_cause = 'requests_not_seen_by_gateway', concat('vLLM finished ', toString(vllm_requests),
             ' requests, the gateway logged ', toString(gateway_requests), ' (', toString(vllm_prompt_tokens),
             ' vs ', toString(gateway_prompt_tokens), ' prompt tokens): the rest bypassed the gateway'),
+        likely_cause = 'window_edge', concat('the gateway logged ', toString(gateway_requests),
+            ' requests, vLLM''s counters show ', toString(vllm_requests),
+            ' finished: requests near the window''s edges (in flight, or after the last scrape) count on one side only; widen the window or wait for the next scrape'),
         likely_cause = 'details_not_reported', concat('the pod reported cached counts for ',
             toString(round(cached_tokens_coverage * 100, 1)),
             ' % of the prompt tokens: the gateway''s hit rate covers only those requests'),
