@@ -66,6 +66,25 @@ SETTINGS: list[Setting] = [
     Setting("tokenizer", "", "Path of a HF tokenizer.json the gateway counts segment tokens with"),
     Setting("log_level", "INFO", "Python log level"),
     Setting("metrics_port", 0, "Port serving kvscope's own Prometheus metrics (/metrics); 0 = off", int),
+    Setting("gpu_hour_price", 0.0, "Price of one GPU-hour, for the money a miss costs (GPU-seconds x price / 3600); "
+            "0 = show GPU-seconds only", float),
+    Setting("currency", "USD", "Currency code of gpu_hour_price, shown beside money"),
+    Setting("dashboard_url", "", "The dashboard's address as readers reach it (e.g. https://kvscope.example.com), "
+            "for drill-down links in the digest and alerts; '' = no links"),
+    Setting("smtp_host", "", "SMTP server the digest and alert emails go through; '' = no email"),
+    Setting("smtp_port", 587, "SMTP port (587 STARTTLS, 465 SSL, 25 plain)", int),
+    Setting("smtp_security", "starttls", "SMTP transport security: starttls | ssl | none"),
+    Setting("smtp_username", "", "SMTP user name ('' = no login)"),
+    Setting("smtp_password", "", "SMTP password (read from the environment; never logged)"),
+    Setting("mail_from", "kvscope@localhost", "From address of the digest and alert emails"),
+    Setting("digest_to", "", "Comma-separated recipients of the miss-cause digest"),
+    Setting("digest_every", "", "Send the digest this often from `kvscope up` (e.g. 24h, 7d, 30m); '' = never"),
+    Setting("alert_rules", "", "Alert rules file (TOML); '' = the built-in rules (docs/alerts.md)"),
+    Setting("alert_every_seconds", 60.0, "Seconds between alert rule evaluations in `kvscope up` and `kvscope "
+            "alerts --every`", float),
+    Setting("alert_webhook_url", "", "URL alert state changes are POSTed to as JSON (Slack, Alertmanager, ...); "
+            "'' = none"),
+    Setting("alert_to", "", "Comma-separated recipients of alert emails ('' = no alert email)"),
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -101,6 +120,21 @@ class Config:
     tokenizer: str
     log_level: str
     metrics_port: int
+    gpu_hour_price: float
+    currency: str
+    dashboard_url: str
+    smtp_host: str
+    smtp_port: int
+    smtp_security: str
+    smtp_username: str
+    smtp_password: str
+    mail_from: str
+    digest_to: str
+    digest_every: str
+    alert_rules: str
+    alert_every_seconds: float
+    alert_webhook_url: str
+    alert_to: str
 
     def list(self, name: str) -> list[str]:
         """A comma-separated setting as a list (empty items dropped)."""
