@@ -190,6 +190,17 @@ TTFT_COUNTS = [[0, 0, 0, 5, 7, 10, 11] + [12] * 16, [0, 0, 0, 7, 10, 14, 16] + [
 QUEUE_LE = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0", "40.0",
             "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"]
 QUEUE_COUNTS = [[12] * 22, [17] * 22]
+# pod-a's vllm:e2e_request_latency_seconds_bucket and vllm:inter_token_latency_seconds_bucket at the first two
+# scrapes, from the same capture: 5 requests, all ≤ 0.3 s; 35 token gaps, 34 ≤ 10 ms and 1 in (10, 25] ms.
+E2E_LE = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0", "40.0", "50.0",
+          "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"]
+E2E_COUNTS = [[12] * 22, [17] * 22]
+ITL_LE = ["0.01", "0.025", "0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.4", "0.5", "0.75", "1.0", "2.5", "5.0",
+          "7.5", "10.0", "20.0", "40.0", "80.0", "+Inf"]
+ITL_COUNTS = [[86] * 20, [120] + [121] * 19]
+# vllm:num_requests_running and vllm:num_requests_waiting per pod at each scrape (gauges: sent every scrape).
+RUNNING = {"pod-a": (0, 2, 1), "pod-b": (1, 0, 0)}
+WAITING = {"pod-a": (0, 1, 0), "pod-b": (0, 0, 0)}
 CACHE_CONFIG_LABELS = {
     "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": "True",
     "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": "1073741824",
@@ -227,11 +238,17 @@ def metric_rows() -> list[tuple[Any, ...]]:
             add(pod, t, "vllm:prompt_tokens_total", prompt)
             add(pod, t, "vllm:generation_tokens_total", gen)
             add(pod, t, "vllm:kv_cache_usage_perc", usage, counter=False)
-    for t, ttft, queue in zip(SCRAPES[:2], TTFT_COUNTS, QUEUE_COUNTS, strict=True):
-        for le, n in zip(TTFT_LE, ttft, strict=True):
-            add("pod-a", t, "vllm:time_to_first_token_seconds_bucket", n, le)
-        for le, n in zip(QUEUE_LE, queue, strict=True):
-            add("pod-a", t, "vllm:request_queue_time_seconds_bucket", n, le)
+        for t, running, waiting in zip(SCRAPES, RUNNING[pod], WAITING[pod], strict=True):
+            add(pod, t, "vllm:num_requests_running", running, counter=False)
+            add(pod, t, "vllm:num_requests_waiting", waiting, counter=False)
+    histograms = (("vllm:time_to_first_token_seconds_bucket", TTFT_LE, TTFT_COUNTS),
+                  ("vllm:request_queue_time_seconds_bucket", QUEUE_LE, QUEUE_COUNTS),
+                  ("vllm:e2e_request_latency_seconds_bucket", E2E_LE, E2E_COUNTS),
+                  ("vllm:inter_token_latency_seconds_bucket", ITL_LE, ITL_COUNTS))
+    for name, les, counts in histograms:
+        for t, per_le in zip(SCRAPES[:2], counts, strict=True):
+            for le, n in zip(les, per_le, strict=True):
+                add("pod-a", t, name, n, le)
     return rows
 
 

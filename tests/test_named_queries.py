@@ -39,6 +39,9 @@ REQUIRED = {
     "tokens",
     "pods",
     "dead_letters",
+    "freshness",
+    "vllm_series",
+    "vllm_latency",
 }
 WINDOW_PARAMS = {"since", "until"}
 
@@ -96,8 +99,10 @@ def test_header_matches_sql(name: str) -> None:
     for p in q.params:
         if p.name in WINDOW_PARAMS:
             assert p.type == "DateTime64(3, 'UTC')"
-        if p.name in {"tenant", "pod"}:
+        if p.name in {"tenant", "pod", "model"}:
             assert p.type == "String" and p.default == "''"
+    if {"tenant", "pod"} <= set(declared):
+        assert "model" in declared, "a query filtered by tenant and pod is filtered by model too (the sidebar's)"
 
 
 @pytest.mark.parametrize("name", QUERIES)
@@ -506,6 +511,7 @@ def test_dimensions_and_extent(fx: Store) -> None:
         ("tenant", "initech", 4),
         ("pod", "pod-a", 7),
         ("pod", "pod-b", 5),
+        ("model", "tiny", 12),  # the gateway's model and vLLM's model_name label, once
     ]
     ext = by(rows(fx, "data_extent"), "table")
     assert ext["gateway_requests"]["rows"] == 12  # the duplicate line dropped at load, as the ingester does
@@ -548,4 +554,91 @@ def test_real_capture_through_the_collector(chdb_dir: Path) -> None:
     )
     pod = rows(s, "pods")[0]
     assert (pod["pod"], pod["block_size"], pod["engines"], pod["kv_cache_usage"]) == ("pod-a", 32, 1, 0.0)
+    # the vLLM board: request_success{length} 12 → 17, no abort or error; e2e and inter-token as in test_vllm_latency
+    (series,) = [x for x in rows(s, "vllm_series") if x["prompt_tokens_per_s"] > 0]
+    assert (series["prompt_tokens_per_s"], series["generation_tokens_per_s"]) == (approx(3091 / 60), approx(40 / 60))
+    assert (series["finished_requests_per_s"], series["error_rate"], series["running"]) == (approx(5 / 60), 0.0, 0.0)
+    lat = by(rows(s, "vllm_latency"), "metric")
+    assert (lat["e2e_ms"]["p50_ms"], lat["e2e_ms"]["samples"]) == (approx(150), 5)
+    assert (lat["inter_token_ms"]["p99_ms"], lat["inter_token_ms"]["samples"]) == (approx(19.75), 35)
     assert pod["bytes_per_token"] == approx(1024.0)
+
+
+# -- model filter, freshness, the vLLM board -----------------------------------------------------------------
+@pytest.mark.parametrize("name", [q for q in QUERIES if "model" in {p.name for p in sqlfiles.load_query(q).params}])
+def test_model_filter(fx: Store, name: str) -> None:
+    """The fixture's one model keeps every row; another model keeps none (gateway `model` and vLLM `model_name`)."""
+    assert rows(fx, name, model="tiny") == rows(fx, name)
+    assert rows(fx, name, model="other-model") == [] or name == "data_quality"
+    if name == "data_quality":  # one row per pod, whose figures are all missing
+        assert all(r["gateway_requests"] in (None, 0) and r["vllm_query_tokens"] is None
+                   for r in rows(fx, name, model="other-model"))
+
+
+def test_freshness(fx: Store, empty: Store) -> None:
+    r = by(rows(fx, "freshness"), "source", "pod")
+    scrape = r[("vllm_scrape", "")]
+    assert (scrape["last_ts"], scrape["rows"]) == (at(150), 6)  # three scrapes of each of two pods
+    assert (r[("vllm_scrape", "pod-b")]["last_ts"], r[("vllm_scrape", "pod-b")]["rows"]) == (at(150), 3)
+    gateway = r[("gateway_log", "")]
+    assert (gateway["last_ts"], gateway["rows"]) == (at(145), 12)
+    assert (r[("gateway_log", "pod-b")]["last_ts"], r[("gateway_log", "pod-b")]["rows"]) == (at(135), 5)
+    # 12 requests logged, 11 answered (the stale answer cancelled, the 400 not answered); the latest written at 12:05
+    answers = r[("attribution", "")]
+    assert (answers["rows"], answers["waiting"], answers["last_ts"]) == (11, 1, at(300))
+    assert not [k for k in r if k[0] == "kv_events"]  # none in the fixture: no row
+    assert gateway["age_seconds"] == approx((gateway["now_ts"] - at(145)).total_seconds())
+    assert rows(empty, "freshness") == []
+
+
+def test_vllm_series(fx: Store) -> None:
+    r = by(rows(fx, "vllm_series"), "bucket", "pod")
+    a1 = r[(at(60), "pod-a")]
+    # pod-a 12:01 (scrape 12:01:30): prompt 12909 - 9818 = 3091, generation 138 - 98 = 40, over 60 s
+    assert (a1["prompt_tokens_per_s"], a1["generation_tokens_per_s"]) == (approx(3091 / 60), approx(40 / 60))
+    assert (a1["running"], a1["waiting"], a1["kv_cache_usage"]) == (2.0, 1.0, 0.0)
+    b1 = r[(at(60), "pod-b")]  # pod-b restarted: the increase is the new value, 800 and 16
+    assert (b1["prompt_tokens_per_s"], b1["generation_tokens_per_s"]) == (approx(800 / 60), approx(16 / 60))
+    assert r[(at(120), "pod-a")]["kv_cache_usage"] == approx(0.25)
+    assert a1["error_rate"] is None and a1["finished_requests_per_s"] == 0  # no request_success in the fixture
+    hourly = by(rows(fx, "vllm_series", bucket_seconds=3600), "pod")  # one bucket: the rates over the hour
+    assert hourly["pod-a"]["prompt_tokens_per_s"] == approx((3091 + 800) / 3600)
+    assert hourly["pod-a"]["running"] == approx(1.0)  # mean of 0, 2, 1
+    assert rows(fx, "vllm_series", tenant="acme") == []
+
+
+def test_vllm_series_error_rate_and_preemptions(chdb_dir: Path) -> None:
+    """Error rate = Δ request_success{abort, error} / Δ request_success (every reason); preemptions per second;
+    two engines: running summed, usage averaged."""
+    s = Store.open(data_dir=chdb_dir, database=f"nq_errors_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    inc = [("0", "vllm:request_success_total", "stop", 6.0), ("0", "vllm:request_success_total", "abort", 1.0),
+           ("1", "vllm:request_success_total", "length", 2.0), ("1", "vllm:request_success_total", "error", 1.0),
+           ("0", "vllm:num_preemptions_total", "", 3.0)]
+    gauges = [("0", "vllm:num_requests_running", 4.0), ("1", "vllm:num_requests_running", 2.0),
+              ("0", "vllm:kv_cache_usage_perc", 0.5), ("1", "vllm:kv_cache_usage_perc", 0.25)]
+    s.insert("vllm_metrics", [(at(30), "p", e, "tiny", n, lab, 0.0, v) for e, n, lab, v in inc]
+             + [(at(30), "p", e, "tiny", n, "", v, 0.0) for e, n, v in gauges],
+             ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"])
+    (row,) = rows(s, "vllm_series")
+    assert row["error_rate"] == approx(2 / 10)
+    assert (row["finished_requests_per_s"], row["failed_requests_per_s"]) == (approx(10 / 60), approx(2 / 60))
+    assert row["preemptions_per_s"] == approx(3 / 60)
+    assert (row["running"], row["kv_cache_usage"]) == (approx(6.0), approx(0.375))
+
+
+def test_vllm_latency(fx: Store) -> None:
+    """histogram_quantile over the real capture's deltas (pod-a, 12:01): end-to-end 5 requests all in (0, 0.3] s:
+    0.3 × q; inter-token 35 gaps, 34 in (0, 10] ms and 1 in (10, 25] ms: p50 rank 17.5 → 10 × 17.5 / 34, p95
+    rank 33.25 → 10 × 33.25 / 34, p99 rank 34.65 → 10 + 15 × 0.65."""
+    r = by(rows(fx, "vllm_latency"), "bucket", "pod", "metric")
+    e2e = r[(at(60), "pod-a", "e2e_ms")]
+    assert (e2e["p50_ms"], e2e["p95_ms"], e2e["p99_ms"], e2e["samples"]) == (
+        approx(150), approx(285), approx(297), 5)
+    itl = r[(at(60), "pod-a", "inter_token_ms")]
+    assert (itl["p50_ms"], itl["p95_ms"], itl["p99_ms"], itl["samples"]) == (
+        approx(10 * 17.5 / 34), approx(10 * 33.25 / 34), approx(10 + 15 * 0.65), 35)
+    assert len(r) == 2  # the histograms' only delta; pod-b has none
+    pooled = by(rows(fx, "vllm_latency", by_pod=0), "pod", "metric")
+    assert pooled[("", "e2e_ms")]["p50_ms"] == approx(150)
+    assert rows(fx, "vllm_latency", tenant="acme") == []

@@ -3,6 +3,7 @@
 -- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- returns: pod String | pod name (gateway log `pod` = the collector's name for the scrape target)
 -- returns: gateway_requests UInt64 | served requests in the gateway log (status < 400, prompt_tokens > 0)
 -- returns: vllm_requests Nullable(UInt64) | Δ vllm:request_success_total over all finished_reason values (finished requests); NULL without vLLM series
@@ -38,7 +39,7 @@ WITH
                    0. AS v_requests, 0. AS v_prompt, 0. AS v_hits, 0. AS v_queries, 0. AS v_external,
                    0. AS v_preemptions
             FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
-            WHERE {pod:String} = '' OR pod = {pod:String}
+            WHERE ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
             GROUP BY pod_name
             UNION ALL
             SELECT CAST(pod AS String) AS pod_name, 0, 0, 0, 0, toUInt8(1),
@@ -53,7 +54,7 @@ WITH
                                       'vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total',
                                       'vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total',
                                       'vllm:external_prefix_cache_hits_total', 'vllm:num_preemptions_total'])
-            WHERE {pod:String} = '' OR pod = {pod:String}
+            WHERE ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String})
             GROUP BY pod_name
         )
         GROUP BY pod_name

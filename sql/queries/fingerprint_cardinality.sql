@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
 -- param: by_tenant: UInt8 = 1 | 1 = one row per tenant and bucket; 0 = tenants pooled (tenant_id '')
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
@@ -36,7 +37,7 @@ FROM
         uniqCombinedMerge(retrieval_pack_hashes) AS retrieval_pack_hash_cardinality,
         uniqCombinedMerge(retrieval_set_hashes) AS retrieval_set_hash_cardinality
     FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0))
-    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
     GROUP BY bucket, tenant
 )
 ORDER BY bucket, tenant_id

@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM counters carry no tenant, so vllm rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC (vllm: bucket of the later scrape of each counter delta; gateway: of the request's arrival)
 -- returns: source String | vllm (Δ vllm:prefix_cache_hits_total / Δ vllm:prefix_cache_queries_total) or gateway (cached_tokens / prompt_tokens over the requests whose cached count is known)
@@ -31,7 +32,7 @@ FROM
         CAST(NULL AS Nullable(UInt64)) AS requests,
         CAST(NULL AS Nullable(Float64)) AS cached_tokens_coverage
     FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0), names = ['vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total'])
-    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
+    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String})
     GROUP BY bucket
     UNION ALL
     SELECT
@@ -44,7 +45,7 @@ FROM
         CAST(sum(served) AS Nullable(UInt64)) AS requests,
         if(sum(prompt_tokens) > 0, sum(known_prompt_tokens) / sum(prompt_tokens), NULL) AS cached_tokens_coverage
     FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0))
-    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
     GROUP BY bucket
     HAVING sum(served) > 0
 )

@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM histograms carry no tenant, so vllm rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 -- returns: source String | gateway (measured per request at the gateway) or vllm (vLLM's own histograms)
@@ -30,7 +31,7 @@ WITH
             sum(increase) AS cumulative_count
         FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0),
                          names = ['vllm:time_to_first_token_seconds_bucket', 'vllm:request_queue_time_seconds_bucket'])
-        WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND bound IS NOT NULL
+        WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String}) AND bound IS NOT NULL
         GROUP BY bucket, metric, bound
     ),
     hist AS
@@ -62,7 +63,7 @@ WITH
             sum(served) AS served_requests,
             sum(queue_wait_samples) AS queue_samples
         FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0))
-        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
         GROUP BY bucket
     )
 SELECT bucket, source, metric, p50_ms, p95_ms, p99_ms, samples

@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod that served the request, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- param: by_tenant: UInt8 = 0 | 1 = one row per (tenant, cause, sub_cause); 0 = tenants pooled (tenant_id '')
 -- returns: tenant_id String | tenant, or '' when by_tenant = 0
 -- returns: cause String | miss cause (docs/miss-causes.md): unavoidable, below_block, cold, routed_away, evicted, prefix_drift, unknown, not_reported (the pod did not report the request's cached count: all its prompt tokens)
@@ -26,7 +27,7 @@ FROM
         missed / sum(missed) OVER () AS share_of_missed,
         toUInt64(greatest(sum(requests), 0)) AS affected
     FROM misses_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
-    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
     GROUP BY tenant, cause_name, sub_cause_name
     HAVING missed > 0
 )

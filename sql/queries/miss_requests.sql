@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod that served the request, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- param: cause: String = '' | miss cause to keep, '' = all
 -- param: sub_cause: String = '' | sub-cause to keep, '' = all
 -- param: limit: UInt32 = 100 | at most this many rows
@@ -45,7 +46,7 @@ WITH
         ARRAY JOIN a.causes AS c, a.sub_causes AS sc, a.missed_tokens AS n
         WHERE a.sign = 1 AND a.ts >= {since:DateTime64(3, 'UTC')} AND a.ts < {until:DateTime64(3, 'UTC')}
           AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR a.pod = {pod:String})
+          AND ({pod:String} = '' OR a.pod = {pod:String}) AND ({model:String} = '' OR a.model = {model:String})
           AND ({cause:String} = '' OR c = {cause:String})
           AND ({sub_cause:String} = '' OR sc = {sub_cause:String})
           AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)

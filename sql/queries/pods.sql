@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; with a tenant, only pods that served it are listed and the vllm_* columns are NULL (counters carry no tenant)
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- returns: pod String | pod name (gateway log `pod` = the collector's pod name for the scrape target)
 -- returns: requests UInt64 | served requests (status < 400, prompt_tokens > 0)
 -- returns: errors UInt64 | requests the gateway answered with status >= 400
@@ -31,7 +32,7 @@ WITH
                sum(r.prompt_tokens) AS prompt_tokens_sum, sum(r.cached_tokens) AS cached_tokens_sum,
                sum(r.known_prompt_tokens) AS known_prompt_sum
         FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1) AS r
-        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
         GROUP BY pod_name
     ),
     series AS
@@ -50,7 +51,7 @@ WITH
                                   'vllm:prefix_cache_queries_total', 'vllm:gpu_prefix_cache_queries_total',
                                   'vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc',
                                   'vllm:num_requests_running'])
-        WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
+        WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String})
         GROUP BY pod_name
     ),
     usage AS
@@ -60,7 +61,7 @@ WITH
         (
             SELECT CAST(pod AS String) AS pod_name, engine, argMaxMerge(last_value) AS latest
             FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1, names = ['vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc'])
-            WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
+            WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String})
             GROUP BY pod_name, engine
         )
         GROUP BY pod_name

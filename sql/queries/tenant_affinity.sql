@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod that served the request, '' = all (predecessors are looked up on every pod)
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- returns: tenant_id String | tenant
 -- returns: requests UInt64 | served requests (status < 400, prompt_tokens > 0)
 -- returns: prompt_tokens UInt64 | Σ prompt tokens of served requests, tokens
@@ -28,7 +29,7 @@ WITH
                sum(known_prompt_tokens) AS known_prompt_sum, sum(known_served) AS known_requests,
                uniqExactIf(pod, served > 0) AS pod_count
         FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
-        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
         GROUP BY tenant
         HAVING requests > 0
     ),
@@ -37,7 +38,7 @@ WITH
         SELECT CAST(tenant_id AS String) AS tenant, sum(with_predecessor) AS with_pred,
                sum(predecessor_tokens) AS pred_tokens, sum(same_pod_tokens) AS same_tokens
         FROM affinity_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
-        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
         GROUP BY tenant
     )
 SELECT

@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- returns: tenant_id String | tenant
 -- returns: pod String | pod that served the requests
 -- returns: requests UInt64 | served requests (status < 400, prompt_tokens > 0)
@@ -24,7 +25,7 @@ SELECT
     if(sum(known_prompt_tokens) > 0, cached_tokens / sum(known_prompt_tokens), NULL) AS token_weighted_hit_rate,
     if(prompt_tokens > 0, sum(known_prompt_tokens) / prompt_tokens, NULL) AS cached_tokens_coverage
 FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
-WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
 GROUP BY tenant_id, pod
 HAVING requests > 0
 ORDER BY tenant_id, pod

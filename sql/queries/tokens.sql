@@ -4,6 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM counters carry no tenant, so vllm rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
+-- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 -- returns: source String | gateway (per-request usage) or vllm (counter deltas)
@@ -33,7 +34,7 @@ FROM
         sum(r.completion_tokens) AS decode_tokens,
         if(sum(r.prompt_tokens) > 0, sum(r.known_prompt_tokens) / sum(r.prompt_tokens), NULL) AS cached_tokens_coverage
     FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0)) AS r
-    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
     GROUP BY bucket
     HAVING sum(r.served) > 0
     UNION ALL
@@ -47,7 +48,7 @@ FROM
         toUInt64(round(sumIf(increase, name = 'vllm:generation_tokens_total'))) AS decode_tokens,
         CAST(NULL AS Nullable(Float64)) AS cached_tokens_coverage
     FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0), names = ['vllm:prompt_tokens_total', 'vllm:generation_tokens_total'])
-    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
+    WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String})
     GROUP BY bucket
 )
 ORDER BY bucket, source
