@@ -28,12 +28,26 @@ MIN_SHARE = 0.01
 MIN_TENANT_SHARE = 0.10
 
 
+#: prefix_drift sub-cause → the prompt segment that changed (docs/miss-causes.md, "Miss causes").
+SEGMENT_OF = {"volatile_system": "system", "system_changed": "system", "tools_reordered": "tools",
+              "tools_changed": "tools", "rag_reordered": "retrieval", "rag_changed": "retrieval",
+              "history_truncated": "history"}
+SEGMENT_WORDS = {"system": "system prompt", "tools": "tool schemas", "retrieval": "retrieved documents",
+                 "history": "conversation history"}
+
+
+def gpu_seconds_text(x: float) -> str:
+    """GPU-seconds with sensible precision: "1,234", "12.3", "0.062"."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.3f}"
+
+
 @dataclass(frozen=True)
 class Evidence:
     """The largest miss of a finding's kind in the window: the request, where it ran, what it should have reused.
 
     ``gap_ms``: time from the predecessor to this request, ms (None without a predecessor); ``changed_segment``:
-    the first prompt segment that changed (the prefix_drift sub-cause), '' for other causes.
+    the first prompt segment that changed (``system``, ``tools``, ``retrieval`` or ``history``, from the
+    prefix_drift sub-cause), '' for other causes.
     """
 
     request_id: str
@@ -49,7 +63,7 @@ class Evidence:
         """One sentence: "request r-9 on pod-b missed 768 tokens; its predecessor r-8 ran on pod-a 2.1 s before"."""
         out = f"request {self.request_id} on {self.pod} missed {self.missed_tokens:,} tokens"
         if self.changed_segment:
-            out += f" at its {self.changed_segment.replace('_', ' ')} segment"
+            out += f" from its {SEGMENT_WORDS.get(self.changed_segment, self.changed_segment)} on"
         if self.predecessor_request_id:
             out += f"; its predecessor {self.predecessor_request_id} ran on {self.predecessor_pod or 'an unknown pod'}"
             if self.gap_ms is not None:
@@ -86,7 +100,7 @@ class Finding:
     @property
     def headline(self) -> str:
         """E.g. "globex: 94 % of its missed tokens are prefix_drift / volatile_system (768 tokens, 0.06 GPU-s)"."""
-        cost = f", {self.gpu_seconds:,.2f} GPU-s" if self.gpu_seconds is not None else ""
+        cost = f", {gpu_seconds_text(self.gpu_seconds)} GPU-s" if self.gpu_seconds is not None else ""
         return (f"{self.tenant_id or 'all tenants'}: {self.share_of_tenant_missed * 100:.0f} % of its missed tokens "
                 f"are {self.label} ({self.missed_tokens:,} tokens{cost})")
 
@@ -163,7 +177,8 @@ def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod
     r = rows.row(0, named=True)
     ev = Evidence(request_id=r["request_id"], ts=r["ts"], pod=r["pod"],
                   predecessor_request_id=r["predecessor_request_id"], predecessor_pod=r["predecessor_pod"],
-                  gap_ms=r["gap_ms"], changed_segment=f.sub_cause if f.cause == "prefix_drift" else "",
+                  gap_ms=r["gap_ms"],
+                  changed_segment=SEGMENT_OF.get(f.sub_cause, "") if f.cause == "prefix_drift" else "",
                   missed_tokens=int(r["missed_tokens"]))
     return replace(f, evidence=ev)
 

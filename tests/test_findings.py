@@ -44,7 +44,9 @@ def test_fix_first_ranks_actionable_causes_by_cost_with_evidence(fx: Store) -> N
     assert g.money == approx(768 * PREFILL_SECONDS_PER_TOKEN / 3600 * 2.5)
     assert g.fix == causes.fix_for("prefix_drift", "volatile_system").advice  # type: ignore[union-attr]
     assert g.evidence is not None and g.evidence.request_id == "cap-4-timestamp-first"
-    assert g.evidence.changed_segment == "volatile_system"
+    assert g.evidence.changed_segment == "system"
+    assert g.evidence.text().startswith("request cap-4-timestamp-first on pod-a missed 768 tokens from its system "
+                                        "prompt on; its predecessor cap-3-tools-reordered ran on pod-a 1.5 s before")
     assert "globex: 85 % of its missed tokens are prefix_drift / volatile_system" in g.headline
     a = top[0].evidence
     assert a is not None and a.predecessor_pod and a.predecessor_pod != a.pod  # routed away: another pod held it
