@@ -117,6 +117,68 @@ class Finding:
         return f"{base_url.rstrip('/')}/miss_causes?{urlencode(params)}"
 
 
+#: "Does cache work pay?" thresholds (docs/fix-first.md).
+LONG_PREFIX_TOKENS = 512
+MIN_REUSE_SHARE = 0.2
+MIN_RECOVERABLE_SHARE = 0.05
+TTFT_COMPLAINT_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class Worth:
+    """Whether prefix-cache work pays for one tenant's workload, and why, in plain words.
+
+    ``recoverable_tokens``: its missed tokens of causes with a fix (tokens); ``recoverable_share``: of its prompt
+    tokens (fraction 0..1); ``reasons``: the traits behind the verdict (long repeated prefixes, TTFT, ...).
+    """
+
+    tenant_id: str
+    pays: bool
+    recoverable_tokens: int
+    recoverable_share: float
+    reasons: tuple[str, ...]
+
+    def text(self) -> str:
+        verdict = "cache work pays" if self.pays else "little to gain from cache work"
+        return f"{self.tenant_id}: {verdict}: " + "; ".join(self.reasons)
+
+
+def worth_it(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "") -> list[Worth]:
+    """Per tenant (largest prompt volume first): does fixing its misses pay? Reads the named queries
+    ``tenant_profile`` and ``miss_causes``; the rule is in docs/fix-first.md ("Does cache work pay?")."""
+    profile = store.named("tenant_profile", _params(since, until, tenant, pod))
+    missed = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=1)), 0.0)
+    recoverable: dict[str, int] = {}
+    for r in missed.filter(pl.col("actionable")).iter_rows(named=True) if not missed.is_empty() else []:
+        recoverable[r["tenant_id"]] = recoverable.get(r["tenant_id"], 0) + int(r["missed_tokens"])
+    out = []
+    for p in profile.iter_rows(named=True):
+        tokens = recoverable.get(p["tenant_id"], 0)
+        share = tokens / p["prompt_tokens"] if p["prompt_tokens"] else 0.0
+        out.append(_verdict(p, tokens, share))
+    return out
+
+
+def _verdict(p: dict[str, Any], tokens: int, share: float) -> Worth:
+    prefix, reuse, ttft = p["mean_prefix_tokens"], p["reuse_share"], p["ttft_p95_ms"]
+    reasons = []
+    repeated = reuse >= MIN_REUSE_SHARE
+    if repeated:
+        size = "long " if prefix >= LONG_PREFIX_TOKENS else ""
+        reasons.append(f"{size}repeated prefixes: {prefix:,.0f} stable tokens per request, and {reuse * 100:.0f} % "
+                       "of requests could reuse an earlier request's prefix")
+    else:
+        reasons.append(f"prompts rarely share a prefix: {reuse * 100:.0f} % of requests follow one that shares it")
+    if share >= MIN_RECOVERABLE_SHARE:
+        reasons.append(f"{share * 100:.0f} % of its prompt tokens ({tokens:,}) were missed for causes with a fix")
+    else:
+        reasons.append(f"only {share * 100:.1f} % of its prompt tokens were missed for causes with a fix")
+    if ttft is not None and ttft >= TTFT_COMPLAINT_MS:
+        reasons.append(f"TTFT p95 is {ttft:,.0f} ms: users wait for prefill")
+    return Worth(tenant_id=p["tenant_id"], pays=repeated and share >= MIN_RECOVERABLE_SHARE,
+                 recoverable_tokens=tokens, recoverable_share=share, reasons=tuple(reasons))
+
+
 def where_missed(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "",
                  gpu_hour_price: float = 0.0) -> pl.DataFrame:
     """Missed tokens by cause for the window: named query ``miss_causes`` plus ``label``, ``money`` (None without

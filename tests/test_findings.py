@@ -99,3 +99,17 @@ def test_a_tenants_prompt_fix_comes_before_its_routing_fix() -> None:
     ])
     assert [(f.tenant_id, f.sub_cause or f.cause) for f in ranked] == [
         ("t1", "volatile_system"), ("t1", "routed_away"), ("t2", "evicted"), ("t1", "rag_changed")]
+
+
+def test_worth_it_says_per_tenant_whether_cache_work_pays(fx: Store) -> None:
+    got = {w.tenant_id: w for w in findings.worth_it(fx, SINCE, UNTIL)}
+    assert set(got) == {"acme", "globex", "initech"}
+    acme = got["acme"]  # 768 routed_away of 3,156 prompt tokens; 3 of 4 requests follow a prefix-sharing one
+    assert acme.pays and acme.recoverable_tokens == 768
+    assert acme.recoverable_share == approx(768 / 3156)
+    assert acme.reasons[0] == ("long repeated prefixes: 752 stable tokens per request, and 75 % of requests could "
+                               "reuse an earlier request's prefix")
+    assert got["globex"].pays and got["globex"].recoverable_tokens == 768 + 64
+    initech = got["initech"]  # only cold, below_block and unavoidable misses: nothing a fix recovers
+    assert not initech.pays and initech.recoverable_tokens == 0
+    assert initech.text().startswith("initech: little to gain from cache work: repeated prefixes: 168 stable")
