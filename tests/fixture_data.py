@@ -201,6 +201,11 @@ ITL_COUNTS = [[86] * 20, [120] + [121] * 19]
 # vllm:num_requests_running and vllm:num_requests_waiting per pod at each scrape (gauges: sent every scrape).
 RUNNING = {"pod-a": (0, 2, 1), "pod-b": (1, 0, 0)}
 WAITING = {"pod-a": (0, 1, 0), "pod-b": (0, 0, 0)}
+# pod-a's vllm:request_prefill_time_seconds_sum: the capture's two values, then 3.2 ms more for the 32 tokens it
+# computed by the third scrape; pod-b exposes none (it takes the fleet's rate). Over the window pod-a computed
+# (13709 - 9818) - (6240 - 4064) = 1715 tokens in 0.139662678 s: PREFILL_SECONDS_PER_TOKEN.
+PREFILL_SECONDS_SUM = (0.34782353299988245, 0.4842862109996986, 0.4874862109996986)
+PREFILL_SECONDS_PER_TOKEN = (PREFILL_SECONDS_SUM[2] - PREFILL_SECONDS_SUM[0]) / 1715
 CACHE_CONFIG_LABELS = {
     "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": "True",
     "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": "1073741824",
@@ -249,6 +254,8 @@ def metric_rows() -> list[tuple[Any, ...]]:
         for t, per_le in zip(SCRAPES[:2], counts, strict=True):
             for le, n in zip(les, per_le, strict=True):
                 add("pod-a", t, name, n, le)
+    for t, seconds in zip(SCRAPES, PREFILL_SECONDS_SUM, strict=True):
+        add("pod-a", t, "vllm:request_prefill_time_seconds_sum", seconds)
     return rows
 
 
