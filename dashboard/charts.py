@@ -1,16 +1,18 @@
 """Chart and number helpers shared by the dashboard pages (plotly figures, formatted metrics, empty states).
 
 Every helper takes a polars frame as a named query returned it and copes with an empty one by saying so
-instead of drawing an empty axis. Time charts (``buckets`` given) break their lines where a bucket has no
-data instead of joining across the gap, and draw a bucket the data covers only in part (the window's first,
-the newest one still filling) as a shaded, unconnected point, so it does not read as a sudden drop.
+instead of drawing an empty axis. Time charts (``buckets`` given) state their bucket width in the title
+("1 bucket = 1 min"), span the chosen window on the x-axis (not only the data), break their lines where a bucket
+has no data instead of joining across the gap, and draw a bucket the data covers only in part (the window's
+first, the newest one still filling) as a shaded, unconnected point, so it does not read as a sudden drop.
+Causes take their colour from :mod:`dashboard.causes` (``color_map``), the same on every page and filter.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Sequence
-from datetime import timedelta
+from collections.abc import Collection, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 
 import plotly.express as px
 import plotly.graph_objects as go
@@ -65,8 +67,15 @@ def plain(text: str) -> str:
 
 
 def no_data(in_window: bool = False, latest: object = None) -> None:
-    """The friendly empty state of a page: nothing stored yet, or nothing in the window (``latest``: the
-    newest data's time, to say how far to widen it)."""
+    """The friendly empty state of a page: nothing stored yet (while ``kvscope up`` starts: what is starting,
+    :func:`dashboard.status.render_startup`), or nothing in the window (``latest``: the newest data's time, to say
+    how far to widen it)."""
+    from dashboard import status
+
+    context = status.registered_context()
+    if not in_window and context is not None:
+        status.render_startup(context)
+        return
     text = NO_DATA_IN_WINDOW if in_window else NO_DATA_YET
     if in_window and latest is not None:
         text += f" The latest data is from {latest:%Y-%m-%d %H:%M:%S} UTC."
@@ -149,6 +158,28 @@ def _split_partial(fig: go.Figure) -> None:
         fig.add_trace(trace)
 
 
+def _naive_utc(t: datetime) -> str:
+    """A time as plotly's axis reads the data's times: naive ISO 8601 in UTC."""
+    return (t.astimezone(UTC) if t.tzinfo else t).replace(tzinfo=None).isoformat()
+
+
+def time_axis(fig: go.Figure, buckets: Buckets) -> None:
+    """Makes ``fig``'s x-axis show the chosen window whole (from the bucket holding its start to its end, half a
+    bucket of margin each side for the bars), not only the span of the data."""
+    if buckets.span is None:
+        return
+    start, end = buckets.span
+    epoch = datetime(1970, 1, 1, tzinfo=start.tzinfo)
+    start = start - timedelta(seconds=(start - epoch).total_seconds() % buckets.seconds)  # the bucket's start
+    half = timedelta(seconds=buckets.seconds / 2)
+    fig.update_xaxes(range=[_naive_utc(start - half), _naive_utc(end + half)])
+
+
+def titled(title: str, buckets: Buckets | None) -> str:
+    """A time chart's title with its bucket width: "Prefix-cache hit rate · 1 bucket = 1 min"."""
+    return f"{title} · {buckets.label}" if buckets is not None else title
+
+
 def time_lines(
     df: pl.DataFrame,
     y: str | Sequence[str],
@@ -181,6 +212,7 @@ def time_lines(
         )
         df = df.drop_nulls("value").with_columns(pl.col("series").replace(LABELS))
         color, dash, y = "series", color, "value"
+    title = titled(title, buckets)
     if df.is_empty():
         st.caption(f"**{title}**: {empty}")
         return
@@ -208,6 +240,7 @@ def time_lines(
     _split_partial(fig)
     if buckets is not None:
         _partial_spans(fig, df, buckets.seconds)
+        time_axis(fig, buckets)
     if percent:
         fig.update_yaxes(tickformat=".0%", range=[0, 1.02])
     _show(fig, key, legend_below)
@@ -226,20 +259,22 @@ def bars(
     buckets: Buckets | None = None,
     empty: str = NO_DATA_IN_WINDOW,
     legend_below: bool = False,
+    color_map: Mapping[str, str] | None = None,
     key: str | None = None,
 ) -> None:
     """Bars of ``y`` by ``x`` (several ``y`` columns become grouped or stacked series; missing values draw no
     bar). Percent bars are labelled and run from 0 to 100 %; over ``bucket`` with ``buckets``, bars of partial
-    buckets are faded."""
+    buckets are faded. ``color_map``: the colour of each value of ``color`` (e.g. ``causes.color_map``)."""
     if not isinstance(y, str) and not df.is_empty():
         df = df.unpivot(index=[x], on=list(y), variable_name="series", value_name="value")
         df = df.with_columns(pl.col("series").replace(LABELS))
         color, y = "series", "value"
     df = df.drop_nulls(y) if not df.is_empty() else df
+    timed = x == "bucket" and buckets is not None
+    title = titled(title, buckets if timed else None)
     if df.is_empty():
         st.caption(f"**{title}**: {empty}")
         return
-    timed = x == "bucket" and buckets is not None
     df = mark_partial(df, buckets if timed else None)
     args = {"y": x, "x": y, "orientation": "h"} if horizontal else {"x": x, "y": y}
     fig = px.bar(
@@ -249,6 +284,7 @@ def bars(
         title=title,
         custom_data=[_PARTIAL],
         labels={**LABELS, "value": ""},
+        color_discrete_map=dict(color_map or {}),
         **args,
     )
     (fig.update_yaxes if horizontal else fig.update_xaxes)(
@@ -263,6 +299,7 @@ def bars(
         for trace in fig.data:
             trace.marker.opacity = [0.35 if c[0] else 1.0 for c in trace.customdata]
         _partial_spans(fig, df, buckets.seconds)  # type: ignore[union-attr]
+        time_axis(fig, buckets)  # type: ignore[arg-type]
     _show(fig, key, legend_below)
 
 

@@ -8,6 +8,7 @@ from dashboard import charts, data
 
 st.header("Pods")
 
+NO_DEAD_LETTERS = "No dead letters: every line and event parsed."
 PERCENT = ["token_weighted_hit_rate", "cached_tokens_coverage", "vllm_token_weighted_hit_rate", "kv_cache_usage"]
 
 
@@ -41,11 +42,13 @@ def render(f: data.Filters) -> None:
         st.caption(note)
         charts.table(pods, percent_cols=PERCENT, key="pod_table")
     st.subheader("Dead letters")
+    since, until = f.window()
+    dead = data.named("dead_letters", since=since, until=until, pod=f.pod)
+    if dead.is_empty():
+        st.success(NO_DEAD_LETTERS, icon=":material/check_circle:")
+        return
     st.caption("Input the pipeline could not use, by source and reason: nothing is dropped silently.")
-    charts.table(
-        data.named("dead_letters", since=f.params()["since"], until=f.params()["until"], pod=f.pod),
-        key="dead_letters",
-    )
+    charts.table(dead, key="dead_letters")
 
 
 data.live(render)
