@@ -51,6 +51,10 @@ def _naive(t: datetime) -> datetime:
     return t.astimezone(UTC).replace(tzinfo=None)
 
 
+def _minute(t: datetime | None) -> datetime | None:
+    return None if t is None else _naive(t).replace(second=0, microsecond=0)
+
+
 def seed_from_url() -> None:
     """Set the sidebar to the view the URL names: on a session's first run, and whenever the URL's filters changed
     from outside (a link followed inside the app). A URL without filters (a page switch) keeps the sidebar's."""
@@ -60,8 +64,8 @@ def seed_from_url() -> None:
         return
     f = data.Filters.from_query(url)
     st.session_state.update(time_range=f.time_range, tenant=f.tenant, pod=f.pod, model=f.model)
-    if f.absolute:
-        st.session_state.update(range_from=_naive(f.start), range_to=_naive(f.end))  # type: ignore[arg-type]
+    if f.absolute:  # the pickers show minutes; the URL's seconds are kept while the pickers show that minute
+        st.session_state.update(range_from=_minute(f.start), range_to=_minute(f.end), range_exact=(f.start, f.end))
 
 
 def write_url(f: data.Filters) -> None:
@@ -76,12 +80,16 @@ def write_url(f: data.Filters) -> None:
 
 
 def absolute_range() -> tuple[datetime | None, datetime | None]:
-    """The From / To pickers (UTC, minute steps), first set to the last hour; (start, end) as UTC datetimes."""
+    """The From / To pickers (UTC, minute steps), first set to the last hour; (start, end) as UTC datetimes (to
+    the second when they still show the URL's window)."""
     now = datetime.now(UTC).replace(second=0, microsecond=0)
     st.session_state.setdefault("range_from", _naive(now - timedelta(hours=1)))
     st.session_state.setdefault("range_to", _naive(now + timedelta(minutes=1)))
     start = st.datetime_input("From (UTC)", key="range_from", step=60, format="YYYY-MM-DD")
     end = st.datetime_input("To (UTC)", key="range_to", step=60, format="YYYY-MM-DD")
+    exact = st.session_state.get("range_exact")
+    if exact and (_minute(exact[0]), _minute(exact[1])) == (start, end):
+        return exact  # a URL's window to the second (e.g. a drill-down link), as long as the pickers show it
     if start is None or end is None or end <= start:
         st.error("Pick a From before To; the last hour is shown meanwhile.")
         return None, None

@@ -142,6 +142,16 @@ def main() -> None:
     """kvscope: how many prompt tokens does the KV cache save, and why did the rest miss?"""
 
 
+def _run_context(cfg: Any, store: Any, config: Any = None, step: Any = None) -> Any:
+    """What this process watches, for the dashboard's start-up state and freshness (dashboard/status.py)."""
+    from datetime import UTC
+
+    from dashboard.status import RunContext
+
+    return RunContext(started_at=datetime.now(UTC), config=config or (lambda: cfg), step=step or (lambda: ""),
+                      store=f"{store.dsn}, database {cfg.database}")
+
+
 @main.command()
 @click.option("--vllm", "vllm", multiple=True, help="vLLM pod: NAME=http://host:port or http://host:port (repeat).")
 @click.option("--gateway-log", multiple=True, help="Gateway fingerprint log (JSONL) to tail (repeat).")
@@ -172,10 +182,11 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     if no_dashboard or _STOP.is_set():
         _run_until_interrupted(pipe)
         return
+    context = _run_context(cfg, store)
     pipe.start()
     try:
         click.echo(f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}")
-        run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)  # Streamlit handles signals
+        run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port, context)  # Streamlit handles signals
     except KeyboardInterrupt:
         pass
     finally:
@@ -214,13 +225,15 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     _serve_self_metrics(cfg)
     store = _store(cfg)
     run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
+    context = _run_context(cfg, store, config=lambda: run.pipeline.cfg if run.pipeline else cfg,
+                           step=lambda: run.status)
     run.start_background()
     click.echo(
         f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}  (vLLM servers start in ~2 min; "
         f"numbers appear as the workload runs; logs in {workdir})"
     )
     try:
-        run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port)
+        run_dashboard_inprocess(store, cfg.dashboard_address, cfg.dashboard_port, context)
     except KeyboardInterrupt:
         pass
     finally:

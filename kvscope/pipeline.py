@@ -164,8 +164,10 @@ class Pipeline:
             closer.close()
 
 
-def run_dashboard_inprocess(store: Store, address: str, port: int) -> None:
+def run_dashboard_inprocess(store: Store, address: str, port: int, context: object = None) -> None:
     """Serve the Streamlit dashboard from this process, reading ``store`` (blocks until interrupted).
+    ``context`` (a :class:`dashboard.status.RunContext`) tells the pages what this process watches, for their
+    start-up state and freshness lines.
 
     Streamlit's config is set before ``bootstrap.run`` (passing port/address only as flag options there does
     not take effect; docs/environment.md).
@@ -174,8 +176,10 @@ def run_dashboard_inprocess(store: Store, address: str, port: int) -> None:
 
     import dashboard
     from dashboard.data import register_store
+    from dashboard.status import register_context
 
     register_store(store)
+    register_context(context)  # type: ignore[arg-type]
     flags = {"server_port": port, "server_address": address, "server_headless": True,
              "browser_gatherUsageStats": False, "server_fileWatcherType": "none", "server_runOnSave": False}
     bootstrap.load_config_options(flags)

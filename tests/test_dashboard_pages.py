@@ -20,7 +20,7 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, data
+from dashboard import causes, charts, data, status
 from ingest.store import Store
 from tests.fixture_data import at as fixture_time
 from tests.fixture_data import load_fixture
@@ -32,6 +32,7 @@ PAGES = [
     "views/miss_causes.py",
     "views/fingerprints.py",
     "views/pods.py",
+    "views/vllm.py",
     "views/data_quality.py",
     "views/adhoc_sql.py",
 ]
@@ -86,10 +87,25 @@ def assert_clean(at: AppTest) -> None:
     assert not at.error, [e.value for e in at.error]
 
 
+def url_app(store: Store, query: dict[str, str], page: str | None = None) -> AppTest:
+    """The app opened at a URL with ``query`` (as a shared link opens it), on ``page`` (default the Overview)."""
+    data.register_store(store)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params.update(query)
+    at.run()
+    if page:
+        at.switch_page(page)
+        at.query_params.update(query)  # a link to the page: its URL carries the filters
+        at.run()
+    assert_clean(at)
+    return at
+
+
 @pytest.fixture(autouse=True)
 def _unregister() -> Iterator[None]:
     yield
-    data.register_store(None)  # the registry is process-wide: reset it between tests
+    data.register_store(None)  # the registries are process-wide: reset them between tests
+    status.register_context(None)
 
 
 def test_overview(fixture_store: Store) -> None:
@@ -434,3 +450,188 @@ def test_buckets_span(fixture_store: Store) -> None:
     b = data.buckets(data.Filters(time_range="Last 15 min"), now=now)
     assert b.covered == (now - timedelta(minutes=15), fixture_time(150))
     assert b.covered[0].tzinfo is not None and datetime.now(UTC) > b.covered[1]
+
+
+# -- operator basics: filters in the URL, time axes, colours, freshness, start-up, the vLLM page -----------------
+FROM, TO = "2026-11-29T12:00:00Z", "2026-11-29T12:03:00Z"
+
+
+def test_url_filters_reopen_the_same_view(fixture_store: Store) -> None:
+    """A URL with an absolute window, tenant, pod and model opens the sidebar on those values and the pages on
+    those numbers; the URL keeps them across a page switch."""
+    at = url_app(fixture_store, {"from": FROM, "to": TO, "tenant": "globex", "pod": "pod-a", "model": "tiny"})
+    assert at.selectbox(key="time_range").value == data.CUSTOM
+    assert at.datetime_input(key="range_from").value == datetime(2026, 11, 29, 12, 0)
+    assert at.datetime_input(key="range_to").value == datetime(2026, 11, 29, 12, 3)
+    assert (at.selectbox(key="tenant").value, at.selectbox(key="pod").value, at.selectbox(key="model").value) == (
+        "globex", "pod-a", "tiny")
+    # globex on pod-a (tests/test_named_queries.py): 1,440 / 2,348 cached
+    assert metrics(at)["Token-weighted hit rate (gateway)"] == "61.33%"
+    assert at.query_params == {"from": FROM, "to": TO, "tenant": "globex", "pod": "pod-a", "model": "tiny"}
+    at.switch_page("views/pods.py").run()
+    assert_clean(at)
+    assert at.dataframe[0].value["pod"].tolist() == ["pod-a"]
+    assert at.selectbox(key="tenant").value == "globex"
+    assert at.query_params["tenant"] == "globex" and at.query_params["from"] == FROM
+
+
+def test_changing_a_filter_updates_the_url(fixture_store: Store) -> None:
+    at = url_app(fixture_store, {"range": "24h"})
+    assert at.selectbox(key="time_range").value == "Last 24 h"
+    at.selectbox(key="tenant").select("acme").run()
+    assert at.query_params == {"range": "24h", "tenant": "acme"}
+    at.selectbox(key="time_range").select("Last 7 d").run()
+    at.selectbox(key="model").select("tiny").run()
+    assert at.query_params == {"range": "7d", "tenant": "acme", "model": "tiny"}
+    at.selectbox(key="tenant").select("").run()  # All tenants: the parameter goes
+    assert at.query_params == {"range": "7d", "model": "tiny"}
+    at.selectbox(key="time_range").select(data.CUSTOM).run()
+    at.datetime_input(key="range_from").set_value(datetime(2026, 11, 29, 12, 1)).run()
+    at.datetime_input(key="range_to").set_value(datetime(2026, 11, 29, 12, 2)).run()
+    assert_clean(at)
+    assert at.query_params == {"from": "2026-11-29T12:01:00Z", "to": "2026-11-29T12:02:00Z", "model": "tiny"}
+
+
+def test_a_bad_url_falls_back_to_defaults(fixture_store: Store) -> None:
+    at = url_app(fixture_store, {"range": "3 weeks", "from": "yesterday", "to": TO, "tenant": "nobody"})
+    assert at.selectbox(key="time_range").value == data.DEFAULT_TIME_RANGE
+    assert at.selectbox(key="tenant").value == "nobody"  # kept: the view names it (nothing shows for it)
+    assert at.query_params == {"range": "1h", "tenant": "nobody"}
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [({}, data.Filters()), ({"range": "all"}, data.Filters(time_range="All")),
+     ({"range": "15m", "model": "m"}, data.Filters(time_range="Last 15 min", model="m")),
+     ({"from": "2026-11-29T13:00:00+01:00", "to": "2026-11-29T12:30:00.250Z"},
+      data.Filters(time_range=data.CUSTOM, start=fixture_time(0), end=fixture_time(1800.25))),
+     ({"from": TO, "to": FROM, "range": "6h"}, data.Filters(time_range="Last 6 h"))],
+    ids=["empty", "all", "preset", "absolute", "backwards"],
+)
+def test_filters_from_and_to_the_url(query: dict[str, str], expected: data.Filters) -> None:
+    f = data.Filters.from_query(query)
+    assert f == expected
+    assert data.Filters.from_query(f.query()) == f  # the round trip
+    if f.absolute:
+        assert f.window() == ("2026-11-29 12:00:00.000", "2026-11-29 12:30:00.250")
+
+
+def test_time_axis_spans_the_window_and_titles_state_the_bucket(fixture_store: Store) -> None:
+    """Over 12:00-13:00 the data fills three minutes: the axis still shows the hour (from the first bucket's
+    start, half a bucket of margin), and the title says the bucket width."""
+    at = url_app(fixture_store, {"from": "2026-11-29T12:00:00Z", "to": "2026-11-29T13:00:00Z"})
+    fig = figure(at, "hit_rate")
+    assert fig["layout"]["title"]["text"] == "Prefix-cache hit rate · 1 bucket = 1 min"
+    assert fig["layout"]["xaxis"]["range"] == ["2026-11-29T11:59:30", "2026-11-29T13:00:30"]
+    bars = figure(at, "tokens_gateway")
+    assert bars["layout"]["title"]["text"].endswith("· 1 bucket = 1 min")
+    assert bars["layout"]["xaxis"]["range"] == fig["layout"]["xaxis"]["range"]
+    at = url_app(fixture_store, {"from": "2026-11-29T00:00:00Z", "to": "2026-11-30T00:00:00Z"})
+    fig = figure(at, "hit_rate")  # a day in ~100 buckets: 15 min
+    assert fig["layout"]["title"]["text"].endswith("1 bucket = 15 min")
+    assert fig["layout"]["xaxis"]["range"] == ["2026-11-28T23:52:30", "2026-11-30T00:07:30"]
+    assert data.duration(7200) == "2 h" and data.duration(86400) == "1 d" and data.duration(90) == "2 min"
+
+
+def test_one_colour_per_cause(fixture_store: Store) -> None:
+    """The Miss causes page draws each cause in dashboard/causes.py's colour, whatever the filter."""
+    for tenant in ("", "globex"):
+        at = url_app(fixture_store, {"range": "all", **({"tenant": tenant} if tenant else {})}, "views/miss_causes.py")
+        for key in ("cause_bars", "cause_tenants"):
+            colours = {tr["name"]: tr["marker"]["color"] for tr in figure(at, key)["data"] if tr["type"] == "bar"}
+            assert colours and colours == causes.color_map(list(colours)), (tenant, key)
+    assert colours["prefix_drift / volatile_system"] == causes.color("prefix_drift", "volatile_system")
+
+
+def test_cause_in_the_url(fixture_store: Store) -> None:
+    """The Miss causes page opens on the URL's cause and sub-cause, and a picked cause goes to the URL."""
+    at = url_app(fixture_store, {"range": "all", "cause": "prefix_drift", "sub_cause": "tools_reordered"},
+                 "views/miss_causes.py")
+    assert at.selectbox(key="miss_cause").value == "prefix_drift / tools_reordered"
+    assert at.dataframe[1].value["request_id"].tolist() == ["cap-3-tools-reordered"]
+    at.selectbox(key="miss_cause").select("cold").run()
+    assert at.query_params.get("cause") == "cold" and "sub_cause" not in at.query_params
+    assert at.query_params["range"] == "all"
+
+
+def test_freshness_per_source_and_the_old_data_banner(fixture_store: Store) -> None:
+    at = url_app(fixture_store, {"range": "all"})
+    (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
+    assert "last scrape 2 d ago (pod-a 2 d, pod-b 2 d)" in sources
+    assert "gateway log: 2 d ago (12 lines)" in sources
+    assert "no KV events: routed_away/evicted are inferred from which pod served the predecessor" in sources
+    assert "attribution: latest answer 2 d ago; 1 request waiting" in sources
+    (old,) = [w.value for w in at.warning]
+    assert old.startswith("Data is from 2026-11-29 12:02:30 UTC (2 d ago); no new data since.")
+    assert "before this start" not in old  # no kvscope process registered: only what the store says
+
+
+def test_a_second_start_says_the_numbers_are_old(fixture_store: Store) -> None:
+    """`kvscope up` over a store with old data: the banner says the numbers are from before this start, the
+    sidebar that the first scrape and gateway line are pending."""
+    status.register_context(context())
+    at = url_app(fixture_store, {"range": "all"})
+    (old,) = [w.value for w in at.warning]
+    assert "no new data since" in old and "the numbers below are from before this start" in old
+    (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
+    assert "vLLM: first scrape pending (pod-0, pod-1); the last stored is from 2026-11-29 12:02:30 UTC" in sources
+    assert "gateway log: waiting for the first line in /var/log/gw.jsonl" in sources
+    assert metrics(at)["Token-weighted hit rate (gateway)"] == "50.96%"  # old numbers, said to be old
+
+
+def context(**settings: Any) -> status.RunContext:
+    from kvscope.config import build_config
+
+    cfg = build_config({"vllm": "pod-0=http://127.0.0.1:8100,pod-1=http://127.0.0.1:8101",
+                        "gateway_log": "/var/log/gw.jsonl", **settings}, environ={})
+    return status.RunContext(started_at=datetime.now(UTC), config=lambda: cfg, step=lambda: "starting the collector",
+                             store="chdb:///data, database kvscope")
+
+
+@pytest.mark.parametrize("page", PAGES[:-1])
+def test_start_up_state_says_what_is_starting(store: Store, page: str) -> None:
+    status.register_context(context(kv_events_endpoint="tcp://127.0.0.1:5557"))
+    at = url_app(store, {}, page if page != PAGES[0] else None)
+    (info,) = [i.value.replace("\\", "") for i in at.info]
+    assert info.startswith("**kvscope is starting**")
+    for line in ("done: store open (chdb:///data, database kvscope)", "now: starting the collector",
+                 "pending: first scrape of pod-0 (http://127.0.0.1:8100/metrics, every 5 s)",
+                 "waiting for the first gateway line in /var/log/gw.jsonl",
+                 "listening for KV events on tcp://127.0.0.1:5557"):
+        assert f"- {line}" in info
+    assert not at.metric and not at.warning
+
+
+def test_vllm_page(fixture_store: Store) -> None:
+    """The vLLM-board panels per pod, equal to the fixture's hand-computed figures (tests/test_named_queries.py)."""
+    at = url_app(fixture_store, {"range": "all"}, "views/vllm.py")
+    prompt = figure(at, "vllm_prompt_tokens_per_s")
+    assert prompt["layout"]["title"]["text"] == "Prompt throughput (tokens/s) · 1 bucket = 1 min"
+    (pod_a,) = [tr for tr in traces(prompt, "pod-a") if "partial" not in tr["name"]]
+    assert points(pod_a)["2026-11-29T12:01:00.000"] == pytest.approx(3091 / 60)
+    running = figure(at, "vllm_running")
+    assert points(next(tr for tr in traces(running, "pod-a") if "partial" not in tr["name"]))[
+        "2026-11-29T12:01:00.000"] == 2.0
+    usage = figure(at, "vllm_kv_cache_usage")
+    assert usage["layout"]["yaxis"]["tickformat"] == ".0%"
+    itl = figure(at, "vllm_inter_token_ms")
+    assert points(traces(itl, "pod-a, p99")[0])["2026-11-29T12:01:00.000"] == pytest.approx(19.75)
+    e2e = figure(at, "vllm_e2e_ms")
+    assert points(traces(e2e, "pod-a, p50")[0])["2026-11-29T12:01:00.000"] == pytest.approx(150.0)
+    assert any("Error rate" in c.value for c in at.caption)  # no request_success in the fixture: says so
+    at.selectbox(key="tenant").select("acme").run()
+    assert [i.value for i in at.info] == [charts.NO_TENANT_IN_VLLM]
+
+
+def test_no_dead_letters_reads_as_good_news(fixture_store: Store) -> None:
+    at = url_app(fixture_store, {"from": "2026-11-29T12:02:10Z", "to": "2026-11-29T12:02:40Z"}, "views/pods.py")
+    assert [s.value for s in at.success] == ["No dead letters: every line and event parsed."]
+    at = url_app(fixture_store, {"range": "all"}, "views/pods.py")
+    assert not at.success and set(at.dataframe[1].value["source"]) == {"vllm_metrics", "gateway_log"}
+
+
+def test_model_filter(fixture_store: Store) -> None:
+    at = url_app(fixture_store, {"range": "all", "model": "tiny"})
+    assert metrics(at)["Token-weighted hit rate (vLLM)"] == "50.96%"
+    at = url_app(fixture_store, {"range": "all", "model": "another"})
+    assert [i.value for i in at.info][0].startswith(charts.NO_DATA_IN_WINDOW)

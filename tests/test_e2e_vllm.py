@@ -5,10 +5,12 @@ numbers read straight from the servers and from the gateway's responses."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -216,64 +218,307 @@ def test_offsets_committed_nothing_redelivered(e2e) -> None:  # type: ignore[no-
         src.close()
 
 
-@pytest.mark.browser
-def test_dashboard_in_headless_chromium_shows_numbers(e2e, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """`kvscope up` over the same fleet and gateway log, in its own process (its own chDB directory), viewed
-    in Debian's Chromium through Playwright; the screenshot is saved to tests/artifacts/dashboard.png."""
+#: page path → (file stem for the screenshot, a selector that shows the page has drawn).
+PAGES = {
+    "": ("overview", ".st-key-hit_rate .js-plotly-plot"),
+    "tenants": ("tenants", ".st-key-tenant_bars .js-plotly-plot"),
+    "miss_causes": ("miss_causes", ".st-key-cause_bars .js-plotly-plot"),
+    "fingerprints": ("fingerprints", ".st-key-fp_segments_tenants .js-plotly-plot"),
+    "pods": ("pods", ".st-key-pod_hit_rate .js-plotly-plot"),
+    "vllm": ("vllm", ".st-key-vllm_prompt_tokens_per_s .js-plotly-plot"),
+    "data_quality": ("data_quality", "[data-testid='stMain'] [data-testid='stAlert']"),
+    "adhoc_sql": ("adhoc_sql", ".st-key-sql_run button"),
+}
+FIGURES = {"overview": ["hit_rate", "where_missed"], "tenants": ["tenant_bars"], "miss_causes": ["cause_bars"],
+           "fingerprints": ["fp_segments_tenants"], "pods": ["pod_hit_rate"],
+           "vllm": ["vllm_prompt_tokens_per_s", "vllm_e2e_ms"]}
+
+
+@pytest.fixture(scope="module")
+def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One `kvscope up` over the fleet (its own process and chDB directory) with live traffic through a gateway;
+    every page opened in Debian's Chromium at a URL holding the traffic's window (from/to), read and screenshot to
+    tests/artifacts/page-<name>.png, and a URL with every filter opened and changed; then `kvscope up` stops and the
+    named queries run over the same store for the same window. Returns what the pages showed and what the queries
+    say."""
     import os
-    import re
     import subprocess
     import sys
+    from datetime import UTC, datetime, timedelta
 
     from playwright.sync_api import sync_playwright
 
+    from dashboard.data import NICE_BUCKETS, iso
+    from tests import dashboard_browser as db
+
     port = free_port()
     cfg = e2e["cfg"]
+    work = tmp_path_factory.mktemp("dashboard")
     artifacts = Path(__file__).parent / "artifacts"
     artifacts.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}
-    cmd = [sys.executable, "-m", "kvscope.cli", "up", "--data-dir", str(tmp_path / "data"), "--port", str(port),
+    cmd = [sys.executable, "-m", "kvscope.cli", "up", "--data-dir", str(work / "data"), "--port", str(port),
            "--gateway-log", cfg.gateway_log, *[a for t in cfg.list("vllm") for a in ("--vllm", t)]]
+    model = e2e["records"][0]["model"]
+    pod = e2e["pods"][0].name
+    since = datetime.now(UTC).replace(microsecond=0)
+    shown: dict[str, Any] = {}
     with open(artifacts / "kvscope-up.log", "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         try:
-            url = f"http://127.0.0.1:{port}/"
-            wait_for(lambda: _http_ok(url) or proc.poll() is not None, 90, "the dashboard to listen")
+            base = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _http_ok(base) or proc.poll() is not None, 90, "the dashboard to listen")
             assert proc.poll() is None, (artifacts / "kvscope-up.log").read_text()[-3000:]
-            time.sleep(3)  # its first scrape, so the live traffic below moves the vLLM counters it watches
-            app = make_app([(p.name, p.base_url) for p in e2e["pods"]], Path(cfg.gateway_log),
-                           policy="prefix_affinity", tokenizer_path=e2e["tokenizer"])
-            with GatewayServer(app) as gw:
-                run_workload(gw.url, seed=23, scale=0.2, concurrency=2, wait_scale=0.2)  # seed 11: test_workload
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+                browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=db.CHROMIUM_ARGS)
                 page = browser.new_page(viewport={"width": 1400, "height": 2200})
-                deadline = time.time() + 120
-                values: list[str] = []
-                while time.time() < deadline:
-                    page.goto(url, wait_until="networkidle")
+                page.goto(base, wait_until="networkidle")  # whatever start-up shows (not asserted: a race)
+                page.wait_for_timeout(1500)
+                page.screenshot(path=str(artifacts / "page-startup.png"), full_page=True)
+                time.sleep(2)  # its first scrape, so the live traffic below moves the vLLM counters it watches
+                app = make_app([(p.name, p.base_url) for p in e2e["pods"]], Path(cfg.gateway_log),
+                               policy="prefix_affinity", tokenizer_path=e2e["tokenizer"])
+                with GatewayServer(app) as gw:
+                    run_workload(gw.url, seed=23, scale=0.2, concurrency=2, wait_scale=0.2)  # seed 11: test_workload
+                until = (datetime.now(UTC) + timedelta(seconds=13)).replace(microsecond=0)
+                window = f"from={iso(since)}&to={iso(until)}"
+                lines = sum(1 for line in Path(cfg.gateway_log).read_text().splitlines() if line.strip())
+                settled = f"gateway log: just now ({lines:,} lines)"
+
+                def caught_up() -> bool:  # every line stored and answered, a scrape after the window's end
+                    page.goto(f"{base}/?{window}", wait_until="networkidle")
                     page.wait_for_selector("[data-testid='stMetricValue']", timeout=60_000)
-                    page.wait_for_timeout(1500)
-                    values = page.locator("[data-testid='stMetricValue']").all_inner_texts()
-                    if all(re.fullmatch(r"\d+(\.\d+)?%", v) for v in values[:3]):
-                        break
-                    time.sleep(3)
-                page.wait_for_selector(".js-plotly-plot", timeout=30_000)
-                page.wait_for_timeout(2000)
-                page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+                    page.wait_for_timeout(1000)
+                    text = "\n".join(page.locator("[data-testid='stCaptionContainer']").all_inner_texts())
+                    return (datetime.now(UTC) > until + timedelta(seconds=6) and "; 0 requests waiting" in text
+                            and f"({lines:,} lines)" in text)
+                wait_for(caught_up, 120, f"every line stored and answered ({settled})")
+                for path, (name, ready) in PAGES.items():
+                    shown[name] = read_page(page, db, f"{base}/{path}?{window}", ready, FIGURES.get(name, []),
+                                            artifacts / f"page-{name}.png")
+                shown["filters"] = filters_round_trip(page, db, f"{base}/tenants?{window}", pod, model,
+                                                      artifacts / "page-filters.png")
                 browser.close()
-            print(f"\ndashboard metric values: {values}")
-            # the first three are the token-weighted hit rate from vLLM and from the gateway, request-weighted
-            assert all(re.fullmatch(r"\d+(\.\d+)?%", v) for v in values[:3]), values
-            assert (artifacts / "dashboard.png").stat().st_size > 20_000
         finally:
             proc.terminate()
             try:
-                proc.wait(20)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    span = (until - since).total_seconds()
+    width = next(b for b in NICE_BUCKETS if b >= span / 100)
+    w = {"since": iso(since), "until": iso(until)}
+    example = db.constant("dashboard/views/adhoc_sql.py", "EXAMPLE")
+    whole_window = db.constant("dashboard/views/fingerprints.py", "WHOLE_WINDOW")
+    expected = db.named_over(work / "data", "kvscope", {
+        "hit_rate_total": ("hit_rate_total", w), "hit_rate": ("hit_rate", {**w, "bucket_seconds": str(width)}),
+        "miss_causes": ("miss_causes", w), "tenant_affinity": ("tenant_affinity", w),
+        "fingerprints": ("fingerprint_cardinality", {**w, "bucket_seconds": str(whole_window), "by_tenant": "1"}),
+        "pods": ("pods", w), "dead_letters": ("dead_letters", {"since": w["since"], "until": w["until"]}),
+        "vllm_series": ("vllm_series", {**w, "bucket_seconds": str(width)}),
+        "vllm_latency": ("vllm_latency", {**w, "bucket_seconds": str(width), "by_pod": "1"}),
+        "data_quality": ("data_quality", w),
+        "filtered": ("tenant_affinity", {**w, "tenant": "acme", "pod": pod, "model": model}),
+    }, sql={"example": example})
+    yield {"shown": shown, "expected": expected, "since": since, "until": until, "width": width, "pod": pod,
+           "model": model, "pods": [p.name for p in e2e["pods"]]}
+
+
+def read_page(page, db, url: str, ready: str, keys: list[str], shot: Path) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Opens ``url``, waits for ``ready``, and returns its tiles, alerts, captions and the figures ``keys``."""
+    page.goto(url, wait_until="networkidle")
+    page.wait_for_selector(ready, timeout=60_000)
+    page.wait_for_timeout(2500)  # the rest of the page after the element waited for
+    if "adhoc_sql" in url:
+        page.locator(".st-key-sql_run button").click()
+        page.get_by_text(re.compile(r"^\d+ rows")).first.wait_for(timeout=30_000)
+    out = {"metrics": db.metrics(page), "alerts": db.alerts(page), "url": page.url,
+           "captions": page.locator("[data-testid='stCaptionContainer']").all_inner_texts(),
+           "figures": {k: db.figure(page, k) for k in keys}}
+    page.screenshot(path=str(shot), full_page=True)
+    return out
+
+
+def filters_round_trip(page, db, url: str, pod: str, model: str, shot: Path) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Opens ``url`` with every filter set: what the sidebar shows and the tenant bars drew; then picks "All pods"
+    in the sidebar and returns the URL it led to."""
+    page.goto(f"{url}&tenant=acme&pod={pod}&model={model}", wait_until="networkidle")
+    page.wait_for_selector(".st-key-tenant_bars .js-plotly-plot", timeout=60_000)
+    page.wait_for_timeout(2500)
+    out = {"widgets": {k: db.widget(page, k) for k in ("time_range", "range_from", "range_to", "tenant", "pod",
+                                                         "model")},
+           "bars": db.figure(page, "tenant_bars")}
+    page.screenshot(path=str(shot), full_page=True)
+    page.locator(".st-key-pod").click()
+    page.get_by_role("option", name="All pods").click()
+    page.wait_for_timeout(3000)
+    out["url_after"] = page.url
+    out["pod_after"] = db.widget(page, "pod")
+    return out
+
+
+def _pct(x: float | None) -> str:
+    from dashboard.charts import pct
+
+    return pct(x)
+
+
+@pytest.mark.browser
+def test_overview_in_chromium_shows_hit_rate_total(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    """The tiles equal hit_rate_total; the hit-rate chart's gateway points equal hit_rate; the axis spans the URL's
+    window, the title states the bucket; where the missed tokens went equals miss_causes."""
+    from dashboard.charts import count
+    from tests.dashboard_browser import bucket_key, points
+
+    shown, expected = dashboard_run["shown"]["overview"], dashboard_run["expected"]
+    by = {r["source"]: r for r in expected["hit_rate_total"]}
+    gw, vllm = by["gateway"], by["vllm"]
+    m = shown["metrics"]
+    print(f"\noverview tiles: {m}")
+    assert m["Token-weighted hit rate (vLLM)"] == _pct(vllm["token_weighted_hit_rate"])
+    assert m["Token-weighted hit rate (gateway)"] == _pct(gw["token_weighted_hit_rate"])
+    assert m["Request-weighted hit rate (gateway)"] == _pct(gw["request_weighted_hit_rate"])
+    assert m["Cached-count coverage (gateway)"] == _pct(gw["cached_tokens_coverage"])
+    assert m["Prefill tokens saved"] == count(gw["hit_tokens"])
+    assert m["Missed tokens"] == count(gw["query_tokens"] - gw["hit_tokens"])
+    assert gw["requests"] > 10 and vllm["query_tokens"] > 1000
+    fig = shown["figures"]["hit_rate"]
+    assert fig["title"].endswith(f"· 1 bucket = {dashboard_run['width'] // 60} min")
+    line = points(fig, "Token-weighted hit rate, gateway log")
+    rows = [r for r in expected["hit_rate"] if r["source"] == "gateway"]
+    assert rows and {bucket_key(r["bucket"]): pytest.approx(r["token_weighted_hit_rate"]) for r in rows} == line
+    start, end = fig["xrange"]
+    assert start[:16].replace("T", " ") <= str(dashboard_run["since"])[:16] <= str(dashboard_run["until"])[:16] \
+        <= end[:16].replace("T", " ")
+    where = shown["figures"]["where_missed"]["traces"][0]
+    drawn = dict(zip(where["y"], where["x"], strict=True))
+    from dashboard.causes import label
+
+    assert drawn == {label(r["cause"], r["sub_cause"]): r["missed_tokens"] for r in expected["miss_causes"]}
+
+
+@pytest.mark.browser
+def test_tenants_in_chromium_show_tenant_affinity(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    fig = dashboard_run["shown"]["tenants"]["figures"]["tenant_bars"]
+    rows = dashboard_run["expected"]["tenant_affinity"]
+    for column, name in (("tenant_cache_affinity", "Tenant cache affinity"),
+                         ("token_weighted_hit_rate", "Token-weighted hit rate")):
+        (trace,) = [t for t in fig["traces"] if t["name"] == name]
+        drawn = {x: y for x, y in zip(trace["x"], trace["y"], strict=True) if y is not None}
+        assert drawn == {r["tenant_id"]: pytest.approx(r[column]) for r in rows if r[column] is not None}, name
+    assert len(rows) >= 4  # the workload's tenants
+
+
+@pytest.mark.browser
+def test_miss_causes_in_chromium_show_miss_causes(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    from dashboard import causes
+    from dashboard.charts import count
+
+    shown, rows = dashboard_run["shown"]["miss_causes"], dashboard_run["expected"]["miss_causes"]
+    assert shown["metrics"]["Missed tokens"] == count(sum(r["missed_tokens"] for r in rows))
+    drawn = shown["figures"]["cause_bars"]["traces"]
+    bars = {t["name"]: (t["x"][0], t["color"]) for t in drawn if t["type"] == "bar"}
+    assert bars == {causes.label(r["cause"], r["sub_cause"]):
+                    (r["missed_tokens"], causes.color(r["cause"], r["sub_cause"])) for r in rows}
+    assert "prefix_drift / volatile_system" in bars  # the workload's globex tenant
+
+
+@pytest.mark.browser
+def test_fingerprints_in_chromium_show_fingerprint_cardinality(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    from tests.dashboard_browser import constant
+
+    segments = constant("dashboard/views/fingerprints.py", "SEGMENTS")
+    (cells,) = dashboard_run["shown"]["fingerprints"]["figures"]["fp_segments_tenants"]["traces"]
+    drawn = {(tenant, segment): cells["text"][i][j] for i, tenant in enumerate(cells["y"])
+             for j, segment in enumerate(cells["x"])}
+    want = {}
+    for r in dashboard_run["expected"]["fingerprints"]:
+        for segment, (raw, norm) in segments.items():
+            want[(r["tenant_id"], segment)] = "not used" if r[raw] == 0 else f"{r[raw]} raw / {r[norm]} normalized"
+    assert drawn == want
+
+
+@pytest.mark.browser
+def test_pods_in_chromium_show_pods(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    shown, rows = dashboard_run["shown"]["pods"], dashboard_run["expected"]["pods"]
+    fig = shown["figures"]["pod_hit_rate"]
+    for column, name in (("token_weighted_hit_rate", "Token-weighted hit rate (gateway)"),
+                         ("vllm_token_weighted_hit_rate", "Token-weighted hit rate (vLLM)")):
+        (trace,) = [t for t in fig["traces"] if t["name"] == name]
+        assert dict(zip(trace["x"], trace["y"], strict=True)) == {
+            r["pod"]: pytest.approx(r[column]) for r in rows if r[column] is not None}, name
+    assert {r["pod"] for r in rows} == set(dashboard_run["pods"])
+    good_news = "No dead letters: every line and event parsed." in shown["alerts"]
+    assert good_news == (dashboard_run["expected"]["dead_letters"] == [])
+
+
+@pytest.mark.browser
+def test_vllm_page_in_chromium_shows_vllm_series(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    """Per-pod prompt throughput equals vllm_series; end-to-end p50 equals vllm_latency (bucket-interpolated)."""
+    from tests.dashboard_browser import bucket_key, points
+
+    figs = dashboard_run["shown"]["vllm"]["figures"]
+    series, latency = dashboard_run["expected"]["vllm_series"], dashboard_run["expected"]["vllm_latency"]
+    pods = sorted({r["pod"] for r in series})
+    assert len(pods) == 2
+    for pod in pods:
+        drawn = points(figs["vllm_prompt_tokens_per_s"], pod)
+        assert drawn == {bucket_key(r["bucket"]): pytest.approx(r["prompt_tokens_per_s"]) for r in series
+                         if r["pod"] == pod}
+        assert max(drawn.values()) > 0
+        e2e = points(figs["vllm_e2e_ms"], f"{pod}, p50")
+        assert e2e == {bucket_key(r["bucket"]): pytest.approx(r["p50_ms"]) for r in latency
+                       if r["pod"] == pod and r["metric"] == "e2e_ms" and r["p50_ms"] is not None}
+    assert figs["vllm_prompt_tokens_per_s"]["title"].endswith("1 bucket = 1 min")
+
+
+@pytest.mark.browser
+def test_data_quality_in_chromium_shows_data_quality(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    alerts = dashboard_run["shown"]["data_quality"]["alerts"]
+    rows = dashboard_run["expected"]["data_quality"]
+    disagree = sorted(r["pod"] for r in rows if r["likely_cause"] != "agree")
+    if not disagree:
+        assert f"Both sources agree on every pod ({len(rows)})." in alerts
+    else:
+        assert sorted(a.split(":")[0] for a in alerts if a.split(":")[0] in {r["pod"] for r in rows}) == disagree
+
+
+@pytest.mark.browser
+def test_sql_page_in_chromium_runs_the_example(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    captions = dashboard_run["shown"]["adhoc_sql"]["captions"]
+    n = len(dashboard_run["expected"]["example"])
+    assert f"{n:,} rows" in captions and n >= 4
+
+
+@pytest.mark.browser
+def test_every_page_screenshot_and_sources(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    """A screenshot of every page; the sidebar says how fresh each source is (no KV events here: this
+    `kvscope up` binds no KV-event endpoint)."""
+    artifacts = Path(__file__).parent / "artifacts"
+    for name, _ in PAGES.values():
+        assert (artifacts / f"page-{name}.png").stat().st_size > 20_000, name
+    sources = next(c for c in dashboard_run["shown"]["pods"]["captions"] if c.startswith("Sources"))
+    print(f"\nsidebar: {sources}")
+    assert re.search(r"last scrape (just now|\d+ s ago)", sources)
+    assert "no KV events: routed_away/evicted are inferred from which pod served the predecessor" in sources
+
+
+@pytest.mark.browser
+def test_url_with_filters_reopens_the_same_view(dashboard_run) -> None:  # type: ignore[no-untyped-def]
+    """/tenants?from&to&tenant&pod&model: the sidebar shows each value, the page only that tenant's numbers for that
+    pod and model (tenant_affinity with the same filters); picking "All pods" takes pod out of the URL."""
+    from dashboard.data import CUSTOM
+
+    got = dashboard_run["shown"]["filters"]
+    since, until = dashboard_run["since"], dashboard_run["until"]
+    assert got["widgets"] == {"time_range": CUSTOM, "range_from": since.strftime("%Y-%m-%dT%H:%M"),
+                              "range_to": until.strftime("%Y-%m-%dT%H:%M"), "tenant": "acme",
+                              "pod": dashboard_run["pod"], "model": dashboard_run["model"]}
+    (row,) = dashboard_run["expected"]["filtered"]
+    trace = next(t for t in got["bars"]["traces"] if t["name"] == "Token-weighted hit rate")
+    assert (trace["x"], trace["y"]) == (["acme"], [pytest.approx(row["token_weighted_hit_rate"])])
+    assert "tenant=acme" in got["url_after"] and "pod=" not in got["url_after"] and "from=" in got["url_after"]
+    assert got["pod_after"] == "All pods"
 
 
 def _http_ok(url: str) -> bool:
