@@ -26,7 +26,9 @@ KAFKA_OPTION = click.option(
     help="Kafka bootstrap servers instead of the in-process queue [KVSCOPE_KAFKA_BOOTSTRAP].",
 )
 FORMAT_OPTION = click.option(
-    "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True
+    "--format", "fmt", type=click.Choice(["table", "markdown", "json", "csv"]), default="table", show_default=True,
+    help="table: fits the terminal ($COLUMNS, else 120 when not a terminal), long cells cut with an ellipsis; "
+    "markdown: a GitHub-flavoured table, nothing cut.",
 )
 
 
@@ -124,10 +126,22 @@ def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
         nested = [c for c, t in df.schema.items() if t.is_nested()]
         flat = df.with_columns(pl.col(c).map_elements(_json_text, return_dtype=pl.String) for c in nested)
         click.echo(flat.write_csv(), nl=False)
+    elif fmt == "markdown":
+        from kvscope.tables import render_markdown
+
+        click.echo(render_markdown(df), nl=False)
     else:
-        with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200,
-                       tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
-            click.echo(str(df))
+        from kvscope.tables import render_table, terminal_width
+
+        tty = _stdout_is_terminal()
+        click.echo(render_table(df, terminal_width(tty), styled=tty), nl=False)
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
 
 
 def _json_text(value: Any) -> str:
