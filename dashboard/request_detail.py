@@ -161,7 +161,7 @@ def predecessor_link(head: dict[str, Any]) -> None:
     pred = head["predecessor_request_id"]
     if not pred:
         return
-    params = {k: v for k, v in st.query_params.to_dict().items() if k not in ("request_id", "cause", "sub_cause")}
+    params = {k: v for k, v in st.query_params.to_dict().items() if k != "request_id"}
     st.page_link(PAGE, label=f"Open predecessor {pred}", icon=":material/history:",
                  query_params={**params, "request_id": pred})
 

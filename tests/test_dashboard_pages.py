@@ -323,6 +323,24 @@ def test_cause_from_the_url(fixture_store: Store) -> None:
     assert len(at.get("dataframe")) == 1  # the cause table only: no requests of that cause
 
 
+def test_fix_first_link_opens_its_request(fixture_store: Store) -> None:
+    """The overview's second finding links to /miss_causes with its cause, sub-cause and example request: the
+    page opens on that cause with cap-4-timestamp-first's detail."""
+    from urllib.parse import parse_qsl
+
+    at = app(fixture_store)
+    links = [p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"]
+    params = dict(parse_qsl(links[1]))
+    assert (params["cause"], params["sub_cause"]) == ("prefix_drift", "volatile_system")
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.switch_page("views/miss_causes.py").run()
+    assert_clean(at)
+    assert at.selectbox(key="miss_cause").value == "prefix_drift / volatile_system"
+    assert at.dataframe(key="miss_requests").value["request_id"].tolist() == ["cap-4-timestamp-first"]
+    assert metrics(at)["Predecessor"] == "cap-3-tools-reordered"
+
+
 def test_unknown_request_id(fixture_store: Store) -> None:
     at = miss_page(fixture_store, request_id="no-such-request")
     assert any("No miss attribution for request" in i.value for i in at.info)
