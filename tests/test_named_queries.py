@@ -390,6 +390,9 @@ def test_request_detail_without_predecessor_and_defaults(fx: Store) -> None:
     assert {(x["hash_matched"], x["variant_matched"], x["predecessor_segment_tokens"]) for x in r} == {
         (None, None, None)}
     assert [x["segment_missed_tokens"] for x in r] == [736, 0, 0, 0, 26]  # 736 + 26 tokens: nothing scaled
+    cross = rows(fx, "request_detail", request_id="cap-3-tools-reordered")[0]  # a fingerprint predecessor
+    assert (cross["predecessor_kind"], cross["predecessor_request_id"], cross["predecessor_ts"]) == (
+        "fingerprint", "cap-2-warm", at(50))  # found in another tenant (acme)
     assert rows(fx, "request_detail")[0]["request_id"] == "acme-c1-t3"
     assert rows(fx, "request_detail", tenant="globex")[0]["request_id"] == "cap-4-timestamp-first"
     assert rows(fx, "request_detail", request_id="cap-4-timestamp-first", since=at(71)) == []

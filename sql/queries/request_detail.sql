@@ -71,7 +71,7 @@ WITH
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
                prev_history_hash, history_tokens, suffix_hash, suffix_tokens
         FROM gateway_requests
-        WHERE (ts, request_id) IN (SELECT ts, request_id FROM answer)
+        WHERE (tenant_id, ts, request_id) IN (SELECT tenant_id, ts, request_id FROM answer)
         LIMIT 1
     ),
     pred AS
@@ -81,7 +81,11 @@ WITH
                history_tokens, suffix_hash, suffix_tokens
         FROM gateway_requests
         WHERE request_id IN (SELECT predecessor_request_id FROM answer WHERE predecessor_request_id != '')
-          AND ts <= (SELECT any(ts) FROM answer)
+          -- gap_ms = arrival - (predecessor arrival + its e2e_ms), e2e_ms >= 0: the predecessor arrived by
+          -- arrival - gap_ms (1 s of slack); a previous_turn or variant predecessor is of the same tenant.
+          AND ts <= (SELECT any(ts - toIntervalMillisecond(toInt64(floor(ifNull(gap_ms, 0))) - 1000)) FROM answer)
+          AND ((SELECT any(predecessor_kind) FROM answer) = 'fingerprint'
+               OR tenant_id = (SELECT any(tenant_id) FROM answer))
         ORDER BY ts DESC
         LIMIT 1
     ),
