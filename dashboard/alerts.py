@@ -23,7 +23,7 @@ from typing import Any
 
 import polars as pl
 
-from dashboard import causes
+from dashboard import causes, findings
 from dashboard.alert_rules import Rule
 from ingest.errors import KvscopeError
 from ingest.store import Store
@@ -95,25 +95,39 @@ def windows(now: datetime, seconds: int) -> tuple[datetime, datetime, datetime]:
 
 
 # -- evidence -----------------------------------------------------------------------------------------------
+def _finding_evidence(f: findings.Finding) -> dict[str, Any]:
+    out: dict[str, Any] = {"tenant": f.tenant_id, "cause": f.cause, "sub_cause": f.sub_cause,
+                           "share_percent": round(100 * f.share_of_tenant_missed, 1), "missed_tokens": f.missed_tokens,
+                           "gpu_seconds": f.gpu_seconds, "headline": f.headline, "fix": f.fix, "changed_segment": ""}
+    if f.evidence is not None:
+        e = f.evidence
+        out.update(request_id=e.request_id, request_ts=iso_ms(e.ts), pod=e.pod,
+                   predecessor_request_id=e.predecessor_request_id, predecessor_pod=e.predecessor_pod,
+                   gap_ms=e.gap_ms, changed_segment=e.changed_segment)
+    return out
+
+
 def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str = "", cause: str = "",
                    sub_cause: str = "") -> dict[str, Any]:
-    """What explains a tenant's misses in the window: ``cause``/``sub_cause`` (given, else the tenant's largest
-    actionable cause, else its largest), its ``share_percent`` of the tenant's missed tokens, an example request
-    (``request_id``, ``request_ts``, ``pod``, ``predecessor_request_id``, ``predecessor_pod``, ``gap_ms``: the
-    request with the most missed tokens of that cause, from ``miss_requests``), the ``changed_segment``
-    (prefix_drift's sub-cause) and the ``fix`` in plain words (:func:`dashboard.causes.fix_for`). {} when the
-    tenant missed nothing in the window."""
-    mc = _q(store, "miss_causes", since=since, until=until, tenant=tenant)
-    if mc.is_empty():
-        return {}
-    total = int(mc["missed_tokens"].sum())
+    """What explains a tenant's misses in the window, as JSON-ready facts.
+
+    Without ``cause``: the tenant's first finding of :func:`dashboard.findings.fix_first` (the fix the Overview
+    and the digest put first). With ``cause`` (and ``sub_cause``): that cause. Keys: ``cause``, ``sub_cause``,
+    ``share_percent`` (of the tenant's missed tokens), ``missed_tokens``, the example request (``request_id``,
+    ``request_ts``, ``pod``, ``predecessor_request_id``, ``predecessor_pod``, ``gap_ms``: the largest miss of
+    that cause, from ``miss_requests``), ``changed_segment`` (prefix_drift: system, tools, retrieval or
+    history) and ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
+    {} when nothing matches."""
     if not cause:
-        ranked = sorted(mc.iter_rows(named=True),
-                        key=lambda r: (not causes.actionable(r["cause"], r["sub_cause"]), -r["missed_tokens"]))
-        cause, sub_cause = ranked[0]["cause"], ranked[0]["sub_cause"]
-    match = mc.filter((pl.col("cause") == cause) & ((pl.lit(not sub_cause)) | (pl.col("sub_cause") == sub_cause)))
-    out: dict[str, Any] = {"cause": cause, "sub_cause": sub_cause,
-                           "share_percent": round(100 * int(match["missed_tokens"].sum()) / total, 1) if total else 0}
+        top = findings.fix_first(store, since, until, tenant=tenant, limit=1)
+        return _finding_evidence(top[0]) if top else {}
+    mc = _q(store, "miss_causes", since=since, until=until, tenant=tenant)
+    match = mc.filter((pl.col("cause") == cause) & (pl.lit(not sub_cause) | (pl.col("sub_cause") == sub_cause)))
+    total = int(mc["missed_tokens"].sum()) if not mc.is_empty() else 0
+    if match.is_empty() or not total:
+        return {}
+    out: dict[str, Any] = {"cause": cause, "sub_cause": sub_cause, "missed_tokens": int(match["missed_tokens"].sum()),
+                           "share_percent": round(100 * int(match["missed_tokens"].sum()) / total, 1)}
     ex = _q(store, "miss_requests", since=since, until=until, tenant=tenant, cause=cause, sub_cause=sub_cause,
             limit=1)
     if not ex.is_empty():
@@ -121,7 +135,7 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
         out.update(sub_cause=r["sub_cause"], request_id=r["request_id"], request_ts=iso_ms(r["ts"]), pod=r["pod"],
                    predecessor_request_id=r["predecessor_request_id"], predecessor_pod=r["predecessor_pod"],
                    gap_ms=r["gap_ms"])
-    out["changed_segment"] = out["sub_cause"] if cause == "prefix_drift" else ""
+    out["changed_segment"] = findings.SEGMENT_OF.get(out["sub_cause"], "") if cause == "prefix_drift" else ""
     fix = causes.fix_for(cause, out["sub_cause"])
     out["fix"] = fix.advice if fix else ""
     return out

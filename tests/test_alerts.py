@@ -235,7 +235,7 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
     assert [t["tenant"] for t in ev["tenants"]] == ["globex"]  # acme stays healthy
     assert ev["request_id"].startswith("globex-stamped-") and ev["pod"] == "pod-a"
     assert ev["predecessor_request_id"].startswith("globex-") and ev["predecessor_pod"] == "pod-a"
-    assert ev["changed_segment"] == "volatile_system" and 0 < ev["gap_ms"] <= 30_000
+    assert ev["changed_segment"] == "system" and 0 < ev["gap_ms"] <= 30_000
     assert ev["fix"] == causes.fix_for("prefix_drift", "volatile_system").advice
     example = store.named("miss_requests", {**window, "tenant": "globex", "cause": "prefix_drift", "limit": "1"})
     assert ev["request_id"] == example["request_id"][0]
