@@ -70,11 +70,11 @@ def human_duration(seconds: float) -> str:
     """``"45 s"``, ``"10 min"``, ``"1 h"``, ``"1.5 h"``, ``"2 d"``."""
     if seconds < 120:
         return f"{seconds:.0f} s"
-    if seconds < 7200:
+    if seconds < 3600:
         return f"{seconds / 60:.0f} min"
     if seconds < 172800:
-        return f"{seconds / 3600:g} h" if seconds % 1800 == 0 else f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d".replace(".0 d", " d")
+        return f"{round(seconds / 3600, 1):g} h"
+    return f"{round(seconds / 86400, 1):g} d"
 
 
 def _q(store: Store, name: str, **params: Any) -> pl.DataFrame:
@@ -197,36 +197,47 @@ def hit_rate_drop(store: Store, rule: Rule, now: datetime) -> Outcome:
     return FIRING, top["drop_pp"], _with_cause(message, evidence), evidence
 
 
+def _shares(per: pl.DataFrame) -> list[dict[str, Any]]:
+    return [{"tenant": r["tenant_id"], "share_percent": round(100 * r["matching"] / r["total"], 1),
+             "missed_tokens": int(r["matching"]), "tenant_missed_tokens": int(r["total"])}
+            for r in per.iter_rows(named=True) if r["total"]]
+
+
 def cause_share(store: Store, rule: Rule, now: datetime) -> Outcome:
     """A cause's (or cause/sub_cause's) share of missed tokens in the window, percent, per tenant or pooled
-    (value = the share of the most affected firing subject, else the largest share)."""
+    (value = the share of the most affected firing subject, else the largest share). Pooled, the evidence
+    names the tenants that contributed most of the cause's missed tokens."""
     p, w = rule.params, human_duration(rule.params["window"])
     _, since, until = windows(now, p["window"])
-    df = _q(store, "miss_causes", since=since, until=until, tenant=p["tenant"], by_tenant=int(p["per_tenant"]))
+    df = _q(store, "miss_causes", since=since, until=until, tenant=p["tenant"], by_tenant=1)
     label = causes.label(p["cause"], p["sub_cause"])
     is_match = (pl.col("cause") == p["cause"]) & (pl.lit(not p["sub_cause"]) | (pl.col("sub_cause") == p["sub_cause"]))
-    per = (df.group_by("tenant_id").agg(pl.col("missed_tokens").sum().alias("total"),
-                                        pl.col("missed_tokens").filter(is_match).sum().alias("matching"))
-           .filter(pl.col("total") >= max(p["min_missed_tokens"], 1)))
-    rows = [{"tenant": r["tenant_id"] or p["tenant"], "share_percent": round(100 * r["matching"] / r["total"], 1),
-             "missed_tokens": int(r["matching"]), "tenant_missed_tokens": int(r["total"])}
-            for r in per.iter_rows(named=True)]
+    per = df.group_by("tenant_id").agg(pl.col("missed_tokens").sum().alias("total"),
+                                       pl.col("missed_tokens").filter(is_match).sum().alias("matching"))
+    contributors = sorted((r for r in _shares(per) if r["missed_tokens"]), key=lambda r: -r["missed_tokens"])
+    if not p["per_tenant"]:
+        per = per.select(pl.lit(p["tenant"]).alias("tenant_id"), pl.col("total").sum(), pl.col("matching").sum())
+    rows = [r for r in _shares(per) if r["tenant_missed_tokens"] >= p["min_missed_tokens"]]
     if not rows:
         return OK, None, f"fewer than {p['min_missed_tokens']:,} missed tokens in the last {w}: nothing to judge", {}
     firing = sorted((r for r in rows if r["share_percent"] > rule.threshold), key=lambda r: -r["missed_tokens"])
     if not firing:
         top = max(rows, key=lambda r: r["share_percent"])
-        who = top["tenant"] or "the fleet"
+        who = top["tenant"] or "all tenants"
         return OK, top["share_percent"], (f"{label} is at most {top['share_percent']:g} % of missed tokens ({who}), "
                                           f"under {rule.threshold:g} %"), {}
     top = firing[0]
-    evidence = {"tenant": top["tenant"], "tenants": firing[:10],
-                **cause_evidence(store, since, until, top["tenant"], p["cause"], p["sub_cause"])}
+    tenants = firing if p["per_tenant"] else contributors
+    culprit = top["tenant"] or (tenants[0]["tenant"] if tenants else "")
+    evidence = {"tenants": tenants[:10], **cause_evidence(store, since, until, culprit, p["cause"], p["sub_cause"]),
+                "tenant": culprit}
     share = f"{top['share_percent']:g} %"
     whose = f"{top['tenant']}: {share} of its" if top["tenant"] else f"{share} of all"
     message = f"{whose} missed tokens in the last {w} are {label} (threshold {rule.threshold:g} %)"
-    if len(firing) > 1:
+    if p["per_tenant"] and len(firing) > 1:
         message += "; also " + ", ".join(f"{r['tenant']} ({r['share_percent']:g} %)" for r in firing[1:4])
+    elif not p["per_tenant"] and culprit:
+        message += f"; most from {culprit} ({tenants[0]['missed_tokens']:,} tokens)"
     return FIRING, top["share_percent"], message, evidence
 
 

@@ -161,11 +161,12 @@ def up(no_dashboard: bool, **opts: Any) -> None:
 
     _stop_on_signals()
     cfg = _config(**opts)
+    alerts = _alert_setup(cfg)  # a bad rules file stops start-up before anything starts
     watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
     store = _store(cfg)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours
-    pipe = Pipeline(cfg, store=store, alerts=_alert_setup(cfg))
+    pipe = Pipeline(cfg, store=store, alerts=alerts)
     click.echo(
         f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
     )
@@ -211,9 +212,10 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     if all(opts.get(k) is None and not os.environ.get(f"KVSCOPE_{k.upper()}") for k in chosen):
         opts["data_dir"] = str(workdir / "data")  # the demo's own store unless one was chosen
     cfg = _config(**opts)
+    alerts = _alert_setup(cfg)
     _serve_self_metrics(cfg)
     store = _store(cfg)
-    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds, alerts=_alert_setup(cfg))
+    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds, alerts=alerts)
     run.start_background()
     click.echo(
         f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}  (vLLM servers start in ~2 min; "

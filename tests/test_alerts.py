@@ -174,6 +174,13 @@ per_tenant = true
 min_missed_tokens = 500
 
 [[rule]]
+name = "drift_pooled"
+kind = "cause_share"
+window = "10m"
+cause = "prefix_drift"
+share_percent = 30
+
+[[rule]]
 name = "hit_rate"
 kind = "hit_rate_drop"
 window = "10m"
@@ -209,7 +216,8 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
 
     # healthy: every rule ok, nothing sent (a first "ok" is no change)
     evs = load_and_evaluate("healthy", t0, stamped=False)
-    assert {n: e.state for n, e in evs.items()} == {"drift": OK, "hit_rate": OK, "cardinality": OK}
+    assert {n: e.state for n, e in evs.items()} == {"drift": OK, "drift_pooled": OK, "hit_rate": OK,
+                                                     "cardinality": OK}
     assert webhook.posts == [] and inbox.messages == []
 
     # globex puts a timestamp first: the rule fires within this one evaluation, for globex only
@@ -224,6 +232,13 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
     assert drift.value == expected > 80  # the header sits in the first block: the whole system prompt misses
     assert evs["hit_rate"].state == FIRING and evs["cardinality"].state == FIRING
     assert {e.evidence["tenant"] for e in evs.values()} == {"globex"}
+    pooled = evs["drift_pooled"]  # all tenants' missed tokens together: globex's drift is most of them
+    all_missed = shares["missed_tokens"].sum()
+    drift_missed = shares.filter(shares["cause"] == "prefix_drift")["missed_tokens"].sum()
+    assert pooled.state == FIRING and pooled.value == round(100 * drift_missed / all_missed, 1)
+    assert pooled.message.startswith(f"{pooled.value:g} % of all missed tokens")
+    assert "most from globex" in pooled.message
+    assert [t["tenant"] for t in pooled.evidence["tenants"]] == ["globex"]
 
     (body,) = webhook.bodies("drift")
     assert (body["state"], body["severity"], body["tenant"], body["cause"]) == (
@@ -245,10 +260,11 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
     assert "tenant=globex&cause=prefix_drift&sub_cause=volatile_system" in body["dashboard_url"]
     assert body["status"] == "firing" and body["labels"]["alertname"] == "drift"
     assert body["alerts"][0]["labels"] == body["labels"] and body["labels"]["tenant"] == "globex"
-    assert {p["type"] for p in webhook.posts} == {"application/json"} and len(webhook.posts) == 3
+    assert {p["type"] for p in webhook.posts} == {"application/json"} and len(webhook.posts) == 4
     assert all(CANARY not in p["raw"] and "invoice" not in p["raw"] for p in webhook.posts)
     mails = {m["Subject"].split(":")[0]: m for m in inbox.messages}
-    assert set(mails) == {"[kvscope FIRING] drift", "[kvscope FIRING] hit_rate", "[kvscope FIRING] cardinality"}
+    assert set(mails) == {"[kvscope FIRING] drift", "[kvscope FIRING] drift_pooled", "[kvscope FIRING] hit_rate",
+                          "[kvscope FIRING] cardinality"}
     text = mails["[kvscope FIRING] drift"].get_content()
     assert mails["[kvscope FIRING] drift"]["To"] == "oncall@example.com"
     assert ev["request_id"] in text and "volatile_system" in text and CANARY not in text
@@ -257,7 +273,7 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
     fired_at = drift.changed_at
     evs = run_once(store, rules, notifier, now=t0 + timedelta(minutes=21, seconds=5))
     assert {e.rule.name: (e.state, e.notice) for e in evs}["drift"] == (FIRING, "")
-    assert len(webhook.posts) == 3 and len(inbox.messages) == 3
+    assert len(webhook.posts) == 4 and len(inbox.messages) == 4
     assert current_states(store)["drift"]["changed_at"] == fired_at
 
     # the timestamp is gone again: a resolved notice, with the evidence it fired on
