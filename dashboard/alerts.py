@@ -83,6 +83,7 @@ def _q(store: Store, name: str, **params: Any) -> pl.DataFrame:
 
 
 def iso_ms(t: datetime) -> str:
+    """``2026-12-01T04:00:00.123Z`` (UTC, milliseconds)."""
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 

@@ -443,8 +443,8 @@ def test_alert_state_query_and_the_alerts_page(store: Store) -> None:
         at = alerts_page(store)
         assert {m.label: m.value for m in at.metric}["Firing"] == "1"
         text = "\n".join(m.value for m in at.markdown).replace("\\", "")  # unescaped
-        assert "**prefix_drift_share** · firing since 2026-11-29 12:02:00" in text
+        assert "**prefix_drift_share** · :red[firing] since 2026-11-29 12:02:00" in text
         assert "94.0 % vs threshold 50.0 %" in text and "Cause: prefix_drift / volatile_system" in text
-        assert "**vllm_scrape_silent** · ok since 2026-11-29 12:00:00" in text
+        assert "**vllm_scrape_silent** · :green[ok] since 2026-11-29 12:00:00" in text
     finally:
         data.register_store(None)

@@ -5,23 +5,23 @@ value beside the threshold, the message and the evidence (docs/alerts.md). Rules
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import streamlit as st
 
 from dashboard import charts, data
-from dashboard.alert_rules import UNITS, AlertRulesError, load_rules
+from dashboard.alert_rules import UNITS
 from dashboard.causes import label
 
 st.header("Alerts")
 st.caption(
     "Each rule's latest evaluation. A notice goes to the webhook and by email only when a rule's state changes "
     "(ok → firing, firing → resolved). Rules: KVSCOPE_ALERT_RULES, else the built-in rules (docs/alerts.md). "
-    "Times are UTC."
+    "Times are UTC; the sidebar's filters do not apply here."
 )
 
 ICONS = {"firing": ":material/notifications_active:", "ok": ":material/check_circle:"}
+COLOURS = {"firing": "red", "ok": "green"}
 
 
 def _value(v: float | None, unit: str) -> str:
@@ -55,19 +55,8 @@ def _evidence_lines(ev: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _configured() -> tuple[set[str] | None, str]:
-    """The names of the rules the settings name (None when the file is unreadable) and the problem, if any."""
-    try:
-        return {r.name for r in load_rules(os.environ.get("KVSCOPE_ALERT_RULES", ""))}, ""
-    except AlertRulesError as exc:
-        return None, str(exc)
-
-
 def render(f: data.Filters) -> None:
     states = data.named("alert_state")
-    names, problem = _configured()
-    if problem:
-        st.error(problem)
     if states.is_empty():
         st.info("No rule evaluated yet: `kvscope up` evaluates the alert rules every KVSCOPE_ALERT_EVERY_SECONDS "
                 "(first after one interval), `kvscope alerts --once` at once.", icon=":material/hourglass_empty:")
@@ -76,12 +65,17 @@ def render(f: data.Filters) -> None:
     cols = st.columns(3)
     cols[0].metric("Firing", firing)
     cols[1].metric("OK", states.height - firing)
-    cols[2].metric("Last evaluated", f"{states['evaluated_at'].max():%H:%M:%S}")
+    latest = states["evaluated_at"].max()
+    cols[2].metric("Last evaluated (UTC)", f"{latest:%H:%M:%S}")
     for row in states.iter_rows(named=True):
         unit = UNITS.get(row["kind"], "")
         with st.container(border=True):
-            stale = "" if names is None or row["rule"] in names else " · no longer in the rules"
-            st.markdown(f"{ICONS.get(row['state'], '')} **{charts.plain(row['rule'])}** · {row['state']} since "
+            # every run evaluates all its rules at one instant: a rule left out of the latest run was removed from
+            # the rules (or its queries failed)
+            stale = "" if row["evaluated_at"] == latest else (
+                f" · not in the latest evaluation (last {row['evaluated_at']:%Y-%m-%d %H:%M:%S})")
+            state = f":{COLOURS[row['state']]}[{row['state']}]" if row["state"] in COLOURS else row["state"]
+            st.markdown(f"{ICONS.get(row['state'], '')} **{charts.plain(row['rule'])}** · {state} since "
                         f"{row['changed_at']:%Y-%m-%d %H:%M:%S} · {row['severity']} · {row['kind']}{stale}")
             st.markdown(f"{_value(row['value'], unit)} vs threshold {_value(row['threshold'], unit)} — "
                         f"{charts.plain(row['message'])}")
