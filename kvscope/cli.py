@@ -175,11 +175,12 @@ def up(no_dashboard: bool, **opts: Any) -> None:
 
     _stop_on_signals()
     cfg = _config(**opts)
+    alerts = _alert_setup(cfg)  # a bad rules file stops start-up before anything starts
     watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
     store = _store(cfg)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours
-    pipe = Pipeline(cfg, store=store)
+    pipe = Pipeline(cfg, store=store, alerts=alerts)
     click.echo(
         f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
     )
@@ -225,9 +226,10 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     if all(opts.get(k) is None and not os.environ.get(f"KVSCOPE_{k.upper()}") for k in chosen):
         opts["data_dir"] = str(workdir / "data")  # the demo's own store unless one was chosen
     cfg = _config(**opts)
+    alerts = _alert_setup(cfg)
     _serve_self_metrics(cfg)
     store = _store(cfg)
-    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
+    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds, alerts=alerts)
     run.start_background()
     click.echo(
         f"dashboard: http://{cfg.dashboard_address}:{cfg.dashboard_port}  (vLLM servers start in ~2 min; "
@@ -453,6 +455,57 @@ def sql_(statement: str, fmt: str, **opts: Any) -> None:
     _emit(df, fmt)
     if df.height >= ADHOC_MAX_ROWS:
         click.echo(f"(at most {ADHOC_MAX_ROWS} rows are returned: the result may have more)", err=True)
+
+
+def _alert_setup(cfg):  # type: ignore[no-untyped-def]
+    """The alert rules and notifier the settings name; a bad rules file or mail setting is a usage error."""
+    from dashboard.alert_delivery import Notifier
+    from dashboard.alert_rules import AlertRulesError, load_rules
+    from dashboard.mail import MailError
+
+    try:
+        return load_rules(cfg.alert_rules), Notifier.from_config(cfg)
+    except (AlertRulesError, MailError) as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@main.command()
+@store_options
+@click.option("--rules", "alert_rules", default=None,
+              help="Alert rules file (TOML) [KVSCOPE_ALERT_RULES]; default: the built-in rules (docs/alerts.md).")
+@click.option("--every", "alert_every_seconds", type=float, default=None,
+              help="Seconds between evaluations [KVSCOPE_ALERT_EVERY_SECONDS].")
+@click.option("--once", is_flag=True, help="Evaluate every rule once, print the states, exit 0.")
+@FORMAT_OPTION
+def alerts(once: bool, fmt: str, **opts: Any) -> None:
+    """Evaluate the alert rules on schedule; notify the webhook (KVSCOPE_ALERT_WEBHOOK_URL) and email
+    (KVSCOPE_ALERT_TO) when a rule starts or stops firing. `kvscope up` does this too."""
+    import polars as pl
+
+    from dashboard.alerts import alert_loop, iso, run_once
+    from ingest.errors import KvscopeError
+
+    cfg = _config(**opts)
+    rules, notifier = _alert_setup(cfg)
+    store = _store(cfg)
+    if once:
+        try:
+            evs = run_once(store, rules, notifier)
+        except KvscopeError as exc:
+            raise _store_error(exc) from exc
+        _emit(pl.DataFrame([{"rule": e.rule.name, "state": e.state, "since": iso(e.changed_at),
+                             "severity": e.rule.severity, "value": e.value, "threshold": e.rule.threshold,
+                             "unit": e.rule.unit, "message": e.message} for e in evs],
+                           schema_overrides={"value": pl.Float64}), fmt)
+        return
+    _serve_self_metrics(cfg)
+    stop = _stop_on_signals()
+    click.echo(f"kvscope alerts: {len(rules)} rules every {cfg.alert_every_seconds:g} s", err=True)
+    thread = threading.Thread(target=alert_loop, args=(store, rules, notifier, stop, cfg.alert_every_seconds),
+                              daemon=True)
+    thread.start()
+    _wait(stop)
+    thread.join(30)
 
 
 @main.command()

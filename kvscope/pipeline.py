@@ -92,6 +92,8 @@ class Pipeline:
     collect: bool = True
     ingest: bool = True
     attribute: bool = True
+    #: (rules, notifier) to evaluate every ``alert_every_seconds`` (dashboard/alerts.py), or None for no alerts.
+    alerts: tuple | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     collector: Collector | None = None
     ingester: Ingester | None = None
@@ -123,6 +125,12 @@ class Pipeline:
             assert store is not None
             self._spawn("attribution", lambda: attribution_loop(
                 store, self._ingest_stop, self.cfg.attribution_interval_seconds, **attribution_kwargs(self.cfg)))
+        if self.alerts is not None and self.store is not None:
+            from dashboard.alerts import alert_loop
+
+            rules, notifier = self.alerts
+            store, every = self.store, self.cfg.alert_every_seconds
+            self._spawn("alerts", lambda: alert_loop(store, rules, notifier, self.stop, every, first_delay=every))
         if self.collect:
             assert publisher is not None
             for p in self.cfg.list("gateway_log"):

@@ -1,0 +1,41 @@
+-- name: freshness
+-- description: The latest row of each source per pod (vLLM scrapes, gateway log lines, KV events, attribution answers): when each was last heard from, and how long ago.
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | look no further back than this, UTC (a source silent since before it has no row)
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | ignore rows from this time on (exclusive), UTC
+-- param: pod: String = '' | pod to keep, '' = all
+-- returns: source String | vllm_scrape (a /metrics scrape: vllm_metrics), gateway_log (a request logged by the gateway: gateway_requests), kv_events (a KV-cache event: kv_block_events) or attribution (a miss-cause answer written: request_attribution.attributed_at)
+-- returns: pod String | the pod (gateway_log: the pod that served the request; '' when the gateway logged none, e.g. a refused request)
+-- returns: last_ts DateTime64(3, 'UTC') | the source's latest row for the pod in the window, UTC (the scrape, request, event or answer time)
+-- returns: age_seconds Float64 | seconds from last_ts to the store's clock now (negative when the row's clock is ahead)
+--
+-- vllm_scrape reads vLLM's num_requests_running and num_requests_waiting gauges only: every scrape carries them
+-- (gauges are sent each scrape, counters only when they moved), and the table is sorted by name first.
+SELECT source, pod, last_ts, dateDiff('millisecond', last_ts, now64(3, 'UTC')) / 1000 AS age_seconds
+FROM
+(
+    SELECT 'vllm_scrape' AS source, CAST(m.pod AS String) AS pod, max(m.ts) AS last_ts
+    FROM vllm_metrics AS m
+    WHERE m.name IN ('vllm:num_requests_running', 'vllm:num_requests_waiting')
+      AND m.ts >= {since:DateTime64(3, 'UTC')} AND m.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR m.pod = {pod:String})
+    GROUP BY pod
+    UNION ALL
+    SELECT 'gateway_log' AS source, CAST(g.pod AS String) AS pod, max(g.ts) AS last_ts
+    FROM gateway_requests AS g
+    WHERE g.ts >= {since:DateTime64(3, 'UTC')} AND g.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR g.pod = {pod:String})
+    GROUP BY pod
+    UNION ALL
+    SELECT 'kv_events' AS source, CAST(k.pod AS String) AS pod, max(k.ts) AS last_ts
+    FROM kv_block_events AS k
+    WHERE k.ts >= {since:DateTime64(3, 'UTC')} AND k.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR k.pod = {pod:String})
+    GROUP BY pod
+    UNION ALL
+    SELECT 'attribution' AS source, CAST(r.pod AS String) AS pod, max(r.attributed_at) AS last_ts
+    FROM request_attribution AS r
+    WHERE r.ts >= {since:DateTime64(3, 'UTC')} AND r.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR r.pod = {pod:String})
+    GROUP BY pod
+)
+ORDER BY source, pod
