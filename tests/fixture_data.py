@@ -190,6 +190,11 @@ TTFT_COUNTS = [[0, 0, 0, 5, 7, 10, 11] + [12] * 16, [0, 0, 0, 7, 10, 14, 16] + [
 QUEUE_LE = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0", "40.0",
             "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"]
 QUEUE_COUNTS = [[12] * 22, [17] * 22]
+# pod-a's vllm:request_prefill_time_seconds_sum: the capture's two values, then 3.2 ms more for the 32 tokens it
+# computed by the third scrape; pod-b exposes none (it takes the fleet's rate). Over the window pod-a computed
+# (13709 - 9818) - (6240 - 4064) = 1715 tokens in 0.139662678 s: PREFILL_SECONDS_PER_TOKEN.
+PREFILL_SECONDS_SUM = (0.34782353299988245, 0.4842862109996986, 0.4874862109996986)
+PREFILL_SECONDS_PER_TOKEN = (PREFILL_SECONDS_SUM[2] - PREFILL_SECONDS_SUM[0]) / 1715
 CACHE_CONFIG_LABELS = {
     "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": "True",
     "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": "1073741824",
@@ -227,6 +232,8 @@ def metric_rows() -> list[tuple[Any, ...]]:
             add(pod, t, "vllm:prompt_tokens_total", prompt)
             add(pod, t, "vllm:generation_tokens_total", gen)
             add(pod, t, "vllm:kv_cache_usage_perc", usage, counter=False)
+    for t, seconds in zip(SCRAPES, PREFILL_SECONDS_SUM, strict=True):
+        add("pod-a", t, "vllm:request_prefill_time_seconds_sum", seconds)
     for t, ttft, queue in zip(SCRAPES[:2], TTFT_COUNTS, QUEUE_COUNTS, strict=True):
         for le, n in zip(TTFT_LE, ttft, strict=True):
             add("pod-a", t, "vllm:time_to_first_token_seconds_bucket", n, le)

@@ -22,7 +22,7 @@ from collector.vllm_metrics import ScrapeState, scrape_events
 from ingest.errors import QueryError
 from ingest.rows import metric_rows
 from ingest.store import Store
-from tests.fixture_data import at, load_fixture
+from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, at, load_fixture
 from tests.test_vllm_metrics import BODY1, vllm_0_10
 
 PARAM_USE = re.compile(r"\{(\w+):([^{}]+)\}")
@@ -263,6 +263,15 @@ def test_miss_causes(fx: Store) -> None:
     }
     assert r[0]["cause"] == "cold" and r[0]["share_of_missed"] == approx(1120 / total)
     assert all(x["tenant_id"] == "" for x in r)
+    # pod-a measured its prefill time; pod-b did not and takes the fleet's rate, which is pod-a's
+    for x in r:
+        assert x["gpu_seconds"] == approx(x["missed_tokens"] * PREFILL_SECONDS_PER_TOKEN), x
+
+
+def test_miss_causes_gpu_seconds_need_a_measurement(fx: Store) -> None:
+    # a window with misses but no prefill-time increase (before pod-a's second scrape): unknown, not 0
+    r = rows(fx, "miss_causes", until="2026-11-29 12:01:00.000")
+    assert r and all(x["gpu_seconds"] is None for x in r)
 
 
 def test_miss_causes_per_tenant(fx: Store) -> None:

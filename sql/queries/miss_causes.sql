@@ -11,23 +11,51 @@
 -- returns: missed_tokens UInt64 | missed prompt tokens explained by this cause, tokens (each missed token counted once)
 -- returns: share_of_missed Float64 | missed_tokens / all missed tokens in the window and filters (all rows of the result), fraction 0..1
 -- returns: requests UInt64 | distinct requests with missed tokens of this cause
+-- returns: gpu_seconds Nullable(Float64) | what re-computing these missed tokens cost: Σ over pods of missed tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds; NULL when no pod measured prefill time (vllm:request_prefill_time_seconds) in the window
 --
 -- Reads misses_rollup (sql/migrations/0012): missed tokens and requests per cause, weighted by the sign of each
--- answer (a replaced answer cancels itself), so exact without FINAL.
+-- answer (a replaced answer cancels itself), so exact without FINAL. GPU-seconds: each pod's missed tokens times
+-- that pod's measured prefill seconds per computed prompt token over the same window, Δ vllm:request_prefill_time_seconds_sum /
+-- (Δ vllm:prompt_tokens_total − Δ vllm:prefix_cache_hits_total) (vLLM v1 metrics/loggers.py; docs/miss-causes.md,
+-- "Cost of a miss"); a pod without its own measurement takes the fleet's rate (pods that have one, pooled).
+WITH
+    cost AS
+    (
+        SELECT CAST(pod AS String) AS pod_name,
+               sumIf(increase, name = 'vllm:request_prefill_time_seconds_sum') AS prefill_seconds,
+               sumIf(increase, name = 'vllm:prompt_tokens_total')
+                 - sumIf(increase, name IN ('vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total'))
+                 AS computed_tokens
+        FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1,
+                         names = ['vllm:request_prefill_time_seconds_sum', 'vllm:prompt_tokens_total',
+                                  'vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total'])
+        GROUP BY pod_name
+        HAVING prefill_seconds > 0 AND computed_tokens > 0
+    ),
+    (SELECT if(count() > 0, sum(prefill_seconds) / sum(computed_tokens), NULL) FROM cost) AS fleet_seconds_per_token
 SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
-       share_of_missed, affected AS requests
+       share_of_missed, affected AS requests, gpu_seconds
 FROM
 (
-    SELECT
-        if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant,
-        CAST(cause AS String) AS cause_name,
-        CAST(sub_cause AS String) AS sub_cause_name,
-        toUInt64(greatest(sum(missed_tokens), 0)) AS missed,
-        missed / sum(missed) OVER () AS share_of_missed,
-        toUInt64(greatest(sum(requests), 0)) AS affected
-    FROM misses_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
-    WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+    SELECT tenant, cause_name, sub_cause_name, sum(m.pod_missed) AS missed,
+           missed / sum(missed) OVER () AS share_of_missed, sum(m.pod_requests) AS affected,
+           sum(m.pod_missed * if(c.pod_name = '', CAST(fleet_seconds_per_token AS Nullable(Float64)),
+                                 c.prefill_seconds / c.computed_tokens)) AS gpu_seconds
+    FROM
+    (
+        SELECT
+            if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant,
+            CAST(cause AS String) AS cause_name,
+            CAST(sub_cause AS String) AS sub_cause_name,
+            CAST(pod AS String) AS pod_name,
+            toUInt64(greatest(sum(missed_tokens), 0)) AS pod_missed,
+            toUInt64(greatest(sum(requests), 0)) AS pod_requests
+        FROM misses_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
+        WHERE ({tenant:String} = '' OR tenant_id = {tenant:String}) AND ({pod:String} = '' OR pod = {pod:String})
+        GROUP BY tenant, cause_name, sub_cause_name, pod_name
+        HAVING pod_missed > 0
+    ) AS m
+    LEFT JOIN cost AS c ON m.pod_name = c.pod_name
     GROUP BY tenant, cause_name, sub_cause_name
-    HAVING missed > 0
 )
 ORDER BY missed_tokens DESC, tenant_id, cause, sub_cause

@@ -1,0 +1,212 @@
+"""What to fix first: the actionable miss causes ranked by what they cost, each with evidence and a fix.
+
+Read by the Overview's "fix first", the digest and the alerts, so the three say the same thing. Everything comes
+from named queries (``miss_causes`` per tenant for the amounts, ``miss_requests`` for one example request), so the
+figures equal what ``kvscope query`` returns for the same window.
+
+Ranking (docs/fix-first.md): findings are the (tenant, cause, sub-cause) rows whose cause has a fix
+(:data:`dashboard.causes.FIXES`), with at least :data:`MIN_SHARE` of all missed tokens; they are ordered by
+GPU-seconds (missed tokens when a window has no prefill-time measurement), except that within one tenant a
+prompt-assembly fix that explains at least :data:`MIN_TENANT_SHARE` of the tenant's misses comes before its
+routing or TTL fixes: routing by prefix only pays once the prefix is stable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlencode
+
+import polars as pl
+
+from dashboard import causes
+
+#: A finding must explain at least this share of all missed tokens in the window (smaller ones are noise).
+MIN_SHARE = 0.01
+#: A tenant's prompt-assembly finding moves ahead of its routing/TTL ones when it explains this share of its misses.
+MIN_TENANT_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The largest miss of a finding's kind in the window: the request, where it ran, what it should have reused.
+
+    ``gap_ms``: time from the predecessor to this request, ms (None without a predecessor); ``changed_segment``:
+    the first prompt segment that changed (the prefix_drift sub-cause), '' for other causes.
+    """
+
+    request_id: str
+    ts: datetime
+    pod: str
+    predecessor_request_id: str
+    predecessor_pod: str
+    gap_ms: float | None
+    changed_segment: str
+    missed_tokens: int
+
+    def text(self) -> str:
+        """One sentence: "request r-9 on pod-b missed 768 tokens; its predecessor r-8 ran on pod-a 2.1 s before"."""
+        out = f"request {self.request_id} on {self.pod} missed {self.missed_tokens:,} tokens"
+        if self.changed_segment:
+            out += f" at its {self.changed_segment.replace('_', ' ')} segment"
+        if self.predecessor_request_id:
+            out += f"; its predecessor {self.predecessor_request_id} ran on {self.predecessor_pod or 'an unknown pod'}"
+            if self.gap_ms is not None:
+                out += f" {_duration(self.gap_ms / 1000)} before"
+        return out
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One (tenant, cause, sub_cause) worth fixing, with its cost and the fix in plain words.
+
+    Token counts in tokens; ``gpu_seconds`` in GPU-seconds (None when no pod measured its prefill time in the
+    window); ``money`` = gpu_seconds / 3600 × the GPU-hour price (None when no price is set);
+    ``share_of_tenant_missed`` / ``share_of_missed``: fractions 0..1 of the tenant's / all missed tokens.
+    """
+
+    tenant_id: str
+    cause: str
+    sub_cause: str
+    missed_tokens: int
+    requests: int
+    gpu_seconds: float | None
+    money: float | None
+    share_of_tenant_missed: float
+    share_of_missed: float
+    stage: int
+    fix: str
+    evidence: Evidence | None = None
+
+    @property
+    def label(self) -> str:
+        return causes.label(self.cause, self.sub_cause)
+
+    @property
+    def headline(self) -> str:
+        """E.g. "globex: 94 % of its missed tokens are prefix_drift / volatile_system (768 tokens, 0.06 GPU-s)"."""
+        cost = f", {self.gpu_seconds:,.2f} GPU-s" if self.gpu_seconds is not None else ""
+        return (f"{self.tenant_id or 'all tenants'}: {self.share_of_tenant_missed * 100:.0f} % of its missed tokens "
+                f"are {self.label} ({self.missed_tokens:,} tokens{cost})")
+
+    def url(self, base_url: str, since: datetime, until: datetime) -> str:
+        """The drill-down on the dashboard's Miss causes page for this finding's tenant, cause and window ('' when
+        no ``base_url``: the dashboard's address as readers reach it, KVSCOPE_DASHBOARD_URL)."""
+        if not base_url:
+            return ""
+        params = {"from": _iso(since), "to": _iso(until), "tenant": self.tenant_id, "cause": self.cause}
+        if self.sub_cause:
+            params["sub_cause"] = self.sub_cause
+        if self.evidence:
+            params["request_id"] = self.evidence.request_id
+        return f"{base_url.rstrip('/')}/miss_causes?{urlencode(params)}"
+
+
+def where_missed(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "",
+                 gpu_hour_price: float = 0.0) -> pl.DataFrame:
+    """Missed tokens by cause for the window: named query ``miss_causes`` plus ``label``, ``money`` (None without
+    a price) and ``actionable``; columns as ``miss_causes`` documents them, largest first."""
+    df = store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=0))
+    return _decorate(df, gpu_hour_price)
+
+
+def fix_first(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "", limit: int = 3,
+              per_tenant: bool = False, gpu_hour_price: float = 0.0) -> list[Finding]:
+    """The top ``limit`` findings of the window ``[since, until)`` (UTC), ranked as the module docstring says,
+    each with the largest matching miss as evidence. ``per_tenant``: at most one finding per tenant (its
+    dominant one). Raises what :meth:`ingest.store.Store.named` raises (``QueryError``, ``StoreUnavailable``)."""
+    df = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=1)), gpu_hour_price)
+    if df.is_empty():
+        return []
+    total = float(df["missed_tokens"].sum())
+    tenant_total = {t: float(v) for t, v in df.group_by("tenant_id").agg(pl.col("missed_tokens").sum()).iter_rows()}
+    candidates = []
+    for r in df.filter(pl.col("actionable")).iter_rows(named=True):
+        fix = causes.fix_for(r["cause"], r["sub_cause"])
+        assert fix is not None  # actionable
+        share = r["missed_tokens"] / total
+        if share < MIN_SHARE:
+            continue
+        candidates.append(Finding(
+            tenant_id=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"],
+            missed_tokens=int(r["missed_tokens"]), requests=int(r["requests"]), gpu_seconds=r["gpu_seconds"],
+            money=r["money"], share_of_tenant_missed=r["missed_tokens"] / tenant_total[r["tenant_id"]],
+            share_of_missed=share, stage=fix.stage, fix=fix.advice))
+    ranked = _rank(candidates)
+    if per_tenant:
+        ranked = [f for i, f in enumerate(ranked) if all(g.tenant_id != f.tenant_id for g in ranked[:i])]
+    return [_with_evidence(store, f, since, until, pod) for f in ranked[:limit]]
+
+
+def _rank(candidates: list[Finding]) -> list[Finding]:
+    """By cost, then a tenant's prompt-assembly fix (≥ MIN_TENANT_SHARE of its misses) before its later stages."""
+    use_cost = bool(candidates) and all(f.gpu_seconds is not None for f in candidates)
+    pending = sorted(candidates, key=lambda f: (-(f.gpu_seconds if use_cost else f.missed_tokens),  # type: ignore[operator]
+                                                f.tenant_id, f.cause, f.sub_cause))
+    out: list[Finding] = []
+    while pending:
+        f = pending[0]
+        earlier = [g for g in pending if g.tenant_id == f.tenant_id and g.stage < f.stage
+                   and g.share_of_tenant_missed >= MIN_TENANT_SHARE]
+        pick = min(earlier, key=lambda g: g.stage) if earlier else f
+        out.append(pick)
+        pending.remove(pick)
+    return out
+
+
+def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod: str) -> Finding:
+    rows = store.named("miss_requests", {**_params(since, until, f.tenant_id, pod), "cause": f.cause,
+                                         "sub_cause": f.sub_cause, "limit": "1"})
+    if rows.is_empty():
+        return f
+    r = rows.row(0, named=True)
+    ev = Evidence(request_id=r["request_id"], ts=r["ts"], pod=r["pod"],
+                  predecessor_request_id=r["predecessor_request_id"], predecessor_pod=r["predecessor_pod"],
+                  gap_ms=r["gap_ms"], changed_segment=f.sub_cause if f.cause == "prefix_drift" else "",
+                  missed_tokens=int(r["missed_tokens"]))
+    return replace(f, evidence=ev)
+
+
+def _decorate(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
+    if df.is_empty():
+        return df.with_columns(pl.lit(None, pl.Float64).alias("money"), pl.lit("").alias("label"),
+                               pl.lit(False).alias("actionable"))
+    price = gpu_hour_price if gpu_hour_price > 0 else None
+    return df.with_columns(
+        (pl.col("gpu_seconds").cast(pl.Float64) / 3600 * price).alias("money") if price
+        else pl.lit(None, pl.Float64).alias("money"),
+        pl.struct("cause", "sub_cause").map_elements(lambda s: causes.label(s["cause"], s["sub_cause"]),
+                                                     return_dtype=pl.String).alias("label"),
+        pl.struct("cause", "sub_cause").map_elements(lambda s: causes.actionable(s["cause"], s["sub_cause"]),
+                                                     return_dtype=pl.Boolean).alias("actionable"),
+    )
+
+
+def _params(since: datetime, until: datetime, tenant: str, pod: str, **extra: Any) -> dict[str, str]:
+    return {"since": _ch(since), "until": _ch(until), "tenant": tenant, "pod": pod,
+            **{k: str(v) for k, v in extra.items()}}
+
+
+def _ch(t: datetime) -> str:
+    """A ClickHouse DateTime64(3) literal in UTC."""
+    return _utc(t).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _iso(t: datetime) -> str:
+    return _utc(t).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _utc(t: datetime) -> datetime:
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def _duration(seconds: float) -> str:
+    """ "850 ms", "2.1 s", "4 min", "3.5 h"."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

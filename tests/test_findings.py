@@ -1,0 +1,99 @@
+"""What to fix first (dashboard/findings.py) on the fixture (tests/fixture_data.py): the ranking, the evidence,
+the cost, the drill-down link, and the adoption order within a tenant."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+from pytest import approx
+
+from dashboard import causes, findings
+from dashboard.findings import Finding
+from ingest.store import Store
+from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, load_fixture
+
+SINCE, UNTIL = datetime(2026, 11, 29, 12, 0, tzinfo=UTC), datetime(2026, 11, 29, 13, 0, tzinfo=UTC)
+TOTAL_MISSED = 3110  # tests/test_named_queries.py::test_miss_causes
+
+
+@pytest.fixture(scope="module")
+def fx(chdb_dir) -> Store:  # type: ignore[no-untyped-def]
+    import uuid
+
+    st = Store.open(data_dir=chdb_dir, database=f"findings_{uuid.uuid4().hex[:8]}")
+    st.migrate()
+    load_fixture(st)
+    return st
+
+
+def test_fix_first_ranks_actionable_causes_by_cost_with_evidence(fx: Store) -> None:
+    top = findings.fix_first(fx, SINCE, UNTIL, gpu_hour_price=2.5)
+    assert [(f.tenant_id, f.cause, f.sub_cause) for f in top] == [
+        ("acme", "routed_away", ""),  # 768 tokens, tie with globex broken by tenant
+        ("globex", "prefix_drift", "volatile_system"),
+        ("globex", "prefix_drift", "tools_reordered"),
+    ]
+    g = top[1]
+    assert g.missed_tokens == 768 and g.requests == 1
+    assert g.share_of_missed == approx(768 / TOTAL_MISSED)
+    # globex: 768 + 64 drift, + the unavoidable tails of cap-3 (28), cap-4 (16) and globex-run1-s3 (32)
+    assert g.share_of_tenant_missed == approx(768 / (768 + 64 + 28 + 16 + 32))
+    assert g.gpu_seconds == approx(768 * PREFILL_SECONDS_PER_TOKEN)
+    assert g.money == approx(768 * PREFILL_SECONDS_PER_TOKEN / 3600 * 2.5)
+    assert g.fix == causes.fix_for("prefix_drift", "volatile_system").advice  # type: ignore[union-attr]
+    assert g.evidence is not None and g.evidence.request_id == "cap-4-timestamp-first"
+    assert g.evidence.changed_segment == "volatile_system"
+    assert "globex: 85 % of its missed tokens are prefix_drift / volatile_system" in g.headline
+    a = top[0].evidence
+    assert a is not None and a.predecessor_pod and a.predecessor_pod != a.pod  # routed away: another pod held it
+    assert f"its predecessor {a.predecessor_request_id} ran on {a.predecessor_pod}" in a.text()
+
+
+def test_no_price_no_money_and_unactionable_causes_never_appear(fx: Store) -> None:
+    top = findings.fix_first(fx, SINCE, UNTIL, limit=10)
+    assert top and all(f.money is None for f in top)
+    assert not {f.cause for f in top} & {"cold", "unavoidable", "below_block", "unknown"}
+
+
+def test_per_tenant_keeps_each_tenants_dominant_finding(fx: Store) -> None:
+    top = findings.fix_first(fx, SINCE, UNTIL, limit=10, per_tenant=True)
+    assert [(f.tenant_id, f.sub_cause) for f in top] == [("acme", ""), ("globex", "volatile_system")]
+
+
+def test_where_missed_equals_the_named_query(fx: Store) -> None:
+    df = findings.where_missed(fx, SINCE, UNTIL)
+    q = fx.named("miss_causes", {"since": "2026-11-29 12:00:00.000", "until": "2026-11-29 13:00:00.000"})
+    assert df["missed_tokens"].to_list() == q["missed_tokens"].to_list()
+    assert int(df["missed_tokens"].sum()) == TOTAL_MISSED
+    assert dict(zip(df["label"], df["actionable"], strict=True))["routed_away"] is True
+    assert dict(zip(df["label"], df["actionable"], strict=True))["cold"] is False
+
+
+def test_drill_down_url_carries_the_finding_and_window(fx: Store) -> None:
+    f = findings.fix_first(fx, SINCE, UNTIL)[1]
+    url = f.url("https://kvscope.example.com/", SINCE, UNTIL)
+    u = urlparse(url)
+    assert (u.netloc, u.path) == ("kvscope.example.com", "/miss_causes")
+    q = {k: v[0] for k, v in parse_qs(u.query).items()}
+    assert q == {"from": "2026-11-29T12:00:00Z", "to": "2026-11-29T13:00:00Z", "tenant": "globex",
+                 "cause": "prefix_drift", "sub_cause": "volatile_system", "request_id": "cap-4-timestamp-first"}
+    assert f.url("", SINCE, UNTIL) == ""
+
+
+def _f(tenant: str, cause: str, sub: str, gpu: float, tenant_share: float) -> Finding:
+    fix = causes.fix_for(cause, sub)
+    assert fix
+    return Finding(tenant, cause, sub, int(gpu * 1000), 1, gpu, None, tenant_share, 0.1, fix.stage, fix.advice)
+
+
+def test_a_tenants_prompt_fix_comes_before_its_routing_fix() -> None:
+    ranked = findings._rank([
+        _f("t1", "routed_away", "", 9.0, 0.6),
+        _f("t2", "evicted", "", 5.0, 0.9),
+        _f("t1", "prefix_drift", "volatile_system", 3.0, 0.3),
+        _f("t1", "prefix_drift", "rag_changed", 0.5, 0.05),  # under MIN_TENANT_SHARE: keeps its cost rank
+    ])
+    assert [(f.tenant_id, f.sub_cause or f.cause) for f in ranked] == [
+        ("t1", "volatile_system"), ("t1", "routed_away"), ("t2", "evicted"), ("t1", "rag_changed")]
