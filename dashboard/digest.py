@@ -142,7 +142,7 @@ class CardinalityJump:
 @dataclass(frozen=True)
 class AffinityDrop:
     """A pod whose cache affinity fell: share (0..1) of the prompt tokens of requests it served that have a
-    prefix-sharing predecessor, served where that predecessor ran (tenant_affinity with ``pod``, tenants pooled)."""
+    prefix-sharing predecessor, served where that predecessor ran (named query ``pod_affinity``)."""
 
     pod: str
     affinity: float
@@ -277,7 +277,10 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
     prev = since - (until - since)
     now_w, prev_w = _window(since, until), _window(prev, since)
     link = _Links(dashboard_url, since, until)
-    cause_lines = _causes(store, since, until, prev, gpu_hour_price)
+    missed = _Missed(now=store.named("miss_causes", {**now_w, "by_tenant": "1"}),
+                     before=store.named("miss_causes", {**prev_w, "by_tenant": "1"}),
+                     pooled_before=store.named("miss_causes", prev_w))
+    cause_lines = _causes(store, since, until, missed, gpu_hour_price)
     hit_rates = _hit_rates(store, now_w, prev_w)
     headline = next((h.source for h in hit_rates if h.rate is not None), "")
     bucket = chart_bucket(until - since)
@@ -285,20 +288,28 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
     return Digest(
         since=since, until=until, previous_since=prev, hit_rates=hit_rates, causes=cause_lines,
         missed_tokens=sum(c.missed_tokens for c in cause_lines),
-        previous_missed_tokens=_previous_total(store, prev_w),
+        previous_missed_tokens=int(missed.pooled_before["missed_tokens"].sum()),
         gpu_seconds=gpu, money=gpu / 3600 * gpu_hour_price if gpu is not None and gpu_hour_price > 0 else None,
         currency=currency,
-        tenants=_tenants(store, since, until, now_w, prev_w, gpu_hour_price, top_tenants, link),
-        drift=_drift(store, now_w, prev_w, link), cardinality=_cardinality(store, now_w, prev_w, link),
+        tenants=_tenants(store, since, until, missed, gpu_hour_price, top_tenants, link),
+        drift=_drift(missed, link), cardinality=_cardinality(store, now_w, prev_w, link),
         affinity=_affinity(store, now_w, prev_w, link), ttl=_ttl(store, now_w),
         data_quality=_data_quality(store, now_w),
-        series=_series(store, since, until, bucket, headline), previous_series=_series(store, prev, since, bucket,
-                                                                                        headline),
+        series=_series(store, since, until, bucket, headline),
+        previous_series=_series(store, prev, since, bucket, headline),
         bucket_seconds=bucket, dashboard_url=dashboard_url,
-        links={"overview": link("overview"), "miss_causes": link("miss_causes"), "pods": link("pods"),
-               "fingerprints": link("fingerprints"), "data_quality": link("data_quality"),
-               "tenants": link("tenants")},
+        links={page: link(page) for page in ("overview", "miss_causes", "pods", "fingerprints", "data_quality",
+                                             "tenants")},
     )
+
+
+@dataclass(frozen=True)
+class _Missed:
+    """The miss_causes results gather reads more than once: per tenant now and before, tenants pooled before."""
+
+    now: pl.DataFrame
+    before: pl.DataFrame
+    pooled_before: pl.DataFrame
 
 
 def chart_bucket(length: timedelta) -> int:
@@ -322,10 +333,10 @@ def _hit_rates(store: Any, now_w: dict[str, str], prev_w: dict[str, str]) -> tup
     return tuple(out)
 
 
-def _causes(store: Any, since: datetime, until: datetime, prev: datetime, price: float) -> tuple[CauseLine, ...]:
+def _causes(store: Any, since: datetime, until: datetime, missed: _Missed, price: float) -> tuple[CauseLine, ...]:
     now = findings.where_missed(store, since, until, gpu_hour_price=price)
     before = {(r["cause"], r["sub_cause"]): int(r["missed_tokens"])
-              for r in store.named("miss_causes", _window(prev, since)).iter_rows(named=True)}
+              for r in missed.pooled_before.iter_rows(named=True)}
     order = {c: i for i, c in enumerate(causes.CAUSE_ORDER)}
     lines = [CauseLine(cause=r["cause"], sub_cause=r["sub_cause"], missed_tokens=int(r["missed_tokens"]),
                        share_of_missed=float(r["share_of_missed"]), requests=int(r["requests"]),
@@ -335,20 +346,14 @@ def _causes(store: Any, since: datetime, until: datetime, prev: datetime, price:
     return tuple(sorted(lines, key=lambda c: (-c.missed_tokens, order.get(c.cause, 99), c.sub_cause)))
 
 
-def _previous_total(store: Any, prev_w: dict[str, str]) -> int:
-    df = store.named("miss_causes", prev_w)
-    return int(df["missed_tokens"].sum()) if not df.is_empty() else 0
-
-
-def _tenants(store: Any, since: datetime, until: datetime, now_w: dict[str, str], prev_w: dict[str, str],
-             price: float, top: int, link: _Links) -> tuple[TenantLoss, ...]:
-    now = _per_tenant(store.named("miss_causes", {**now_w, "by_tenant": "1"}))
-    before = _per_tenant(store.named("miss_causes", {**prev_w, "by_tenant": "1"}))
+def _tenants(store: Any, since: datetime, until: datetime, missed: _Missed, price: float, top: int,
+             link: _Links) -> tuple[TenantLoss, ...]:
+    now, before = _per_tenant(missed.now), _per_tenant(missed.before)
     if now.is_empty():
         return ()
     by_cost = now["gpu_seconds"].null_count() == 0
     ranked = now.sort(["gpu_seconds" if by_cost else "missed_tokens", "tenant_id"], descending=[True, False])
-    previous = dict(before.select("tenant_id", "missed_tokens").iter_rows()) if not before.is_empty() else {}
+    previous = dict(before.select("tenant_id", "missed_tokens").iter_rows())
     out = []
     for r in ranked.head(top).iter_rows(named=True):
         tenant = r["tenant_id"]
@@ -373,15 +378,13 @@ def _per_tenant(df: pl.DataFrame) -> pl.DataFrame:
         pl.when(pl.col("gpu_seconds").null_count() == 0).then(pl.col("gpu_seconds").sum()).alias("gpu_seconds"))
 
 
-def _drift(store: Any, now_w: dict[str, str], prev_w: dict[str, str], link: _Links) -> tuple[DriftEvent, ...]:
-    drift = {**now_w, "by_tenant": "1"}
-    before = {(r["tenant_id"], r["sub_cause"])
-              for r in store.named("miss_causes", {**prev_w, "by_tenant": "1"}).iter_rows(named=True)
+def _drift(missed: _Missed, link: _Links) -> tuple[DriftEvent, ...]:
+    before = {(r["tenant_id"], r["sub_cause"]) for r in missed.before.iter_rows(named=True)
               if r["cause"] == attribution.PREFIX_DRIFT}
     out = [DriftEvent(tenant_id=r["tenant_id"], sub_cause=r["sub_cause"], missed_tokens=int(r["missed_tokens"]),
                       requests=int(r["requests"]),
                       link=link("miss_causes", tenant=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"]))
-           for r in store.named("miss_causes", drift).iter_rows(named=True)
+           for r in missed.now.iter_rows(named=True)
            if r["cause"] == attribution.PREFIX_DRIFT and (r["tenant_id"], r["sub_cause"]) not in before]
     return tuple(sorted(out, key=lambda d: (-d.missed_tokens, d.tenant_id, d.sub_cause)))
 
@@ -415,25 +418,15 @@ def _jumped(raw: int, requests: int, previous_raw: int, previous_requests: int) 
 
 
 def _affinity(store: Any, now_w: dict[str, str], prev_w: dict[str, str], link: _Links) -> tuple[AffinityDrop, ...]:
-    pods = sorted({r["value"] for w in (now_w, prev_w) for r in store.named("dimensions", w).iter_rows(named=True)
-                   if r["kind"] == "pod"})
+    now = {r["pod"]: r for r in store.named("pod_affinity", now_w).iter_rows(named=True)}
+    before = {r["pod"]: r["cache_affinity"] for r in store.named("pod_affinity", prev_w).iter_rows(named=True)}
     out = []
-    for pod in pods:
-        now, now_tokens = _pod_affinity(store, now_w, pod)
-        before, _ = _pod_affinity(store, prev_w, pod)
-        if now is not None and before is not None and (before - now) * 100 >= AFFINITY_DROP_PP:
-            out.append(AffinityDrop(pod=pod, affinity=now, previous=before, predecessor_tokens=now_tokens,
-                                    link=link("tenants", pod=pod)))
+    for pod, r in sorted(now.items()):
+        now_affinity, was = r["cache_affinity"], before.get(pod)
+        if now_affinity is not None and was is not None and (was - now_affinity) * 100 >= AFFINITY_DROP_PP:
+            out.append(AffinityDrop(pod=pod, affinity=now_affinity, previous=was,
+                                    predecessor_tokens=int(r["predecessor_tokens"]), link=link("tenants", pod=pod)))
     return tuple(sorted(out, key=lambda d: (d.change_pp, d.pod)))
-
-
-def _pod_affinity(store: Any, window: dict[str, str], pod: str) -> tuple[float | None, int]:
-    """Σ same_pod_tokens / Σ predecessor_tokens over the tenants of tenant_affinity for requests ``pod`` served."""
-    df = store.named("tenant_affinity", {**window, "pod": pod})
-    if df.is_empty():
-        return None, 0
-    pred, same = int(df["predecessor_tokens"].sum()), int(df["same_pod_tokens"].sum())
-    return (same / pred if pred else None), pred
 
 
 def _ttl(store: Any, now_w: dict[str, str]) -> TtlAdvice | None:

@@ -380,7 +380,7 @@ def _html_table(t: Table) -> str:
     e = _html.escape
 
     def align(i: int) -> str:
-        return "text-align:right;" if i in t.right else "text-align:left;"
+        return "text-align:right;white-space:nowrap;" if i in t.right else "text-align:left;"
 
     head = "".join(f"<th style='{_TD}{align(i)}background:#f5f5f5'>{e(c)}</th>" for i, c in enumerate(t.columns))
     rows = []
