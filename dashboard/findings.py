@@ -28,12 +28,26 @@ MIN_SHARE = 0.01
 MIN_TENANT_SHARE = 0.10
 
 
+#: prefix_drift sub-cause → the prompt segment that changed (docs/miss-causes.md, "Miss causes").
+SEGMENT_OF = {"volatile_system": "system", "system_changed": "system", "tools_reordered": "tools",
+              "tools_changed": "tools", "rag_reordered": "retrieval", "rag_changed": "retrieval",
+              "history_truncated": "history"}
+SEGMENT_WORDS = {"system": "system prompt", "tools": "tool schemas", "retrieval": "retrieved documents",
+                 "history": "conversation history"}
+
+
+def gpu_seconds_text(x: float) -> str:
+    """GPU-seconds with sensible precision: "1,234", "12.3", "0.062"."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.3f}"
+
+
 @dataclass(frozen=True)
 class Evidence:
     """The largest miss of a finding's kind in the window: the request, where it ran, what it should have reused.
 
     ``gap_ms``: time from the predecessor to this request, ms (None without a predecessor); ``changed_segment``:
-    the first prompt segment that changed (the prefix_drift sub-cause), '' for other causes.
+    the first prompt segment that changed (``system``, ``tools``, ``retrieval`` or ``history``, from the
+    prefix_drift sub-cause), '' for other causes.
     """
 
     request_id: str
@@ -49,7 +63,7 @@ class Evidence:
         """One sentence: "request r-9 on pod-b missed 768 tokens; its predecessor r-8 ran on pod-a 2.1 s before"."""
         out = f"request {self.request_id} on {self.pod} missed {self.missed_tokens:,} tokens"
         if self.changed_segment:
-            out += f" at its {self.changed_segment.replace('_', ' ')} segment"
+            out += f" from its {SEGMENT_WORDS.get(self.changed_segment, self.changed_segment)} on"
         if self.predecessor_request_id:
             out += f"; its predecessor {self.predecessor_request_id} ran on {self.predecessor_pod or 'an unknown pod'}"
             if self.gap_ms is not None:
@@ -86,7 +100,7 @@ class Finding:
     @property
     def headline(self) -> str:
         """E.g. "globex: 94 % of its missed tokens are prefix_drift / volatile_system (768 tokens, 0.06 GPU-s)"."""
-        cost = f", {self.gpu_seconds:,.2f} GPU-s" if self.gpu_seconds is not None else ""
+        cost = f", {gpu_seconds_text(self.gpu_seconds)} GPU-s" if self.gpu_seconds is not None else ""
         return (f"{self.tenant_id or 'all tenants'}: {self.share_of_tenant_missed * 100:.0f} % of its missed tokens "
                 f"are {self.label} ({self.missed_tokens:,} tokens{cost})")
 
@@ -101,6 +115,68 @@ class Finding:
         if self.evidence:
             params["request_id"] = self.evidence.request_id
         return f"{base_url.rstrip('/')}/miss_causes?{urlencode(params)}"
+
+
+#: "Does cache work pay?" thresholds (docs/fix-first.md).
+LONG_PREFIX_TOKENS = 512
+MIN_REUSE_SHARE = 0.2
+MIN_RECOVERABLE_SHARE = 0.05
+TTFT_COMPLAINT_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class Worth:
+    """Whether prefix-cache work pays for one tenant's workload, and why, in plain words.
+
+    ``recoverable_tokens``: its missed tokens of causes with a fix (tokens); ``recoverable_share``: of its prompt
+    tokens (fraction 0..1); ``reasons``: the traits behind the verdict (long repeated prefixes, TTFT, ...).
+    """
+
+    tenant_id: str
+    pays: bool
+    recoverable_tokens: int
+    recoverable_share: float
+    reasons: tuple[str, ...]
+
+    def text(self) -> str:
+        verdict = "cache work pays" if self.pays else "little to gain from cache work"
+        return f"{self.tenant_id}: {verdict}: " + "; ".join(self.reasons)
+
+
+def worth_it(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "") -> list[Worth]:
+    """Per tenant (largest prompt volume first): does fixing its misses pay? Reads the named queries
+    ``tenant_profile`` and ``miss_causes``; the rule is in docs/fix-first.md ("Does cache work pay?")."""
+    profile = store.named("tenant_profile", _params(since, until, tenant, pod))
+    missed = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=1)), 0.0)
+    recoverable: dict[str, int] = {}
+    for r in missed.filter(pl.col("actionable")).iter_rows(named=True) if not missed.is_empty() else []:
+        recoverable[r["tenant_id"]] = recoverable.get(r["tenant_id"], 0) + int(r["missed_tokens"])
+    out = []
+    for p in profile.iter_rows(named=True):
+        tokens = recoverable.get(p["tenant_id"], 0)
+        share = tokens / p["prompt_tokens"] if p["prompt_tokens"] else 0.0
+        out.append(_verdict(p, tokens, share))
+    return out
+
+
+def _verdict(p: dict[str, Any], tokens: int, share: float) -> Worth:
+    prefix, reuse, ttft = p["mean_prefix_tokens"], p["reuse_share"], p["ttft_p95_ms"]
+    reasons = []
+    repeated = reuse >= MIN_REUSE_SHARE
+    if repeated:
+        size = "long " if prefix >= LONG_PREFIX_TOKENS else ""
+        reasons.append(f"{size}repeated prefixes: {prefix:,.0f} stable tokens per request, and {reuse * 100:.0f} % "
+                       "of requests could reuse an earlier request's prefix")
+    else:
+        reasons.append(f"prompts rarely share a prefix: {reuse * 100:.0f} % of requests follow one that shares it")
+    if share >= MIN_RECOVERABLE_SHARE:
+        reasons.append(f"{share * 100:.0f} % of its prompt tokens ({tokens:,}) were missed for causes with a fix")
+    else:
+        reasons.append(f"only {share * 100:.1f} % of its prompt tokens were missed for causes with a fix")
+    if ttft is not None and ttft >= TTFT_COMPLAINT_MS:
+        reasons.append(f"TTFT p95 is {ttft:,.0f} ms: users wait for prefill")
+    return Worth(tenant_id=p["tenant_id"], pays=repeated and share >= MIN_RECOVERABLE_SHARE,
+                 recoverable_tokens=tokens, recoverable_share=share, reasons=tuple(reasons))
 
 
 def where_missed(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "",
@@ -163,7 +239,8 @@ def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod
     r = rows.row(0, named=True)
     ev = Evidence(request_id=r["request_id"], ts=r["ts"], pod=r["pod"],
                   predecessor_request_id=r["predecessor_request_id"], predecessor_pod=r["predecessor_pod"],
-                  gap_ms=r["gap_ms"], changed_segment=f.sub_cause if f.cause == "prefix_drift" else "",
+                  gap_ms=r["gap_ms"],
+                  changed_segment=SEGMENT_OF.get(f.sub_cause, "") if f.cause == "prefix_drift" else "",
                   missed_tokens=int(r["missed_tokens"]))
     return replace(f, evidence=ev)
 

@@ -104,8 +104,35 @@ def test_overview(fixture_store: Store) -> None:
     assert m["Prefill tokens saved"] == "3,232"
     assert m["Missed tokens"] == "3,110"
     assert not at.warning  # the two sources agree on the fixture
-    assert len(at.get("plotly_chart")) == 5  # hit rate, tokens ×2, TTFT, queue wait
+    assert len(at.get("plotly_chart")) == 6  # where missed, hit rate, tokens ×2, TTFT, queue wait
     assert st.get_option("client.toolbarMode") == "viewer"  # no "Deploy" button
+
+
+def test_overview_says_where_the_missed_tokens_went_and_what_to_fix_first(fixture_store: Store) -> None:
+    """The tiles, then the causes with their tokens in their own colours, then the top 3 findings with their fix,
+    evidence and a link to their requests (figures from tests/test_findings.py on the same fixture)."""
+    from dashboard import causes
+
+    at = app(fixture_store)
+    assert_clean(at)
+    subheaders = [h.value for h in at.subheader]
+    assert subheaders[:2] == ["Where the missed tokens went", "Fix first"]
+    fig = figure(at, "where_missed")
+    bars = fig["data"][0]
+    got = dict(zip(values(bars["y"]), values(bars["x"]), strict=True))
+    assert got["cold"] == 1120 and got["routed_away"] == 768 and got["prefix_drift / volatile_system"] == 768
+    assert sum(got.values()) == 3110
+    colours = dict(zip(values(bars["y"]), bars["marker"]["color"], strict=True))
+    assert colours["prefix_drift / volatile_system"] == causes.color("prefix_drift", "volatile_system")
+    assert colours["routed_away"] == causes.color("routed_away")
+    cards = [m.value.replace("\\", "") for m in at.markdown]
+    assert cards[0].startswith("**1. acme: :blue[routed_away]** — 46 % of its missed tokens (768 tokens in 1 request")
+    assert cards[2].startswith("**2. globex: :orange[prefix_drift / volatile_system]** — 85 %")
+    assert cards[3] == causes.fix_for("prefix_drift", "volatile_system").advice  # type: ignore[union-attr]
+    captions = [c.value.replace("\\", "") for c in at.caption]
+    assert "Evidence: request cap-4-timestamp-first on pod-a missed 768 tokens from its system prompt on" in captions[1]
+    links = [p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"]
+    assert "tenant=globex&cause=prefix_drift&sub_cause=volatile_system&request_id=cap-4-timestamp-first" in links[1]
 
 
 def test_overview_latency_gateway_first(fixture_store: Store) -> None:

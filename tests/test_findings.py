@@ -44,7 +44,9 @@ def test_fix_first_ranks_actionable_causes_by_cost_with_evidence(fx: Store) -> N
     assert g.money == approx(768 * PREFILL_SECONDS_PER_TOKEN / 3600 * 2.5)
     assert g.fix == causes.fix_for("prefix_drift", "volatile_system").advice  # type: ignore[union-attr]
     assert g.evidence is not None and g.evidence.request_id == "cap-4-timestamp-first"
-    assert g.evidence.changed_segment == "volatile_system"
+    assert g.evidence.changed_segment == "system"
+    assert g.evidence.text().startswith("request cap-4-timestamp-first on pod-a missed 768 tokens from its system "
+                                        "prompt on; its predecessor cap-3-tools-reordered ran on pod-a 1.5 s before")
     assert "globex: 85 % of its missed tokens are prefix_drift / volatile_system" in g.headline
     a = top[0].evidence
     assert a is not None and a.predecessor_pod and a.predecessor_pod != a.pod  # routed away: another pod held it
@@ -97,3 +99,17 @@ def test_a_tenants_prompt_fix_comes_before_its_routing_fix() -> None:
     ])
     assert [(f.tenant_id, f.sub_cause or f.cause) for f in ranked] == [
         ("t1", "volatile_system"), ("t1", "routed_away"), ("t2", "evicted"), ("t1", "rag_changed")]
+
+
+def test_worth_it_says_per_tenant_whether_cache_work_pays(fx: Store) -> None:
+    got = {w.tenant_id: w for w in findings.worth_it(fx, SINCE, UNTIL)}
+    assert set(got) == {"acme", "globex", "initech"}
+    acme = got["acme"]  # 768 routed_away of 3,156 prompt tokens; 3 of 4 requests follow a prefix-sharing one
+    assert acme.pays and acme.recoverable_tokens == 768
+    assert acme.recoverable_share == approx(768 / 3156)
+    assert acme.reasons[0] == ("long repeated prefixes: 752 stable tokens per request, and 75 % of requests could "
+                               "reuse an earlier request's prefix")
+    assert got["globex"].pays and got["globex"].recoverable_tokens == 768 + 64
+    initech = got["initech"]  # only cold, below_block and unavoidable misses: nothing a fix recovers
+    assert not initech.pays and initech.recoverable_tokens == 0
+    assert initech.text().startswith("initech: little to gain from cache work: repeated prefixes: 168 stable")

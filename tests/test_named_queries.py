@@ -268,6 +268,16 @@ def test_miss_causes(fx: Store) -> None:
         assert x["gpu_seconds"] == approx(x["missed_tokens"] * PREFILL_SECONDS_PER_TOKEN), x
 
 
+def test_tenant_profile(fx: Store) -> None:
+    got = {x["tenant_id"]: x for x in rows(fx, "tenant_profile")}
+    acme = got["acme"]  # four served requests: 762 + 762 + 800 + 832 prompt tokens, suffixes 26 + 26 + 32 + 64
+    assert (acme["requests"], acme["prompt_tokens"], acme["prefix_tokens"]) == (4, 3156, 3156 - 148)
+    assert acme["mean_prefix_tokens"] == approx(3008 / 4)
+    assert (acme["requests_with_predecessor"], acme["reuse_share"]) == (3, 0.75)
+    assert got["initech"]["requests_per_fingerprint"] == approx(4 / 3)
+    assert [x["tenant_id"] for x in rows(fx, "tenant_profile")] == ["acme", "globex", "initech"]
+
+
 def test_miss_causes_gpu_seconds_need_a_measurement(fx: Store) -> None:
     # a window with misses but no prefill-time increase (before pod-a's second scrape): unknown, not 0
     r = rows(fx, "miss_causes", until="2026-11-29 12:01:00.000")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import charts, data, fix_first
 
 SOURCES = {"vllm": "vLLM counters", "gateway": "gateway log"}
 LATENCY_SOURCES = {"gateway": "gateway (exact)", "vllm": "vLLM histogram (bucket-interpolated)"}
@@ -94,6 +94,7 @@ def render(f: data.Filters) -> None:
         charts.no_data(in_window=True, latest=data.extent()[1])
         return
     headline(totals)
+    fix_first.render(f)
     if f.tenant:
         st.caption(
             "vLLM's counters carry no tenant: with a tenant selected, only the gateway's numbers show."
