@@ -22,7 +22,7 @@ from datetime import timedelta
 from email.message import EmailMessage, MIMEPart
 from email.utils import formatdate, make_msgid
 
-from dashboard import causes, digest_charts
+from dashboard import causes, digest_charts, findings
 from dashboard.digest import Digest, TenantLoss
 from dashboard.digest_charts import compact
 
@@ -92,10 +92,8 @@ def plural(n: int, word: str) -> str:
 
 
 def gpu(x: float | None) -> str:
-    """GPU-seconds: "340 GPU-s", "2.5 GPU-s", "0.06 GPU-s"; None → "–"."""
-    if x is None:
-        return "–"
-    return f"{x:,.0f} GPU-s" if x >= 100 else f"{x:.1f} GPU-s" if x >= 1 else f"{x:.2f} GPU-s"
+    """GPU-seconds as the dashboard writes them: "340 GPU-s", "2.5 GPU-s", "0.062 GPU-s"; None → "–"."""
+    return "–" if x is None else f"{findings.gpu_seconds_text(x)} GPU-s"
 
 
 def money(x: float | None, currency: str) -> str:

@@ -153,6 +153,8 @@ def main() -> None:
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
 @click.option("--address", "dashboard_address", default=None, help="Dashboard address [KVSCOPE_DASHBOARD_ADDRESS].")
 @click.option("--no-dashboard", is_flag=True, help="Run the pipeline only (until Ctrl-C).")
+@click.option("--digest-every", default=None,
+              help="Email the miss-cause digest of the last interval this often, e.g. 24h [KVSCOPE_DIGEST_EVERY].")
 def up(no_dashboard: bool, **opts: Any) -> None:
     """Observe an existing fleet in one process: collect, ingest, attribute, and serve the dashboard."""
     import streamlit  # noqa: F401  (import before threads start; docs/environment.md)
