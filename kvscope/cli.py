@@ -167,6 +167,8 @@ def main() -> None:
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
 @click.option("--address", "dashboard_address", default=None, help="Dashboard address [KVSCOPE_DASHBOARD_ADDRESS].")
 @click.option("--no-dashboard", is_flag=True, help="Run the pipeline only (until Ctrl-C).")
+@click.option("--digest-every", default=None,
+              help="Email the miss-cause digest of the last interval this often, e.g. 24h [KVSCOPE_DIGEST_EVERY].")
 def up(no_dashboard: bool, **opts: Any) -> None:
     """Observe an existing fleet in one process: collect, ingest, attribute, and serve the dashboard."""
     import streamlit  # noqa: F401  (import before threads start; docs/environment.md)
@@ -176,11 +178,12 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     _stop_on_signals()
     cfg = _config(**opts)
     alerts = _alert_setup(cfg)  # a bad rules file stops start-up before anything starts
+    _check_digest_schedule(cfg)
     watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
     store = _store(cfg)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours
-    pipe = Pipeline(cfg, store=store, alerts=alerts)
+    pipe = Pipeline(cfg, store=store, alerts=alerts, digest=True)
     click.echo(
         f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
     )
@@ -195,6 +198,18 @@ def up(no_dashboard: bool, **opts: Any) -> None:
         pass
     finally:
         pipe.close()
+
+
+def _check_digest_schedule(cfg) -> None:  # type: ignore[no-untyped-def]
+    """Refuse at start a KVSCOPE_DIGEST_EVERY that could never send (bad duration, no recipient, no server)."""
+    from kvscope.schedule import check_schedule
+
+    try:
+        every = check_schedule(cfg)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if every is not None:
+        click.echo(f"digest: every {cfg.digest_every} to {', '.join(cfg.list('digest_to'))}")
 
 
 @main.command()
@@ -506,6 +521,44 @@ def alerts(once: bool, fmt: str, **opts: Any) -> None:
     thread.start()
     _wait(stop)
     thread.join(30)
+
+
+@main.command()
+@click.option("--period", "length", default="24h", show_default=True,
+              help="Length of the period (e.g. 1h, 24h, 7d); compared with the period of the same length before it.")
+@click.option("--since", default=None, help="Start of the period, ISO 8601 (default: --until minus --period).")
+@click.option("--until", default=None, help="End of the period, ISO 8601 (default: now, to the whole minute).")
+@click.option("--to", "to", multiple=True, help="Recipient (repeat) [KVSCOPE_DIGEST_TO].")
+@click.option("--dry-run", "dry_run", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the message to this .eml file and send nothing.")
+@store_options
+def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...], dry_run: Path | None,
+           **opts: Any) -> None:
+    """Email the miss-cause digest: a period against the one before (hit rate, missed tokens by cause, the
+    tenants losing most with the fix, drift, cardinality, affinity, hold time, data quality). docs/digest.md."""
+    from dashboard import digest as dg
+    from dashboard.mail import MailError, MailSettings, send, write_eml
+    from ingest.errors import KvscopeError
+    from kvscope.schedule import digest_message
+
+    try:
+        window = dg.period(dg.parse_duration(length), since=dg.parse_time(since) if since else None,
+                           until=dg.parse_time(until) if until else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    cfg = _config(**opts)
+    recipients = list(to) or cfg.list("digest_to")
+    try:
+        msg = digest_message(_store(cfg, must_exist=True), cfg, *window, recipients)
+        if dry_run:
+            click.echo(f"digest written to {write_eml(msg, dry_run)} (nothing sent): {msg['Subject']}")
+            return
+        send(msg, MailSettings.from_config(cfg))
+    except MailError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KvscopeError as exc:
+        raise _store_error(exc) from exc
+    click.echo(f"digest sent to {', '.join(recipients)}: {msg['Subject']}")
 
 
 @main.command()
