@@ -35,6 +35,7 @@ PAGES = [
     st.Page(VIEWS / "pods.py", title="Pods", icon=":material/dns:"),
     st.Page(VIEWS / "vllm.py", title="vLLM", icon=":material/monitoring:"),
     st.Page(VIEWS / "data_quality.py", title="Data quality", icon=":material/rule:"),
+    st.Page(VIEWS / "alerts.py", title="Alerts", icon=":material/notifications:"),
     st.Page(VIEWS / "adhoc_sql.py", title="SQL", icon=":material/terminal:"),
 ]
 #: The filter parameters this session last wrote to the URL (to tell a link followed from a page switch).

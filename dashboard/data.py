@@ -175,8 +175,12 @@ class Filters:
                    model=params.get("model", ALL), auto_refresh=auto_refresh, start=start, end=end)
 
 
-def _fmt(t: datetime) -> str:
+def fmt(t: datetime) -> str:
+    """``t`` as a ClickHouse DateTime64(3) literal in UTC: ``2026-11-29 12:00:00.000``."""
     return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+_fmt = fmt
 
 
 def iso(t: datetime) -> str:

@@ -2,7 +2,8 @@
 12 s ago", "gateway log: 3 s ago", "no KV events: ..."), a banner when the newest data is old ("data is from
 <time> (X min ago); no new data since"), and the start-up state that says what is starting instead of an empty page.
 
-Freshness is the named query ``freshness`` (latest time and rows per source and pod, on the store's clock). What
+Freshness is the named query ``freshness`` (latest time and rows per source and pod, on the store's clock, over the
+last day of data). What
 the process watches (its pods, gateway logs, KV-event endpoint, scrape interval, when it started) comes from a
 :class:`RunContext` that ``kvscope up`` / ``kvscope demo`` register before Streamlit starts in the same process;
 ``kvscope dashboard`` alone registers none, and the pages then say only what the store holds.
@@ -14,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import streamlit as st
@@ -27,7 +28,6 @@ STALE_SCRAPES = 3
 DEFAULT_SCRAPE_INTERVAL = 5.0
 NO_KV_EVENTS = ("no KV events: routed_away/evicted are inferred from which pod served the predecessor "
                 "(docs/miss-causes.md)")
-SOURCES = ("vllm_scrape", "gateway_log", "kv_events", "attribution")
 
 _context: RunContext | None = None
 _lock = threading.Lock()
@@ -79,25 +79,44 @@ def registered_context() -> RunContext | None:
 
 @dataclass(frozen=True)
 class Fresh:
-    """One row of the named query ``freshness``: a source (and pod, '' = all) with its latest time (UTC), its age
-    on the store's clock (seconds), its rows and (attribution) the requests waiting for an answer."""
+    """One source's freshness over the last day of data (named query ``freshness``): its latest time (UTC), that
+    time's age on the store's clock (seconds), the rows it delivered, and each pod's latest time and age."""
 
     source: str
-    pod: str
-    last_ts: datetime | None
-    age_seconds: float | None
+    last_ts: datetime
+    age_seconds: float
     rows: int
-    waiting: int
-    now_ts: datetime
+    pods: dict[str, tuple[datetime, float]] = field(default_factory=dict)
 
 
-def read() -> dict[tuple[str, str], Fresh]:
-    """The ``freshness`` rows keyed by (source, pod); empty when the store holds nothing (or the query failed, which
-    :func:`dashboard.data.named` shows)."""
-    df = data.named("freshness")
+#: How far back from the newest data the sidebar looks (the query's scan stays bounded at any store size).
+LOOKBACK = timedelta(days=1)
+
+
+def read() -> dict[str, Fresh]:
+    """Each source with data in the last day of data (the day before the newest scrape or gateway line), by
+    source name; empty when the store holds nothing (or a query failed, which :func:`dashboard.data.named`
+    shows)."""
+    last = data.extent()[1]
+    if last is None:
+        return {}
+    df = data.named("freshness", since=data.fmt(last - LOOKBACK))
     if df.is_empty() or "source" not in df.columns:
         return {}
-    return {(r["source"], r["pod"]): Fresh(**r) for r in df.iter_rows(named=True)}
+    out = {}
+    for (source,), rows in df.group_by("source", maintain_order=True):
+        newest = rows.sort("last_ts").row(-1, named=True)
+        pods = {r["pod"]: (r["last_ts"], r["age_seconds"]) for r in rows.iter_rows(named=True) if r["pod"]}
+        out[source] = Fresh(str(source), newest["last_ts"], newest["age_seconds"], int(rows["rows"].sum()), pods)
+    return out
+
+
+def waiting(fresh: dict[str, Fresh]) -> int:
+    """Requests in the gateway log without a miss-cause answer yet (the job answers each a few seconds after it
+    is stored): gateway lines minus answered requests over the same day."""
+    logged = fresh["gateway_log"].rows if "gateway_log" in fresh else 0
+    answered = fresh["attribution"].rows if "attribution" in fresh else 0
+    return max(logged - answered, 0)
 
 
 def ago(seconds: float | None) -> str:
@@ -127,25 +146,24 @@ def scrape_interval(context: RunContext | None) -> float:
 
 
 def _before_start(f: Fresh | None, context: RunContext | None) -> bool:
-    return f is not None and f.last_ts is not None and context is not None and f.last_ts < context.started_at
+    return f is not None and context is not None and f.last_ts < context.started_at
 
 
-def lines(fresh: dict[tuple[str, str], Fresh], context: RunContext | None) -> list[str]:
+def lines(fresh: dict[str, Fresh], context: RunContext | None) -> list[str]:
     """One sentence per source for the sidebar: how long ago it last delivered, or what it waits for."""
     out = []
-    scrape = fresh.get(("vllm_scrape", ""))
-    pods = [f for (s, p), f in sorted(fresh.items()) if s == "vllm_scrape" and p]
+    scrape = fresh.get("vllm_scrape")
     if scrape is None or _before_start(scrape, context):
         configured = ", ".join(name for name, _ in context.pods()) if context else ""
         if context is not None and not configured:
             out.append("vLLM: no pods configured (`--vllm`)")
         else:
             text = f"vLLM: first scrape pending{f' ({configured})' if configured else ''}"
-            out.append(text + (f"; the last stored is from {_at(scrape.last_ts)}" if scrape and scrape.last_ts else ""))
+            out.append(text + (f"; the last stored is from {_at(scrape.last_ts)}" if scrape else ""))
     else:
-        per_pod = ", ".join(f"{f.pod} {ago(f.age_seconds).removesuffix(' ago')}" for f in pods)
-        out.append(f"last scrape {ago(scrape.age_seconds)}" + (f" ({per_pod})" if len(pods) > 1 else ""))
-    gateway = fresh.get(("gateway_log", ""))
+        per_pod = ", ".join(f"{pod} {ago(age).removesuffix(' ago')}" for pod, (_, age) in sorted(scrape.pods.items()))
+        out.append(f"last scrape {ago(scrape.age_seconds)}" + (f" ({per_pod})" if len(scrape.pods) > 1 else ""))
+    gateway = fresh.get("gateway_log")
     if gateway is None or _before_start(gateway, context):
         logs = ", ".join(context.gateway_logs()) if context else ""
         if context is not None and not logs:
@@ -153,36 +171,36 @@ def lines(fresh: dict[tuple[str, str], Fresh], context: RunContext | None) -> li
         else:
             out.append(f"gateway log: waiting for the first line{f' in {logs}' if logs else ''}")
     else:
-        out.append(f"gateway log: {ago(gateway.age_seconds)} ({gateway.rows:,} lines)")
-    kv = fresh.get(("kv_events", ""))
-    if kv is None or kv.last_ts is None:
+        out.append(f"gateway log: {ago(gateway.age_seconds)} ({gateway.rows:,} lines in the last day of data)")
+    kv = fresh.get("kv_events")
+    if kv is None:
         endpoint = context.kv_events_endpoint() if context else ""
         out.append(NO_KV_EVENTS + (f"; listening on {endpoint}" if endpoint else ""))
     else:
         out.append(f"KV events: {ago(kv.age_seconds)}")
-    answers = fresh.get(("attribution", ""))
-    if answers is None or (answers.rows == 0 and answers.waiting == 0):
+    answers = fresh.get("attribution")
+    if answers is None and gateway is None:
         out.append("attribution: waiting for the first requests")
     else:
-        latest = f"latest answer {ago(answers.age_seconds)}" if answers.last_ts else f"{answers.rows:,} answers"
-        out.append(f"attribution: {latest}; {answers.waiting:,} request{'s' if answers.waiting != 1 else ''} waiting")
+        n = waiting(fresh)
+        latest = f"latest answer {ago(answers.age_seconds)}" if answers else "no answer yet"
+        out.append(f"attribution: {latest}; {n:,} request{'s' if n != 1 else ''} waiting")
     return out
 
 
-def stale_note(fresh: dict[tuple[str, str], Fresh], context: RunContext | None) -> str | None:
+def stale_note(fresh: dict[str, Fresh], context: RunContext | None) -> str | None:
     """"Data is from <time> (X min ago); no new data since." when the newest scrape or gateway line is older than
     :data:`STALE_SCRAPES` scrape intervals; None while data is fresh or when there is none."""
-    newest = [f for f in (fresh.get(("vllm_scrape", "")), fresh.get(("gateway_log", ""))) if f and f.last_ts]
+    newest = [f for f in (fresh.get("vllm_scrape"), fresh.get("gateway_log")) if f]
     if not newest:
         return None
-    latest = max(newest, key=lambda f: f.last_ts)  # type: ignore[arg-type, return-value]
-    limit = STALE_SCRAPES * scrape_interval(context)
-    if latest.age_seconds is None or latest.age_seconds <= limit:
+    latest = max(newest, key=lambda f: f.last_ts)
+    if latest.age_seconds <= STALE_SCRAPES * scrape_interval(context):
         return None
-    note = f"Data is from {_at(latest.last_ts)} ({ago(latest.age_seconds)}); no new data since."  # type: ignore[arg-type]
-    if context is not None and latest.last_ts < context.started_at:  # type: ignore[operator]
-        note += f" kvscope started {ago((latest.now_ts - context.started_at).total_seconds())}: the numbers below " \
-                "are from before this start."
+    note = f"Data is from {_at(latest.last_ts)} ({ago(latest.age_seconds)}); no new data since."
+    if context is not None and latest.last_ts < context.started_at:
+        note += (f" kvscope started {ago((datetime.now(UTC) - context.started_at).total_seconds())}: the numbers "
+                 "below are from before this start.")
     return note
 
 
@@ -194,7 +212,7 @@ def startup(context: RunContext) -> list[str]:
     if step:
         items.append(f"now: {step}")
     pods = context.pods()
-    scraped = {p for (s, p) in fresh if s == "vllm_scrape" and p}
+    scraped = set(fresh["vllm_scrape"].pods) if "vllm_scrape" in fresh else set()
     for name, url in pods:
         items.append(f"done: first scrape of {name}" if name in scraped else
                      f"pending: first scrape of {name} ({url}, every {scrape_interval(context):g} s)")

@@ -24,7 +24,7 @@ class DemoRun:
     """
 
     def __init__(self, cfg: Config, store: Store, *, workdir: Path, pods: int = 2, scale: float = 1.0,
-                 rounds: int = 0, seed: int = 0) -> None:
+                 rounds: int = 0, seed: int = 0, alerts: tuple | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.workdir = Path(workdir)
@@ -32,6 +32,7 @@ class DemoRun:
         self.scale = scale
         self.rounds = rounds
         self.seed = seed
+        self.alerts = alerts  # (rules, notifier) for the pipeline's alert thread (kvscope/pipeline.py)
         self.stop = threading.Event()
         self.status = "starting"
         self.fleet = None
@@ -70,7 +71,7 @@ class DemoRun:
                       kv_events_replay=",".join(f"{p.kv_events_topic}={p.kv_replay_endpoint}" for p in self.fleet.pods))
         # The collector binds the KV-event socket before the pods start: vLLM drops what it publishes while
         # nobody listens, so this way the store gets every block event from seq 0.
-        self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop)
+        self.pipeline = Pipeline(cfg, store=self.store, stop=self.stop, alerts=self.alerts)
         self.pipeline.start()
         self._step(f"starting {self.pods} vLLM CPU servers (~2 min)")
         t0 = time.monotonic()

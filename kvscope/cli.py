@@ -26,7 +26,9 @@ KAFKA_OPTION = click.option(
     help="Kafka bootstrap servers instead of the in-process queue [KVSCOPE_KAFKA_BOOTSTRAP].",
 )
 FORMAT_OPTION = click.option(
-    "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True
+    "--format", "fmt", type=click.Choice(["table", "markdown", "json", "csv"]), default="table", show_default=True,
+    help="table: fits the terminal ($COLUMNS, else 120 when not a terminal), long cells cut with an ellipsis; "
+    "markdown: a GitHub-flavoured table, nothing cut.",
 )
 
 
@@ -124,10 +126,22 @@ def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
         nested = [c for c, t in df.schema.items() if t.is_nested()]
         flat = df.with_columns(pl.col(c).map_elements(_json_text, return_dtype=pl.String) for c in nested)
         click.echo(flat.write_csv(), nl=False)
+    elif fmt == "markdown":
+        from kvscope.tables import render_markdown
+
+        click.echo(render_markdown(df), nl=False)
     else:
-        with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200,
-                       tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
-            click.echo(str(df))
+        from kvscope.tables import render_table, terminal_width
+
+        tty = _stdout_is_terminal()
+        click.echo(render_table(df, terminal_width(tty), styled=tty), nl=False)
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
 
 
 def _json_text(value: Any) -> str:
@@ -163,6 +177,8 @@ def _run_context(cfg: Any, store: Any, config: Any = None, step: Any = None) -> 
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
 @click.option("--address", "dashboard_address", default=None, help="Dashboard address [KVSCOPE_DASHBOARD_ADDRESS].")
 @click.option("--no-dashboard", is_flag=True, help="Run the pipeline only (until Ctrl-C).")
+@click.option("--digest-every", default=None,
+              help="Email the miss-cause digest of the last interval this often, e.g. 24h [KVSCOPE_DIGEST_EVERY].")
 def up(no_dashboard: bool, **opts: Any) -> None:
     """Observe an existing fleet in one process: collect, ingest, attribute, and serve the dashboard."""
     import streamlit  # noqa: F401  (import before threads start; docs/environment.md)
@@ -171,11 +187,13 @@ def up(no_dashboard: bool, **opts: Any) -> None:
 
     _stop_on_signals()
     cfg = _config(**opts)
+    alerts = _alert_setup(cfg)  # a bad rules file stops start-up before anything starts
+    _check_digest_schedule(cfg)
     watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
     store = _store(cfg)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours
-    pipe = Pipeline(cfg, store=store)
+    pipe = Pipeline(cfg, store=store, alerts=alerts, digest=True)
     click.echo(
         f"kvscope up: store={store.dsn} database={cfg.database} pods={cfg.list('vllm')} logs={cfg.list('gateway_log')}"
     )
@@ -191,6 +209,18 @@ def up(no_dashboard: bool, **opts: Any) -> None:
         pass
     finally:
         pipe.close()
+
+
+def _check_digest_schedule(cfg) -> None:  # type: ignore[no-untyped-def]
+    """Refuse at start a KVSCOPE_DIGEST_EVERY that could never send (bad duration, no recipient, no server)."""
+    from kvscope.schedule import check_schedule
+
+    try:
+        every = check_schedule(cfg)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if every is not None:
+        click.echo(f"digest: every {cfg.digest_every} to {', '.join(cfg.list('digest_to'))}")
 
 
 @main.command()
@@ -222,9 +252,10 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     if all(opts.get(k) is None and not os.environ.get(f"KVSCOPE_{k.upper()}") for k in chosen):
         opts["data_dir"] = str(workdir / "data")  # the demo's own store unless one was chosen
     cfg = _config(**opts)
+    alerts = _alert_setup(cfg)
     _serve_self_metrics(cfg)
     store = _store(cfg)
-    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds)
+    run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds, alerts=alerts)
     context = _run_context(cfg, store, config=lambda: run.pipeline.cfg if run.pipeline else cfg,
                            step=lambda: run.status)
     run.start_background()
@@ -452,6 +483,95 @@ def sql_(statement: str, fmt: str, **opts: Any) -> None:
     _emit(df, fmt)
     if df.height >= ADHOC_MAX_ROWS:
         click.echo(f"(at most {ADHOC_MAX_ROWS} rows are returned: the result may have more)", err=True)
+
+
+def _alert_setup(cfg):  # type: ignore[no-untyped-def]
+    """The alert rules and notifier the settings name; a bad rules file or mail setting is a usage error."""
+    from dashboard.alert_delivery import Notifier
+    from dashboard.alert_rules import AlertRulesError, load_rules
+    from dashboard.mail import MailError
+
+    try:
+        return load_rules(cfg.alert_rules), Notifier.from_config(cfg)
+    except (AlertRulesError, MailError) as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@main.command()
+@store_options
+@click.option("--rules", "alert_rules", default=None,
+              help="Alert rules file (TOML) [KVSCOPE_ALERT_RULES]; default: the built-in rules (docs/alerts.md).")
+@click.option("--every", "alert_every_seconds", type=float, default=None,
+              help="Seconds between evaluations [KVSCOPE_ALERT_EVERY_SECONDS].")
+@click.option("--once", is_flag=True, help="Evaluate every rule once, print the states, exit 0.")
+@FORMAT_OPTION
+def alerts(once: bool, fmt: str, **opts: Any) -> None:
+    """Evaluate the alert rules on schedule; notify the webhook (KVSCOPE_ALERT_WEBHOOK_URL) and email
+    (KVSCOPE_ALERT_TO) when a rule starts or stops firing. `kvscope up` does this too."""
+    import polars as pl
+
+    from dashboard.alerts import alert_loop, iso, run_once
+    from ingest.errors import KvscopeError
+
+    cfg = _config(**opts)
+    rules, notifier = _alert_setup(cfg)
+    store = _store(cfg)
+    if once:
+        try:
+            evs = run_once(store, rules, notifier)
+        except KvscopeError as exc:
+            raise _store_error(exc) from exc
+        _emit(pl.DataFrame([{"rule": e.rule.name, "state": e.state, "since": iso(e.changed_at),
+                             "severity": e.rule.severity, "value": e.value, "threshold": e.rule.threshold,
+                             "unit": e.rule.unit, "message": e.message} for e in evs],
+                           schema_overrides={"value": pl.Float64}), fmt)
+        return
+    _serve_self_metrics(cfg)
+    stop = _stop_on_signals()
+    click.echo(f"kvscope alerts: {len(rules)} rules every {cfg.alert_every_seconds:g} s", err=True)
+    thread = threading.Thread(target=alert_loop, args=(store, rules, notifier, stop, cfg.alert_every_seconds),
+                              daemon=True)
+    thread.start()
+    _wait(stop)
+    thread.join(30)
+
+
+@main.command()
+@click.option("--period", "length", default="24h", show_default=True,
+              help="Length of the period (e.g. 1h, 24h, 7d); compared with the period of the same length before it.")
+@click.option("--since", default=None, help="Start of the period, ISO 8601 (default: --until minus --period).")
+@click.option("--until", default=None, help="End of the period, ISO 8601 (default: now, to the whole minute).")
+@click.option("--to", "to", multiple=True, help="Recipient (repeat) [KVSCOPE_DIGEST_TO].")
+@click.option("--dry-run", "dry_run", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the message to this .eml file and send nothing.")
+@store_options
+def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...], dry_run: Path | None,
+           **opts: Any) -> None:
+    """Email the miss-cause digest: a period against the one before (hit rate, missed tokens by cause, the
+    tenants losing most with the fix, drift, cardinality, affinity, hold time, data quality). docs/digest.md."""
+    from dashboard import digest as dg
+    from dashboard.mail import MailError, MailSettings, send, write_eml
+    from ingest.errors import KvscopeError
+    from kvscope.schedule import digest_message
+
+    try:
+        window = dg.period(dg.parse_duration(length), since=dg.parse_time(since) if since else None,
+                           until=dg.parse_time(until) if until else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    cfg = _config(**opts)
+    recipients = list(to) or cfg.list("digest_to")
+    try:
+        msg = digest_message(_store(cfg, must_exist=True), cfg, *window, recipients)
+        if dry_run:
+            click.echo(f"digest written to {write_eml(msg, dry_run)} (nothing sent): {msg['Subject']}")
+            return
+        send(msg, MailSettings.from_config(cfg))
+    except MailError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KvscopeError as exc:
+        raise _store_error(exc) from exc
+    click.echo(f"digest sent to {', '.join(recipients)}: {msg['Subject']}")
 
 
 @main.command()

@@ -92,6 +92,10 @@ class Pipeline:
     collect: bool = True
     ingest: bool = True
     attribute: bool = True
+    #: (rules, notifier) to evaluate every ``alert_every_seconds`` (dashboard/alerts.py), or None for no alerts.
+    alerts: tuple | None = None
+    #: Send the miss-cause digest every KVSCOPE_DIGEST_EVERY from this process (``kvscope up``).
+    digest: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     collector: Collector | None = None
     ingester: Ingester | None = None
@@ -123,6 +127,12 @@ class Pipeline:
             assert store is not None
             self._spawn("attribution", lambda: attribution_loop(
                 store, self._ingest_stop, self.cfg.attribution_interval_seconds, **attribution_kwargs(self.cfg)))
+        if self.alerts is not None and self.store is not None:
+            from dashboard.alerts import alert_loop
+
+            rules, notifier = self.alerts
+            store, every = self.store, self.cfg.alert_every_seconds
+            self._spawn("alerts", lambda: alert_loop(store, rules, notifier, self.stop, every, first_delay=every))
         if self.collect:
             assert publisher is not None
             for p in self.cfg.list("gateway_log"):
@@ -136,6 +146,19 @@ class Pipeline:
                 scrape_checkpoints=CheckpointStore(checkpoint_path(self.cfg).with_suffix(".scrapes.json")),
                 scrape_interval_seconds=self.cfg.scrape_interval_seconds, stop=self.stop)
             self.collector.start()
+        if self.digest and self.cfg.digest_every and self.store is not None:
+            self._start_digest(self.store)
+
+    def _start_digest(self, store: Store) -> None:
+        """The digest schedule (:class:`kvscope.schedule.DigestSchedule`) as a daemon thread on this store."""
+        from kvscope.schedule import DigestSchedule, check_schedule
+
+        every = check_schedule(self.cfg)
+        assert every is not None
+        state = checkpoint_path(self.cfg).with_name(f"digest-{self.cfg.database}.json")
+        schedule = DigestSchedule(store, self.cfg, self.stop, every=every, state_path=state)
+        self._spawn("digest", schedule.run)
+        log.info("digest scheduled. every=%s to=%s", self.cfg.digest_every, ",".join(self.cfg.list("digest_to")))
 
     def _spawn(self, name: str, fn) -> None:  # type: ignore[no-untyped-def]
         th = threading.Thread(target=fn, name=f"kvscope-{name}", daemon=True)

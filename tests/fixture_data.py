@@ -279,6 +279,24 @@ def dead_letter_rows() -> list[tuple[Any, ...]]:
     ]  # fmt: skip
 
 
+# --- alert_state --------------------------------------------------------------------------------------------
+ALERT_COLUMNS = ["rule", "kind", "severity", "state", "value", "threshold", "message", "evidence", "evaluated_at",
+                 "changed_at"]
+
+
+def alert_rows() -> list[tuple[Any, ...]]:
+    """Three evaluations: prefix_drift_share ok, then firing for globex; vllm_scrape_silent ok throughout."""
+    drift = '{"tenant": "globex", "cause": "prefix_drift", "sub_cause": "volatile_system"}'
+    return [
+        ("prefix_drift_share", "cause_share", "warning", "ok", 0.0, 50.0, "no tenant above 50 %", "{}", at(60),
+         at(60)),
+        ("prefix_drift_share", "cause_share", "warning", "firing", 94.0, 50.0,
+         "globex: 94 % of its missed tokens are prefix_drift / volatile_system", drift, at(120), at(120)),
+        ("vllm_scrape_silent", "source_silent", "critical", "ok", 30.0, 120.0, "every pod scraped", "{}", at(120),
+         at(0)),
+    ]
+
+
 def load_fixture(store: Any) -> None:
     """Insert the fixture into ``store`` (a migrated :class:`ingest.store.Store`)."""
     from ingest.dedup import absent_rows
@@ -290,3 +308,4 @@ def load_fixture(store: Any) -> None:
     store.insert("vllm_metrics", metric_rows(), METRIC_COLUMNS)
     store.insert("vllm_cache_config", config_rows(), CONFIG_COLUMNS)
     store.insert("dead_letters", dead_letter_rows(), DEAD_LETTER_COLUMNS)
+    store.insert("alert_state", alert_rows(), ALERT_COLUMNS)

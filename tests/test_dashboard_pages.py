@@ -21,6 +21,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from dashboard import causes, charts, data, status
+from dashboard import causes as causes_module
 from ingest.store import Store
 from tests.fixture_data import at as fixture_time
 from tests.fixture_data import load_fixture
@@ -257,6 +258,108 @@ def test_miss_causes_and_drill_down(fixture_store: Store) -> None:
     drill = at.dataframe[1].value
     assert drill["request_id"].tolist() == ["cap-3-tools-reordered"]
     assert drill["predecessor_request_id"].tolist() == ["cap-2-warm"]
+
+
+def miss_page(store: Store, **params: str) -> AppTest:
+    """The Miss causes page over all time, opened with URL ``params`` (as a link would open it)."""
+    at = app(store)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.switch_page("views/miss_causes.py").run()
+    assert_clean(at)
+    return at
+
+
+def table(at: AppTest, column: str) -> Any:
+    """The pandas value of the one table with ``column`` (a read-only st.dataframe has no key to find it by)."""
+    (df,) = [d.value for d in at.dataframe if column in d.value.columns]
+    return df
+
+
+def test_request_detail_from_the_url(fixture_store: Store) -> None:
+    """?request_id=cap-4-timestamp-first: its predecessor cap-3-tools-reordered (the previous step of
+    run-globex-1, 12:01:00, pod-a, 1.5 s gap), its causes in prompt order prefix_drift / volatile_system 768
+    then unavoidable 16 (tests/fixture_data.py), the first differing segment system, and a link that opens the
+    predecessor's own detail (whose predecessor is cap-2-warm)."""
+    at = miss_page(fixture_store, request_id="cap-4-timestamp-first")
+    m = metrics(at)
+    assert (m["Predecessor"], m["Its arrival (UTC)"], m["Pod: this / predecessor"], m["Gap"]) == (
+        "cap-3-tools-reordered", "12:01:00", "pod-a / pod-a", "1.5 s")
+    causes = table(at, "share_of_request_missed")
+    assert causes[["cause", "sub_cause", "missed_tokens"]].values.tolist() == [
+        ["prefix_drift", "volatile_system", 768], ["unavoidable", "", 16]]
+    bar = figure(at, "request_prompt_bar")
+    assert [(t["name"], t["marker"]["color"]) for t in bar["data"]] == [
+        ("prefix_drift / volatile_system", causes_module.color("prefix_drift", "volatile_system")),
+        ("unavoidable", causes_module.color("unavoidable"))]
+    segments = table(at, "compared_with_predecessor").set_index("segment")
+    assert segments.loc["system", "first_change"].startswith("◀")
+    assert segments.loc["system", "compared_with_predecessor"].startswith("differs only in masked volatile")
+    assert segments.loc["tools", "compared_with_predecessor"] == "same tools, other order"
+    assert segments["missed_tokens"].tolist() == [730, 38, 0, 0, 16]
+    assert any("block size 32 tokens" in c.value for c in at.caption)
+    (link,) = at.get("page_link")
+    assert link.proto.query_string == "request_id=cap-3-tools-reordered"
+    at.query_params["request_id"] = "cap-3-tools-reordered"  # following the link
+    at.run()
+    assert_clean(at)
+    assert metrics(at)["Predecessor"] == "cap-2-warm"
+
+
+def test_request_detail_routed_away_evidence(fixture_store: Store) -> None:
+    at = miss_page(fixture_store, request_id="acme-c1-t3")
+    assert metrics(at)["Pod: this / predecessor"] == "pod-b / pod-a"
+    (evidence,) = [md.value for md in at.markdown if md.value.startswith("**Evidence.**")]
+    assert "went to **pod-b**, the predecessor to **pod-a**" in evidence
+    assert "inferred from which pod served the predecessor" in evidence
+    history = table(at, "compared_with_predecessor").set_index("segment").loc["history"]
+    assert history["compared_with_predecessor"] == "continues the predecessor's conversation"
+
+
+def test_request_detail_from_a_picked_row(fixture_store: Store) -> None:
+    """Picking a row of the drill-down table opens that request's detail and puts its id in the URL."""
+    at = miss_page(fixture_store, cause="routed_away")
+    assert at.dataframe(key="miss_requests").value["request_id"].tolist() == ["acme-c1-t3"]
+    assert not at.get("page_link")
+    at.session_state["miss_requests"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
+    at.run()
+    assert_clean(at)
+    assert metrics(at)["Predecessor"] == "cap-2-warm"
+    assert at.query_params["request_id"] in ("acme-c1-t3", ["acme-c1-t3"])
+
+
+def test_cause_from_the_url(fixture_store: Store) -> None:
+    """?cause=prefix_drift&sub_cause=tools_reordered (an overview "fix first" link) preselects that cause; a
+    cause with no misses in the window is kept (an empty drill-down), not replaced by another."""
+    at = miss_page(fixture_store, cause="prefix_drift", sub_cause="tools_reordered")
+    assert at.selectbox(key="miss_cause").value == "prefix_drift / tools_reordered"
+    assert at.dataframe(key="miss_requests").value["request_id"].tolist() == ["cap-3-tools-reordered"]
+    at = miss_page(fixture_store, cause="evicted")
+    assert at.selectbox(key="miss_cause").value == "evicted"
+    assert len(at.get("dataframe")) == 1  # the cause table only: no requests of that cause
+
+
+def test_fix_first_link_opens_its_request(fixture_store: Store) -> None:
+    """The overview's second finding links to /miss_causes with its cause, sub-cause and example request: the
+    page opens on that cause with cap-4-timestamp-first's detail."""
+    from urllib.parse import parse_qsl
+
+    at = app(fixture_store)
+    links = [p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"]
+    params = dict(parse_qsl(links[1]))
+    assert (params["cause"], params["sub_cause"]) == ("prefix_drift", "volatile_system")
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.switch_page("views/miss_causes.py").run()
+    assert_clean(at)
+    assert at.selectbox(key="miss_cause").value == "prefix_drift / volatile_system"
+    assert at.dataframe(key="miss_requests").value["request_id"].tolist() == ["cap-4-timestamp-first"]
+    assert metrics(at)["Predecessor"] == "cap-3-tools-reordered"
+
+
+def test_unknown_request_id(fixture_store: Store) -> None:
+    at = miss_page(fixture_store, request_id="no-such-request")
+    assert any("No miss attribution for request" in i.value for i in at.info)
 
 
 def test_largest_cause_shows_the_sub_cause(fixture_store: Store) -> None:
@@ -558,7 +661,7 @@ def test_freshness_per_source_and_the_old_data_banner(fixture_store: Store) -> N
     at = url_app(fixture_store, {"range": "all"})
     (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
     assert "last scrape 2 d ago (pod-a 2 d, pod-b 2 d)" in sources
-    assert "gateway log: 2 d ago (12 lines)" in sources
+    assert "gateway log: 2 d ago (12 lines in the last day of data)" in sources
     assert "no KV events: routed_away/evicted are inferred from which pod served the predecessor" in sources
     assert "attribution: latest answer 2 d ago; 1 request waiting" in sources
     (old,) = [w.value for w in at.warning]

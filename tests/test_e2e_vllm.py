@@ -291,7 +291,7 @@ def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
                     page.wait_for_timeout(1000)
                     text = "\n".join(page.locator("[data-testid='stCaptionContainer']").all_inner_texts())
                     return (datetime.now(UTC) > until + timedelta(seconds=6) and "; 0 requests waiting" in text
-                            and f"({lines:,} lines)" in text)
+                            and f"({lines:,} lines in the last day of data)" in text)
                 wait_for(caught_up, 120, f"every line stored and answered ({settled})")
                 for path, (name, ready) in PAGES.items():
                     shown[name] = read_page(page, db, f"{base}/{path}?{window}", ready, FIGURES.get(name, []),

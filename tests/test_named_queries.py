@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ REQUIRED = {
     "hit_rate_total",
     "miss_causes",
     "miss_requests",
+    "request_detail",
     "tenant_affinity",
     "tenant_pod_matrix",
     "fingerprint_cardinality",
@@ -101,7 +102,7 @@ def test_header_matches_sql(name: str) -> None:
             assert p.type == "DateTime64(3, 'UTC')"
         if p.name in {"tenant", "pod", "model"}:
             assert p.type == "String" and p.default == "''"
-    if {"tenant", "pod"} <= set(declared):
+    if {"tenant", "pod"} <= set(declared) and name != "request_detail":  # that one names a single request
         assert "model" in declared, "a query filtered by tenant and pod is filtered by model too (the sidebar's)"
 
 
@@ -328,6 +329,105 @@ def test_miss_requests_drill_down(fx: Store) -> None:
     assert {x["sub_cause"] for x in rows(fx, "miss_requests", sub_cause="tools_reordered")} == {
         "tools_reordered"
     }
+
+
+def segments(r: list[dict[str, Any]], *keys: str) -> dict[str, tuple[Any, ...]]:
+    return {x["segment"]: tuple(x[k] for k in keys) for x in r}
+
+
+def test_request_detail(fx: Store) -> None:
+    """cap-4-timestamp-first (globex, pod-a, 784 prompt / 0 cached, suffix 16): system sys-globex-ts, 784 - 16 =
+    768 tokens; tools tools-globex, 40. Its predecessor, the previous step of run-globex-1, is
+    cap-3-tools-reordered (12:01:00, pod-a): system sys-globex (736 = 764 - 28), same normalized hash; tools
+    tools-globex-reordered, same canonical hash. So the first segment whose hash differs is system, and its
+    variant matched (volatile_system, as attributed). Segment ends: cumulative counts 768, 808, 808, 808, 824
+    scaled by 784 / 824 and floored: 730, 768, 768, 768, 784; all of [0, 784) missed."""
+    r = rows(fx, "request_detail", request_id="cap-4-timestamp-first")
+    assert [x["segment"] for x in r] == ["system", "tools", "retrieval", "history", "suffix"]
+    assert [x["segment_index"] for x in r] == [1, 2, 3, 4, 5]
+    head = r[0]
+    assert {k: head[k] for k in ("request_id", "tenant_id", "pod", "prompt_tokens", "cached_tokens", "block_size",
+                                 "predecessor_request_id", "predecessor_pod", "predecessor_kind", "gap_ms",
+                                 "changed_segment")} == {
+        "request_id": "cap-4-timestamp-first", "tenant_id": "globex", "pod": "pod-a", "prompt_tokens": 784,
+        "cached_tokens": 0, "block_size": 32, "predecessor_request_id": "cap-3-tools-reordered",
+        "predecessor_pod": "pod-a", "predecessor_kind": "previous_turn", "gap_ms": 1500.0, "changed_segment": "system",
+    }  # fmt: skip
+    assert head["predecessor_ts"] == at(60)
+    assert (head["causes"], head["sub_causes"], head["cause_missed_tokens"]) == (
+        ["prefix_drift", "unavoidable"], ["volatile_system", ""], [768, 16])
+    assert (head["kv_events"], head["kv_blocks_removed"]) == (0, 0)  # the fixture has no KV events
+    assert segments(r, "segment_tokens", "predecessor_segment_tokens", "hash_matched", "variant_matched",
+                    "segment_missed_tokens") == {
+        "system": (768, 736, 0, 1, 730),
+        "tools": (40, 40, 0, 1, 38),
+        "retrieval": (0, 0, 1, None, 0),  # empty on both sides: equal
+        "history": (0, 0, 1, None, 0),
+        "suffix": (16, 28, 0, None, 16),
+    }
+    assert all(set(x) == set(head) for x in r) and {x["request_id"] for x in r} == {"cap-4-timestamp-first"}
+
+
+def test_request_detail_routed_away_next_turn(fx: Store) -> None:
+    """acme-c1-t3 (pod-b, 800 / 0) after cap-2-warm (pod-a, 12:00:50): system equal (768 vs 736 tokens: the
+    fixture counts the whole prefix as system), history hist-a-3 (60) vs none: it differs, but continues the
+    predecessor's conversation (previous_turn, prev_history_hash = the predecessor's history hash). Ends: 768,
+    768, 768, 828, 860 × 800 / 860 → 714, 714, 714, 770, 800."""
+    r = rows(fx, "request_detail", request_id="acme-c1-t3")
+    head = r[0]
+    assert (head["pod"], head["predecessor_pod"], head["predecessor_ts"]) == ("pod-b", "pod-a", at(50))
+    assert (head["causes"], head["cause_missed_tokens"], head["changed_segment"]) == (
+        ["routed_away", "unavoidable"], [768, 32], "history")
+    assert head["gap_ms"] == approx(69985.0)
+    assert segments(r, "hash_matched", "variant_matched", "segment_missed_tokens") == {
+        "system": (1, None, 714), "tools": (1, None, 0), "retrieval": (1, None, 0), "history": (0, 1, 56),
+        "suffix": (0, None, 30),
+    }
+
+
+def test_request_detail_without_predecessor_and_defaults(fx: Store) -> None:
+    """cap-1-cold has none (its stale answer, cold 700, is cancelled); '' picks the request that missed most in
+    the window and filters: acme-c1-t3 (800) overall, cap-4-timestamp-first (784) for globex."""
+    r = rows(fx, "request_detail", request_id="cap-1-cold")
+    head = r[0]
+    assert (head["predecessor_request_id"], head["predecessor_ts"], head["changed_segment"]) == ("", None, "")
+    assert (head["causes"], head["cause_missed_tokens"]) == (["cold", "unavoidable"], [736, 26])
+    assert {(x["hash_matched"], x["variant_matched"], x["predecessor_segment_tokens"]) for x in r} == {
+        (None, None, None)}
+    assert [x["segment_missed_tokens"] for x in r] == [736, 0, 0, 0, 26]  # 736 + 26 tokens: nothing scaled
+    cross = rows(fx, "request_detail", request_id="cap-3-tools-reordered")[0]  # a fingerprint predecessor
+    assert (cross["predecessor_kind"], cross["predecessor_request_id"], cross["predecessor_ts"]) == (
+        "fingerprint", "cap-2-warm", at(50))  # found in another tenant (acme)
+    assert rows(fx, "request_detail")[0]["request_id"] == "acme-c1-t3"
+    assert rows(fx, "request_detail", tenant="globex")[0]["request_id"] == "cap-4-timestamp-first"
+    assert rows(fx, "request_detail", request_id="cap-4-timestamp-first", since=at(71)) == []
+    assert rows(fx, "request_detail", request_id="cap-4-timestamp-first", pod="pod-b") == []
+    assert rows(fx, "request_detail", request_id="no-such-request") == []
+
+
+def test_request_detail_kv_events(chdb_dir: Path) -> None:
+    """KV events of the predecessor's pod (pod-a) after cap-3-tools-reordered arrived (12:01:00) up to
+    cap-4-timestamp-first's arrival (12:01:10): a BlockStored of 2 blocks (sent twice: counted once) and a
+    BlockRemoved of 3; the ones at 12:01:00 itself, after 12:01:10 or on pod-b are not counted."""
+    s = Store.open(data_dir=chdb_dir, database=f"nq_kv_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    load_fixture(s)
+    cols = ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes", "token_count",
+            "block_size", "medium"]
+    events = [
+        ("e1", at(60), "pod-a", "0", 1, 0, "BlockStored", [1], 32, 32, "GPU"),  # with the predecessor: before
+        ("e2", at(62), "pod-a", "0", 2, 0, "BlockStored", [2, 3], 64, 32, "GPU"),
+        ("e3", at(65), "pod-a", "0", 3, 0, "BlockRemoved", [4, 5, 6], 0, 32, "GPU"),
+        ("e4", at(66), "pod-b", "0", 1, 0, "AllBlocksCleared", [], 0, 32, ""),
+        ("e5", at(75), "pod-a", "0", 4, 0, "AllBlocksCleared", [], 0, 32, ""),
+    ]
+    s.insert("kv_block_events", events, cols)
+    s.insert("kv_block_events", [events[1]], cols)  # a re-sent batch
+    head = rows(s, "request_detail", request_id="cap-4-timestamp-first")[0]
+    assert (head["kv_events"], head["kv_blocks_stored"], head["kv_blocks_removed"], head["kv_caches_cleared"]) == (
+        2, 2, 3, 0)
+    later = rows(s, "request_detail", request_id="globex-run1-s3")[0]  # after cap-4 (12:01:10) up to 12:02:20
+    assert (later["kv_events"], later["kv_caches_cleared"]) == (1, 1)
 
 
 # -- tenants -------------------------------------------------------------------------------------------------
@@ -596,17 +696,18 @@ def test_model_filter(fx: Store, name: str) -> None:
 
 def test_freshness(fx: Store, empty: Store) -> None:
     r = by(rows(fx, "freshness"), "source", "pod")
-    scrape = r[("vllm_scrape", "")]
-    assert (scrape["last_ts"], scrape["rows"]) == (at(150), 6)  # three scrapes of each of two pods
-    assert (r[("vllm_scrape", "pod-b")]["last_ts"], r[("vllm_scrape", "pod-b")]["rows"]) == (at(150), 3)
-    gateway = r[("gateway_log", "")]
-    assert (gateway["last_ts"], gateway["rows"]) == (at(145), 12)
+    assert {k for k in r if k[0] == "vllm_scrape"} == {("vllm_scrape", "pod-a"), ("vllm_scrape", "pod-b")}
+    assert (r[("vllm_scrape", "pod-b")]["last_ts"], r[("vllm_scrape", "pod-b")]["rows"]) == (at(150), 3)  # scrapes
+    assert (r[("gateway_log", "pod-a")]["last_ts"], r[("gateway_log", "pod-a")]["rows"]) == (at(145), 7)
     assert (r[("gateway_log", "pod-b")]["last_ts"], r[("gateway_log", "pod-b")]["rows"]) == (at(135), 5)
-    # 12 requests logged, 11 answered (the stale answer cancelled, the 400 not answered); the latest written at 12:05
-    answers = r[("attribution", "")]
-    assert (answers["rows"], answers["waiting"], answers["last_ts"]) == (11, 1, at(300))
+    # answers per pod, sign-weighted (cap-1-cold's stale answer cancelled); the 400 has none: 7 + 5 logged, 11 answered
+    assert sum(x["rows"] for k, x in r.items() if k[0] == "attribution") == 11
+    assert r[("attribution", "pod-a")]["last_ts"] == at(300)
     assert not [k for k in r if k[0] == "kv_events"]  # none in the fixture: no row
-    assert gateway["age_seconds"] == approx((gateway["now_ts"] - at(145)).total_seconds())
+    g = r[("gateway_log", "pod-a")]
+    assert g["age_seconds"] == pytest.approx((datetime.now(UTC) - at(145)).total_seconds(), abs=30)
+    late = by(rows(fx, "freshness", since=at(140)), "source", "pod")  # a window: pod-b's last line is before it
+    assert ("gateway_log", "pod-b") not in late and late[("gateway_log", "pod-a")]["rows"] == 2  # 12:02:20, :25
     assert rows(empty, "freshness") == []
 
 

@@ -1,11 +1,18 @@
-"""Miss causes: missed tokens by cause and sub-cause, per tenant, and the drill-down to request ids."""
+"""Miss causes: missed tokens by cause and sub-cause, per tenant, the drill-down to requests, and one request's
+detail (its causes, predecessor, pods, gap, changed segment and evidence).
+
+URL parameters (read here; the time range, tenant and pod are the sidebar's): ``cause`` and ``sub_cause``
+preselect the drill-down's cause, ``request_id`` opens a request's detail. Picking a cause or a row writes them
+back, so the URL reopens the same view.
+"""
 
 from __future__ import annotations
 
 import polars as pl
 import streamlit as st
 
-from dashboard import causes, charts, data
+from dashboard import causes as vocabulary
+from dashboard import charts, data, request_detail
 
 st.header("Miss causes")
 st.caption(
@@ -32,64 +39,93 @@ def ordered(labels: list[str]) -> list[str]:
     name within their cause)."""
     def key(lab: str) -> tuple[int, str]:
         cause, _, sub = lab.partition(" / ")
-        return (causes.CAUSE_ORDER.index(cause) if cause in causes.CAUSE_ORDER else len(causes.CAUSE_ORDER), sub)
+        order = vocabulary.CAUSE_ORDER
+        return (order.index(cause) if cause in order else len(order), sub)
     return sorted(labels, key=key)
 
 
-#: The cause label this page last wrote to the URL (``cause``/``sub_cause``), to tell a followed link from a rerun.
-URL_CAUSE = "miss_cause_url"
+def url_cause(choices: list[str]) -> list[str]:
+    """Preselect the cause the URL names (``cause``/``sub_cause``) when the URL changed since the last run (a
+    link was followed). Returns ``choices`` with the picked cause added when the window has none of its misses
+    (its drill-down is then empty, not silently another cause)."""
+    wanted = (st.query_params.get("cause", ""), st.query_params.get("sub_cause", ""))
+    if st.session_state.get("_miss_cause_url") != wanted:
+        st.session_state["_miss_cause_url"] = wanted
+        st.session_state["miss_cause"] = vocabulary.label(*wanted) if wanted[0] else ALL_CAUSES
+    current = st.session_state.get("miss_cause")
+    return choices if not current or current in choices else [*choices, current]
 
 
-def cause_from_url(choices: list[str]) -> None:
-    """Set the Cause box to the URL's ``cause``/``sub_cause`` when the URL names another one than this page last
-    wrote (a shared link, a "fix first" card); an unknown cause shows all causes."""
-    wanted = causes.label(st.query_params.get("cause", ""), st.query_params.get("sub_cause", "")) or ALL_CAUSES
-    if st.session_state.get(URL_CAUSE) != wanted or "miss_cause" not in st.session_state:
-        st.session_state["miss_cause"] = wanted if wanted in choices else ALL_CAUSES
-        st.session_state[URL_CAUSE] = wanted
+def set_url(name: str, value: str) -> None:
+    """Write ``name`` to the URL ('' removes it)."""
+    if value:
+        st.query_params[name] = value
+    elif name in st.query_params:
+        del st.query_params[name]
 
 
-def cause_to_url(cause: str, sub_cause: str) -> None:
-    """The picked cause into the URL (``cause``, ``sub_cause``; none for all causes)."""
-    for k, v in (("cause", cause), ("sub_cause", sub_cause)):
-        if v and st.query_params.get(k) != v:
-            st.query_params[k] = v
-        elif not v and k in st.query_params:
-            del st.query_params[k]
-    st.session_state[URL_CAUSE] = causes.label(cause, sub_cause) or ALL_CAUSES
+def picked_cause(picked: str) -> tuple[str, str]:
+    """``(cause, sub_cause)`` of a selectbox label ('', '' for all), also written to the URL."""
+    cause, _, sub_cause = ("", "", "") if picked == ALL_CAUSES else picked.partition(" / ")
+    st.session_state["_miss_cause_url"] = (cause, sub_cause)
+    set_url("cause", cause)
+    set_url("sub_cause", sub_cause)
+    return cause, sub_cause
 
 
-def drill_down(f: data.Filters, by_cause: pl.DataFrame) -> None:
+def picked_request(event: object, rows: pl.DataFrame) -> str:
+    """The request whose detail to show: the table's selected row, else the URL's ``request_id`` (cleared when
+    the user unselects the row that set it); written to the URL."""
+    selected = list(getattr(getattr(event, "selection", None), "rows", None) or [])
+    was = st.session_state.get("_miss_selected", "")
+    if selected and selected[0] < rows.height:
+        rid = rows["request_id"][selected[0]]
+    elif was:
+        rid = ""  # the row that opened the detail was unselected: close it
+    else:
+        rid = st.query_params.get("request_id", "")
+    st.session_state["_miss_selected"] = rid if selected else ""
+    set_url("request_id", rid)
+    return rid
+
+
+def drill_down(f: data.Filters, causes: pl.DataFrame) -> None:
     st.subheader("Requests")
-    choices = [ALL_CAUSES, *by_cause["label"].to_list()]
-    cause_from_url(choices)
+    choices = url_cause([ALL_CAUSES, *causes["label"].to_list()])
     left, right = st.columns([3, 1])
     picked = left.selectbox("Cause", choices, key="miss_cause")
     limit = right.number_input("Rows", min_value=10, max_value=10_000, value=100, step=50, key="miss_limit")
-    cause, sub_cause = "", ""
-    if picked != ALL_CAUSES:
-        row = by_cause.filter(pl.col("label") == picked).row(0, named=True)
-        cause, sub_cause = row["cause"], row["sub_cause"]
-    cause_to_url(cause, sub_cause)
+    cause, sub_cause = picked_cause(picked or ALL_CAUSES)
     rows = data.named("miss_requests", **f.params(), cause=cause, sub_cause=sub_cause, limit=int(limit))
-    charts.table(rows, key="miss_requests")
+    if rows.is_empty():
+        st.caption(charts.NO_DATA_IN_WINDOW)
+        event = None
+    else:
+        st.caption("Pick a row to see the request's predecessor, pods, gap, changed segment and evidence.")
+        event = st.dataframe(rows, hide_index=True, placeholder=charts.MISSING, key="miss_requests",
+                             on_select="rerun", selection_mode="single-row")
+    request_id = picked_request(event, rows)
+    if request_id:
+        request_detail.render(request_id, f)
 
 
 def render(f: data.Filters) -> None:
     if not data.has_data():
         charts.no_data()
         return
-    by_cause = data.named("miss_causes", **f.params())
-    if by_cause.is_empty():
+    causes = data.named("miss_causes", **f.params())
+    if causes.is_empty():
         st.info(
             "No attributed misses in this time range and filter yet: the attribution job writes miss causes "
             "a few seconds after the gateway logs a request. Widen the time range if traffic is older.",
             icon=":material/hourglass_empty:",
         )
+        if st.query_params.get("request_id"):  # a shared link to a request outside the range still opens it
+            request_detail.render(st.query_params["request_id"], f)
         return
-    by_cause = label(by_cause)
-    total = int(by_cause["missed_tokens"].sum())
-    top = by_cause.row(0, named=True)
+    causes = label(causes)
+    total = int(causes["missed_tokens"].sum())
+    top = causes.row(0, named=True)
     cols = st.columns([1, 1.8, 1])  # room for the longest sub-cause, evicted_before_next_turn
     cols[0].metric("Missed tokens", charts.count(total))
     cols[1].metric(  # the sub-cause says most; its cause goes under it
@@ -102,17 +138,17 @@ def render(f: data.Filters) -> None:
     )
     cols[2].metric("Its share of missed tokens", charts.pct(top["share_of_missed"], 1))
     charts.bars(
-        by_cause.sort("missed_tokens"),
+        causes.sort("missed_tokens"),
         "label",
         "missed_tokens",
         "Missed tokens by cause",
         color="label",
-        color_map=causes.color_map(by_cause["label"].to_list()),
+        color_map=vocabulary.color_map(causes["label"].to_list()),
         horizontal=True,
         key="cause_bars",
     )
     charts.table(
-        by_cause.select(["cause", "sub_cause", "missed_tokens", "share_of_missed", "requests"]),
+        causes.select(["cause", "sub_cause", "missed_tokens", "share_of_missed", "requests"]),
         percent_cols=["share_of_missed"],
         key="cause_table",
     )
@@ -127,11 +163,11 @@ def render(f: data.Filters) -> None:
             "missed_tokens",
             "Missed tokens per tenant by cause",
             color="label",
-            color_map=causes.color_map(order),
+            color_map=vocabulary.color_map(order),
             barmode="stack",
             key="cause_tenants",
         )
-    drill_down(f, by_cause)
+    drill_down(f, causes)
 
 
 data.live(render)

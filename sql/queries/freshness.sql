@@ -1,92 +1,46 @@
 -- name: freshness
--- description: How fresh each input is, per source (vLLM scrapes, gateway log lines, KV events, the attribution job's answers) and pod: the latest time stored, its age on the store's clock, and how many rows; the dashboard's "last scrape 12 s ago", its start-up state and its "no new data since".
--- returns: source String | vllm_scrape, gateway_log, kv_events or attribution
--- returns: pod String | the pod; '' = all pods together (each source with any data has this row; attribution has only it)
--- returns: last_ts Nullable(DateTime64(3, 'UTC')) | vllm_scrape: the latest scrape; gateway_log: the latest request's ts; kv_events: the latest event's ts; attribution: when the latest answer was written (attributed_at), UTC
--- returns: age_seconds Nullable(Float64) | now_ts - last_ts, seconds (negative when a source's clock runs ahead of the store's)
--- returns: rows UInt64 | vllm_scrape: scrapes (samples of vllm:num_requests_running or the KV-cache usage gauge, sent with every scrape; the most of any engine and gauge); gateway_log: lines stored (requests); kv_events: events stored; attribution: requests with a current answer
--- returns: waiting UInt64 | attribution: requests in the gateway log without an answer yet (the job answers each a few seconds after it is stored); 0 for the other sources
--- returns: now_ts DateTime64(3, 'UTC') | the store's clock when the query ran, UTC
+-- description: The latest row of each source per pod (vLLM scrapes, gateway log lines, KV events, attribution answers): when each was last heard from, how long ago, and how many rows it delivered in the window (the dashboard's "last scrape 12 s ago", its start-up state, the source_silent alert).
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | look no further back than this, UTC (a source silent since before it has no row)
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | ignore rows from this time on (exclusive), UTC
+-- param: pod: String = '' | pod to keep, '' = all
+-- returns: source String | vllm_scrape (a /metrics scrape: vllm_metrics), gateway_log (a request logged by the gateway: gateway_requests), kv_events (a KV-cache event: kv_block_events) or attribution (a miss-cause answer written: request_attribution.attributed_at)
+-- returns: pod String | the pod (gateway_log: the pod that served the request; '' when the gateway logged none, e.g. a refused request)
+-- returns: last_ts DateTime64(3, 'UTC') | the source's latest row for the pod in the window, UTC (the scrape, request, event or answer time)
+-- returns: age_seconds Float64 | seconds from last_ts to the store's clock now (negative when the row's clock is ahead)
+-- returns: rows UInt64 | what the source delivered for the pod in the window: vllm_scrape scrapes (distinct scrape times), gateway_log lines (requests), kv_events events, attribution requests with a current answer (sign-weighted)
 --
--- Cheap at any size: vLLM scrapes from the vllm_1h rollup (sql/migrations/0012; its last_ts is exact), gateway
--- lines in total from the table's partition min/max and count; per pod, KV events and the latest answer over
--- the last day of data (24 hours before the latest scrape or line; older ones have no per-pod row),
--- waiting from the hour rollups (requests_1h.requests - affinity_1h.answered). A source without data has no row.
-WITH
-    now64(3, 'UTC') AS now_ts,
-    (SELECT max(last_ts) FROM vllm_1h WHERE name IN ('vllm:num_requests_running', 'vllm:kv_cache_usage_perc',
-                                                    'vllm:gpu_cache_usage_perc')) AS latest_scrape,
-    (SELECT max(ts) FROM gateway_requests) AS latest_line,
-    greatest(ifNull(latest_scrape, toDateTime64(0, 3, 'UTC')), ifNull(latest_line, toDateTime64(0, 3, 'UTC')))
-        - INTERVAL 1 DAY AS day_ago,
-    scrapes AS
-    (
-        SELECT CAST(pod AS String) AS pod_name, max(engine_last) AS last, max(engine_samples) AS n
-        FROM
-        (
-            SELECT pod, engine, name, max(last_ts) AS engine_last, sum(samples) AS engine_samples
-            FROM vllm_1h
-            WHERE name IN ('vllm:num_requests_running', 'vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc')
-            GROUP BY pod, engine, name
-        )
-        GROUP BY pod_name
-    ),
-    gateway_pods AS
-    (
-        SELECT CAST(pod AS String) AS pod_name, max(ts) AS last, count() AS n
-        FROM gateway_requests
-        WHERE ts >= day_ago
-        GROUP BY pod_name
-    ),
-    kv_pods AS
-    (
-        SELECT CAST(pod AS String) AS pod_name, max(ts) AS last, count() AS n
-        FROM kv_block_events
-        WHERE ts >= day_ago
-        GROUP BY pod_name
-    ),
-    answered AS
-    (
-        SELECT toInt64(sum(answered)) AS n FROM affinity_1h
-    ),
-    logged AS
-    (
-        SELECT toInt64(sum(requests)) AS n FROM requests_1h
-    )
-SELECT source, pod, last_ts,
-       if(last_ts IS NULL, NULL, dateDiff('millisecond', assumeNotNull(last_ts), now_ts) / 1000) AS age_seconds,
-       rows, waiting, now_ts
+-- vllm_scrape reads vLLM's num_requests_running and num_requests_waiting gauges only: every scrape carries them
+-- (gauges are sent each scrape, counters only when they moved), and the table is sorted by name first. Every
+-- source is read over [since, until) on its time column, which bounds the scan (partitions by day, sort keys):
+-- the dashboard asks for the last day of data. Requests waiting for an answer = gateway_log rows - attribution
+-- rows over the same window (both count requests by arrival time).
+SELECT source, pod, last_ts, dateDiff('millisecond', last_ts, now64(3, 'UTC')) / 1000 AS age_seconds, rows
 FROM
 (
-    SELECT 'vllm_scrape' AS source, pod_name AS pod, CAST(last AS Nullable(DateTime64(3, 'UTC'))) AS last_ts,
-           toUInt64(n) AS rows, toUInt64(0) AS waiting
-    FROM scrapes
+    SELECT 'vllm_scrape' AS source, CAST(m.pod AS String) AS pod, max(m.ts) AS last_ts, uniqExact(m.ts) AS rows
+    FROM vllm_metrics AS m
+    WHERE m.name IN ('vllm:num_requests_running', 'vllm:num_requests_waiting')
+      AND m.ts >= {since:DateTime64(3, 'UTC')} AND m.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR m.pod = {pod:String})
+    GROUP BY pod
     UNION ALL
-    SELECT 'vllm_scrape', '', CAST(max(last) AS Nullable(DateTime64(3, 'UTC'))), toUInt64(sum(n)), toUInt64(0)
-    FROM scrapes
-    HAVING count() > 0
+    SELECT 'gateway_log' AS source, CAST(g.pod AS String) AS pod, max(g.ts) AS last_ts, count() AS rows
+    FROM gateway_requests AS g
+    WHERE g.ts >= {since:DateTime64(3, 'UTC')} AND g.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR g.pod = {pod:String})
+    GROUP BY pod
     UNION ALL
-    SELECT 'gateway_log', pod_name, CAST(last AS Nullable(DateTime64(3, 'UTC'))), toUInt64(n), toUInt64(0)
-    FROM gateway_pods
+    SELECT 'kv_events' AS source, CAST(k.pod AS String) AS pod, max(k.ts) AS last_ts, count() AS rows
+    FROM kv_block_events AS k
+    WHERE k.ts >= {since:DateTime64(3, 'UTC')} AND k.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR k.pod = {pod:String})
+    GROUP BY pod
     UNION ALL
-    SELECT 'gateway_log', '', CAST(max(ts) AS Nullable(DateTime64(3, 'UTC'))), toUInt64(count()), toUInt64(0)
-    FROM gateway_requests
-    HAVING count() > 0
-    UNION ALL
-    SELECT 'kv_events', pod_name, CAST(last AS Nullable(DateTime64(3, 'UTC'))), toUInt64(n), toUInt64(0)
-    FROM kv_pods
-    UNION ALL
-    SELECT 'kv_events', '', CAST(if((SELECT count() FROM kv_pods) > 0, (SELECT max(last) FROM kv_pods), NULL)
-                                 AS Nullable(DateTime64(3, 'UTC'))),
-           toUInt64(count()), toUInt64(0)
-    FROM kv_block_events
-    HAVING count() > 0
-    UNION ALL
-    SELECT 'attribution', '', CAST(if(count() > 0, max(attributed_at), NULL) AS Nullable(DateTime64(3, 'UTC'))),
-           toUInt64(greatest(ifNull((SELECT n FROM answered), 0), 0)),
-           toUInt64(greatest(ifNull((SELECT n FROM logged), 0) - ifNull((SELECT n FROM answered), 0), 0))
-    FROM request_attribution
-    WHERE ts >= day_ago AND sign = 1
-    HAVING ifNull((SELECT n FROM answered), 0) > 0 OR ifNull((SELECT n FROM logged), 0) > 0
+    SELECT 'attribution' AS source, CAST(r.pod AS String) AS pod, max(r.attributed_at) AS last_ts,
+           toUInt64(greatest(sum(r.sign), 0)) AS rows
+    FROM request_attribution AS r
+    WHERE r.ts >= {since:DateTime64(3, 'UTC')} AND r.ts < {until:DateTime64(3, 'UTC')}
+      AND ({pod:String} = '' OR r.pod = {pod:String})
+    GROUP BY pod
 )
 ORDER BY source, pod

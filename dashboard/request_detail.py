@@ -1,0 +1,210 @@
+"""One request's miss attribution with its evidence (named query ``request_detail``), drawn on the Miss causes page.
+
+Shows the missed tokens by cause in prompt order (each cause in its colour from :mod:`dashboard.causes`), the
+predecessor (id, arrival, pod, how it was found, with a link that opens its own detail), the pod that served the
+request beside the predecessor's, the gap, each prompt segment's token counts and whether it matched the
+predecessor's (the first that differs is the changed segment), the block size, and the evidence behind the cause.
+Only ids, names and counts: never prompt text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+import polars as pl
+import streamlit as st
+
+from dashboard import charts, data
+from dashboard.causes import color, label
+from ingest.attribution import EVICTED, PREFIX_DRIFT, ROUTED_AWAY
+
+PAGE = "views/miss_causes.py"
+#: Colour of the cached (hit) part of the prompt in the prompt-order bar; not a cause.
+CACHED_COLOR = "#D9D9D9"
+
+#: How the attribution found the predecessor (request_attribution.predecessor_kind; docs/miss-causes.md).
+KIND_TEXT = {
+    "previous_turn": "the previous turn of the same conversation or agent run",
+    "fingerprint": "the latest earlier request with the same prompt fingerprint",
+    "variant": "the latest earlier request of the tenant with the same normalized system prompt, canonical tools "
+    "or retrieval set",
+}
+#: A segment whose hash differs but whose variant matched: what the difference is.
+VARIANT_TEXT = {
+    "system": "differs only in masked volatile values (timestamps, ids)",
+    "tools": "same tools, other order",
+    "retrieval": "same documents, other order",
+    "history": "continues the predecessor's conversation",
+}
+
+
+def fetch(request_id: str, f: data.Filters) -> tuple[pl.DataFrame, bool]:
+    """``(rows, in_window)``: the named query ``request_detail`` for ``request_id`` in the page's time range,
+    else over all time (``in_window`` False); no tenant or pod filter (an id names one request)."""
+    rows = data.named("request_detail", **f.params(tenant=False, pod=False, model=False), request_id=request_id)
+    if not rows.is_empty():
+        return rows, True
+    return data.named("request_detail", request_id=request_id), False
+
+
+def gap_text(ms: float | None) -> str:
+    """A gap in ms as "850 ms", "1.5 s", "12 min 5 s" or "2 h 3 min"; an en dash when None."""
+    if ms is None:
+        return charts.MISSING
+    if abs(ms) < 1000:
+        return f"{ms:,.0f} ms"
+    s = ms / 1000
+    if s < 60:
+        return f"{s:,.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60)} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60)} min"
+
+
+def compared(row: dict[str, Any]) -> str:
+    """How a segment compares with the predecessor's, in words (from hash_matched / variant_matched)."""
+    if row["hash_matched"] is None:
+        return "no predecessor"
+    if row["hash_matched"]:
+        return "same"
+    if row["segment"] == "suffix":
+        return "differs: the new message"
+    if row["variant_matched"]:
+        return VARIANT_TEXT[row["segment"]]
+    return "changed"
+
+
+def segment_table(rows: pl.DataFrame, changed: str) -> pl.DataFrame:
+    """One row per segment in prompt order: tokens here and in the predecessor, how it compares, missed tokens
+    in it, and a mark on the changed segment."""
+    out = [
+        {
+            "segment": r["segment"],
+            "tokens": r["segment_tokens"],
+            "predecessor_tokens": r["predecessor_segment_tokens"],
+            "compared_with_predecessor": compared(r),
+            "first_change": "◀ first change" if r["segment"] == changed else "",
+            "missed_tokens": r["segment_missed_tokens"],
+        }
+        for r in rows.sort("segment_index").iter_rows(named=True)
+    ]
+    return pl.DataFrame(out, schema={"segment": pl.String, "tokens": pl.UInt64, "predecessor_tokens": pl.UInt64,
+                                     "compared_with_predecessor": pl.String, "first_change": pl.String,
+                                     "missed_tokens": pl.UInt64})
+
+
+def prompt_bar(head: dict[str, Any], key: str) -> None:
+    """The prompt as one horizontal bar in token positions: the cached part, then each cause's missed tokens in
+    prompt order, each in its cause's colour."""
+    fig = go.Figure()
+    cached = head["cached_tokens"]
+    if cached:
+        fig.add_bar(y=["prompt"], x=[cached], orientation="h", name="cached", marker_color=CACHED_COLOR,
+                    hovertemplate="cached: %{x:,} tokens<extra></extra>")
+    for cause, sub, n in zip(head["causes"], head["sub_causes"], head["cause_missed_tokens"], strict=True):
+        name = label(cause, sub)
+        fig.add_bar(y=["prompt"], x=[n], orientation="h", name=name, marker_color=color(cause, sub),
+                    hovertemplate=f"{name}: %{{x:,}} tokens<extra></extra>")
+    fig.update_layout(barmode="stack", height=170, title="Prompt tokens in prompt order: cached, then missed by cause",
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h", "y": -0.35},
+                      xaxis_title="tokens", yaxis_visible=False)
+    st.plotly_chart(fig, key=key)
+
+
+def cause_table(head: dict[str, Any]) -> pl.DataFrame:
+    """The request's causes in prompt order with their missed tokens and share of its missed tokens."""
+    total = sum(head["cause_missed_tokens"]) or 1
+    return pl.DataFrame(
+        {"cause": head["causes"], "sub_cause": head["sub_causes"], "missed_tokens": head["cause_missed_tokens"],
+         "share_of_request_missed": [n / total for n in head["cause_missed_tokens"]]},
+        schema={"cause": pl.String, "sub_cause": pl.String, "missed_tokens": pl.UInt64,
+                "share_of_request_missed": pl.Float64},
+    )
+
+
+def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
+    """What the attribution's answer rests on, in words: how the predecessor was found; for a drift, the
+    segment comparison; for a prefix that was reusable (routed_away, evicted), which pod held it and what that
+    pod's KV events say (or that the cause is inferred from which pod served the predecessor)."""
+    pred, pod, pred_pod = head["predecessor_request_id"], head["pod"], head["predecessor_pod"]
+    if not pred:
+        return ("No earlier request within the attribution horizon shared this prefix: its stable prefix is "
+                "**cold**.")
+    causes = set(head["causes"])
+    kind = KIND_TEXT.get(head["predecessor_kind"], head["predecessor_kind"] or "an earlier request")
+    lines = [f"Predecessor found as {kind}."]
+    changed = head["changed_segment"]
+    if PREFIX_DRIFT in causes and changed:
+        how = segments.filter(pl.col("segment") == changed)["compared_with_predecessor"].to_list()
+        lines.append(f"The drift is named by the segment hashes: **{changed}** is the first segment that differs "
+                     f"({how[0] if how else 'changed'}).")
+    if pod != pred_pod:
+        lines.append(f"This request went to **{pod}**, the predecessor to **{pred_pod}**: another pod held the "
+                     "prefix.")
+    else:
+        lines.append(f"Both went to **{pod}**.")
+    if head["kv_events"]:
+        lines.append(
+            f"{pred_pod} sent {head['kv_events']:,} KV-cache events between the two requests: "
+            f"{head['kv_blocks_stored']:,} blocks stored, {head['kv_blocks_removed']:,} removed (evicted)"
+            + (f", {head['kv_caches_cleared']:,} full cache clears" if head["kv_caches_cleared"] else "") + "."
+        )
+    elif causes & {ROUTED_AWAY, EVICTED}:
+        lines.append(f"No KV-cache events from {pred_pod} between the two requests: the cause is inferred from "
+                     "which pod served the predecessor.")
+    return "  \n".join(lines)
+
+
+def predecessor_link(head: dict[str, Any]) -> None:
+    """A link that opens the predecessor's detail on this page, keeping the page's other URL parameters."""
+    pred = head["predecessor_request_id"]
+    if not pred:
+        return
+    params = {k: v for k, v in st.query_params.to_dict().items() if k != "request_id"}
+    st.page_link(PAGE, label=f"Open predecessor {pred}", icon=":material/history:",
+                 query_params={**params, "request_id": pred})
+
+
+def header(head: dict[str, Any], in_window: bool) -> None:
+    cached = head["cached_tokens"]
+    st.subheader(f"Request {head['request_id']}")
+    st.caption(
+        f"{head['tenant_id']} · {head['model']} · served by **{head['pod']}** · arrived "
+        f"{head['ts']:%Y-%m-%d %H:%M:%S} UTC · {charts.count(head['prompt_tokens'])} prompt tokens, "
+        f"{'cached count not reported' if cached is None else charts.count(cached) + ' cached'} · block size "
+        f"{head['block_size']} tokens"
+        + ("" if in_window else " · outside the chosen time range")
+    )
+
+
+def predecessor(head: dict[str, Any]) -> None:
+    cols = st.columns(4)
+    pred_ts = head["predecessor_ts"]
+    cols[0].metric("Predecessor", head["predecessor_request_id"] or "none")
+    cols[1].metric("Its arrival (UTC)", charts.MISSING if pred_ts is None else f"{pred_ts:%H:%M:%S}",
+                   help=None if pred_ts is None else f"{pred_ts:%Y-%m-%d %H:%M:%S.%f}"[:-3])
+    cols[2].metric("Pod: this / predecessor", f"{head['pod']} / {head['predecessor_pod'] or charts.MISSING}")
+    cols[3].metric("Gap", gap_text(head["gap_ms"]), help="from the predecessor's end (arrival + e2e latency) to "
+                   "this request's arrival")
+
+
+def render(request_id: str, f: data.Filters) -> None:
+    """The detail of ``request_id`` (see the module docstring); says so when the request has no answer yet."""
+    rows, in_window = fetch(request_id, f)
+    if rows.is_empty():
+        st.info(f"No miss attribution for request `{charts.plain(request_id)}`: no such request id, or the "
+                "attribution job has not answered it yet.", icon=":material/search_off:")
+        return
+    head = rows.row(0, named=True)
+    header(head, in_window)
+    prompt_bar(head, key="request_prompt_bar")
+    charts.table(cause_table(head), percent_cols=["share_of_request_missed"], key="request_causes")
+    predecessor(head)
+    predecessor_link(head)
+    changed = head["changed_segment"]
+    segments = segment_table(rows, changed)
+    st.markdown("**Segments** (in prompt order; token counts from the gateway log, never text)"
+                + (f": the first that differs from the predecessor's is **{changed}**." if changed else "."))
+    charts.table(segments, key="request_segments")
+    st.markdown(f"**Evidence.** {evidence(head, segments)}")

@@ -1,0 +1,118 @@
+"""Building and sending the miss-cause digest: once (``kvscope digest``) or every ``KVSCOPE_DIGEST_EVERY`` from a
+running ``kvscope up`` (:class:`DigestSchedule`, a daemon thread using the pipeline's store: chDB allows one
+process per data directory, so a cron job cannot read the store ``kvscope up`` holds).
+
+The schedule remembers when it last sent in ``digest-<database>.json`` beside the collector's checkpoints, so
+a restart neither sends twice nor skips: the first digest goes out one interval after the first start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from email.message import EmailMessage
+from pathlib import Path
+from typing import Any
+
+from dashboard import mail
+from dashboard.digest import gather, parse_duration, period
+from dashboard.digest_render import render
+from ingest.errors import KvscopeError
+
+log = logging.getLogger("kvscope.digest")
+
+#: After a failed send, try again after this long (or the interval, when shorter), seconds.
+RETRY_SECONDS = 600.0
+
+
+def digest_message(store: Any, cfg: Any, since: datetime, until: datetime, to: Sequence[str] = ()) -> EmailMessage:
+    """The digest email of ``[since, until)`` against the period before, from ``store`` with the settings of
+    ``cfg`` (a :class:`kvscope.config.Config`: GPU-hour price, currency, dashboard URL, sender).
+
+    Raises what :meth:`ingest.store.Store.named` raises (``QueryError``, ``StoreUnavailable``)."""
+    d = gather(store, since, until, gpu_hour_price=cfg.gpu_hour_price, currency=cfg.currency,
+               dashboard_url=cfg.dashboard_url)
+    return render(d, to=list(to), sender=cfg.mail_from)
+
+
+def check_schedule(cfg: Any) -> timedelta | None:
+    """The digest interval of ``KVSCOPE_DIGEST_EVERY`` (None when unset), checked with everything sending needs.
+
+    Raises ValueError naming the setting: a bad duration, no recipients, no SMTP host, a bad SMTP security."""
+    if not cfg.digest_every:
+        return None
+    try:
+        every = parse_duration(cfg.digest_every)
+    except ValueError as exc:
+        raise ValueError(f"KVSCOPE_DIGEST_EVERY: {exc}") from exc
+    if not cfg.list("digest_to"):
+        raise ValueError("KVSCOPE_DIGEST_EVERY is set but KVSCOPE_DIGEST_TO names no recipient")
+    if not cfg.smtp_host:
+        raise ValueError("KVSCOPE_DIGEST_EVERY is set but KVSCOPE_SMTP_HOST is empty: no server to send through")
+    try:
+        mail.MailSettings.from_config(cfg)
+    except mail.MailError as exc:
+        raise ValueError(str(exc)) from exc
+    return every
+
+
+class DigestSchedule:
+    """Send the digest of the last ``every`` to ``KVSCOPE_DIGEST_TO`` each time ``every`` has passed since the
+    last one (:meth:`run` until ``stop`` is set). ``state_path``: where the last send time is kept (JSON);
+    ``check_seconds``: how often the clock is looked at. A failed send is logged and retried after
+    :data:`RETRY_SECONDS` (or ``every``, when shorter); it never stops the pipeline."""
+
+    def __init__(self, store: Any, cfg: Any, stop: threading.Event, *, every: timedelta, state_path: Path,
+                 check_seconds: float = 30.0) -> None:
+        self.store, self.cfg, self.stop, self.every = store, cfg, stop, every
+        self.state_path = state_path
+        self.check_seconds = min(check_seconds, every.total_seconds())
+        self.sent = 0  # digests sent by this process
+        self._retry_at = 0.0
+
+    def run(self) -> None:
+        """Loop until ``stop``: send when due. Never raises."""
+        if self.last_sent() is None:
+            self._record(datetime.now(UTC))  # the clock starts at the first start: first digest one interval later
+        while not self.stop.wait(self.check_seconds):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a bug here must not take the pipeline down
+                log.exception("digest schedule failed; trying again at the next check")
+
+    def tick(self, now: datetime | None = None) -> bool:
+        """Send if due at ``now``; returns whether a digest was sent."""
+        now = now or datetime.now(UTC)
+        last = self.last_sent()
+        if (last is not None and now - last < self.every) or time.monotonic() < self._retry_at:
+            return False
+        since, until = period(self.every, now=now)
+        try:
+            msg = digest_message(self.store, self.cfg, since, until, self.cfg.list("digest_to"))
+            mail.send(msg, mail.MailSettings.from_config(self.cfg))
+        except (KvscopeError, OSError) as exc:
+            retry = min(RETRY_SECONDS, self.every.total_seconds())
+            self._retry_at = time.monotonic() + retry
+            log.warning("digest not sent; retrying in %.0f s. error=%s", retry, exc)
+            return False
+        self._record(now)
+        self.sent += 1
+        log.info("digest sent. to=%s subject=%r", ",".join(self.cfg.list("digest_to")), msg["Subject"])
+        return True
+
+    def last_sent(self) -> datetime | None:
+        """When the last digest was sent (or the clock started), from ``state_path``; None when never."""
+        try:
+            return datetime.fromisoformat(json.loads(self.state_path.read_text())["last_sent"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _record(self, when: datetime) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"last_sent": when.isoformat()}))
+        tmp.replace(self.state_path)
