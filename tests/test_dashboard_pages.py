@@ -299,7 +299,7 @@ def test_request_detail_from_the_url(fixture_store: Store) -> None:
     assert segments["missed_tokens"].tolist() == [730, 38, 0, 0, 16]
     assert any("block size 32 tokens" in c.value for c in at.caption)
     (link,) = at.get("page_link")
-    assert link.proto.query_string == "request_id=cap-3-tools-reordered"
+    assert link.proto.query_string == "range=all&request_id=cap-3-tools-reordered"  # the view's filters kept
     at.query_params["request_id"] = "cap-3-tools-reordered"  # following the link
     at.run()
     assert_clean(at)
