@@ -9,6 +9,7 @@ import re
 import time
 import uuid
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -244,11 +245,11 @@ def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
     import os
     import subprocess
     import sys
-    from datetime import UTC, datetime, timedelta
+    from datetime import UTC, timedelta
 
     from playwright.sync_api import sync_playwright
 
-    from dashboard.data import NICE_BUCKETS, iso
+    from dashboard.data import NICE_BUCKETS, iso, parse_time
     from tests import dashboard_browser as db
 
     port = free_port()
@@ -259,9 +260,11 @@ def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}
     cmd = [sys.executable, "-m", "kvscope.cli", "up", "--data-dir", str(work / "data"), "--port", str(port),
            "--gateway-log", cfg.gateway_log, *[a for t in cfg.list("vllm") for a in ("--vllm", t)]]
-    model = e2e["records"][0]["model"]
-    pod = e2e["pods"][0].name
-    since = datetime.now(UTC).replace(microsecond=0)
+    # The window starts at a minute boundary after the lines already in the log (the rollups resolve windows to
+    # whole minutes), so it holds exactly this run's traffic.
+    logged = [json.loads(line) for line in Path(cfg.gateway_log).read_text().splitlines() if line.strip()]
+    newest = max((parse_time(r["ts"]) for r in logged), default=datetime.now(UTC))
+    since = newest.replace(second=0, microsecond=0) + timedelta(minutes=1)
     shown: dict[str, Any] = {}
     with open(artifacts / "kvscope-up.log", "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
@@ -275,12 +278,13 @@ def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
                 page.goto(base, wait_until="networkidle")  # whatever start-up shows (not asserted: a race)
                 page.wait_for_timeout(1500)
                 page.screenshot(path=str(artifacts / "page-startup.png"), full_page=True)
-                time.sleep(2)  # its first scrape, so the live traffic below moves the vLLM counters it watches
+                time.sleep(max(2.0, (since - datetime.now(UTC)).total_seconds()))  # and its first scrape
                 app = make_app([(p.name, p.base_url) for p in e2e["pods"]], Path(cfg.gateway_log),
                                policy="prefix_affinity", tokenizer_path=e2e["tokenizer"])
                 with GatewayServer(app) as gw:
                     run_workload(gw.url, seed=23, scale=0.2, concurrency=2, wait_scale=0.2)  # seed 11: test_workload
                 until = (datetime.now(UTC) + timedelta(seconds=13)).replace(microsecond=0)
+                tenant, pod, model = busiest(Path(cfg.gateway_log), since)
                 window = f"from={iso(since)}&to={iso(until)}"
                 lines = sum(1 for line in Path(cfg.gateway_log).read_text().splitlines() if line.strip())
                 settled = f"gateway log: just now ({lines:,} lines)"
@@ -296,7 +300,7 @@ def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
                 for path, (name, ready) in PAGES.items():
                     shown[name] = read_page(page, db, f"{base}/{path}?{window}", ready, FIGURES.get(name, []),
                                             artifacts / f"page-{name}.png")
-                shown["filters"] = filters_round_trip(page, db, f"{base}/tenants?{window}", pod, model,
+                shown["filters"] = filters_round_trip(page, db, f"{base}/tenants?{window}", tenant, pod, model,
                                                       artifacts / "page-filters.png")
                 browser.close()
         finally:
@@ -318,10 +322,21 @@ def dashboard_run(e2e, tmp_path_factory):  # type: ignore[no-untyped-def]
         "vllm_series": ("vllm_series", {**w, "bucket_seconds": str(width)}),
         "vllm_latency": ("vllm_latency", {**w, "bucket_seconds": str(width), "by_pod": "1"}),
         "data_quality": ("data_quality", w),
-        "filtered": ("tenant_affinity", {**w, "tenant": "acme", "pod": pod, "model": model}),
+        "filtered": ("tenant_affinity", {**w, "tenant": tenant, "pod": pod, "model": model}),
     }, sql={"example": example})
-    yield {"shown": shown, "expected": expected, "since": since, "until": until, "width": width, "pod": pod,
-           "model": model, "pods": [p.name for p in e2e["pods"]]}
+    yield {"shown": shown, "expected": expected, "since": since, "until": until, "width": width, "tenant": tenant,
+           "pod": pod, "model": model, "pods": [p.name for p in e2e["pods"]]}
+
+
+def busiest(log: Path, since: datetime) -> tuple[str, str, str]:
+    """(tenant, pod, model) of the most requests logged since ``since``: a filter that shows numbers."""
+    from collections import Counter
+
+    from dashboard.data import parse_time
+
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    counts = Counter((r["tenant_id"], r["pod"], r["model"]) for r in lines if parse_time(r["ts"]) >= since)
+    return counts.most_common(1)[0][0]
 
 
 def read_page(page, db, url: str, ready: str, keys: list[str], shot: Path) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -339,10 +354,11 @@ def read_page(page, db, url: str, ready: str, keys: list[str], shot: Path) -> di
     return out
 
 
-def filters_round_trip(page, db, url: str, pod: str, model: str, shot: Path) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def filters_round_trip(page, db, url: str, tenant: str, pod: str, model: str,  # type: ignore[no-untyped-def]
+                       shot: Path) -> dict[str, Any]:
     """Opens ``url`` with every filter set: what the sidebar shows and the tenant bars drew; then picks "All pods"
     in the sidebar and returns the URL it led to."""
-    page.goto(f"{url}&tenant=acme&pod={pod}&model={model}", wait_until="networkidle")
+    page.goto(f"{url}&tenant={tenant}&pod={pod}&model={model}", wait_until="networkidle")
     page.wait_for_selector(".st-key-tenant_bars .js-plotly-plot", timeout=60_000)
     page.wait_for_timeout(2500)
     out = {"widgets": {k: db.widget(page, k) for k in ("time_range", "range_from", "range_to", "tenant", "pod",
@@ -512,12 +528,13 @@ def test_url_with_filters_reopens_the_same_view(dashboard_run) -> None:  # type:
     got = dashboard_run["shown"]["filters"]
     since, until = dashboard_run["since"], dashboard_run["until"]
     assert got["widgets"] == {"time_range": CUSTOM, "range_from": since.strftime("%Y-%m-%dT%H:%M"),
-                              "range_to": until.strftime("%Y-%m-%dT%H:%M"), "tenant": "acme",
+                              "range_to": until.strftime("%Y-%m-%dT%H:%M"), "tenant": dashboard_run["tenant"],
                               "pod": dashboard_run["pod"], "model": dashboard_run["model"]}
     (row,) = dashboard_run["expected"]["filtered"]
     trace = next(t for t in got["bars"]["traces"] if t["name"] == "Token-weighted hit rate")
-    assert (trace["x"], trace["y"]) == (["acme"], [pytest.approx(row["token_weighted_hit_rate"])])
-    assert "tenant=acme" in got["url_after"] and "pod=" not in got["url_after"] and "from=" in got["url_after"]
+    assert (trace["x"], trace["y"]) == ([dashboard_run["tenant"]], [pytest.approx(row["token_weighted_hit_rate"])])
+    assert f"tenant={dashboard_run['tenant']}" in got["url_after"] and "from=" in got["url_after"]
+    assert "pod=" not in got["url_after"]
     assert got["pod_after"] == "All pods"
 
 
