@@ -168,6 +168,9 @@ def lines(fresh: dict[str, Fresh], context: RunContext | None) -> list[str]:
         logs = ", ".join(context.gateway_logs()) if context else ""
         if context is not None and not logs:
             out.append("gateway log: none configured (`--gateway-log`)")
+        elif gateway is not None:  # lines read at start-up from the log's backlog, none logged since
+            out.append(f"gateway log: no request since this start; the latest is from {_at(gateway.last_ts)} "
+                       f"({ago(gateway.age_seconds)})")
         else:
             out.append(f"gateway log: waiting for the first line{f' in {logs}' if logs else ''}")
     else:

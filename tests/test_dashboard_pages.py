@@ -678,7 +678,7 @@ def test_a_second_start_says_the_numbers_are_old(fixture_store: Store) -> None:
     assert "no new data since" in old and "the numbers below are from before this start" in old
     (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
     assert "vLLM: first scrape pending (pod-0, pod-1); the last stored is from 2026-11-29 12:02:30 UTC" in sources
-    assert "gateway log: waiting for the first line in /var/log/gw.jsonl" in sources
+    assert "gateway log: no request since this start; the latest is from 2026-11-29 12:02:25 UTC (2 d ago)" in sources
     assert metrics(at)["Token-weighted hit rate (gateway)"] == "50.96%"  # old numbers, said to be old
 
 
