@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -93,10 +94,23 @@ class Fresh:
 LOOKBACK = timedelta(days=1)
 
 
+#: How long one reading serves the sidebar and the banner of the same run (seconds).
+REUSE_SECONDS = 2.0
+
+
 def read() -> dict[str, Fresh]:
     """Each source with data in the last day of data (the day before the newest scrape or gateway line), by
     source name; empty when the store holds nothing (or a query failed, which :func:`dashboard.data.named`
-    shows)."""
+    shows). The sidebar and the banner of one run share a reading (:data:`REUSE_SECONDS`)."""
+    at, fresh = st.session_state.get("_kvscope_fresh", (0.0, None))
+    if fresh is not None and time.monotonic() - at < REUSE_SECONDS:
+        return fresh
+    fresh = _read()
+    st.session_state["_kvscope_fresh"] = (time.monotonic(), fresh)
+    return fresh
+
+
+def _read() -> dict[str, Fresh]:
     last = data.extent()[1]
     if last is None:
         return {}
