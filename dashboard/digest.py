@@ -111,6 +111,8 @@ class TenantLoss:
     previous_missed_tokens: int
     finding: findings.Finding | None
     link: str = ""
+    #: whether cache work pays for this tenant's workload, and why (:func:`dashboard.findings.worth_it`)
+    worth: findings.Worth | None = None
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,7 @@ def _tenants(store: Any, since: datetime, until: datetime, missed: _Missed, pric
     by_cost = now["gpu_seconds"].null_count() == 0
     ranked = now.sort(["gpu_seconds" if by_cost else "missed_tokens", "tenant_id"], descending=[True, False])
     previous = dict(before.select("tenant_id", "missed_tokens").iter_rows())
+    worth = {w.tenant_id: w for w in findings.worth_it(store, since, until)}
     out = []
     for r in ranked.head(top).iter_rows(named=True):
         tenant = r["tenant_id"]
@@ -364,7 +367,7 @@ def _tenants(store: Any, since: datetime, until: datetime, missed: _Missed, pric
             tenant_id=tenant, missed_tokens=int(r["missed_tokens"]), gpu_seconds=gpu,
             money=gpu / 3600 * price if gpu is not None and price > 0 else None,
             previous_missed_tokens=int(previous.get(tenant, 0)),
-            finding=finding,
+            finding=finding, worth=worth.get(tenant),
             link=finding.url(link.base, since, until) if finding else link("miss_causes", tenant=tenant)))
     return tuple(out)
 

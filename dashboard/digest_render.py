@@ -202,14 +202,18 @@ def _tenant_item(d: Digest, t: TenantLoss) -> tuple[str, ...]:
     head = (f"{t.tenant_id or '(no tenant)'}: {t.missed_tokens:,} missed tokens{cost} "
             f"({versus(t.missed_tokens, t.previous_missed_tokens)})")
     f = t.finding
+    worth = ()
+    if t.worth is not None:
+        verdict = "Cache work pays" if t.worth.pays else "Little to gain from cache work"
+        worth = (f"{verdict}: {'; '.join(t.worth.reasons)}.",)
     if f is None:
-        return (head, "None of its misses has a fix: they are cold starts, new content or partial blocks.")
+        return (head, "None of its misses has a fix: they are cold starts, new content or partial blocks.", *worth)
     out = [head, f"Dominant cause: {f.label}, {pct(f.share_of_tenant_missed, 0)} of this tenant's missed tokens "
                  f"({f.missed_tokens:,} tokens in {plural(f.requests, 'request')}).",
            f"Fix ({pct(f.share_of_tenant_missed, 0)} of this tenant's misses): {f.fix}"]
     if f.evidence is not None:
         out.append(f"Evidence: {f.evidence.text()}.")
-    return tuple(out)
+    return (*out, *worth)
 
 
 def _drift(d: Digest) -> Section:

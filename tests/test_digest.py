@@ -107,6 +107,7 @@ def test_tenants_losing_most_carry_the_findings(two: Store) -> None:
         expected = findings.fix_first(two, SINCE, UNTIL, tenant=t.tenant_id, limit=1, gpu_hour_price=2.0)
         assert t.finding == (expected[0] if expected else None)
         assert t.link.startswith(BASE_URL + "/miss_causes?")
+        assert t.worth == {w.tenant_id: w for w in findings.worth_it(two, SINCE, UNTIL)}[t.tenant_id]
     umbrella = next(t for t in d.tenants if t.tenant_id == "umbrella")
     f = umbrella.finding
     assert f is not None and (f.cause, f.sub_cause, f.missed_tokens) == ("prefix_drift", "volatile_system", 1824)
@@ -218,6 +219,7 @@ def test_the_message_says_the_figures_in_both_parts(two: Store) -> None:
         assert "umbrella" in body and "system prompt" in body and "pod-b" in body
         assert "1.2 min" in body  # the hold time that keeps 90 % of next turns warm (70 s)
         assert "window_edge" in body
+        assert umbrella.worth is not None and f"{'; '.join(umbrella.worth.reasons)}." in body
     assert umbrella.link in p["text"] and umbrella.link.replace("&", "&amp;") in p["html"]
     assert "\u2212" in p["text"]  # the change in pp has a real minus sign, UTF-8 in both parts
 
