@@ -143,11 +143,12 @@ class Worth:
         return f"{self.tenant_id}: {verdict}: " + "; ".join(self.reasons)
 
 
-def worth_it(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "") -> list[Worth]:
+def worth_it(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "",
+             model: str = "") -> list[Worth]:
     """Per tenant (largest prompt volume first): does fixing its misses pay? Reads the named queries
     ``tenant_profile`` and ``miss_causes``; the rule is in docs/fix-first.md ("Does cache work pay?")."""
-    profile = store.named("tenant_profile", _params(since, until, tenant, pod))
-    missed = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=1)), 0.0)
+    profile = store.named("tenant_profile", _params(since, until, tenant, pod, model=model))
+    missed = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=1)), 0.0)
     recoverable: dict[str, int] = {}
     for r in missed.filter(pl.col("actionable")).iter_rows(named=True) if not missed.is_empty() else []:
         recoverable[r["tenant_id"]] = recoverable.get(r["tenant_id"], 0) + int(r["missed_tokens"])
@@ -179,20 +180,21 @@ def _verdict(p: dict[str, Any], tokens: int, share: float) -> Worth:
                  recoverable_tokens=tokens, recoverable_share=share, reasons=tuple(reasons))
 
 
-def where_missed(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "",
+def where_missed(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "", model: str = "",
                  gpu_hour_price: float = 0.0) -> pl.DataFrame:
     """Missed tokens by cause for the window: named query ``miss_causes`` plus ``label``, ``money`` (None without
     a price) and ``actionable``; columns as ``miss_causes`` documents them, largest first."""
-    df = store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=0))
+    df = store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=0))
     return _decorate(df, gpu_hour_price)
 
 
-def fix_first(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "", limit: int = 3,
-              per_tenant: bool = False, gpu_hour_price: float = 0.0) -> list[Finding]:
+def fix_first(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "", model: str = "",
+              limit: int = 3, per_tenant: bool = False, gpu_hour_price: float = 0.0) -> list[Finding]:
     """The top ``limit`` findings of the window ``[since, until)`` (UTC), ranked as the module docstring says,
     each with the largest matching miss as evidence. ``per_tenant``: at most one finding per tenant (its
     dominant one). Raises what :meth:`ingest.store.Store.named` raises (``QueryError``, ``StoreUnavailable``)."""
-    df = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, by_tenant=1)), gpu_hour_price)
+    df = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=1)),
+                   gpu_hour_price)
     if df.is_empty():
         return []
     total = float(df["missed_tokens"].sum())
@@ -212,7 +214,7 @@ def fix_first(store: Any, since: datetime, until: datetime, *, tenant: str = "",
     ranked = _rank(candidates)
     if per_tenant:
         ranked = [f for i, f in enumerate(ranked) if all(g.tenant_id != f.tenant_id for g in ranked[:i])]
-    return [_with_evidence(store, f, since, until, pod) for f in ranked[:limit]]
+    return [_with_evidence(store, f, since, until, pod, model) for f in ranked[:limit]]
 
 
 def _rank(candidates: list[Finding]) -> list[Finding]:
@@ -231,8 +233,8 @@ def _rank(candidates: list[Finding]) -> list[Finding]:
     return out
 
 
-def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod: str) -> Finding:
-    rows = store.named("miss_requests", {**_params(since, until, f.tenant_id, pod), "cause": f.cause,
+def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod: str, model: str) -> Finding:
+    rows = store.named("miss_requests", {**_params(since, until, f.tenant_id, pod, model=model), "cause": f.cause,
                                          "sub_cause": f.sub_cause, "limit": "1"})
     if rows.is_empty():
         return f

@@ -42,8 +42,10 @@ def render(f: data.Filters) -> None:
     price, currency = gpu_hour_price()
     store = data.get_store()
     try:
-        where = findings.where_missed(store, since, until, tenant=f.tenant, pod=f.pod, gpu_hour_price=price)
-        top = findings.fix_first(store, since, until, tenant=f.tenant, pod=f.pod, gpu_hour_price=price)
+        where = findings.where_missed(store, since, until, tenant=f.tenant, pod=f.pod, model=f.model,
+                                      gpu_hour_price=price)
+        top = findings.fix_first(store, since, until, tenant=f.tenant, pod=f.pod, model=f.model,
+                                 gpu_hour_price=price)
     except Exception as exc:  # noqa: BLE001  (a failing query shows its error; the page goes on)
         st.error(f"Miss causes could not be read: {data.error_text(exc)}")
         return
@@ -106,9 +108,7 @@ def fix_card(rank: int, finding: findings.Finding, f: data.Filters, currency: st
         st.markdown(charts.plain(finding.fix))
         if finding.evidence:
             st.caption("Evidence: " + charts.plain(finding.evidence.text()))
-        since, until = window(f)
-        params = {"from": since.strftime("%Y-%m-%dT%H:%M:%SZ"), "to": until.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                  "tenant": finding.tenant_id, "cause": finding.cause}
+        params = {**f.query(), "tenant": finding.tenant_id, "cause": finding.cause}  # the page's window and filters
         if finding.sub_cause:
             params["sub_cause"] = finding.sub_cause
         if finding.evidence:

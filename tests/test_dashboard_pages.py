@@ -149,7 +149,8 @@ def test_overview_says_where_the_missed_tokens_went_and_what_to_fix_first(fixtur
     captions = [c.value.replace("\\", "") for c in at.caption]
     assert "Evidence: request cap-4-timestamp-first on pod-a missed 768 tokens from its system prompt on" in captions[1]
     links = [p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"]
-    assert "tenant=globex&cause=prefix_drift&sub_cause=volatile_system&request_id=cap-4-timestamp-first" in links[1]
+    assert links[1] == ("range=all&tenant=globex&cause=prefix_drift&sub_cause=volatile_system"
+                        "&request_id=cap-4-timestamp-first")
 
 
 def test_overview_latency_gateway_first(fixture_store: Store) -> None:
