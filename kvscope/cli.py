@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from dashboard.untrusted import OneLineFormatter
 from kvscope.config import ConfigError, build_config, settings_table
 
 STORE_OPTIONS = [
@@ -43,7 +44,9 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
         cfg = build_config({k: v for k, v in overrides.items() if v not in (None, ())})
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=cfg.log_level, handlers=[handler])
     for noisy in ("httpx", "kafka"):  # one line per request or per reconnect drowns the pipeline's own log
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     return cfg
