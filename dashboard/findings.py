@@ -238,9 +238,17 @@ def _rank(candidates: list[Finding]) -> list[Finding]:
     return out
 
 
+#: Requests read to find the evidence of the traffic without a tenant: a tenant filter of '' means every tenant
+#: in the named queries, so the largest misses are read and the first without a tenant is taken.
+NO_TENANT_EVIDENCE_ROWS = 200
+
+
 def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod: str, model: str) -> Finding:
+    limit = 1 if f.tenant_id else NO_TENANT_EVIDENCE_ROWS
     rows = store.named("miss_requests", {**_params(since, until, f.tenant_id, pod, model=model), "cause": f.cause,
-                                         "sub_cause": f.sub_cause, "limit": "1"})
+                                         "sub_cause": f.sub_cause, "limit": str(limit)})
+    if not f.tenant_id and not rows.is_empty():
+        rows = rows.filter(pl.col("tenant_id") == "")  # '' selects every tenant: keep the finding's own traffic
     if rows.is_empty():
         return f
     r = rows.row(0, named=True)

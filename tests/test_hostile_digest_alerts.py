@@ -47,6 +47,7 @@ from dashboard.alert_rules import parse_rules
 from dashboard.alerts import Evaluation, run_once
 from dashboard.digest import gather
 from dashboard.digest_render import render
+from dashboard.findings import fix_first
 from dashboard.mail import MailSettings, send
 from ingest.store import Store
 from kvscope.config import build_config
@@ -247,6 +248,16 @@ def test_the_digest_shows_hostile_ids_as_text(digest_received: EmailMessage) -> 
     for raw in ("<script", "<img src=x", "<b>x</b>", "\u202e"):
         assert raw not in html, raw
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_the_no_tenant_traffic_has_its_own_evidence(hostile: Store) -> None:
+    """A tenant filter of '' means every tenant in the named queries: the finding of the traffic without a
+    tenant must still show one of its own requests, not another tenant's."""
+    top = fix_first(hostile, NOW - timedelta(hours=1), NOW, limit=20, per_tenant=True)
+    mine = [f for f in top if f.tenant_id == ""]
+    assert mine and mine[0].evidence is not None
+    assert mine[0].evidence.request_id.startswith("notenant-cur-")
+    assert mine[0].headline.startswith("(no tenant): ")
 
 
 @pytest.mark.browser
