@@ -471,11 +471,13 @@ class _Links:
 
 
 def dashboard_link(base: str, page: str, since: datetime, until: datetime, **filters: str) -> str:
-    """``<base>/<page>?from=..&to=..&<filters>`` (empty filters left out); '' when ``base`` is ''."""
+    """``<base>/<page>?from=..&to=..&<filters>`` (empty filters left out); '' when ``base`` is ''. The Overview
+    is the dashboard's default page, served at ``/`` only (Streamlit answers ``/overview`` with "Page not
+    found")."""
     if not base:
         return ""
     params = {"from": iso(since), "to": iso(until), **{k: v for k, v in filters.items() if v}}
-    return f"{base.rstrip('/')}/{page}?{urlencode(params)}"
+    return f"{base.rstrip('/')}/{'' if page == 'overview' else page}?{urlencode(params)}"
 
 
 def iso(t: datetime) -> str:

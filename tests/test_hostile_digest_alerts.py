@@ -250,6 +250,15 @@ def test_the_digest_shows_hostile_ids_as_text(digest_received: EmailMessage) -> 
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and "&lt;img src=x onerror=alert(1)&gt;" in html
 
 
+def test_the_digest_links_open_existing_pages(hostile: Store) -> None:
+    """The Overview is the dashboard's default page: Streamlit serves it at / and answers /overview with "Page
+    not found"."""
+    d = gather(hostile, NOW - timedelta(hours=1), NOW, dashboard_url=BASE_URL)
+    assert d.links["overview"].startswith(BASE_URL + "/?from=")
+    pages = {link.removeprefix(BASE_URL).split("?")[0] for link in d.links.values()}
+    assert pages <= {"/", "/miss_causes", "/pods", "/fingerprints", "/data_quality", "/tenants"}, pages
+
+
 def test_the_no_tenant_traffic_has_its_own_evidence(hostile: Store) -> None:
     """A tenant filter of '' means every tenant in the named queries: the finding of the traffic without a
     tenant must still show one of its own requests, not another tenant's."""
