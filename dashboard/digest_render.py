@@ -284,9 +284,12 @@ def _ttl(d: Digest) -> Section:
 
 def _quality(d: Digest) -> Section:
     title = "Data quality"
+    if not d.data_quality and d.headline is None:
+        return Section(title, ("No pod served traffic in this period: nothing to compare.",))
     if not d.data_quality:
         return Section(title, ("The two hit-rate sources (vLLM's counters, the gateway log) agree on every pod.",))
-    rows = tuple((Cell(w.pod), Cell(w.likely_cause), Cell(pp(w.gap_pp)), Cell(w.evidence)) for w in d.data_quality)
+    rows = tuple((Cell(untrusted.shown(w.pod, empty=NO_POD)), Cell(w.likely_cause), Cell(pp(w.gap_pp)),
+                  Cell(w.evidence)) for w in d.data_quality)
     return Section(title, ("Pods where vLLM's counters and the gateway log disagree, with the likely cause.",),
                    table=Table(("pod", "likely cause", "gap", "evidence"), rows, frozenset({2})),
                    link=d.links.get("data_quality", ""))
@@ -303,6 +306,8 @@ def header_lines(d: Digest) -> list[str]:
 def summary(d: Digest) -> str:
     """One sentence: the headline hit rate and its change, the missed tokens, and the first fix."""
     h = d.headline
+    if h is None and not d.missed_tokens:
+        return "In short: no traffic in this period (no prompt tokens counted by vLLM or logged by the gateway)."
     parts = []
     if h is not None:
         name = "vLLM counters" if h.source == "vllm" else "gateway log"

@@ -541,9 +541,12 @@ def alerts(once: bool, fmt: str, **opts: Any) -> None:
 
 @main.command()
 @click.option("--period", "length", default="24h", show_default=True,
-              help="Length of the period (e.g. 1h, 24h, 7d); compared with the period of the same length before it.")
-@click.option("--since", default=None, help="Start of the period, ISO 8601 (default: --until minus --period).")
-@click.option("--until", default=None, help="End of the period, ISO 8601 (default: now, to the whole minute).")
+              help="Length of the period (e.g. 1h, 24h, 7d, 1h30m); compared with the period of the same length "
+              "before it.")
+@click.option("--since", default=None, help="Start of the period, ISO 8601 in UTC unless it has an offset (default: "
+              "--until minus --period).")
+@click.option("--until", default=None, help="End of the period, ISO 8601 (default: --since plus --period when "
+              "--since is given, else now, to the whole minute).")
 @click.option("--to", "to", multiple=True, help="Recipient (repeat) [KVSCOPE_DIGEST_TO].")
 @click.option("--dry-run", "dry_run", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the message to this .eml file and send nothing.")

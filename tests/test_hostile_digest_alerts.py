@@ -45,7 +45,7 @@ from dashboard import untrusted
 from dashboard.alert_delivery import Notifier, payload
 from dashboard.alert_rules import parse_rules
 from dashboard.alerts import Evaluation, run_once
-from dashboard.digest import gather
+from dashboard.digest import gather, parse_duration, period
 from dashboard.digest_render import render
 from dashboard.findings import fix_first
 from dashboard.mail import MailSettings, send
@@ -298,6 +298,35 @@ def test_the_digest_html_runs_nothing_in_chromium(digest_received: EmailMessage)
     assert dialogs == [] and found["scripts"] == 0 and found["bold_x"] == 0 and found["links"] == []
     assert found["imgs"] == ["data:image"] * 2
     assert SCRIPT in found["text"] and "\u202e" not in found["text"]
+
+
+def test_digest_periods_that_cannot_be() -> None:
+    for bad in ("0h", "-5m", "5", "soon", "99999999999d"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    assert parse_duration("1h30m") == timedelta(minutes=90) == parse_duration("1.5h")
+    with pytest.raises(ValueError, match="must start before it ends"):
+        period(since=NOW, until=NOW - timedelta(hours=1))
+    with pytest.raises(ValueError, match="years 1 to 9999"):
+        period(timedelta(days=1), until=datetime(1, 1, 1, 12, tzinfo=UTC))
+    assert period(timedelta(hours=2), since=NOW) == (NOW, NOW + timedelta(hours=2))
+
+
+def test_a_window_beyond_what_the_store_holds_is_empty(hostile: Store) -> None:
+    """The rollups keep minutes as 32-bit DateTime (to 2106): a window starting later once read every row."""
+    for since, until in (("3000-01-01T00:00:00Z", "3000-01-02T00:00:00Z"), ("2150-01-01T00:00:00Z", "2200-01-01"),
+                         ("1960-01-01T00:00:00Z", "1960-01-02T00:00:00Z")):
+        for name in ("hit_rate_total", "miss_causes", "tenant_affinity"):
+            assert hostile.named(name, {"since": since, "until": until}).is_empty(), (name, since)
+    assert not hostile.named("hit_rate_total", {"since": "1960-01-01", "until": "3000-01-01"}).is_empty()
+    d = gather(hostile, datetime(3000, 1, 1, tzinfo=UTC), datetime(3000, 1, 2, tzinfo=UTC))
+    assert d.headline is None and not d.missed_tokens and not d.tenants
+
+
+def test_an_empty_store_digest_says_there_was_no_traffic(store: Store) -> None:
+    text, _, _ = body_parts(render(gather(store, NOW - timedelta(days=1), NOW)))
+    assert "In short: no traffic in this period" in text
+    assert "No pod served traffic in this period" in text and "agree on every pod" not in text
 
 
 # -- alerts -----------------------------------------------------------------------------------------------------
