@@ -518,7 +518,7 @@ def alerts(once: bool, fmt: str, **opts: Any) -> None:
 
     cfg = _config(**opts)
     rules, notifier = _alert_setup(cfg)
-    store = _store(cfg)
+    store = _store(cfg, must_exist=True)  # a mistyped --data-dir would otherwise be a new, empty store: all "ok"
     if once:
         try:
             evs = run_once(store, rules, notifier)

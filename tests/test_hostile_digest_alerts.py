@@ -488,6 +488,14 @@ def test_terminal_table_cells_render_as_written() -> None:
     assert visible(md) and md.count("\n") == 6 and "\\[link\\](javascript" in md
 
 
+def test_alerts_refuse_a_data_dir_that_holds_nothing(tmp_path: Path) -> None:
+    """A mistyped --data-dir once became a new, empty store whose rules all read "ok"."""
+    done = subprocess.run([sys.executable, "-m", "kvscope.cli", "alerts", "--once", "--data-dir",
+                           str(tmp_path / "typo")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1 and "no kvscope data at" in done.stderr
+    assert not (tmp_path / "typo").exists()
+
+
 @pytest.fixture(scope="module")
 def dashboard_url(hostile_dir: Path) -> Iterator[str]:
     port = free_port()
