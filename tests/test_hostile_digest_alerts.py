@@ -496,6 +496,16 @@ def test_alerts_refuse_a_data_dir_that_holds_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "typo").exists()
 
 
+@pytest.mark.parametrize("text", ["", "# all rules removed\n"])
+def test_alerts_refuse_a_rules_file_without_rules(tmp_path: Path, text: str) -> None:
+    """An empty rules file once evaluated nothing and exited 0: every alert silently off."""
+    from dashboard.alert_rules import AlertRulesError, load_rules
+
+    (tmp_path / "rules.toml").write_text(text)
+    with pytest.raises(AlertRulesError, match="no \\[\\[rule\\]\\] table"):
+        load_rules(tmp_path / "rules.toml")
+
+
 @pytest.fixture(scope="module")
 def dashboard_url(hostile_dir: Path) -> Iterator[str]:
     port = free_port()
