@@ -22,7 +22,7 @@ from prometheus_client import Counter
 
 from dashboard import causes, untrusted
 from dashboard.alerts import Evaluation, human_duration, iso
-from dashboard.mail import MailError, MailSettings, send
+from dashboard.mail import MailError, MailSettings, check_addresses, send
 
 log = logging.getLogger("kvscope.alerts")
 
@@ -158,8 +158,8 @@ class Notifier:
     @classmethod
     def from_config(cls, cfg: Any) -> Notifier:
         """From a :class:`kvscope.config.Config`. Raises :class:`~dashboard.mail.MailError` for a bad
-        ``KVSCOPE_SMTP_SECURITY`` when alert email is on."""
-        to = cfg.list("alert_to")
+        ``KVSCOPE_SMTP_SECURITY``, sender or recipient when alert email is on."""
+        to = check_addresses(cfg.list("alert_to"), "KVSCOPE_ALERT_TO")
         return cls(webhook_url=cfg.alert_webhook_url, mail=MailSettings.from_config(cfg) if to else None, to=to,
                    dashboard_url=cfg.dashboard_url)
 

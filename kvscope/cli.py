@@ -556,7 +556,7 @@ def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...
     """Email the miss-cause digest: a period against the one before (hit rate, missed tokens by cause, the
     tenants losing most with the fix, drift, cardinality, affinity, hold time, data quality). docs/digest.md."""
     from dashboard import digest as dg
-    from dashboard.mail import MailError, MailSettings, send, write_eml
+    from dashboard.mail import MailError, MailSettings, check_addresses, send, write_eml
     from ingest.errors import KvscopeError
     from kvscope.schedule import digest_message
 
@@ -568,6 +568,7 @@ def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...
     cfg = _config(**opts)
     recipients = list(to) or cfg.list("digest_to")
     try:
+        check_addresses(recipients, "--to" if to else "KVSCOPE_DIGEST_TO")
         msg = digest_message(_store(cfg, must_exist=True), cfg, *window, recipients)
         if dry_run:
             click.echo(f"digest written to {write_eml(msg, dry_run)} (nothing sent): {msg['Subject']}")

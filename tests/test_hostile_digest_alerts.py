@@ -506,6 +506,30 @@ def test_alerts_refuse_a_rules_file_without_rules(tmp_path: Path, text: str) -> 
         load_rules(tmp_path / "rules.toml")
 
 
+def test_mail_addresses_are_checked_before_anything_is_sent(hostile_dir: Path, tmp_path: Path) -> None:
+    """A CR/LF in --to once ended in a traceback (the To header refused it), and 'not an address' was handed to
+    the SMTP server; each is now one line naming the setting, exit 1, before the store is read."""
+    from dashboard.alert_delivery import Notifier
+    from dashboard.mail import MailError
+    from kvscope.schedule import check_schedule
+
+    base = [sys.executable, "-m", "kvscope.cli", "digest", "--data-dir", str(hostile_dir), "--dry-run",
+            str(tmp_path / "d.eml")]
+    for to in ("oncall@example.com\r\nBcc: evil@example.com", "not an address"):
+        done = subprocess.run([*base, "--to", to], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith("Error: --to: ") and "Traceback" not in done.stderr
+    assert not (tmp_path / "d.eml").exists()
+    ok = {"KVSCOPE_SMTP_HOST": "smtp.example.com"}
+    with pytest.raises(MailError, match="KVSCOPE_ALERT_TO"):
+        Notifier.from_config(build_config({}, environ={**ok, "KVSCOPE_ALERT_TO": "a@example.com,oops"}))
+    with pytest.raises(MailError, match="KVSCOPE_MAIL_FROM"):
+        MailSettings.from_config(build_config({}, environ={**ok, "KVSCOPE_MAIL_FROM": "x\nBcc: y@example.com"}))
+    with pytest.raises(ValueError, match="KVSCOPE_DIGEST_TO"):
+        check_schedule(build_config({}, environ={**ok, "KVSCOPE_DIGEST_EVERY": "24h", "KVSCOPE_DIGEST_TO": "x"}))
+    assert MailSettings.from_config(build_config({}, environ={**ok, "KVSCOPE_MAIL_FROM": "kvscope <k@example.com>"}))
+
+
 @pytest.fixture(scope="module")
 def dashboard_url(hostile_dir: Path) -> Iterator[str]:
     port = free_port()
