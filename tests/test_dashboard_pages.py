@@ -432,6 +432,14 @@ def test_data_quality_when_the_sources_agree(fixture_store: Store) -> None:
     assert_clean(at)
     assert [s.value for s in at.success] == ["Both sources agree on every pod (2)."]
     assert list(at.dataframe[0].value["likely_cause"]) == ["agree", "agree"]
+    # attribution against the fixture's workload labels (tests/test_labels.py derives the figures)
+    assert "Micro precision **83%** and recall **71%** over 7 labelled requests (every cause but none)." in \
+        [m.value for m in at.markdown]  # fmt: skip
+    agreement = at.dataframe[1].value
+    assert list(agreement["intended_cause"])[-1] == "all" and list(agreement["requests"])[-1] == 5
+    at.selectbox(key="tenant").select("globex").run()  # cap-3, cap-4 match; globex-run1-s3 does not
+    assert "Micro precision **100%** and recall **67%** over 3 labelled requests (every cause but none)." in \
+        [m.value for m in at.markdown]  # fmt: skip
 
 
 def test_data_quality_names_each_disagreement_and_the_overview_links_to_it(chdb_dir: Path) -> None:
