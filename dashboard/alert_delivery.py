@@ -20,9 +20,9 @@ from urllib.parse import urlencode
 import httpx
 from prometheus_client import Counter
 
-from dashboard import causes
+from dashboard import causes, untrusted
 from dashboard.alerts import Evaluation, human_duration, iso
-from dashboard.mail import MailError, MailSettings, send
+from dashboard.mail import MailError, MailSettings, check_addresses, send
 
 log = logging.getLogger("kvscope.alerts")
 
@@ -67,23 +67,30 @@ def _evidence(ev: Evaluation) -> dict[str, Any]:
 
 
 def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False) -> list[str]:
-    """The notice as lines of plain text (Slack mrkdwn when ``slack``): what, the example request, the fix."""
+    """The notice as lines of plain text (Slack mrkdwn when ``slack``): what, the example request, the fix.
+
+    Every line is one visible line (ids and messages through :func:`dashboard.untrusted.shown`); for Slack,
+    ``&``, ``<`` and ``>`` are escaped (:func:`dashboard.untrusted.slack`), so a tenant called ``<!channel>``
+    pings nobody and only the dashboard link is a link."""
     r, e = ev.rule, _evidence(ev)
+    show = untrusted.shown
     head = f"[{_status(ev).upper()}] {r.name} ({r.severity})"
-    lines = [f"*{head}*" if slack else head, ev.message]
+    lines = [head, show(ev.message, limit=None)]
     if ev.notice == "resolved" and ev.previous:
-        lines.append(f"Was firing since {iso(ev.previous['changed_at'])}: {ev.previous['message']}")
+        lines.append(f"Was firing since {iso(ev.previous['changed_at'])}: {show(ev.previous['message'], limit=None)}")
     if e.get("request_id"):
-        ex = f"Example: request {e['request_id']} on {e.get('pod') or '?'}"
+        ex = f"Example: request {show(e['request_id'])} on {show(e.get('pod'), empty='?')}"
         if e.get("predecessor_request_id"):
-            ex += f", predecessor {e['predecessor_request_id']} on {e.get('predecessor_pod') or '?'}"
+            ex += f", predecessor {show(e['predecessor_request_id'])} on {show(e.get('predecessor_pod'), empty='?')}"
             if e.get("gap_ms") is not None:
                 ex += f" ({human_duration(float(e['gap_ms']) / 1000)} earlier)"
         if e.get("changed_segment"):
             ex += f", changed segment: {e['changed_segment']}"
         lines.append(ex + ".")
     if e.get("fix") and ev.notice == "firing":
-        lines.append(f"Fix: {e['fix']}")
+        lines.append(f"Fix: {show(e['fix'], limit=None)}")
+    if slack:
+        lines = [f"*{untrusted.slack(lines[0])}*", *(untrusted.slack(line) for line in lines[1:])]
     if link:
         lines.append(f"<{link}|Open in kvscope>" if slack else f"Dashboard: {link}")
     return lines
@@ -124,7 +131,7 @@ def value_text(value: float | None, unit: str) -> str:
 def email_message(ev: Evaluation, to: Sequence[str], dashboard_url: str = "") -> EmailMessage:
     """The notice as a plain-text email to ``to``: subject ``[kvscope FIRING] rule: message``."""
     msg = EmailMessage()
-    subject = f"[kvscope {_status(ev).upper()}] {ev.rule.name}: {ev.message}"
+    subject = untrusted.shown(f"[kvscope {_status(ev).upper()}] {ev.rule.name}: {ev.message}", limit=None)
     msg["Subject"] = subject if len(subject) <= 200 else subject[:199] + "…"
     msg["To"] = ", ".join(to)
     msg["Date"] = formatdate(localtime=False)
@@ -151,8 +158,8 @@ class Notifier:
     @classmethod
     def from_config(cls, cfg: Any) -> Notifier:
         """From a :class:`kvscope.config.Config`. Raises :class:`~dashboard.mail.MailError` for a bad
-        ``KVSCOPE_SMTP_SECURITY`` when alert email is on."""
-        to = cfg.list("alert_to")
+        ``KVSCOPE_SMTP_SECURITY``, sender or recipient when alert email is on."""
+        to = check_addresses(cfg.list("alert_to"), "KVSCOPE_ALERT_TO")
         return cls(webhook_url=cfg.alert_webhook_url, mail=MailSettings.from_config(cfg) if to else None, to=to,
                    dashboard_url=cfg.dashboard_url)
 

@@ -318,7 +318,8 @@ def builtin_rules() -> list[Rule]:
 def load_rules(path: str | Path | None) -> list[Rule]:
     """The rules of the TOML file at ``path``; the built-in rules when ``path`` is '' or None.
 
-    Raises :class:`AlertRulesError` when the file cannot be read or a rule is wrong."""
+    Raises :class:`AlertRulesError` when the file cannot be read, a rule is wrong, or it holds no rule (an empty
+    file would silently turn every alert off)."""
     if not path:
         return builtin_rules()
     p = Path(path).expanduser()
@@ -326,4 +327,8 @@ def load_rules(path: str | Path | None) -> list[Rule]:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise AlertRulesError(f"alert rules file {p}: cannot read it: {exc}") from exc
-    return parse_rules(text, str(p))
+    rules = parse_rules(text, str(p))
+    if not rules:
+        raise AlertRulesError(f"{p}: no [[rule]] table: the file would evaluate nothing (leave "
+                              "KVSCOPE_ALERT_RULES empty for the built-in rules)")
+    return rules

@@ -9,6 +9,9 @@ a minute still filling would read low) and are compared with the window of the s
 State: each evaluation appends one row per rule to ``alert_state`` (sql/migrations/0015). A notice goes out
 only when a rule's state changes (ok → firing: ``firing``; firing → ok: ``resolved``); the previous state is
 read from the store, so a restart does not re-send.
+
+Messages are text for people: tenants and pods in them are shown as :func:`dashboard.untrusted.shown` makes
+them (one visible line, '' as "(no tenant)" where a tenant is meant); the evidence keeps the values as stored.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import polars as pl
 
-from dashboard import causes, findings
+from dashboard import causes, findings, untrusted
 from dashboard.alert_rules import Rule
 from ingest.errors import KvscopeError
 from ingest.store import Store
@@ -185,7 +188,8 @@ def hit_rate_drop(store: Store, rule: Rule, now: datetime) -> Outcome:
                           f"tokens in the last {w} or the {w} before"), {}
     firing = [r for r in rows if r["drop_pp"] >= rule.threshold]
     top = (firing or rows)[0]
-    who = top["tenant"] or ("the fleet (vLLM counters)" if p["source"] == "vllm" else "the fleet")
+    fleet = "the fleet (vLLM counters)" if p["source"] == "vllm" else "the fleet"
+    who = untrusted.tenant(top["tenant"]) if p["per_tenant"] else (untrusted.shown(top["tenant"]) or fleet)
     if not firing:
         return OK, top["drop_pp"], f"largest drop {top['drop_pp']:.1f} pp ({who}), under {rule.threshold:g} pp", {
             "tenants": rows[:5]}
@@ -224,7 +228,7 @@ def cause_share(store: Store, rule: Rule, now: datetime) -> Outcome:
     firing = sorted((r for r in rows if r["share_percent"] > rule.threshold), key=lambda r: -r["missed_tokens"])
     if not firing:
         top = max(rows, key=lambda r: r["share_percent"])
-        who = top["tenant"] or "all tenants"
+        who = untrusted.tenant(top["tenant"]) if p["per_tenant"] else (untrusted.shown(top["tenant"]) or "all tenants")
         return OK, top["share_percent"], (f"{label} is at most {top['share_percent']:g} % of missed tokens ({who}), "
                                           f"under {rule.threshold:g} %"), {}
     top = firing[0]
@@ -233,12 +237,14 @@ def cause_share(store: Store, rule: Rule, now: datetime) -> Outcome:
     evidence = {"tenants": tenants[:10], **cause_evidence(store, since, until, culprit, p["cause"], p["sub_cause"]),
                 "tenant": culprit}
     share = f"{top['share_percent']:g} %"
-    whose = f"{top['tenant']}: {share} of its" if top["tenant"] else f"{share} of all"
+    whose = (f"{untrusted.tenant(top['tenant'])}: {share} of its" if p["per_tenant"] or top["tenant"]
+             else f"{share} of all")
     message = f"{whose} missed tokens in the last {w} are {label} (threshold {rule.threshold:g} %)"
     if p["per_tenant"] and len(firing) > 1:
-        message += "; also " + ", ".join(f"{r['tenant']} ({r['share_percent']:g} %)" for r in firing[1:4])
-    elif not p["per_tenant"] and culprit:
-        message += f"; most from {culprit} ({tenants[0]['missed_tokens']:,} tokens)"
+        message += "; also " + ", ".join(f"{untrusted.tenant(r['tenant'])} ({r['share_percent']:g} %)"
+                                         for r in firing[1:4])
+    elif not p["per_tenant"] and tenants:
+        message += f"; most from {untrusted.tenant(culprit)} ({tenants[0]['missed_tokens']:,} tokens)"
     return FIRING, top["share_percent"], message, evidence
 
 
@@ -265,15 +271,16 @@ def cardinality_jump(store: Store, rule: Rule, now: datetime) -> Outcome:
     firing = [r for r in rows if r["factor"] >= rule.threshold]
     if not firing:
         top = rows[0]
-        return OK, top["factor"], f"largest growth {top['factor']:g}x ({top['tenant']}), under {rule.threshold:g}x", {}
+        return OK, top["factor"], (f"largest growth {top['factor']:g}x ({untrusted.tenant(top['tenant'])}), under "
+                                   f"{rule.threshold:g}x"), {}
     top = firing[0]
     segments = {k.removesuffix("_cardinality"): v for k, v in current[top["tenant"]].items()
                 if k.endswith("_cardinality")}
     evidence = {"tenant": top["tenant"], "tenants": firing[:10], "segment": p["segment"], "segments": segments,
                 **cause_evidence(store, since, until, top["tenant"])}
-    message = (f"{top['tenant']}: distinct {p['segment']} values grew {top['factor']:g}x ({top['previous']} → "
-               f"{top['current']}; requests {top['previous_requests']} → {top['current_requests']}), last {w} vs the "
-               f"{w} before")
+    message = (f"{untrusted.tenant(top['tenant'])}: distinct {p['segment']} values grew {top['factor']:g}x "
+               f"({top['previous']} → {top['current']}; requests {top['previous_requests']} → "
+               f"{top['current_requests']}), last {w} vs the {w} before")
     return FIRING, top["factor"], _with_cause(message, evidence), evidence
 
 
@@ -294,10 +301,10 @@ def source_silent(store: Store, rule: Rule, now: datetime) -> Outcome:
     top = rows[0]
     silent = [r for r in rows if r["age_seconds"] > rule.threshold]
     if not silent:
-        who = f" (oldest: {top['pod']})" if top["pod"] else ""
+        who = f" (oldest: {untrusted.shown(top['pod'])})" if top["pod"] else ""
         return OK, top["age_seconds"], (f"latest {what} {top['age_seconds']:.0f} s ago{who}, within "
                                         f"{rule.threshold:g} s"), {}
-    pods = ", ".join(r["pod"] for r in silent if r["pod"])
+    pods = ", ".join(untrusted.shown(r["pod"]) for r in silent if r["pod"])
     where = f" from {pods}" if pods else ""
     message = (f"no {what}{where} for {human_duration(top['age_seconds'])} (last {top['last_ts']}; limit "
                f"{rule.threshold:g} s)")

@@ -10,7 +10,6 @@ Causes take their colour from :mod:`dashboard.causes` (``color_map``), the same 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -19,6 +18,7 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
+from dashboard import untrusted
 from dashboard.data import Buckets
 
 NO_DATA_YET = (
@@ -62,8 +62,32 @@ def count(n: float | None) -> str:
 
 
 def plain(text: str) -> str:
-    """``text`` escaped for Streamlit's markdown: shown as written, line breaks kept."""
-    return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~$])", r"\\\1", text).replace("\n", "  \n")
+    """``text`` escaped for Streamlit's markdown: shown as written (no emphasis, link, colour, icon, LaTeX or
+    HTML), line breaks kept (:func:`dashboard.untrusted.markdown`). Values from the gateway log go through
+    :func:`name` instead, or :func:`dashboard.untrusted.shown` before they join a sentence."""
+    return untrusted.markdown(text)
+
+
+def name(value: object, empty: str = "") -> str:
+    """A tenant, pod, model or request id for Streamlit's markdown: one visible line, cut when very long, '' as
+    ``empty`` (:func:`dashboard.untrusted.shown`), escaped (:func:`plain`)."""
+    return untrusted.markdown(untrusted.shown(value, empty=empty))
+
+
+def shown_strings(df: pl.DataFrame, *, html: bool = False) -> pl.DataFrame:
+    """``df`` with every String column's values as :func:`dashboard.untrusted.shown` makes them (one visible
+    line, never cut: a chart's categories stay distinct), and HTML-escaped when ``html``: plotly draws a subset
+    of HTML (``<b>``, ``<a href>``, ``<br>``) in tick labels, legends and hover text, and ``&lt;`` as ``<``."""
+    if html:
+        def conv(v: str) -> str:
+            return untrusted.html_text(v, limit=None, quote=False)
+    else:
+        def conv(v: str) -> str:
+            return untrusted.shown(v, limit=None)
+    cols = [c for c, t in df.schema.items() if t == pl.String and not c.startswith("_")]
+    if not cols or df.is_empty():
+        return df
+    return df.with_columns(pl.col(c).map_elements(conv, return_dtype=pl.String, skip_nulls=True) for c in cols)
 
 
 def no_data(in_window: bool = False, latest: object = None) -> None:
@@ -219,7 +243,7 @@ def time_lines(
     series = [c for c in (color, dash) if c]
     if buckets is not None:
         df = fill_gaps(df.select(["bucket", *series, y]), series, buckets.seconds)
-    df = mark_partial(df, buckets)
+    df = shown_strings(mark_partial(df, buckets), html=True)
     fig = px.line(
         df.sort("bucket", maintain_order=True),
         x="bucket",
@@ -275,7 +299,7 @@ def bars(
     if df.is_empty():
         st.caption(f"**{title}**: {empty}")
         return
-    df = mark_partial(df, buckets if timed else None)
+    df = shown_strings(mark_partial(df, buckets if timed else None), html=True)
     args = {"y": x, "x": y, "orientation": "h"} if horizontal else {"x": x, "y": y}
     fig = px.bar(
         df,
@@ -320,6 +344,7 @@ def heatmap(
     if df.is_empty():
         st.caption(f"**{title}**: {NO_DATA_IN_WINDOW}")
         return
+    df = shown_strings(df, html=True)
     wide = df.pivot(on=x, index=y, values=z, aggregate_function="sum").fill_null(0).sort(y)
     cols = [c for c in wide.columns if c != y]
     fig = px.imshow(
@@ -362,4 +387,4 @@ def table(
             if c in df.columns
         }
     )
-    st.dataframe(df, hide_index=True, column_config=config, placeholder=MISSING, key=key)
+    st.dataframe(shown_strings(df), hide_index=True, column_config=config, placeholder=MISSING, key=key)

@@ -28,6 +28,7 @@ import polars as pl
 import streamlit as st
 
 import sql as sqlfiles
+from dashboard import untrusted
 from ingest.errors import KvscopeError
 from ingest.store import Store
 
@@ -259,7 +260,7 @@ def named(name: str, **params: Any) -> pl.DataFrame:
     try:
         return get_store().named(name, {k: str(v) for k, v in params.items()})
     except (KvscopeError, RuntimeError) as exc:
-        st.error(f"Query `{name}` failed: {exc}")
+        st.error(f"Query `{name}` failed: {untrusted.markdown(error_text(exc))}")
         try:  # an empty frame with the header's columns, so the page's column references still hold
             return pl.DataFrame(schema={c.name: pl.String for c in sqlfiles.load_query(name).returns})
         except (KeyError, sqlfiles.HeaderError):

@@ -45,8 +45,10 @@ WHOLE_WINDOW = 3600 * 1_111_112
 #: Bucket widths the hit-rate chart may use (whole minutes; whole hours from an hour up).
 NICE_BUCKETS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400, 172800, 604800)
 CHART_POINTS = 48
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+#: The longest period (a century: the period and the one before it stay within the store's years).
+MAX_DURATION = timedelta(days=36500)
 
 
 # -- the digest's parts -----------------------------------------------------------------------------------------
@@ -223,16 +225,20 @@ class Digest:
 
 # -- periods ----------------------------------------------------------------------------------------------------
 def parse_duration(text: str) -> timedelta:
-    """``"24h"``, ``"7d"``, ``"30m"``, ``"1w"``, ``"90s"`` (a number and one unit) → timedelta.
+    """``"24h"``, ``"7d"``, ``"30m"``, ``"1w"``, ``"90s"``, ``"1.5h"``, ``"1h30m"`` (numbers each with a unit,
+    as the alert rules write durations too) → timedelta.
 
-    Raises ValueError for anything else or a zero length.
+    Raises ValueError for anything else, a zero length or one over :data:`MAX_DURATION`.
     """
-    m = _DURATION.match(text or "")
-    if not m:
-        raise ValueError(f"{text!r} is not a duration: expected a number and a unit s, m, h, d or w (e.g. 24h, 7d)")
-    seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    text = (text or "").strip()
+    if not re.fullmatch(rf"(?:{_DURATION.pattern}\s*)+", text):
+        raise ValueError(f"{text!r} is not a duration: expected a number and a unit s, m, h, d or w (e.g. 24h, 7d, "
+                         "1h30m)")
+    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION.findall(text))
     if seconds <= 0:
         raise ValueError(f"{text!r}: the duration must be positive")
+    if seconds > MAX_DURATION.total_seconds():
+        raise ValueError(f"{text!r}: the duration must be at most {MAX_DURATION.days} days")
     return timedelta(seconds=seconds)
 
 
@@ -241,15 +247,20 @@ def period(length: timedelta = DEFAULT_PERIOD, *, since: datetime | None = None,
     """The digest's window ``(since, until)`` in UTC: ``until`` defaults to ``now`` cut to the whole minute,
     ``since`` to ``until − length``; given both, they win over ``length``. Naive times are taken as UTC.
 
-    Raises ValueError when ``since`` is not before ``until``.
+    Raises ValueError when ``since`` is not before ``until``, or when the period or the one before it reaches
+    outside the years a datetime holds (1..9999).
     """
-    if until is None:
-        if since is not None:
-            until = _utc(since) + length
-        else:
-            until = _utc(now or datetime.now(UTC)).replace(second=0, microsecond=0)
-    until = _utc(until)
-    since = _utc(since) if since is not None else until - length
+    try:
+        if until is None:
+            if since is not None:
+                until = _utc(since) + length
+            else:
+                until = _utc(now or datetime.now(UTC)).replace(second=0, microsecond=0)
+        until = _utc(until)
+        since = _utc(since) if since is not None else until - length
+        since - (until - since)  # the previous period must exist too  # noqa: B018
+    except OverflowError as exc:
+        raise ValueError("the period or the one before it falls outside the years 1 to 9999") from exc
     if since >= until:
         raise ValueError(f"the period must start before it ends (since {since:%Y-%m-%dT%H:%M:%SZ}, "
                          f"until {until:%Y-%m-%dT%H:%M:%SZ})")
@@ -471,11 +482,13 @@ class _Links:
 
 
 def dashboard_link(base: str, page: str, since: datetime, until: datetime, **filters: str) -> str:
-    """``<base>/<page>?from=..&to=..&<filters>`` (empty filters left out); '' when ``base`` is ''."""
+    """``<base>/<page>?from=..&to=..&<filters>`` (empty filters left out); '' when ``base`` is ''. The Overview
+    is the dashboard's default page, served at ``/`` only (Streamlit answers ``/overview`` with "Page not
+    found")."""
     if not base:
         return ""
     params = {"from": iso(since), "to": iso(until), **{k: v for k, v in filters.items() if v}}
-    return f"{base.rstrip('/')}/{page}?{urlencode(params)}"
+    return f"{base.rstrip('/')}/{'' if page == 'overview' else page}?{urlencode(params)}"
 
 
 def iso(t: datetime) -> str:

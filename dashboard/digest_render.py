@@ -10,7 +10,9 @@ MIME layout (RFC 2387 / RFC 2046)::
     └── image/png  (Content-ID, inline)  hit rate, this period vs the previous
 
 Both parts are rendered from one list of :class:`Section` so they say the same thing. Only what the store holds
-appears (tenants, pods, request ids, token counts, hash counts); the store holds no prompt text.
+appears (tenants, pods, request ids, token counts, hash counts); the store holds no prompt text. Tenants, pods
+and request ids come from the gateway log: they are shown as :func:`dashboard.untrusted.shown` makes them (one
+visible line, control and bidirectional characters as escapes, cut when very long) and HTML-escaped in the HTML.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from datetime import timedelta
 from email.message import EmailMessage, MIMEPart
 from email.utils import formatdate, make_msgid
 
-from dashboard import causes, digest_charts, findings
+from dashboard import causes, digest_charts, findings, untrusted
 from dashboard.digest import Digest, TenantLoss
 from dashboard.digest_charts import compact
 
 MINUS = "\u2212"
+#: How a pod without a name reads.
+NO_POD = "(no pod)"
 
 
 # -- a neutral layout both parts are rendered from -------------------------------------------------------------
@@ -199,7 +203,7 @@ def _tenants(d: Digest) -> Section:
 def _tenant_item(d: Digest, t: TenantLoss) -> tuple[str, ...]:
     cost = f", {gpu(t.gpu_seconds)}" if t.gpu_seconds is not None else ""
     cost += f", {money(t.money, d.currency)}" if t.money is not None else ""
-    head = (f"{t.tenant_id or '(no tenant)'}: {t.missed_tokens:,} missed tokens{cost} "
+    head = (f"{untrusted.tenant(t.tenant_id)}: {t.missed_tokens:,} missed tokens{cost} "
             f"({versus(t.missed_tokens, t.previous_missed_tokens)})")
     f = t.finding
     worth = ()
@@ -221,7 +225,8 @@ def _drift(d: Digest) -> Section:
     title = "New prefix drift"
     if not d.drift:
         return Section(title, ("None: no tenant's prompt started changing in a new segment.",))
-    rows = tuple((Cell(x.tenant_id, link=x.link), Cell(x.sub_cause, swatch=causes.color("prefix_drift", x.sub_cause)),
+    rows = tuple((Cell(untrusted.tenant(x.tenant_id), link=x.link),
+                  Cell(x.sub_cause, swatch=causes.color("prefix_drift", x.sub_cause)),
                   Cell(f"{x.missed_tokens:,}"), Cell(f"{x.requests:,}")) for x in d.drift)
     return Section(title, ("Tenants whose prompt changed in a segment that did not drift in the previous period.",),
                    table=Table(("tenant", "changed segment", "missed tokens", "requests"), rows, frozenset({2, 3})),
@@ -232,7 +237,8 @@ def _cardinality(d: Digest) -> Section:
     title = "Fingerprint cardinality jumps"
     if not d.cardinality:
         return Section(title, ("None: every tenant's prompt segments kept their usual number of variants.",))
-    rows = tuple((Cell(j.tenant_id, link=j.link), Cell(j.segment), Cell(f"{j.raw:,}"), Cell(f"{j.previous_raw:,}"),
+    rows = tuple((Cell(untrusted.tenant(j.tenant_id), link=j.link), Cell(j.segment), Cell(f"{j.raw:,}"),
+                  Cell(f"{j.previous_raw:,}"),
                   Cell(f"{j.normalized:,}"), Cell(f"{j.requests:,} / {j.previous_requests:,}")) for j in d.cardinality)
     return Section(
         title, ("Distinct raw hashes of a segment, now and before: a jump means something volatile entered the "
@@ -246,7 +252,8 @@ def _affinity(d: Digest) -> Section:
     title = "Pods whose cache affinity fell"
     if not d.affinity:
         return Section(title, ("None: no pod lost cache affinity (a drop of 5 pp or more).",))
-    rows = tuple((Cell(a.pod, link=a.link), Cell(pct(a.affinity)), Cell(pct(a.previous)), Cell(pp(a.change_pp)),
+    rows = tuple((Cell(untrusted.shown(a.pod, empty=NO_POD), link=a.link), Cell(pct(a.affinity)),
+                  Cell(pct(a.previous)), Cell(pp(a.change_pp)),
                   Cell(f"{a.predecessor_tokens:,}")) for a in d.affinity)
     return Section(
         title, ("Of the prompt tokens a pod served for requests whose prefix was cached by a predecessor, the share "
@@ -277,9 +284,12 @@ def _ttl(d: Digest) -> Section:
 
 def _quality(d: Digest) -> Section:
     title = "Data quality"
+    if not d.data_quality and d.headline is None:
+        return Section(title, ("No pod served traffic in this period: nothing to compare.",))
     if not d.data_quality:
         return Section(title, ("The two hit-rate sources (vLLM's counters, the gateway log) agree on every pod.",))
-    rows = tuple((Cell(w.pod), Cell(w.likely_cause), Cell(pp(w.gap_pp)), Cell(w.evidence)) for w in d.data_quality)
+    rows = tuple((Cell(untrusted.shown(w.pod, empty=NO_POD)), Cell(w.likely_cause), Cell(pp(w.gap_pp)),
+                  Cell(w.evidence)) for w in d.data_quality)
     return Section(title, ("Pods where vLLM's counters and the gateway log disagree, with the likely cause.",),
                    table=Table(("pod", "likely cause", "gap", "evidence"), rows, frozenset({2})),
                    link=d.links.get("data_quality", ""))
@@ -296,6 +306,8 @@ def header_lines(d: Digest) -> list[str]:
 def summary(d: Digest) -> str:
     """One sentence: the headline hit rate and its change, the missed tokens, and the first fix."""
     h = d.headline
+    if h is None and not d.missed_tokens:
+        return "In short: no traffic in this period (no prompt tokens counted by vLLM or logged by the gateway)."
     parts = []
     if h is not None:
         name = "vLLM counters" if h.source == "vllm" else "gateway log"
@@ -304,7 +316,7 @@ def summary(d: Digest) -> str:
     parts.append(f"{d.missed_tokens:,} missed tokens")
     first = next((t for t in d.tenants if t.finding is not None), None)
     if first is not None and first.finding is not None:
-        parts.append(f"fix first: {first.tenant_id}, {first.finding.label} "
+        parts.append(f"fix first: {untrusted.tenant(first.tenant_id)}, {first.finding.label} "
                      f"({pct(first.finding.share_of_tenant_missed, 0)} of its misses)")
     return "In short: " + "; ".join(parts) + "."
 

@@ -20,7 +20,8 @@ from urllib.parse import urlencode
 
 import polars as pl
 
-from dashboard import causes
+from dashboard import causes, untrusted
+from dashboard.untrusted import shown
 
 #: A finding must explain at least this share of all missed tokens in the window (smaller ones are noise).
 MIN_SHARE = 0.01
@@ -60,12 +61,15 @@ class Evidence:
     missed_tokens: int
 
     def text(self) -> str:
-        """One sentence: "request r-9 on pod-b missed 768 tokens; its predecessor r-8 ran on pod-a 2.1 s before"."""
-        out = f"request {self.request_id} on {self.pod} missed {self.missed_tokens:,} tokens"
+        """One sentence: "request r-9 on pod-b missed 768 tokens; its predecessor r-8 ran on pod-a 2.1 s before"
+        (ids and pods as :func:`dashboard.untrusted.shown` shows them: one visible line)."""
+        out = (f"request {shown(self.request_id)} on {shown(self.pod, empty='an unknown pod')} missed "
+               f"{self.missed_tokens:,} tokens")
         if self.changed_segment:
             out += f" from its {SEGMENT_WORDS.get(self.changed_segment, self.changed_segment)} on"
         if self.predecessor_request_id:
-            out += f"; its predecessor {self.predecessor_request_id} ran on {self.predecessor_pod or 'an unknown pod'}"
+            out += (f"; its predecessor {shown(self.predecessor_request_id)} ran on "
+                    f"{shown(self.predecessor_pod, empty='an unknown pod')}")
             if self.gap_ms is not None:
                 out += f" {_duration(self.gap_ms / 1000)} before"
         return out
@@ -99,9 +103,10 @@ class Finding:
 
     @property
     def headline(self) -> str:
-        """E.g. "globex: 94 % of its missed tokens are prefix_drift / volatile_system (768 tokens, 0.06 GPU-s)"."""
+        """E.g. "globex: 94 % of its missed tokens are prefix_drift / volatile_system (768 tokens, 0.06 GPU-s)"
+        (the tenant as :func:`dashboard.untrusted.tenant` shows it; '' is the traffic without a tenant)."""
         cost = f", {gpu_seconds_text(self.gpu_seconds)} GPU-s" if self.gpu_seconds is not None else ""
-        return (f"{self.tenant_id or 'all tenants'}: {self.share_of_tenant_missed * 100:.0f} % of its missed tokens "
+        return (f"{untrusted.tenant(self.tenant_id)}: {self.share_of_tenant_missed * 100:.0f} % of its missed tokens "
                 f"are {self.label} ({self.missed_tokens:,} tokens{cost})")
 
     def url(self, base_url: str, since: datetime, until: datetime) -> str:
@@ -233,9 +238,17 @@ def _rank(candidates: list[Finding]) -> list[Finding]:
     return out
 
 
+#: Requests read to find the evidence of the traffic without a tenant: a tenant filter of '' means every tenant
+#: in the named queries, so the largest misses are read and the first without a tenant is taken.
+NO_TENANT_EVIDENCE_ROWS = 200
+
+
 def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod: str, model: str) -> Finding:
+    limit = 1 if f.tenant_id else NO_TENANT_EVIDENCE_ROWS
     rows = store.named("miss_requests", {**_params(since, until, f.tenant_id, pod, model=model), "cause": f.cause,
-                                         "sub_cause": f.sub_cause, "limit": "1"})
+                                         "sub_cause": f.sub_cause, "limit": str(limit)})
+    if not f.tenant_id and not rows.is_empty():
+        rows = rows.filter(pl.col("tenant_id") == "")  # '' selects every tenant: keep the finding's own traffic
     if rows.is_empty():
         return f
     r = rows.row(0, named=True)

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
-from dashboard import causes, charts, data, findings
+from dashboard import causes, charts, data, findings, untrusted
 
 MISS_CAUSES_PAGE = "views/miss_causes.py"
 
@@ -47,7 +47,7 @@ def render(f: data.Filters) -> None:
         top = findings.fix_first(store, since, until, tenant=f.tenant, pod=f.pod, model=f.model,
                                  gpu_hour_price=price)
     except Exception as exc:  # noqa: BLE001  (a failing query shows its error; the page goes on)
-        st.error(f"Miss causes could not be read: {data.error_text(exc)}")
+        st.error(f"Miss causes could not be read: {charts.plain(data.error_text(exc))}")
         return
     st.subheader("Where the missed tokens went")
     if where.is_empty():
@@ -101,7 +101,7 @@ def fix_card(rank: int, finding: findings.Finding, f: data.Filters, currency: st
             cost = f" · {findings.gpu_seconds_text(finding.gpu_seconds)} GPU-s"
         if finding.money is not None:
             cost += f" · {finding.money:,.2f} {currency}"
-        st.markdown(f"**{rank}. {charts.plain(finding.tenant_id or 'All tenants')}: "
+        st.markdown(f"**{rank}. {charts.name(finding.tenant_id, empty=untrusted.NO_TENANT)}: "
                     f":{_streamlit_color(finding)}[{finding.label}]** — {finding.share_of_tenant_missed * 100:.0f} % "
                     f"of its missed tokens ({finding.missed_tokens:,} tokens in {finding.requests:,} "
                     f"request{'s' if finding.requests != 1 else ''}{cost})")

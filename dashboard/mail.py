@@ -7,21 +7,38 @@ the standard library's :mod:`smtplib` (RFC 5321; STARTTLS per RFC 3207, implicit
 
 from __future__ import annotations
 
+import re
 import smtplib
 import ssl
 from dataclasses import dataclass
 from email.message import EmailMessage
 from email.policy import SMTP
+from email.utils import parseaddr
 from pathlib import Path
 from typing import Any
 
+from dashboard.untrusted import shown
 from ingest.errors import KvscopeError
 
 SECURITY = ("starttls", "ssl", "none")
+#: An address as kvscope writes it into To and From: ``name@domain``, without spaces, quotes, angle brackets,
+#: commas or control characters (a CR/LF would end the header).
+_ADDRESS = re.compile(r"[^@\s<>\"',;\x00-\x1f\x7f]+@[^@\s<>\"',;\x00-\x1f\x7f]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class MailError(KvscopeError):
     """The message could not be sent: no server configured, a refused login or recipient, a network error."""
+
+
+def check_addresses(addresses: list[str], setting: str) -> list[str]:
+    """``addresses`` when each is an address (``oncall@example.com``, or with a name: ``kvscope
+    <kvscope@example.com>``) without control characters; raises :class:`MailError` naming ``setting`` and the
+    first that is not."""
+    for address in addresses:
+        if _CONTROL.search(address) or not _ADDRESS.fullmatch(parseaddr(address)[1]):
+            raise MailError(f"{setting}: {shown(address)!r} is not an email address (name@example.com)")
+    return addresses
 
 
 @dataclass(frozen=True)
@@ -38,9 +55,11 @@ class MailSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> MailSettings:
-        """From a :class:`kvscope.config.Config`. Raises :class:`MailError` on an unknown ``smtp_security``."""
+        """From a :class:`kvscope.config.Config`. Raises :class:`MailError` on an unknown ``smtp_security`` or a
+        ``mail_from`` that is not an address."""
         if cfg.smtp_security not in SECURITY:
             raise MailError(f"KVSCOPE_SMTP_SECURITY={cfg.smtp_security!r}: expected one of {', '.join(SECURITY)}")
+        check_addresses([cfg.mail_from], "KVSCOPE_MAIL_FROM")
         return cls(host=cfg.smtp_host, port=cfg.smtp_port, security=cfg.smtp_security,
                    username=cfg.smtp_username, password=cfg.smtp_password, sender=cfg.mail_from)
 

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import charts, data, untrusted
 from dashboard.causes import color, label
 from ingest.attribution import BEYOND_HORIZON, BEYOND_HORIZON_KIND_SUFFIX, EVICTED, PREFIX_DRIFT, ROUTED_AWAY
 
@@ -127,7 +127,8 @@ def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
     """What the attribution's answer rests on, in words: how the predecessor was found; for a drift, the
     segment comparison; for a prefix that was reusable (routed_away, evicted), which pod held it and what that
     pod's KV events say (or that the cause is inferred from which pod served the predecessor)."""
-    pred, pod, pred_pod = head["predecessor_request_id"], head["pod"], head["predecessor_pod"]
+    pred = charts.name(head["predecessor_request_id"])
+    pod, pred_pod = charts.name(head["pod"], empty="(no pod)"), charts.name(head["predecessor_pod"], empty="(no pod)")
     if not pred:
         return ("No earlier request within the attribution lookback shared this prefix: its stable prefix is "
                 "**cold**.")
@@ -168,15 +169,17 @@ def predecessor_link(head: dict[str, Any]) -> None:
     if not pred:
         return
     params = {k: v for k, v in st.query_params.to_dict().items() if k != "request_id"}
-    st.page_link(PAGE, label=f"Open predecessor {pred}", icon=":material/history:",
+    st.page_link(PAGE, label=f"Open predecessor {charts.name(pred)}", icon=":material/history:",
                  query_params={**params, "request_id": pred})
 
 
 def header(head: dict[str, Any], in_window: bool) -> None:
     cached = head["cached_tokens"]
-    st.subheader(f"Request {head['request_id']}")
+    st.subheader(f"Request {charts.name(head['request_id'])}")
     st.caption(
-        f"{head['tenant_id']} · {head['model']} · served by **{head['pod']}** · arrived "
+        f"{charts.name(head['tenant_id'], empty=untrusted.NO_TENANT)} · "
+        f"{charts.name(head['model'], empty='(no model)')}"
+        f" · served by **{charts.name(head['pod'], empty='(no pod)')}** · arrived "
         f"{head['ts']:%Y-%m-%d %H:%M:%S} UTC · {charts.count(head['prompt_tokens'])} prompt tokens, "
         f"{'cached count not reported' if cached is None else charts.count(cached) + ' cached'} · block size "
         f"{head['block_size']} tokens"
@@ -187,10 +190,11 @@ def header(head: dict[str, Any], in_window: bool) -> None:
 def predecessor(head: dict[str, Any]) -> None:
     cols = st.columns(4)
     pred_ts = head["predecessor_ts"]
-    cols[0].metric("Predecessor", head["predecessor_request_id"] or "none")
+    cols[0].metric("Predecessor", charts.name(head["predecessor_request_id"], empty="none"))  # values are markdown
     cols[1].metric("Its arrival (UTC)", charts.MISSING if pred_ts is None else f"{pred_ts:%H:%M:%S}",
                    help=None if pred_ts is None else f"{pred_ts:%Y-%m-%d %H:%M:%S.%f}"[:-3])
-    cols[2].metric("Pod: this / predecessor", f"{head['pod']} / {head['predecessor_pod'] or charts.MISSING}")
+    cols[2].metric("Pod: this / predecessor",
+                   f"{charts.name(head['pod'])} / {charts.name(head['predecessor_pod'], empty=charts.MISSING)}")
     cols[3].metric("Gap", gap_text(head["gap_ms"]), help="from the predecessor's end (arrival + e2e latency) to "
                    "this request's arrival")
 
@@ -199,7 +203,7 @@ def render(request_id: str, f: data.Filters) -> None:
     """The detail of ``request_id`` (see the module docstring); says so when the request has no answer yet."""
     rows, in_window = fetch(request_id, f)
     if rows.is_empty():
-        st.info(f"No miss attribution for request `{charts.plain(request_id)}`: no such request id, or the "
+        st.info(f"No miss attribution for request {charts.name(request_id)}: no such request id, or the "
                 "attribution job has not answered it yet.", icon=":material/search_off:")
         return
     head = rows.row(0, named=True)

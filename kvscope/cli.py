@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from dashboard.untrusted import OneLineFormatter
 from kvscope.config import ConfigError, build_config, settings_table
 
 STORE_OPTIONS = [
@@ -44,7 +45,9 @@ def _config(**overrides: Any):  # type: ignore[no-untyped-def]
         cfg = build_config({k: v for k, v in overrides.items() if v not in (None, ())})
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=cfg.log_level, handlers=[handler])
     for noisy in ("httpx", "kafka"):  # one line per request or per reconnect drowns the pipeline's own log
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     return cfg
@@ -543,7 +546,7 @@ def alerts(once: bool, fmt: str, **opts: Any) -> None:
 
     cfg = _config(**opts)
     rules, notifier = _alert_setup(cfg)
-    store = _store(cfg)
+    store = _store(cfg, must_exist=True)  # a mistyped --data-dir would otherwise be a new, empty store: all "ok"
     if once:
         try:
             evs = run_once(store, rules, notifier)
@@ -566,9 +569,12 @@ def alerts(once: bool, fmt: str, **opts: Any) -> None:
 
 @main.command()
 @click.option("--period", "length", default="24h", show_default=True,
-              help="Length of the period (e.g. 1h, 24h, 7d); compared with the period of the same length before it.")
-@click.option("--since", default=None, help="Start of the period, ISO 8601 (default: --until minus --period).")
-@click.option("--until", default=None, help="End of the period, ISO 8601 (default: now, to the whole minute).")
+              help="Length of the period (e.g. 1h, 24h, 7d, 1h30m); compared with the period of the same length "
+              "before it.")
+@click.option("--since", default=None, help="Start of the period, ISO 8601 in UTC unless it has an offset (default: "
+              "--until minus --period).")
+@click.option("--until", default=None, help="End of the period, ISO 8601 (default: --since plus --period when "
+              "--since is given, else now, to the whole minute).")
 @click.option("--to", "to", multiple=True, help="Recipient (repeat) [KVSCOPE_DIGEST_TO].")
 @click.option("--dry-run", "dry_run", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the message to this .eml file and send nothing.")
@@ -578,7 +584,7 @@ def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...
     """Email the miss-cause digest: a period against the one before (hit rate, missed tokens by cause, the
     tenants losing most with the fix, drift, cardinality, affinity, hold time, data quality). docs/digest.md."""
     from dashboard import digest as dg
-    from dashboard.mail import MailError, MailSettings, send, write_eml
+    from dashboard.mail import MailError, MailSettings, check_addresses, send, write_eml
     from ingest.errors import KvscopeError
     from kvscope.schedule import digest_message
 
@@ -590,6 +596,7 @@ def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...
     cfg = _config(**opts)
     recipients = list(to) or cfg.list("digest_to")
     try:
+        check_addresses(recipients, "--to" if to else "KVSCOPE_DIGEST_TO")
         msg = digest_message(_store(cfg, must_exist=True), cfg, *window, recipients)
         if dry_run:
             click.echo(f"digest written to {write_eml(msg, dry_run)} (nothing sent): {msg['Subject']}")

@@ -54,6 +54,7 @@ def check_schedule(cfg: Any) -> timedelta | None:
     if not cfg.smtp_host:
         raise ValueError("KVSCOPE_DIGEST_EVERY is set but KVSCOPE_SMTP_HOST is empty: no server to send through")
     try:
+        mail.check_addresses(cfg.list("digest_to"), "KVSCOPE_DIGEST_TO")
         mail.MailSettings.from_config(cfg)
     except mail.MailError as exc:
         raise ValueError(str(exc)) from exc

@@ -19,11 +19,14 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 from datetime import date, datetime, time
 from typing import Any
 
 import polars as pl
+
+from dashboard.untrusted import shown
 
 #: How NULL shows (as on the dashboard's tables).
 MISSING = "–"
@@ -63,8 +66,13 @@ def _json_default(value: Any) -> str:
 
 
 def _text(value: Any) -> str:
-    """One line of text for a string or other scalar: line breaks and tabs become spaces."""
-    return " ".join(str(value).replace("\t", " ").splitlines()) if value is not None else MISSING
+    """One line of visible text for a string or other scalar: line breaks and tabs become spaces; other control
+    characters (an ANSI escape sequence's ESC, BEL), bidirectional overrides and invisible format characters
+    become escapes such as ``\x1b`` (:func:`dashboard.untrusted.shown`), so a value read from the gateway log
+    cannot drive the terminal or hide what it is."""
+    if value is None:
+        return MISSING
+    return shown(" ".join(str(value).replace("\t", " ").splitlines()), limit=None)
 
 
 #: Shrink order when a table is too wide: text first, then times, then numbers (kept whole longest).
@@ -94,7 +102,7 @@ def column_cells(series: pl.Series) -> tuple[list[str], int]:
 
 
 def _columns(df: pl.DataFrame) -> list[tuple[str, list[str], int]]:
-    return [(name, *column_cells(df[name])) for name in df.columns]
+    return [(_text(name), *column_cells(df[name])) for name in df.columns]
 
 
 def _water_fill(widths: list[int], floors: list[int], excess: int) -> list[int]:
@@ -192,13 +200,21 @@ def render_records(columns: list[tuple[str, list[str], int]], rows: int, width: 
     return "\n".join(lines) + "\n"
 
 
+#: Characters that start Markdown markup inside a table cell (emphasis, code, links and images, HTML tags and
+#: entities, strikethrough, math, the cell separator); backslash-escaped so a cell shows as written. An
+#: underscore inside a word (``tenant_id``) starts nothing in GitHub's Markdown and stays as it is.
+_MD_SPECIAL = re.compile(r"([\\`*\[\]<>|~$&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+
+
 def _md_cell(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|")
+    return _MD_SPECIAL.sub(r"\\\1", _text(text))
 
 
 def render_markdown(df: pl.DataFrame) -> str:
     """``df`` as a GitHub-flavoured Markdown table: header, separator (``---:`` under numeric columns), one
-    line per row, every row with the header's cell count; ``|`` in a cell is escaped; nothing is truncated."""
+    line per row, every row with the header's cell count; Markdown's markup characters in a cell (``|``, ``*``,
+    ``_``, ``[``, ``<``, ...) are backslash-escaped, so a value shows as written and never as a link, an image or
+    HTML; nothing is truncated."""
     columns = _columns(df)
     lines = ["| " + " | ".join(_md_cell(name) for name, _, _ in columns) + " |",
              "|" + "|".join("---:" if kind == NUMBER else "---" for _, _, kind in columns) + "|"]

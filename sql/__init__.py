@@ -80,9 +80,17 @@ class NamedQuery:
         return out
 
 
+#: The times a time parameter is held to (UTC, naive). The rollups store minutes as ClickHouse ``DateTime``
+#: (seconds since 1970 in 32 bits, up to 2106-02-07): a bound outside it saturates or wraps there, and a window
+#: starting after 2106 read every row. No row can be outside it, so a bound beyond it means the same as this one.
+TIME_MIN = "1970-01-01 00:00:00.000"
+TIME_MAX = "2106-01-01 00:00:00.000"
+
+
 def _clickhouse_time(value: str) -> str:
     """An ISO 8601 time (``2026-11-29T12:00:00Z``, ``+01:00`` offsets too) as ClickHouse's UTC text
-    ``2026-11-29 12:00:00.000``; anything else is passed through for ClickHouse to judge."""
+    ``2026-11-29 12:00:00.000``, held within [:data:`TIME_MIN`, :data:`TIME_MAX`]; anything else is passed
+    through for ClickHouse to judge."""
     from datetime import UTC, datetime
 
     try:
@@ -91,7 +99,8 @@ def _clickhouse_time(value: str) -> str:
         return value
     if dt.tzinfo is not None:
         dt = dt.astimezone(UTC)
-    return dt.strftime("%Y-%m-%d %H:%M:%S.") + f"{dt.microsecond // 1000:03d}"
+    text = f"{dt.year:04d}" + dt.strftime("-%m-%d %H:%M:%S.") + f"{dt.microsecond // 1000:03d}"
+    return min(max(text, TIME_MIN), TIME_MAX)  # same-width text: compares as the times do
 
 
 def parse_query(text: str, source: str = "<string>") -> NamedQuery:

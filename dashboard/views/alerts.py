@@ -9,7 +9,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import charts, data, untrusted
 from dashboard.alert_rules import UNITS
 from dashboard.causes import label
 
@@ -30,23 +30,28 @@ def _value(v: float | None, unit: str) -> str:
     return f"{v:,.1f} {unit}" if unit != "x" else f"{v:,.2f}x"
 
 
-def _evidence_lines(ev: dict[str, Any]) -> list[str]:
-    """The evidence in words: tenants or pods, the cause, the example request, the fix."""
+def _evidence_lines(ev: dict[str, Any], kind: str = "") -> list[str]:
+    """The evidence in words (plain text: ids as :func:`dashboard.untrusted.shown` shows them): tenants or pods,
+    the cause, the example request, the fix. A tenant '' is the fleet for ``hit_rate_drop`` (pooled), else the
+    traffic without a tenant."""
     lines = []
+    pooled = "all" if kind == "hit_rate_drop" else untrusted.NO_TENANT
     if ev.get("tenants"):
         lines.append("Tenants: " + ", ".join(
-            f"{t['tenant'] or 'all'}"
+            f"{untrusted.shown(t['tenant'], empty=pooled)}"
             + (f" ({t['share_percent']:g} %)" if "share_percent" in t else "")
             + (f" ({t['drop_pp']:g} pp)" if "drop_pp" in t else "")
             + (f" ({t['factor']:g}x)" if "factor" in t else "") for t in ev["tenants"]))
     if ev.get("pods"):
-        lines.append("Silent: " + ", ".join(f"{p['pod'] or 'all pods'} (last {p['last_ts']})" for p in ev["pods"]))
+        lines.append("Silent: " + ", ".join(f"{untrusted.shown(p['pod'], empty='all pods')} (last {p['last_ts']})"
+                                            for p in ev["pods"]))
     if ev.get("cause"):
         lines.append(f"Cause: {label(ev['cause'], ev.get('sub_cause', ''))}")
     if ev.get("request_id"):
-        text = f"Example request: {ev['request_id']} on {ev.get('pod') or '?'}"
+        text = f"Example request: {untrusted.shown(ev['request_id'])} on {untrusted.shown(ev.get('pod'), empty='?')}"
         if ev.get("predecessor_request_id"):
-            text += f"; predecessor {ev['predecessor_request_id']} on {ev.get('predecessor_pod') or '?'}"
+            text += (f"; predecessor {untrusted.shown(ev['predecessor_request_id'])} on "
+                     f"{untrusted.shown(ev.get('predecessor_pod'), empty='?')}")
         if ev.get("changed_segment"):
             text += f"; changed segment {ev['changed_segment']}"
         lines.append(text)
@@ -78,12 +83,12 @@ def render(f: data.Filters) -> None:
             st.markdown(f"{ICONS.get(row['state'], '')} **{charts.plain(row['rule'])}** · {state} since "
                         f"{row['changed_at']:%Y-%m-%d %H:%M:%S} · {row['severity']} · {row['kind']}{stale}")
             st.markdown(f"{_value(row['value'], unit)} vs threshold {_value(row['threshold'], unit)} — "
-                        f"{charts.plain(row['message'])}")
+                        f"{charts.plain(untrusted.shown(row['message'], limit=None))}")
             try:
                 evidence = json.loads(row["evidence"] or "{}")
             except ValueError:
                 evidence = {}
-            for line in _evidence_lines(evidence):
+            for line in _evidence_lines(evidence, row["kind"]):
                 st.markdown("- " + charts.plain(line))
 
 

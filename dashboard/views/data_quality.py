@@ -43,8 +43,9 @@ def render(f: data.Filters) -> None:
         st.success(f"Both sources agree on every pod ({dq.height}).")
     for row in findings.iter_rows(named=True):
         gap = "" if row["gap_pp"] is None else f" ({float(row['gap_pp']):+.1f} pp)"
-        st.warning(f"**{row['pod']}**: {CAUSES.get(row['likely_cause'], row['likely_cause'])}{gap}: "
-                   f"{row['evidence']}.")
+        st.warning(f"**{charts.name(row['pod'], empty='(no pod)')}**: "
+                   f"{charts.plain(CAUSES.get(row['likely_cause'], row['likely_cause']))}{gap}: "
+                   f"{charts.plain(row['evidence'])}.")
     charts.table(dq, percent_cols=PERCENT, key="data_quality")
     agreement(f)
 

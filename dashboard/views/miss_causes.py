@@ -103,8 +103,8 @@ def drill_down(f: data.Filters, causes: pl.DataFrame) -> None:
         event = None
     else:
         st.caption("Pick a row to see the request's predecessor, pods, gap, changed segment and evidence.")
-        event = st.dataframe(rows, hide_index=True, placeholder=charts.MISSING, key="miss_requests",
-                             on_select="rerun", selection_mode="single-row")
+        event = st.dataframe(charts.shown_strings(rows), hide_index=True, placeholder=charts.MISSING,
+                             key="miss_requests", on_select="rerun", selection_mode="single-row")
     request_id = picked_request(event, rows)
     if request_id:
         request_detail.render(request_id, f)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data, findings, fix_first
+from dashboard import charts, data, findings, fix_first, untrusted
 
 st.header("Tenants")
 st.caption(
@@ -74,7 +74,7 @@ def worth(f: data.Filters) -> None:
                                                             model=f.model, limit=WORTH_TENANTS, per_tenant=True,
                                                             gpu_hour_price=price)}
     except Exception as exc:  # noqa: BLE001  (a failing query shows its error; the page goes on)
-        st.error(f"Could not read the tenants' misses: {data.error_text(exc)}")
+        st.error(f"Could not read the tenants' misses: {charts.plain(data.error_text(exc))}")
         return
     if not verdicts:
         st.caption(charts.NO_DATA_IN_WINDOW)
@@ -84,11 +84,12 @@ def worth(f: data.Filters) -> None:
         with st.container(border=True):
             icon = ":material/check_circle:" if w.pays else ":material/remove_circle_outline:"
             verdict = "cache work pays" if w.pays else "little to gain from cache work"
-            st.markdown(f"{icon} **{charts.plain(w.tenant_id)}**: {verdict}. " + charts.plain("; ".join(w.reasons)))
+            who = charts.name(w.tenant_id, empty=untrusted.NO_TENANT)
+            st.markdown(f"{icon} **{who}**: {verdict}. " + charts.plain("; ".join(w.reasons)))
             if finding is not None:
                 st.caption(charts.plain(f"Fix first: {finding.label} ({finding.share_of_tenant_missed * 100:.0f} % of "
                                         f"its missed tokens): {finding.fix}"))
-            st.page_link(fix_first.MISS_CAUSES_PAGE, label=f"Requests of {w.tenant_id} that missed",
+            st.page_link(fix_first.MISS_CAUSES_PAGE, label=f"Requests of {who} that missed",
                          icon=":material/arrow_forward:", query_params={**f.query(), "tenant": w.tenant_id})
 
 
