@@ -148,8 +148,8 @@ class KvEventGap(msgspec.Struct, frozen=True, tag="kv_event_gap"):
 class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):
     """Input the collector could not turn into an event, kept with its reason so nothing is silently lost.
 
-    Fields: ``source`` (``vllm_metrics`` | ``gateway_log`` | ``kv_events`` | ``ingest``), ``reason``
-    (one sentence), ``raw`` (str, the offending input, truncated to 64 KiB), ``location`` (str: file:offset,
+    Fields: ``source`` (``vllm_metrics`` | ``gateway_log`` | ``kv_events`` | ``ingest`` | ``workload_labels``),
+    ``reason`` (one sentence), ``raw`` (str, the offending input, truncated to 64 KiB), ``location`` (str: file:offset,
     URL, or topic:seq). Natural key: (source, location, raw).
     """
 

@@ -13,7 +13,8 @@ from ingest import attribution as a
 
 #: Causes in the order legends and tables list them: the actionable ones first, then what no fix removes.
 CAUSE_ORDER: tuple[str, ...] = (
-    a.PREFIX_DRIFT, a.ROUTED_AWAY, a.EVICTED, a.NOT_REPORTED, a.COLD, a.BELOW_BLOCK, a.UNAVOIDABLE, a.UNKNOWN,
+    a.PREFIX_DRIFT, a.ROUTED_AWAY, a.EVICTED, a.NOT_REPORTED, a.BEYOND_HORIZON, a.COLD, a.BELOW_BLOCK,
+    a.UNAVOIDABLE, a.UNKNOWN,
 )
 
 #: One colour per cause (and per prefix_drift sub-cause, shades of the drift hue), used everywhere a cause is
@@ -24,6 +25,7 @@ CAUSE_COLORS: dict[str, str] = {
     a.EVICTED: "#CC79A7",
     a.NOT_REPORTED: "#999999",
     a.COLD: "#56B4E9",
+    a.BEYOND_HORIZON: "#A6CEE3",  # a paler sky blue: cold's kin (seen, but too long ago)
     a.BELOW_BLOCK: "#F0E442",
     a.UNAVOIDABLE: "#009E73",
     a.UNKNOWN: "#000000",
@@ -84,7 +86,9 @@ class Fix:
 
 
 #: (cause, sub_cause) → fix; ("cause", "") is the fallback for a cause's other sub-causes. Causes absent here
-#: (unavoidable, below_block, cold, unknown) have no fix: no prompt, routing or TTL change removes them.
+#: (unavoidable, below_block, cold, beyond_horizon, unknown) have no fix: no prompt, routing or TTL change removes
+#: them (a prefix that returns after more than the horizon is past what a pod's KV cache is expected to hold;
+#: beyond_horizon only sizes what a longer-lived tier, such as KV offload to CPU memory, could serve).
 FIXES: dict[tuple[str, str], Fix] = {
     (a.PREFIX_DRIFT, a.VOLATILE_SYSTEM): Fix(
         STAGE_PROMPT, "Move the volatile value (a timestamp, date or request id) out of the system prompt, after "

@@ -207,7 +207,8 @@ def _tenant_item(d: Digest, t: TenantLoss) -> tuple[str, ...]:
         verdict = "Cache work pays" if t.worth.pays else "Little to gain from cache work"
         worth = (f"{verdict}: {'; '.join(t.worth.reasons)}.",)
     if f is None:
-        return (head, "None of its misses has a fix: they are cold starts, new content or partial blocks.", *worth)
+        return (head, "None of its misses has a fix: they are cold starts (or prefixes seen too long ago), new "
+                      "content or partial blocks.", *worth)
     out = [head, f"Dominant cause: {f.label}, {pct(f.share_of_tenant_missed, 0)} of this tenant's missed tokens "
                  f"({f.missed_tokens:,} tokens in {plural(f.requests, 'request')}).",
            f"Fix ({pct(f.share_of_tenant_missed, 0)} of this tenant's misses): {f.fix}"]

@@ -57,8 +57,8 @@ def render(f: data.Filters) -> None:
     where_chart(where, currency)
     st.subheader("Fix first")
     if not top:
-        st.success("Nothing to fix: every missed token in this window is cold, below one block or unavoidable "
-                   "(new content no cache can hold).", icon=":material/check_circle:")
+        st.success("Nothing to fix: every missed token in this window is cold, beyond the horizon, below one block "
+                   "or unavoidable (new content no cache can hold).", icon=":material/check_circle:")
         return
     for i, finding in enumerate(top, 1):
         fix_card(i, finding, f, currency)

@@ -17,7 +17,7 @@ import streamlit as st
 
 from dashboard import charts, data
 from dashboard.causes import color, label
-from ingest.attribution import EVICTED, PREFIX_DRIFT, ROUTED_AWAY
+from ingest.attribution import BEYOND_HORIZON, BEYOND_HORIZON_KIND_SUFFIX, EVICTED, PREFIX_DRIFT, ROUTED_AWAY
 
 PAGE = "views/miss_causes.py"
 #: Colour of the cached (hit) part of the prompt in the prompt-order bar; not a cause.
@@ -129,11 +129,17 @@ def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
     pod's KV events say (or that the cause is inferred from which pod served the predecessor)."""
     pred, pod, pred_pod = head["predecessor_request_id"], head["pod"], head["predecessor_pod"]
     if not pred:
-        return ("No earlier request within the attribution horizon shared this prefix: its stable prefix is "
+        return ("No earlier request within the attribution lookback shared this prefix: its stable prefix is "
                 "**cold**.")
     causes = set(head["causes"])
-    kind = KIND_TEXT.get(head["predecessor_kind"], head["predecessor_kind"] or "an earlier request")
+    stored = head["predecessor_kind"] or ""
+    plain = stored.removesuffix(BEYOND_HORIZON_KIND_SUFFIX)
+    kind = KIND_TEXT.get(plain, plain or "an earlier request")
     lines = [f"Predecessor found as {kind}."]
+    if stored != plain:
+        lines.append(f"No predecessor lay within the attribution horizon; this one, found further back, is "
+                     f"{gap_text(head['gap_ms'])} old: what it shared is **{BEYOND_HORIZON}**, not a prefix a pod "
+                     "is expected to still hold.")
     changed = head["changed_segment"]
     if PREFIX_DRIFT in causes and changed:
         how = segments.filter(pl.col("segment") == changed)["compared_with_predecessor"].to_list()

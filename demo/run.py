@@ -1,6 +1,8 @@
 """``kvscope demo``: the tiny model, a fleet of real vLLM CPU servers, the reference gateway in front of them,
 the kvscope pipeline observing them, and the workload, all started in the background of one process while
-the dashboard serves from the main thread."""
+the dashboard serves from the main thread. The workload's labels (its ground truth) are loaded into the store
+every few seconds as the workload writes them (ingest/labels.py LabelTail), so the named query
+attribution_agreement compares them with attribution while the demo runs."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ingest.errors import KvscopeError
+from ingest.labels import LabelTail
 from ingest.store import Store
 from kvscope.config import Config
 from kvscope.pipeline import Pipeline
 
 log = logging.getLogger("kvscope.demo")
+LABELS_EVERY_SECONDS = 5.0
 
 
 class DemoRun:
@@ -38,6 +43,7 @@ class DemoRun:
         self.fleet = None
         self.gateway = None
         self.pipeline: Pipeline | None = None
+        self.labels: LabelTail | None = None
         self._thread: threading.Thread | None = None
 
     def start_background(self) -> None:
@@ -84,13 +90,31 @@ class DemoRun:
         # rounds == 0: new conversations forever (tenants keep their prompts, as real tenants do)
         self._step(f"workload running via gateway {self.gateway.url}")
         run_id = time.strftime("%m%d%H%M%S")  # request ids stay unique across demo runs on the same store
+        self.labels = LabelTail(self.store, self.workdir / f"labels-{run_id}.jsonl", run_id=run_id)
+        threading.Thread(target=self._load_labels_loop, name="kvscope-demo-labels", daemon=True).start()
         labels = run_workload(self.gateway.url, seed=self.seed, scale=self.scale * max(1, self.rounds),
                               loop=self.rounds == 0, stop_event=self.stop, id_prefix=f"{run_id}-",
-                              labels_path=self.workdir / f"labels-{run_id}.jsonl")
+                              labels_path=self.labels.path, run_id=run_id)
+        self._load_labels()
         self._step(f"workload finished after {len(labels)} requests; pipeline still collecting")
+
+    def _load_labels_loop(self) -> None:
+        while not self.stop.wait(LABELS_EVERY_SECONDS):
+            self._load_labels()
+
+    def _load_labels(self) -> None:
+        """Load the label lines the workload completed since the last load (the workload ends each line with a
+        newline; a line being written waits); a store error waits for the next load."""
+        if self.labels is None:
+            return
+        try:
+            self.labels.poll()
+        except (KvscopeError, OSError) as exc:
+            log.warning("workload labels not loaded yet (next try in %.0f s): %s", LABELS_EVERY_SECONDS, exc)
 
     def close(self) -> None:
         self.stop.set()
+        self._load_labels()  # requests still in flight: `kvscope import labels` loads them later
         if self.pipeline:
             self.pipeline.close()
         if self.gateway:

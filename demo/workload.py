@@ -299,7 +299,9 @@ class Session:
                 return list(order)
 
     def label(self, turn: int) -> dict[str, Any]:
-        """The ground-truth record of request `turn` (1-based): ids, turn and intended pathology."""
+        """The ground-truth record of request `turn` (1-based): ids, turn, intended pathology and the scenario
+        (the tenant's pathology: hooli's first turns are `none` within scenario `history_truncated`).
+        kvscope maps pathologies to miss causes (ingest/labels.py PATHOLOGY_CAUSES)."""
         pathology = self.tenant.pathology
         if pathology == "history_truncated" and turn < TRUNCATE_FROM_TURN:
             pathology = "none"
@@ -311,6 +313,7 @@ class Session:
             "agent_run_id": self.agent_run_id,
             "turn": turn,
             "pathology": pathology,
+            "scenario": self.tenant.pathology,
             # tool latency before this call (agents, calls >= 2); run_workload scales it by wait_scale
             "tool_wait_ms": round(plan.wait_before_seconds * 1000) if self.is_agent and turn > 1 else None,
         }
@@ -404,14 +407,16 @@ def run_workload(
     wait_scale: float = 1.0,
     timeout_seconds: float = 120.0,
     transport: httpx.BaseTransport | None = None,
+    run_id: str = "",
 ) -> list[dict[str, Any]]:
     """Send the workload to `gateway_url` (`POST {gateway_url}/v1/chat/completions`); return its labels.
 
     `scale` multiplies sessions per tenant (1.0 ≈ 63 requests). `concurrency` sessions run at once (one
     thread each); a session's turns are sequential, separated by think/tool waits (× `wait_scale`), so
     sessions interleave and a round-robin gateway sends some later turns to another pod. `loop` keeps
-    starting new sessions until `stop_event` is set. Each label (see `Session.label`) gains the outcome
-    fields of `_send` (`status`, `http_status`, `prompt_tokens`, `cached_tokens`); labels are appended to
+    starting new sessions until `stop_event` is set. Each label (see `Session.label`) gains `ts` (when it was
+    sent, ISO 8601 UTC with ms), `run_id` and the outcome fields of `_send` (`status`, `http_status`,
+    `prompt_tokens`, `cached_tokens`); labels are appended to
     `labels_path` (JSON lines) as requests finish and returned in plan order. HTTP failures are recorded,
     never raised.
     """
@@ -446,7 +451,10 @@ def run_workload(
                 label = session.label(turn)
                 if label["tool_wait_ms"] is not None:
                     label["tool_wait_ms"] = round(label["tool_wait_ms"] * wait_scale)  # what was waited
-                reply, outcome = _send(client, gateway_url, *session.request(turn, _now()))
+                now = _now()
+                label["ts"] = now.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+                label["run_id"] = run_id
+                reply, outcome = _send(client, gateway_url, *session.request(turn, now))
                 label.update(outcome)
                 session.record_reply(turn, reply if reply is not None else "")
                 record(position, turn, label)

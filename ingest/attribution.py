@@ -19,6 +19,10 @@ The model, in three steps (one function each):
 3. **Token split** (:func:`split_missed_tokens`): lay labelled zones over token positions [0, prompt_tokens)
    and count, per zone, the missed tokens [cached_tokens, prompt_tokens) that fall in it.
 
+A request with no predecessor within the horizon looks further back, up to the lookback, by the same rules: a
+predecessor found there is *beyond the horizon*, and what it shared is :data:`BEYOND_HORIZON`, not ``cold``
+(the prefix was seen, too long ago for the cache to be expected to hold it).
+
 vLLM facts used (vLLM 0.32, ``v1/core/kv_cache_manager.py``, docs/environment.md): only full
 blocks of ``block_size`` tokens are cached and hit, per pod; the last prompt token is always recomputed, so
 the most a request can hit is ``floor((prompt_tokens - 1) / B) * B`` (a real 762-token prompt repeated on the
@@ -38,13 +42,15 @@ from typing import Any
 UNAVOIDABLE = "unavoidable"
 BELOW_BLOCK = "below_block"
 COLD = "cold"
+#: The prefix was seen, but its predecessor lies beyond the horizon (within the lookback): kept apart from cold.
+BEYOND_HORIZON = "beyond_horizon"
 ROUTED_AWAY = "routed_away"
 EVICTED = "evicted"
 PREFIX_DRIFT = "prefix_drift"
 UNKNOWN = "unknown"
 #: The pod did not report the request's cached count: all its prompt tokens, hit or missed, carry this cause.
 NOT_REPORTED = "not_reported"
-CAUSES = (UNAVOIDABLE, BELOW_BLOCK, COLD, ROUTED_AWAY, EVICTED, PREFIX_DRIFT, UNKNOWN, NOT_REPORTED)
+CAUSES = (UNAVOIDABLE, BELOW_BLOCK, COLD, BEYOND_HORIZON, ROUTED_AWAY, EVICTED, PREFIX_DRIFT, UNKNOWN, NOT_REPORTED)
 
 VOLATILE_SYSTEM = "volatile_system"
 SYSTEM_CHANGED = "system_changed"
@@ -62,6 +68,10 @@ EVICTED_BEFORE_NEXT_TURN = "evicted_before_next_turn"
 PREVIOUS_TURN = "previous_turn"
 FINGERPRINT = "fingerprint"
 VARIANT = "variant"
+#: Appended to the kind of a predecessor found beyond the horizon (request_attribution.predecessor_kind, e.g.
+#: ``previous_turn_beyond_horizon``), so queries that read the plain kinds (affinity, turn gaps) keep counting
+#: only predecessors within the horizon.
+BEYOND_HORIZON_KIND_SUFFIX = "_beyond_horizon"
 
 #: The keys on which a request finds its predecessor, as numbered in gateway_requests.predecessor_keys
 #: (sql/migrations/0008): conversation, agent run, prompt fingerprint, then the three variant hashes.
@@ -72,6 +82,8 @@ VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET)
 #: ``vllm:cache_config_info`` is unknown.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_HORIZON_SECONDS = 3600.0
+#: How far back a request without a predecessor within the horizon looks for one beyond it (7 days).
+DEFAULT_LOOKBACK_SECONDS = 7 * 86400.0
 
 #: The gateway_requests columns this module reads (the job selects exactly these).
 REQUEST_FIELDS = (
@@ -118,10 +130,18 @@ VARIANT_FIELDS = ("system_norm_hash", "tools_canonical_hash", "retrieval_set_has
 @dataclass(frozen=True)
 class Predecessor:
     """The earlier request this one could have reused KV blocks from; ``kind`` is one of
-    :data:`PREVIOUS_TURN`, :data:`FINGERPRINT`, :data:`VARIANT`."""
+    :data:`PREVIOUS_TURN`, :data:`FINGERPRINT`, :data:`VARIANT`; ``beyond_horizon``: found only in the longer
+    lookback (older than the horizon), so its reusable part is :data:`BEYOND_HORIZON`."""
 
     request: Request
     kind: str
+    beyond_horizon: bool = False
+
+    @property
+    def stored_kind(self) -> str:
+        """The kind as request_attribution stores it: ``kind``, with :data:`BEYOND_HORIZON_KIND_SUFFIX` when
+        the predecessor lies beyond the horizon."""
+        return self.kind + (BEYOND_HORIZON_KIND_SUFFIX if self.beyond_horizon else "")
 
 
 @dataclass(frozen=True)
@@ -274,11 +294,10 @@ class _Timeline:
         self.keys: list[int] = []
         self.reqs: list[Request] = []
 
-    def latest_before(self, ts_ms: int, not_before_ms: int) -> Request | None:
+    def latest_before(self, ts_ms: int) -> Request | None:
+        """The latest request of an earlier millisecond than ``ts_ms``, or None."""
         i = bisect.bisect_left(self.keys, ts_ms * 1048576)  # every request of an earlier millisecond lies before i
-        if i == 0 or _ts_ms(self.reqs[i - 1]) < not_before_ms:
-            return None
-        return self.reqs[i - 1]
+        return self.reqs[i - 1] if i else None
 
 
 class PredecessorIndex:
@@ -287,10 +306,14 @@ class PredecessorIndex:
 
     ``requests``: every request that may serve as a predecessor; failed ones (status ≥ 400 or
     prompt_tokens = 0) are skipped. ``horizon_seconds``: how far back a predecessor may lie.
+    ``lookback_seconds``: how far back a request with no predecessor within the horizon looks for one beyond it
+    (≤ ``horizon_seconds``: not at all).
     """
 
-    def __init__(self, requests: Iterable[Request], horizon_seconds: float = DEFAULT_HORIZON_SECONDS) -> None:
+    def __init__(self, requests: Iterable[Request], horizon_seconds: float = DEFAULT_HORIZON_SECONDS,
+                 lookback_seconds: float = DEFAULT_LOOKBACK_SECONDS) -> None:
         self.horizon_ms = round(horizon_seconds * 1000)
+        self.lookback_ms = max(self.horizon_ms, round(lookback_seconds * 1000))
         self._timelines: dict[tuple[int, tuple[str, ...]], _Timeline] = {}
         seen: set[str] = set()
         for req in sorted(requests, key=order_key):
@@ -303,21 +326,28 @@ class PredecessorIndex:
                 tl.keys.append(order_key(req))
                 tl.reqs.append(req)
 
-    def candidates(self, req: Request) -> dict[int, Request]:
-        """Key kind → the latest request strictly earlier (an earlier millisecond) on that key, within the
-        horizon."""
+    def candidates(self, req: Request, reach_ms: int | None = None) -> dict[int, Request]:
+        """Key kind → the latest request strictly earlier (an earlier millisecond) on that key, at most
+        ``reach_ms`` earlier (default: the horizon)."""
         ts_ms = _ts_ms(req)
+        not_before = ts_ms - (self.horizon_ms if reach_ms is None else reach_ms)
         out: dict[int, Request] = {}
         for key in predecessor_keys(req):
             tl = self._timelines.get(key)
-            found = tl.latest_before(ts_ms, ts_ms - self.horizon_ms) if tl else None
-            if found is not None:
+            found = tl.latest_before(ts_ms) if tl else None
+            if found is not None and _ts_ms(found) >= not_before:
                 out[key[0]] = found
         return out
 
     def find(self, req: Request) -> Predecessor | None:
-        """The predecessor of ``req`` (ts strictly before, at most ``horizon_seconds`` earlier), or None."""
-        return choose_predecessor(self.candidates(req))
+        """The predecessor of ``req`` (ts strictly before, at most ``horizon_seconds`` earlier); else, when it
+        has none, the one the same rules choose among requests up to ``lookback_seconds`` earlier, marked
+        ``beyond_horizon`` (every candidate then lies beyond the horizon: none is within it); else None."""
+        pred = choose_predecessor(self.candidates(req))
+        if pred is not None or self.lookback_ms <= self.horizon_ms:
+            return pred
+        pred = choose_predecessor(self.candidates(req, self.lookback_ms))
+        return None if pred is None else Predecessor(pred.request, pred.kind, beyond_horizon=True)
 
 
 # -- step 2: shared prefix and drift ------------------------------------------------------------------------
@@ -440,20 +470,27 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
 
     B = ``block_size`` (tokens); L = floor((P − 1)/B)·B, the most vLLM can hit. ``stable_prefix_tokens`` (T):
     where the suffix starts, None when the log has no segment counts; ``shared``: from :func:`shared_prefix`,
-    None without a predecessor; ``reuse_cause``: the cause of reusable-but-missed tokens (routed_away, or
-    evicted with its sub_cause). Zones cover [0, P) without overlap, each counted on its part of [C, P):
+    None without a predecessor; ``reuse_cause``: the cause of reusable-but-missed tokens (routed_away,
+    evicted with its sub_cause, or beyond_horizon). Zones cover [0, P) without overlap, each counted on its
+    part of [C, P), first rule that applies:
     - C > L: vLLM cannot hit that much with this B, so the numbers (or B) are wrong: all ``unknown``;
+    - L = 0 (P − 1 < B, a prompt shorter than one block plus its last token): nothing of it can ever hit,
+      whatever came before: [0, P − 1) ``below_block``, the last token ``unavoidable``;
     - no segment counts: [0, L) ``unknown``;
-    - no predecessor: [0, floor(min(T, P−1)/B)·B) ``cold``; a hit C > 0 here is a short common opening (the
-      chat template's first tokens, a shared greeting) that some earlier prompt had: the missed rest of the
-      prefix was still never seen;
-    - predecessor, 0 < S < B: [0, min(S, P−1)) ``below_block``;
+    - no predecessor, 0 < T < B: [0, T) ``below_block`` (the shareable prefix is shorter than a block);
+      else [0, floor(min(T, P−1)/B)·B) ``cold``; a hit C > 0 here is a short common opening (the chat
+      template's first tokens, a shared greeting) that some earlier prompt had: the missed rest of the prefix
+      was still never seen;
+    - predecessor, 0 < S < B: [0, S) ``below_block``;
       predecessor, S ≥ B (or 0): [0, R) with R = floor(min(S, P−1)/B)·B → ``reuse_cause`` (the part below C
-      was hit, so only [C, R) counts); a hit that ends within one block of R (R − B ≤ C < R) is taken as the
-      edge of sharing (the estimated segment boundary may overshoot the real one by a few template tokens),
-      so R = C and that block falls to the next zone;
-    - drift: from there to floor(min(W, P−1)/B)·B ``prefix_drift``/sub: this includes the partial block
-      before the change point, which the change broke;
+      was hit, so only [C, R) counts); a hit that ends within one block of R (0 < C, R − B ≤ C < R) is taken
+      as the edge of sharing (the estimated segment boundary may overshoot the real one by a few template
+      tokens), so R = C and that block falls to the next zone; without any hit (C = 0) there is no edge and
+      the whole of [0, R) is ``reuse_cause``;
+    - drift (S is then where the changed segment starts): from there to floor(min(W, P−1)/B)·B
+      ``prefix_drift``/sub: this includes the partial block before the change point, which the change broke.
+      So a prefix both reusable elsewhere and drifted is split by position: the blocks before the change to
+      ``reuse_cause``, from the change on to the drift;
     - the rest (new suffix or new turn, the last partial block, the last token): ``unavoidable``.
     """
     p, c, b = max(0, prompt_tokens), max(0, cached_tokens), max(1, block_size)
@@ -463,25 +500,15 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
     if c > last_hittable:
         return [(UNKNOWN, "", p - c)]
     zones: list[tuple[int, str, str]] = []  # (end, cause, sub_cause); each starts where the previous ended
-    if stable_prefix_tokens is None:
+    if last_hittable == 0:
+        zones.append((p - 1, BELOW_BLOCK, ""))
+    elif stable_prefix_tokens is None:
         zones.append((last_hittable, UNKNOWN, ""))
     elif shared is None:
-        zones.append((_full_blocks(min(stable_prefix_tokens, p - 1), b), COLD, ""))
+        t = min(max(0, stable_prefix_tokens), p - 1)
+        zones.append((t, BELOW_BLOCK, "") if 0 < t < b else (_full_blocks(t, b), COLD, ""))
     else:
-        s = min(max(0, shared.shared_tokens), p)
-        if 0 < s < b:
-            zones.append((min(s, p - 1), BELOW_BLOCK, ""))
-        else:
-            r = _full_blocks(min(s, p - 1), b)
-            if r - b <= c < r:
-                # A hit that stops within the last block before R: segment boundaries are placed by scaling
-                # (template tokens are spread), so that block may straddle the real end of the shared part;
-                # it is the edge of sharing, not a lost prefix (routed_away/evicted need at least a block).
-                r = c
-            zones.append((r, *reuse_cause))
-        if shared.drift_sub_cause:
-            w = _full_blocks(min(shared.reusable_without_drift_tokens, p - 1), b)
-            zones.append((w, PREFIX_DRIFT, shared.drift_sub_cause))
+        zones.extend(_predecessor_zones(p, c, b, shared, reuse_cause))
     zones.append((p, UNAVOIDABLE, ""))
 
     totals: dict[tuple[str, str], int] = {}
@@ -497,9 +524,34 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
     return out
 
 
+def _predecessor_zones(p: int, c: int, b: int, shared: SharedPrefix,
+                       reuse_cause: tuple[str, str]) -> list[tuple[int, str, str]]:
+    """The zones before the unavoidable rest when there is a predecessor (see :func:`split_missed_tokens`):
+    the shared part (below_block, or reusable up to R), then the drift up to W."""
+    zones: list[tuple[int, str, str]] = []
+    s = min(max(0, shared.shared_tokens), p)
+    if 0 < s < b:
+        zones.append((min(s, p - 1), BELOW_BLOCK, ""))
+    else:
+        r = _full_blocks(min(s, p - 1), b)
+        if 0 < c < r and r - b <= c:
+            # A hit that stops within the last block before R: segment boundaries are placed by scaling
+            # (template tokens are spread), so that block may straddle the real end of the shared part;
+            # it is the edge of sharing, not a lost prefix (routed_away/evicted need at least a block).
+            r = c
+        zones.append((r, *reuse_cause))
+    if shared.drift_sub_cause:
+        w = _full_blocks(min(shared.reusable_without_drift_tokens, p - 1), b)
+        zones.append((w, PREFIX_DRIFT, shared.drift_sub_cause))
+    return zones
+
+
 # -- per request and per batch ------------------------------------------------------------------------------
 def _reuse_cause(req: Request, pred: Predecessor) -> tuple[str, str]:
-    """routed_away when another pod served the predecessor; evicted when this pod did (and lost it)."""
+    """beyond_horizon when the predecessor lies beyond the horizon; else routed_away when another pod served
+    it; evicted when this pod did (and lost it)."""
+    if pred.beyond_horizon:
+        return (BEYOND_HORIZON, "")
     if _str(pred.request, "pod") != _str(req, "pod"):
         return (ROUTED_AWAY, "")
     return (EVICTED, EVICTED_BEFORE_NEXT_TURN if pred.kind == PREVIOUS_TURN else "")
@@ -513,7 +565,8 @@ class Verdict:
     order, the tokens summing to prompt_tokens − cached_tokens (empty when the request failed or missed
     nothing); ``cached_tokens`` None (not reported): one :data:`NOT_REPORTED` entry with all prompt tokens.
     ``predecessor_*``: the earlier request it could have reused blocks from ("" if none; kept for a full hit
-    too, for affinity); ``gap_ms``: predecessor end (its ts + e2e_ms) → this ts, ms (None without
+    too, for affinity); ``predecessor_kind``: :attr:`Predecessor.stored_kind` (e.g. ``fingerprint``, or
+    ``fingerprint_beyond_horizon``); ``gap_ms``: predecessor end (its ts + e2e_ms) → this ts, ms (None without
     predecessor); ``block_size``: tokens per KV block used for this request's pod.
     """
 
@@ -575,7 +628,7 @@ def judge(req: Request, pred: Predecessor | None, block_size: int) -> Verdict:
     gap_ms: float | None = None
     if pred is not None:
         prev = pred.request
-        pred_id, pred_pod, kind = _str(prev, "request_id"), _str(prev, "pod"), pred.kind
+        pred_id, pred_pod, kind = _str(prev, "request_id"), _str(prev, "pod"), pred.stored_kind
         gap_ms = float(_ts_ms(req) - _ts_ms(prev)) - float(prev.get("e2e_ms") or 0.0)
     return Verdict(
         _str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"), _str(req, "model"),
@@ -599,16 +652,18 @@ def block_size_for(req: Request, block_size_by_pod: Mapping[str, int], default_b
 def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
               block_size_by_pod: Mapping[str, int] | None = None,
               default_block_size: int = DEFAULT_BLOCK_SIZE,
-              horizon_seconds: float = DEFAULT_HORIZON_SECONDS) -> list[MissRow]:
+              horizon_seconds: float = DEFAULT_HORIZON_SECONDS,
+              lookback_seconds: float = DEFAULT_LOOKBACK_SECONDS) -> list[MissRow]:
     """Attribute the missed tokens of ``requests``; rows ordered by (ts, request_id), then prompt order.
 
     ``window``: further requests that may be predecessors (``requests`` are candidates too).
     ``block_size_by_pod``: tokens per block from each pod's ``vllm:cache_config_info``; a pod not in it (or
     with a non-positive value) uses ``default_block_size`` (vLLM's default, 16).
-    ``horizon_seconds``: the furthest back a predecessor may lie.
+    ``horizon_seconds``: the furthest back a predecessor may lie; ``lookback_seconds``: the furthest back a
+    request without one looks for a predecessor beyond the horizon (:class:`PredecessorIndex`).
     """
     targets = sorted(requests, key=order_key)
-    index = PredecessorIndex([*window, *targets], horizon_seconds)
+    index = PredecessorIndex([*window, *targets], horizon_seconds, lookback_seconds)
     sizes = block_size_by_pod or {}
     rows: list[MissRow] = []
     for req in targets:

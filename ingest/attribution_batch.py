@@ -5,8 +5,9 @@ checks that both give the same answer for every request of random traffic.
 
 Input: one polars DataFrame, a row per target request with its own :data:`ingest.attribution.REQUEST_FIELDS`
 and its chosen predecessor's fields prefixed ``p_`` (null when it has none), ``predecessor_kind`` ("" when
-none) and ``block_size`` (tokens per KV block of its pod). Output: :func:`judge_frame` returns the verdict
-columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
+none; the plain kind), optionally ``beyond_horizon`` (true when the predecessor was found beyond the horizon;
+absent or null = false) and ``block_size`` (tokens per KV block of its pod). Output: :func:`judge_frame`
+returns the verdict columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pyarrow as pa
 
 from ingest.attribution import (
     BELOW_BLOCK,
+    BEYOND_HORIZON,
+    BEYOND_HORIZON_KIND_SUFFIX,
     COLD,
     EVICTED,
     EVICTED_BEFORE_NEXT_TURN,
@@ -129,15 +132,21 @@ def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np
     """(tokens, cause, sub_cause) per zone, in prompt order, as :func:`ingest.attribution.split_missed_tokens`."""
     last = _full(prompt - 1, block)
     n = len(prompt)
+    short = last == 0  # shorter than a block plus the last token: nothing can hit
     s = np.minimum(np.maximum(s, 0), prompt)
     below = has_pred & (s > 0) & (s < block)
     r = _full(np.minimum(s, prompt - 1), block)
-    r = np.where((r - block <= cached) & (cached < r), cached, r)
-    end1 = np.where(~has_counts, last, np.where(~has_pred, _full(np.minimum(stable, prompt - 1), block),
-                                                np.where(below, np.minimum(s, prompt - 1), r)))
-    cause1 = np.where(~has_counts, UNKNOWN, np.where(~has_pred, COLD, np.where(below, BELOW_BLOCK, reuse)))
-    sub1 = np.where(has_counts & has_pred & ~below, reuse_sub, "")
-    has_drift = has_counts & has_pred & (drift != "")
+    r = np.where((cached > 0) & (r - block <= cached) & (cached < r), cached, r)
+    t = np.minimum(np.maximum(stable, 0), prompt - 1)
+    below_t = (t > 0) & (t < block)
+    no_pred_end = np.where(below_t, t, _full(t, block))
+    no_pred_cause = np.where(below_t, BELOW_BLOCK, COLD)
+    end1 = np.where(short, prompt - 1, np.where(~has_counts, last, np.where(
+        ~has_pred, no_pred_end, np.where(below, np.minimum(s, prompt - 1), r))))
+    cause1 = np.where(short, BELOW_BLOCK, np.where(~has_counts, UNKNOWN, np.where(
+        ~has_pred, no_pred_cause, np.where(below, BELOW_BLOCK, reuse))))
+    sub1 = np.where(~short & has_counts & has_pred & ~below, reuse_sub, "")
+    has_drift = ~short & has_counts & has_pred & (drift != "")
     end2 = np.where(has_drift, _full(np.minimum(w, prompt - 1), block), 0)
     out = []
     start = np.zeros(n, dtype=np.int64)
@@ -188,9 +197,11 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
     has_pred = named & has_counts
     prev_turn = has_pred & (kind == PREVIOUS_TURN)
     s, drift, w = _shared(df, prompt, off, has_pred, prev_turn)
+    beyond = (df["beyond_horizon"].fill_null(False).cast(pl.Boolean).to_numpy() if "beyond_horizon" in df.columns
+              else np.zeros(len(df), dtype=bool)) & named
     same_pod = _eq(df, "pod", "p_pod")
-    reuse = np.where(same_pod, EVICTED, ROUTED_AWAY).astype(object)
-    reuse_sub = np.where(same_pod & prev_turn, EVICTED_BEFORE_NEXT_TURN, "").astype(object)
+    reuse = np.where(beyond, BEYOND_HORIZON, np.where(same_pod, EVICTED, ROUTED_AWAY)).astype(object)
+    reuse_sub = np.where(~beyond & same_pod & prev_turn, EVICTED_BEFORE_NEXT_TURN, "").astype(object)
     zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, reuse, reuse_sub)
     over = attributable & ~unknown & (cached > _full(prompt - 1, block))
     causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, prompt - cached),
@@ -198,6 +209,7 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
     ts_ms = df["ts"].dt.epoch("ms").to_numpy()
     p_ts_ms = df["p_ts"].dt.epoch("ms").fill_null(0).to_numpy()
     p_e2e = df["p_e2e_ms"].fill_null(0.0).to_numpy()
+    stored_kind = kind + np.where(beyond, BEYOND_HORIZON_KIND_SUFFIX, "").astype(object)
     gap = np.where(has_pred_out, (ts_ms - p_ts_ms).astype(np.float64) - p_e2e, np.nan)
     return {
         "request_id": df["request_id"].to_list(), "ts": df["ts"], "tenant_id": df["tenant_id"].to_list(),
@@ -205,7 +217,7 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
         "cached_tokens": pa.array(cached, type=pa.uint32(), mask=unknown),
         "predecessor_request_id": np.where(has_pred_out, df["p_request_id"].fill_null("").to_numpy(), "").tolist(),
         "predecessor_pod": np.where(has_pred_out, df["p_pod"].fill_null("").to_numpy(), "").tolist(),
-        "predecessor_kind": np.where(has_pred_out, kind, "").tolist(),
+        "predecessor_kind": np.where(has_pred_out, stored_kind, "").tolist(),
         "gap_ms": [None if np.isnan(g) else float(g) for g in gap],
         "block_size": _i(df, "block_size"), "causes": causes, "sub_causes": subs, "missed_tokens": tokens,
     }

@@ -5,12 +5,13 @@ One answer per request, exact through crashes, reruns and late data (docs/reliab
 - **What to do** is read from the store each run, never remembered: the *arrivals* are the requests ingested
   (server clock, ``ingested_at``) since the watermark minus ``overlap_seconds`` that have no answer yet;
   their *successors* are, for each arrival and each of its predecessor keys, the requests of the next later
-  millisecond on that key within the horizon (the only ones the arrival may have become the predecessor of),
-  if they have an answer. So a predecessor line that arrives late, by seconds or by the whole horizon,
+  millisecond on that key within the lookback (the only ones the arrival may have become the predecessor of),
+  if they have an answer. So a predecessor line that arrives late, by seconds or by the whole lookback,
   corrects its successors.
 - **Predecessors** are found in ClickHouse (ASOF JOIN on ``request_keys``, sorted by key and arrival order),
-  and the verdicts computed column-wise (:mod:`ingest.attribution_batch`), chunk by chunk: memory is bounded
-  by ``chunk_size``, never by the horizon or the history (docs/decisions.md: why ClickHouse for the join).
+  within the horizon, then, for the requests that found none, beyond it up to the lookback; the verdicts are
+  computed column-wise (:mod:`ingest.attribution_batch`), chunk by chunk: memory is bounded by ``chunk_size``,
+  never by the horizon, the lookback or the history (docs/decisions.md: why ClickHouse for the join).
 - **Writes** are diffs: an arrival's first answer; for a successor, nothing when its answer is unchanged, else
   its old row again with sign −1 and the new row with sign +1 and the next version, in one INSERT
   (request_attribution is a VersionedCollapsingMergeTree). Successors are written before arrivals, so a crash
@@ -163,10 +164,14 @@ def _requests(store: Store, keys: pl.DataFrame) -> pl.DataFrame:
                           _stage(store, "requests", keys))
 
 
-def _successors(store: Store, arrivals: pl.DataFrame, horizon_ms: int) -> pl.DataFrame:
+def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataFrame:
     """(request_id, ts) of the requests the arrivals may have become the predecessor of: on each key of an
     arrival, every request of the first later millisecond that has one (a predecessor lies in an earlier
-    millisecond, so all requests of that millisecond look back past the same ones), within the horizon."""
+    millisecond, so all requests of that millisecond look back past the same ones), at most ``reach_ms`` later
+    (the lookback, when longer than the horizon: a late arrival may become a predecessor beyond the horizon).
+
+    Memory stays bounded by the arrivals' time span, not by the reach: the ASOF JOIN's right side holds the
+    keys' requests within that span plus, per key, only its first request after it."""
     return store.query_df(
         f"""
         WITH
@@ -180,39 +185,53 @@ def _successors(store: Store, arrivals: pl.DataFrame, horizon_ms: int) -> pl.Dat
             (
                 SELECT key, order_key, ts FROM request_keys
                 WHERE key IN (SELECT key FROM arrival_keys)
-                  AND ts > {{lo:DateTime64(3, 'UTC')}}
-                  AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{horizon:Int64}})
+                  AND ts > {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}}
+                UNION ALL
+                SELECT key, first_key AS order_key, first_ts AS ts FROM
+                (
+                    SELECT key, min(order_key) AS first_key, argMin(ts, order_key) AS first_ts FROM request_keys
+                    WHERE key IN (SELECT key FROM arrival_keys)
+                      AND ts > {{hi:DateTime64(3, 'UTC')}}
+                      AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{reach:Int64}})
+                    GROUP BY key
+                )
             ),
             nexts AS
             (
                 SELECT a.key AS key, n.ts AS next_ts
                 FROM arrival_keys AS a
                 ASOF INNER JOIN later AS n ON a.key = n.key AND a.last_of_ms < n.order_key
-                WHERE toUnixTimestamp64Milli(n.ts) - toUnixTimestamp64Milli(a.ts) <= {{horizon:Int64}}
+                WHERE toUnixTimestamp64Milli(n.ts) - toUnixTimestamp64Milli(a.ts) <= {{reach:Int64}}
             )
         SELECT DISTINCT request_id, ts FROM request_keys
         WHERE key IN (SELECT key FROM nexts) AND (key, ts) IN (SELECT key, next_ts FROM nexts)
-          AND ts > {{lo:DateTime64(3, 'UTC')}}
-          AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{horizon:Int64}})
-        """, {**_stage(store, "arrivals", arrivals), "horizon": horizon_ms})
+          AND ts > {{lo:DateTime64(3, 'UTC')}} AND ts <= (SELECT max(next_ts) FROM nexts)
+        """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms})
 
 
-def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int) -> pl.DataFrame:
-    """Per target (request_id, ts): the chosen predecessor's key kind and (request_id, ts). On each key the
-    latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority: conversation,
-    agent run, fingerprint, else the latest of the variant matches (ingest.attribution.choose_predecessor)."""
+_TARGET_KEYS = f"""
+    target_keys AS
+    (
+        SELECT request_id, ts, intDiv(order_key, 1048576) * 1048576 AS first_of_ms, k.kind AS kind, k.key AS key
+        FROM gateway_requests ARRAY JOIN predecessor_keys AS k
+        WHERE {_IN_SET} AND {_BETWEEN}
+    )"""
+_FOUND = """
+    SELECT t.request_id AS request_id, t.ts AS ts, t.kind AS kind, p.request_id AS p_request_id, p.ts AS p_ts,
+           p.order_key AS p_order_key
+    FROM target_keys AS t"""
+
+
+def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int = 0) -> pl.DataFrame:
+    """Per target (request_id, ts): the chosen predecessor's key kind, (request_id, ts) and whether it lies
+    beyond the horizon. On each key the latest request of an earlier millisecond within the horizon (ASOF
+    JOIN); then by priority: conversation, agent run, fingerprint, else the latest of the variant matches
+    (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
+    (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does."""
     found = store.query_df(
         f"""
-        WITH target_keys AS
-        (
-            SELECT request_id, ts, intDiv(order_key, 1048576) * 1048576 AS first_of_ms, k.kind AS kind,
-                   k.key AS key
-            FROM gateway_requests ARRAY JOIN predecessor_keys AS k
-            WHERE {_IN_SET} AND {_BETWEEN}
-        )
-        SELECT t.request_id AS request_id, t.ts AS ts, t.kind AS kind, p.request_id AS p_request_id,
-               p.ts AS p_ts, p.order_key AS p_order_key
-        FROM target_keys AS t
+        WITH {_TARGET_KEYS}
+        {_FOUND}
         ASOF INNER JOIN
         (
             SELECT key, order_key, request_id, ts FROM request_keys
@@ -222,15 +241,67 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int) -> pl.Da
         ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
         """, {**_stage(store, "targets", targets), "horizon": horizon_ms})
+    ts_type = targets.schema["ts"]
+    chosen = _choose(found, False, ts_type)
+    if lookback_ms > horizon_ms:
+        rest = targets.select("request_id", "ts").join(chosen.select("request_id", "ts"), on=["request_id", "ts"],
+                                                       how="anti")
+        if not rest.is_empty():
+            beyond = _choose(_beyond_horizon(store, rest, horizon_ms, lookback_ms), True, ts_type)
+            chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
+    return chosen
+
+
+def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int) -> pl.DataFrame:
+    """Candidates beyond the horizon, for targets with none within it: on each key the latest request more than
+    ``horizon_ms`` and at most ``lookback_ms`` before the target. Such a target has no request of an earlier
+    millisecond within the horizon on any of its keys, so that latest request is the latest before its
+    arrival − horizon: it lies in [lo − horizon, hi − horizon) or is the key's latest before lo − horizon. The
+    ASOF JOIN's right side holds only those rows (one per key for the second part), so memory follows the
+    targets' time span, not the lookback."""
+    return store.query_df(
+        f"""
+        WITH {_TARGET_KEYS}
+        {_FOUND}
+        ASOF INNER JOIN
+        (
+            SELECT key, order_key, request_id, ts FROM request_keys
+            WHERE key IN (SELECT key FROM target_keys)
+              AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+              AND ts < {{hi:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+            UNION ALL
+            SELECT key, last_key AS order_key, last_id AS request_id, last_ts AS ts FROM
+            (
+                SELECT key, max(order_key) AS last_key, argMax(request_id, order_key) AS last_id,
+                       argMax(ts, order_key) AS last_ts
+                FROM request_keys
+                WHERE key IN (SELECT key FROM target_keys)
+                  AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{lookback:Int64}})
+                  AND ts < {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+                GROUP BY key
+            )
+        ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
+        WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) > {{horizon:Int64}}
+          AND toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{lookback:Int64}}
+        """, {**_stage(store, "beyond", targets), "horizon": horizon_ms, "lookback": lookback_ms})
+
+
+def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType) -> pl.DataFrame:
+    """One predecessor per target among ``found`` (a row per key with a candidate): the lowest key rank
+    (conversation, agent run, fingerprint, then any variant), the latest on a tie. Columns request_id, ts,
+    predecessor_kind, beyond_horizon, p_request_id, p_ts (timestamps of ``ts_type``)."""
     if found.is_empty():
-        return found
+        return pl.DataFrame(schema={"request_id": pl.String, "ts": ts_type, "predecessor_kind": pl.String,
+                                    "beyond_horizon": pl.Boolean, "p_request_id": pl.String, "p_ts": ts_type})
     rank = pl.when(pl.col("kind") <= KEY_FINGERPRINT).then(pl.col("kind")).otherwise(4)
     return (found.with_columns(rank.alias("rank"))
             .sort(["request_id", "ts", "rank", "p_order_key"], descending=[False, False, False, True])
             .unique(["request_id", "ts"], keep="first", maintain_order=True)
             .with_columns(pl.col("kind").replace_strict(_KIND_NAMES, default=attribution.VARIANT,
-                                                        return_dtype=pl.String).alias("predecessor_kind"))
-            .select("request_id", "ts", "predecessor_kind", "p_request_id", "p_ts"))
+                                                        return_dtype=pl.String).alias("predecessor_kind"),
+                          pl.lit(beyond_horizon).alias("beyond_horizon"))
+            .select("request_id", pl.col("ts").cast(ts_type), "predecessor_kind", "beyond_horizon", "p_request_id",
+                    pl.col("p_ts").cast(ts_type)))
 
 
 def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tuple[int, tuple[Any, ...]]]:
@@ -245,15 +316,16 @@ def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tup
 
 
 # -- compute and write ---------------------------------------------------------------------------------------
-def _verdicts(store: Store, targets: pl.DataFrame, horizon_ms: int, sizes: dict[str, int],
+def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: dict[str, int],
               default_block_size: int, known: pl.DataFrame | None = None) -> dict[str, Any]:
-    """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``. ``known``: request rows already
-    read (this chunk and the previous one: most predecessors are recent), so only the others are fetched."""
-    chosen = _predecessors(store, targets, horizon_ms)
+    """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``; ``reach``: (horizon, lookback)
+    in ms. ``known``: request rows already read (this chunk and the previous one: most predecessors are
+    recent), so only the others are fetched."""
+    chosen = _predecessors(store, targets, *reach)
     frame = targets.with_columns(
         pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
     if chosen.is_empty():
-        frame = frame.with_columns(pl.lit("").alias("predecessor_kind"),
+        frame = frame.with_columns(pl.lit("").alias("predecessor_kind"), pl.lit(False).alias("beyond_horizon"),
                                    *[pl.lit(None).alias(f"p_{c}") for c in attribution.REQUEST_FIELDS])
     else:
         wanted = chosen.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
@@ -327,6 +399,7 @@ def _comparable(values: tuple) -> tuple:
 def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_seconds: float = 300.0,
                     stop: threading.Event | None = None,
                     horizon_seconds: float = attribution.DEFAULT_HORIZON_SECONDS,
+                    lookback_seconds: float = attribution.DEFAULT_LOOKBACK_SECONDS,
                     default_block_size: int = attribution.DEFAULT_BLOCK_SIZE,
                     chunk_size: int = 100_000) -> RunStats:
     """One run: answer every request ingested up to (store clock − ``settle_seconds``) that has no answer,
@@ -334,22 +407,24 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
 
     ``overlap_seconds``: how far before the watermark arrivals are looked for again (an insert stamped before
     the last run but visible only after it); only unanswered ones are picked, so the overlap costs a query,
-    not work. ``horizon_seconds``: the furthest back a predecessor may lie. ``chunk_size``: arrivals per
+    not work. ``horizon_seconds``: the furthest back a predecessor may lie; ``lookback_seconds``: the
+    furthest back a request with none looks for one beyond the horizon (its reusable part is then
+    ``beyond_horizon``; ≤ ``horizon_seconds`` turns the lookback off). ``chunk_size``: arrivals per
     chunk (bounds memory: about 2 KB per request in a chunk). Raises
     :class:`~ingest.errors.StoreUnavailable` (retry later) or other :class:`~ingest.errors.KvscopeError`; a
     failed run leaves the watermark and is safe to repeat. ``stop``: checked between chunks (a run over a big
     backlog stops early, leaving the watermark). Runs in one process are serialised (one writer).
     """
     with _WRITER:  # one writer: a final run at shutdown waits for the loop's run, never races it
-        return _run(store, settle_seconds, overlap_seconds, stop, horizon_seconds, default_block_size, chunk_size)
+        reach = (int(horizon_seconds * 1000), int(lookback_seconds * 1000))
+        return _run(store, settle_seconds, overlap_seconds, stop, reach, default_block_size, chunk_size)
 
 
 def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
-         horizon_seconds: float, default_block_size: int, chunk_size: int) -> RunStats:
+         reach: tuple[int, int], default_block_size: int, chunk_size: int) -> RunStats:
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
-    horizon_ms = int(horizon_seconds * 1000)
     sizes = block_sizes(store)
     answered_through = _answered_through(store)
     stats = RunStats()
@@ -364,7 +439,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         late = arrivals.filter(pl.col("ts") < answered_through) if answered_through else arrivals.clear()
         later = pl.DataFrame(schema={"request_id": pl.String, "ts": arrivals.schema["ts"]})
         if not late.is_empty():
-            later = _successors(store, late, horizon_ms).join(arrivals.select("request_id", "ts"),
+            later = _successors(store, late, max(reach)).join(arrivals.select("request_id", "ts"),
                                                               on=["request_id", "ts"], how="anti")
         current = _current(store, later)
         answered = pl.DataFrame({"request_id": [i for i, _ in current], "ts": [t for _, t in current]},
@@ -372,9 +447,9 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         successors = _requests(store, later.join(answered, on=["request_id", "ts"], how="semi"))
         changed = 0
         if not successors.is_empty():
-            changed = _write_changes(store, _verdicts(store, successors, horizon_ms, sizes, default_block_size),
+            changed = _write_changes(store, _verdicts(store, successors, reach, sizes, default_block_size),
                                      current, now)
-        verdicts = _verdicts(store, arrivals, horizon_ms, sizes, default_block_size, previous)
+        verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, previous)
         store.insert_arrow("request_attribution", _table(verdicts, now))
         previous = arrivals
         latest = arrivals["ts"].max()

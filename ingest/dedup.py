@@ -8,7 +8,8 @@ it holds and inserts only the others. One query per table and batch, bounded by 
 ClickHouse reads only those days' partitions and the granules of that time.
 
 Identity per table (:data:`IDENTITY`): gateway requests by (request_id, ts); vLLM scrapes by (pod, ts) (a
-scrape's rows land or are skipped together); the rest by the envelope's ``event_id``.
+scrape's rows land or are skipped together); workload labels by request_id (one label per request, whatever
+its ts); the rest by the envelope's ``event_id``.
 The identity's first column is matched with ``IN``; the rest are compared here.
 
 Not covered: two ingesters inserting the same identity at the same instant (only during a Kafka rebalance,
@@ -43,6 +44,7 @@ IDENTITY: dict[str, Identity] = {
     "kv_block_events": Identity(("event_id",), "ts"),
     "kv_event_gaps": Identity(("event_id",), None),
     "dead_letters": Identity(("event_id",), None),
+    "workload_labels": Identity(("request_id",), None),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -373,7 +374,7 @@ def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> No
 
 @main.group(name="import")
 def import_() -> None:
-    """Load files into the store (gateway logs, /metrics snapshots)."""
+    """Load files into the store (gateway logs, /metrics snapshots, workload labels)."""
 
 
 @import_.command("gateway-log")
@@ -394,6 +395,33 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
 
     stats = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
     click.echo(f"attribution: {stats.arrivals} new answers, {stats.changed} changed")
+
+
+@import_.command("labels")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--run-id", default=None,
+              help="Run id of the lines that carry none (default: the file's name without its extension).")
+@store_options
+def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> None:
+    """Load workload label JSONL files (the ground truth of a labelled run, e.g. .kvscope/demo/labels-*.jsonl)
+    into workload_labels, each request once (a label already stored is skipped); bad lines go to dead_letters
+    with their reason. Compare with attribution: `kvscope query attribution_agreement`. Exits 1 when no line of
+    any file could be used."""
+    from ingest.labels import load_labels
+
+    cfg = _config(**opts)
+    store = _store(cfg)
+    usable = 0
+    for f in files:
+        stats = load_labels(store, f, run_id=run_id or Path(f).stem)
+        usable += stats.rows + stats.duplicates
+        click.echo(f"{f}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad lines "
+                   f"({stats.dead_letters} new dead letters)")
+        for reason, count in Counter(stats.reasons).most_common(5):
+            click.echo(f"  {count} × {reason}", err=True)
+    if not usable:
+        raise click.ClickException("no label loaded: every line was refused (reasons above; kvscope query "
+                                   "dead_letters)")
 
 
 @import_.command("metrics")

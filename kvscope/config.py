@@ -58,6 +58,9 @@ SETTINGS: list[Setting] = [
     Setting("attribution_overlap_seconds", 300.0, "Each attribution run looks this far before its watermark for "
             "requests still unanswered (inserts that became visible late)", float),
     Setting("attribution_horizon_seconds", 3600.0, "How far back a request's predecessor may be", float),
+    Setting("attribution_lookback_seconds", 7 * 86400.0, "How far back a request without a predecessor within the "
+            "horizon looks for one beyond it (its reusable part is then beyond_horizon, not cold); "
+            "<= the horizon = off", float),
     Setting("default_block_size", 16, "KV block size (tokens) when a pod's vllm:cache_config_info is not seen", int),
     Setting("dashboard_address", "127.0.0.1", "Address the dashboard listens on"),
     Setting("dashboard_port", 8501, "Port of the dashboard", int),
@@ -112,6 +115,7 @@ class Config:
     attribution_settle_seconds: float
     attribution_overlap_seconds: float
     attribution_horizon_seconds: float
+    attribution_lookback_seconds: float
     default_block_size: int
     dashboard_address: str
     dashboard_port: int

@@ -80,7 +80,8 @@ def parse_replay(specs: list[str]) -> dict[str, str]:
 def attribution_kwargs(cfg: Config) -> dict[str, float | int]:
     """The attribution job's settings (:func:`ingest.attribution_job.run_attribution` keywords)."""
     return {"settle_seconds": cfg.attribution_settle_seconds, "overlap_seconds": cfg.attribution_overlap_seconds,
-            "horizon_seconds": cfg.attribution_horizon_seconds, "default_block_size": cfg.default_block_size}
+            "horizon_seconds": cfg.attribution_horizon_seconds,
+            "lookback_seconds": cfg.attribution_lookback_seconds, "default_block_size": cfg.default_block_size}
 
 
 @dataclass

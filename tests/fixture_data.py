@@ -297,6 +297,45 @@ def alert_rows() -> list[tuple[Any, ...]]:
     ]
 
 
+# --- workload_labels ----------------------------------------------------------------------------------------
+# (request_id, t, run_id, scenario, cause, sub_cause, expected split [(cause, sub_cause, tokens)]): the ground
+# truth of a labelled run, with its disagreements chosen (attributed as in ATTRIBUTION above):
+#   acme-c1-t3     labelled none, attributed routed_away (routing, which the workload does not decide)
+#   initech-c1-t2  labelled rag_reordered, attributed none (a drift attribution missed)
+#   globex-run1-s3 labelled history_truncated, attributed none
+#   cap-1-cold     right cause, wrong expected split (unavoidable 30, not 26)
+#   acme-c1-err    not served (status 400), ghost-1 never reached the gateway: both left out
+#   cap-5-below-one-block has no label.
+# fmt: off
+LABELS: list[tuple[Any, ...]] = [
+    ("cap-1-cold", 40, "run-a", "none", "cold", "", [("cold", "", 736), ("unavoidable", "", 30)]),
+    ("cap-2-warm", 50, "run-a", "none", "none", "", []),
+    ("cap-3-tools-reordered", 60, "run-a", "tools_reordered", "prefix_drift", "tools_reordered",
+     [("prefix_drift", "tools_reordered", 64), ("unavoidable", "", 28)]),
+    ("cap-4-timestamp-first", 70, "run-a", "volatile_system", "prefix_drift", "volatile_system",
+     [("prefix_drift", "volatile_system", 768), ("unavoidable", "", 16)]),
+    ("initech-c1-t1", 75, "run-b", "rag_reordered", "cold", "", []),
+    ("initech-c1-t2", 85, "run-b", "rag_reordered", "prefix_drift", "rag_reordered", []),
+    ("ghost-1", 100, "run-a", "none", "none", "", []),
+    ("acme-c1-t3", 120, "run-a", "none", "none", "", []),
+    ("acme-c1-t4", 130, "run-a", "none", "none", "", []),
+    ("initech-oneshot-2", 135, "run-b", "none", "below_block", "", [("below_block", "", 19)]),
+    ("globex-run1-s3", 140, "run-a", "history_truncated", "prefix_drift", "history_truncated", []),
+    ("acme-c1-err", 145, "run-a", "none", "none", "", []),
+]
+# fmt: on
+LABEL_COLUMNS = ["request_id", "ts", "tenant_id", "run_id", "scenario", "cause", "sub_cause", "expected_causes",
+                 "expected_sub_causes", "expected_tokens", "location"]
+
+
+def label_rows() -> list[tuple[Any, ...]]:
+    """workload_labels rows (tenant from REQUESTS; ghost-1 is acme's)."""
+    tenants = {r[0]: r[2] for r in REQUESTS}
+    return [(rid, at(t), tenants.get(rid, "acme"), run, scenario, cause, sub, [e[0] for e in split],
+             [e[1] for e in split], [e[2] for e in split], f"labels.jsonl:{i}")
+            for i, (rid, t, run, scenario, cause, sub, split) in enumerate(LABELS)]  # fmt: skip
+
+
 def load_fixture(store: Any) -> None:
     """Insert the fixture into ``store`` (a migrated :class:`ingest.store.Store`)."""
     from ingest.dedup import absent_rows
@@ -309,3 +348,4 @@ def load_fixture(store: Any) -> None:
     store.insert("vllm_cache_config", config_rows(), CONFIG_COLUMNS)
     store.insert("dead_letters", dead_letter_rows(), DEAD_LETTER_COLUMNS)
     store.insert("alert_state", alert_rows(), ALERT_COLUMNS)
+    store.insert("workload_labels", label_rows(), LABEL_COLUMNS)

@@ -303,9 +303,10 @@ def test_horizon_and_strictly_earlier():
     r1, same_ts, r3 = req("r1"), req("same", suffix="q2"), req("r3", at=7200, suffix="q3")
     rows = run(r1, same_ts, r3)
     assert pred_of(rows, "same") == ""  # the same ts is not strictly earlier
-    rows = run(r1, r3)
+    rows = run(r1, r3, lookback_seconds=0)  # no lookback: beyond the horizon is nothing
     assert pred_of(rows, "r3") == ""
     assert pred_of(run(r1, r3, horizon_seconds=7200), "r3") == "r1"
+    assert pred_of(run(r1, r3), "r3") == "r1"  # found in the lookback (see the beyond_horizon tests)
 
 
 def test_failed_and_other_model_requests_are_not_predecessors():

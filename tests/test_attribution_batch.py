@@ -1,21 +1,25 @@
 """The column-wise attribution (ingest/attribution_batch.py) gives, for every request of random traffic, the
-same verdict as the readable per-request reference (ingest/attribution.py judge)."""
+same verdict as the readable per-request reference (ingest/attribution.py judge): on seeded random traffic, and
+on hypothesis-drawn traffic that reaches the rarer rules (prompts shorter than one block at block sizes up to
+256, predecessors beyond the horizon, one shared block before a drift)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 import pytest
-from test_attribution import random_requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_attribution import random_requests, req
 
 from ingest import attribution as a
 from ingest.attribution_batch import judge_frame
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_column_wise_verdicts_equal_the_reference(seed: int) -> None:
-    reqs = random_requests(600, seed)
-    index = a.PredecessorIndex(reqs)
-    sizes = {"pod-a": 32, "pod-b": 16, "pod-c": 64}
+def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int], **index_kw: Any) -> None:
+    """judge_frame over all of ``reqs`` (each with the predecessor the reference index finds) equals judge."""
+    index = a.PredecessorIndex(reqs, **index_kw)
     rows, expected = [], []
     for r in reqs:
         pred = index.find(r)
@@ -24,6 +28,7 @@ def test_column_wise_verdicts_equal_the_reference(seed: int) -> None:
         p = pred.request if pred else {}
         rows.append({**{f: r.get(f) for f in a.REQUEST_FIELDS}, "block_size": size,
                      "predecessor_kind": pred.kind if pred else "",
+                     "beyond_horizon": pred.beyond_horizon if pred else None,
                      **{f"p_{f}": p.get(f) for f in a.REQUEST_FIELDS}})
     got = judge_frame(pl.DataFrame(rows, infer_schema_length=None))
     got = {c: v.to_pylist() if hasattr(v, "to_pylist") else v for c, v in got.items()}
@@ -34,3 +39,67 @@ def test_column_wise_verdicts_equal_the_reference(seed: int) -> None:
         want = tuple(want)
         assert have[:1] + have[2:] == want[:1] + want[2:], (k, dict(zip(columns, have, strict=True)),
                                                             dict(zip(columns, want, strict=True)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_column_wise_verdicts_equal_the_reference(seed: int) -> None:
+    check_equal(random_requests(600, seed), {"pod-a": 32, "pod-b": 16, "pod-c": 64})
+
+
+def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """2–30 requests over 600 s (horizons of 30 or 100 s), small prompts and segments (many shorter than a block
+    of up to 256), shared or changed segments from two-letter alphabets, cached counts hit, partial, beyond L or
+    None."""
+    out = []
+    for i in range(draw(st.integers(2, 30))):
+        prompt = draw(st.integers(0, 700))
+        seg = [draw(st.sampled_from([0, 0, draw(st.integers(1, 300))])) for _ in range(5)]
+        out.append(req(
+            f"h{i:02d}", at=draw(st.integers(0, 600_000)) / 1000, tenant=draw(st.sampled_from("ab")),
+            conv=draw(st.sampled_from(["", "c1"])), run=draw(st.sampled_from(["", "x"])),
+            pod=draw(st.sampled_from(["pod-a", "pod-b", "pod-c"])), prompt=prompt,
+            cached=draw(st.sampled_from([0, None, draw(st.integers(0, prompt + 20))])),
+            status=draw(st.sampled_from([200, 200, 503])),
+            system=draw(st.sampled_from(["", "s1", "s2"])), system_norm=draw(st.sampled_from([None, "n"])),
+            system_tokens=seg[0], tools=draw(st.sampled_from(["", "t1", "t2"])),
+            tools_canonical=draw(st.sampled_from([None, "tc"])), tools_tokens=seg[1],
+            rag=draw(st.sampled_from(["", "r1", "r2"])), rag_set=draw(st.sampled_from([None, "rs"])),
+            rag_tokens=seg[2], history=draw(st.sampled_from(["", "h1", "h2"])),
+            prev_history=draw(st.sampled_from(["", "h1"])), history_tokens=seg[3],
+            suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
+        ))
+        if i and draw(st.booleans()) and draw(st.booleans()):  # the same millisecond as an earlier request
+            out[-1]["ts"] = out[draw(st.integers(0, i - 1))]["ts"]
+    return out
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.composite(small_requests)(), blocks=st.tuples(*[st.sampled_from([1, 16, 32, 64, 128, 256])] * 3),
+       horizon=st.sampled_from([30.0, 100.0]), lookback=st.sampled_from([0.0, 150.0, 1000.0]))
+def test_column_wise_verdicts_equal_the_reference_on_drawn_traffic(reqs, blocks, horizon, lookback) -> None:
+    check_equal(reqs, dict(zip(("pod-a", "pod-b", "pod-c"), blocks, strict=True)), horizon_seconds=horizon,
+                lookback_seconds=lookback)
+
+
+def test_drawn_traffic_reaches_the_rare_rules() -> None:
+    """The strategy above is worth its runs only if it produces the rules this file is about: a guard."""
+    seen: set[str] = set()
+    strategy = st.composite(small_requests)()
+
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True)
+    @given(reqs=strategy)
+    def collect(reqs: list[dict[str, Any]]) -> None:
+        for r in a.attribute(reqs, block_size_by_pod={"pod-a": 128, "pod-b": 64, "pod-c": 16},
+                             horizon_seconds=30.0, lookback_seconds=1000.0):
+            seen.add(r.cause)
+
+    collect()
+    assert {"beyond_horizon", "below_block", "cold", "routed_away", "evicted", "prefix_drift"} <= seen
+
+
+def test_a_frame_without_the_beyond_horizon_column_reads_it_as_false() -> None:
+    r1, r2 = req("r1"), req("r2", at=7200, suffix="q2")
+    frame = pl.DataFrame([{**{f: r2.get(f) for f in a.REQUEST_FIELDS}, "block_size": 32,
+                           "predecessor_kind": "fingerprint", **{f"p_{f}": r1.get(f) for f in a.REQUEST_FIELDS}}])
+    got = judge_frame(frame)
+    assert (got["causes"].to_pylist(), got["predecessor_kind"]) == ([["evicted", "unavoidable"]], ["fingerprint"])

@@ -10,6 +10,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import polars as pl
 import pytest
 
 from ingest import attribution, attribution_job
@@ -264,3 +265,66 @@ def test_loop_runs_until_stopped(store):
         thread.join(timeout=10)
     assert not thread.is_alive()
     assert attributed(store) == EXPECTED
+
+
+def sparse_traffic(n: int, seed: int) -> list[dict[str, Any]]:
+    """:func:`random_traffic` spread over 4 hours with many more keys, so requests often find no predecessor
+    within a 5-minute horizon and some find one within a 1-hour lookback."""
+    rnd = random.Random(seed)
+    out = random_traffic(n, seed)
+    for r in out:
+        r.update(ts=T0 + timedelta(milliseconds=rnd.randrange(0, 4 * 3600 * 1000)),
+                 prompt_fingerprint=h(f"f{rnd.randrange(30)}"), system_norm_hash=h(f"n{rnd.randrange(30)}"),
+                 conversation_id=rnd.choice(["", f"c{rnd.randrange(20)}"]),
+                 agent_run_id=rnd.choice(["", "", f"run{rnd.randrange(10)}"]))
+    return out
+
+
+@pytest.mark.parametrize("lookback", [3600.0, 0.0])
+def test_predecessors_beyond_the_horizon_agree_with_the_reference(store, lookback):
+    """With a 5-minute horizon and a 1-hour lookback (or none), requests arriving in random order over several
+    runs: the store job's answers, predecessor kinds included, equal the in-memory reference. Late arrivals
+    become predecessors beyond the horizon of requests answered before them (the successor search reaches as
+    far as the lookback)."""
+    reqs = sparse_traffic(300, seed=4)
+    kw = dict(horizon_seconds=300.0, lookback_seconds=lookback)
+    reference = attribution.PredecessorIndex(reqs, **kw)
+    expected_kinds = {r["request_id"]: (p.stored_kind if (p := reference.find(r)) else "") for r in reqs
+                      if r["status"] < 400}
+    expected = sorted((r.request_id, r.cause, r.sub_cause, r.tokens, r.predecessor_request_id, r.predecessor_pod)
+                      for r in attribution.attribute(reqs, block_size_by_pod={}, default_block_size=32, **kw))
+    causes = {e[1] for e in expected}
+    assert ("beyond_horizon" in causes) == (lookback > 0) and "cold" in causes
+    shuffled = reqs[:]
+    random.Random(6).shuffle(shuffled)
+    for i in range(0, len(shuffled), 75):
+        insert_requests(store, [{**r, "ingested_at": INGESTED + timedelta(milliseconds=i)} for r in shuffled[i:i + 75]])
+        run(store, chunk_size=40, **kw)
+    assert sorted(r[:6] for r in attributed(store)) == expected
+    kinds = dict(store.query_rows("SELECT request_id, predecessor_kind FROM request_attribution FINAL"))
+    assert {k: v for k, v in kinds.items() if k in expected_kinds} == expected_kinds
+    assert weighted(store) == {(r[0], r[1], r[2]): r[3] for r in expected}
+
+
+def test_a_predecessor_beyond_the_horizon_is_named_and_shown(store):
+    """Another tenant sent the same prompt prefix two hours earlier (a fingerprint predecessor, beyond the 1 h
+    horizon): the answer is beyond_horizon 736 + unavoidable 26 (B = 32), the kind fingerprint_beyond_horizon;
+    request_detail finds that predecessor across tenants and compares its segments; the page's evidence says so.
+    Affinity does not count it (it reads the plain kinds)."""
+    from dashboard import request_detail
+
+    insert_requests(store, [{**gw("old", at=0), "tenant_id": "globex"}, gw("r2", at=7200, suffix="q2")])
+    run(store)
+    assert [r[:6] for r in attributed(store) if r[0] == "r2"] == [
+        ("r2", "beyond_horizon", "", 736, "old", "pod-a"), ("r2", "unavoidable", "", 26, "old", "pod-a")]
+    detail = store.named("request_detail", {"request_id": "r2"}).to_dicts()
+    head = detail[0]
+    assert (head["predecessor_kind"], head["gap_ms"], head["changed_segment"]) == (
+        "fingerprint_beyond_horizon", 7_200_000.0 - 400, "suffix")
+    assert head["predecessor_ts"] == T0
+    assert [x["hash_matched"] for x in detail] == [1, 1, 1, 1, 0]
+    text = request_detail.evidence(head, pl.DataFrame(detail))
+    assert "the latest earlier request with the same prompt fingerprint" in text
+    assert "1 h 59 min old" in text and "**beyond_horizon**" in text
+    affinity = store.query_rows("SELECT sum(with_predecessor) FROM affinity_1m")[0][0]
+    assert affinity == 0

@@ -241,6 +241,23 @@ def test_tenants(fixture_store: Store) -> None:
     assert fig["layout"]["coloraxis"]["cmin"] == 0 and len(fig["data"][0]["y"]) == 1
 
 
+def test_tenants_say_whether_cache_work_pays_and_link_to_their_requests(fixture_store: Store) -> None:
+    """Each tenant's verdict (tests/test_findings.py derives it on the same fixture), its first fix, and a
+    link to its missed requests: the drill-down from a tenant."""
+    at = app(fixture_store)
+    at.switch_page("views/tenants.py").run()
+    assert_clean(at)
+    assert "Does cache work pay?" in [h.value for h in at.subheader]
+    cards = [m.value.replace("\\", "") for m in at.markdown if "cache work" in m.value]
+    assert [c.split("**")[1] for c in cards] == ["acme", "globex", "initech"]  # by prompt volume
+    assert "**acme**: cache work pays. long repeated prefixes: 752 stable tokens" in cards[0]
+    assert "**initech**: little to gain from cache work." in cards[2]
+    captions = [c.value.replace("\\", "") for c in at.caption if "Fix first" in c.value]
+    assert captions[0].startswith("Fix first: routed_away (46 % of its missed tokens): Route each conversation")
+    links = {p.proto.label: p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"}
+    assert links["Requests of globex that missed"] == "range=all&tenant=globex"
+
+
 def test_miss_causes_and_drill_down(fixture_store: Store) -> None:
     at = app(fixture_store)
     at.switch_page("views/miss_causes.py").run()
@@ -415,6 +432,14 @@ def test_data_quality_when_the_sources_agree(fixture_store: Store) -> None:
     assert_clean(at)
     assert [s.value for s in at.success] == ["Both sources agree on every pod (2)."]
     assert list(at.dataframe[0].value["likely_cause"]) == ["agree", "agree"]
+    # attribution against the fixture's workload labels (tests/test_labels.py derives the figures)
+    assert "Micro precision **83%** and recall **71%** over 7 labelled requests (every cause but none)." in \
+        [m.value for m in at.markdown]  # fmt: skip
+    agreement = at.dataframe[1].value
+    assert list(agreement["intended_cause"])[-1] == "all" and list(agreement["requests"])[-1] == 5
+    at.selectbox(key="tenant").select("globex").run()  # cap-3, cap-4 match; globex-run1-s3 does not
+    assert "Micro precision **100%** and recall **67%** over 3 labelled requests (every cause but none)." in \
+        [m.value for m in at.markdown]  # fmt: skip
 
 
 def test_data_quality_names_each_disagreement_and_the_overview_links_to_it(chdb_dir: Path) -> None:

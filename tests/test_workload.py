@@ -15,7 +15,7 @@ import pytest
 from demo.workload import PATHOLOGIES, TENANTS, iter_sessions, plan_labels, run_workload
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, 123000, tzinfo=UTC)
-OUTCOME_FIELDS = ("status", "http_status", "prompt_tokens", "cached_tokens")
+OUTCOME_FIELDS = ("status", "http_status", "prompt_tokens", "cached_tokens", "ts", "run_id")  # set when sent
 
 
 def sessions_of(tenant: str, seed: int = 0, scale: float = 1.0) -> list:  # type: ignore[type-arg]
@@ -46,6 +46,7 @@ def test_labels_cover_every_tenant_and_pathology_at_a_demo_size() -> None:
     hooli = [lb for lb in labels if lb["tenant_id"] == "hooli"]
     assert {lb["pathology"] for lb in hooli if lb["turn"] < 3} == {"none"}
     assert {lb["pathology"] for lb in hooli if lb["turn"] >= 3} == {"history_truncated"}
+    assert {lb["scenario"] for lb in hooli} == {"history_truncated"}  # the session's, whatever the turn
     agent = [lb for lb in labels if lb["tenant_id"] == "initech"]
     assert all(lb["agent_run_id"] == lb["conversation_id"] for lb in agent)
     assert all(200 <= lb["tool_wait_ms"] <= 1000 for lb in agent if lb["turn"] > 1)
@@ -155,8 +156,12 @@ def test_run_workload_sends_every_planned_request_and_writes_labels(tmp_path: Pa
     fake = FakeVllm()
     labels_path = tmp_path / "labels.jsonl"
     labels = run_workload("http://gateway.test/", seed=5, scale=0.5, concurrency=3, labels_path=labels_path,
-                          wait_scale=0.02, transport=httpx.MockTransport(fake))  # fmt: skip
+                          wait_scale=0.02, transport=httpx.MockTransport(fake), run_id="r5")  # fmt: skip
     planned = plan_labels(seed=5, scale=0.5)
+    assert {lb["run_id"] for lb in labels} == {"r5"}
+    sent = [datetime.fromisoformat(lb["ts"]) for lb in labels]
+    assert all(lb["ts"].endswith("Z") and abs(t - datetime.now(UTC)) < timedelta(minutes=5) for lb, t in
+               zip(labels, sent, strict=True))  # fmt: skip
     for lb in planned:
         if lb["tool_wait_ms"] is not None:
             lb["tool_wait_ms"] = round(lb["tool_wait_ms"] * 0.02)  # the waits actually made

@@ -1,5 +1,7 @@
 """Data quality: per pod, vLLM's counters beside the gateway log, the gap and its likely cause
-(named query ``data_quality``; the rules in docs/miss-causes.md, "When the two sources disagree")."""
+(named query ``data_quality``; the rules in docs/miss-causes.md, "When the two sources disagree"); and, when the
+window holds workload labels, attribution against them (named query ``attribution_agreement``; docs/miss-causes.md,
+"Validating attribution")."""
 
 from __future__ import annotations
 
@@ -44,6 +46,31 @@ def render(f: data.Filters) -> None:
         st.warning(f"**{row['pod']}**: {CAUSES.get(row['likely_cause'], row['likely_cause'])}{gap}: "
                    f"{row['evidence']}.")
     charts.table(dq, percent_cols=PERCENT, key="data_quality")
+    agreement(f)
+
+
+def agreement(f: data.Filters) -> None:
+    """Per cause, how often attribution names the cause the labelled workload was built to show; nothing when the
+    window holds no labelled request that was served and attributed."""
+    ag = data.named("attribution_agreement", **f.params(pod=False, model=False))
+    if ag.is_empty():
+        return
+    st.subheader("Attribution against workload labels")
+    st.caption(
+        "A labelled workload (the demo's, or `kvscope import labels`) says which cause each request was built to "
+        "show; attribution's answer is its dominant cause by missed tokens, unavoidable aside (none: only "
+        "unavoidable tokens missed). Precision: of the requests attributed to a cause, the share labelled so; "
+        "recall: of those labelled, the share attributed so. The labels cannot know routing or eviction: those "
+        "show as causes nobody labelled. Filtered by tenant."
+    )
+    total = ag.filter(ag["intended_cause"] == "all")
+    if not total.is_empty():
+        row = total.row(0, named=True)
+        shown = [f"{name} **{row[name]:.0%}**" for name in ("precision", "recall") if row[name] is not None]
+        st.markdown(f"Micro {' and '.join(shown) or 'figures: none yet'} over {row['labelled']:,} labelled requests "
+                    "(every cause but none).")
+    charts.table(ag.drop("attributed_cause", "attributed_sub_cause"), percent_cols=["precision", "recall"],
+                 key="attribution_agreement")
 
 
 data.live(render)

@@ -17,7 +17,8 @@ from dashboard import charts, data, request_detail
 st.header("Miss causes")
 st.caption(
     "Every missed prompt token (prompt − cached) is attributed to one cause: unavoidable, below_block, "
-    "cold, routed_away, evicted, prefix_drift (by the first segment that changed) or unknown; a request whose "
+    "cold, beyond_horizon, routed_away, evicted, prefix_drift (by the first segment that changed) or unknown; a "
+    "request whose "
     "pod did not report its cached count puts all its prompt tokens under not_reported."
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import charts, data, findings, fix_first
 
 st.header("Tenants")
 st.caption(
@@ -47,6 +47,7 @@ def render(f: data.Filters) -> None:
         key="tenant_bars",
     )
     charts.table(affinity.select(COLUMNS), percent_cols=PERCENT, key="tenant_table")
+    worth(f)
     matrix = data.named("tenant_pod_matrix", **p)
     charts.heatmap(
         matrix,
@@ -56,6 +57,39 @@ def render(f: data.Filters) -> None:
         "Prefix tokens served, tenant × pod",
         key="tenant_pod_matrix",
     )
+
+
+#: Tenants listed in "Does cache work pay?" (largest prompt volume first).
+WORTH_TENANTS = 20
+
+
+def worth(f: data.Filters) -> None:
+    """Per tenant: does cache work pay (docs/fix-first.md), its dominant fix, and a link to its missed requests."""
+    st.subheader("Does cache work pay?")
+    since, until = fix_first.window(f)
+    price, _ = fix_first.gpu_hour_price()
+    try:
+        verdicts = findings.worth_it(data.get_store(), since, until, tenant=f.tenant, pod=f.pod, model=f.model)
+        top = {x.tenant_id: x for x in findings.fix_first(data.get_store(), since, until, tenant=f.tenant, pod=f.pod,
+                                                            model=f.model, limit=WORTH_TENANTS, per_tenant=True,
+                                                            gpu_hour_price=price)}
+    except Exception as exc:  # noqa: BLE001  (a failing query shows its error; the page goes on)
+        st.error(f"Could not read the tenants' misses: {data.error_text(exc)}")
+        return
+    if not verdicts:
+        st.caption(charts.NO_DATA_IN_WINDOW)
+        return
+    for w in verdicts[:WORTH_TENANTS]:
+        finding = top.get(w.tenant_id)
+        with st.container(border=True):
+            icon = ":material/check_circle:" if w.pays else ":material/remove_circle_outline:"
+            verdict = "cache work pays" if w.pays else "little to gain from cache work"
+            st.markdown(f"{icon} **{charts.plain(w.tenant_id)}**: {verdict}. " + charts.plain("; ".join(w.reasons)))
+            if finding is not None:
+                st.caption(charts.plain(f"Fix first: {finding.label} ({finding.share_of_tenant_missed * 100:.0f} % of "
+                                        f"its missed tokens): {finding.fix}"))
+            st.page_link(fix_first.MISS_CAUSES_PAGE, label=f"Requests of {w.tenant_id} that missed",
+                         icon=":material/arrow_forward:", query_params={**f.query(), "tenant": w.tenant_id})
 
 
 data.live(render)

@@ -4,7 +4,7 @@
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: pod: String = '' | pod the input came from, '' = all
 -- param: limit: UInt32 = 100 | at most this many (source, reason) rows
--- returns: source String | vllm_metrics, gateway_log, kv_events or ingest
+-- returns: source String | vllm_metrics, gateway_log, kv_events, ingest or workload_labels
 -- returns: reason String | why it was rejected (one sentence)
 -- returns: occurrences UInt64 | rows in dead_letters (every occurrence, re-sends included)
 -- returns: distinct_events UInt64 | distinct event_id (re-sends of the same input counted once)

@@ -16,10 +16,10 @@
 -- returns: causes Array(String) | miss causes of the request in prompt order (parallel to sub_causes and cause_missed_tokens)
 -- returns: sub_causes Array(String) | sub-cause of each cause ('' if none)
 -- returns: cause_missed_tokens Array(UInt64) | missed tokens of each cause, tokens; they sum to prompt_tokens - cached_tokens (all prompt tokens for not_reported)
--- returns: predecessor_request_id String | the request whose prefix this one could have reused ('' if none within the horizon)
+-- returns: predecessor_request_id String | the request whose prefix this one could have reused ('' if none within the lookback)
 -- returns: predecessor_ts Nullable(DateTime64(3, 'UTC')) | the predecessor's arrival, UTC (NULL if none or its log row is gone)
 -- returns: predecessor_pod String | pod that served the predecessor ('' if none)
--- returns: predecessor_kind String | how the predecessor was found: previous_turn (same conversation or agent run), fingerprint (same prompt fingerprint), variant (same normalized system prompt, canonical tools or retrieval set); '' if none
+-- returns: predecessor_kind String | how the predecessor was found: previous_turn (same conversation or agent run), fingerprint (same prompt fingerprint), variant (same normalized system prompt, canonical tools or retrieval set); with the suffix _beyond_horizon (e.g. previous_turn_beyond_horizon) when no predecessor lay within the horizon and this one was found further back, within the lookback; '' if none
 -- returns: gap_ms Nullable(Float64) | predecessor end (its arrival + e2e) to this request's arrival, ms (NULL if none)
 -- returns: changed_segment String | the first segment, in prompt order, whose hash differs from the predecessor's (system, tools, retrieval, history, suffix); '' if none differs or there is no predecessor
 -- returns: kv_events UInt64 | KV-cache events (vLLM BlockStored/BlockRemoved/AllBlocksCleared) the predecessor's pod sent after the predecessor arrived and up to this request's arrival; 0 also when the pod sends none (the cause is then inferred from which pod served the predecessor)
@@ -84,7 +84,7 @@ WITH
           -- gap_ms = arrival - (predecessor arrival + its e2e_ms), e2e_ms >= 0: the predecessor arrived by
           -- arrival - gap_ms (1 s of slack); a previous_turn or variant predecessor is of the same tenant.
           AND ts <= (SELECT any(ts - toIntervalMillisecond(toInt64(floor(ifNull(gap_ms, 0))) - 1000)) FROM answer)
-          AND ((SELECT any(predecessor_kind) FROM answer) = 'fingerprint'
+          AND (startsWith((SELECT any(predecessor_kind) FROM answer), 'fingerprint')
                OR tenant_id = (SELECT any(tenant_id) FROM answer))
         ORDER BY ts DESC
         LIMIT 1
@@ -110,7 +110,8 @@ WITH
             arrayMap(x -> toUInt64(x),
                      [p.system_tokens, p.tools_tokens, p.retrieval_tokens, p.history_tokens, p.suffix_tokens])
                 AS p_tokens,
-            a.predecessor_kind = 'previous_turn' AND r.prev_history_hash = p.history_prefix_hash AS continues,
+            startsWith(a.predecessor_kind, 'previous_turn') AND r.prev_history_hash = p.history_prefix_hash
+                AS continues,
             arraySum(r_tokens) AS total,
             arrayMap(c -> if(total = 0, 0, intDiv(c * a.prompt_tokens, total)), arrayCumSum(r_tokens)) AS ends,
             arrayPushFront(arrayPopBack(ends), 0) AS starts

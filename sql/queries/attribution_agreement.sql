@@ -1,0 +1,144 @@
+-- name: attribution_agreement
+-- description: How often miss-cause attribution names the cause a labelled workload was built to show: per cause (and sub-cause) the labelled requests, those attributed to it and those that match, with precision, recall and a micro total row; with confusion = 1, the intended × attributed counts.
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the label's ts: when the request was sent), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: tenant: String = '' | tenant_id to keep, '' = all
+-- param: run_id: String = '' | the labelled run to keep (workload_labels.run_id), '' = all runs
+-- param: scenario: String = '' | the scenario to keep (workload_labels.scenario, e.g. tools_reordered), '' = all
+-- param: by_sub_cause: UInt8 = 1 | 1 = a class is (cause, sub_cause): prefix_drift / volatile_system and prefix_drift / tools_reordered differ; 0 = a class is a cause (sub-causes '' and their tokens pooled)
+-- param: confusion: UInt8 = 0 | 0 = one row per class and the micro total row; 1 = one row per (intended, attributed) pair that occurs
+-- returns: intended_cause String | the label's class: none (nothing avoidable should miss) or a miss cause; 'all' on the micro total row
+-- returns: intended_sub_cause String | the label's sub_cause ('' when by_sub_cause = 0 and on the total row)
+-- returns: attributed_cause String | the attribution's dominant cause (see below); with confusion = 0 the same class as intended_cause
+-- returns: attributed_sub_cause String | the dominant cause's sub_cause ('' when by_sub_cause = 0)
+-- returns: requests UInt64 | evaluated requests labelled intended_* and attributed attributed_* (confusion = 0: the matches of the class; total row: all matches), requests
+-- returns: labelled UInt64 | evaluated requests labelled intended_* (recall's denominator; total row: summed over classes but none), requests
+-- returns: attributed UInt64 | evaluated requests whose dominant cause is attributed_* (precision's denominator; total row: summed over classes but none), requests
+-- returns: precision Nullable(Float64) | requests / attributed, fraction 0..1 (total row: micro precision); NULL when attributed = 0
+-- returns: recall Nullable(Float64) | requests / labelled, fraction 0..1 (total row: micro recall); NULL when labelled = 0
+-- returns: tokens_checked UInt64 | of the requests labelled intended_* (confusion = 1: of this row's requests), those whose label gives an expected token split, requests
+-- returns: tokens_exact UInt64 | of tokens_checked, those whose current answer splits the missed tokens exactly so: the same (cause, sub_cause, tokens) entries, unavoidable included, requests
+--
+-- Definitions (docs/miss-causes.md, "Validating attribution"):
+-- * Evaluated requests: labels in the window and filters (workload_labels, one per request_id) whose request the
+--   gateway served (gateway_requests: status < 400, prompt_tokens > 0) and the attribution answered (a current
+--   row in request_attribution). Others (failed, not logged, not attributed yet) are left out.
+-- * Dominant cause of a request: over its current answer's missed tokens (sign-weighted, so a replaced answer
+--   counts no more), summed per class, unavoidable left out, the class with the most tokens; a tie goes to
+--   the class first in (cause, sub_cause) alphabetical order. 'none' when nothing but unavoidable missed.
+-- * Per class c: requests (matched) = labelled c and dominant c; precision = matched / attributed c;
+--   recall = matched / labelled c. Total row ('all'): micro averages over every class but none (the negative
+--   class: nothing to find), Σ matched / Σ attributed and Σ matched / Σ labelled.
+-- Labels' ts is the sender's clock (or the gateway's arrival ts): the gateway and attribution rows are read
+-- within an hour of the labels' range, so only those partitions are scanned.
+WITH
+    labels AS
+    (
+        SELECT request_id, ts, CAST(cause AS String) AS l_cause,
+               if({by_sub_cause:UInt8} = 1, CAST(sub_cause AS String), '') AS l_sub,
+               arraySort(arrayZip(CAST(expected_causes AS Array(String)), CAST(expected_sub_causes AS Array(String)),
+                                  expected_tokens)) AS expected
+        FROM workload_labels
+        WHERE ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
+          AND ({tenant:String} = '' OR tenant_id = {tenant:String})
+          AND ({run_id:String} = '' OR run_id = {run_id:String})
+          AND ({scenario:String} = '' OR scenario = {scenario:String})
+        LIMIT 1 BY request_id
+    ),
+    (SELECT min(ts) - INTERVAL 1 HOUR FROM labels) AS lo,
+    (SELECT max(ts) + INTERVAL 1 HOUR FROM labels) AS hi,
+    answered AS
+    (
+        SELECT request_id
+        FROM request_attribution
+        WHERE ts >= lo AND ts <= hi AND request_id IN (SELECT request_id FROM labels)
+          AND request_id IN (SELECT request_id FROM gateway_requests
+                             WHERE ts >= lo AND ts <= hi AND status < 400 AND prompt_tokens > 0)
+        GROUP BY request_id
+        HAVING sum(sign) > 0
+    ),
+    answers AS
+    (
+        SELECT request_id, CAST(cause AS String) AS a_cause, CAST(sub_cause AS String) AS a_sub,
+               sum(toInt64(tokens) * sign) AS missed
+        FROM request_attribution
+        ARRAY JOIN causes AS cause, sub_causes AS sub_cause, missed_tokens AS tokens
+        WHERE ts >= lo AND ts <= hi AND request_id IN (SELECT request_id FROM answered)
+        GROUP BY request_id, a_cause, a_sub
+        HAVING missed > 0
+    ),
+    splits AS
+    (
+        SELECT request_id, arraySort(groupArray((a_cause, a_sub, toUInt32(missed)))) AS split
+        FROM answers
+        GROUP BY request_id
+    ),
+    dominant AS
+    (
+        SELECT request_id, arraySort(x -> (-x.3, x.1, x.2), groupArray((a_cause, d_sub, d_missed)))[1] AS top
+        FROM
+        (
+            SELECT request_id, a_cause, if({by_sub_cause:UInt8} = 1, a_sub, '') AS d_sub, sum(missed) AS d_missed
+            FROM answers
+            WHERE a_cause != 'unavoidable'
+            GROUP BY request_id, a_cause, d_sub
+        )
+        GROUP BY request_id
+    ),
+    evaluated AS
+    (
+        SELECT l.l_cause AS i_cause, l.l_sub AS i_sub,
+               if(d.top.1 = '', 'none', d.top.1) AS a_cause, d.top.2 AS a_sub,
+               length(l.expected) > 0 AS checked, checked AND l.expected = s.split AS exact
+        FROM labels AS l
+        LEFT JOIN dominant AS d ON d.request_id = l.request_id
+        LEFT JOIN splits AS s ON s.request_id = l.request_id
+        WHERE l.request_id IN (SELECT request_id FROM answered)
+    ),
+    cells AS
+    (
+        SELECT i_cause, i_sub, a_cause, a_sub, count() AS n, countIf(checked) AS n_checked, countIf(exact) AS n_exact
+        FROM evaluated
+        GROUP BY i_cause, i_sub, a_cause, a_sub
+    ),
+    classes AS
+    (
+        SELECT cause, sub, sum(c_labelled) AS labelled, sum(c_attributed) AS attributed, sum(c_matched) AS matched,
+               sum(c_checked) AS checked, sum(c_exact) AS exact
+        FROM
+        (
+            SELECT i_cause AS cause, i_sub AS sub, n AS c_labelled, toUInt64(0) AS c_attributed,
+                   if(i_cause = a_cause AND i_sub = a_sub, n, 0) AS c_matched, n_checked AS c_checked,
+                   n_exact AS c_exact
+            FROM cells
+            UNION ALL
+            SELECT a_cause, a_sub, 0, n, 0, 0, 0 FROM cells
+        )
+        GROUP BY cause, sub
+    )
+SELECT intended_cause, intended_sub_cause, attributed_cause, attributed_sub_cause, requests, labelled, attributed,
+       if(attributed > 0, requests / attributed, NULL) AS precision,
+       if(labelled > 0, requests / labelled, NULL) AS recall,
+       tokens_checked, tokens_exact
+FROM
+(
+    SELECT cause AS intended_cause, sub AS intended_sub_cause, cause AS attributed_cause, sub AS attributed_sub_cause,
+           toUInt64(matched) AS requests, toUInt64(labelled) AS labelled, toUInt64(attributed) AS attributed,
+           toUInt64(checked) AS tokens_checked, toUInt64(exact) AS tokens_exact, 0 AS total_row
+    FROM classes
+    WHERE {confusion:UInt8} = 0
+    UNION ALL
+    SELECT 'all', '', 'all', '', toUInt64(sum(matched)), toUInt64(sum(labelled)), toUInt64(sum(attributed)),
+           toUInt64(sum(checked)), toUInt64(sum(exact)), 1
+    FROM classes
+    WHERE {confusion:UInt8} = 0 AND cause != 'none'
+    HAVING count() > 0
+    UNION ALL
+    SELECT c.i_cause, c.i_sub, c.a_cause, c.a_sub, toUInt64(c.n), toUInt64(r.labelled), toUInt64(k.attributed),
+           toUInt64(c.n_checked), toUInt64(c.n_exact), 0
+    FROM cells AS c
+    INNER JOIN classes AS r ON r.cause = c.i_cause AND r.sub = c.i_sub
+    INNER JOIN classes AS k ON k.cause = c.a_cause AND k.sub = c.a_sub
+    WHERE {confusion:UInt8} = 1
+)
+ORDER BY total_row, intended_cause, intended_sub_cause, attributed_cause, attributed_sub_cause

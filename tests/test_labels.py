@@ -1,0 +1,259 @@
+"""Workload labels (ingest/labels.py, `kvscope import labels`, migration workload_labels) and the named query
+attribution_agreement: the label contract, exactly-once loading, dead letters, and agreement figures derived
+by hand from tests/fixture_data.py (LABELS against ATTRIBUTION)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from demo.workload import PATHOLOGIES
+from ingest import attribution as a
+from ingest.labels import PATHOLOGY_CAUSES, BadLabel, LabelTail, load_labels, parse_label
+from ingest.store import Store
+from kvscope.cli import main
+from tests.fixture_data import ATTRIBUTION_COLUMNS, GATEWAY_COLUMNS, at, gateway_rows, load_fixture
+
+
+@pytest.fixture(scope="module")
+def fx(chdb_dir: Path) -> Store:
+    s = Store.open(data_dir=chdb_dir, database=f"lb_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    load_fixture(s)
+    return s
+
+
+def agreement(store: Store, **params: Any) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    rows = store.named("attribution_agreement", {k: str(v) for k, v in params.items()}).to_dicts()
+    return {(r["intended_cause"], r["intended_sub_cause"], r["attributed_cause"], r["attributed_sub_cause"]): r
+            for r in rows}
+
+
+def figures(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["requests"], row["labelled"], row["attributed"], row["precision"], row["recall"],
+            row["tokens_checked"], row["tokens_exact"])
+
+
+# -- vocabulary --------------------------------------------------------------------------------------------------
+def test_every_workload_pathology_maps_to_a_cause() -> None:
+    assert set(PATHOLOGY_CAUSES) == set(PATHOLOGIES)
+    for cause, sub in PATHOLOGY_CAUSES.values():
+        assert cause == "none" or (cause == a.PREFIX_DRIFT and sub in a.DRIFT_SUB_CAUSES)
+    assert PATHOLOGY_CAUSES["volatile_system"] == ("prefix_drift", "volatile_system")
+
+
+def test_a_workload_line_parses_with_its_mapped_cause() -> None:
+    line = json.dumps({"request_id": "0101-hooli-c0-t3", "tenant_id": "hooli", "conversation_id": "x", "turn": 3,
+                       "pathology": "history_truncated", "scenario": "history_truncated", "tool_wait_ms": None,
+                       "ts": "2026-11-29T13:00:00.123+01:00", "run_id": "0101", "status": "ok"})
+    row = parse_label(line, run_id="ignored")
+    assert (row["cause"], row["sub_cause"], row["scenario"], row["run_id"]) == \
+        ("prefix_drift", "history_truncated", "history_truncated", "0101")  # fmt: skip
+    assert row["ts"] == datetime(2026, 11, 29, 12, 0, 0, 123000, tzinfo=UTC)
+    bare = parse_label('{"request_id": "r1", "pathology": "none"}', run_id="file-run")
+    assert (bare["cause"], bare["scenario"], bare["run_id"], bare["ts"], bare["tenant_id"]) == \
+        ("none", "none", "file-run", None, "")  # fmt: skip
+
+
+def test_an_explicit_cause_and_its_expected_split_are_normalized() -> None:
+    row = parse_label(json.dumps({"request_id": "r", "cause": "routed_away", "expected_tokens": [
+        {"cause": "unavoidable", "tokens": 10}, {"cause": "routed_away", "tokens": 700},
+        {"cause": "unavoidable", "sub_cause": "", "tokens": 6}, {"cause": "cold", "tokens": 0}]}))
+    assert (row["cause"], row["sub_cause"], row["scenario"]) == ("routed_away", "", "routed_away")
+    # duplicates summed, zero entries dropped, sorted by (cause, sub_cause): the form the query compares
+    assert (row["expected_causes"], row["expected_sub_causes"], row["expected_tokens"]) == \
+        (["routed_away", "unavoidable"], ["", ""], [700, 16])  # fmt: skip
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    ("not json", "not JSON"),
+    ("[1, 2]", "line is JSON list, not an object"),
+    ('{"pathology": "none"}', "field request_id: missing or not a non-empty string"),
+    ('{"request_id": "", "pathology": "none"}', "field request_id: missing or not a non-empty string"),
+    ('{"request_id": "r"}', "no cause, and pathology '' is not one kvscope maps"),
+    ('{"request_id": "r", "pathology": "slow_disk"}', "pathology 'slow_disk' is not one kvscope maps"),
+    ('{"request_id": "r", "cause": "flaky"}', "cause 'flaky' is not a miss cause"),
+    ('{"request_id": "r", "cause": "unavoidable"}', "cause unavoidable cannot be intended"),
+    ('{"request_id": "r", "cause": "none", "sub_cause": "x"}', "cause none takes no sub_cause"),
+    ('{"request_id": "r", "cause": "prefix_drift"}', "prefix_drift needs a sub_cause"),
+    ('{"request_id": "r", "cause": "cold", "ts": "2026-11-29 12:00:00"}', "field ts: not an ISO 8601 time with a "
+                                                                          "time zone"),
+    ('{"request_id": "r", "cause": "cold", "ts": "1999-12-31T23:00:00Z"}', "outside 2000..2100"),
+    ('{"request_id": "r", "cause": "cold", "ts": 1764417600}', "field ts: not an ISO 8601 time"),
+    ('{"request_id": "r", "cause": "cold", "tenant_id": 7}', "field tenant_id: not a string"),
+    ('{"request_id": "r", "cause": "cold", "expected_tokens": {"cold": 3}}', "field expected_tokens: not a list"),
+    ('{"request_id": "r", "cause": "cold", "expected_tokens": [{"cause": "cold", "tokens": -1}]}',
+     "tokens of cold must be an integer"),
+    ('{"request_id": "r", "cause": "cold", "expected_tokens": [{"cause": "cold", "tokens": 1.5}]}',
+     "tokens of cold must be an integer"),
+])  # fmt: skip
+def test_a_bad_line_is_refused_with_its_reason(line: str, reason: str) -> None:
+    with pytest.raises(BadLabel, match=None) as err:
+        parse_label(line)
+    assert reason in str(err.value)
+
+
+# -- agreement on the fixture --------------------------------------------------------------------------------------
+# Evaluated: the 10 labelled requests the gateway served and attribution answered (acme-c1-err failed, ghost-1 was
+# never logged, cap-5-below-one-block has no label). Intended → dominant attributed (ATTRIBUTION, unavoidable
+# aside; only-unavoidable answers are none):
+#   cold → cold: cap-1-cold (736), initech-c1-t1 (384)       none → none: cap-2-warm, acme-c1-t4
+#   none → routed_away: acme-c1-t3 (768)                     drift/tools_reordered → same: cap-3 (64)
+#   drift/volatile_system → same: cap-4 (768)                drift/rag_reordered → none: initech-c1-t2
+#   drift/history_truncated → none: globex-run1-s3           below_block → below_block: initech-oneshot-2
+# Expected splits: cap-1 (cold 736, unavoidable 30: the answer has 26, not exact), cap-3, cap-4 and
+# initech-oneshot-2 (exact). cap-1's cancelled stale answer (cold 700) must not count.
+def test_agreement_per_class_and_micro_totals(fx: Store) -> None:
+    r = agreement(fx)
+    # (matched, labelled, attributed, precision, recall, tokens_checked, tokens_exact)
+    assert figures(r[("cold", "", "cold", "")]) == (2, 2, 2, 1.0, 1.0, 1, 0)
+    assert figures(r[("none", "", "none", "")]) == (2, 3, 4, 2 / 4, 2 / 3, 0, 0)
+    assert figures(r[("routed_away", "", "routed_away", "")]) == (0, 0, 1, 0.0, None, 0, 0)
+    drift = "prefix_drift"
+    assert figures(r[(drift, "tools_reordered", drift, "tools_reordered")]) == (1, 1, 1, 1.0, 1.0, 1, 1)
+    assert figures(r[(drift, "volatile_system", drift, "volatile_system")]) == (1, 1, 1, 1.0, 1.0, 1, 1)
+    assert figures(r[(drift, "rag_reordered", drift, "rag_reordered")]) == (0, 1, 0, None, 0.0, 0, 0)
+    assert figures(r[(drift, "history_truncated", drift, "history_truncated")]) == (0, 1, 0, None, 0.0, 0, 0)
+    assert figures(r[("below_block", "", "below_block", "")]) == (1, 1, 1, 1.0, 1.0, 1, 1)
+    # micro over every class but none: matched 2+1+1+1, labelled 2+1+1+1+1+1, attributed 2+1+1+1+1 (routed_away)
+    assert figures(r[("all", "", "all", "")]) == (5, 7, 6, pytest.approx(5 / 6), pytest.approx(5 / 7), 4, 3)
+    assert len(r) == 9
+    assert list(r)[-1] == ("all", "", "all", "")  # the total row comes last
+
+
+def test_agreement_by_cause_pools_sub_causes(fx: Store) -> None:
+    r = agreement(fx, by_sub_cause=0)
+    assert figures(r[("prefix_drift", "", "prefix_drift", "")]) == (2, 4, 2, 1.0, 0.5, 2, 2)
+    assert figures(r[("none", "", "none", "")]) == (2, 3, 4, 0.5, pytest.approx(2 / 3), 0, 0)
+    assert figures(r[("all", "", "all", "")])[:3] == (5, 7, 6)
+    assert {k[0] for k in r} == {"cold", "none", "prefix_drift", "routed_away", "below_block", "all"}
+
+
+def test_confusion_counts_every_pair(fx: Store) -> None:
+    r = agreement(fx, confusion=1)
+    cells = {k: v["requests"] for k, v in r.items()}
+    drift = "prefix_drift"
+    assert cells == {
+        ("cold", "", "cold", ""): 2, ("none", "", "none", ""): 2, ("none", "", "routed_away", ""): 1,
+        (drift, "tools_reordered", drift, "tools_reordered"): 1,
+        (drift, "volatile_system", drift, "volatile_system"): 1,
+        (drift, "rag_reordered", "none", ""): 1, (drift, "history_truncated", "none", ""): 1,
+        ("below_block", "", "below_block", ""): 1,
+    }  # fmt: skip
+    assert sum(cells.values()) == 10
+    # off the diagonal: share of the intended class (recall) and of the attributed class (precision)
+    assert figures(r[("none", "", "routed_away", "")]) == (1, 3, 1, 1.0, pytest.approx(1 / 3), 0, 0)
+    assert figures(r[(drift, "rag_reordered", "none", "")]) == (1, 1, 4, 0.25, 1.0, 0, 0)
+
+
+def test_agreement_filters(fx: Store) -> None:
+    r = agreement(fx, run_id="run-b")  # initech: cold → cold, rag_reordered → none, below_block → below_block
+    assert figures(r[("all", "", "all", "")])[:5] == (2, 3, 2, 1.0, pytest.approx(2 / 3))
+    assert figures(r[("none", "", "none", "")])[:3] == (0, 0, 1)
+    r = agreement(fx, tenant="globex")  # cap-3, cap-4 matched; globex-run1-s3 history_truncated → none
+    assert figures(r[("all", "", "all", "")])[:3] == (2, 3, 2)
+    r = agreement(fx, scenario="volatile_system")
+    assert list(r) == [("prefix_drift", "volatile_system", "prefix_drift", "volatile_system"), ("all", "", "all", "")]
+    r = agreement(fx, since=at(100).isoformat(), until=at(140).isoformat())  # acme-c1-t3, acme-c1-t4, oneshot-2
+    assert figures(r[("all", "", "all", "")])[:3] == (1, 1, 2)
+    assert agreement(fx, run_id="no-such-run") == {}
+
+
+def test_dominant_cause_ties_go_to_the_first_class_alphabetically(store: Store, tmp_path: Path) -> None:
+    """One request missed 64 tokens to routed_away and 64 to prefix_drift / tools_changed (and 100 unavoidable,
+    which never dominates): the tie goes to prefix_drift."""
+    row = next(r for r in gateway_rows() if r[0] == "acme-c1-t4")
+    store.insert("gateway_requests", [("tie-1", *row[1:])], GATEWAY_COLUMNS)
+    store.insert("request_attribution", [(
+        "tie-1", row[1], "acme", "pod-b", "tiny", 832, 604, "acme-c1-t3", "pod-a", "previous_turn", 10.0, 32,
+        ["routed_away", "prefix_drift", "unavoidable"], ["", "tools_changed", ""], [64, 64, 100], row[1], 1, 1,
+    )], ATTRIBUTION_COLUMNS)  # fmt: skip
+    label = {"request_id": "tie-1", "cause": "prefix_drift", "sub_cause": "tools_changed", "ts": "2026-11-29T12:02:10Z"}
+    path = write_labels(tmp_path, [label])
+    assert load_labels(store, path).rows == 1
+    assert list(agreement(store, confusion=1)) == [("prefix_drift", "tools_changed", "prefix_drift", "tools_changed")]
+
+
+def write_labels(directory: Path, labels: list[Any], name: str = "labels.jsonl") -> Path:
+    """A label file of ``labels`` (dicts as JSON, strings as they are), one per line."""
+    path = directory / name
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in labels))
+    return path
+
+
+# -- loading -------------------------------------------------------------------------------------------------------
+def cli(store: Store, *args: str) -> tuple[int, str, str]:
+    data_dir = store.dsn.removeprefix("chdb://")
+    result = CliRunner().invoke(main, [*args, "--data-dir", data_dir, "--database", store.database])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def stored(store: Store) -> list[tuple[Any, ...]]:
+    return store.query_rows("SELECT request_id, run_id, tenant_id, toString(ts), cause, sub_cause, scenario "
+                            "FROM workload_labels ORDER BY request_id")
+
+
+def test_import_loads_each_label_once_and_dead_letters_bad_lines(store: Store, tmp_path: Path) -> None:
+    store.insert("gateway_requests", [r for r in gateway_rows() if r[0] == "cap-1-cold"], GATEWAY_COLUMNS)
+    path = write_labels(tmp_path, [
+        {"request_id": "r1", "tenant_id": "acme", "pathology": "none", "ts": "2026-11-29T12:00:00Z", "run_id": "x"},
+        {"request_id": "r2", "tenant_id": "globex", "pathology": "volatile_system", "ts": "2026-11-29T12:00:01Z"},
+        {"request_id": "cap-1-cold", "cause": "cold"},  # no ts, no tenant: the gateway's
+        {"request_id": "r3", "pathology": "bogus", "ts": "2026-11-29T12:00:02Z"},
+        {"request_id": "r4", "cause": "cold"},  # no ts, and no gateway request: refused
+        "{truncated",
+        {"request_id": "r1", "tenant_id": "acme", "pathology": "none", "ts": "2026-11-29T12:00:00Z"},  # repeated
+    ])
+    code, out, err = cli(store, "import", "labels", str(path))
+    assert code == 0, err
+    assert out.strip() == f"{path}: 3 labels, 1 already stored, 3 bad lines (3 new dead letters)"
+    assert "1 × no cause, and pathology 'bogus' is not one kvscope maps" in err
+    assert "1 × no ts, and the store holds no gateway request with this request_id" in err
+    assert "1 × not JSON" in err
+    run = path.stem  # lines without run_id take the file's name
+    assert stored(store) == [
+        ("cap-1-cold", run, "acme", "2026-11-29 12:00:40.000", "cold", "", "cold"),
+        ("r1", "x", "acme", "2026-11-29 12:00:00.000", "none", "", "none"),
+        ("r2", run, "globex", "2026-11-29 12:00:01.000", "prefix_drift", "volatile_system", "volatile_system"),
+    ]
+    letters = store.query_rows("SELECT source, reason, location, raw FROM dead_letters FINAL ORDER BY location")
+    assert [(s, loc.rsplit(":", 1)[0]) for s, _, loc, _ in letters] == [("workload_labels", str(path))] * 3
+    assert {raw for *_, raw in letters} >= {"{truncated"}
+    # again, and with another run id: nothing new (each request once, the first import wins), no new dead letters
+    code, out, _ = cli(store, "import", "labels", str(path), "--run-id", "other")
+    assert code == 0 and out.strip() == f"{path}: 0 labels, 4 already stored, 3 bad lines (0 new dead letters)"
+    assert len(stored(store)) == 3
+    assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 3
+
+
+def test_import_exits_1_when_no_line_is_usable(store: Store, tmp_path: Path) -> None:
+    path = write_labels(tmp_path, ["{}", '{"request_id": "r", "cause": "cold", "ts": "yesterday"}'], "bad.jsonl")
+    code, out, err = cli(store, "import", "labels", str(path))
+    assert code == 1
+    assert "2 bad lines" in out and "Error: no label loaded: every line was refused" in err
+    assert "field ts: not an ISO 8601 time" in err
+
+
+def test_a_tail_loads_complete_lines_as_they_are_written(store: Store, tmp_path: Path) -> None:
+    path = write_labels(tmp_path, [], "tail.jsonl")
+    tail = LabelTail(store, path.with_name("absent.jsonl"))
+    assert tail.poll() is None  # the workload has not written yet
+    tail = LabelTail(store, path, run_id="0101")
+    line = json.dumps({"request_id": "t1", "pathology": "none", "ts": "2026-11-29T12:00:00Z"})
+    with path.open("a") as fh:
+        fh.write(line + "\n" + line.replace("t1", "t2")[:20])  # t2's line half written
+    assert tail.poll().rows == 1
+    with path.open("a") as fh:
+        fh.write(line.replace("t1", "t2")[20:] + "\n")
+    stats = tail.poll()
+    assert (stats.rows, stats.reasons, tail.rows) == (1, [], 2)
+    assert tail.poll().lines == 0
+    assert [r[:2] for r in stored(store)] == [("t1", "0101"), ("t2", "0101")]
