@@ -253,7 +253,8 @@ def test_events_stored_before_the_migration_are_logged_once(chdb_dir: Path, monk
     from ingest.rows import COLUMNS, rows_for
 
     everything = sqlfiles.migrations()
-    mine = [v for v, _ in everything].index("0017_create_kv_block_residency")
+    mine = next(i for i, (v, _) in enumerate(everything) if v.endswith("_create_kv_block_residency"))
+    version = everything[mine][0]
     s = Store.open(data_dir=chdb_dir, database=f"mig_{uuid.uuid4().hex[:12]}")
     monkeypatch.setattr(sqlfiles, "migrations", lambda: everything[:mine])
     s.migrate()
@@ -261,8 +262,8 @@ def test_events_stored_before_the_migration_are_logged_once(chdb_dir: Path, monk
     rows = [r[:-1] for env in collect(SEQUENCE) for _, table_rows in rows_for(env) for r in table_rows]
     s.insert("kv_block_events", rows, old_columns)
     monkeypatch.setattr(sqlfiles, "migrations", lambda: everything)
-    assert s.migrate()[0] == "0017_create_kv_block_residency"
-    s.command("DELETE FROM schema_migrations WHERE version = '0017_create_kv_block_residency'")
+    assert s.migrate()[0] == version
+    s.command("DELETE FROM schema_migrations WHERE version = {v:String}", {"v": version})
     s.migrate()  # a crash before the migration was recorded: it runs again, its copy is guarded
     assert s.query_rows("SELECT count() FROM kv_block_log")[0][0] == 9 + 5 + 1 + 2 + 3 + 1
     got = [(h, c, by, n, m) for h, c, _, _, by, n, m in residency(s, "pod-a")]
