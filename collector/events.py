@@ -88,8 +88,12 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     Fields: ``type`` (``BlockStored`` | ``BlockRemoved`` | ``AllBlocksCleared``), ``block_hashes``
     (list[int], low 64 bits of each block hash as vLLM publishes them with
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), ``parent_block_hash`` (int | None), ``token_ids``
-    (list[int], BlockStored only), ``block_size`` (int tokens, BlockStored only), ``medium``
-    (``GPU``/``CPU``/... or None), ``lora_name`` (str | None).
+    (list[int], BlockStored only; the collector empties it once it has hashed them, see
+    ``collector/kv_chains.py``), ``block_size`` (int tokens, BlockStored only), ``medium``
+    (``GPU``/``CPU``/... or None), ``lora_name`` (str | None), ``token_count`` (int tokens the event covered,
+    None = not counted yet: then ``len(token_ids)``), ``chain_hashes`` (list[int], BlockStored: kvscope's chain
+    hash of each block, parallel to ``block_hashes``, 0 = unknown; :func:`kvscope.block_hash.chain_hashes`;
+    empty when the producer did not compute them).
     """
 
     type: str
@@ -99,6 +103,8 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     block_size: int = 0
     medium: str | None = None
     lora_name: str | None = None
+    token_count: int | None = None
+    chain_hashes: list[int] = []
 
 
 class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):

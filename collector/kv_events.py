@@ -14,6 +14,10 @@ Gaps: ``seq`` counts batches per publisher (one per pod and data-parallel rank, 
 or below the last one is a duplicate when its batch is not newer (batch_ts), else a restarted vLLM
 (``publisher_restart``, a gap when its first seq seen is not 0). Gaps are fetched back from the pod's replay
 socket (``collector/kv_replay.py``) and reported as ``KvEventGap`` events either way.
+
+Token ids: each delivered batch's ``BlockStored`` token ids are turned into kvscope chain hashes and a token
+count (``collector/kv_chains.py``) in delivery order (replayed batches before the batch that revealed the gap),
+so the ids themselves are not published.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import zmq
 
 from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, KvBlockEvent, KvEventBatch, KvEventGap, envelope
+from collector.kv_chains import BlockChains
 from collector.kv_replay import (
     BATCHES_LOST,
     BATCHES_REPLAYED,
@@ -176,6 +181,7 @@ class KvEventSubscriber:
         self._acked: dict[tuple[str, int | None], int] = {}  # stream → number of the last poll acked
         self._ack_lock = threading.Lock()
         self._replay = ReplayClient(self.replay_endpoints, lambda frames: message_event(frames, self.topic_pods))
+        self.chains = BlockChains()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -194,7 +200,8 @@ class KvEventSubscriber:
 
         Returns (envelopes, ack). Envelopes in arrival order: ``KvEventBatch`` (duplicates left out),
         ``DeadLetter`` for undecodable messages, and before a batch that reveals a gap the ``KvEventGap`` and
-        the replayed batches (``replayed=True``, ascending seq). ``ack()`` (thread safe, call it once the
+        the replayed batches (``replayed=True``, ascending seq); BlockStored events carry ``token_count`` and
+        ``chain_hashes`` instead of their token ids (:attr:`chains`). ``ack()`` (thread safe, call it once the
         envelopes are durable downstream) checkpoints each stream delivered here; None when there is nothing
         to ack. Bad input and replay failures never raise (they become dead letters and lost gaps).
         """
@@ -212,11 +219,24 @@ class KvEventSubscriber:
                     continue
                 env = message_event(frames, self.topic_pods)
                 try:
-                    out.extend(self._admit(env, touched))
+                    admitted = self._admit(env, touched)
                 except Exception:  # a bug in gap tracking must not lose the batch or stop the loop
                     log.exception("KV-event gap tracking failed; batch delivered as is. pod=%s", env.pod)
-                    out.append(env)
+                    admitted = [env]
+                out.extend(self._hashed(admitted))
         return out, self._ack_for(touched)
+
+    def _hashed(self, envs: list[Envelope]) -> list[Envelope]:
+        """``envs`` with BlockStored token ids turned into chain hashes; a failure leaves an envelope as is
+        (its token ids are then published and counted by the ingester, its chain hashes unknown)."""
+        out = []
+        for env in envs:
+            try:
+                out.append(self.chains.envelope(env))
+            except Exception:  # noqa: BLE001 - hashing must never cost the batch
+                log.exception("KV-event chain hashing failed; batch delivered with its token ids. pod=%s", env.pod)
+                out.append(env)
+        return out
 
     def close(self) -> None:
         self._sock.close(linger=0)

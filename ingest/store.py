@@ -328,7 +328,8 @@ class Store:
 #: KVSCOPE_ROLLUP_RETENTION_DAYS).
 RETENTION = (
     ("gateway_requests", "ts", False), ("request_keys", "ts", False), ("request_attribution", "ts", False),
-    ("vllm_metrics", "ts", False), ("kv_block_events", "ts", False), ("kv_event_gaps", "detected_at", False),
+    ("vllm_metrics", "ts", False), ("kv_block_events", "ts", False), ("kv_block_log", "ts", False),
+    ("kv_event_gaps", "detected_at", False),
     ("dead_letters", "ts", False), ("alert_state", "evaluated_at", False), ("workload_labels", "ts", False),
     ("requests_1m", "minute", True), ("requests_1h", "minute", True), ("misses_1m", "minute", True),
     ("misses_1h", "minute", True), ("affinity_1m", "minute", True), ("affinity_1h", "minute", True),

@@ -31,6 +31,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, 
 from collector.checkpoint import CheckpointStore
 from collector.events import Envelope, KvEventBatch, KvEventGap
 from collector.kv_events import KvEventSubscriber, checkpoint_key, message_event
+from kvscope.block_hash import chain_hashes
 
 
 def retry(make: Callable, seconds: float = 5.0):  # type: ignore[no-untyped-def, type-arg]
@@ -177,11 +178,13 @@ def test_missed_batches_come_back_through_vllm_replay_in_order_exactly_once() ->
         replayed = [e.payload for e in new[i + 1:i + 4]]
         assert [b.seq for b in replayed] == dropped and all(b.replayed for b in replayed)
         assert new[i + 4].payload.seq == after_gap[0] and not new[i + 4].payload.replayed
-        # the replayed batches decode exactly as the dropped live messages would have
-        lost_live = [message_event(f) for f in sub.dropped]
+        # the replayed batches decode exactly as the dropped live messages would have (token ids hashed)
+        lost_live = [sub.chains.envelope(message_event(f)) for f in sub.dropped]
         assert [msgspec.structs.replace(b, replayed=True) for b in (e.payload for e in lost_live)] == replayed
         assert [e.event_id for e in lost_live] == [e.event_id for e in new[i + 1:i + 4]]
         assert {ev.type for b in replayed for ev in b.events} == {"BlockStored", "BlockRemoved"}
+        for ev in (ev for b in batches(out, topic) for ev in b.events if ev.type == "BlockStored"):
+            assert (ev.token_ids, ev.token_count, ev.chain_hashes) == ([], 8, chain_hashes(range(8), 4))
         # every seq exactly once, in order
         seqs = [b.seq for b in batches(out, topic)]
         assert seqs == list(range(seqs[0], pub.count))
@@ -521,7 +524,8 @@ def test_gap_on_a_real_vllm_server_is_recovered_from_its_replay_socket(vllm_flee
         mine = batches(out[start:], topic)
         replayed = [b for b in mine if b.replayed]
         assert [b.seq for b in replayed] == dropped
-        assert [msgspec.structs.replace(message_event(f).payload, replayed=True) for f in sub.dropped] == replayed
+        assert [msgspec.structs.replace(sub.chains.envelope(message_event(f)).payload, replayed=True)
+                for f in sub.dropped] == replayed
         assert any(ev.type == "BlockStored" and ev.block_size == 32 for b in replayed for ev in b.events)
         seqs = [b.seq for b in batches(out, topic)]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs

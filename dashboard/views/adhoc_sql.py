@@ -20,7 +20,8 @@ st.caption(
     f"after {limits['max_execution_time']} s or {limits['max_memory_usage'] / 2**30:g} GiB of memory, and "
     f"returns at most {ADHOC_MAX_ROWS:,} rows and {ADHOC_MAX_RESULT_BYTES >> 20} MiB. Tables: gateway_requests, "
     "request_attribution (weight by sign), miss_attribution (one row per request and cause), vllm_metrics (kept "
-    "vLLM series; counters as increases), vllm_cache_config, kv_block_events, kv_event_gaps, dead_letters; "
+    "vLLM series; counters as increases), vllm_cache_config, kv_block_events, kv_block_log, kv_block_residency "
+    "and kv_cache_resets (block residency, docs/kv-events.md), kv_event_gaps, dead_letters; "
     "rollups requests_1m/1h, misses_1m/1h, affinity_1m/1h, vllm_1m/1h (docs/scale.md)."
 )
 

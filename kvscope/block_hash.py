@@ -1,0 +1,103 @@
+"""Block chain hashes: vLLM's prefix-cache block hash, recomputed from token ids (one definition for kvscope).
+
+vLLM 0.32 (``vllm/v1/core/kv_cache_utils.py``) hashes a request's tokens in full blocks of ``block_size``; block
+*i*'s hash covers its parent's hash, so it names the whole prefix up to the end of block *i*::
+
+    hash_0 = H((NONE_HASH, tuple(tokens[0:B]), extra_keys_0))
+    hash_i = H((hash_{i-1}, tuple(tokens[i*B:(i+1)*B]), extra_keys_i))
+    NONE_HASH = H(seed)
+
+``H`` is ``--prefix-caching-hash-algo`` (``vllm/utils/hashing.py``): ``sha256`` (the default) = SHA-256 of
+``pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)``; ``sha256_cbor`` = SHA-256 of
+``cbor2.dumps(obj, canonical=True)``. ``seed`` (``resolve_none_hash_seed``) is ``$PYTHONHASHSEED`` when set,
+else the fixed ``"vllm-none-hash"`` for the SHA-256 algorithms, else (``xxhash``, ``xxhash_cbor``) 32 random
+bytes per process: those pods' hashes cannot be reproduced. KV events publish each hash's low 64 bits as an
+unsigned int (``maybe_convert_block_hash``, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default).
+
+kvscope's **chain hash** of a block is exactly this with ``sha256`` and the default seed, no extra keys: on a
+pod with vLLM's defaults it equals the block hash in the pod's KV events (checked on a real capture,
+tests/test_block_hash.py), and on any other pod it still names the same token prefix, so the gateway (which
+knows a prompt's token ids from vLLM's ``/tokenize``) and the collector (which reads them from ``BlockStored``)
+compute the same value. docs/kv-events.md says when vLLM's own hash is reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_SEED = "vllm-none-hash"
+"""vLLM's ``DEFAULT_NONE_HASH_SEED``: the root seed of the SHA-256 algorithms when PYTHONHASHSEED is unset."""
+
+ALGORITHMS = ("sha256", "sha256_cbor")
+"""The ``prefix_caching_hash_algo`` values kvscope reproduces."""
+
+MASK_64 = (1 << 64) - 1
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    try:
+        import cbor2
+    except ImportError as exc:  # pragma: no cover - cbor2 comes with vLLM; kvscope does not require it
+        raise ValueError("prefix_caching_hash_algo sha256_cbor needs the cbor2 package") from exc
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def hash_function(algo: str) -> Callable[[Any], bytes]:
+    """vLLM's hash function named ``algo`` (one of :data:`ALGORITHMS`): object → 32-byte digest.
+
+    Raises ValueError for ``xxhash``/``xxhash_cbor`` (vLLM seeds them with random bytes per process unless
+    PYTHONHASHSEED is set, and kvscope does not ship xxhash) and for unknown names."""
+    if algo == "sha256":
+        return _sha256_pickle
+    if algo == "sha256_cbor":
+        return _sha256_cbor
+    if algo in ("xxhash", "xxhash_cbor"):
+        raise ValueError(f"prefix_caching_hash_algo {algo}: vLLM seeds it randomly per process unless "
+                         "PYTHONHASHSEED is set; kvscope reproduces only sha256 and sha256_cbor")
+    raise ValueError(f"unknown prefix_caching_hash_algo {algo!r}; expected one of {ALGORITHMS}")
+
+
+def none_hash(algo: str = "sha256", seed: str | None = None) -> bytes:
+    """vLLM's ``NONE_HASH`` (the parent of every first block): ``H(seed)``, seed default :data:`DEFAULT_SEED`
+    (pass ``$PYTHONHASHSEED`` when the pod sets it). 32 bytes. Raises as :func:`hash_function`."""
+    return hash_function(algo)(DEFAULT_SEED if seed is None else seed)
+
+
+def block_digests(token_ids: Sequence[int], block_size: int, parent: bytes | None = None, *,
+                  algo: str = "sha256", seed: str | None = None,
+                  extra_keys: Sequence[tuple[Any, ...] | None] | None = None) -> list[bytes]:
+    """Full 32-byte digests of each *full* block of ``token_ids`` (a trailing partial block is not hashed, as
+    in vLLM), chained from ``parent`` (the digest of the block before ``token_ids[0]``; None = the prompt's
+    start, i.e. :func:`none_hash`). ``extra_keys``: vLLM's per-block extra keys (LoRA name, multimodal hashes,
+    cache salt) in its hashing form, None = none. Raises ValueError for ``block_size < 1`` or as
+    :func:`hash_function`."""
+    if block_size < 1:
+        raise ValueError(f"block_size {block_size} is not a positive token count")
+    fn = hash_function(algo)
+    prev = parent if parent else none_hash(algo, seed)
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        keys = extra_keys[i] if extra_keys is not None else None
+        prev = fn((prev, tuple(int(t) for t in token_ids[i * block_size:(i + 1) * block_size]), keys))
+        out.append(prev)
+    return out
+
+
+def external(digest: bytes) -> int:
+    """A digest as KV events publish it: its low 64 bits (last 8 bytes, big-endian) as an unsigned int."""
+    return int.from_bytes(digest, "big") & MASK_64
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None) -> list[int]:
+    """kvscope's chain hash of each full block of ``token_ids``: vLLM's default block hash (sha256, seed
+    ``vllm-none-hash``, no extra keys), low 64 bits, as list[int] in block order. ``parent``: full digest of
+    the block before ``token_ids[0]`` (None = the prompt's start). The gateway computes a prompt's chain with
+    this function; the collector computes each ``BlockStored`` block's with it (collector/kv_chains.py)."""
+    return [external(d) for d in block_digests(token_ids, block_size, parent)]

@@ -1,0 +1,157 @@
+"""kvscope's chain hash against vLLM's own block hash: reproduced on a real vLLM 0.32 capture, cross-checked with
+vLLM's hashing code, and the configurations where vLLM's hash cannot be reproduced.
+
+vLLM's functions are run from the installed vLLM's source (``vllm/v1/core/kv_cache_utils.py``: the seed rules
+and ``hash_block_tokens``; ``vllm/utils/hashing.py``: the hash functions), compiled on their own: importing the
+module pulls in torch and the engine (~20 s), and these functions need none of it.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import base64
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from collector.events import KvBlockEvent
+from collector.kv_chains import BlockChains
+from collector.kv_events import message_event
+from kvscope.block_hash import DEFAULT_SEED, block_digests, chain_hashes, external, hash_function, none_hash
+
+CAPTURE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_kv_events.json"
+VLLM = Path(str(importlib.util.find_spec("vllm").origin)).parent  # found, not imported
+
+
+def capture() -> list[dict[str, Any]]:
+    return json.loads(CAPTURE.read_text())
+
+
+def frames(message: dict[str, Any]) -> list[bytes]:
+    """The capture's message as the ZMQ frames vLLM sent: [topic, seq (8 bytes big-endian), msgpack payload]."""
+    return [message["topic"].encode(), message["seq"].to_bytes(8, "big"), base64.b64decode(message["payload_b64"])]
+
+
+def vllm_hashing() -> tuple[ModuleType, dict[str, Any]]:
+    """vLLM's ``vllm/utils/hashing.py`` as a module, and the namespace of the block-hash functions of
+    ``vllm/v1/core/kv_cache_utils.py`` (DEFAULT_NONE_HASH_SEED, resolve_none_hash_seed, init_none_hash,
+    hash_block_tokens, ...) compiled from vLLM's source."""
+    spec = importlib.util.spec_from_file_location("vllm_hashing_src", VLLM / "utils" / "hashing.py")
+    assert spec is not None and spec.loader is not None
+    hashing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hashing)
+    path = VLLM / "v1" / "core" / "kv_cache_utils.py"
+    wanted = {"DEFAULT_NONE_HASH_SEED", "_NON_CRYPTO_HASH_FUNCTIONS", "_NONE_HASH_SEED", "resolve_none_hash_seed",
+              "init_none_hash", "hash_block_tokens"}
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in tree.body
+             if (isinstance(n, ast.FunctionDef) and n.name in wanted)
+             or (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in wanted for t in n.targets))
+             or (isinstance(n, ast.AnnAssign) and n.value is not None and isinstance(n.target, ast.Name)
+                 and n.target.id in wanted)]
+    ns: dict[str, Any] = {"os": os, "xxhash": hashing.xxhash, "xxhash_cbor": hashing.xxhash_cbor,
+                          "BlockHash": bytes, "logger": logging.getLogger("vllm-source")}
+    code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, ns)  # noqa: S102 - vLLM's own source, read from the installed package
+    assert wanted <= set(ns), "vLLM renamed its block-hash functions: re-check kvscope/block_hash.py"
+    return hashing, ns
+
+
+def test_chain_hashes_reproduce_vllms_block_hashes_on_the_real_capture() -> None:
+    """Every block of the capture (six BlockStored events, 52 blocks, prompts and decode-filled blocks whose
+    parent is in an earlier event): SHA-256 over pickle, seed "vllm-none-hash", low 64 bits, chained from
+    the parent's full digest = the hash vLLM published. So a gateway that knows a prompt's token ids computes
+    the hashes the pod will publish."""
+    digests: dict[int, bytes] = {}
+    blocks = 0
+    for m in capture():
+        (event,) = m["decoded"][1]
+        assert event["type"] == "BlockStored" and event["extra_keys"] == [None] * len(event["block_hashes"])
+        parent = None if event["parent_block_hash"] is None else digests[event["parent_block_hash"]]
+        got = block_digests(event["token_ids"], event["block_size"], parent)
+        assert [external(d) for d in got] == event["block_hashes"], m["seq"]
+        digests.update(zip(event["block_hashes"], got, strict=True))
+        blocks += len(got)
+    assert blocks == 52
+    first = capture()[0]["decoded"][1][0]
+    assert chain_hashes(first["token_ids"], 32) == first["block_hashes"]  # the gateway's call: a prompt from its start
+    assert chain_hashes(first["token_ids"] + [7] * 31, 32) == first["block_hashes"]  # a partial block is not hashed
+
+
+def test_the_collector_publishes_chain_hashes_instead_of_token_ids() -> None:
+    """The capture's frames through the collector's decoder and :class:`BlockChains`: token ids leave the event,
+    their count and one chain hash per block stay; on this default-configured pod the chain hashes are vLLM's."""
+    chains = BlockChains()
+    for m in capture():
+        raw = m["decoded"][1][0]
+        env = chains.envelope(message_event(frames(m)))
+        (e,) = env.payload.events
+        assert e.token_ids == [] and e.token_count == len(raw["token_ids"])
+        assert e.chain_hashes == e.block_hashes == raw["block_hashes"]
+        assert env.event_id == message_event(frames(m)).event_id
+    assert len(chains) == 52
+
+
+def test_a_continuation_whose_parent_was_never_seen_has_unknown_chain_hashes() -> None:
+    m = capture()[1]  # seq 11: one decode-filled block on top of the first prompt's last block
+    (e,) = BlockChains().envelope(message_event(frames(m))).payload.events
+    assert e.parent_block_hash is not None and e.chain_hashes == [0] and e.token_count == 32
+
+
+def test_vllm_source_hash_block_tokens_equals_kvscope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own init_none_hash + hash_block_tokens for sha256 and sha256_cbor, seed unset and seed set."""
+    hashing, v = vllm_hashing()
+    tokens = list(range(1000, 1100))
+    for algo, fn in (("sha256", hashing.sha256), ("sha256_cbor", hashing.sha256_cbor)):
+        for seed in (None, "42"):
+            if seed is None:
+                monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+            else:
+                monkeypatch.setenv("PYTHONHASHSEED", seed)
+            v["init_none_hash"](fn)
+            want, parent = [], None
+            for i in range(3):
+                parent = v["hash_block_tokens"](fn, parent, tokens[i * 32:(i + 1) * 32], None)
+                want.append(parent)
+            assert block_digests(tokens, 32, algo=algo, seed=seed) == want, (algo, seed)
+            assert v["NONE_HASH"] == none_hash(algo, seed)
+    assert v["DEFAULT_NONE_HASH_SEED"] == DEFAULT_SEED
+
+
+def test_a_pod_with_pythonhashseed_set_publishes_other_hashes_and_the_chain_still_names_the_prefix() -> None:
+    """PYTHONHASHSEED=42 on the pod: vLLM's hashes differ from kvscope's chain hashes, yet BlockChains still
+    gives each block (a continuation too, through the parent's vLLM hash) the chain hash the gateway computes."""
+    tokens = list(range(96))
+    pod = [external(d) for d in block_digests(tokens, 32, seed="42")]
+    chains = BlockChains()
+    first = chains.event(KvBlockEvent(type="BlockStored", block_hashes=pod[:2], token_ids=tokens[:64], block_size=32))
+    more = chains.event(KvBlockEvent(type="BlockStored", block_hashes=pod[2:], parent_block_hash=pod[1],
+                                     token_ids=tokens[64:], block_size=32))
+    assert first.chain_hashes + more.chain_hashes == chain_hashes(tokens, 32) != pod
+
+
+def test_xxhash_pods_are_not_reproducible_without_pythonhashseed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's seed rule: the SHA-256 algorithms use the fixed "vllm-none-hash"; xxhash and xxhash_cbor draw 32
+    random bytes per process unless PYTHONHASHSEED is set, so no one outside the pod can compute its hashes.
+    kvscope refuses them (its chain hashes still work there: they never depend on the pod's algorithm)."""
+    hashing, v = vllm_hashing()
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    resolve = v["resolve_none_hash_seed"]
+    assert resolve(hashing.sha256) == resolve(hashing.sha256_cbor) == DEFAULT_SEED
+    seeds = {resolve(hashing.xxhash) for _ in range(3)}
+    assert len(seeds) == 3 and DEFAULT_SEED not in seeds
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert resolve(hashing.xxhash) == "7"
+    for algo in ("xxhash", "xxhash_cbor", "md5"):
+        with pytest.raises(ValueError, match="xxhash|unknown"):
+            hash_function(algo)
+    with pytest.raises(ValueError, match="block_size"):
+        block_digests([1, 2], 0)
