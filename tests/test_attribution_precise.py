@@ -17,6 +17,7 @@ import pytest
 from test_attribution_job import INGESTED, h, insert_requests
 from test_kv_residency import CLEARED, collect, frames, ingest, removed
 
+from dashboard import request_detail
 from ingest import attribution_job
 from ingest.store import Store
 from kvscope.block_hash import chain_hashes
@@ -150,8 +151,9 @@ def answers(store: Store) -> dict[str, tuple[Any, ...]]:
 
 
 @pytest.fixture(scope="module", params=[32, 64])
-def results(request: pytest.FixtureRequest, chdb_dir: Any) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    """(B, answers with KV evidence, answers of the same store attributed again without it)."""
+def results(request: pytest.FixtureRequest, chdb_dir: Any) -> tuple[int, dict[str, Any], dict[str, Any], dict]:
+    """(B, answers with KV evidence, answers of the same store attributed again without it, the named query
+    request_detail's evidence for s1 and s2 in each mode: {"precise": ..., "inferred": ...})."""
     import uuid
 
     b = request.param
@@ -160,22 +162,35 @@ def results(request: pytest.FixtureRequest, chdb_dir: Any) -> tuple[int, dict[st
     build(store, b)
     attribution_job.run_attribution(store, default_block_size=b)
     precise = answers(store)
+    details = {"precise": detail(store)}
     store.command("TRUNCATE TABLE request_attribution")
     store.command("TRUNCATE TABLE attribution_watermark")
     attribution_job.run_attribution(store, default_block_size=b, kv_evidence=False)
-    return b, precise, answers(store)
+    inferred = answers(store)
+    details["inferred"] = detail(store)
+    return b, precise, inferred, details
+
+
+def detail(store: Store) -> dict[str, tuple[Any, ...]]:
+    """request_detail's (evidence, evidence_pod, evidence_removed_at, causes) for s1 and s2, and the page text."""
+    out = {}
+    for rid in ("s1", "s2"):
+        row = store.named("request_detail", {"request_id": rid}).to_dicts()[0]
+        out[rid] = (row["evidence"], row["evidence_pod"], row["evidence_removed_at"], row["causes"],
+                    request_detail._precise_text(row))
+    return out
 
 
 def test_routed_away_names_the_pod_that_held_the_blocks(results) -> None:
     """No earlier request shares s1's prefix (fingerprints: cold), but 1-b held all 8 blocks at arrival."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     assert precise["s1"] == ([("routed_away", "", N * b), ("unavoidable", "", 10)], "kv_events", "1-b", None)
     assert inferred["s1"] == ([("cold", "", N * b), ("unavoidable", "", 10)], "fingerprints", "", None)
 
 
 def test_evicted_by_block_removed_with_its_time(results) -> None:
     """s2 hit blocks 0-2; blocks 3-7 left 2-a by BlockRemoved before it arrived, block 3 at 4 s."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     causes = [("evicted", "evicted_before_next_turn", 5 * b), ("unavoidable", "", 20)]
     assert precise["s2"] == (causes, "kv_events", "2-a", at(4))
     assert inferred["s2"] == (causes, "inferred", "", None)
@@ -184,7 +199,7 @@ def test_evicted_by_block_removed_with_its_time(results) -> None:
 @pytest.mark.parametrize("rid", ["s3", "s4"])
 def test_a_cache_reset_is_not_pressure(results, rid: str) -> None:
     """s3's blocks went with an AllBlocksCleared at 4 s, s4's with a vLLM restart at 4 s: evicted/cache_reset."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     pod = f"{rid[1]}-a"
     assert precise[rid] == ([("evicted", "cache_reset", N * b), ("unavoidable", "", 20)], "kv_events", pod, at(4))
     assert inferred[rid] == ([("evicted", "evicted_before_next_turn", N * b), ("unavoidable", "", 20)], "inferred",
@@ -194,7 +209,7 @@ def test_a_cache_reset_is_not_pressure(results, rid: str) -> None:
 def test_a_partial_hit_stops_at_the_exact_block(results) -> None:
     """s5 hit 7 of 8 blocks: the fingerprints take the last one for the edge of sharing (unavoidable); the
     events show it was evicted (the tail block LRU takes first)."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     assert precise["s5"] == ([("evicted", "evicted_before_next_turn", b), ("unavoidable", "", 20)], "kv_events",
                              "5-a", at(3))
     assert inferred["s5"] == ([("unavoidable", "", b + 20)], "fingerprints", "", None)
@@ -202,7 +217,7 @@ def test_a_partial_hit_stops_at_the_exact_block(results) -> None:
 
 def test_two_causes_split_by_position(results) -> None:
     """s6: the 4 system blocks were on 6-b (routed_away), the changed document's 4 blocks nowhere (drift)."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     half = N * b // 2
     causes = [("routed_away", "", half), ("prefix_drift", "rag_changed", half), ("unavoidable", "", 10)]
     assert precise["s6"] == (causes, "kv_events", "6-b", None)
@@ -212,7 +227,7 @@ def test_two_causes_split_by_position(results) -> None:
 def test_a_hit_that_stayed_on_its_pod_is_never_routed_away(results) -> None:
     """s7's missed blocks 4-7 were resident on 7-a itself (and on 7-b): a race, unknown/resident_at_arrival;
     s7-hit hit everything hittable on 7-a."""
-    b, precise, _ = results
+    b, precise, _, _ = results
     assert precise["s7"] == ([("unknown", "resident_at_arrival", 4 * b), ("unavoidable", "", 20)], "kv_events",
                              "7-a", None)
     assert precise["s7-hit"] == ([("unavoidable", "", 20)], "kv_events", "", None)
@@ -223,7 +238,7 @@ def test_a_hit_that_stayed_on_its_pod_is_never_routed_away(results) -> None:
 def test_a_pod_that_evicted_nothing_never_shows_evicted(results) -> None:
     """s8's previous turn ran on 8-a, whose events never held its blocks: the fingerprints say evicted, the
     events say no pod held them: cold."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     assert precise["s8"] == ([("cold", "", N * b), ("unavoidable", "", 20)], "kv_events", "", None)
     assert inferred["s8"][0] == [("evicted", "evicted_before_next_turn", N * b), ("unavoidable", "", 20)]
     evicted_pods = {v[2] for v in precise.values() if v[1] == "kv_events" and any(c == "evicted" for c, _, _ in v[0])}
@@ -232,7 +247,7 @@ def test_a_pod_that_evicted_nothing_never_shows_evicted(results) -> None:
 
 def test_without_kv_events_or_with_another_block_size_todays_logic_stays(results) -> None:
     """s9's pod sends no KV events; s9-size logged its chain at 2·B: both are judged by the fingerprints."""
-    b, precise, inferred = results
+    b, precise, inferred, _ = results
     assert precise["s9"] == ([("evicted", "evicted_before_next_turn", N * b), ("unavoidable", "", 20)], "inferred",
                              "", None)
     # s9-size's latest same-fingerprint predecessor (s9) ran on 9-a: inferred, although 9-b's events show the
@@ -241,8 +256,17 @@ def test_without_kv_events_or_with_another_block_size_todays_logic_stays(results
         [("routed_away", "", N * b), ("unavoidable", "", 20)], "inferred", "", None)
 
 
+def test_request_detail_shows_the_evidence(results) -> None:
+    precise, inferred = results[3]["precise"], results[3]["inferred"]
+    assert precise["s2"][:4] == ("kv_events", "2-a", at(4), ["evicted", "unavoidable"])
+    assert "**2-a** held the first missed block; it left 2-a at 2026-11-29 12:00:04 UTC" in precise["s2"][4][0]
+    assert precise["s1"][:3] == ("kv_events", "1-b", None)
+    assert inferred["s2"] == ("inferred", "", None, ["evicted", "unavoidable"], [])
+    assert inferred["s1"][:2] == ("fingerprints", "")
+
+
 def test_token_accounting_is_exact_in_both_modes(results) -> None:
-    _, precise, inferred = results
+    _, precise, inferred, _ = results
     assert set(precise) == set(inferred)
     for answers_ in (precise, inferred):
         for rid, (causes, *_rest) in answers_.items():
