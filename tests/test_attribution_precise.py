@@ -18,7 +18,7 @@ from test_attribution_job import INGESTED, h, insert_requests
 from test_kv_residency import CLEARED, collect, frames, ingest, removed
 
 from dashboard import request_detail
-from ingest import attribution_job
+from ingest import attribution_job, kv_evidence
 from ingest.store import Store
 from kvscope.block_hash import chain_hashes
 
@@ -273,3 +273,30 @@ def test_token_accounting_is_exact_in_both_modes(results) -> None:
             assert all(n > 0 for _, _, n in causes), rid
     assert {rid: sum(n for *_, n in v[0]) for rid, v in precise.items()} == {
         rid: sum(n for *_, n in v[0]) for rid, v in inferred.items()}
+
+
+def test_timeline_counts_copies_and_resets() -> None:
+    """kv_evidence.KvTimeline without a store: a hash stored twice stays until its second removal; a removal
+    with no store in the events proves a copy before it; a reset ends every copy; other pods are holders only
+    among the model's pods."""
+    def row(pod: str, vh: int, chain: int, t_ms: int, seq: int, kind: str) -> kv_evidence.BlockRow:
+        return (pod, "", "GPU", vh, chain if kind == "stored" else 0, t_ms, seq, 0, 0, kind)
+
+    timeline = kv_evidence.KvTimeline(
+        [row("a", 1, 11, 1000, 1, "stored"), row("a", 1, 11, 2000, 2, "stored"), row("a", 1, 11, 3000, 3, "removed"),
+         row("a", 1, 11, 4000, 4, "removed"), row("a", 2, 22, 1000, 1, "stored"), row("b", 9, 22, 1500, 1, "stored"),
+         row("a", 3, 33, 500, 1, "stored"), row("a", 3, 33, 6000, 7, "removed"), row("a", 3, 33, 7000, 8, "removed")],
+        [("a", "", 5000, 5, 0, "cleared")])
+    s = timeline.status
+    assert s(11, "a", 3500).state == "resident_here"  # one of two copies left
+    assert (s(11, "a", 4001).state, s(11, "a", 4001).removed_at) == ("removed_here", datetime.fromtimestamp(4, UTC))
+    assert s(11, "a", 4000).state == "resident_here"  # an event at the arrival time has not happened yet
+    assert (s(22, "a", 5001).state, s(22, "a", 5001).removed_at) == ("reset_here", datetime.fromtimestamp(5, UTC))
+    assert (s(22, "c", 4500).state, s(22, "c", 4500).pod) == ("resident_elsewhere", "a")  # both hold: 'a' first
+    assert s(22, "c", 4500, ["b", "c"]).pod == "b"  # a is not a pod of this model
+    assert s(22, "c", 5001).pod == "b"  # a's copy went with the reset
+    assert s(22, "c", 6000, ["c"]).state == "nowhere"
+    # chain 33: stored at 0.5 s, reset at 5 s, then removed twice: a copy was stored again unseen after the reset
+    assert s(33, "a", 6500).state == "resident_here"
+    assert s(33, "a", 7001).state == "removed_here" and s(33, "a", 5500).state == "resident_here"
+    assert s(44, "a", 9000).state == "nowhere"
