@@ -77,8 +77,8 @@ EVIDENCE_FINGERPRINTS = "fingerprints"  # segment hashes alone: no routed_away /
 EVIDENCES = (EVIDENCE_KV_EVENTS, EVIDENCE_INFERRED, EVIDENCE_FINGERPRINTS)
 
 #: Block states at a request's arrival (:class:`BlockStatus`), from the KV events of the pods of its model.
-RESIDENT_HERE = "resident_here"  # resident on the request's own pod (and still missed: a race)
-REMOVED_HERE = "removed_here"  # was on the request's pod; its last copy left by a BlockRemoved before arrival
+RESIDENT_HERE = "resident_here"  # resident on the request's own pod until it ended (and still missed: a race)
+REMOVED_HERE = "removed_here"  # on the request's pod; its last copy left by a BlockRemoved (before it ended)
 RESET_HERE = "reset_here"  # was on the request's pod; left by an AllBlocksCleared or a vLLM restart
 RESIDENT_ELSEWHERE = "resident_elsewhere"  # resident on another pod serving the same model
 NOWHERE = "nowhere"  # stored on no pod before arrival (as far as the events go): no evidence of reuse

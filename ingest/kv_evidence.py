@@ -16,10 +16,11 @@ named query kv_resident_at). A block is resident on a pod when it is on any of i
 Rules (docs/miss-causes.md, "Precise mode"): a request is judged with KV evidence when its chain's block size
 equals the block size used for its pod and its pod has KV events at or before its arrival within the lookback.
 Each missed block j ≥ k0 = cached // B (up to the last hittable block) is, in this order of precedence:
-resident on the request's pod (``resident_here``), gone from it before arrival (``removed_here`` by a
-BlockRemoved, ``reset_here`` by a reset, with the time: the pod had the prefix and lost it, which is what the
-request met), resident on another pod serving the same model (``resident_elsewhere``, the holder named: the
-first in name order when several), else ``nowhere``, which ends the evidence.
+resident on the request's pod (``resident_here``; but ``removed_here`` / ``reset_here`` with a time after the
+arrival when its last copy left before the request ended: evicted while it waited), gone from it before arrival
+(``removed_here`` by a BlockRemoved, ``reset_here`` by a reset, with the time: the pod had the prefix and lost
+it, which is what the request met), resident on another pod serving the same model (``resident_elsewhere``, the
+holder named: the first in name order when several), else ``nowhere``, which ends the evidence.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class _Track:
         """(resident, last departure) just before ``t_ms`` (events at ``t_ms`` not yet happened)."""
         i = bisect.bisect_left(self.times, t_ms) - 1
         return (False, None) if i < 0 else (self.resident[i], self.departure[i])
+
+    def departure_between(self, t_ms: int, until_ms: int) -> tuple[str, int] | None:
+        """The first departure of its last copy at or after ``t_ms`` and at or before ``until_ms``, or None."""
+        for i in range(bisect.bisect_left(self.times, t_ms), bisect.bisect_right(self.times, until_ms)):
+            dep = self.departure[i]
+            if dep is not None and dep[1] >= t_ms:
+                return dep
+        return None
 
 
 def _build_track(events: list[tuple[tuple[int, ...], int, int]], resets: list[tuple[tuple[int, ...], int, str]]
@@ -130,15 +139,24 @@ class KvTimeline:
                 track = _build_track(evs, resets.get((key[0], key[1]), []))
                 self._tracks[chains[key]][key[0]].append(track)
 
-    def status(self, chain: int, pod: str, t_ms: int, model_pods: Iterable[str] | None = None) -> BlockStatus:
+    def status(self, chain: int, pod: str, t_ms: int, model_pods: Iterable[str] | None = None,
+               end_ms: int | None = None) -> BlockStatus:
         """Where block ``chain`` was just before ``t_ms`` (unix ms) for a request served by ``pod``; holders
-        elsewhere only among ``model_pods`` (None = any pod). Precedence as in the module docstring."""
+        elsewhere only among ``model_pods`` (None = any pod). Precedence as in the module docstring.
+        ``end_ms``: when the request ended (arrival + e2e): a block resident here at arrival whose last copy
+        left before then was evicted while the request waited (``removed_here`` / ``reset_here`` with that
+        time, after the arrival)."""
         by_pod = self._tracks.get(chain, {})
         latest: tuple[str, int] | None = None
-        for track in by_pod.get(pod, ()):
-            resident, departure = track.at(t_ms)
-            if resident:
+        here = by_pod.get(pod, [])
+        if any(track.at(t_ms)[0] for track in here):
+            gone = ([track.departure_between(t_ms, end_ms) for track in here if track.at(t_ms)[0]]
+                    if end_ms is not None else [None])
+            if not all(gone):
                 return BlockStatus(RESIDENT_HERE, pod)
+            latest = max((d for d in gone if d is not None), key=lambda d: d[1])
+        for track in here if latest is None else ():
+            departure = track.at(t_ms)[1]
             if departure is not None and (latest is None or departure[1] > latest[1]):
                 latest = departure
         if latest is not None:
@@ -154,15 +172,16 @@ class KvTimeline:
 
 def request_evidence(timeline: KvTimeline, *, pod: str, ts_ms: int, chain: Sequence[int], chain_block_size: int,
                      prompt_tokens: int, cached_tokens: int, model_pods: Iterable[str] | None = None,
-                     covered_pods: frozenset[str] = frozenset()) -> KvEvidence:
+                     covered_pods: frozenset[str] = frozenset(), end_ms: int | None = None) -> KvEvidence:
     """The :class:`KvEvidence` of one request: the status of its blocks k0 = cached // B … up to the last
-    hittable one (L / B, L = floor((P − 1)/B)·B) and within ``chain``, stopping after the first ``nowhere``."""
+    hittable one (L / B, L = floor((P − 1)/B)·B) and within ``chain``, stopping after the first ``nowhere``.
+    ``end_ms``: the request's end (arrival + e2e_ms), see :meth:`KvTimeline.status`."""
     b = max(1, chain_block_size)
     last = min(len(chain), max(0, prompt_tokens - 1) // b)
     statuses: list[BlockStatus] = []
     pods = None if model_pods is None else list(model_pods)
     for j in range(max(0, cached_tokens) // b, last):
-        status = timeline.status(int(chain[j]), pod, ts_ms, pods)
+        status = timeline.status(int(chain[j]), pod, ts_ms, pods, end_ms)
         statuses.append(status)
         if status.state == NOWHERE:
             break
@@ -176,7 +195,11 @@ def covered(first_event_ms: Mapping[str, int], ts_ms: int) -> frozenset[str]:
 
 
 # -- from the store ------------------------------------------------------------------------------------------
-_FROM = "ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) AND ts < {hi:DateTime64(3, 'UTC')}"
+#: The evidence window: from the lookback before the chunk's first arrival to the chunk's last request's end.
+_FROM = ("ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
+         "AND ts <= {until:DateTime64(3, 'UTC')}")
+#: The longest wait for a request's prefill that the evidence window reaches past the chunk's last arrival.
+MAX_END_MS = 600_000
 _WANTED = """
     wanted AS
     (
@@ -194,7 +217,8 @@ def fetch_block_rows(store: Store, params: Mapping[str, object], in_set: str) ->
     """The kv_block_log rows (FINAL: a re-sent batch counts once) of every block that a missed block of the
     staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback in ms)
     names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
-    lookback to hi: its stores and its removals (paired by vLLM hash). One query."""
+    lookback to ``until`` (the chunk's last request's end): its stores and its removals (paired by vLLM hash).
+    One query."""
     rows = store.query_rows(
         f"""
         WITH {_WANTED.format(in_set=in_set)},
@@ -218,7 +242,7 @@ def fetch_block_rows(store: Store, params: Mapping[str, object], in_set: str) ->
 
 
 def fetch_reset_rows(store: Store, params: Mapping[str, object]) -> list[ResetRow]:
-    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from lo − lookback to hi."""
+    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from lo − lookback to until."""
     rows = store.query_rows(
         f"SELECT pod, engine, toUnixTimestamp64Milli(ts), seq, idx, kind FROM kv_cache_resets WHERE {_FROM}",
         dict(params))
@@ -226,7 +250,7 @@ def fetch_reset_rows(store: Store, params: Mapping[str, object]) -> list[ResetRo
 
 
 def fetch_first_events(store: Store, params: Mapping[str, object]) -> dict[str, int]:
-    """pod → its first kv_block_log row (unix ms) from lo − lookback to hi: the start of its KV evidence."""
+    """pod → its first kv_block_log row (unix ms) from lo − lookback to until: the start of its KV evidence."""
     rows = store.query_rows(
         f"SELECT CAST(pod AS String), toUnixTimestamp64Milli(min(ts)) FROM kv_block_log WHERE {_FROM} "
         "GROUP BY pod", dict(params))
@@ -234,11 +258,11 @@ def fetch_first_events(store: Store, params: Mapping[str, object]) -> dict[str, 
 
 
 def fetch_model_pods(store: Store, params: Mapping[str, object]) -> dict[str, set[str]]:
-    """model → the pods that served it (gateway_requests) from lo − lookback to hi: a block resident on a pod
+    """model → the pods that served it (gateway_requests) from lo − lookback to until: a block resident on a pod
     of another model is no evidence (the same token ids hash alike across models)."""
     rows = store.query_rows(
         "SELECT DISTINCT CAST(model AS String), CAST(pod AS String) FROM gateway_requests "
-        f"WHERE {_FROM.replace('ts < ', 'ts <= ')}", dict(params))
+        f"WHERE {_FROM}", dict(params))
     out: dict[str, set[str]] = defaultdict(set)
     for model, pod in rows:
         out[str(model)].add(str(pod))
@@ -257,19 +281,23 @@ def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> dic
 def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str
                    ) -> dict[str, KvEvidence]:
     """request_id → :class:`KvEvidence` for the rows of ``frame`` (columns request_id, ts, pod, model,
-    prompt_tokens, cached_tokens, status, block_size: the staged requests ``in_set`` selects, ``params`` with
-    set, lo, hi and lookback in ms) that are judged with KV evidence: a chain whose block size equals
-    ``block_size``, a known cached count below the prompt, status < 400, and KV events of their own pod at or
-    before their arrival within the lookback. Five queries per chunk, whatever its size."""
+    prompt_tokens, cached_tokens, status, e2e_ms, block_size: the staged requests ``in_set`` selects;
+    ``params``: set, lo, hi and lookback in ms) that are judged with KV evidence: a chain whose block size
+    equals ``block_size``, a known cached count below the prompt, status < 400, and KV events of their own pod
+    at or before their arrival within the lookback. Events are read up to the latest request end (arrival +
+    e2e_ms, at most :data:`MAX_END_MS` after it). Five queries per chunk, whatever its size."""
     chains = fetch_chains(store, params, in_set)
     if not chains:
         return {}
+    end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
+    last_end = frame.select(end.max()).item()
+    params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
     first = fetch_first_events(store, params)
     rows = (frame.filter(pl.col("request_id").is_in(list(chains)) & pl.col("cached_tokens").is_not_null()
                          & (pl.col("status").fill_null(0) < 400) & (pl.col("prompt_tokens") > pl.col("cached_tokens"))
                          & pl.col("pod").is_in(list(first)))
-            .select("request_id", pl.col("ts").dt.epoch("ms").alias("ts_ms"), "pod", "model", "prompt_tokens",
-                    "cached_tokens", "block_size").to_dicts())
+            .select("request_id", pl.col("ts").dt.epoch("ms").alias("ts_ms"), end.alias("end_ms"), "pod", "model",
+                    "prompt_tokens", "cached_tokens", "block_size").to_dicts())
     rows = [r for r in rows if chains[r["request_id"]][1] == r["block_size"] and first[r["pod"]] <= r["ts_ms"]]
     if not rows:
         return {}
@@ -281,5 +309,6 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
         out[r["request_id"]] = request_evidence(
             timeline, pod=r["pod"], ts_ms=r["ts_ms"], chain=chain, chain_block_size=size,
             prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
-            model_pods=model_pods.get(r["model"], {r["pod"]}), covered_pods=covered(first, r["ts_ms"]))
+            model_pods=model_pods.get(r["model"], {r["pod"]}), covered_pods=covered(first, r["ts_ms"]),
+            end_ms=r["end_ms"])
     return out

@@ -77,7 +77,7 @@ def build(store: Store, b: int) -> None:
     """Every scenario's KV events and gateway rows (see each test for its story)."""
     msgs: list[list[bytes]] = []
     rows: list[dict[str, Any]] = []
-    sys_ids = {s: tokens(s, N * b) for s in range(1, 10)}
+    sys_ids = {s: tokens(s, N * b) for s in range(1, 11)}
 
     # 1: routed_away, no fingerprint predecessor: 1-b holds the prefix, the request goes to 1-a.
     msgs += [frames("1-a", 0, 0.5, stored(tokens(1, b, 9), b, 1900)), frames("1-b", 0, 1, stored(sys_ids[1], b, 1000))]
@@ -138,6 +138,12 @@ def build(store: Store, b: int) -> None:
                   suffix_tokens=20),
              gw("s9-size", 9, t=11, pod="9-b", prompt_ids=sys_ids[9] + tokens(9, 20, 2), b=b, prompt=N * b + 20,
                 tenant="t9b", system_tokens=N * b, suffix_tokens=20, chain_block_size=2 * b)]
+    # 10: resident on 10-a at arrival (10 s), evicted at 11 s while the request waited (it ended at 12 s).
+    msgs += [frames("10-a", 0, 1, stored(sys_ids[10], b, 10_000)),
+             frames("10-a", 1, 11, removed([10_000 + j for j in range(2, N)]))]
+    rows += [turn("p10", 10, b, t=0.5, pod="10-a", prompt_ids=None, suffix="q1", suffix_tokens=5),
+             {**turn("s10", 10, b, t=10, pod="10-a", prompt_ids=sys_ids[10] + tokens(10, 20, 1), suffix="q2",
+                     suffix_tokens=20, cached=2 * b), "e2e_ms": 2000.0}]
     ingest(store, collect(msgs))
     insert_requests(store, rows)
 
@@ -235,6 +241,13 @@ def test_a_hit_that_stayed_on_its_pod_is_never_routed_away(results) -> None:
         assert "routed_away" not in [c for c, _, _ in precise[rid][0]], rid
 
 
+def test_evicted_while_the_request_waited(results) -> None:
+    """s10's blocks 2-7 were resident on its pod at arrival and removed 1 s later, before it ended."""
+    b, precise, _, _ = results
+    assert precise["s10"] == ([("evicted", "evicted_before_next_turn", 6 * b), ("unavoidable", "", 20)],
+                              "kv_events", "10-a", at(11))
+
+
 def test_a_pod_that_evicted_nothing_never_shows_evicted(results) -> None:
     """s8's previous turn ran on 8-a, whose events never held its blocks: the fingerprints say evicted, the
     events say no pod held them: cold."""
@@ -242,7 +255,7 @@ def test_a_pod_that_evicted_nothing_never_shows_evicted(results) -> None:
     assert precise["s8"] == ([("cold", "", N * b), ("unavoidable", "", 20)], "kv_events", "", None)
     assert inferred["s8"][0] == [("evicted", "evicted_before_next_turn", N * b), ("unavoidable", "", 20)]
     evicted_pods = {v[2] for v in precise.values() if v[1] == "kv_events" and any(c == "evicted" for c, _, _ in v[0])}
-    assert evicted_pods == {"2-a", "3-a", "4-a", "5-a"}
+    assert evicted_pods == {"2-a", "3-a", "4-a", "5-a", "10-a"}
 
 
 def test_without_kv_events_or_with_another_block_size_todays_logic_stays(results) -> None:
@@ -300,3 +313,7 @@ def test_timeline_counts_copies_and_resets() -> None:
     assert s(33, "a", 6500).state == "resident_here"
     assert s(33, "a", 7001).state == "removed_here" and s(33, "a", 5500).state == "resident_here"
     assert s(44, "a", 9000).state == "nowhere"
+    # resident at arrival, its last copy gone before the request ended: evicted while it waited
+    assert s(11, "a", 3500, end_ms=3999).state == "resident_here"
+    assert (s(11, "a", 3500, end_ms=4000).state, s(11, "a", 3500, end_ms=4000).removed_at) == (
+        "removed_here", datetime.fromtimestamp(4, UTC))
