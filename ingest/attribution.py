@@ -783,7 +783,8 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
               block_size_by_pod: Mapping[str, int] | None = None,
               default_block_size: int = DEFAULT_BLOCK_SIZE,
               horizon_seconds: float = DEFAULT_HORIZON_SECONDS,
-              lookback_seconds: float = DEFAULT_LOOKBACK_SECONDS) -> list[MissRow]:
+              lookback_seconds: float = DEFAULT_LOOKBACK_SECONDS,
+              kv_evidence: Mapping[str, KvEvidence] | None = None) -> list[MissRow]:
     """Attribute the missed tokens of ``requests``; rows ordered by (ts, request_id), then prompt order.
 
     ``window``: further requests that may be predecessors (``requests`` are candidates too).
@@ -791,6 +792,7 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
     with a non-positive value) uses ``default_block_size`` (vLLM's default, 16).
     ``horizon_seconds``: the furthest back a predecessor may lie; ``lookback_seconds``: the furthest back a
     request without one looks for a predecessor beyond the horizon (:class:`PredecessorIndex`).
+    ``kv_evidence``: request_id → precise mode's :class:`KvEvidence` (see :func:`judge`); others by fingerprints.
     """
     targets = sorted(requests, key=order_key)
     index = PredecessorIndex([*window, *targets], horizon_seconds, lookback_seconds)
@@ -798,5 +800,6 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
     rows: list[MissRow] = []
     for req in targets:
         if is_attributable(req):
-            rows.extend(attribute_request(req, index.find(req), block_size_for(req, sizes, default_block_size)))
+            evidence = (kv_evidence or {}).get(_str(req, "request_id"))
+            rows.extend(judge(req, index.find(req), block_size_for(req, sizes, default_block_size), evidence).rows())
     return rows
