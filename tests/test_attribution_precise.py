@@ -317,3 +317,20 @@ def test_timeline_counts_copies_and_resets() -> None:
     assert s(11, "a", 3500, end_ms=3999).state == "resident_here"
     assert (s(11, "a", 3500, end_ms=4000).state, s(11, "a", 3500, end_ms=4000).removed_at) == (
         "removed_here", datetime.fromtimestamp(4, UTC))
+
+
+def test_cli_attributes_with_and_without_kv_evidence(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvscope attribute --once` uses the KV evidence; `--no-kv-evidence` on a store without answers does not."""
+    from click.testing import CliRunner
+
+    from kvscope.cli import main
+
+    monkeypatch.setenv("KVSCOPE_DEFAULT_BLOCK_SIZE", "32")
+    build(store, 32)
+    args = ["--data-dir", store.dsn.removeprefix("chdb://"), "--database", store.database]
+    for flag, want in (("--no-kv-evidence", ("inferred", "", None)), ("--kv-evidence", ("kv_events", "2-a", at(4)))):
+        store.command("TRUNCATE TABLE request_attribution")
+        store.command("TRUNCATE TABLE attribution_watermark")
+        result = CliRunner().invoke(main, ["attribute", "--once", flag, *args])
+        assert result.exit_code == 0, result.output
+        assert answers(store)["s2"][1:] == want
