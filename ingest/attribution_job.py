@@ -97,11 +97,17 @@ def read_watermark(store: Store, job: str = JOB_NAME) -> datetime:
 
 
 def block_sizes(store: Store) -> dict[str, int]:
-    """Tokens per KV block for each pod: the latest ``block_size`` of its ``vllm:cache_config_info``
-    (table vllm_cache_config). Pods without one are left out (the caller falls back to its default)."""
-    rows = store.query_rows("SELECT pod, argMax(block_size, ts) AS b FROM vllm_cache_config GROUP BY pod "
-                            "HAVING b > 0 ORDER BY pod")
-    return {str(pod): int(size) for pod, size in rows}
+    """Tokens per KV block for each pod: the latest ``block_size`` of its ``vllm:cache_config_info`` (table
+    vllm_cache_config); for a pod without one, the block size its latest ``BlockStored`` KV event of the last
+    7 days declares (kv_block_events; vLLM's ``BlockStored.block_size``). Pods with neither are left out (the
+    caller falls back to its default)."""
+    rows = store.query_rows(
+        "SELECT pod, argMax(block_size, ts) AS b FROM vllm_cache_config GROUP BY pod HAVING b > 0 "
+        "UNION ALL "
+        "SELECT CAST(pod AS String), argMax(block_size, ts) AS b FROM kv_block_events "
+        "WHERE event_type = 'BlockStored' AND block_size > 0 AND ts > now64(3) - INTERVAL 7 DAY "
+        "AND pod NOT IN (SELECT pod FROM vllm_cache_config WHERE block_size > 0) GROUP BY pod HAVING b > 0")
+    return {str(pod): int(size) for pod, size in sorted(rows)}
 
 
 # -- reads ---------------------------------------------------------------------------------------------------
