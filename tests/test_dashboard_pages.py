@@ -35,6 +35,7 @@ PAGES = [
     "views/pods.py",
     "views/vllm.py",
     "views/data_quality.py",
+    "views/ttl.py",
     "views/adhoc_sql.py",
 ]
 
