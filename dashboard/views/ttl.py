@@ -78,8 +78,9 @@ def cost_text(gpu_seconds: float | None, price: float, currency: str) -> str:
 
 def survival(df: pl.DataFrame) -> None:
     """The survival curve: share of next turns whose prefix survived, by gap bucket, one line per tenant/model."""
-    df = charts.shown_strings(df.sort("bucket_index"), html=True).with_columns(
-        pl.concat_str(["tenant_id", "model"], separator=" / ").alias("series"))
+    names = charts.shown_strings(df.select("tenant_id", "model"), html=True)  # gateway values: plotly reads HTML
+    df = df.with_columns(pl.concat_str([names["tenant_id"], names["model"]], separator=" / ").alias("series"))
+    df = df.sort("bucket_index")
     order = ["<1s", "1-5s", "5-15s", "15-60s", "1-5m", "5-15m", "15-60m", ">1h"]
     fig = go.Figure()
     for (series,), part in df.group_by(["series"], maintain_order=True):
@@ -161,9 +162,10 @@ def render(f: data.Filters) -> None:
         return
     df = data.named("ttl_survival", **f.params())
     if df.is_empty():
-        st.info("No next turns in this window: the TTL analysis needs requests of one conversation or agent run "
-                "(the gateway log's `conversation_id` or `agent_run_id`) served by the pod of their previous turn.",
-                icon=":material/hourglass_empty:")
+        st.container(key="ttl_empty").info(
+            "No next turns in this window: the TTL analysis needs requests of one conversation or agent run (the "
+            "gateway log's `conversation_id` or `agent_run_id`) served by the pod of their previous turn.",
+            icon=":material/hourglass_empty:")
         return
     price, currency = fix_first.gpu_hour_price()
     turns, survived = int(df["turns"].sum()), int(df["survived_turns"].sum())
