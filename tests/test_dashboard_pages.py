@@ -23,8 +23,8 @@ from streamlit.testing.v1 import AppTest
 from dashboard import causes, charts, data, status
 from dashboard import causes as causes_module
 from ingest.store import Store
+from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, load_fixture
 from tests.fixture_data import at as fixture_time
-from tests.fixture_data import load_fixture
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = [
@@ -254,7 +254,9 @@ def test_tenants_say_whether_cache_work_pays_and_link_to_their_requests(fixture_
     assert "**acme**: cache work pays. long repeated prefixes: 752 stable tokens" in cards[0]
     assert "**initech**: little to gain from cache work." in cards[2]
     captions = [c.value.replace("\\", "") for c in at.caption if "Fix first" in c.value]
-    assert captions[0].startswith("Fix first: routed_away (46 % of its missed tokens): Route each conversation")
+    # its cost beside its tokens: 768 tokens on pod-b, at the fleet's (pod-a's) 0.139662678 s / 1715 tokens
+    assert captions[0].startswith("Fix first: routed_away (46 % of its missed tokens, 768 tokens, 0.063 GPU-s): "
+                                  "Route each conversation")
     links = {p.proto.label: p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"}
     assert links["Requests of globex that missed"] == "range=all&tenant=globex"
 
@@ -269,8 +271,12 @@ def test_miss_causes_and_drill_down(fixture_store: Store) -> None:
         "cold",
         "36.0%",
     )
+    # cost beside tokens: all 3,110 missed tokens at pod-a's measured 0.139662678 s / 1715 tokens (pod-b, which
+    # measured nothing, takes the fleet's rate: pod-a's)
+    assert m["Re-compute cost"] == "0.253 GPU-s"
     causes = at.dataframe[0].value
     assert set(causes["cause"]) == {"cold", "prefix_drift", "routed_away", "unavoidable", "below_block"}
+    assert causes["gpu_seconds"].sum() == pytest.approx(3110 * PREFILL_SECONDS_PER_TOKEN)
     assert len(at.dataframe[1].value) == 16  # every (request, cause) row
     at.selectbox(key="miss_cause").select("prefix_drift / tools_reordered").run()
     assert_clean(at)

@@ -70,10 +70,8 @@ def show(fig: go.Figure, key: str) -> None:
 
 def cost_text(gpu_seconds: float | None, price: float, currency: str) -> str:
     """ "0.062 GPU-s · 0.00 USD" (money only when a price is set), or an en dash when no pod measured prefill."""
-    if gpu_seconds is None:
-        return charts.MISSING
-    out = f"{findings.gpu_seconds_text(gpu_seconds)} GPU-s"
-    return out + (f" · {gpu_seconds / 3600 * price:,.2f} {currency}" if price > 0 else "")
+    money = gpu_seconds / 3600 * price if gpu_seconds is not None and price > 0 else None
+    return findings.cost_text(gpu_seconds, money, currency)
 
 
 def survival(df: pl.DataFrame) -> None:
