@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 import httpx
 from prometheus_client import Counter
 
-from dashboard import causes, untrusted
+from dashboard import causes, findings, untrusted
 from dashboard.alerts import Evaluation, human_duration, iso
 from dashboard.mail import MailError, MailSettings, check_addresses, send
 
@@ -78,6 +78,10 @@ def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False) -> lis
     lines = [head, show(ev.message, limit=None)]
     if ev.notice == "resolved" and ev.previous:
         lines.append(f"Was firing since {iso(ev.previous['changed_at'])}: {show(ev.previous['message'], limit=None)}")
+    if e.get("cause") and e.get("missed_tokens"):
+        cost = f", {findings.cost_text(e['gpu_seconds'])}" if e.get("gpu_seconds") is not None else ""
+        lines.append(f"Missed: {int(e['missed_tokens']):,} tokens of {causes.label(e['cause'], e.get('sub_cause', ''))}"
+                     f"{cost}.")
     if e.get("request_id"):
         ex = f"Example: request {show(e['request_id'])} on {show(e.get('pod'), empty='?')}"
         if e.get("predecessor_request_id"):

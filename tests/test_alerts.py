@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from prometheus_client import REGISTRY
 from streamlit.testing.v1 import AppTest
 
-from dashboard import causes, data
+from dashboard import causes, data, findings
 from dashboard.alert_delivery import Notifier
 from dashboard.alert_rules import BUILTIN_RULES_TOML, AlertRulesError, builtin_rules, load_rules, parse_rules
 from dashboard.alerts import FIRING, OK, current_states, run_once
@@ -256,6 +256,10 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
     assert ev["request_id"] == example["request_id"][0]
     assert body["text"].startswith("*[FIRING] drift (critical)*\nglobex: ")
     assert "Move the volatile value" in body["text"] and ev["request_id"] in body["text"]
+    # the cause's tokens with their cost beside them (GPU-seconds as miss_causes prices them; none measured here)
+    assert (ev["missed_tokens"], ev["gpu_seconds"]) == (volatile["missed_tokens"].sum(), volatile["gpu_seconds"][0])
+    cost = "" if ev["gpu_seconds"] is None else f", {findings.cost_text(ev['gpu_seconds'])}"
+    assert f"\nMissed: {ev['missed_tokens']:,} tokens of prefix_drift / volatile_system{cost}.\n" in body["text"]
     assert body["dashboard_url"].startswith("http://kvscope.test/miss_causes?from=")
     assert "tenant=globex&cause=prefix_drift&sub_cause=volatile_system" in body["dashboard_url"]
     assert body["status"] == "firing" and body["labels"]["alertname"] == "drift"
