@@ -806,7 +806,7 @@ def test_agent_ttl_page(chdb_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None
         assert values(bars["text"])[2:5:2] == ["960 tokens · 0.096 GPU-s · 0.96 USD",
                                                "736 tokens · 0.037 GPU-s · 0.37 USD"]
         hold = table(at, "hold time")
-        assert hold["hold time"].tolist() == ["10.0 s", "2.0 min", "2.0 min"]
+        assert hold["hold time"].tolist() == ["10 s", "2 min", "2 min"]
         assert hold["warm turns"].tolist() == ["3 of 6", "6 of 6", "6 of 6"]
         assert hold["bytes per run"].tolist() == ["1.0 MiB"] * 3  # (2420·1024 + 1960·2048) / 6 = 1,082,027 B
         assert hold["block-seconds taken"].tolist() == ["1,013", "3,705", "3,705"]

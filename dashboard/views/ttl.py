@@ -16,6 +16,7 @@ import streamlit as st
 
 from dashboard import causes, charts, data, findings, fix_first
 from ingest import attribution as a
+from kvscope import durations
 
 st.header("Agent TTL")
 st.caption(
@@ -51,15 +52,8 @@ def size(n: float | None) -> str:
 
 
 def hold(ms: float) -> str:
-    """A hold time in words: "850 ms", "9.9 s", "4.2 min", "1.5 h"."""
-    seconds = ms / 1000
-    if seconds < 1:
-        return f"{ms:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    """A hold time in words, as the digest and alerts write durations: "850 ms", "9.9 s", "4.2 min", "1.5 h"."""
+    return durations.human(ms / 1000)
 
 
 def show(fig: go.Figure, key: str) -> None:
