@@ -112,7 +112,8 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
     ``share_percent`` (of the tenant's missed tokens), ``missed_tokens``, the example request (``request_id``,
     ``request_ts``, ``pod``, ``predecessor_request_id``, ``predecessor_pod``, ``gap_ms``: the largest miss of
     that cause, from ``miss_requests``), ``changed_segment`` (prefix_drift: system, tools, retrieval or
-    history) and ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
+    history), ``gpu_seconds`` (what re-computing the missed tokens cost, None without a prefill measurement) and
+    ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
     {} when nothing matches."""
     if not cause:
         top = findings.fix_first(store, since, until, tenant=tenant, limit=1)
@@ -122,8 +123,10 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
     total = int(mc["missed_tokens"].sum()) if not mc.is_empty() else 0
     if match.is_empty() or not total:
         return {}
+    gpu = match["gpu_seconds"]
     out: dict[str, Any] = {"cause": cause, "sub_cause": sub_cause, "missed_tokens": int(match["missed_tokens"].sum()),
-                           "share_percent": round(100 * int(match["missed_tokens"].sum()) / total, 1)}
+                           "share_percent": round(100 * int(match["missed_tokens"].sum()) / total, 1),
+                           "gpu_seconds": None if gpu.null_count() else float(gpu.sum())}
     ex = _q(store, "miss_requests", since=since, until=until, tenant=tenant, cause=cause, sub_cause=sub_cause,
             limit=1)
     if not ex.is_empty():

@@ -117,13 +117,17 @@ class TenantLoss:
 
 @dataclass(frozen=True)
 class DriftEvent:
-    """A prefix_drift sub-cause a tenant had in the period and not in the period before (tokens, requests)."""
+    """A prefix_drift sub-cause a tenant had in the period and not in the period before (tokens, requests), with
+    what its missed tokens cost: ``gpu_seconds`` (None without a prefill measurement), ``money`` (None without a
+    price)."""
 
     tenant_id: str
     sub_cause: str
     missed_tokens: int
     requests: int
     link: str = ""
+    gpu_seconds: float | None = None
+    money: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,9 @@ class AffinityDrop:
 @dataclass(frozen=True)
 class TtlAdvice:
     """The hold-time recommendation from named query ``turn_gaps`` (pods pooled): gaps in ms between a turn and
-    its next turn on the same pod; ``hold_ms`` keeps :data:`TTL_WARM_SHARE` of next turns warm."""
+    its next turn on the same pod; ``hold_ms`` keeps :data:`TTL_WARM_SHARE` of next turns warm;
+    ``evicted_gpu_seconds`` / ``evicted_money``: what re-computing the evicted tokens cost (None when unknown /
+    no price), from ``miss_causes``' evicted / evicted_before_next_turn row."""
 
     next_turns: int
     gap_p50_ms: float
@@ -169,6 +175,8 @@ class TtlAdvice:
     evicted_before_next_turn: int
     evicted_missed_tokens: int
     evicted_gap_p50_ms: float | None
+    evicted_gpu_seconds: float | None = None
+    evicted_money: float | None = None
 
 
 @dataclass(frozen=True)
@@ -296,8 +304,8 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
         gpu_seconds=gpu, money=gpu / 3600 * gpu_hour_price if gpu is not None and gpu_hour_price > 0 else None,
         currency=currency,
         tenants=_tenants(store, since, until, missed, gpu_hour_price, top_tenants, link),
-        drift=_drift(missed, link), cardinality=_cardinality(store, now_w, prev_w, link),
-        affinity=_affinity(store, now_w, prev_w, link), ttl=_ttl(store, now_w),
+        drift=_drift(missed, link, gpu_hour_price), cardinality=_cardinality(store, now_w, prev_w, link),
+        affinity=_affinity(store, now_w, prev_w, link), ttl=_ttl(store, now_w, missed, gpu_hour_price),
         data_quality=_data_quality(store, now_w),
         series=_series(store, since, until, bucket, headline),
         previous_series=_series(store, prev, since, bucket, headline),
@@ -383,12 +391,17 @@ def _per_tenant(df: pl.DataFrame) -> pl.DataFrame:
         pl.when(pl.col("gpu_seconds").null_count() == 0).then(pl.col("gpu_seconds").sum()).alias("gpu_seconds"))
 
 
-def _drift(missed: _Missed, link: _Links) -> tuple[DriftEvent, ...]:
+def _money(gpu_seconds: float | None, price: float) -> float | None:
+    return gpu_seconds / 3600 * price if gpu_seconds is not None and price > 0 else None
+
+
+def _drift(missed: _Missed, link: _Links, price: float) -> tuple[DriftEvent, ...]:
     before = {(r["tenant_id"], r["sub_cause"]) for r in missed.before.iter_rows(named=True)
               if r["cause"] == attribution.PREFIX_DRIFT}
     out = [DriftEvent(tenant_id=r["tenant_id"], sub_cause=r["sub_cause"], missed_tokens=int(r["missed_tokens"]),
                       requests=int(r["requests"]),
-                      link=link("miss_causes", tenant=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"]))
+                      link=link("miss_causes", tenant=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"]),
+                      gpu_seconds=r["gpu_seconds"], money=_money(r["gpu_seconds"], price))
            for r in missed.now.iter_rows(named=True)
            if r["cause"] == attribution.PREFIX_DRIFT and (r["tenant_id"], r["sub_cause"]) not in before]
     return tuple(sorted(out, key=lambda d: (-d.missed_tokens, d.tenant_id, d.sub_cause)))
@@ -434,14 +447,18 @@ def _affinity(store: Any, now_w: dict[str, str], prev_w: dict[str, str], link: _
     return tuple(sorted(out, key=lambda d: (d.change_pp, d.pod)))
 
 
-def _ttl(store: Any, now_w: dict[str, str]) -> TtlAdvice | None:
+def _ttl(store: Any, now_w: dict[str, str], missed: _Missed, price: float) -> TtlAdvice | None:
     df = store.named("turn_gaps", now_w)
     if df.is_empty():
         return None
     r = df.row(0, named=True)
+    evicted = [x["gpu_seconds"] for x in missed.now.iter_rows(named=True)
+               if (x["cause"], x["sub_cause"]) == (attribution.EVICTED, attribution.EVICTED_BEFORE_NEXT_TURN)]
+    gpu = _sum_or_none(evicted) if evicted else (0.0 if r["evicted_missed_tokens"] == 0 else None)
     return TtlAdvice(next_turns=int(r["next_turns"]), gap_p50_ms=r["gap_p50_ms"], hold_ms=r["gap_p90_ms"],
                      gap_max_ms=r["gap_max_ms"], evicted_before_next_turn=int(r["evicted_before_next_turn"]),
-                     evicted_missed_tokens=int(r["evicted_missed_tokens"]), evicted_gap_p50_ms=r["evicted_gap_p50_ms"])
+                     evicted_missed_tokens=int(r["evicted_missed_tokens"]), evicted_gap_p50_ms=r["evicted_gap_p50_ms"],
+                     evicted_gpu_seconds=gpu, evicted_money=_money(gpu, price))
 
 
 def _data_quality(store: Any, now_w: dict[str, str]) -> tuple[DataQualityWarning, ...]:

@@ -43,6 +43,23 @@ def gpu_seconds_text(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.3f}"
 
 
+def cost_text(gpu_seconds: float | None, money: float | None = None, currency: str = "") -> str:
+    """What missed tokens cost, for beside their count: "0.062 GPU-s", "340 GPU-s · 0.19 USD" (money when given),
+    "–" when no pod measured its prefill time."""
+    if gpu_seconds is None:
+        return "–"
+    out = f"{gpu_seconds_text(gpu_seconds)} GPU-s"
+    return out + (f" · {money:,.2f} {currency}" if money is not None else "")
+
+
+def with_money(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
+    """``df`` (with a ``gpu_seconds`` column, e.g. named query ``miss_causes``) plus ``money`` = gpu_seconds / 3600
+    × ``gpu_hour_price`` (None when the price is 0 or the GPU-seconds are unknown)."""
+    if gpu_hour_price > 0:
+        return df.with_columns((pl.col("gpu_seconds").cast(pl.Float64) / 3600 * gpu_hour_price).alias("money"))
+    return df.with_columns(pl.lit(None, pl.Float64).alias("money"))
+
+
 @dataclass(frozen=True)
 class Evidence:
     """The largest miss of a finding's kind in the window: the request, where it ran, what it should have reused.
@@ -265,10 +282,7 @@ def _decorate(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
     if df.is_empty():
         return df.with_columns(pl.lit(None, pl.Float64).alias("money"), pl.lit("").alias("label"),
                                pl.lit(False).alias("actionable"))
-    price = gpu_hour_price if gpu_hour_price > 0 else None
-    return df.with_columns(
-        (pl.col("gpu_seconds").cast(pl.Float64) / 3600 * price).alias("money") if price
-        else pl.lit(None, pl.Float64).alias("money"),
+    return with_money(df, gpu_hour_price).with_columns(
         pl.struct("cause", "sub_cause").map_elements(lambda s: causes.label(s["cause"], s["sub_cause"]),
                                                      return_dtype=pl.String).alias("label"),
         pl.struct("cause", "sub_cause").map_elements(lambda s: causes.actionable(s["cause"], s["sub_cause"]),

@@ -18,21 +18,14 @@
 -- answer (a replaced answer cancels itself), so exact without FINAL. GPU-seconds: each pod's missed tokens times
 -- that pod's measured prefill seconds per computed prompt token over the same window, Δ vllm:request_prefill_time_seconds_sum /
 -- (Δ vllm:prompt_tokens_total − Δ vllm:prefix_cache_hits_total) (vLLM v1 metrics/loggers.py; docs/miss-causes.md,
--- "Cost of a miss"); a pod without its own measurement takes the fleet's rate (pods that have one, pooled).
+-- "Cost of a miss"): the view prefill_rate (sql/migrations/0021); a pod without its own measurement takes the
+-- fleet's rate (pods that have one, pooled).
 WITH
     cost AS
     (
-        SELECT CAST(pod AS String) AS pod_name,
-               sumIf(increase, name = 'vllm:request_prefill_time_seconds_sum') AS prefill_seconds,
-               sumIf(increase, name = 'vllm:prompt_tokens_total')
-                 - sumIf(increase, name IN ('vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total'))
-                 AS computed_tokens
-        FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1,
-                         names = ['vllm:request_prefill_time_seconds_sum', 'vllm:prompt_tokens_total',
-                                  'vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total'])
-        WHERE {model:String} = '' OR model_name = {model:String}
-        GROUP BY pod_name
-        HAVING prefill_seconds > 0 AND computed_tokens > 0
+        SELECT pod_name, prefill_seconds, computed_tokens
+        FROM prefill_rate(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                          model = {model:String})
     ),
     (SELECT if(count() > 0, sum(prefill_seconds) / sum(computed_tokens), NULL) FROM cost) AS fleet_seconds_per_token
 SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
