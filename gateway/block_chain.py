@@ -24,21 +24,21 @@ template inputs, used by few templates) a token count that differs from the pod'
 
 Failures never fail or slow the client's request: they are counted in
 ``kvscope_gateway_block_chain_failures_total{reason}`` and the line is logged with ``[]`` / ``0``. Mode ``auto``
-turns a pod's chains off for :data:`RETRY_SECONDS` when its /tokenize is missing (404/405/501); ``off`` never
-asks.
+turns a pod's chains off for :data:`RETRY_SECONDS` when its /tokenize is missing (404/405/501) or answers
+without token ids (not vLLM); ``off`` never asks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from prometheus_client import Counter
 
 from gateway.upstream import UpstreamClient, UpstreamError, pod_url
@@ -68,6 +68,15 @@ CHAINS = Counter("kvscope_gateway_block_chains_total", "Requests logged with the
 
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 _MISSING = frozenset({404, 405, 501})
+
+
+class _TokenizeAnswer(msgspec.Struct):
+    """The part of vLLM's TokenizeResponse read here (decoded by msgspec: ~10x json for 1,000 ids)."""
+
+    tokens: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+_TOKENIZE_ANSWER = msgspec.json.Decoder(_TokenizeAnswer)
 
 
 class ChainFailure(Exception):
@@ -156,9 +165,14 @@ class BlockChainer:
 
     def wanted(self, pod: str, status: int) -> bool:
         """Whether a request answered by ``pod`` with ``status`` should get a chain (on, pod known, answer < 400,
-        the pod's /tokenize not known missing)."""
+        the pod's /tokenize not known missing: such a request is counted as ``tokenize_unavailable``)."""
         p = self.pods.get(pod)
-        return self.enabled and p is not None and status < 400 and time.monotonic() >= p.tokenize_retry_at
+        if not self.enabled or p is None or status >= 400:
+            return False
+        if time.monotonic() < p.tokenize_retry_at:
+            FAILURES.labels("tokenize_unavailable").inc()
+            return False
+        return True
 
     async def chain(self, client: UpstreamClient, pod: str, body: Mapping[str, Any], endpoint: str,
                     prompt_tokens: int | None) -> tuple[list[int], int]:
@@ -189,23 +203,25 @@ class BlockChainer:
         if isinstance(request, list):
             return request
         p = self.pods[pod]
-        payload = json.dumps(request, ensure_ascii=False).encode("utf-8")
+        payload = msgspec.json.encode(request)
         status, content = await _call(client, "POST", p.root + "/tokenize", payload)
-        if status in _MISSING and self.mode == "auto":
-            if time.monotonic() >= p.tokenize_retry_at:
-                log.warning("pod %s has no /tokenize (HTTP %d): no block chains for %.0f s", pod, status,
-                            RETRY_SECONDS)
-            p.tokenize_retry_at = time.monotonic() + RETRY_SECONDS
-            raise ChainFailure("tokenize_unavailable")
+        if status in _MISSING:
+            self._tokenize_missing(pod, f"HTTP {status}")
         if status != 200:
             raise ChainFailure("tokenize_failed")
         try:
-            ids = json.loads(content)["tokens"]
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ChainFailure("tokenize_failed") from exc
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            raise ChainFailure("tokenize_failed")
+            ids = _TOKENIZE_ANSWER.decode(content).tokens
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._tokenize_missing(pod, "an answer without token ids")  # not vLLM's /tokenize
         return ids
+
+    def _tokenize_missing(self, pod: str, what: str) -> None:
+        """The pod has no usable /tokenize: no chains for it during RETRY_SECONDS. Raises ChainFailure."""
+        p = self.pods[pod]
+        if time.monotonic() >= p.tokenize_retry_at:
+            log.warning("pod %s /tokenize gave %s: no block chains for %.0f s", pod, what, RETRY_SECONDS)
+        p.tokenize_retry_at = time.monotonic() + RETRY_SECONDS
+        raise ChainFailure("tokenize_unavailable")
 
     async def _block_size(self, client: UpstreamClient, pod: str) -> int:
         if self.block_size:

@@ -67,8 +67,8 @@ SETTINGS: list[Setting] = [
     Setting("gateway_port", 8800, "Port of the reference gateway", int),
     Setting("routing_policy", "round_robin", "Gateway routing policy: round_robin | prefix_affinity"),
     Setting("tokenizer", "", "Path of a HF tokenizer.json the gateway counts segment tokens with"),
-    Setting("gateway_block_chain", "auto", "Gateway precise mode: auto = log each prompt's KV block chain, token ids "
-            "from the serving pod's /tokenize after it answered (pods without /tokenize get none) | off"),
+    Setting("gateway_block_chain", "auto", "Gateway precise mode, auto or off: auto logs each prompt's KV block chain "
+            "(token ids from the serving pod's /tokenize, asked after it answered; pods without /tokenize get none)"),
     Setting("gateway_block_size", 0, "KV block size (tokens) the gateway hashes prompt chains with; 0 = each pod's "
             "vllm:cache_config_info block_size from its /metrics", int),
     Setting("log_level", "INFO", "Python log level"),
