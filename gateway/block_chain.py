@@ -30,6 +30,7 @@ without token ids (not vLLM); ``off`` never asks.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import re
@@ -42,7 +43,7 @@ import msgspec
 from prometheus_client import Counter
 
 from gateway.upstream import UpstreamClient, UpstreamError, pod_url
-from kvscope.block_hash import MAX_PROMPT_BLOCKS, chain_hashes
+from kvscope.block_hash import MAX_PROMPT_BLOCKS, block_digests, external, none_hash
 
 log = logging.getLogger("kvscope.gateway.block_chain")
 
@@ -53,8 +54,14 @@ TIMEOUT_SECONDS = 10.0
 """Bound on one /tokenize or /metrics call (the request is long answered: only the log line waits)."""
 MAX_PENDING = 256
 """Chains being computed at once; beyond it a line is logged without (counted as ``busy``)."""
-THREAD_TOKENS = 8_192
-"""Prompts longer than this (tokens) are hashed on a worker thread (~4 µs a 32-token block), not the loop."""
+SLICE_BLOCKS = 16
+"""Blocks chained between two yields to the event loop (~5 µs a new block, ~1 µs a remembered one): a request
+arriving meanwhile waits at most one slice, not a whole long prompt's hashing (a worker thread would hold the GIL
+for up to its 5 ms switch interval instead)."""
+MEMO_BLOCKS = 65_536
+"""Block digests remembered by (parent digest, token ids) (:class:`DigestMemo`; ≤ ~450 bytes each, ≤ ~30 MB):
+prompts mostly repeat blocks seen before (shared system prompts, conversation history), which then cost a dict
+lookup instead of a pickle and a SHA-256."""
 
 FAILURES = Counter(
     "kvscope_gateway_block_chain_failures_total",
@@ -155,6 +162,7 @@ class BlockChainer:
             raise ValueError(f"block size {block_size} is negative")
         self.mode = mode
         self.block_size = block_size
+        self.memo = DigestMemo()
         self.pods = {name: _Pod(url.rstrip("/").removesuffix("/v1")) for name, url in pods.items()}
         for p in self.pods.values():
             pod_url(p.root, "/tokenize")  # ValueError now rather than per request
@@ -175,18 +183,16 @@ class BlockChainer:
         return True
 
     async def chain(self, client: UpstreamClient, pod: str, body: Mapping[str, Any], endpoint: str,
-                    prompt_tokens: int | None) -> tuple[list[int], int]:
-        """(chain hashes in block order, block size) of the prompt of ``body`` as ``pod`` prefilled it.
-        ``prompt_tokens``: the pod's usage.prompt_tokens when it reported it (a different /tokenize count means
+                    prompt_tokens: int | None) -> tuple[list[str], int]:
+        """(chain hashes in block order as 16 lowercase hex characters, block size) of the prompt of ``body`` as
+        ``pod`` prefilled it. ``prompt_tokens``: the pod's usage.prompt_tokens when it reported it (a different /tokenize count means
         the ids are not what it prefilled). Never raises but cancellation: a failure is counted and gives ([], 0)."""
         try:
             ids = await self._token_ids(client, pod, body, endpoint)
             if prompt_tokens is not None and len(ids) != prompt_tokens:
                 raise ChainFailure("count_mismatch")
             size = await self._block_size(client, pod)
-            ids = ids[: MAX_PROMPT_BLOCKS * size]
-            hashes = (chain_hashes(ids, size) if len(ids) <= THREAD_TOKENS
-                      else await asyncio.to_thread(chain_hashes, ids, size))
+            hashes = await _chain_hashes(ids[: MAX_PROMPT_BLOCKS * size], size, self.memo)
         except ChainFailure as exc:
             FAILURES.labels(exc.reason).inc()
             return [], 0
@@ -245,6 +251,57 @@ class BlockChainer:
         if not p.block_size:
             raise ChainFailure("block_size_unknown")
         return p.block_size
+
+
+class DigestMemo:
+    """Block digests (:func:`kvscope.block_hash.block_digests`) and their chain hash as logged (16 hex characters)
+    by (parent digest, the block's token ids), at most ``max_entries``, the oldest eighth dropped when full. Not
+    thread safe (the gateway's event loop owns it)."""
+
+    def __init__(self, max_entries: int = MEMO_BLOCKS) -> None:
+        self.max_entries = max_entries
+        self.root = none_hash()
+        self._digests: dict[bytes, tuple[bytes, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def digests(self, block_tokens: list[int], block_size: int, parent: bytes) -> list[tuple[bytes, str]]:
+        """(digest, chain hash as 16 lowercase hex characters) of each full block of ``block_tokens`` (ints ≥ 0),
+        chained from ``parent`` (:attr:`root` at the prompt's start); the digests equal
+        ``block_digests(block_tokens, block_size, parent)``, the hex ``f"{external(digest):016x}"``."""
+        out: list[tuple[bytes, str]] = []
+        memo = self._digests
+        for i in range(len(block_tokens) // block_size):
+            block = block_tokens[i * block_size:(i + 1) * block_size]
+            key = parent + array.array("Q", block).tobytes()
+            entry = memo.get(key)
+            if entry is None:
+                digest = block_digests(block, block_size, parent)[0]
+                entry = (digest, f"{external(digest):016x}")
+                if len(memo) >= self.max_entries:
+                    for old in list(memo)[: max(1, self.max_entries // 8)]:
+                        del memo[old]
+                memo[key] = entry
+            out.append(entry)
+            parent = entry[0]
+        return out
+
+
+async def _chain_hashes(token_ids: list[int], block_size: int, memo: DigestMemo | None = None) -> list[str]:
+    """:func:`kvscope.block_hash.chain_hashes` of ``token_ids`` (ints ≥ 0) as 16-hex-character strings, computed
+    :data:`SLICE_BLOCKS` blocks at a time with a yield to the event loop after each slice, through ``memo`` (a
+    fresh one when None)."""
+    memo = memo if memo is not None else DigestMemo()
+    out: list[str] = []
+    parent = memo.root
+    step = SLICE_BLOCKS * block_size
+    for start in range(0, len(token_ids) // block_size * block_size, step):
+        entries = memo.digests(token_ids[start:start + step], block_size, parent)
+        out += [h for _, h in entries]
+        parent = entries[-1][0]
+        await asyncio.sleep(0)
+    return out
 
 
 async def _call(client: UpstreamClient, method: str, url: str, body: bytes = b"") -> tuple[int, bytes]:

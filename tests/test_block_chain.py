@@ -168,3 +168,23 @@ def test_logged_chains_equal_the_chains_of_the_pods_block_stored_events(vllm_fle
     # turn 2 repeats turn 1's prompt (same system and first user message), so its chain starts with turn 1's
     # whole blocks up to where the texts part (the chat template closes turn 1 with the generation prompt)
     assert rows[1][4][:2] == rows[0][4][:2]
+
+
+def test_the_sliced_chain_equals_the_whole_chain() -> None:
+    """The gateway hashes 8 blocks at a time, yielding to the loop between slices; each slice chains from the
+    last: the result is kvscope.block_hash.chain_hashes of the whole prompt, at every length around a slice edge."""
+    import asyncio
+    import random
+
+    from gateway.block_chain import SLICE_BLOCKS, DigestMemo, _chain_hashes
+    from kvscope.block_hash import chain_hashes
+
+    rng = random.Random(9)
+    memo = DigestMemo(max_entries=40)  # shared and small: hits, misses and evictions all happen
+    for n in (0, 15, 16, SLICE_BLOCKS * 16 - 1, SLICE_BLOCKS * 16, SLICE_BLOCKS * 16 + 16, 1000, 1000):
+        ids = [rng.randrange(32_000) for _ in range(n)] if n != 1000 else list(range(5, 1005))
+        want = [f"{h:016x}" for h in chain_hashes(ids, 16)]
+        assert asyncio.run(_chain_hashes(ids, 16)) == want, n
+        assert asyncio.run(_chain_hashes(ids, 16, memo)) == want, n
+        assert len(memo) <= 40
+    assert len(asyncio.run(_chain_hashes(list(range(1000)), 16))) == 62  # full blocks only
