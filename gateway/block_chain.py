@@ -185,8 +185,9 @@ class BlockChainer:
     async def chain(self, client: UpstreamClient, pod: str, body: Mapping[str, Any], endpoint: str,
                     prompt_tokens: int | None) -> tuple[list[str], int]:
         """(chain hashes in block order as 16 lowercase hex characters, block size) of the prompt of ``body`` as
-        ``pod`` prefilled it. ``prompt_tokens``: the pod's usage.prompt_tokens when it reported it (a different /tokenize count means
-        the ids are not what it prefilled). Never raises but cancellation: a failure is counted and gives ([], 0)."""
+        ``pod`` prefilled it. ``prompt_tokens``: the pod's usage.prompt_tokens when it reported it (a different
+        /tokenize count means the ids are not what it prefilled). Never raises but cancellation: a failure is
+        counted and gives ([], 0)."""
         try:
             ids = await self._token_ids(client, pod, body, endpoint)
             if prompt_tokens is not None and len(ids) != prompt_tokens:
