@@ -212,7 +212,7 @@ class BlockChainer:
         p = self.pods[pod]
         payload = msgspec.json.encode(request)
         status, content = await _call(client, "POST", p.root + "/tokenize", payload)
-        if status in _MISSING:
+        if status in _MISSING and b'"error"' not in content:  # vLLM's own errors (unknown model) carry "error"
             self._tokenize_missing(pod, f"HTTP {status}")
         if status != 200:
             raise ChainFailure("tokenize_failed")

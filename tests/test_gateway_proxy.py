@@ -173,6 +173,9 @@ class FakePod:
                     pod.tokenize_requests.append(json.loads(raw))
                     if pod.token_ids is None:
                         return self._send(404, {"detail": "Not Found"})
+                    if pod.token_ids == "unknown model":  # vLLM's own 404: /tokenize exists
+                        return self._send(404, {"error": {"message": "The model `x` does not exist.",
+                                                          "type": "NotFoundError", "param": None, "code": 404}})
                     time.sleep(pod.tokenize_delay)
                     return self._send(200, {"count": len(pod.token_ids), "max_model_len": 2048,
                                             "tokens": pod.token_ids, "token_strs": None})
@@ -457,6 +460,20 @@ def test_a_pod_without_tokenize_gets_no_chain_and_each_request_is_counted(gatewa
         assert (rec["prompt_block_hashes"], rec["prompt_block_size"]) == ([], 0)
     assert len(pod.tokenize_requests) == 1  # asked once, then left alone for RETRY_SECONDS
     assert _failures("tokenize_unavailable") - before == 3
+
+
+def test_a_vllm_error_from_tokenize_is_a_failure_not_a_missing_endpoint(gateway, fake_pod):
+    """vLLM's 404 for a model it does not serve carries an "error" object: counted as tokenize_failed, and the pod
+    is asked again for the next request (a missing route would leave it alone for RETRY_SECONDS)."""
+    pod = fake_pod()
+    pod.token_ids = "unknown model"
+    client, log_path = gateway([("pod-0", pod.url)])
+    before = _failures("tokenize_failed")
+    for i in range(2):
+        client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": f"ve-{i}"})
+        assert log_line(log_path, f"ve-{i}")["prompt_block_hashes"] == []
+    assert len(pod.tokenize_requests) == 2
+    assert _failures("tokenize_failed") - before == 2
 
 
 def test_token_ids_that_are_not_what_the_pod_prefilled_give_no_chain(gateway, fake_pod):
