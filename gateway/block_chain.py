@@ -22,7 +22,9 @@ whose prompt /tokenize cannot reproduce get no chain (counted as ``unsupported_b
 template inputs, used by few templates) a token count that differs from the pod's ``usage.prompt_tokens``
 (counted as ``count_mismatch``, never logged).
 
-Failures never fail or slow the client's request: they are counted in
+The gateway runs this in a helper process (``gateway/chain_worker.py``), so that its own core only passes a
+message each way; in the process itself when the helper cannot run. Failures never fail or slow the client's
+request: they are counted in
 ``kvscope_gateway_block_chain_failures_total{reason}`` and the line is logged with ``[]`` / ``0``. Mode ``auto``
 turns a pod's chains off for :data:`RETRY_SECONDS` when its /tokenize is missing (404/405/501) or answers
 without token ids (not vLLM); ``off`` never asks.
@@ -52,7 +54,7 @@ RETRY_SECONDS = 60.0
 """After a pod's /metrics gave no block size, or its /tokenize is missing, chains of that pod wait this long."""
 TIMEOUT_SECONDS = 10.0
 """Bound on one /tokenize or /metrics call (the request is long answered: only the log line waits)."""
-MAX_PENDING = 256
+MAX_PENDING = 1024
 """Chains being computed at once; beyond it a line is logged without (counted as ``busy``)."""
 SLICE_BLOCKS = 16
 """Blocks chained between two yields to the event loop (~5 µs a new block, ~1 µs a remembered one): a request
@@ -84,6 +86,16 @@ class _TokenizeAnswer(msgspec.Struct):
 
 
 _TOKENIZE_ANSWER = msgspec.json.Decoder(_TokenizeAnswer)
+
+
+def count(hashes: list[str], size: int, reason: str) -> tuple[list[str], int]:
+    """Count one request's outcome (``reason`` '' = a chain) in :data:`CHAINS` / :data:`FAILURES`; returns
+    (hashes, size)."""
+    if reason:
+        FAILURES.labels(reason).inc()
+    else:
+        CHAINS.inc()
+    return hashes, size
 
 
 class ChainFailure(Exception):
@@ -145,6 +157,8 @@ class _Pod:
     block_size: int | None = None
     block_size_retry_at: float = 0.0  # time.monotonic(): no /metrics read before
     tokenize_retry_at: float = 0.0  # time.monotonic(): /tokenize missing, no chains before
+    tokenize_ok: bool = False  # /tokenize answered with token ids (until it is found missing)
+    probing: asyncio.Event | None = None  # set when the probe of a pod not yet known to answer ends
     lock: asyncio.Lock | None = None
 
 
@@ -187,7 +201,16 @@ class BlockChainer:
         """(chain hashes in block order as 16 lowercase hex characters, block size) of the prompt of ``body`` as
         ``pod`` prefilled it. ``prompt_tokens``: the pod's usage.prompt_tokens when it reported it (a different
         /tokenize count means the ids are not what it prefilled). Never raises but cancellation: a failure is
-        counted and gives ([], 0)."""
+        counted (:func:`count`) and gives ([], 0)."""
+        hashes, size, reason = await self.compute(client, pod, body, endpoint, prompt_tokens)
+        return count(hashes, size, reason)
+
+    async def compute(self, client: UpstreamClient, pod: str, body: Mapping[str, Any], endpoint: str,
+                      prompt_tokens: int | None) -> tuple[list[str], int, str]:
+        """:meth:`chain` uncounted: (hashes, block size, '') or ([], 0, the failure's reason)."""
+        p = self.pods.get(pod)
+        if p is None or time.monotonic() < p.tokenize_retry_at:
+            return [], 0, "tokenize_unavailable"
         try:
             ids = await self._token_ids(client, pod, body, endpoint)
             if prompt_tokens is not None and len(ids) != prompt_tokens:
@@ -195,14 +218,11 @@ class BlockChainer:
             size = await self._block_size(client, pod)
             hashes = await _chain_hashes(ids[: MAX_PROMPT_BLOCKS * size], size, self.memo)
         except ChainFailure as exc:
-            FAILURES.labels(exc.reason).inc()
-            return [], 0
+            return [], 0, exc.reason
         except Exception:  # a bug here must cost only the chain
             log.exception("block chain failed. pod=%s", pod)
-            FAILURES.labels("tokenize_failed").inc()
-            return [], 0
-        CHAINS.inc()
-        return hashes, size
+            return [], 0, "tokenize_failed"
+        return hashes, size, ""
 
     async def _token_ids(self, client: UpstreamClient, pod: str, body: Mapping[str, Any], endpoint: str
                          ) -> list[int]:
@@ -210,7 +230,27 @@ class BlockChainer:
         if isinstance(request, list):
             return request
         p = self.pods[pod]
-        payload = msgspec.json.encode(request)
+        # until the pod is known to answer /tokenize, one request asks and the others wait for its verdict (a pod
+        # without it must not get a burst of calls, one per request in flight)
+        while not p.tokenize_ok and p.probing is not None:
+            await p.probing.wait()
+            if time.monotonic() < p.tokenize_retry_at:
+                raise ChainFailure("tokenize_unavailable")
+        probe = None
+        if not p.tokenize_ok:
+            probe = p.probing = asyncio.Event()
+        try:
+            ids = await self._tokenize(client, pod, msgspec.json.encode(request))
+        finally:
+            if probe is not None:
+                p.probing = None
+                probe.set()
+        p.tokenize_ok = True
+        return ids
+
+    async def _tokenize(self, client: UpstreamClient, pod: str, payload: bytes) -> list[int]:
+        """The token ids of one /tokenize call. Raises ChainFailure."""
+        p = self.pods[pod]
         status, content = await _call(client, "POST", p.root + "/tokenize", payload)
         if status in _MISSING and b'"error"' not in content:  # vLLM's own errors (unknown model) carry "error"
             self._tokenize_missing(pod, f"HTTP {status}")
@@ -225,6 +265,7 @@ class BlockChainer:
     def _tokenize_missing(self, pod: str, what: str) -> None:
         """The pod has no usable /tokenize: no chains for it during RETRY_SECONDS. Raises ChainFailure."""
         p = self.pods[pod]
+        p.tokenize_ok = False
         if time.monotonic() >= p.tokenize_retry_at:
             log.warning("pod %s /tokenize gave %s: no block chains for %.0f s", pod, what, RETRY_SECONDS)
         p.tokenize_retry_at = time.monotonic() + RETRY_SECONDS

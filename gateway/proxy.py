@@ -11,9 +11,10 @@ response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
 scrubbed message, never the pod's text: `gateway.error_text`). A stream that ends without its usage chunk is
 logged with the fingerprint's token count as its prompt and a null cached count.
 
-Precise mode (`gateway.block_chain`): once the pod has answered, a task asks that pod's /tokenize for the
-prompt's token ids and logs the line with its block chain (`prompt_block_hashes`, `prompt_block_size`); the
-client's response never waits for it, and a failure only leaves the chain empty.
+Precise mode (`gateway.block_chain`): once the pod has answered, a task has the helper process
+(`gateway.chain_worker`) ask that pod's /tokenize for the prompt's token ids and hash its blocks, then logs the
+line with its block chain (`prompt_block_hashes`, `prompt_block_size`); the client's response never waits for
+it, and a failure only leaves the chain empty.
 
 Per-request costs are kept off the hot path: segment results are memoized by content
 (`gateway.fingerprint.SegmentCache`), the log line is encoded and written by a background thread, the
@@ -45,6 +46,7 @@ from starlette.routing import Route as HttpRoute
 
 from gateway.block_chain import FAILURES as CHAIN_FAILURES
 from gateway.block_chain import MAX_PENDING, BlockChainer
+from gateway.chain_worker import RemoteChainer
 from gateway.error_text import gateway_error, pod_error
 from gateway.fingerprint import (
     Endpoint,
@@ -286,6 +288,7 @@ class Gateway:
         log_queue_size: int = 20_000,
         block_chain: str = "auto",
         block_size: int = 0,
+        chain_process: bool = True,
     ) -> None:
         self.base_urls = {name: _api_base(url) for name, url in pods}
         self.urls = {  # per pod and path, parsed once
@@ -299,7 +302,8 @@ class Gateway:
         self.cache = SegmentCache(segment_cache_entries, segment_cache_bytes)
         self.log = BackgroundLogWriter(log_path, max_queue=log_queue_size)
         self.turns = TurnGaps()
-        self.chainer = BlockChainer(self.base_urls, block_chain, block_size)
+        chainer = RemoteChainer if chain_process and block_chain != "off" else BlockChainer
+        self.chainer: BlockChainer | RemoteChainer = chainer(self.base_urls, block_chain, block_size)
         self._chaining: set[asyncio.Task[None]] = set()
         self.client: UpstreamClient | None = None
 
@@ -312,6 +316,8 @@ class Gateway:
             for task in set(self._chaining):
                 task.cancel()
             await asyncio.gather(*self._chaining, return_exceptions=True)
+        if isinstance(self.chainer, RemoteChainer):
+            await self.chainer.aclose()
         if self.client is not None:
             await self.client.aclose()
         self.log.close()

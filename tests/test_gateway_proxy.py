@@ -450,6 +450,27 @@ def test_the_block_chain_is_logged_after_the_answer_and_never_delays_it(gateway,
     assert pod.metrics_reads == 1  # the block size is cached per pod
 
 
+def test_chains_come_from_the_helper_process_and_survive_its_death(tmp_path, fake_pod):
+    """The chain work runs in the helper process the gateway started; when it dies, the lines it held are logged
+    without a chain and the gateway computes later chains itself."""
+    pod = fake_pod()
+    pod.token_ids = [1, 2, 3, 4, 5, 6, 7]
+    app = make_app([("pod-0", pod.url)], tmp_path / "g.jsonl")
+    with GatewayServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "h-1"})
+        assert log_line(tmp_path / "g.jsonl", "h-1")["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4], 4)
+        helper = app.state.gateway.chainer._proc
+        assert helper is not None and helper.poll() is None
+        helper.kill()
+        helper.wait(10)
+        time.sleep(0.2)
+        for i in (2, 3):
+            client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": f"h-{i}"})
+            rec = log_line(tmp_path / "g.jsonl", f"h-{i}", timeout_seconds=15)
+            assert rec["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4], 4), i
+    assert len(pod.tokenize_requests) == 3
+
+
 def test_a_pod_without_tokenize_gets_no_chain_and_each_request_is_counted(gateway, fake_pod):
     pod = fake_pod()  # /tokenize answers 404
     client, log_path = gateway([("pod-0", pod.url)])
