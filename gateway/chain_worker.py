@@ -3,8 +3,8 @@ and the block hashing, ``gateway.block_chain.BlockChainer``) to one child proces
 own core only a message each way (gateway → child over a socket pair → vLLM pod's /tokenize and /metrics).
 
 Messages are MessagePack, each after its length (4 bytes, big-endian): request ``[seq, pod, body, endpoint,
-prompt_tokens]``, answer ``[seq, hashes, block_size, reason]`` (reason '' = a chain). The child is started at the
-first chain (``python -m gateway.chain_worker FD CONFIG_JSON``), answers in any order, and exits when the socket
+prompt_tokens]``, answer ``[seq, hashes, block_size, reason]`` (reason '' = a chain). The child is started with the
+gateway (``python -m gateway.chain_worker FD CONFIG_JSON``), answers in any order, and exits when the socket
 closes, after finishing what it holds (at most 15 s). If it cannot start or dies, :class:`RemoteChainer` computes
 chains in the gateway process instead (and logs why), so a line is never lost and never waits forever.
 """
@@ -99,6 +99,11 @@ class RemoteChainer:
             return await future
         finally:
             self._waiting.pop(seq, None)
+
+    async def start(self) -> None:
+        """Start the helper now (it imports while the gateway starts), unless chains are off."""
+        if self.enabled:
+            await self._started()
 
     async def _started(self) -> bool:
         if self._broken:

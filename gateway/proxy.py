@@ -309,6 +309,8 @@ class Gateway:
 
     async def start(self) -> None:
         self.client = UpstreamClient(UPSTREAM_TIMEOUT)
+        if isinstance(self.chainer, RemoteChainer):
+            await self.chainer.start()
 
     async def stop(self) -> None:
         if self._chaining:  # lines waiting for their chain: give them a moment, then log them without
