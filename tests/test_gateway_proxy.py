@@ -53,7 +53,7 @@ def validate(record: dict) -> dict:
     return record
 
 
-def log_line(log_path: Path, request_id: str, timeout_seconds: float = 5.0) -> dict:
+def log_line(log_path: Path, request_id: str, timeout_seconds: float = 20.0) -> dict:
     """The validated log record of `request_id` (written just after the response's last byte)."""
     deadline = time.monotonic() + timeout_seconds
     while True:
@@ -123,7 +123,10 @@ class FakePod:
     `details` shapes usage.prompt_tokens_details: "reported" (cached_tokens 4), "null" (vLLM without
     --enable-prompt-tokens-details), "absent" or "no_key" (forks), "no_usage" (a stream without its usage
     chunk: a server that ignores `include_usage`); `cut_stream` closes a stream after its
-    content chunks, before the usage chunk and the end of the chunked body (a pod that dies mid-stream)."""
+    content chunks, before the usage chunk and the end of the chunked body (a pod that dies mid-stream).
+    Precise mode: POST /tokenize answers 404 (a server without it) unless `token_ids` is set, then with those
+    ids after `tokenize_delay` seconds (recorded in `tokenize_requests`, not `requests`); GET /metrics has
+    `vllm:cache_config_info{block_size="4"}` (`metrics_reads` counts them)."""
 
     def __init__(self, idle_timeout: float | None = None) -> None:
         import threading
@@ -136,6 +139,10 @@ class FakePod:
         self.connections = 0
         self.details = "reported"
         self.cut_stream = False
+        self.token_ids: list[int] | None = None
+        self.tokenize_delay = 0.0
+        self.tokenize_requests: list[dict] = []
+        self.metrics_reads = 0
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -149,10 +156,29 @@ class FakePod:
                 pass
 
             def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    pod.metrics_reads += 1
+                    data = b'vllm:cache_config_info{block_size="4",engine="0"} 1.0\n'
+                    self.send_response(200)
+                    self.send_header("content-type", "text/plain; version=0.0.4")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["content-length"]))
+                if self.path == "/tokenize":
+                    pod.tokenize_requests.append(json.loads(raw))
+                    if pod.token_ids is None:
+                        return self._send(404, {"detail": "Not Found"})
+                    if pod.token_ids == "unknown model":  # vLLM's own 404: /tokenize exists
+                        return self._send(404, {"error": {"message": "The model `x` does not exist.",
+                                                          "type": "NotFoundError", "param": None, "code": 404}})
+                    time.sleep(pod.tokenize_delay)
+                    return self._send(200, {"count": len(pod.token_ids), "max_model_len": 2048,
+                                            "tokens": pod.token_ids, "token_strs": None})
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 pod.requests.append({"raw": raw, "body": json.loads(raw), "headers": headers})
                 rid = self.headers.get("x-request-id", "")
@@ -292,7 +318,8 @@ def test_keep_alive_reuse_and_pod_closing_idle_connections(gateway, fake_pod):
     """Requests reuse pooled connections; a connection the pod closed while idle is not used (or is
     retried on a new one), so no request fails."""
     pod = fake_pod(idle_timeout=0.3)
-    client, log_path = gateway([("fake", pod.url)])
+    # precise mode off: its /tokenize call after each answer would overlap the next request on a second connection
+    client, log_path = gateway([("fake", pod.url)], block_chain="off")
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for _ in range(5):
         assert client.post("/v1/chat/completions", json=body).status_code == 200
@@ -374,6 +401,131 @@ def test_a_pod_error_quoting_the_prompt_is_logged_scrubbed(gateway, fake_pod):
     rec = log_line(log_path, "gw-canary")
     assert rec["error"] == "400 Bad Request: request failed validation (1 errors)"
     assert canary not in log_path.read_text()
+
+
+def _failures(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("kvscope_gateway_block_chain_failures_total", {"reason": reason}) or 0.0
+
+
+def _vllm_chain_hex(token_ids: list[int], block_size: int) -> list[str]:
+    """vLLM's default block hash written out (kv_cache_utils.hash_block_tokens with sha256 = SHA-256 of the
+    pickle, NONE_HASH = H("vllm-none-hash"), no extra keys), low 64 bits as 16 hex characters."""
+    import hashlib
+    import pickle
+
+    def h(obj: object) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    parent, out = h("vllm-none-hash"), []
+    for i in range(len(token_ids) // block_size):
+        parent = h((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), None))
+        out.append(parent[-8:].hex())
+    return out
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+
+
+def test_the_block_chain_is_logged_after_the_answer_and_never_delays_it(gateway, fake_pod):
+    """/tokenize takes 1 s: the client has its answer at once, the line comes after with the chain of the pod's
+    7 token ids in blocks of 4 (one full block) and the block size read once from /metrics."""
+    pod = fake_pod()
+    pod.token_ids, pod.tokenize_delay = [101, 2023, 7, 99, 5, 6, 1], 1.0
+    client, log_path = gateway([("pod-0", pod.url)])
+    t0 = time.monotonic()
+    r = client.post("/v1/chat/completions", json={**CHAT, "metadata": {"tenant_id": "acme"}},
+                    headers={"X-Request-Id": "chain-1"})
+    assert r.status_code == 200 and time.monotonic() - t0 < 0.8
+    rec = log_line(log_path, "chain-1")
+    assert time.monotonic() - t0 >= 1.0
+    assert rec["prompt_block_size"] == 4 and rec["prompt_tokens"] == 7
+    assert rec["prompt_block_hashes"] == _vllm_chain_hex([101, 2023, 7, 99], 4) != []
+    assert pod.tokenize_requests == [CHAT]  # kvscope's metadata is not sent, the chat fields are
+    pod.tokenize_delay = 0.0
+    client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={"X-Request-Id": "chain-2"})
+    assert log_line(log_path, "chain-2")["prompt_block_hashes"] == rec["prompt_block_hashes"]
+    assert pod.tokenize_requests[1] == {"model": "tiny", "prompt": "x"}
+    assert pod.metrics_reads == 1  # the block size is cached per pod
+
+
+def test_chains_come_from_the_helper_process_and_survive_its_death(tmp_path, fake_pod):
+    """The chain work runs in the helper process the gateway started; when it dies, the lines it held are logged
+    without a chain and the gateway computes later chains itself."""
+    pod = fake_pod()
+    pod.token_ids = [1, 2, 3, 4, 5, 6, 7]
+    app = make_app([("pod-0", pod.url)], tmp_path / "g.jsonl")
+    with GatewayServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "h-1"})
+        assert log_line(tmp_path / "g.jsonl", "h-1")["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4], 4)
+        helper = app.state.gateway.chainer._proc
+        assert helper is not None and helper.poll() is None
+        helper.kill()
+        helper.wait(10)
+        time.sleep(0.2)
+        for i in (2, 3):
+            client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": f"h-{i}"})
+            rec = log_line(tmp_path / "g.jsonl", f"h-{i}")
+            assert rec["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4], 4), i
+    assert len(pod.tokenize_requests) == 3
+
+
+def test_a_pod_without_tokenize_gets_no_chain_and_each_request_is_counted(gateway, fake_pod):
+    pod = fake_pod()  # /tokenize answers 404
+    client, log_path = gateway([("pod-0", pod.url)])
+    before = _failures("tokenize_unavailable")
+    for i in range(3):
+        assert client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": f"nt-{i}"}).status_code == 200
+        rec = log_line(log_path, f"nt-{i}")
+        assert (rec["prompt_block_hashes"], rec["prompt_block_size"]) == ([], 0)
+    assert len(pod.tokenize_requests) == 1  # asked once, then left alone for RETRY_SECONDS
+    assert _failures("tokenize_unavailable") - before == 3
+
+
+def test_a_vllm_error_from_tokenize_is_a_failure_not_a_missing_endpoint(gateway, fake_pod):
+    """vLLM's 404 for a model it does not serve carries an "error" object: counted as tokenize_failed, and the pod
+    is asked again for the next request (a missing route would leave it alone for RETRY_SECONDS)."""
+    pod = fake_pod()
+    pod.token_ids = "unknown model"
+    client, log_path = gateway([("pod-0", pod.url)])
+    before = _failures("tokenize_failed")
+    for i in range(2):
+        client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": f"ve-{i}"})
+        assert log_line(log_path, f"ve-{i}")["prompt_block_hashes"] == []
+    assert len(pod.tokenize_requests) == 2
+    assert _failures("tokenize_failed") - before == 2
+
+
+def test_token_ids_that_are_not_what_the_pod_prefilled_give_no_chain(gateway, fake_pod):
+    """/tokenize says 5 tokens, the pod's usage says 7: the ids are not the prefilled ones; nothing logged."""
+    pod = fake_pod()
+    pod.token_ids = [1, 2, 3, 4, 5]
+    client, log_path = gateway([("pod-0", pod.url)])
+    before = _failures("count_mismatch")
+    client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "mm-1"})
+    assert log_line(log_path, "mm-1")["prompt_block_hashes"] == []
+    assert _failures("count_mismatch") - before == 1
+
+
+def test_block_chain_off_never_asks_the_pod(gateway, fake_pod):
+    pod = fake_pod()
+    pod.token_ids = [1, 2, 3, 4, 5, 6, 7]
+    client, log_path = gateway([("pod-0", pod.url)], block_chain="off")
+    client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "off-1"})
+    rec = log_line(log_path, "off-1")
+    assert (rec["prompt_block_hashes"], rec["prompt_block_size"]) == ([], 0)
+    assert pod.tokenize_requests == [] and pod.metrics_reads == 0
+
+
+def test_a_configured_block_size_needs_no_metrics(gateway, fake_pod):
+    pod = fake_pod()
+    pod.token_ids = [1, 2, 3, 4, 5, 6, 7]
+    client, log_path = gateway([("pod-0", pod.url)], block_size=2)
+    client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "bs-1"})
+    rec = log_line(log_path, "bs-1")
+    assert rec["prompt_block_size"] == 2 and rec["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4, 5, 6], 2)
+    assert pod.metrics_reads == 0
 
 
 def test_concurrent_requests_each_log_one_line_without_pods(gateway, fake_pod):
