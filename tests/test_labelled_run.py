@@ -176,13 +176,28 @@ def format_table(snap: dict[str, Any], title: str) -> str:
     return "\n".join(lines)
 
 
+def mismatches(run: dict[str, Any], snap: dict[str, Any]) -> str:
+    """One line per request whose dominant cause is not its label: id, pod, label, the whole split."""
+    lines = []
+    for s in run["traffic"].sent:
+        split = snap["split"].get(s.request_id, {})
+        if dominant(split) != (s.cause, s.sub_cause):
+            parts = ", ".join(f"{c}/{sub}={n}" for (c, sub), n in sorted(split.items()))
+            lines.append(f"  {s.request_id} on {s.pod}: labelled {s.cause}/{s.sub_cause}, answered {parts}")
+    return "\nmismatched requests:" + ("\n" + "\n".join(lines) if lines else " none")
+
+
 def test_scenarios_happened_as_designed(run) -> None:  # type: ignore[no-untyped-def]
     """The run is only a test of attribution when vLLM did what each scenario needs: the repeats that should
     miss missed, the controls hit, pod-1 evicted nothing and pod-0 evicted; every class is present."""
     store = run["store"]
     removed = dict(store.query_rows("SELECT pod, countIf(kind = 'removed') FROM kv_block_log FINAL GROUP BY pod"))
-    print(f"\nlabelled run: {len(run['traffic'].sent)} requests in {run['seconds']:.0f} s, horizon "
-          f"{run['horizon']:.1f} s, blocks removed per pod {removed}")
+    by_id = {s.request_id: s for s in run["traffic"].sent}
+    waits = [round((by_id[f"lab-agentco-r0-t{k}"].ts - by_id[f"lab-agentco-r0-t{k - 1}"].ts).total_seconds(), 1)
+             for k in (2, 3)]
+    print(f"\nlabelled run: {len(by_id)} requests in {run['seconds']:.0f} s, horizon {run['horizon']:.1f} s, "
+          f"blocks removed per pod {removed}, agent tool waits (s) {waits}")
+    assert waits[1] > 2 * waits[0], "the agent's second wait must span the flood"
     assert run["traffic"].broken == []
     p0, p1 = run["pods"]
     assert removed.get(p1, 0) == 0 and removed.get(p0, 0) > 0, removed
@@ -193,9 +208,10 @@ def test_per_cause_precision_and_recall(run) -> None:  # type: ignore[no-untyped
     """Per class (cause, sub_cause): precision and recall >= 0.95, and the expected token splits exact; the
     table is printed and written to tests/artifacts/labelled-run.txt."""
     mode = "with KV evidence" if KV_EVIDENCE else "current main: no kv_evidence parameter, inferred mode"
-    text = format_table(run["precise"], f"labelled run, {mode}")
+    text = format_table(run["precise"], f"labelled run, {mode}") + mismatches(run, run["precise"])
     if run["inferred"] is not None:
         text += "\n\n" + format_table(run["inferred"], "the same store attributed without KV evidence")
+        text += mismatches(run, run["inferred"])
     print("\n" + text)
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "labelled-run.txt").write_text(text + "\n")
