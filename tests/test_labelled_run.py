@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import time
 import uuid
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -265,11 +266,15 @@ def test_inferred_mode_is_marked_and_its_agreement_reported(run) -> None:  # typ
     inferred, precise = run["inferred"], run["precise"]
     assert inferred["evidence"] and "kv_events" not in set(inferred["evidence"].values())
     assert "kv_events" in set(precise["evidence"].values())
-    lines = ["agreement of inferred vs precise dominant cause, per labelled class:"]
+    counts = {mode: dict(Counter(snap["evidence"].values())) for mode, snap in (("precise", precise),
+                                                                               ("inferred", inferred))}
+    lines = [f"evidence per answer: {counts}",
+             "inferred vs precise, per labelled class: same dominant cause / same token split / requests"]
     for cls in sorted(CLASSES):
         ids = [s.request_id for s in run["traffic"].sent if (s.cause, s.sub_cause) == cls]
         same = sum(dominant(inferred["split"].get(r, {})) == dominant(precise["split"].get(r, {})) for r in ids)
-        lines.append(f"  {cls[0]}/{cls[1]}: {same}/{len(ids)}")
+        exact = sum(inferred["split"].get(r, {}) == precise["split"].get(r, {}) for r in ids)
+        lines.append(f"  {cls[0]}/{cls[1]}: {same} / {exact} / {len(ids)}")
     print("\n" + "\n".join(lines))
     with (ARTIFACTS / "labelled-run.txt").open("a") as fh:
         fh.write("\n" + "\n".join(lines) + "\n")
