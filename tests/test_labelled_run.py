@@ -275,6 +275,11 @@ def test_inferred_mode_is_marked_and_its_agreement_reported(run) -> None:  # typ
         same = sum(dominant(inferred["split"].get(r, {})) == dominant(precise["split"].get(r, {})) for r in ids)
         exact = sum(inferred["split"].get(r, {}) == precise["split"].get(r, {}) for r in ids)
         lines.append(f"  {cls[0]}/{cls[1]}: {same} / {exact} / {len(ids)}")
+    for s in run["traffic"].sent:
+        a, b = inferred["split"].get(s.request_id, {}), precise["split"].get(s.request_id, {})
+        if a != b:
+            lines.append(f"  {s.request_id} (prompt {s.prompt_tokens}, cached {s.cached_tokens}): inferred "
+                         f"{sorted(a.items())}, precise {sorted(b.items())}")
     print("\n" + "\n".join(lines))
     with (ARTIFACTS / "labelled-run.txt").open("a") as fh:
         fh.write("\n" + "\n".join(lines) + "\n")
