@@ -48,6 +48,7 @@ MAX_TOKENS = 8
 FLOOD_PROMPTS = 8  # x ~27 blocks = ~216 block allocations > the 159 usable blocks of a pod (see the test)
 SEED = 9
 SHORT_WAIT_SECONDS = 0.5  # the agent's short tool wait
+LONG_WAIT_SECONDS = 5.0  # the agent's long tool wait (the flood runs within it)
 
 
 def hittable(prompt_tokens: int) -> int:
@@ -242,11 +243,12 @@ def run_traffic(t: Traffic, pods: list[str]) -> float:
     agent = agent_session("agentco")
     session_turn(t, agent, 1, p0, "cold", scenario="agent_ttl")
     time.sleep(SHORT_WAIT_SECONDS)
-    session_turn(t, agent, 2, p0, "none", scenario="agent_ttl")
+    second = session_turn(t, agent, 2, p0, "none", scenario="agent_ttl")
     # phase B
     for i in range(FLOOD_PROMPTS):
         t.chat(p0, f"flood{i}", "flood", long_system(f"flood{i}"), f"Flood request {i}: list the steps.",
                cause="cold", scenario="flood")
+    time.sleep(max(0.0, LONG_WAIT_SECONDS - (datetime.now(UTC) - second.ts).total_seconds()))
     # phase C
     for later in victims + chats:
         later()
