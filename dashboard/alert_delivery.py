@@ -20,9 +20,10 @@ from urllib.parse import urlencode
 import httpx
 from prometheus_client import Counter
 
-from dashboard import causes, untrusted
-from dashboard.alerts import Evaluation, human_duration, iso
+from dashboard import causes, findings, untrusted
+from dashboard.alerts import Evaluation, iso
 from dashboard.mail import MailError, MailSettings, check_addresses, send
+from kvscope.durations import human as human_duration
 
 log = logging.getLogger("kvscope.alerts")
 
@@ -66,8 +67,11 @@ def _evidence(ev: Evaluation) -> dict[str, Any]:
     return dict(ev.evidence)
 
 
-def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False) -> list[str]:
-    """The notice as lines of plain text (Slack mrkdwn when ``slack``): what, the example request, the fix.
+def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False, gpu_hour_price: float = 0.0,
+                  currency: str = "USD") -> list[str]:
+    """The notice as lines of plain text (Slack mrkdwn when ``slack``): what, the cause's missed tokens with their
+    GPU-seconds (and money = GPU-seconds / 3600 × ``gpu_hour_price`` in ``currency`` when a price is set), the
+    example request, the fix.
 
     Every line is one visible line (ids and messages through :func:`dashboard.untrusted.shown`); for Slack,
     ``&``, ``<`` and ``>`` are escaped (:func:`dashboard.untrusted.slack`), so a tenant called ``<!channel>``
@@ -78,6 +82,12 @@ def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False) -> lis
     lines = [head, show(ev.message, limit=None)]
     if ev.notice == "resolved" and ev.previous:
         lines.append(f"Was firing since {iso(ev.previous['changed_at'])}: {show(ev.previous['message'], limit=None)}")
+    if e.get("cause") and e.get("missed_tokens"):
+        gpu = e.get("gpu_seconds")
+        amount = gpu / 3600 * gpu_hour_price if gpu is not None and gpu_hour_price > 0 else None
+        cost = f", {findings.cost_text(gpu, amount, currency)}" if gpu is not None else ""
+        lines.append(f"Missed: {int(e['missed_tokens']):,} tokens of {causes.label(e['cause'], e.get('sub_cause', ''))}"
+                     f"{cost}.")
     if e.get("request_id"):
         ex = f"Example: request {show(e['request_id'])} on {show(e.get('pod'), empty='?')}"
         if e.get("predecessor_request_id"):
@@ -96,9 +106,11 @@ def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False) -> lis
     return lines
 
 
-def payload(ev: Evaluation, dashboard_url: str = "") -> dict[str, Any]:
+def payload(ev: Evaluation, dashboard_url: str = "", *, gpu_hour_price: float = 0.0,
+            currency: str = "USD") -> dict[str, Any]:
     """The webhook's JSON body for one notice (docs/alerts.md): ``text`` for Slack, the structured fields, and
-    Alertmanager's webhook shape (``status``, ``labels``, ``annotations``, ``alerts``: one alert)."""
+    Alertmanager's webhook shape (``status``, ``labels``, ``annotations``, ``alerts``: one alert). The price
+    (0 = none) puts money beside the GPU-seconds in ``text``."""
     r, e = ev.rule, _evidence(ev)
     link = dashboard_link(dashboard_url, ev)
     cause = causes.label(e["cause"], e.get("sub_cause", "")) if e.get("cause") else ""
@@ -111,7 +123,7 @@ def payload(ev: Evaluation, dashboard_url: str = "") -> dict[str, Any]:
     alert = {"status": _status(ev), "labels": labels, "annotations": annotations, "startsAt": iso(starts),
              "endsAt": iso(ev.evaluated_at) if ev.notice == "resolved" else "", "generatorURL": link}
     return {
-        "text": "\n".join(summary_lines(ev, link, slack=True)),
+        "text": "\n".join(summary_lines(ev, link, slack=True, gpu_hour_price=gpu_hour_price, currency=currency)),
         "rule": r.name, "kind": r.kind, "state": _status(ev), "severity": r.severity, "value": ev.value,
         "threshold": r.threshold, "unit": r.unit,
         "window": {"seconds": r.window_seconds, "since": iso(ev.since), "until": iso(ev.until)} if ev.since else None,
@@ -128,15 +140,17 @@ def value_text(value: float | None, unit: str) -> str:
     return f"{value:g}x" if unit == "x" else f"{value:g} {unit}"
 
 
-def email_message(ev: Evaluation, to: Sequence[str], dashboard_url: str = "") -> EmailMessage:
-    """The notice as a plain-text email to ``to``: subject ``[kvscope FIRING] rule: message``."""
+def email_message(ev: Evaluation, to: Sequence[str], dashboard_url: str = "", *, gpu_hour_price: float = 0.0,
+                  currency: str = "USD") -> EmailMessage:
+    """The notice as a plain-text email to ``to``: subject ``[kvscope FIRING] rule: message`` (the price, 0 = none,
+    puts money beside the GPU-seconds)."""
     msg = EmailMessage()
     subject = untrusted.shown(f"[kvscope {_status(ev).upper()}] {ev.rule.name}: {ev.message}", limit=None)
     msg["Subject"] = subject if len(subject) <= 200 else subject[:199] + "…"
     msg["To"] = ", ".join(to)
     msg["Date"] = formatdate(localtime=False)
     msg["Message-ID"] = make_msgid(domain="kvscope")
-    body = summary_lines(ev, dashboard_link(dashboard_url, ev))
+    body = summary_lines(ev, dashboard_link(dashboard_url, ev), gpu_hour_price=gpu_hour_price, currency=currency)
     unit = ev.rule.unit
     body += ["", f"Value: {value_text(ev.value, unit)}, threshold {value_text(ev.rule.threshold, unit)}",
              f"Evaluated at {iso(ev.evaluated_at)}", "", "Evidence:",
@@ -147,13 +161,16 @@ def email_message(ev: Evaluation, to: Sequence[str], dashboard_url: str = "") ->
 
 @dataclass
 class Notifier:
-    """Sends each notice to the webhook (when ``webhook_url``) and by email (when ``to`` and ``mail``)."""
+    """Sends each notice to the webhook (when ``webhook_url``) and by email (when ``to`` and ``mail``), money
+    beside GPU-seconds when ``gpu_hour_price`` (in ``currency``) is set."""
 
     webhook_url: str = ""
     mail: MailSettings | None = None
     to: list[str] = field(default_factory=list)
     dashboard_url: str = ""
     timeout_seconds: float = 10.0
+    gpu_hour_price: float = 0.0
+    currency: str = "USD"
 
     @classmethod
     def from_config(cls, cfg: Any) -> Notifier:
@@ -161,7 +178,7 @@ class Notifier:
         ``KVSCOPE_SMTP_SECURITY``, sender or recipient when alert email is on."""
         to = check_addresses(cfg.list("alert_to"), "KVSCOPE_ALERT_TO")
         return cls(webhook_url=cfg.alert_webhook_url, mail=MailSettings.from_config(cfg) if to else None, to=to,
-                   dashboard_url=cfg.dashboard_url)
+                   dashboard_url=cfg.dashboard_url, gpu_hour_price=cfg.gpu_hour_price, currency=cfg.currency)
 
     def notify(self, evaluations: Sequence[Evaluation]) -> int:
         """Deliver every notice on every channel; returns how many deliveries failed (each logged, counted)."""
@@ -185,10 +202,12 @@ class Notifier:
         return True
 
     def _post(self, ev: Evaluation) -> None:
-        resp = httpx.post(self.webhook_url, json=payload(ev, self.dashboard_url), timeout=self.timeout_seconds)
+        resp = httpx.post(self.webhook_url, json=payload(ev, self.dashboard_url, gpu_hour_price=self.gpu_hour_price,
+                                                        currency=self.currency), timeout=self.timeout_seconds)
         resp.raise_for_status()
 
     def _email(self, ev: Evaluation) -> None:
         assert self.mail is not None
-        send(email_message(ev, self.to, self.dashboard_url), self.mail)
+        send(email_message(ev, self.to, self.dashboard_url, gpu_hour_price=self.gpu_hour_price,
+                           currency=self.currency), self.mail)
 

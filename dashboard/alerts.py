@@ -30,6 +30,7 @@ from dashboard import causes, findings, untrusted
 from dashboard.alert_rules import Rule
 from ingest.errors import KvscopeError
 from ingest.store import Store
+from kvscope.durations import human as human_duration
 
 log = logging.getLogger("kvscope.alerts")
 
@@ -69,15 +70,6 @@ def iso(t: datetime | None) -> str:
     return "" if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def human_duration(seconds: float) -> str:
-    """``"45 s"``, ``"10 min"``, ``"1 h"``, ``"1.5 h"``, ``"2 d"``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{round(seconds / 3600, 1):g} h"
-    return f"{round(seconds / 86400, 1):g} d"
 
 
 def _q(store: Store, name: str, **params: Any) -> pl.DataFrame:
@@ -120,7 +112,8 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
     ``share_percent`` (of the tenant's missed tokens), ``missed_tokens``, the example request (``request_id``,
     ``request_ts``, ``pod``, ``predecessor_request_id``, ``predecessor_pod``, ``gap_ms``: the largest miss of
     that cause, from ``miss_requests``), ``changed_segment`` (prefix_drift: system, tools, retrieval or
-    history) and ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
+    history), ``gpu_seconds`` (what re-computing the missed tokens cost, None without a prefill measurement) and
+    ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
     {} when nothing matches."""
     if not cause:
         top = findings.fix_first(store, since, until, tenant=tenant, limit=1)
@@ -130,8 +123,10 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
     total = int(mc["missed_tokens"].sum()) if not mc.is_empty() else 0
     if match.is_empty() or not total:
         return {}
+    gpu = match["gpu_seconds"]
     out: dict[str, Any] = {"cause": cause, "sub_cause": sub_cause, "missed_tokens": int(match["missed_tokens"].sum()),
-                           "share_percent": round(100 * int(match["missed_tokens"].sum()) / total, 1)}
+                           "share_percent": round(100 * int(match["missed_tokens"].sum()) / total, 1),
+                           "gpu_seconds": None if gpu.null_count() else float(gpu.sum())}
     ex = _q(store, "miss_requests", since=since, until=until, tenant=tenant, cause=cause, sub_cause=sub_cause,
             limit=1)
     if not ex.is_empty():

@@ -34,6 +34,7 @@ PAGES = [
     st.Page(VIEWS / "fingerprints.py", title="Fingerprints", icon=":material/fingerprint:"),
     st.Page(VIEWS / "pods.py", title="Pods", icon=":material/dns:"),
     st.Page(VIEWS / "vllm.py", title="vLLM", icon=":material/monitoring:"),
+    st.Page(VIEWS / "ttl.py", title="Agent TTL", icon=":material/timer:"),
     st.Page(VIEWS / "data_quality.py", title="Data quality", icon=":material/rule:"),
     st.Page(VIEWS / "alerts.py", title="Alerts", icon=":material/notifications:"),
     st.Page(VIEWS / "adhoc_sql.py", title="SQL", icon=":material/terminal:"),

@@ -12,7 +12,6 @@ minutes (the default period ends on the last whole minute).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,6 +21,7 @@ import polars as pl
 
 from dashboard import causes, findings
 from ingest import attribution
+from kvscope.durations import parse_seconds
 
 DEFAULT_PERIOD = timedelta(hours=24)
 #: Tenants listed under "the tenants losing most".
@@ -45,8 +45,6 @@ WHOLE_WINDOW = 3600 * 1_111_112
 #: Bucket widths the hit-rate chart may use (whole minutes; whole hours from an hour up).
 NICE_BUCKETS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400, 172800, 604800)
 CHART_POINTS = 48
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 #: The longest period (a century: the period and the one before it stay within the store's years).
 MAX_DURATION = timedelta(days=36500)
 
@@ -119,13 +117,17 @@ class TenantLoss:
 
 @dataclass(frozen=True)
 class DriftEvent:
-    """A prefix_drift sub-cause a tenant had in the period and not in the period before (tokens, requests)."""
+    """A prefix_drift sub-cause a tenant had in the period and not in the period before (tokens, requests), with
+    what its missed tokens cost: ``gpu_seconds`` (None without a prefill measurement), ``money`` (None without a
+    price)."""
 
     tenant_id: str
     sub_cause: str
     missed_tokens: int
     requests: int
     link: str = ""
+    gpu_seconds: float | None = None
+    money: float | None = None
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,9 @@ class AffinityDrop:
 @dataclass(frozen=True)
 class TtlAdvice:
     """The hold-time recommendation from named query ``turn_gaps`` (pods pooled): gaps in ms between a turn and
-    its next turn on the same pod; ``hold_ms`` keeps :data:`TTL_WARM_SHARE` of next turns warm."""
+    its next turn on the same pod; ``hold_ms`` keeps :data:`TTL_WARM_SHARE` of next turns warm;
+    ``evicted_gpu_seconds`` / ``evicted_money``: what re-computing the evicted tokens cost (None when unknown /
+    no price), from ``miss_causes``' evicted / evicted_before_next_turn row."""
 
     next_turns: int
     gap_p50_ms: float
@@ -171,6 +175,8 @@ class TtlAdvice:
     evicted_before_next_turn: int
     evicted_missed_tokens: int
     evicted_gap_p50_ms: float | None
+    evicted_gpu_seconds: float | None = None
+    evicted_money: float | None = None
 
 
 @dataclass(frozen=True)
@@ -225,18 +231,11 @@ class Digest:
 
 # -- periods ----------------------------------------------------------------------------------------------------
 def parse_duration(text: str) -> timedelta:
-    """``"24h"``, ``"7d"``, ``"30m"``, ``"1w"``, ``"90s"``, ``"1.5h"``, ``"1h30m"`` (numbers each with a unit,
-    as the alert rules write durations too) → timedelta.
+    """``"24h"``, ``"7d"``, ``"30m"``, ``"1w"``, ``"90s"``, ``"1.5h"``, ``"1h30m"`` (kvscope.durations) → timedelta.
 
     Raises ValueError for anything else, a zero length or one over :data:`MAX_DURATION`.
     """
-    text = (text or "").strip()
-    if not re.fullmatch(rf"(?:{_DURATION.pattern}\s*)+", text):
-        raise ValueError(f"{text!r} is not a duration: expected a number and a unit s, m, h, d or w (e.g. 24h, 7d, "
-                         "1h30m)")
-    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION.findall(text))
-    if seconds <= 0:
-        raise ValueError(f"{text!r}: the duration must be positive")
+    seconds = parse_seconds(text)
     if seconds > MAX_DURATION.total_seconds():
         raise ValueError(f"{text!r}: the duration must be at most {MAX_DURATION.days} days")
     return timedelta(seconds=seconds)
@@ -305,8 +304,8 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
         gpu_seconds=gpu, money=gpu / 3600 * gpu_hour_price if gpu is not None and gpu_hour_price > 0 else None,
         currency=currency,
         tenants=_tenants(store, since, until, missed, gpu_hour_price, top_tenants, link),
-        drift=_drift(missed, link), cardinality=_cardinality(store, now_w, prev_w, link),
-        affinity=_affinity(store, now_w, prev_w, link), ttl=_ttl(store, now_w),
+        drift=_drift(missed, link, gpu_hour_price), cardinality=_cardinality(store, now_w, prev_w, link),
+        affinity=_affinity(store, now_w, prev_w, link), ttl=_ttl(store, now_w, missed, gpu_hour_price),
         data_quality=_data_quality(store, now_w),
         series=_series(store, since, until, bucket, headline),
         previous_series=_series(store, prev, since, bucket, headline),
@@ -392,12 +391,17 @@ def _per_tenant(df: pl.DataFrame) -> pl.DataFrame:
         pl.when(pl.col("gpu_seconds").null_count() == 0).then(pl.col("gpu_seconds").sum()).alias("gpu_seconds"))
 
 
-def _drift(missed: _Missed, link: _Links) -> tuple[DriftEvent, ...]:
+def _money(gpu_seconds: float | None, price: float) -> float | None:
+    return gpu_seconds / 3600 * price if gpu_seconds is not None and price > 0 else None
+
+
+def _drift(missed: _Missed, link: _Links, price: float) -> tuple[DriftEvent, ...]:
     before = {(r["tenant_id"], r["sub_cause"]) for r in missed.before.iter_rows(named=True)
               if r["cause"] == attribution.PREFIX_DRIFT}
     out = [DriftEvent(tenant_id=r["tenant_id"], sub_cause=r["sub_cause"], missed_tokens=int(r["missed_tokens"]),
                       requests=int(r["requests"]),
-                      link=link("miss_causes", tenant=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"]))
+                      link=link("miss_causes", tenant=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"]),
+                      gpu_seconds=r["gpu_seconds"], money=_money(r["gpu_seconds"], price))
            for r in missed.now.iter_rows(named=True)
            if r["cause"] == attribution.PREFIX_DRIFT and (r["tenant_id"], r["sub_cause"]) not in before]
     return tuple(sorted(out, key=lambda d: (-d.missed_tokens, d.tenant_id, d.sub_cause)))
@@ -443,14 +447,18 @@ def _affinity(store: Any, now_w: dict[str, str], prev_w: dict[str, str], link: _
     return tuple(sorted(out, key=lambda d: (d.change_pp, d.pod)))
 
 
-def _ttl(store: Any, now_w: dict[str, str]) -> TtlAdvice | None:
+def _ttl(store: Any, now_w: dict[str, str], missed: _Missed, price: float) -> TtlAdvice | None:
     df = store.named("turn_gaps", now_w)
     if df.is_empty():
         return None
     r = df.row(0, named=True)
+    evicted = [x["gpu_seconds"] for x in missed.now.iter_rows(named=True)
+               if (x["cause"], x["sub_cause"]) == (attribution.EVICTED, attribution.EVICTED_BEFORE_NEXT_TURN)]
+    gpu = _sum_or_none(evicted) if evicted else (0.0 if r["evicted_missed_tokens"] == 0 else None)
     return TtlAdvice(next_turns=int(r["next_turns"]), gap_p50_ms=r["gap_p50_ms"], hold_ms=r["gap_p90_ms"],
                      gap_max_ms=r["gap_max_ms"], evicted_before_next_turn=int(r["evicted_before_next_turn"]),
-                     evicted_missed_tokens=int(r["evicted_missed_tokens"]), evicted_gap_p50_ms=r["evicted_gap_p50_ms"])
+                     evicted_missed_tokens=int(r["evicted_missed_tokens"]), evicted_gap_p50_ms=r["evicted_gap_p50_ms"],
+                     evicted_gpu_seconds=gpu, evicted_money=_money(gpu, price))
 
 
 def _data_quality(store: Any, now_w: dict[str, str]) -> tuple[DataQualityWarning, ...]:

@@ -27,6 +27,7 @@ from email.utils import formatdate, make_msgid
 from dashboard import causes, digest_charts, findings, untrusted
 from dashboard.digest import Digest, TenantLoss
 from dashboard.digest_charts import compact
+from kvscope.durations import human
 
 MINUS = "\u2212"
 #: How a pod without a name reads.
@@ -108,17 +109,8 @@ def money(x: float | None, currency: str) -> str:
 
 
 def duration(ms: float | None) -> str:
-    """"850 ms", "2.1 s", "4.5 min", "3.5 h"; None → "–"."""
-    if ms is None:
-        return "–"
-    s = ms / 1000
-    if s < 1:
-        return f"{ms:.0f} ms"
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
+    """"850 ms", "2.1 s", "4.5 min", "3.5 h" (kvscope.durations.human); None → "–"."""
+    return human(None if ms is None else ms / 1000)
 
 
 def span(d: Digest) -> str:
@@ -214,22 +206,33 @@ def _tenant_item(d: Digest, t: TenantLoss) -> tuple[str, ...]:
         return (head, "None of its misses has a fix: they are cold starts (or prefixes seen too long ago), new "
                       "content or partial blocks.", *worth)
     out = [head, f"Dominant cause: {f.label}, {pct(f.share_of_tenant_missed, 0)} of this tenant's missed tokens "
-                 f"({f.missed_tokens:,} tokens in {plural(f.requests, 'request')}).",
+                 f"({f.missed_tokens:,} tokens in {plural(f.requests, 'request')}{_cost(f.gpu_seconds, f.money, d)}).",
            f"Fix ({pct(f.share_of_tenant_missed, 0)} of this tenant's misses): {f.fix}"]
     if f.evidence is not None:
         out.append(f"Evidence: {f.evidence.text()}.")
     return (*out, *worth)
 
 
+def _cost(gpu_seconds: float | None, amount: float | None, d: Digest) -> str:
+    """", 0.062 GPU-s, 0.01 USD" to follow a token count ('' when no pod measured prefill time)."""
+    if gpu_seconds is None:
+        return ""
+    return f", {gpu(gpu_seconds)}" + (f", {money(amount, d.currency)}" if amount is not None else "")
+
+
 def _drift(d: Digest) -> Section:
     title = "New prefix drift"
     if not d.drift:
         return Section(title, ("None: no tenant's prompt started changing in a new segment.",))
+    with_money = any(x.money is not None for x in d.drift)
     rows = tuple((Cell(untrusted.tenant(x.tenant_id), link=x.link),
                   Cell(x.sub_cause, swatch=causes.color("prefix_drift", x.sub_cause)),
-                  Cell(f"{x.missed_tokens:,}"), Cell(f"{x.requests:,}")) for x in d.drift)
+                  Cell(f"{x.missed_tokens:,}"), Cell(gpu(x.gpu_seconds).removesuffix(" GPU-s")),
+                  *([Cell(money(x.money, d.currency))] if with_money else []),
+                  Cell(f"{x.requests:,}")) for x in d.drift)
+    cols = ("tenant", "changed segment", "missed tokens", "GPU-s", *([d.currency] if with_money else []), "requests")
     return Section(title, ("Tenants whose prompt changed in a segment that did not drift in the previous period.",),
-                   table=Table(("tenant", "changed segment", "missed tokens", "requests"), rows, frozenset({2, 3})),
+                   table=Table(cols, rows, frozenset(range(2, len(cols)))),
                    link=d.links.get("miss_causes", ""))
 
 
@@ -275,7 +278,8 @@ def _ttl(d: Digest) -> Section:
     if t.evicted_before_next_turn:
         share = pct(t.evicted_before_next_turn / t.next_turns, 0)
         paras.append(f"{plural(t.evicted_before_next_turn, 'next turn')} ({share}) "
-                     f"found their prefix evicted, {t.evicted_missed_tokens:,} missed tokens; their median wait was "
+                     f"found their prefix evicted, {t.evicted_missed_tokens:,} missed tokens"
+                     f"{_cost(t.evicted_gpu_seconds, t.evicted_money, d)}; their median wait was "
                      f"{duration(t.evicted_gap_p50_ms)}, so the pods held prefixes for less than that.")
     else:
         paras.append("None of them found its prefix evicted: the pods held prefixes long enough.")

@@ -22,6 +22,7 @@ import polars as pl
 
 from dashboard import causes, untrusted
 from dashboard.untrusted import shown
+from kvscope.durations import human
 
 #: A finding must explain at least this share of all missed tokens in the window (smaller ones are noise).
 MIN_SHARE = 0.01
@@ -40,6 +41,23 @@ SEGMENT_WORDS = {"system": "system prompt", "tools": "tool schemas", "retrieval"
 def gpu_seconds_text(x: float) -> str:
     """GPU-seconds with sensible precision: "1,234", "12.3", "0.062"."""
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.3f}"
+
+
+def cost_text(gpu_seconds: float | None, money: float | None = None, currency: str = "") -> str:
+    """What missed tokens cost, for beside their count: "0.062 GPU-s", "340 GPU-s · 0.19 USD" (money when given),
+    "–" when no pod measured its prefill time."""
+    if gpu_seconds is None:
+        return "–"
+    out = f"{gpu_seconds_text(gpu_seconds)} GPU-s"
+    return out + (f" · {money:,.2f} {currency}" if money is not None else "")
+
+
+def with_money(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
+    """``df`` (with a ``gpu_seconds`` column, e.g. named query ``miss_causes``) plus ``money`` = gpu_seconds / 3600
+    × ``gpu_hour_price`` (None when the price is 0 or the GPU-seconds are unknown)."""
+    if gpu_hour_price > 0:
+        return df.with_columns((pl.col("gpu_seconds").cast(pl.Float64) / 3600 * gpu_hour_price).alias("money"))
+    return df.with_columns(pl.lit(None, pl.Float64).alias("money"))
 
 
 @dataclass(frozen=True)
@@ -71,7 +89,7 @@ class Evidence:
             out += (f"; its predecessor {shown(self.predecessor_request_id)} ran on "
                     f"{shown(self.predecessor_pod, empty='an unknown pod')}")
             if self.gap_ms is not None:
-                out += f" {_duration(self.gap_ms / 1000)} before"
+                out += f" {human(self.gap_ms / 1000)} before"
         return out
 
 
@@ -264,10 +282,7 @@ def _decorate(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
     if df.is_empty():
         return df.with_columns(pl.lit(None, pl.Float64).alias("money"), pl.lit("").alias("label"),
                                pl.lit(False).alias("actionable"))
-    price = gpu_hour_price if gpu_hour_price > 0 else None
-    return df.with_columns(
-        (pl.col("gpu_seconds").cast(pl.Float64) / 3600 * price).alias("money") if price
-        else pl.lit(None, pl.Float64).alias("money"),
+    return with_money(df, gpu_hour_price).with_columns(
         pl.struct("cause", "sub_cause").map_elements(lambda s: causes.label(s["cause"], s["sub_cause"]),
                                                      return_dtype=pl.String).alias("label"),
         pl.struct("cause", "sub_cause").map_elements(lambda s: causes.actionable(s["cause"], s["sub_cause"]),
@@ -293,12 +308,3 @@ def _utc(t: datetime) -> datetime:
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
-def _duration(seconds: float) -> str:
-    """ "850 ms", "2.1 s", "4 min", "3.5 h"."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

@@ -71,6 +71,8 @@ SETTINGS: list[Setting] = [
     Setting("metrics_port", 0, "Port serving kvscope's own Prometheus metrics (/metrics); 0 = off", int),
     Setting("gpu_hour_price", 0.0, "Price of one GPU-hour, for the money a miss costs (GPU-seconds x price / 3600); "
             "0 = show GPU-seconds only", float),
+    Setting("kv_bytes_per_token", 0.0, "KV-cache bytes per token for the Agent TTL retention cost when a pod's "
+            "vllm:cache_config_info lacks kv_cache_memory_bytes / kv_cache_size_tokens; 0 = unknown", float),
     Setting("currency", "USD", "Currency code of gpu_hour_price, shown beside money"),
     Setting("dashboard_url", "", "The dashboard's address as readers reach it (e.g. https://kvscope.example.com), "
             "for drill-down links in the digest and alerts; '' = no links"),
@@ -125,6 +127,7 @@ class Config:
     log_level: str
     metrics_port: int
     gpu_hour_price: float
+    kv_bytes_per_token: float
     currency: str
     dashboard_url: str
     smtp_host: str

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from prometheus_client import REGISTRY
 from streamlit.testing.v1 import AppTest
 
-from dashboard import causes, data
+from dashboard import causes, data, findings
 from dashboard.alert_delivery import Notifier
 from dashboard.alert_rules import BUILTIN_RULES_TOML, AlertRulesError, builtin_rules, load_rules, parse_rules
 from dashboard.alerts import FIRING, OK, current_states, run_once
@@ -256,6 +256,10 @@ def test_timestamp_first_fires_cause_share_once_and_resolves(store: Store, tmp_p
     assert ev["request_id"] == example["request_id"][0]
     assert body["text"].startswith("*[FIRING] drift (critical)*\nglobex: ")
     assert "Move the volatile value" in body["text"] and ev["request_id"] in body["text"]
+    # the cause's tokens with their cost beside them (GPU-seconds as miss_causes prices them; none measured here)
+    assert (ev["missed_tokens"], ev["gpu_seconds"]) == (volatile["missed_tokens"].sum(), volatile["gpu_seconds"][0])
+    cost = "" if ev["gpu_seconds"] is None else f", {findings.cost_text(ev['gpu_seconds'])}"
+    assert f"\nMissed: {ev['missed_tokens']:,} tokens of prefix_drift / volatile_system{cost}.\n" in body["text"]
     assert body["dashboard_url"].startswith("http://kvscope.test/miss_causes?from=")
     assert "tenant=globex&cause=prefix_drift&sub_cause=volatile_system" in body["dashboard_url"]
     assert body["status"] == "firing" and body["labels"]["alertname"] == "drift"
@@ -448,3 +452,25 @@ def test_alert_state_query_and_the_alerts_page(store: Store) -> None:
         assert "**vllm_scrape_silent** · :green[ok] since 2026-11-29 12:00:00" in text
     finally:
         data.register_store(None)
+
+
+def test_a_cause_notice_says_its_tokens_and_their_cost() -> None:
+    """8,512 missed tokens costing 0.6934 GPU-s: "0.693 GPU-s"; at 36,000 EUR per GPU-hour 0.6934 / 3600 × 36,000 =
+    6.93 EUR beside them, in the Slack text and the email; without a price no money; without a measurement no
+    cost at all."""
+    from dashboard.alert_delivery import email_message, payload, summary_lines
+    from dashboard.alerts import Evaluation
+
+    now = datetime(2026, 12, 1, 4, 7, tzinfo=UTC)
+    rule = parse_rules(BUILTIN_RULES_TOML, "builtin")[0]
+    evidence = {"tenant": "globex", "cause": "prefix_drift", "sub_cause": "volatile_system", "missed_tokens": 8512,
+                "gpu_seconds": 0.6934}
+    ev = Evaluation(rule, FIRING, 91.1, "globex: 91.1 % of its missed tokens", evidence, now, now, now,
+                    changed_at=now, notice="firing")
+    line = "Missed: 8,512 tokens of prefix_drift / volatile_system, 0.693 GPU-s"
+    assert f"{line} · 6.93 EUR." in payload(ev, gpu_hour_price=36000, currency="EUR")["text"].split("\n")
+    assert f"{line} · 6.93 EUR." in email_message(ev, ["a@example.com"], gpu_hour_price=36000,
+                                                  currency="EUR").get_content()
+    assert f"{line}." in summary_lines(ev)
+    unmeasured = Evaluation(rule, FIRING, 91.1, "m", {**evidence, "gpu_seconds": None}, now, now, now, now, "firing")
+    assert "Missed: 8,512 tokens of prefix_drift / volatile_system." in summary_lines(unmeasured)

@@ -328,3 +328,15 @@ def test_a_predecessor_beyond_the_horizon_is_named_and_shown(store):
     assert "1 h 59 min old" in text and "**beyond_horizon**" in text
     affinity = store.query_rows("SELECT sum(with_predecessor) FROM affinity_1m")[0][0]
     assert affinity == 0
+
+
+def test_a_pod_without_cache_config_takes_the_block_size_its_kv_events_declare(store):
+    """vLLM's BlockStored carries block_size: a pod whose /metrics were never scraped (or lack
+    cache_config_info) is attributed at its real block size, not the default 16; cache_config_info wins."""
+    insert_block_size(store, "pod-a", 32, T0)
+    now = datetime.now(UTC)
+    rows = [(f"e{i}", now - timedelta(minutes=5 - i), pod, "0", i + 1, 0, "BlockStored", [i + 1], None, size, size,
+             "GPU") for i, (pod, size) in enumerate((("pod-c", 16), ("pod-c", 64), ("pod-a", 128)))]
+    store.insert("kv_block_events", rows, ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type",
+                                           "block_hashes", "parent_block_hash", "token_count", "block_size", "medium"])
+    assert attribution_job.block_sizes(store) == {"pod-a": 32, "pod-c": 64}

@@ -23,8 +23,8 @@ from streamlit.testing.v1 import AppTest
 from dashboard import causes, charts, data, status
 from dashboard import causes as causes_module
 from ingest.store import Store
+from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, load_fixture
 from tests.fixture_data import at as fixture_time
-from tests.fixture_data import load_fixture
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = [
@@ -35,6 +35,7 @@ PAGES = [
     "views/pods.py",
     "views/vllm.py",
     "views/data_quality.py",
+    "views/ttl.py",
     "views/adhoc_sql.py",
 ]
 
@@ -253,7 +254,9 @@ def test_tenants_say_whether_cache_work_pays_and_link_to_their_requests(fixture_
     assert "**acme**: cache work pays. long repeated prefixes: 752 stable tokens" in cards[0]
     assert "**initech**: little to gain from cache work." in cards[2]
     captions = [c.value.replace("\\", "") for c in at.caption if "Fix first" in c.value]
-    assert captions[0].startswith("Fix first: routed_away (46 % of its missed tokens): Route each conversation")
+    # its cost beside its tokens: 768 tokens on pod-b, at the fleet's (pod-a's) 0.139662678 s / 1715 tokens
+    assert captions[0].startswith("Fix first: routed_away (46 % of its missed tokens, 768 tokens, 0.063 GPU-s): "
+                                  "Route each conversation")
     links = {p.proto.label: p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"}
     assert links["Requests of globex that missed"] == "range=all&tenant=globex"
 
@@ -268,8 +271,12 @@ def test_miss_causes_and_drill_down(fixture_store: Store) -> None:
         "cold",
         "36.0%",
     )
+    # cost beside tokens: all 3,110 missed tokens at pod-a's measured 0.139662678 s / 1715 tokens (pod-b, which
+    # measured nothing, takes the fleet's rate: pod-a's)
+    assert m["Re-compute cost"] == "0.253 GPU-s"
     causes = at.dataframe[0].value
     assert set(causes["cause"]) == {"cold", "prefix_drift", "routed_away", "unavoidable", "below_block"}
+    assert causes["gpu_seconds"].sum() == pytest.approx(3110 * PREFILL_SECONDS_PER_TOKEN)
     assert len(at.dataframe[1].value) == 16  # every (request, cause) row
     at.selectbox(key="miss_cause").select("prefix_drift / tools_reordered").run()
     assert_clean(at)
@@ -764,3 +771,47 @@ def test_model_filter(fixture_store: Store) -> None:
     assert metrics(at)["Token-weighted hit rate (vLLM)"] == "50.96%"
     at = url_app(fixture_store, {"range": "all", "model": "another"})
     assert [i.value for i in at.info][0].startswith(charts.NO_DATA_IN_WINDOW)
+
+
+def test_agent_ttl_page(chdb_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Agent TTL page on the scenario of tests/ttl_data.py (figures derived in tests/test_ttl_queries.py): 5
+    next turns with a known cached count on their previous turn's pod, 3 survived; 960 + 736 tokens evicted,
+    costing 960·1e-4 + 736·5e-5 = 0.1328 GPU-s, 1.33 USD at 36,000 USD per GPU-hour; one survival line per
+    tenant/model; the hold-time table for 50/90/99 % (10 s, 2 min, 2 min)."""
+    from dashboard import fix_first
+    from tests import ttl_data
+
+    s = Store.open(data_dir=chdb_dir, database=f"dash_ttl_{uuid.uuid4().hex[:8]}")
+    s.migrate()
+    ttl_data.load(s)
+    monkeypatch.setenv("KVSCOPE_GPU_HOUR_PRICE", "36000")
+    monkeypatch.setenv("KVSCOPE_KV_BYTES_PER_TOKEN", "2048")
+    fix_first.gpu_hour_price.cache_clear()
+    try:
+        at = app(s)
+        at.switch_page("views/ttl.py").run()
+        assert_clean(at)
+        m = metrics(at)
+        assert (m["Next turns"], m["Prefix survived the wait"], m["Tokens evicted before the next turn"]) == (
+            "5", "60.0%", "1,696")
+        assert m["Re-compute cost of those tokens"] == "0.133 GPU-s · 1.33 USD"
+        fig = figure(at, "ttl_survival")
+        lines = {t["name"]: points(t) for t in fig["data"]}
+        assert lines == {"agentco / tiny": {"<1s": 1.0, "1-5s": 1.0, "5-15s": 0.0, "1-5m": 0.0},
+                         "chatco / tiny": {"15-60s": 1.0}}
+        (bars,) = figure(at, "ttl_evicted")["data"]
+        assert values(bars["x"]) == ["<1s", "1-5s", "5-15s", "15-60s", "1-5m"]  # by gap, every bucket with turns
+        assert points(bars) == {"<1s": 0, "1-5s": 0, "5-15s": 960, "15-60s": 0, "1-5m": 736}
+        assert bars["marker"]["color"] == causes.color("evicted", "evicted_before_next_turn")
+        assert values(bars["text"])[2:5:2] == ["960 tokens · 0.096 GPU-s · 0.96 USD",
+                                               "736 tokens · 0.037 GPU-s · 0.37 USD"]
+        hold = table(at, "hold time")
+        assert hold["hold time"].tolist() == ["10 s", "2 min", "2 min"]
+        assert hold["warm turns"].tolist() == ["3 of 6", "6 of 6", "6 of 6"]
+        assert hold["bytes per run"].tolist() == ["1.0 MiB"] * 3  # (2420·1024 + 1960·2048) / 6 = 1,082,027 B
+        assert hold["block-seconds taken"].tolist() == ["1,013", "3,705", "3,705"]
+        runs = table(at, "run_id")
+        assert runs["run_id"].tolist() == ["run-2", "run-1", "conv-1"]
+        assert runs["cache_retained_bytes"].tolist() == ["2.0 MiB", "760.0 KiB", "800.0 KiB"]
+    finally:
+        fix_first.gpu_hour_price.cache_clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import email
+import html
 import ipaddress
 import json
 import re
@@ -30,7 +31,7 @@ from click.testing import CliRunner
 
 from dashboard import causes, findings
 from dashboard.digest import gather, parse_duration, period
-from dashboard.digest_render import render
+from dashboard.digest_render import gpu, money, render
 from dashboard.mail import MailSettings, send
 from ingest.store import Store
 from kvscope.cli import main
@@ -145,6 +146,15 @@ def test_drift_cardinality_affinity_ttl_and_data_quality(two: Store) -> None:
     assert t is not None
     assert (t.next_turns, t.gap_p50_ms, t.hold_ms, t.gap_max_ms) == (10, 40000.0, 70000.0, 90000.0)
     assert (t.evicted_before_next_turn, t.evicted_missed_tokens, t.evicted_gap_p50_ms) == (2, 960, 60000.0)
+    # cost beside tokens: the evicted tokens' and each new drift's GPU-seconds, as miss_causes prices them
+    causes_now = {(r["tenant_id"], r["cause"], r["sub_cause"]): r
+                  for r in rows(two, "miss_causes", SINCE, UNTIL, by_tenant="1")}
+    evicted = [r for k, r in causes_now.items() if k[1:] == ("evicted", "evicted_before_next_turn")]
+    assert sum(r["missed_tokens"] for r in evicted) == 960
+    assert t.evicted_gpu_seconds == pytest.approx(sum(r["gpu_seconds"] for r in evicted)) and t.evicted_gpu_seconds > 0
+    assert t.evicted_money is None  # no price given
+    assert [x.gpu_seconds for x in d.drift] == [causes_now[(x.tenant_id, "prefix_drift", x.sub_cause)]["gpu_seconds"]
+                                                for x in d.drift]
     [tg] = rows(two, "turn_gaps", SINCE, UNTIL)
     assert (tg["next_turns"], tg["gap_p90_ms"]) == (t.next_turns, t.hold_ms)
     dq = [r for r in rows(two, "data_quality", SINCE, UNTIL) if r["likely_cause"] != "agree"]
@@ -215,9 +225,17 @@ def test_the_message_says_the_figures_in_both_parts(two: Store) -> None:
         assert "prefix_drift / volatile_system" in body and "evicted / evicted_before_next_turn" in body
         assert "Fix (71 % of this tenant's misses): Move the volatile value" in body
         assert f"Evidence: {umbrella.finding.evidence.text()}." in body  # type: ignore[union-attr]
-        assert "request u-4 on pod-a missed 608 tokens" in body and "predecessor u-3 ran on pod-a 1 min before" in body
+        assert "request u-4 on pod-a missed 608 tokens" in body
+        assert "predecessor u-3 ran on pod-a 1.2 min before" in body
         assert "umbrella" in body and "system prompt" in body and "pod-b" in body
         assert "1.2 min" in body  # the hold time that keeps 90 % of next turns warm (70 s)
+        ttl_cost = f"960 missed tokens, {gpu(d.ttl.evicted_gpu_seconds)}, {money(d.ttl.evicted_money, 'EUR')};"
+        shown = html.unescape(body)  # "<0.01 EUR" is "&lt;0.01 EUR" in the HTML part
+        assert ttl_cost in shown  # type: ignore[union-attr]
+        assert money(d.drift[0].money, "EUR") in shown  # the new drift table's cost column
+        f = umbrella.finding
+        assert (f"({f.missed_tokens:,} tokens in {f.requests} requests, {gpu(f.gpu_seconds)}, "  # type: ignore[union-attr]
+                f"{money(f.money, 'EUR')})") in shown  # type: ignore[union-attr]
         assert "window_edge" in body
         assert umbrella.worth is not None and f"{'; '.join(umbrella.worth.reasons)}." in body
     assert umbrella.link in p["text"] and umbrella.link.replace("&", "&amp;") in p["html"]

@@ -228,6 +228,7 @@ PAGES = {
     "pods": ("pods", ".st-key-pod_hit_rate .js-plotly-plot"),
     "vllm": ("vllm", ".st-key-vllm_prompt_tokens_per_s .js-plotly-plot"),
     "data_quality": ("data_quality", "[data-testid='stMain'] [data-testid='stAlert']"),
+    "ttl": ("ttl", ".st-key-ttl_survival .js-plotly-plot, .st-key-ttl_empty [data-testid='stAlert']"),
     "adhoc_sql": ("adhoc_sql", ".st-key-sql_run button"),
 }
 FIGURES = {"overview": ["hit_rate", "where_missed"], "tenants": ["tenant_bars"], "miss_causes": ["cause_bars"],

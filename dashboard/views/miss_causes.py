@@ -12,7 +12,7 @@ import polars as pl
 import streamlit as st
 
 from dashboard import causes as vocabulary
-from dashboard import charts, data, request_detail
+from dashboard import charts, data, findings, fix_first, request_detail
 
 st.header("Miss causes")
 st.caption(
@@ -110,6 +110,11 @@ def drill_down(f: data.Filters, causes: pl.DataFrame) -> None:
         request_detail.render(request_id, f)
 
 
+def _total(values: pl.Series) -> float | None:
+    """The sum of a cost column, None when any row's cost is unknown (no prefill measurement)."""
+    return None if values.is_empty() or values.null_count() else float(values.sum())
+
+
 def render(f: data.Filters) -> None:
     if not data.has_data():
         charts.no_data()
@@ -127,7 +132,9 @@ def render(f: data.Filters) -> None:
     causes = label(causes)
     total = int(causes["missed_tokens"].sum())
     top = causes.row(0, named=True)
-    cols = st.columns([1, 1.8, 1])  # room for the longest sub-cause, evicted_before_next_turn
+    price, currency = fix_first.gpu_hour_price()
+    causes = findings.with_money(causes, price)
+    cols = st.columns([1, 1.8, 1, 1])  # room for the longest sub-cause, evicted_before_next_turn
     cols[0].metric("Missed tokens", charts.count(total))
     cols[1].metric(  # the sub-cause says most; its cause goes under it
         "Largest cause",
@@ -138,6 +145,9 @@ def render(f: data.Filters) -> None:
         help=f"{top['label']}: {charts.count(top['missed_tokens'])} missed tokens",
     )
     cols[2].metric("Its share of missed tokens", charts.pct(top["share_of_missed"], 1))
+    cols[3].metric("Re-compute cost", findings.cost_text(_total(causes["gpu_seconds"]), _total(causes["money"]),
+                                                         currency),
+                   help="GPU-seconds of prefill the missed tokens cost (docs/miss-causes.md, Cost of a miss)")
     charts.bars(
         causes.sort("missed_tokens"),
         "label",
@@ -148,11 +158,11 @@ def render(f: data.Filters) -> None:
         horizontal=True,
         key="cause_bars",
     )
-    charts.table(
-        causes.select(["cause", "sub_cause", "missed_tokens", "share_of_missed", "requests"]),
-        percent_cols=["share_of_missed"],
-        key="cause_table",
-    )
+    columns = ["cause", "sub_cause", "missed_tokens", "share_of_missed", "gpu_seconds", "requests"]
+    if price > 0:
+        causes = causes.rename({"money": f"cost ({currency})"})
+        columns.insert(5, f"cost ({currency})")
+    charts.table(causes.select(columns), percent_cols=["share_of_missed"], key="cause_table")
     per_tenant = data.named("miss_causes", **f.params(), by_tenant=1)
     if not per_tenant.is_empty():
         per_tenant = label(per_tenant)

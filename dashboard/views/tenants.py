@@ -67,7 +67,7 @@ def worth(f: data.Filters) -> None:
     """Per tenant: does cache work pay (docs/fix-first.md), its dominant fix, and a link to its missed requests."""
     st.subheader("Does cache work pay?")
     since, until = fix_first.window(f)
-    price, _ = fix_first.gpu_hour_price()
+    price, currency = fix_first.gpu_hour_price()
     try:
         verdicts = findings.worth_it(data.get_store(), since, until, tenant=f.tenant, pod=f.pod, model=f.model)
         top = {x.tenant_id: x for x in findings.fix_first(data.get_store(), since, until, tenant=f.tenant, pod=f.pod,
@@ -87,8 +87,10 @@ def worth(f: data.Filters) -> None:
             who = charts.name(w.tenant_id, empty=untrusted.NO_TENANT)
             st.markdown(f"{icon} **{who}**: {verdict}. " + charts.plain("; ".join(w.reasons)))
             if finding is not None:
+                cost = findings.cost_text(finding.gpu_seconds, finding.money, currency)
                 st.caption(charts.plain(f"Fix first: {finding.label} ({finding.share_of_tenant_missed * 100:.0f} % of "
-                                        f"its missed tokens): {finding.fix}"))
+                                        f"its missed tokens, {finding.missed_tokens:,} tokens, {cost}): "
+                                        f"{finding.fix}"))
             st.page_link(fix_first.MISS_CAUSES_PAGE, label=f"Requests of {who} that missed",
                          icon=":material/arrow_forward:", query_params={**f.query(), "tenant": w.tenant_id})
 

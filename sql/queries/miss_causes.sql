@@ -8,7 +8,7 @@
 -- param: by_tenant: UInt8 = 0 | 1 = one row per (tenant, cause, sub_cause); 0 = tenants pooled (tenant_id '')
 -- returns: tenant_id String | tenant, or '' when by_tenant = 0
 -- returns: cause String | miss cause (docs/miss-causes.md): unavoidable, below_block, cold, beyond_horizon (the prefix was last seen longer ago than the attribution horizon), routed_away, evicted, prefix_drift, unknown, not_reported (the pod did not report the request's cached count: all its prompt tokens)
--- returns: sub_cause String | prefix_drift: the first segment that changed (volatile_system, system_changed, tools_reordered, tools_changed, rag_reordered, rag_changed, history_truncated); else as the attribution wrote it, often ''
+-- returns: sub_cause String | prefix_drift: the first segment that changed (volatile_system, system_changed, tools_reordered, tools_changed, rag_reordered, rag_changed, history_truncated); evicted: evicted_before_next_turn, or cache_reset (precise mode: the blocks left by an AllBlocksCleared or a vLLM restart); unknown: resident_at_arrival (precise mode: resident on the pod at arrival, missed all the same); else ''
 -- returns: missed_tokens UInt64 | missed prompt tokens explained by this cause, tokens (each missed token counted once)
 -- returns: share_of_missed Float64 | missed_tokens / all missed tokens in the window and filters (all rows of the result), fraction 0..1
 -- returns: requests UInt64 | distinct requests with missed tokens of this cause
@@ -18,21 +18,14 @@
 -- answer (a replaced answer cancels itself), so exact without FINAL. GPU-seconds: each pod's missed tokens times
 -- that pod's measured prefill seconds per computed prompt token over the same window, Δ vllm:request_prefill_time_seconds_sum /
 -- (Δ vllm:prompt_tokens_total − Δ vllm:prefix_cache_hits_total) (vLLM v1 metrics/loggers.py; docs/miss-causes.md,
--- "Cost of a miss"); a pod without its own measurement takes the fleet's rate (pods that have one, pooled).
+-- "Cost of a miss"): the view prefill_rate (sql/migrations/0021); a pod without its own measurement takes the
+-- fleet's rate (pods that have one, pooled).
 WITH
     cost AS
     (
-        SELECT CAST(pod AS String) AS pod_name,
-               sumIf(increase, name = 'vllm:request_prefill_time_seconds_sum') AS prefill_seconds,
-               sumIf(increase, name = 'vllm:prompt_tokens_total')
-                 - sumIf(increase, name IN ('vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total'))
-                 AS computed_tokens
-        FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1,
-                         names = ['vllm:request_prefill_time_seconds_sum', 'vllm:prompt_tokens_total',
-                                  'vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total'])
-        WHERE {model:String} = '' OR model_name = {model:String}
-        GROUP BY pod_name
-        HAVING prefill_seconds > 0 AND computed_tokens > 0
+        SELECT pod_name, prefill_seconds, computed_tokens
+        FROM prefill_rate(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
+                          model = {model:String})
     ),
     (SELECT if(count() > 0, sum(prefill_seconds) / sum(computed_tokens), NULL) FROM cost) AS fleet_seconds_per_token
 SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
