@@ -1,0 +1,267 @@
+"""The labelled run's traffic (tests/test_labelled_run.py): every miss cause built on purpose, sent through the
+reference gateway to a chosen pod, each request with the cause it was built to show (its label).
+
+Pods: pod-0 is the *evicting* pod (floods of unrelated long prompts go there); pod-1 sees little traffic and
+must evict nothing (the negative control). Phases, in time order:
+
+0. beyond_horizon firsts on pod-0 (cold); pod-1 controls and below_block prompts; routed_away pairs.
+A. On pod-0: eviction victims, chats whose second turn comes after the flood, an agent run's first two calls
+   (a short tool wait: the prefix stays warm, label none).
+B. The flood on pod-0: unrelated ~800-token prompts, more blocks than the pod holds, so every block stored on
+   pod-0 before it is evicted (vLLM's LRU free queue, vllm/v1/core/block_pool.py).
+C. Victims repeated on pod-0 (evicted), the chats' second turns and the agent's third call (the long tool wait
+   spanned the flood: evicted_before_next_turn).
+D. The demo workload's drift tenants (demo/workload.py Session: volatile header, reordered tool schemas, RAG
+   documents reordered, history truncated), every turn on pod-0, back to back.
+E. After a pause longer than the horizon chosen for attribution, beyond_horizon repeats on pod-1 (which never held
+   them; the flood evicted them from pod-0): nothing holds the prefix, only its age names the cause.
+
+Expected token splits (label ``expected_tokens``) are derived by hand from vLLM's reply only where the scenario
+fixes them: B = 32 tokens per block, P prompt tokens, C cached, L = ⌊(P − 1)/B⌋·B the most vLLM can hit
+(vllm/v1/core/kv_cache_manager.py: the last prompt token is always computed).
+- an identical prompt repeated where its blocks are gone (evicted, routed_away, beyond_horizon), C = 0:
+  L tokens of that cause, P − L unavoidable;
+- an identical prompt repeated on the pod that holds it (control), C = L: P − L unavoidable;
+- a prompt of at most one block (P − 1 < B): P − 1 below_block, 1 unavoidable.
+Where vLLM's reply contradicts the scenario (a repeat that hit when it should not), the mismatch is recorded in
+``Traffic.broken`` and the test reports it as a broken scenario, not as an attribution error.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from demo.workload import AGENT_TOOLS, TENANTS, Session, TenantSpec, system_prompt
+from ingest.labels import PATHOLOGY_CAUSES
+
+BLOCK = 32  # tokens per KV block (demo.fleet.VllmFleet default; the CPU backend wants a multiple of 32)
+MAX_TOKENS = 8
+FLOOD_PROMPTS = 8  # x ~27 blocks = ~216 block allocations > the 159 usable blocks of a pod (see the test)
+SEED = 9
+SHORT_WAIT_SECONDS = 0.5  # the agent's short tool wait
+LONG_WAIT_SECONDS = 5.0  # the agent's long tool wait (the flood runs within it)
+
+
+def hittable(prompt_tokens: int) -> int:
+    """L = ⌊(P − 1)/B⌋·B: the most prompt tokens vLLM can serve from its prefix cache."""
+    return (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def short_system(tenant: str) -> str:
+    """A ~170-token system prompt unique to ``tenant`` (the demo's first two paragraphs: ~6 blocks)."""
+    return "\n\n".join(system_prompt(SEED, tenant).split("\n\n")[:2])
+
+
+def long_system(tenant: str) -> str:
+    """The demo's ~800-token system prompt for ``tenant`` (~25 blocks)."""
+    return system_prompt(SEED, tenant)
+
+
+@dataclass
+class Sent:
+    """One request as sent and answered: the label fields, where it went, what vLLM reported."""
+
+    request_id: str
+    pod: str
+    tenant: str
+    scenario: str
+    cause: str
+    sub_cause: str
+    ts: datetime
+    predecessor: str | None  # the request this one was built to reuse (None: none)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    expected: list[dict[str, Any]] | None = None
+
+    def label(self, run_id: str) -> dict[str, Any]:
+        """The label line (ingest/labels.py) of this request."""
+        out: dict[str, Any] = {"request_id": self.request_id, "tenant_id": self.tenant, "run_id": run_id,
+                               "scenario": self.scenario, "cause": self.cause, "sub_cause": self.sub_cause,
+                               "ts": self.ts.isoformat(timespec="milliseconds").replace("+00:00", "Z")}
+        if self.expected is not None:
+            out["expected_tokens"] = self.expected
+        return out
+
+
+@dataclass
+class Traffic:
+    """Sends chat completions to ``gateways`` (pod name → URL of a gateway that routes to that pod only) and
+    records each request (:class:`Sent`). ``broken``: scenario preconditions vLLM's replies contradicted."""
+
+    gateways: dict[str, str]
+    client: httpx.Client
+    sent: list[Sent] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)
+
+    def send(self, pod: str, request_id: str, tenant: str, body: dict[str, Any], *, cause: str, sub_cause: str = "",
+             scenario: str = "", predecessor: str | None = None, expect: str = "",
+             headers: dict[str, str] | None = None) -> tuple[Sent, str]:
+        """POST ``body`` through pod's gateway; returns (the record, the reply text). ``expect``: "reuse",
+        "hit" or "below_block" to derive the expected split (module docstring). Raises AssertionError when the
+        request fails (the run cannot be judged without it)."""
+        hdrs = {"X-Request-Id": request_id, "X-Tenant-Id": tenant, **(headers or {})}
+        body = {"model": "tiny", "max_tokens": MAX_TOKENS, **body}
+        rec = Sent(request_id, pod, tenant, scenario or cause, cause, sub_cause, datetime.now(UTC), predecessor)
+        resp = self.client.post(self.gateways[pod] + "/v1/chat/completions", headers=hdrs, json=body)
+        assert resp.status_code == 200, (request_id, resp.status_code, resp.text[:300])
+        data = resp.json()
+        usage = data["usage"]
+        rec.prompt_tokens = usage["prompt_tokens"]
+        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        if expect:
+            rec.expected = self._expected(rec, expect)
+        self.sent.append(rec)
+        return rec, data["choices"][0]["message"].get("content") or ""
+
+    def _expected(self, rec: Sent, expect: str) -> list[dict[str, Any]] | None:
+        p, c, lim = rec.prompt_tokens, rec.cached_tokens, hittable(rec.prompt_tokens)
+        if expect == "reuse" and c == 0:
+            return [{"cause": rec.cause, "sub_cause": rec.sub_cause, "tokens": lim},
+                    {"cause": "unavoidable", "tokens": p - lim}]
+        if expect == "hit" and c == lim:
+            return [{"cause": "unavoidable", "tokens": p - lim}]
+        if expect == "below_block" and lim == 0:
+            return [{"cause": "below_block", "tokens": p - 1}, {"cause": "unavoidable", "tokens": 1}]
+        self.broken.append(f"{rec.request_id} ({expect}): prompt {p}, cached {c}, hittable {lim}")
+        return None
+
+    def chat(self, pod: str, rid: str, tenant: str, system: str, user: str, **kw: Any) -> tuple[Sent, str]:
+        """A one-turn chat: ``system`` then ``user``."""
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        return self.send(pod, rid, tenant, body, **kw)
+
+    def write_labels(self, path: Path, run_id: str) -> None:
+        """Every request's label as JSON lines (ingest/labels.py format)."""
+        path.write_text("".join(json.dumps(s.label(run_id)) + "\n" for s in self.sent))
+
+
+def two_turns(t: Traffic, pods: tuple[str, str], rid: str, tenant: str, *, cause: str, sub_cause: str = "",
+              send_second: bool = True) -> Any:
+    """A two-turn chat, turn 1 on pods[0] (cold), turn 2 on pods[1]; returns a function sending turn 2 when
+    ``send_second`` is False (to send it later)."""
+    system = short_system(tenant)
+    hdr = {"X-Conversation-Id": rid}
+    first, reply = t.chat(pods[0], f"{rid}-t1", tenant, system, "First question: what is due?", cause="cold",
+                          scenario=cause, headers=hdr)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "First question: what is due?"},
+                {"role": "assistant", "content": reply}, {"role": "user", "content": "And after that?"}]
+
+    def second() -> Sent:
+        return t.send(pods[1], f"{rid}-t2", tenant, {"messages": messages}, cause=cause, sub_cause=sub_cause,
+                      predecessor=first.request_id, headers=hdr)[0]
+    if send_second:
+        return second()
+    return second
+
+
+def repeat_pair(t: Traffic, pods: tuple[str, str], rid: str, tenant: str, *, cause: str, system: str = "",
+                sub_cause: str = "", expect: str = "reuse", send_second: bool = True) -> Any:
+    """One prompt sent on pods[0] (cold), then the identical prompt on pods[1] (``cause``), now or later."""
+    system = system or short_system(tenant)
+    first, _ = t.chat(pods[0], f"{rid}-a", tenant, system, "Summarize the policy.", cause="cold", scenario=cause)
+
+    def second() -> Sent:
+        return t.chat(pods[1], f"{rid}-b", tenant, system, "Summarize the policy.", cause=cause,
+                      sub_cause=sub_cause, predecessor=first.request_id, expect=expect)[0]
+    if send_second:
+        return second()
+    return second
+
+
+def agent_session(tenant: str) -> Session:
+    """The demo's agent run, with its tool schemas kept in one order (the demo reshuffles them per call to show
+    tools_reordered; here the run must only be cold, warm, then evicted)."""
+    session = Session(TenantSpec(tenant, "agent", "none", 1, (3, 3)), 0, SEED, id_prefix="lab-")
+    for turn in session.turns:
+        turn.tools = copy.deepcopy(AGENT_TOOLS)
+    return session
+
+
+def session_turn(t: Traffic, session: Session, turn: int, pod: str, cause: str, sub_cause: str = "",
+                 scenario: str = "") -> Sent:
+    """Send ``session``'s call ``turn`` (1-based) to ``pod`` with the given label, record the reply."""
+    headers, body = session.request(turn, datetime.now(UTC))
+    rid = headers.pop("X-Request-Id")
+    tenant = headers.pop("X-Tenant-Id")
+    pred = session.request_id(turn - 1) if turn > 1 else None
+    rec, reply = t.send(pod, rid, tenant, body, cause=cause, sub_cause=sub_cause, predecessor=pred,
+                        scenario=scenario or session.tenant.pathology, headers=headers)
+    session.record_reply(turn, reply)
+    return rec
+
+
+def drift_sessions(t: Traffic, pod: str) -> None:
+    """Phase D: the demo's drift tenants, each session's turns back to back on ``pod``; turn 1 is cold, later
+    turns take the demo's label (ingest.labels.PATHOLOGY_CAUSES). Each session is its own tenant (the demo's name
+    and the index), so a session's first request has no predecessor in another session."""
+    specs = {s.name: s for s in TENANTS}
+    plan = [("globex", 2), ("initech", 1), ("umbrella", 2), ("hooli", 1)]
+    for name, count in plan:
+        for index in range(count):
+            spec = dataclasses.replace(specs[name], name=f"{name}{index}")
+            session = Session(spec, index, SEED, id_prefix="lab-")
+            for turn in range(1, len(session.turns) + 1):
+                cause, sub = PATHOLOGY_CAUSES[session.label(turn)["pathology"]]
+                if turn == 1:
+                    cause, sub = "cold", ""
+                session_turn(t, session, turn, pod, cause, sub)
+
+
+def run_traffic(t: Traffic, pods: list[str]) -> float:
+    """Send the whole labelled run (module docstring); returns the horizon (seconds) to attribute it with:
+    longer than every built predecessor gap but the beyond_horizon ones, which are longer still."""
+    p0, p1 = pods
+    # phase 0
+    # first on pod-0, before the flood evicts it there; repeated on pod-1, which never held it: at the repeat no pod
+    # holds the prefix (else KV events would show routed_away or evicted), only its age names the cause
+    bh = [repeat_pair(t, (p0, p1), f"bh{i}", f"bh{i}", cause="beyond_horizon", send_second=False) for i in range(2)]
+    for i, (system, user) in enumerate([("", "Hi."), ("Be brief.", "Status?"), ("", "Thanks, bye.")]):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        t.send(p1, f"bb{i}", f"bb{i}", {"messages": messages}, cause="below_block", expect="below_block")
+    for i in range(2):
+        repeat_pair(t, (p1, p1), f"ctl{i}", f"ctl{i}", cause="none", expect="hit")
+    repeat_pair(t, (p0, p0), "ctl2", "ctl2", cause="none", expect="hit")
+    two_turns(t, (p1, p1), "ctlc0", "ctlc0", cause="none")
+    for i in range(3):
+        two_turns(t, (p1, p0), f"rac{i}", f"rac{i}", cause="routed_away")
+    for i in range(2):
+        repeat_pair(t, (p1, p0), f"rar{i}", f"rar{i}", cause="routed_away")
+    repeat_pair(t, (p0, p1), "rar2", "rar2", cause="routed_away")
+    # phase A
+    victims = [repeat_pair(t, (p0, p0), f"ev{i}", f"ev{i}", cause="evicted", send_second=False) for i in range(3)]
+    chats = [two_turns(t, (p0, p0), f"evc{i}", f"evc{i}", cause="evicted", sub_cause="evicted_before_next_turn",
+                       send_second=False) for i in range(2)]
+    agent = agent_session("agentco")
+    session_turn(t, agent, 1, p0, "cold", scenario="agent_ttl")
+    time.sleep(SHORT_WAIT_SECONDS)
+    second = session_turn(t, agent, 2, p0, "none", scenario="agent_ttl")
+    # phase B
+    for i in range(FLOOD_PROMPTS):
+        t.chat(p0, f"flood{i}", "flood", long_system(f"flood{i}"), f"Flood request {i}: list the steps.",
+               cause="cold", scenario="flood")
+    time.sleep(max(0.0, LONG_WAIT_SECONDS - (datetime.now(UTC) - second.ts).total_seconds()))
+    # phase C
+    for later in victims + chats:
+        later()
+    session_turn(t, agent, 3, p0, "evicted", "evicted_before_next_turn", scenario="agent_ttl")
+    # phase D
+    drift_sessions(t, p0)
+    # phase E: the horizon lies between the longest built gap and the beyond_horizon gap
+    by_id = {s.request_id: s for s in t.sent}
+    longest = max((s.ts - by_id[s.predecessor].ts).total_seconds() for s in t.sent if s.predecessor)
+    horizon = longest + 15.0
+    wait = (by_id["bh0-a"].ts - datetime.now(UTC)).total_seconds() + horizon + 15.0
+    if wait > 0:
+        time.sleep(wait)
+    for later in bh:
+        later()
+    return horizon
