@@ -14,7 +14,6 @@ by the collector.
 
 from __future__ import annotations
 
-import inspect
 import time
 import uuid
 from collections import Counter
@@ -46,8 +45,6 @@ CLASSES = {("none", ""), ("cold", ""), ("below_block", ""), ("routed_away", ""),
            ("evicted", "evicted_before_next_turn"), ("beyond_horizon", ""), ("prefix_drift", "volatile_system"),
            ("prefix_drift", "tools_reordered"), ("prefix_drift", "rag_reordered"),
            ("prefix_drift", "history_truncated")}
-#: run_attribution(..., kv_evidence=False) exists once precise mode lands; until then the comparison is skipped.
-KV_EVIDENCE = "kv_evidence" in inspect.signature(run_attribution).parameters
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +255,6 @@ def test_pod_that_evicted_nothing_never_shows_evicted(run) -> None:  # type: ign
     assert evicted == []
 
 
-@pytest.mark.skipif(not KV_EVIDENCE, reason="run_attribution has no kv_evidence parameter yet (precise mode)")
 def test_inferred_mode_is_marked_and_its_agreement_reported(run) -> None:  # type: ignore[no-untyped-def]
     """The same store attributed without KV evidence: every answer says it was inferred, the precise pass used
     KV events; per class, the share of requests whose dominant cause the two passes agree on (printed)."""
@@ -282,7 +278,6 @@ def test_inferred_mode_is_marked_and_its_agreement_reported(run) -> None:  # typ
     with (ARTIFACTS / "labelled-run.txt").open("a") as fh:
         fh.write("\n" + "\n".join(lines) + "\n")
     chains = run["store"].query_rows("SELECT countIf(notEmpty(prompt_block_hashes)) FROM gateway_requests")[0][0]
-    if not chains:  # precise mode needs the gateway's block chains (gateway.block_chain), else it is inferred
-        pytest.skip("the gateway logged no prompt block chain: the precise pass had no KV evidence to use")
+    assert chains, "the gateway logged no prompt block chain: the precise pass had no KV evidence to use"
     assert "kv_events" in set(precise["evidence"].values())
 
