@@ -107,12 +107,11 @@ def run(small_fleet, tiny_model_dir, chdb_dir, tmp_path_factory):  # type: ignor
     traffic.write_labels(labels, RUN_ID)
     loaded = load_labels(store, labels, run_id=RUN_ID)
     assert loaded.rows == len(traffic.sent) and not loaded.reasons, loaded
-    inferred = None
-    if KV_EVIDENCE:  # the same store without KV evidence first, then the precise answers that stay
-        run_attribution(store, settle_seconds=0.0, horizon_seconds=horizon, kv_evidence=False)  # type: ignore[call-arg]
-        inferred = snapshot(store)
-        store.command("TRUNCATE TABLE request_attribution")
-        store.command("TRUNCATE TABLE attribution_watermark")
+    # the same store without KV evidence first, then the precise answers that stay
+    run_attribution(store, settle_seconds=0.0, horizon_seconds=horizon, kv_evidence=False)
+    inferred = snapshot(store)
+    store.command("TRUNCATE TABLE request_attribution")
+    store.command("TRUNCATE TABLE attribution_watermark")
     run_attribution(store, settle_seconds=0.0, horizon_seconds=horizon)
     yield {"store": store, "traffic": traffic, "horizon": horizon, "seconds": seconds, "inferred": inferred,
            "precise": snapshot(store), "pods": [p.name for p in pods]}
@@ -204,11 +203,9 @@ def test_scenarios_happened_as_designed(run) -> None:  # type: ignore[no-untyped
 def test_per_cause_precision_and_recall(run) -> None:  # type: ignore[no-untyped-def]
     """Per class (cause, sub_cause): precision and recall >= 0.95, and the expected token splits exact; the
     table is printed and written to tests/artifacts/labelled-run.txt."""
-    mode = "with KV evidence" if KV_EVIDENCE else "current main: no kv_evidence parameter, inferred mode"
-    text = format_table(run["precise"], f"labelled run, {mode}") + mismatches(run, run["precise"])
-    if run["inferred"] is not None:
-        text += "\n\n" + format_table(run["inferred"], "the same store attributed without KV evidence")
-        text += mismatches(run, run["inferred"])
+    text = format_table(run["precise"], "labelled run, with KV evidence (precise mode)") + mismatches(run, run["precise"])
+    text += "\n\n" + format_table(run["inferred"], "the same store attributed without KV evidence")
+    text += mismatches(run, run["inferred"])
     print("\n" + text)
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "labelled-run.txt").write_text(text + "\n")
