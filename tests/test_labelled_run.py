@@ -203,7 +203,8 @@ def test_scenarios_happened_as_designed(run) -> None:  # type: ignore[no-untyped
 def test_per_cause_precision_and_recall(run) -> None:  # type: ignore[no-untyped-def]
     """Per class (cause, sub_cause): precision and recall >= 0.95, and the expected token splits exact; the
     table is printed and written to tests/artifacts/labelled-run.txt."""
-    text = format_table(run["precise"], "labelled run, with KV evidence (precise mode)") + mismatches(run, run["precise"])
+    text = format_table(run["precise"], "labelled run, with KV evidence (precise mode)")
+    text += mismatches(run, run["precise"])
     text += "\n\n" + format_table(run["inferred"], "the same store attributed without KV evidence")
     text += mismatches(run, run["inferred"])
     print("\n" + text)
