@@ -5,13 +5,14 @@ on hypothesis-drawn traffic that reaches the rarer rules (prompts shorter than o
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import polars as pl
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
-from test_attribution import random_requests, req
+from test_attribution import random_requests, random_structure, req
 
 from ingest import attribution as a
 from ingest.attribution_batch import judge_frame
@@ -67,6 +68,7 @@ def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
             rag_tokens=seg[2], history=draw(st.sampled_from(["", "h1", "h2"])),
             prev_history=draw(st.sampled_from(["", "h1"])), history_tokens=seg[3],
             suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
+            **random_structure(random.Random(draw(st.integers(0, 2**32)))),
         ))
         if i and draw(st.booleans()) and draw(st.booleans()):  # the same millisecond as an earlier request
             out[-1]["ts"] = out[draw(st.integers(0, i - 1))]["ts"]
