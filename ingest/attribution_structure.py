@@ -123,3 +123,12 @@ def suffix_chunks(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     drift = (j >= 0) & (2 * known_tokens >= window_tokens)
     sub = np.where(drift, np.where(same_set, RAG_REORDERED, RAG_CHANGED), "").astype(object)
     return shared, sub, np.where(drift, end, shared)
+
+
+def lines_match(df: pl.DataFrame) -> np.ndarray:
+    """Per row, whether a banded-key candidate is confirmed by the lines: the column-wise
+    :func:`ingest.attribution.lines_match` (same line count ≥ MIN_STRUCTURE_LINES, at most the allowed share
+    of lines differ, none included). Reads system_line_hashes, system_line_tokens and p_system_line_hashes."""
+    _, _, la, lb, (_, ndiff) = _compare(df, LINE_HASHES, LINE_TOKENS)
+    allowed = np.maximum(1, np.floor(la * VOLATILE_LINE_SHARE).astype(np.int64))
+    return (la == lb) & (la >= MIN_STRUCTURE_LINES) & (ndiff <= allowed)

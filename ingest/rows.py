@@ -20,9 +20,14 @@ GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "r
 GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "retrieval_tokens",
                "history_tokens", "suffix_tokens")
 
+#: The structural arrays (sql/migrations/0020): hashes stored as UInt64 (the log's hex), tokens as UInt32.
+GATEWAY_HASH_LISTS = ("system_line_hashes", "suffix_chunk_hashes")
+GATEWAY_INT_LISTS = ("system_line_tokens", "suffix_chunk_tokens")
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT, "prompt_tokens",
-                         "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms"),
+                         "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms",
+                         *GATEWAY_HASH_LISTS, *GATEWAY_INT_LISTS),
     "vllm_metrics": ("ts", "pod", "engine", "model_name", "name", "label", "value", "increase"),
     "vllm_cache_config": ("ts", "pod", "engine", "labels"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
@@ -42,12 +47,15 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
     holds them (absent fields already hold their "none" value). The record is read through that contract
     again because an envelope may come from any producer; raises ``BadRecord`` (a ContractViolation in
     :func:`rows_for`) when it breaks it. Token counts are stored OpenAI-inclusive
-    (:func:`collector.gateway_record.inclusive_usage`); ``cached_tokens`` None when not reported."""
+    (:func:`collector.gateway_record.inclusive_usage`); ``cached_tokens`` None when not reported; structural hashes
+    as UInt64 (int of the 16 hex characters)."""
     rec = record_from_builtins(p.record)
     prompt, cached = record_usage(rec)
     return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR), rec.stream,
             *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
-            rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms)
+            rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms,
+            *([int(x, 16) for x in getattr(rec, k)] for k in GATEWAY_HASH_LISTS),
+            *(list(getattr(rec, k)) for k in GATEWAY_INT_LISTS))
 
 
 def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
