@@ -84,7 +84,8 @@ def _prose_rules(obj: dict[str, Any]) -> bool:
         return False
     if not datetime(2000, 1, 1, tzinfo=UTC) <= moment < datetime(2100, 1, 1, tzinfo=UTC):
         return False
-    for hashes, tokens in (("system_line_hashes", "system_line_tokens"), ("suffix_chunk_hashes", "suffix_chunk_tokens")):
+    for hashes, tokens in (("system_line_hashes", "system_line_tokens"),
+                           ("suffix_chunk_hashes", "suffix_chunk_tokens")):
         if len(obj.get(hashes, [])) != len(obj.get(tokens, [])):
             return False
     cached = obj["cached_tokens"]
