@@ -12,7 +12,7 @@ The model, in three steps (one function each):
    of the same conversation, else of the same agent run; else the latest request of the same model with
    the same ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose
    prefix is the same modulo a nameable change (same normalized system prompt, canonical tools or
-   retrieval set).
+   retrieval set, or half of the system prompt's lines with the rest nearly equal: :func:`lines_match`).
 2. **Shared prefix and drift** (:func:`shared_prefix`): walk the segments [system][tools][retrieval]
    [history][suffix] in prompt order; the shared length S ends at the first segment whose raw hash differs,
    and that segment's variant hashes name the drift.
@@ -277,7 +277,10 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     gateway_requests.predecessor_keys (sql/migrations/0008):
     1. (tenant, model, conversation_id), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`;
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
-    4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`.
+    4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
+    7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
+    :data:`MIN_STRUCTURE_LINES` lines (sql/migrations/0020): :data:`VARIANT`, once :func:`lines_match` confirms
+    the candidate (:meth:`PredecessorIndex.candidates`).
     """
     tenant, model = _str(req, "tenant_id"), _str(req, "model")
     out: list[tuple[int, tuple[str, ...]]] = []

@@ -12,6 +12,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from test_attribution import random_structure
 
 from ingest import attribution, attribution_job
 from ingest.store import Store
@@ -191,10 +192,19 @@ def test_settle_leaves_the_newest_requests_for_the_next_run(store):
     assert run(store, settle_seconds=-60.0).arrivals == 4
 
 
+def structure_columns(drawn: dict[str, Any]) -> dict[str, Any]:
+    """tests/test_attribution.py random_structure's lines and chunks as gateway_requests stores them (UInt64)."""
+    return {attribution.LINE_HASHES: [int(h(x), 16) for x in drawn["lines"]],
+            attribution.LINE_TOKENS: drawn["line_tokens"],
+            attribution.CHUNK_HASHES: [int(h(x), 16) for x in drawn["chunks"]],
+            attribution.CHUNK_TOKENS: drawn["chunk_tokens"]}
+
+
 def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
     """Conversations, agent runs, shared fingerprints and variants, several pods, some failures, a third of the
-    cached counts not reported."""
+    cached counts not reported; system lines and message chunks (banded keys, structural drifts)."""
     rnd = random.Random(seed)
+    structure = random.Random(seed + 1000)  # a stream of its own: the other fields stay as they were drawn
     out = []
     for i in range(n):
         conv = rnd.choice(["", "c1", "c2", "c3"])
@@ -207,7 +217,8 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
                     "agent_run_id": rnd.choice(["", "", "run1"]),
                     "system_hash": h(rnd.choice(["s1", "s2", "s3"])), "system_norm_hash": h(rnd.choice(["n1", "n2"])),
                     "tools_canonical_hash": h(rnd.choice(["", "t1"])),
-                    "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"]))})
+                    "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"])),
+                    **structure_columns(random_structure(structure))})
         if rnd.random() < 0.3:  # same millisecond as another request: the tie-break must agree too
             out[-1]["ts"] = out[rnd.randrange(len(out))]["ts"]
     return out
