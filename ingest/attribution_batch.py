@@ -102,7 +102,7 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     w_out = np.where(other_kind, np.minimum(cap, off[:, HISTORY]), w_out)
 
     drifted = (first < HISTORY) | (hist & ~continues & prev_turn)
-    line_at, line_volatile = structure.system_lines(df)
+    line_at, line_volatile = _on_rows(df, has_pred & (first == 0), structure.system_lines, (0, False))
     var_eq[0] = var_eq[0] | line_volatile  # the system prompt's structure names a volatile change too
     d = np.minimum(cap, np.where(first == 0, _scaled(df, prompt, line_at),
                                  off[np.arange(n), np.minimum(first, HISTORY)]))
@@ -116,13 +116,23 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     # every stable segment equal, the suffix differs: its chunks (structure.suffix_chunks)
     in_suffix = (first == len(STABLE_SEGMENTS)) & ~suffix_eq
     stable, suffix = sum(_i(df, c) for c in _TOKENS[:HISTORY + 1]), _i(df, "suffix_tokens")
-    shared, rag, end = structure.suffix_chunks(df)
+    shared, rag, end = _on_rows(df, has_pred & in_suffix, structure.suffix_chunks, (0, "", 0))
     s_rag = np.minimum(cap, _scaled(df, prompt, stable + np.minimum(shared, suffix)))
     s_out = np.where(in_suffix, s_rag, s_out)
     w_out = np.where(in_suffix, np.maximum(s_rag, np.where(rag != "", _scaled(
         df, prompt, stable + np.minimum(end, suffix)), s_rag)), w_out)
     drift = np.where(in_suffix, rag, drift)
     return np.where(has_pred, s_out, 0), np.where(has_pred, drift, ""), np.where(has_pred, w_out, 0)
+
+
+def _on_rows(df: pl.DataFrame, mask: np.ndarray, rule, defaults: tuple) -> tuple[np.ndarray, ...]:
+    """``rule`` (a column-wise function of :mod:`ingest.attribution_structure`) computed on the rows of ``mask``
+    only (the structural rules matter only where the segment they read differs), ``defaults`` elsewhere."""
+    out = [np.full(len(df), d, dtype=object if isinstance(d, str) else type(d)) for d in defaults]
+    if mask.any():
+        for column, values in zip(out, rule(df.filter(pl.Series(mask))), strict=True):
+            column[mask] = values
+    return tuple(out)
 
 
 def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq: list[np.ndarray],
