@@ -309,7 +309,10 @@ def test_predecessors_beyond_the_horizon_agree_with_the_reference(store, lookbac
     shuffled = reqs[:]
     random.Random(6).shuffle(shuffled)
     for i in range(0, len(shuffled), 75):
-        insert_requests(store, [{**r, "ingested_at": INGESTED + timedelta(milliseconds=i)} for r in shuffled[i:i + 75]])
+        # stamped now, not at import: a module-level stamp falls behind the job's overlap window (300 s) when the
+        # tests before this one take longer than that, and the job then never picks the rows up
+        stamp = datetime.now(UTC) - timedelta(minutes=1)
+        insert_requests(store, [{**r, "ingested_at": stamp} for r in shuffled[i:i + 75]])
         run(store, chunk_size=40, **kw)
     assert sorted(r[:6] for r in attributed(store)) == expected
     kinds = dict(store.query_rows("SELECT request_id, predecessor_kind FROM request_attribution FINAL"))
