@@ -187,3 +187,32 @@ def test_the_reference_helpers_on_hand_made_lists():
     three = {a.LINE_HASHES: list("abXdeZYh"), a.LINE_TOKENS: [1] * 8}
     assert (a.lines_volatile(two, lines), a.lines_volatile(three, lines)) == (True, False)
     assert (a.lines_match(lines, lines), a.lines_volatile(lines, lines)) == (True, False)
+
+
+def test_the_stored_band_keys_follow_the_lines(store, tmp_path):
+    """Log lines through `kvscope import gateway-log` (the bulk path): hashes stored as UInt64; the
+    MATERIALIZED band keys (migration 0020) of two prompts that differ in line 1 share the tail key only, of a
+    prompt that differs in lines 1 and 6 share none, and a 2-line prompt has none."""
+    import json
+
+    from ingest.bulk import load_gateway_log
+
+    lines = [h(x) for x in BASE_LINES]
+
+    def line(rid: str, hashes: list[str]) -> str:
+        return json.dumps({"log_version": 1, "request_id": rid, "ts": "2026-11-29T12:00:00.000Z", "tenant_id": "acme",
+                           "model": "tiny", "status": 200, "prompt_tokens": 10, "cached_tokens": 0, "ttft_ms": 1.0,
+                           "e2e_ms": 2.0, "system_line_hashes": hashes, "system_line_tokens": [1] * len(hashes)})
+
+    path = tmp_path / "gw.jsonl"
+    path.write_text("\n".join([line("base", lines), line("one", with_line(1, h("x"), lines)),
+                               line("two", with_line(6, h("y"), with_line(1, h("x"), lines))),
+                               line("short", lines[:2])]) + "\n")
+    assert load_gateway_log(store, path).rows == 4
+    stored = dict(store.query_rows("SELECT request_id, system_line_hashes FROM gateway_requests"))
+    assert stored["base"] == [int(x, 16) for x in lines]
+    keys = {rid: {k["kind"]: k["key"] for k in ks} for rid, ks in store.query_rows(
+        "SELECT request_id, predecessor_keys FROM gateway_requests")}
+    assert set(keys["base"]) == {7, 8} and keys["short"] == {}
+    assert (keys["one"][7] != keys["base"][7], keys["one"][8] == keys["base"][8]) == (True, True)
+    assert keys["two"][7] != keys["base"][7] and keys["two"][8] != keys["base"][8]
