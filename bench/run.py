@@ -7,7 +7,11 @@ the real tables; the attribution job's rate and its memory; every named query's 
 filters; every dashboard page (Streamlit AppTest); stored bytes per request; and once: the gateway-log import
 rate beside the raw insert, bytes of vLLM series per pod-day. Then bench/collector.py and bench/gateway.py.
 
-Usage: ``python -m bench.run [--requests 1000000 10000000] [--quick] [--no-collector] [--no-gateway]``.
+Attribution with KV-event evidence (precise mode, bench/kv_history.py) at ``--kv-requests`` sizes, beside the same
+store attributed with the evidence off.
+
+Usage: ``python -m bench.run [--requests 1000000 10000000] [--kv-requests 1000000] [--quick] [--no-collector]
+[--no-gateway]``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS: list[tuple[str, str, str]] = []  # (figure, value, goal or alternative)
@@ -121,6 +128,57 @@ def bench_attribution(store: Any, n: int) -> None:
            "chDB's queries run in this process too")
     report(f"attribution, {n:,} requests: memory grown (MB)", f"{mem.grew / 1e6:,.0f}",
            "bounded by the chunk (10^5 requests), not the history (was 6,600 MB per 10^6)")
+
+
+def load_kv_history(store: Any, n: int) -> tuple[int, int]:
+    """Insert ``n`` generated requests with their block chains and their pods' KV events (bench/kv_history.py),
+    ending now; returns (requests, KV events) inserted."""
+    from bench.history import gateway_table
+    from bench.kv_history import block_chains, kv_events_table
+
+    chunk, end, events = 1_000_000, datetime.now(UTC), 0
+    for k, start in enumerate(range(0, n, chunk)):
+        size = min(chunk, n - start)
+        table = gateway_table(size, seed=k, end=end - timedelta(seconds=(n - start - size) / 500.0),
+                              id_prefix=f"b{k}")
+        chains, _ = block_chains(table)
+        table = table.append_column("prompt_block_hashes", chains).append_column(
+            "prompt_block_size", pa.array(np.full(size, 32), pa.uint32()))
+        kv = kv_events_table(table, chains, seed=k, id_prefix=f"kv{k}")
+        for i in range(0, size, 100_000):
+            store.insert_arrow("gateway_requests", table.slice(i, 100_000))
+        for i in range(0, kv.num_rows, 100_000):
+            store.insert_arrow("kv_block_events", kv.slice(i, 100_000))
+        events += kv.num_rows
+    return n, events
+
+
+def bench_attribution_kv(store_factory: Callable[[str], Any], n: int) -> None:
+    """Attribution with KV-event evidence (precise mode) on its own store; the same history without chains is
+    the plain attribution figure above."""
+    from ingest.attribution_job import run_attribution
+
+    label = f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
+    store = store_factory(f"kv_{label}".replace(".", "_"))
+    _, events = load_kv_history(store, n)
+    log_rows = store.query_rows("SELECT count() FROM kv_block_log")[0][0]
+    for evidence in (True, False):
+        if not evidence:
+            store.command("TRUNCATE TABLE request_attribution")
+            store.command("TRUNCATE TABLE attribution_watermark")
+        with PeakRss() as mem:
+            t, c = time.perf_counter(), time.process_time()
+            stats = run_attribution(store, settle_seconds=-60, kv_evidence=evidence)
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+        mode = "with KV evidence" if evidence else "same store, KV evidence off"
+        share = store.query_rows("SELECT countIf(evidence = 'kv_events') / count() FROM request_attribution "
+                                 "WHERE length(causes) > 0")[0][0]
+        report(f"attribution {mode}, {n:,} requests ({events:,} KV events, {log_rows:,} block rows): "
+               "rate (requests/s, wall)", f"{stats.arrivals / wall:,.0f}",
+               f"goal >= 100,000; {share:.0%} of attributed requests judged on KV evidence")
+        report(f"attribution {mode}, {n:,} requests: rate (requests per CPU second)", f"{stats.arrivals / cpu:,.0f}",
+               "")
+        report(f"attribution {mode}, {n:,} requests: memory grown (MB)", f"{mem.grew / 1e6:,.0f}", "")
 
 
 QUERY_CASES: list[tuple[str, dict[str, str]]] = []
@@ -236,6 +294,8 @@ def bench_metrics_bytes(store_factory: Callable[[str], Any]) -> None:
 def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--kv-requests", type=int, nargs="*", default=[1_000_000],
+                        help="sizes for attribution with KV-event evidence (precise mode)")
     parser.add_argument("--import-lines", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=7, help="runs per query and page (p50/p95 over them)")
     parser.add_argument("--quick", action="store_true", help="CI size: 20,000 requests, 3 runs, short sub-benches")
@@ -245,7 +305,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
                         "previous run left in DIR (its chDB directory), without generating or attributing")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.import_lines, args.repeat = [20_000], 20_000, 3
+        args.requests, args.kv_requests, args.import_lines, args.repeat = [20_000], [20_000], 20_000, 3
     import streamlit  # noqa: F401  (imported before any thread: environment notes)
 
     from ingest.store import Store
@@ -273,6 +333,9 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
         bench_pages(store, label, max(3, args.repeat // 2))
     if args.reuse:
         return ROWS
+    for n in args.kv_requests:
+        print(f"\n== attribution with KV evidence, {n:,} requests ==", flush=True)
+        bench_attribution_kv(store_factory, n)
     print("\n== import and metrics ==", flush=True)
     bench_import(store_factory, args.import_lines)
     bench_metrics_bytes(store_factory)

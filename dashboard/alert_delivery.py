@@ -21,8 +21,9 @@ import httpx
 from prometheus_client import Counter
 
 from dashboard import causes, untrusted
-from dashboard.alerts import Evaluation, human_duration, iso
+from dashboard.alerts import Evaluation, iso
 from dashboard.mail import MailError, MailSettings, check_addresses, send
+from kvscope.durations import human as human_duration
 
 log = logging.getLogger("kvscope.alerts")
 

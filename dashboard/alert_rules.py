@@ -17,6 +17,7 @@ from typing import Any
 
 from ingest import attribution as a
 from ingest.errors import KvscopeError
+from kvscope.durations import parse_seconds
 
 SEVERITIES = ("info", "warning", "critical")
 #: Sources whose silence ``source_silent`` watches (the named query ``freshness``'s ``source`` column).
@@ -27,8 +28,6 @@ SEGMENTS = ("prompt_fingerprint", "system_hash", "system_norm_hash", "tools_hash
 SUB_CAUSES = (*a.DRIFT_SUB_CAUSES, a.EVICTED_BEFORE_NEXT_TURN)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-_DURATION = re.compile(r"(\d+)\s*(s|m|h|d)")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 REQUIRED = object()
 
 
@@ -124,8 +123,8 @@ def parse_duration(value: Any) -> int:
         raise ValueError(f"{value!r} is not a duration")
     if isinstance(value, int):
         seconds = value
-    elif isinstance(value, str) and re.fullmatch(rf"(?:{_DURATION.pattern}\s*)+", value.strip()):
-        seconds = sum(int(n) * _UNIT_SECONDS[u] for n, u in _DURATION.findall(value))
+    elif isinstance(value, str):
+        seconds = int(parse_seconds(value, whole_seconds=True))
     else:
         raise ValueError(f"{value!r} is not a duration (seconds, or e.g. \"90s\", \"10m\", \"1h\", \"7d\")")
     if seconds <= 0:

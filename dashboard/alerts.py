@@ -30,6 +30,7 @@ from dashboard import causes, findings, untrusted
 from dashboard.alert_rules import Rule
 from ingest.errors import KvscopeError
 from ingest.store import Store
+from kvscope.durations import human as human_duration
 
 log = logging.getLogger("kvscope.alerts")
 
@@ -69,15 +70,6 @@ def iso(t: datetime | None) -> str:
     return "" if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def human_duration(seconds: float) -> str:
-    """``"45 s"``, ``"10 min"``, ``"1 h"``, ``"1.5 h"``, ``"2 d"``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{round(seconds / 3600, 1):g} h"
-    return f"{round(seconds / 86400, 1):g} d"
 
 
 def _q(store: Store, name: str, **params: Any) -> pl.DataFrame:

@@ -12,7 +12,6 @@ minutes (the default period ends on the last whole minute).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,6 +21,7 @@ import polars as pl
 
 from dashboard import causes, findings
 from ingest import attribution
+from kvscope.durations import parse_seconds
 
 DEFAULT_PERIOD = timedelta(hours=24)
 #: Tenants listed under "the tenants losing most".
@@ -45,8 +45,6 @@ WHOLE_WINDOW = 3600 * 1_111_112
 #: Bucket widths the hit-rate chart may use (whole minutes; whole hours from an hour up).
 NICE_BUCKETS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400, 172800, 604800)
 CHART_POINTS = 48
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 #: The longest period (a century: the period and the one before it stay within the store's years).
 MAX_DURATION = timedelta(days=36500)
 
@@ -225,18 +223,11 @@ class Digest:
 
 # -- periods ----------------------------------------------------------------------------------------------------
 def parse_duration(text: str) -> timedelta:
-    """``"24h"``, ``"7d"``, ``"30m"``, ``"1w"``, ``"90s"``, ``"1.5h"``, ``"1h30m"`` (numbers each with a unit,
-    as the alert rules write durations too) → timedelta.
+    """``"24h"``, ``"7d"``, ``"30m"``, ``"1w"``, ``"90s"``, ``"1.5h"``, ``"1h30m"`` (kvscope.durations) → timedelta.
 
     Raises ValueError for anything else, a zero length or one over :data:`MAX_DURATION`.
     """
-    text = (text or "").strip()
-    if not re.fullmatch(rf"(?:{_DURATION.pattern}\s*)+", text):
-        raise ValueError(f"{text!r} is not a duration: expected a number and a unit s, m, h, d or w (e.g. 24h, 7d, "
-                         "1h30m)")
-    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION.findall(text))
-    if seconds <= 0:
-        raise ValueError(f"{text!r}: the duration must be positive")
+    seconds = parse_seconds(text)
     if seconds > MAX_DURATION.total_seconds():
         raise ValueError(f"{text!r}: the duration must be at most {MAX_DURATION.days} days")
     return timedelta(seconds=seconds)

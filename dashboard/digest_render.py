@@ -27,6 +27,7 @@ from email.utils import formatdate, make_msgid
 from dashboard import causes, digest_charts, findings, untrusted
 from dashboard.digest import Digest, TenantLoss
 from dashboard.digest_charts import compact
+from kvscope.durations import human
 
 MINUS = "\u2212"
 #: How a pod without a name reads.
@@ -108,17 +109,8 @@ def money(x: float | None, currency: str) -> str:
 
 
 def duration(ms: float | None) -> str:
-    """"850 ms", "2.1 s", "4.5 min", "3.5 h"; None → "–"."""
-    if ms is None:
-        return "–"
-    s = ms / 1000
-    if s < 1:
-        return f"{ms:.0f} ms"
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
+    """"850 ms", "2.1 s", "4.5 min", "3.5 h" (kvscope.durations.human); None → "–"."""
+    return human(None if ms is None else ms / 1000)
 
 
 def span(d: Digest) -> str:

@@ -22,6 +22,7 @@ import polars as pl
 
 from dashboard import causes, untrusted
 from dashboard.untrusted import shown
+from kvscope.durations import human
 
 #: A finding must explain at least this share of all missed tokens in the window (smaller ones are noise).
 MIN_SHARE = 0.01
@@ -71,7 +72,7 @@ class Evidence:
             out += (f"; its predecessor {shown(self.predecessor_request_id)} ran on "
                     f"{shown(self.predecessor_pod, empty='an unknown pod')}")
             if self.gap_ms is not None:
-                out += f" {_duration(self.gap_ms / 1000)} before"
+                out += f" {human(self.gap_ms / 1000)} before"
         return out
 
 
@@ -293,12 +294,3 @@ def _utc(t: datetime) -> datetime:
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
-def _duration(seconds: float) -> str:
-    """ "850 ms", "2.1 s", "4 min", "3.5 h"."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

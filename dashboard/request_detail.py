@@ -123,20 +123,36 @@ def cause_table(head: dict[str, Any]) -> pl.DataFrame:
     )
 
 
+def _precise_text(head: dict[str, Any]) -> list[str]:
+    """The precise-mode sentence (evidence kv_events: the prompt's blocks matched against the KV events)."""
+    if head.get("evidence") != "kv_events":
+        return []
+    holder = charts.name(head.get("evidence_pod") or "")
+    if not holder:
+        return ["The prompt's blocks were matched against the pods' KV events: no pod held its first missed block "
+                "at arrival."]
+    left = head.get("evidence_removed_at")
+    return [f"The prompt's blocks were matched against the pods' KV events: **{holder}** held the first missed "
+            "block" + (f"; it left {holder} at {left:%Y-%m-%d %H:%M:%S} UTC." if left else " at arrival.")]
+
+
 def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
     """What the attribution's answer rests on, in words: how the predecessor was found; for a drift, the
     segment comparison; for a prefix that was reusable (routed_away, evicted), which pod held it and what that
     pod's KV events say (or that the cause is inferred from which pod served the predecessor)."""
     pred = charts.name(head["predecessor_request_id"])
     pod, pred_pod = charts.name(head["pod"], empty="(no pod)"), charts.name(head["predecessor_pod"], empty="(no pod)")
+    precise = _precise_text(head)
     if not pred:
-        return ("No earlier request within the attribution lookback shared this prefix: its stable prefix is "
-                "**cold**.")
+        return "  \n".join([*precise, "No earlier request within the attribution lookback shared this prefix: the "
+                             "rest of its stable prefix is **cold**." if precise else
+                             "No earlier request within the attribution lookback shared this prefix: its stable "
+                             "prefix is **cold**."])
     causes = set(head["causes"])
     stored = head["predecessor_kind"] or ""
     plain = stored.removesuffix(BEYOND_HORIZON_KIND_SUFFIX)
     kind = KIND_TEXT.get(plain, plain or "an earlier request")
-    lines = [f"Predecessor found as {kind}."]
+    lines = [*precise, f"Predecessor found as {kind}."]
     if stored != plain:
         lines.append(f"No predecessor lay within the attribution horizon; this one, found further back, is "
                      f"{gap_text(head['gap_ms'])} old: what it shared is **{BEYOND_HORIZON}**, not a prefix a pod "

@@ -63,6 +63,26 @@ DRIFT_SUB_CAUSES = (VOLATILE_SYSTEM, SYSTEM_CHANGED, TOOLS_REORDERED, TOOLS_CHAN
                     RAG_CHANGED, HISTORY_TRUNCATED)
 #: sub_cause of ``evicted`` when the predecessor is the previous turn of the same conversation or agent run.
 EVICTED_BEFORE_NEXT_TURN = "evicted_before_next_turn"
+#: sub_cause of ``evicted`` in precise mode when the blocks left this pod by a cache reset (vLLM's
+#: ``AllBlocksCleared`` or a vLLM restart), not by a ``BlockRemoved``: a reset is not memory pressure.
+CACHE_RESET = "cache_reset"
+#: sub_cause of ``unknown`` in precise mode: the KV events show the block resident on this very pod at arrival,
+#: yet it was missed (a race between the events and the scheduler, e.g. evicted while the request queued).
+RESIDENT_AT_ARRIVAL = "resident_at_arrival"
+
+#: request_attribution.evidence: what a verdict's routed_away / evicted part rests on (docs/miss-causes.md).
+EVIDENCE_KV_EVENTS = "kv_events"  # precise mode: the request's block chain matched against the pods' KV events
+EVIDENCE_INFERRED = "inferred"  # routed_away / evicted concluded from the predecessor's pod
+EVIDENCE_FINGERPRINTS = "fingerprints"  # segment hashes alone: no routed_away / evicted part
+EVIDENCES = (EVIDENCE_KV_EVENTS, EVIDENCE_INFERRED, EVIDENCE_FINGERPRINTS)
+
+#: Block states at a request's arrival (:class:`BlockStatus`), from the KV events of the pods of its model.
+RESIDENT_HERE = "resident_here"  # resident on the request's own pod until it ended (and still missed: a race)
+REMOVED_HERE = "removed_here"  # on the request's pod; its last copy left by a BlockRemoved (before it ended)
+RESET_HERE = "reset_here"  # was on the request's pod; left by an AllBlocksCleared or a vLLM restart
+RESIDENT_ELSEWHERE = "resident_elsewhere"  # resident on another pod serving the same model
+NOWHERE = "nowhere"  # stored on no pod before arrival (as far as the events go): no evidence of reuse
+BLOCK_STATES = (RESIDENT_HERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE, NOWHERE)
 
 #: Predecessor kinds, in priority order (step 1 of the module docstring).
 PREVIOUS_TURN = "previous_turn"
@@ -201,6 +221,35 @@ class MissRow:
 
 
 MISS_ROW_COLUMNS = tuple(f.name for f in fields(MissRow))
+
+
+@dataclass(frozen=True)
+class BlockStatus:
+    """Where one missed block of a request's chain was at the request's arrival, by the KV events
+    (sql/migrations/0017 kv_block_log, kv_cache_resets): ``state`` one of :data:`BLOCK_STATES`; ``pod``: the pod
+    that held it (the holder for :data:`RESIDENT_ELSEWHERE`, the request's pod for the ``*_HERE`` states, ""
+    for :data:`NOWHERE`); ``removed_at``: when it left the request's pod (aware UTC; ``*_HERE`` departures)."""
+
+    state: str
+    pod: str = ""
+    removed_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class KvEvidence:
+    """Precise mode's input for one request (built by :mod:`ingest.kv_evidence`).
+
+    ``block_size``: tokens per block of the request's chain (gateway_requests.prompt_block_size); it must equal
+    the block size the attribution uses for the pod, else the evidence is ignored. ``blocks``: the status of the
+    request's missed blocks in chain order, from block k0 = cached_tokens // block_size on (may stop after the
+    first :data:`NOWHERE`; never beyond the last hittable block). ``covered_pods``: the pods whose KV events
+    cover the arrival: a predecessor on one of them whose blocks were resident nowhere could not have served
+    them (see :func:`judge`).
+    """
+
+    block_size: int
+    blocks: tuple[BlockStatus, ...]
+    covered_pods: frozenset[str] = frozenset()
 
 
 # -- small helpers ------------------------------------------------------------------------------------------
@@ -585,18 +634,22 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
 # -- step 3: token split ------------------------------------------------------------------------------------
 def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: int,
                         stable_prefix_tokens: int | None, shared: SharedPrefix | None,
-                        reuse_cause: tuple[str, str] = (EVICTED, "")) -> list[tuple[str, str, int]]:
+                        reuse_cause: tuple[str, str] = (EVICTED, ""),
+                        evidence_zones: Iterable[tuple[int, str, str]] = ()) -> list[tuple[str, str, int]]:
     """Split the missed tokens [C, P) (C = cached_tokens, P = prompt_tokens) into (cause, sub_cause, tokens),
     in prompt order, one entry per (cause, sub_cause); the tokens sum exactly to P − C (empty when ≤ 0).
 
     B = ``block_size`` (tokens); L = floor((P − 1)/B)·B, the most vLLM can hit. ``stable_prefix_tokens`` (T):
     where the suffix starts, None when the log has no segment counts; ``shared``: from :func:`shared_prefix`,
     None without a predecessor; ``reuse_cause``: the cause of reusable-but-missed tokens (routed_away,
-    evicted with its sub_cause, or beyond_horizon). Zones cover [0, P) without overlap, each counted on its
+    evicted with its sub_cause, or beyond_horizon). ``evidence_zones``: precise mode's block-exact zones
+    (:func:`kv_evidence_zones`, (end, cause, sub_cause), ends at block boundaries up to E·B); they come first,
+    so every later zone starts at E·B at the earliest. Zones cover [0, P) without overlap, each counted on its
     part of [C, P), first rule that applies:
     - C > L: vLLM cannot hit that much with this B, so the numbers (or B) are wrong: all ``unknown``;
     - L = 0 (P − 1 < B, a prompt shorter than one block plus its last token): nothing of it can ever hit,
       whatever came before: [0, P − 1) ``below_block``, the last token ``unavoidable``;
+    - precise mode: ``evidence_zones`` over [C, E·B), block by block, then the rules below from E·B on;
     - no segment counts: [0, L) ``unknown``;
     - no predecessor, 0 < T < B: [0, T) ``below_block`` (the shareable prefix is shorter than a block);
       else [0, floor(min(T, P−1)/B)·B) ``cold``; a hit C > 0 here is a short common opening (the chat
@@ -623,13 +676,9 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
     zones: list[tuple[int, str, str]] = []  # (end, cause, sub_cause); each starts where the previous ended
     if last_hittable == 0:
         zones.append((p - 1, BELOW_BLOCK, ""))
-    elif stable_prefix_tokens is None:
-        zones.append((last_hittable, UNKNOWN, ""))
-    elif shared is None:
-        t = min(max(0, stable_prefix_tokens), p - 1)
-        zones.append((t, BELOW_BLOCK, "") if 0 < t < b else (_full_blocks(t, b), COLD, ""))
     else:
-        zones.extend(_predecessor_zones(p, c, b, shared, reuse_cause))
+        zones.extend((min(end, last_hittable), cause, sub) for end, cause, sub in evidence_zones)
+        zones.extend(_fingerprint_zones(p, c, b, stable_prefix_tokens, shared, reuse_cause))
     zones.append((p, UNAVOIDABLE, ""))
 
     totals: dict[tuple[str, str], int] = {}
@@ -643,6 +692,19 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
     out = [(cause, sub, n) for (cause, sub), n in totals.items()]
     assert sum(n for _, _, n in out) == p - c, (prompt_tokens, cached_tokens, zones)
     return out
+
+
+def _fingerprint_zones(p: int, c: int, b: int, stable_prefix_tokens: int | None, shared: SharedPrefix | None,
+                       reuse_cause: tuple[str, str]) -> list[tuple[int, str, str]]:
+    """The zones the segment fingerprints place before the unavoidable rest, for L > 0 (see
+    :func:`split_missed_tokens`): unknown without segment counts, cold / below_block without a predecessor,
+    else :func:`_predecessor_zones`."""
+    if stable_prefix_tokens is None:
+        return [(_full_blocks(p - 1, b), UNKNOWN, "")]
+    if shared is None:
+        t = min(max(0, stable_prefix_tokens), p - 1)
+        return [(t, BELOW_BLOCK, "") if 0 < t < b else (_full_blocks(t, b), COLD, "")]
+    return _predecessor_zones(p, c, b, shared, reuse_cause)
 
 
 def _predecessor_zones(p: int, c: int, b: int, shared: SharedPrefix,
@@ -678,6 +740,52 @@ def _reuse_cause(req: Request, pred: Predecessor) -> tuple[str, str]:
     return (EVICTED, EVICTED_BEFORE_NEXT_TURN if pred.kind == PREVIOUS_TURN else "")
 
 
+def kv_evidence_zones(cached_tokens: int, block_size: int, evidence: KvEvidence,
+                      previous_turn: bool) -> list[tuple[int, str, str]]:
+    """Precise mode's zones (end, cause, sub_cause) over [C, E·B), one per block, exact to the block (no edge
+    tolerance): block j = k0 + i (k0 = C // B) of ``evidence.blocks`` covers [j·B, (j+1)·B) and is
+    - :data:`REMOVED_HERE` → ``evicted`` (sub_cause ``evicted_before_next_turn`` when ``previous_turn``: the
+      predecessor is the previous turn of the conversation or agent run, else "");
+    - :data:`RESET_HERE` → ``evicted`` / :data:`CACHE_RESET`;
+    - :data:`RESIDENT_ELSEWHERE` → ``routed_away``;
+    - :data:`RESIDENT_HERE` → ``unknown`` / :data:`RESIDENT_AT_ARRIVAL` (resident here, missed all the same);
+    E is the first :data:`NOWHERE` block (or the end of ``blocks``): from E·B on the fingerprints decide."""
+    b = max(1, block_size)
+    evicted_sub = EVICTED_BEFORE_NEXT_TURN if previous_turn else ""
+    named = {REMOVED_HERE: (EVICTED, evicted_sub), RESET_HERE: (EVICTED, CACHE_RESET),
+             RESIDENT_ELSEWHERE: (ROUTED_AWAY, ""), RESIDENT_HERE: (UNKNOWN, RESIDENT_AT_ARRIVAL)}
+    zones: list[tuple[int, str, str]] = []
+    for j, status in enumerate(evidence.blocks, start=max(0, cached_tokens) // b):
+        if status.state not in named:
+            break
+        zones.append(((j + 1) * b, *named[status.state]))
+    return zones
+
+
+def _precise_reuse_cause(reuse: tuple[str, str], req: Request, pred: Predecessor, evidence: KvEvidence
+                         ) -> tuple[str, str]:
+    """The fingerprints' reuse cause for the part after E·B in precise mode: the blocks there were resident on
+    no pod at arrival, so a predecessor on a pod whose KV events cover the arrival cannot have left them
+    there: ``cold`` instead of routed_away / evicted. beyond_horizon, and a predecessor on a pod without KV
+    events, keep the fingerprints' cause."""
+    if reuse[0] in (ROUTED_AWAY, EVICTED) and _str(pred.request, "pod") in evidence.covered_pods:
+        return (COLD, "")
+    return reuse
+
+
+def _evidence_fields(evidence: KvEvidence | None, split: list[tuple[str, str, int]]
+                     ) -> tuple[str, str, datetime | None]:
+    """(evidence, evidence_pod, evidence_removed_at) of a verdict: kv_events with the first missed block's
+    holder and departure when judged with ``evidence``; else inferred when a routed_away / evicted part
+    exists, else fingerprints."""
+    if evidence is not None:
+        first = evidence.blocks[0] if evidence.blocks else BlockStatus(NOWHERE)
+        return EVIDENCE_KV_EVENTS, first.pod, first.removed_at
+    if any(cause in (ROUTED_AWAY, EVICTED) for cause, _, _ in split):
+        return EVIDENCE_INFERRED, "", None
+    return EVIDENCE_FINGERPRINTS, "", None
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The answer for one request: one request_attribution row (sql/migrations/0009).
@@ -688,7 +796,10 @@ class Verdict:
     ``predecessor_*``: the earlier request it could have reused blocks from ("" if none; kept for a full hit
     too, for affinity); ``predecessor_kind``: :attr:`Predecessor.stored_kind` (e.g. ``fingerprint``, or
     ``fingerprint_beyond_horizon``); ``gap_ms``: predecessor end (its ts + e2e_ms) → this ts, ms (None without
-    predecessor); ``block_size``: tokens per KV block used for this request's pod.
+    predecessor); ``block_size``: tokens per KV block used for this request's pod. ``evidence``: one of
+    :data:`EVIDENCES`; ``evidence_pod``: the pod that held the first missed block in precise mode (the holder
+    for routed_away, this pod for evicted), "" otherwise; ``evidence_removed_at``: when that block left this
+    pod (aware UTC), None otherwise.
     """
 
     request_id: str
@@ -706,6 +817,9 @@ class Verdict:
     causes: tuple[str, ...] = ()
     sub_causes: tuple[str, ...] = ()
     missed_tokens: tuple[int, ...] = ()
+    evidence: str = EVIDENCE_FINGERPRINTS
+    evidence_pod: str = ""
+    evidence_removed_at: datetime | None = None
 
     def values(self) -> tuple[Any, ...]:
         """Values in :data:`VERDICT_COLUMNS` order."""
@@ -721,29 +835,44 @@ class Verdict:
 VERDICT_COLUMNS = tuple(f.name for f in fields(Verdict))
 
 
-def judge(req: Request, pred: Predecessor | None, block_size: int) -> Verdict:
+def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvEvidence | None = None) -> Verdict:
     """The verdict for one request. ``block_size``: tokens per KV block on the request's pod.
 
     A failed request (status ≥ 400) gets no predecessor and no causes; a request that missed nothing keeps
     its predecessor and gets no causes; a request whose cached count was not reported keeps its predecessor
     (when it has segment counts) and gets one cause, :data:`NOT_REPORTED`, for all its prompt tokens: which
     of them missed, and why, cannot be told.
+
+    ``evidence``: precise mode (docs/miss-causes.md "Precise mode"): the status of each missed block at
+    arrival from the KV events; used only for an attributable request with a known cached count and
+    ``evidence.block_size == block_size``. Its blocks give [C, E·B) (:func:`kv_evidence_zones`); the
+    fingerprints decide from E·B on, with routed_away / evicted there read as ``cold``
+    (:func:`_precise_reuse_cause`). Without it, routed_away / evicted are inferred from the predecessor's pod.
     """
     if int(req.get("status") or 0) >= 400:
         pred = None
     offsets = segment_offsets(req)
     split: list[tuple[str, str, int]] = []
+    precise = (evidence is not None and evidence.block_size == block_size and is_attributable(req)
+               and not cached_unknown(req))
     if is_attributable(req):
         if offsets is None:
             pred = None  # without segment counts, no predecessor rule can be checked
         if cached_unknown(req):
             split = [(NOT_REPORTED, "", _int(req, "prompt_tokens"))]
         else:
+            reuse = _reuse_cause(req, pred) if pred is not None else (EVICTED, "")
+            zones: list[tuple[int, str, str]] = []
+            if precise:
+                assert evidence is not None
+                previous_turn = pred is not None and pred.kind == PREVIOUS_TURN and not pred.beyond_horizon
+                zones = kv_evidence_zones(_int(req, "cached_tokens"), block_size, evidence, previous_turn)
+                reuse = _precise_reuse_cause(reuse, req, pred, evidence) if pred is not None else reuse
             split = split_missed_tokens(
                 prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
                 block_size=block_size, stable_prefix_tokens=offsets[HISTORY + 1] if offsets else None,
                 shared=shared_prefix(req, pred) if pred is not None else None,
-                reuse_cause=_reuse_cause(req, pred) if pred is not None else (EVICTED, ""),
+                reuse_cause=reuse, evidence_zones=zones,
             )
     pred_id = pred_pod = kind = ""
     gap_ms: float | None = None
@@ -755,7 +884,8 @@ def judge(req: Request, pred: Predecessor | None, block_size: int) -> Verdict:
         _str(req, "request_id"), req["ts"], _str(req, "tenant_id"), _str(req, "pod"), _str(req, "model"),
         _int(req, "prompt_tokens"), None if cached_unknown(req) else _int(req, "cached_tokens"), pred_id, pred_pod,
         kind, gap_ms, block_size,
-        tuple(c for c, _, _ in split), tuple(sc for _, sc, _ in split), tuple(n for _, _, n in split))
+        tuple(c for c, _, _ in split), tuple(sc for _, sc, _ in split), tuple(n for _, _, n in split),
+        *_evidence_fields(evidence if precise else None, split))
 
 
 def attribute_request(req: Request, pred: Predecessor | None, block_size: int) -> list[MissRow]:
@@ -774,7 +904,8 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
               block_size_by_pod: Mapping[str, int] | None = None,
               default_block_size: int = DEFAULT_BLOCK_SIZE,
               horizon_seconds: float = DEFAULT_HORIZON_SECONDS,
-              lookback_seconds: float = DEFAULT_LOOKBACK_SECONDS) -> list[MissRow]:
+              lookback_seconds: float = DEFAULT_LOOKBACK_SECONDS,
+              kv_evidence: Mapping[str, KvEvidence] | None = None) -> list[MissRow]:
     """Attribute the missed tokens of ``requests``; rows ordered by (ts, request_id), then prompt order.
 
     ``window``: further requests that may be predecessors (``requests`` are candidates too).
@@ -782,6 +913,7 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
     with a non-positive value) uses ``default_block_size`` (vLLM's default, 16).
     ``horizon_seconds``: the furthest back a predecessor may lie; ``lookback_seconds``: the furthest back a
     request without one looks for a predecessor beyond the horizon (:class:`PredecessorIndex`).
+    ``kv_evidence``: request_id → precise mode's :class:`KvEvidence` (see :func:`judge`); others by fingerprints.
     """
     targets = sorted(requests, key=order_key)
     index = PredecessorIndex([*window, *targets], horizon_seconds, lookback_seconds)
@@ -789,5 +921,6 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
     rows: list[MissRow] = []
     for req in targets:
         if is_attributable(req):
-            rows.extend(attribute_request(req, index.find(req), block_size_for(req, sizes, default_block_size)))
+            evidence = (kv_evidence or {}).get(_str(req, "request_id"))
+            rows.extend(judge(req, index.find(req), block_size_for(req, sizes, default_block_size), evidence).rows())
     return rows

@@ -8,16 +8,24 @@ and its chosen predecessor's fields prefixed ``p_`` (null when it has none), ``p
 none; the plain kind), optionally ``beyond_horizon`` (true when the predecessor was found beyond the horizon;
 absent or null = false) and ``block_size`` (tokens per KV block of its pod). Output: :func:`judge_frame`
 returns the verdict columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
+
+Precise mode (KV-event evidence, docs/miss-causes.md): the rows that have a
+:class:`ingest.attribution.KvEvidence` are a subset (requests that logged a block chain, on pods with KV
+events); :func:`judge_frame` hands them to the reference :func:`ingest.attribution.judge` one by one and
+splices their verdicts back in row order. The column-wise rules cover the others, whose ``evidence`` is
+``inferred`` (a routed_away / evicted part) or ``fingerprints``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from ingest import attribution
 from ingest import attribution_structure as structure
 from ingest.attribution import (
     BELOW_BLOCK,
@@ -26,6 +34,8 @@ from ingest.attribution import (
     COLD,
     EVICTED,
     EVICTED_BEFORE_NEXT_TURN,
+    EVIDENCE_FINGERPRINTS,
+    EVIDENCE_INFERRED,
     NOT_REPORTED,
     PREFIX_DRIFT,
     PREVIOUS_TURN,
@@ -33,6 +43,10 @@ from ingest.attribution import (
     STABLE_SEGMENTS,
     UNAVOIDABLE,
     UNKNOWN,
+    VERDICT_COLUMNS,
+    KvEvidence,
+    Predecessor,
+    Verdict,
 )
 
 _HASHES = [s.hash_field for s in STABLE_SEGMENTS]
@@ -210,9 +224,55 @@ def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable:
             pa.ListArray.from_arrays(offsets, pa.array(tok[keep], type=pa.uint32())))
 
 
-def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
+def judge_frame(df: pl.DataFrame, evidence: Mapping[str, KvEvidence] | None = None) -> dict[str, Any]:
     """Verdict columns for every row of ``df`` (see the module docstring), as lists/arrays keyed by
-    :data:`ingest.attribution.VERDICT_COLUMNS`. Pure; raises only on a frame that lacks a column."""
+    :data:`ingest.attribution.VERDICT_COLUMNS`, in row order. ``evidence``: request_id → KV evidence of the
+    rows judged in precise mode (by the reference, per row). Pure; raises only on a frame that lacks a
+    column."""
+    if evidence:
+        precise = df["request_id"].is_in(list(evidence)).to_numpy()
+        if precise.any():
+            return _splice(df, precise, evidence)
+    return _judge_columns(df)
+
+
+def _reference_verdict(row: dict[str, Any], evidence: KvEvidence) -> Verdict:
+    """One row of the frame judged by :func:`ingest.attribution.judge` with its evidence."""
+    req = {f: row.get(f) for f in attribution.REQUEST_FIELDS}
+    pred = None
+    if row.get("predecessor_kind"):
+        pred = Predecessor({f: row.get(f"p_{f}") for f in attribution.REQUEST_FIELDS}, row["predecessor_kind"],
+                           bool(row.get("beyond_horizon")))
+    return attribution.judge(req, pred, int(row.get("block_size") or 0), evidence)
+
+
+def _splice(df: pl.DataFrame, precise: np.ndarray, evidence: Mapping[str, KvEvidence]) -> dict[str, Any]:
+    """Verdict columns of ``df``: the column-wise rules for the rows without evidence, the reference for the
+    ``precise`` ones, put back in row order (same column types as :func:`_judge_columns`)."""
+    rest = _judge_columns(df.filter(pl.Series(~precise)))
+    rows = df.filter(pl.Series(precise)).to_dicts()
+    verdicts = [_reference_verdict(r, evidence[r["request_id"]]) for r in rows]
+    order = np.argsort(np.concatenate([np.flatnonzero(~precise), np.flatnonzero(precise)]), kind="stable")
+    out: dict[str, Any] = {}
+    for name in VERDICT_COLUMNS:
+        values = [getattr(v, name) for v in verdicts]
+        col = rest[name]
+        if isinstance(col, pl.Series):
+            out[name] = pl.concat([col, pl.Series(name, values, dtype=col.dtype)]).gather(order)
+        elif isinstance(col, pa.Array | pa.ChunkedArray):
+            extra = pa.array([list(v) if isinstance(v, tuple) else v for v in values], type=col.type)
+            out[name] = pa.concat_arrays([pa.concat_arrays(col.chunks) if isinstance(col, pa.ChunkedArray)
+                                          else col, extra]).take(pa.array(order))
+        elif isinstance(col, np.ndarray):
+            out[name] = np.concatenate([col, np.array(values, dtype=col.dtype)])[order]
+        else:
+            merged = list(col) + values
+            out[name] = [merged[i] for i in order]
+    return out
+
+
+def _judge_columns(df: pl.DataFrame) -> dict[str, Any]:
+    """:func:`judge_frame` for rows without KV evidence, column-wise."""
     prompt, cached = _i(df, "prompt_tokens"), _i(df, "cached_tokens")
     unknown = df["cached_tokens"].is_null().to_numpy()
     block = np.maximum(_i(df, "block_size"), 1)
@@ -235,6 +295,8 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
     over = attributable & ~unknown & (cached > _full(prompt - 1, block))
     causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, prompt - cached),
                                                         (attributable & unknown, NOT_REPORTED, prompt)])
+    reused = attributable & ~unknown & ~over & (zones[0][0] > 0) & np.isin(zones[0][1], [ROUTED_AWAY, EVICTED])
+    n = len(df)
     ts_ms = df["ts"].dt.epoch("ms").to_numpy()
     p_ts_ms = df["p_ts"].dt.epoch("ms").fill_null(0).to_numpy()
     p_e2e = df["p_e2e_ms"].fill_null(0.0).to_numpy()
@@ -249,4 +311,6 @@ def judge_frame(df: pl.DataFrame) -> dict[str, Any]:
         "predecessor_kind": np.where(has_pred_out, stored_kind, "").tolist(),
         "gap_ms": [None if np.isnan(g) else float(g) for g in gap],
         "block_size": _i(df, "block_size"), "causes": causes, "sub_causes": subs, "missed_tokens": tokens,
+        "evidence": np.where(reused, EVIDENCE_INFERRED, EVIDENCE_FINGERPRINTS).tolist(),
+        "evidence_pod": [""] * n, "evidence_removed_at": [None] * n,
     }

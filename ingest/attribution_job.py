@@ -46,6 +46,7 @@ from ingest.attribution_batch import judge_frame
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
+from ingest.kv_evidence import chunk_evidence
 from ingest.store import Store
 
 log = logging.getLogger("kvscope.attribution")
@@ -346,10 +347,13 @@ def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tup
 
 # -- compute and write ---------------------------------------------------------------------------------------
 def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: dict[str, int],
-              default_block_size: int, known: pl.DataFrame | None = None) -> dict[str, Any]:
+              default_block_size: int, known: pl.DataFrame | None = None, kv_evidence: bool = True
+              ) -> dict[str, Any]:
     """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``; ``reach``: (horizon, lookback)
     in ms. ``known``: request rows already read (this chunk and the previous one: most predecessors are
-    recent), so only the others are fetched."""
+    recent), so only the others are fetched. ``kv_evidence``: judge the requests that logged a block chain
+    against the pods' KV events (precise mode, :func:`ingest.kv_evidence.chunk_evidence`, events read back to
+    the lookback)."""
     chosen = _predecessors(store, targets, *reach)
     frame = targets.with_columns(
         pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
@@ -367,7 +371,11 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         preds = found.drop("order_key").rename({c: f"p_{c}" for c in attribution.REQUEST_FIELDS})
         frame = (frame.join(chosen, on=["request_id", "ts"], how="left")
                  .join(preds, on=["p_request_id", "p_ts"], how="left"))
-    return judge_frame(frame)
+    evidence = None
+    if kv_evidence:
+        params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
+        evidence = chunk_evidence(store, frame, params, _IN_SET)
+    return judge_frame(frame, evidence)
 
 
 #: request_attribution's columns as Arrow types (nested lists built by pyarrow in C, not row by row).
@@ -377,6 +385,7 @@ _ARROW = pa.schema([
     ("predecessor_request_id", pa.string()), ("predecessor_pod", pa.string()), ("predecessor_kind", pa.string()),
     ("gap_ms", pa.float64()), ("block_size", pa.uint32()), ("causes", pa.list_(pa.string())),
     ("sub_causes", pa.list_(pa.string())), ("missed_tokens", pa.list_(pa.uint32())),
+    ("evidence", pa.string()), ("evidence_pod", pa.string()), ("evidence_removed_at", pa.timestamp("ms", tz="UTC")),
     ("attributed_at", pa.timestamp("ms", tz="UTC")), ("sign", pa.int8()), ("version", pa.uint32()),
 ])
 
@@ -430,7 +439,7 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                     horizon_seconds: float = attribution.DEFAULT_HORIZON_SECONDS,
                     lookback_seconds: float = attribution.DEFAULT_LOOKBACK_SECONDS,
                     default_block_size: int = attribution.DEFAULT_BLOCK_SIZE,
-                    chunk_size: int = 100_000) -> RunStats:
+                    chunk_size: int = 100_000, kv_evidence: bool = True) -> RunStats:
     """One run: answer every request ingested up to (store clock − ``settle_seconds``) that has no answer,
     and re-answer their successors; then advance the watermark. Returns what it did.
 
@@ -439,18 +448,21 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
     not work. ``horizon_seconds``: the furthest back a predecessor may lie; ``lookback_seconds``: the
     furthest back a request with none looks for one beyond the horizon (its reusable part is then
     ``beyond_horizon``; ≤ ``horizon_seconds`` turns the lookback off). ``chunk_size``: arrivals per
-    chunk (bounds memory: about 2 KB per request in a chunk). Raises
+    chunk (bounds memory: about 2 KB per request in a chunk). ``kv_evidence``: precise mode, judge the
+    requests that logged a block chain against the pods' KV events (docs/miss-causes.md "Precise mode");
+    False attributes from fingerprints alone (``evidence`` inferred / fingerprints), to compare. Raises
     :class:`~ingest.errors.StoreUnavailable` (retry later) or other :class:`~ingest.errors.KvscopeError`; a
     failed run leaves the watermark and is safe to repeat. ``stop``: checked between chunks (a run over a big
     backlog stops early, leaving the watermark). Runs in one process are serialised (one writer).
     """
     with _WRITER:  # one writer: a final run at shutdown waits for the loop's run, never races it
         reach = (int(horizon_seconds * 1000), int(lookback_seconds * 1000))
-        return _run(store, settle_seconds, overlap_seconds, stop, reach, default_block_size, chunk_size)
+        return _run(store, settle_seconds, overlap_seconds, stop, reach, default_block_size, chunk_size,
+                    kv_evidence)
 
 
 def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
-         reach: tuple[int, int], default_block_size: int, chunk_size: int) -> RunStats:
+         reach: tuple[int, int], default_block_size: int, chunk_size: int, kv_evidence: bool = True) -> RunStats:
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
@@ -476,9 +488,9 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         successors = _requests(store, later.join(answered, on=["request_id", "ts"], how="semi"))
         changed = 0
         if not successors.is_empty():
-            changed = _write_changes(store, _verdicts(store, successors, reach, sizes, default_block_size),
-                                     current, now)
-        verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, previous)
+            changed = _write_changes(store, _verdicts(store, successors, reach, sizes, default_block_size,
+                                                      kv_evidence=kv_evidence), current, now)
+        verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, previous, kv_evidence)
         store.insert_arrow("request_attribution", _table(verdicts, now))
         previous = arrivals
         latest = arrivals["ts"].max()

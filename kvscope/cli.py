@@ -318,7 +318,10 @@ def ingest(attribution: bool, **opts: Any) -> None:
 @main.command()
 @store_options
 @click.option("--once", is_flag=True, help="One run, then exit (e.g. from cron); default: every interval.")
-def attribute(once: bool, **opts: Any) -> None:
+@click.option("--kv-evidence/--no-kv-evidence", default=True, show_default=True,
+              help="Precise mode: judge requests that logged a block chain against the pods' KV events; "
+                   "--no-kv-evidence attributes from fingerprints alone (to compare).")
+def attribute(once: bool, kv_evidence: bool, **opts: Any) -> None:
     """Run the miss-cause attribution job alone (distributed mode: exactly one per database)."""
     from ingest.attribution_job import attribution_loop, run_attribution
     from kvscope.pipeline import attribution_kwargs
@@ -326,7 +329,7 @@ def attribute(once: bool, **opts: Any) -> None:
     cfg = _config(**opts)
     _serve_self_metrics(cfg)
     store = _store(cfg)
-    kwargs = attribution_kwargs(cfg)
+    kwargs = {**attribution_kwargs(cfg), "kv_evidence": kv_evidence}
     if once:
         stats = run_attribution(store, **kwargs)
         click.echo(f"attribution: {stats.arrivals} new answers, {stats.changed} changed")

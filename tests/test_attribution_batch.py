@@ -18,20 +18,22 @@ from ingest import attribution as a
 from ingest.attribution_batch import judge_frame
 
 
-def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int], **index_kw: Any) -> None:
-    """judge_frame over all of ``reqs`` (each with the predecessor the reference index finds) equals judge."""
+def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
+                evidence: dict[str, a.KvEvidence] | None = None, **index_kw: Any) -> None:
+    """judge_frame over all of ``reqs`` (each with the predecessor the reference index finds) equals judge;
+    ``evidence``: precise mode's KV evidence of some requests (by request_id), given to both."""
     index = a.PredecessorIndex(reqs, **index_kw)
     rows, expected = [], []
     for r in reqs:
         pred = index.find(r)
         size = a.block_size_for(r, sizes, 16)
-        expected.append(a.judge(r, pred, size).values())
+        expected.append(a.judge(r, pred, size, (evidence or {}).get(r["request_id"])).values())
         p = pred.request if pred else {}
         rows.append({**{f: r.get(f) for f in a.REQUEST_FIELDS}, "block_size": size,
                      "predecessor_kind": pred.kind if pred else "",
                      "beyond_horizon": pred.beyond_horizon if pred else None,
                      **{f"p_{f}": p.get(f) for f in a.REQUEST_FIELDS}})
-    got = judge_frame(pl.DataFrame(rows, infer_schema_length=None))
+    got = judge_frame(pl.DataFrame(rows, infer_schema_length=None), evidence)
     got = {c: v.to_pylist() if hasattr(v, "to_pylist") else v for c, v in got.items()}
     columns = a.VERDICT_COLUMNS
     for k, want in enumerate(expected):
@@ -45,6 +47,38 @@ def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int], **index_kw: A
 @pytest.mark.parametrize("seed", range(4))
 def test_column_wise_verdicts_equal_the_reference(seed: int) -> None:
     check_equal(random_requests(600, seed), {"pod-a": 32, "pod-b": 16, "pod-c": 64})
+
+
+def random_evidence(reqs: list[dict[str, Any]], sizes: dict[str, int], seed: int) -> dict[str, a.KvEvidence]:
+    """KV evidence for about half of ``reqs``: random block states from block cached // B on (some at another
+    block size, which the attribution must ignore), removal times, holders and covered pods."""
+    rnd = random.Random(seed)
+    out = {}
+    for r in reqs:
+        if rnd.random() < 0.5:
+            continue
+        size = sizes.get(r["pod"], 16) * (2 if rnd.random() < 0.1 else 1)
+        blocks = tuple(a.BlockStatus(state, rnd.choice(["pod-a", "pod-b"]) if state != a.NOWHERE else "",
+                                     r["ts"] if state in (a.REMOVED_HERE, a.RESET_HERE) else None)
+                       for state in rnd.choices(a.BLOCK_STATES, k=rnd.randrange(0, 12)))
+        out[r["request_id"]] = a.KvEvidence(size, blocks, frozenset(rnd.sample(["pod-a", "pod-b", "pod-c"], 2)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rows_with_kv_evidence_splice_back_in_order(seed: int) -> None:
+    """Rows with KV evidence (judged by the reference, per row) and rows without (column-wise) come back in row
+    order with every verdict column, precise-mode rows included."""
+    sizes = {"pod-a": 32, "pod-b": 16, "pod-c": 64}
+    reqs = random_requests(400, seed)
+    evidence = random_evidence(reqs, sizes, seed)
+    check_equal(reqs, sizes, evidence)
+    index = a.PredecessorIndex(reqs)
+    verdicts = [a.judge(r, index.find(r), sizes[r["pod"]], evidence.get(r["request_id"])) for r in reqs]
+    assert {v.evidence for v in verdicts} == set(a.EVIDENCES)  # the random traffic reaches every kind
+    for v in verdicts:  # token accounting stays exact in precise mode
+        if v.causes and v.cached_tokens is not None:
+            assert sum(v.missed_tokens) == v.prompt_tokens - v.cached_tokens, v
 
 
 def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:

@@ -215,7 +215,8 @@ def test_the_message_says_the_figures_in_both_parts(two: Store) -> None:
         assert "prefix_drift / volatile_system" in body and "evicted / evicted_before_next_turn" in body
         assert "Fix (71 % of this tenant's misses): Move the volatile value" in body
         assert f"Evidence: {umbrella.finding.evidence.text()}." in body  # type: ignore[union-attr]
-        assert "request u-4 on pod-a missed 608 tokens" in body and "predecessor u-3 ran on pod-a 1 min before" in body
+        assert "request u-4 on pod-a missed 608 tokens" in body
+        assert "predecessor u-3 ran on pod-a 1.2 min before" in body
         assert "umbrella" in body and "system prompt" in body and "pod-b" in body
         assert "1.2 min" in body  # the hold time that keeps 90 % of next turns warm (70 s)
         assert "window_edge" in body

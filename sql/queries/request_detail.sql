@@ -21,6 +21,9 @@
 -- returns: predecessor_pod String | pod that served the predecessor ('' if none)
 -- returns: predecessor_kind String | how the predecessor was found: previous_turn (same conversation or agent run), fingerprint (same prompt fingerprint), variant (same normalized system prompt, canonical tools or retrieval set); with the suffix _beyond_horizon (e.g. previous_turn_beyond_horizon) when no predecessor lay within the horizon and this one was found further back, within the lookback; '' if none
 -- returns: gap_ms Nullable(Float64) | predecessor end (its arrival + e2e) to this request's arrival, ms (NULL if none)
+-- returns: evidence String | what the routed_away / evicted part rests on: kv_events (the request's block chain matched against the pods' KV events, precise mode), inferred (concluded from the predecessor's pod), fingerprints (segment hashes alone: no routed_away / evicted part)
+-- returns: evidence_pod String | kv_events: the pod that held the first missed block (the holder for routed_away, this pod for evicted); '' otherwise
+-- returns: evidence_removed_at Nullable(DateTime64(3, 'UTC')) | kv_events: when that block left this pod (evicted, by a BlockRemoved or a cache reset), UTC; NULL otherwise
 -- returns: changed_segment String | the first segment, in prompt order, whose hash differs from the predecessor's (system, tools, retrieval, history, suffix); '' if none differs or there is no predecessor
 -- returns: kv_events UInt64 | KV-cache events (vLLM BlockStored/BlockRemoved/AllBlocksCleared) the predecessor's pod sent after the predecessor arrived and up to this request's arrival; 0 also when the pod sends none (the cause is then inferred from which pod served the predecessor)
 -- returns: kv_blocks_stored UInt64 | blocks in those BlockStored events, blocks
@@ -55,7 +58,8 @@ WITH
                CAST(causes AS Array(String)) AS causes, CAST(sub_causes AS Array(String)) AS sub_causes,
                CAST(missed_tokens AS Array(UInt64)) AS cause_missed_tokens, predecessor_request_id,
                CAST(predecessor_pod AS String) AS predecessor_pod,
-               CAST(predecessor_kind AS String) AS predecessor_kind, gap_ms
+               CAST(predecessor_kind AS String) AS predecessor_kind, gap_ms, CAST(evidence AS String) AS evidence,
+               CAST(evidence_pod AS String) AS evidence_pod, evidence_removed_at
         FROM request_attribution
         WHERE sign = 1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND ({request_id:String} = '' OR request_id = {request_id:String})
@@ -96,7 +100,8 @@ WITH
             a.prompt_tokens AS prompt_tokens, a.cached_tokens AS cached_tokens, a.block_size AS block_size,
             a.causes AS causes, a.sub_causes AS sub_causes, a.cause_missed_tokens AS cause_missed_tokens,
             a.predecessor_request_id AS predecessor_request_id, a.predecessor_pod AS predecessor_pod,
-            a.predecessor_kind AS predecessor_kind, a.gap_ms AS gap_ms,
+            a.predecessor_kind AS predecessor_kind, a.gap_ms AS gap_ms, a.evidence AS evidence,
+            a.evidence_pod AS evidence_pod, a.evidence_removed_at AS evidence_removed_at,
             p.request_id != '' AS has_pred,
             if(has_pred, CAST(p.ts AS Nullable(DateTime64(3, 'UTC'))), NULL) AS pred_ts,
             ['system', 'tools', 'retrieval', 'history', 'suffix'] AS names,
@@ -137,6 +142,7 @@ SELECT
     d.causes AS causes, d.sub_causes AS sub_causes, d.cause_missed_tokens AS cause_missed_tokens,
     d.predecessor_request_id AS predecessor_request_id, d.pred_ts AS predecessor_ts,
     d.predecessor_pod AS predecessor_pod, d.predecessor_kind AS predecessor_kind, d.gap_ms AS gap_ms,
+    d.evidence AS evidence, d.evidence_pod AS evidence_pod, d.evidence_removed_at AS evidence_removed_at,
     if(d.has_pred, d.names[arrayFirstIndex((x, y) -> x != y, d.r_hash, d.p_hash)], '') AS changed_segment,
     toUInt64(k.kv_events) AS kv_events, toUInt64(k.kv_blocks_stored) AS kv_blocks_stored,
     toUInt64(k.kv_blocks_removed) AS kv_blocks_removed, toUInt64(k.kv_caches_cleared) AS kv_caches_cleared,

@@ -1,0 +1,314 @@
+"""Precise mode's evidence: where each missed block of a request's chain was at its arrival, by the KV events.
+
+Inputs (sql/migrations/0017, 0018): a request's chain (gateway_requests.prompt_block_hashes, kvscope chain hashes
+of each full prompt block, and prompt_block_size); per pod the rows of kv_block_log (one per stored or removed
+block; a stored row carries the block's chain hash, a removed row only vLLM's block hash, so removals are paired
+with their stores by (pod, engine, medium, vLLM block hash)) and the cache resets of kv_cache_resets
+(AllBlocksCleared, vLLM restarts). Output: :class:`ingest.attribution.KvEvidence` per request, which
+:func:`ingest.attribution.judge` turns into block-exact routed_away / evicted zones.
+
+Residency follows kv_block_residency (sql/migrations/0017): vLLM does not deduplicate blocks
+(``vllm/v1/core/block_pool.py``), so a block hash is resident while its copies (stores − removals since the last
+reset of its pod and engine) are above 0; a removal with no copy to remove counts a copy stored before the
+evidence began; a reset ends every copy. An event at exactly the arrival time has not happened yet (as in the
+named query kv_resident_at). A block is resident on a pod when it is on any of its engines or media.
+
+Rules (docs/miss-causes.md, "Precise mode"): a request is judged with KV evidence when its chain's block size
+equals the block size used for its pod and its pod has KV events at or before its arrival within the lookback.
+Each missed block j ≥ k0 = cached // B (up to the last hittable block) is, in this order of precedence:
+resident on the request's pod (``resident_here``; but ``removed_here`` / ``reset_here`` with a time after the
+arrival when its last copy left before the request ended: evicted while it waited), gone from it before arrival
+(``removed_here`` by a BlockRemoved, ``reset_here`` by a reset, with the time: the pod had the prefix and lost
+it, which is what the request met), resident on another pod serving the same model (``resident_elsewhere``, the
+holder named: the first in name order when several), else ``nowhere``, which ends the evidence.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import polars as pl
+
+from ingest.attribution import (
+    NOWHERE,
+    REMOVED_HERE,
+    RESET_HERE,
+    RESIDENT_ELSEWHERE,
+    RESIDENT_HERE,
+    BlockStatus,
+    KvEvidence,
+)
+from ingest.store import Store
+
+_NEVER = -(2**62)
+#: (pod, engine, medium, vLLM block hash, chain hash, ts ms, seq, idx, pos, kind 'stored' | 'removed')
+BlockRow = tuple[str, str, str, int, int, int, int, int, int, str]
+#: (pod, engine, ts ms, seq, idx, kind 'cleared' | 'restart')
+ResetRow = tuple[str, str, int, int, int, str]
+
+
+@dataclass
+class _Track:
+    """One (pod, engine, medium, block hash)'s residency as change points: ``times[i]`` (ms) → ``resident[i]``
+    (copies > 0 after that event) and ``departure[i]`` (the latest (kind, ms) its last copy left, or None)."""
+
+    times: list[int] = field(default_factory=list)
+    resident: list[bool] = field(default_factory=list)
+    departure: list[tuple[str, int] | None] = field(default_factory=list)
+
+    def at(self, t_ms: int) -> tuple[bool, tuple[str, int] | None]:
+        """(resident, last departure) just before ``t_ms`` (events at ``t_ms`` not yet happened)."""
+        i = bisect.bisect_left(self.times, t_ms) - 1
+        return (False, None) if i < 0 else (self.resident[i], self.departure[i])
+
+    def departure_between(self, t_ms: int, until_ms: int) -> tuple[str, int] | None:
+        """The first departure of its last copy at or after ``t_ms`` and at or before ``until_ms``, or None."""
+        for i in range(bisect.bisect_left(self.times, t_ms), bisect.bisect_right(self.times, until_ms)):
+            dep = self.departure[i]
+            if dep is not None and dep[1] >= t_ms:
+                return dep
+        return None
+
+
+def _build_track(events: list[tuple[tuple[int, ...], int, int]], resets: list[tuple[tuple[int, ...], int, str]]
+                 ) -> _Track:
+    """A :class:`_Track` from its block events ((order, ts ms, +1 store / −1 removal)) and its pod and engine's
+    resets ((order, ts ms, kind)), orders as kv_block_residency sorts them (a reset before the blocks of its
+    own batch). Each stretch between resets starts with the copies stored before the evidence ("unseen": the
+    deepest the running count goes below 0)."""
+    merged = sorted([(o, ts, d, "") for o, ts, d in events] + [(o, ts, 0, k) for o, ts, k in resets])
+    track = _Track()
+    departure: tuple[str, int] | None = None
+    segment: list[tuple[int, int]] = []
+    start = _NEVER
+
+    def flush(end_ts: int | None, end_kind: str) -> None:
+        nonlocal departure
+        run = low = 0
+        for _, d in segment:
+            run += d
+            low = min(low, run)
+        copies = -low
+        track.times.append(start)
+        track.resident.append(copies > 0)
+        track.departure.append(departure)
+        for ts, d in segment:
+            before, copies = copies, copies + d
+            if before > 0 and copies == 0:
+                departure = ("removed", ts)
+            track.times.append(ts)
+            track.resident.append(copies > 0)
+            track.departure.append(departure)
+        if end_ts is not None and copies > 0:
+            departure = (end_kind, end_ts)
+
+    for _, ts, d, kind in merged:
+        if kind:
+            flush(ts, kind)
+            segment, start = [], ts
+        else:
+            segment.append((ts, d))
+    flush(None, "")
+    return track
+
+
+class KvTimeline:
+    """Per chain hash and pod, the residency of that block on the pod, from kv_block_log rows and resets.
+
+    ``block_rows``: :data:`BlockRow` tuples (the chain hash of a removed row is ignored: it is paired with its
+    stores by vLLM block hash); ``reset_rows``: :data:`ResetRow` tuples. Memory: one entry per row."""
+
+    def __init__(self, block_rows: Iterable[BlockRow], reset_rows: Iterable[ResetRow] = ()) -> None:
+        resets: dict[tuple[str, str], list[tuple[tuple[int, ...], int, str]]] = defaultdict(list)
+        for pod, engine, ts, seq, idx, kind in reset_rows:
+            resets[(pod, engine)].append(((ts, seq, idx, 0, 0), ts, "cleared" if kind == "cleared" else "restart"))
+        events: dict[tuple[str, str, str, int], list[tuple[tuple[int, ...], int, int]]] = defaultdict(list)
+        chains: dict[tuple[str, str, str, int], int] = {}
+        for pod, engine, medium, block_hash, chain, ts, seq, idx, pos, kind in block_rows:
+            key = (pod, engine, medium, block_hash)
+            events[key].append(((ts, seq, idx, pos, 1), ts, 1 if kind == "stored" else -1))
+            if kind == "stored" and chain:
+                chains[key] = chain
+        self._tracks: dict[int, dict[str, list[_Track]]] = defaultdict(lambda: defaultdict(list))
+        for key, evs in events.items():
+            if key in chains:
+                track = _build_track(evs, resets.get((key[0], key[1]), []))
+                self._tracks[chains[key]][key[0]].append(track)
+
+    def status(self, chain: int, pod: str, t_ms: int, model_pods: Iterable[str] | None = None,
+               end_ms: int | None = None) -> BlockStatus:
+        """Where block ``chain`` was just before ``t_ms`` (unix ms) for a request served by ``pod``; holders
+        elsewhere only among ``model_pods`` (None = any pod). Precedence as in the module docstring.
+        ``end_ms``: when the request ended (arrival + e2e): a block resident here at arrival whose last copy
+        left before then was evicted while the request waited (``removed_here`` / ``reset_here`` with that
+        time, after the arrival)."""
+        by_pod = self._tracks.get(chain, {})
+        latest: tuple[str, int] | None = None
+        here = by_pod.get(pod, [])
+        if any(track.at(t_ms)[0] for track in here):
+            gone = ([track.departure_between(t_ms, end_ms) for track in here if track.at(t_ms)[0]]
+                    if end_ms is not None else [None])
+            if not all(gone):
+                return BlockStatus(RESIDENT_HERE, pod)
+            latest = max((d for d in gone if d is not None), key=lambda d: d[1])
+        for track in here if latest is None else ():
+            departure = track.at(t_ms)[1]
+            if departure is not None and (latest is None or departure[1] > latest[1]):
+                latest = departure
+        if latest is not None:
+            state = REMOVED_HERE if latest[0] == "removed" else RESET_HERE
+            return BlockStatus(state, pod, datetime.fromtimestamp(latest[1] / 1000, UTC))
+        allowed = None if model_pods is None else set(model_pods)
+        for other in sorted(by_pod):
+            if other != pod and (allowed is None or other in allowed) and any(
+                    t.at(t_ms)[0] for t in by_pod[other]):
+                return BlockStatus(RESIDENT_ELSEWHERE, other)
+        return BlockStatus(NOWHERE)
+
+
+def request_evidence(timeline: KvTimeline, *, pod: str, ts_ms: int, chain: Sequence[int], chain_block_size: int,
+                     prompt_tokens: int, cached_tokens: int, model_pods: Iterable[str] | None = None,
+                     covered_pods: frozenset[str] = frozenset(), end_ms: int | None = None) -> KvEvidence:
+    """The :class:`KvEvidence` of one request: the status of its blocks k0 = cached // B … up to the last
+    hittable one (L / B, L = floor((P − 1)/B)·B) and within ``chain``, stopping after the first ``nowhere``.
+    ``end_ms``: the request's end (arrival + e2e_ms), see :meth:`KvTimeline.status`."""
+    b = max(1, chain_block_size)
+    last = min(len(chain), max(0, prompt_tokens - 1) // b)
+    statuses: list[BlockStatus] = []
+    pods = None if model_pods is None else list(model_pods)
+    for j in range(max(0, cached_tokens) // b, last):
+        status = timeline.status(int(chain[j]), pod, ts_ms, pods, end_ms)
+        statuses.append(status)
+        if status.state == NOWHERE:
+            break
+    return KvEvidence(chain_block_size, tuple(statuses), covered_pods)
+
+
+def covered(first_event_ms: Mapping[str, int], ts_ms: int) -> frozenset[str]:
+    """The pods whose KV events cover an arrival at ``ts_ms``: those whose first event (within the lookback
+    the caller read) lies at or before it."""
+    return frozenset(pod for pod, first in first_event_ms.items() if first <= ts_ms)
+
+
+# -- from the store ------------------------------------------------------------------------------------------
+#: The evidence window: from the lookback before the chunk's first arrival to the chunk's last request's end.
+_FROM = ("ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
+         "AND ts <= {until:DateTime64(3, 'UTC')}")
+#: The longest wait for a request's prefill that the evidence window reaches past the chunk's last arrival.
+MAX_END_MS = 600_000
+_WANTED = """
+    wanted AS
+    (
+        SELECT DISTINCT arrayJoin(arraySlice(prompt_block_hashes,
+                   intDiv(ifNull(cached_tokens, 0), prompt_block_size) + 1,
+                   greatest(0, intDiv(toInt64(prompt_tokens) - 1, prompt_block_size)
+                               - intDiv(ifNull(cached_tokens, 0), prompt_block_size)))) AS h
+        FROM gateway_requests
+        WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}}
+          AND prompt_block_size > 0
+    )"""
+
+
+def fetch_block_rows(store: Store, params: Mapping[str, object], in_set: str) -> list[BlockRow]:
+    """The kv_block_log rows (FINAL: a re-sent batch counts once) of every block that a missed block of the
+    staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback in ms)
+    names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
+    lookback to ``until`` (the chunk's last request's end): its stores and its removals (paired by vLLM hash).
+    One query."""
+    rows = store.query_rows(
+        f"""
+        WITH {_WANTED.format(in_set=in_set)},
+        named AS
+        (
+            SELECT DISTINCT pod, engine, medium, block_hash,
+                   if(chain_hash IN (SELECT h FROM wanted), chain_hash, block_hash) AS chain
+            FROM kv_block_log
+            WHERE kind = 'stored' AND {_FROM}
+              AND (chain_hash IN (SELECT h FROM wanted) OR block_hash IN (SELECT h FROM wanted))
+        )
+        SELECT CAST(l.pod AS String), CAST(l.engine AS String), CAST(l.medium AS String), l.block_hash, n.chain,
+               toUnixTimestamp64Milli(l.ts), l.seq, l.idx, l.pos, CAST(l.kind AS String)
+        FROM kv_block_log AS l FINAL
+        INNER JOIN named AS n ON l.pod = n.pod AND l.engine = n.engine AND l.medium = n.medium
+                              AND l.block_hash = n.block_hash
+        WHERE l.kind IN ('stored', 'removed') AND {_FROM.replace('ts ', 'l.ts ')}
+        """, dict(params))
+    return [(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]), int(r[8]),
+             str(r[9])) for r in rows]
+
+
+def fetch_reset_rows(store: Store, params: Mapping[str, object]) -> list[ResetRow]:
+    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from lo − lookback to until."""
+    rows = store.query_rows(
+        f"SELECT pod, engine, toUnixTimestamp64Milli(ts), seq, idx, kind FROM kv_cache_resets WHERE {_FROM}",
+        dict(params))
+    return [(str(r[0]), str(r[1]), int(r[2]), int(r[3]), int(r[4]), str(r[5])) for r in rows]
+
+
+def fetch_first_events(store: Store, params: Mapping[str, object]) -> dict[str, int]:
+    """pod → its first kv_block_log row (unix ms) from lo − lookback to until: the start of its KV evidence."""
+    rows = store.query_rows(
+        f"SELECT CAST(pod AS String), toUnixTimestamp64Milli(min(ts)) FROM kv_block_log WHERE {_FROM} "
+        "GROUP BY pod", dict(params))
+    return {str(pod): int(first) for pod, first in rows}
+
+
+def fetch_model_pods(store: Store, params: Mapping[str, object]) -> dict[str, set[str]]:
+    """model → the pods that served it (gateway_requests) from lo − lookback to until: a block resident on a pod
+    of another model is no evidence (the same token ids hash alike across models)."""
+    rows = store.query_rows(
+        "SELECT DISTINCT CAST(model AS String), CAST(pod AS String) FROM gateway_requests "
+        f"WHERE {_FROM}", dict(params))
+    out: dict[str, set[str]] = defaultdict(set)
+    for model, pod in rows:
+        out[str(model)].add(str(pod))
+    return out
+
+
+def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> dict[str, tuple[list[int], int]]:
+    """request_id → (prompt_block_hashes, prompt_block_size) of the staged requests that logged a chain."""
+    rows = store.query_rows(
+        "SELECT request_id, prompt_block_hashes, prompt_block_size FROM gateway_requests "
+        f"WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}} "
+        "AND prompt_block_size > 0 AND notEmpty(prompt_block_hashes)", dict(params))
+    return {str(r[0]): ([int(h) for h in r[1]], int(r[2])) for r in rows}
+
+
+def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str
+                   ) -> dict[str, KvEvidence]:
+    """request_id → :class:`KvEvidence` for the rows of ``frame`` (columns request_id, ts, pod, model,
+    prompt_tokens, cached_tokens, status, e2e_ms, block_size: the staged requests ``in_set`` selects;
+    ``params``: set, lo, hi and lookback in ms) that are judged with KV evidence: a chain whose block size
+    equals ``block_size``, a known cached count below the prompt, status < 400, and KV events of their own pod
+    at or before their arrival within the lookback. Events are read up to the latest request end (arrival +
+    e2e_ms, at most :data:`MAX_END_MS` after it). Five queries per chunk, whatever its size."""
+    chains = fetch_chains(store, params, in_set)
+    if not chains:
+        return {}
+    end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
+    last_end = frame.select(end.max()).item()
+    params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
+    first = fetch_first_events(store, params)
+    rows = (frame.filter(pl.col("request_id").is_in(list(chains)) & pl.col("cached_tokens").is_not_null()
+                         & (pl.col("status").fill_null(0) < 400) & (pl.col("prompt_tokens") > pl.col("cached_tokens"))
+                         & pl.col("pod").is_in(list(first)))
+            .select("request_id", pl.col("ts").dt.epoch("ms").alias("ts_ms"), end.alias("end_ms"), "pod", "model",
+                    "prompt_tokens", "cached_tokens", "block_size").to_dicts())
+    rows = [r for r in rows if chains[r["request_id"]][1] == r["block_size"] and first[r["pod"]] <= r["ts_ms"]]
+    if not rows:
+        return {}
+    timeline = KvTimeline(fetch_block_rows(store, params, in_set), fetch_reset_rows(store, params))
+    model_pods = fetch_model_pods(store, params)
+    out: dict[str, KvEvidence] = {}
+    for r in rows:
+        chain, size = chains[r["request_id"]]
+        out[r["request_id"]] = request_evidence(
+            timeline, pod=r["pod"], ts_ms=r["ts_ms"], chain=chain, chain_block_size=size,
+            prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
+            model_pods=model_pods.get(r["model"], {r["pod"]}), covered_pods=covered(first, r["ts_ms"]),
+            end_ms=r["end_ms"])
+    return out
