@@ -5,6 +5,7 @@ Uses the ``store`` fixture of tests/conftest.py (one chDB directory per process,
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -18,15 +19,22 @@ from ingest import attribution, attribution_job
 from ingest.store import Store
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-#: Stamped before the job's clock (the store's now64) minus its settle time, so every run picks rows up.
+#: Stamped before the job's clock (the store's now64) minus its settle time, so every run picks rows up. Reset
+#: before each test (:func:`_fresh_ingested`): a stamp taken at import falls behind the job's 300 s overlap
+#: window when the tests before take longer than that, and the job then never picks later batches up.
 INGESTED = datetime.now(UTC) - timedelta(minutes=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ingested(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "INGESTED", datetime.now(UTC) - timedelta(minutes=1))
 
 
 def h(text: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_OID, text).hex[:16] if text else ""
 
 
-def gw(rid: str, *, at: float, ingested: datetime = INGESTED, conv: str = "", pod: str = "pod-a",
+def gw(rid: str, *, at: float, ingested: datetime | None = None, conv: str = "", pod: str = "pod-a",
        prompt: int = 762, cached: int = 0, status: int = 200, history: str = "", prev_history: str = "",
        history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22) -> dict[str, Any]:
     system = h("You are the support agent of Acme.")
@@ -40,7 +48,7 @@ def gw(rid: str, *, at: float, ingested: datetime = INGESTED, conv: str = "", po
         "history_prefix_hash": h(history), "prev_history_hash": h(prev_history),
         "history_tokens": history_tokens,
         "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
-        "prompt_fingerprint": h(system + h(history)), "ingested_at": ingested,
+        "prompt_fingerprint": h(system + h(history)), "ingested_at": ingested or INGESTED,
     }
 
 

@@ -8,11 +8,12 @@ Segment token counts sum to prompt_tokens, so positions are exact (no scaling); 
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from test_attribution import h, req, split
-from test_attribution_job import INGESTED, attributed, insert_requests, run
+from test_attribution_job import attributed, insert_requests, run
 
 from gateway.normalize import mask_volatile
 from ingest import attribution as a
@@ -24,7 +25,7 @@ BASE_LINES = [f"Policy rule {i}: answer within the scope of the product." for i 
 
 def to_store(r: dict[str, Any]) -> dict[str, Any]:
     """A req() row as gateway_requests holds it: structural hashes as UInt64, an ingested_at the job picks up."""
-    out = {**r, "ingested_at": INGESTED}
+    out = {**r, "ingested_at": datetime.now(UTC) - timedelta(minutes=1)}  # within the job's window, whenever run
     for key in (a.LINE_HASHES, a.CHUNK_HASHES):
         out[key] = [int(x, 16) for x in r[key]]
     return out
