@@ -24,6 +24,8 @@ when both are given, and the inclusive prompt fits a UInt32).
 - Precise mode (``gateway/block_chain.py``): ``prompt_block_hashes`` is a list of at most
   :data:`kvscope.block_hash.MAX_PROMPT_BLOCKS` hashes of 16 lowercase hex characters (never ''), and a non-empty
   list needs ``prompt_block_size`` ≥ 1; [] / 0 = no chain.
+- Structure (``system_line_hashes``/``_tokens`` ≤ :data:`MAX_LINES` entries, ``suffix_chunk_hashes``/``_tokens``
+  ≤ :data:`MAX_CHUNKS`): every hash 16 lowercase hex characters, and one token count per hash.
 - Identifiers and labels: at most :data:`NAME_MAX_CHARS` characters, else the line is refused (they are keys:
   cutting them would merge distinct values). Free text is kept, cut to its cap with a visible marker
   (:data:`TEXT_CAPS`): a 5 MB ``error`` is stored as 1,024 characters, its first 998 and
@@ -63,6 +65,11 @@ HASH_PATTERN = r"^(?:[0-9a-f]{16})?(?!\n)$"
 #: :func:`_parse_ts`.
 TS_PATTERN = (r"^(20[0-9]{2})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):([0-5][0-9]):"
               r"([0-5][0-9])(?:\.([0-9]{1,9}))?([Zz]|([+-])([01][0-9]|2[0-3]):([0-5][0-9]))(?!\n)$")
+#: The structural arrays (gateway/fingerprint.py): hash list → its token list, and the most entries each may hold.
+STRUCTURE_FIELDS = {"system_line_hashes": "system_line_tokens", "suffix_chunk_hashes": "suffix_chunk_tokens"}
+MAX_LINES = 256
+MAX_CHUNKS = 64
+_HASH_ITEM = re.compile(r"[0-9a-f]{16}")
 #: Free-text fields and their caps in characters; a longer value is cut to the cap, the marker included.
 TEXT_CAPS = {"error": 1024, "routing_reason": 256}
 TRUNCATED_MARKER = "…[truncated {n} chars]"
@@ -116,6 +123,10 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     cache_creation_input_tokens: U32 | None = None
     prompt_block_hashes: Annotated[list[str], msgspec.Meta(max_length=MAX_PROMPT_BLOCKS)] = []
     prompt_block_size: U32 = 0
+    system_line_hashes: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_LINES)] = ()
+    system_line_tokens: Annotated[tuple[U32, ...], msgspec.Meta(max_length=MAX_LINES)] = ()
+    suffix_chunk_hashes: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_CHUNKS)] = ()
+    suffix_chunk_tokens: Annotated[tuple[U32, ...], msgspec.Meta(max_length=MAX_CHUNKS)] = ()
 
 
 class BadRecord(ValueError):
@@ -195,6 +206,8 @@ def _checked(rec: GatewayRecord) -> GatewayRecord:
         raise BadRecord(f"field {field}: not a hash (16 lowercase hex characters, or '' when the segment is "
                         "absent)")
     _check_chain(rec)
+    if rec.system_line_hashes or rec.system_line_tokens or rec.suffix_chunk_hashes or rec.suffix_chunk_tokens:
+        _check_structure(rec)
     ts = _canonical_ts(rec.ts)
     if rec.usage_convention == "exclusive":
         if None not in (rec.cached_tokens, rec.cache_read_input_tokens) and \
@@ -227,6 +240,15 @@ def _check_chain(rec: GatewayRecord) -> None:
         raise BadRecord(f"field prompt_block_hashes: item {at} is not a hash (16 lowercase hex characters)")
     if rec.prompt_block_size == 0:
         raise BadRecord("field prompt_block_hashes: a chain without prompt_block_size (≥ 1)")
+def _check_structure(rec: GatewayRecord) -> None:
+    """Each structural hash is 16 lowercase hex characters and each hash list has exactly one token count per
+    entry; raises :class:`BadRecord`."""
+    for hashes_field, tokens_field in STRUCTURE_FIELDS.items():
+        hashes, tokens = getattr(rec, hashes_field), getattr(rec, tokens_field)
+        if not all(_HASH_ITEM.fullmatch(h) for h in hashes):
+            raise BadRecord(f"field {hashes_field}: an entry is not a hash (16 lowercase hex characters)")
+        if len(hashes) != len(tokens):
+            raise BadRecord(f"field {tokens_field}: {len(tokens)} entries, {hashes_field} has {len(hashes)}")
 
 
 def _canonical_ts(ts: str) -> str:

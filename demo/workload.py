@@ -9,6 +9,11 @@ Tenants (all with a long, stable system prompt, ~340 words ≈ 800 tokens = 25 b
   umbrella  RAG chat, 2 turns, same documents reordered   -> `rag_reordered`
   hooli     chat, 4 turns, history cut to the last 2
             messages from turn 3 on                       -> `history_truncated` (turns >= 3), else `none`
+  stark     chat, 2 turns, a "Trace: <12 hex>" line in the
+            middle of the system prompt (a form no regex
+            mask knows)                                   -> `volatile_system` (scenario volatile_unknown_form)
+  wayne     one-turn RAG questions, the documents pasted
+            into the user message, rotated per session    -> `rag_reordered` (scenario rag_in_user_message)
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class TenantSpec:
     pathology: str
     sessions: int
     turns: tuple[int, int]
+    scenario: str = ""  # the labels' scenario; "" = the pathology
 
 
 TENANTS = (
@@ -51,6 +57,8 @@ TENANTS = (
     TenantSpec("initech", "agent", "tools_reordered", 4, (3, 4)),
     TenantSpec("umbrella", "rag", "rag_reordered", 5, (2, 2)),
     TenantSpec("hooli", "chat", "history_truncated", 4, (4, 4)),
+    TenantSpec("stark", "chat", "volatile_system", 3, (2, 2), "volatile_unknown_form"),
+    TenantSpec("wayne", "rag_inline", "rag_reordered", 4, (1, 1), "rag_in_user_message"),
 )
 TRUNCATE_FROM_TURN = 3  # hooli keeps only the last TRUNCATE_KEEP_MESSAGES history messages from here on
 TRUNCATE_KEEP_MESSAGES = 2
@@ -271,6 +279,9 @@ class Session:
                 }
             if self.tenant.kind == "rag":
                 turn.doc_order = self._doc_order(rng, self.turns[-1].doc_order if self.turns else None)
+            elif self.tenant.kind == "rag_inline":  # rotated by the session: two sessions differ in order
+                n_docs = len(rag_documents(self.seed, self.tenant.name))
+                turn.doc_order = [(self.index + i) % n_docs for i in range(n_docs)]
             self.turns.append(turn)
         self.request_uuids = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n_turns)]
 
@@ -313,13 +324,17 @@ class Session:
             "agent_run_id": self.agent_run_id,
             "turn": turn,
             "pathology": pathology,
-            "scenario": self.tenant.pathology,
+            "scenario": self.tenant.scenario or self.tenant.pathology,
             # tool latency before this call (agents, calls >= 2); run_workload scales it by wait_scale
             "tool_wait_ms": round(plan.wait_before_seconds * 1000) if self.is_agent and turn > 1 else None,
         }
 
     def system_prompt(self, turn: int, now: datetime) -> str:
         base = system_prompt(self.seed, self.tenant.name)
+        if self.tenant.scenario == "volatile_unknown_form":  # a line in the middle, a form the masks miss
+            paragraphs = base.split("\n\n")
+            paragraphs[3] = f"Trace: {uuid.UUID(self.request_uuids[turn - 1]).hex[:12]}\n{paragraphs[3]}"
+            return "\n\n".join(paragraphs)
         if self.tenant.pathology == "volatile_system":
             return volatile_header(now, self.request_uuids[turn - 1]) + "\n" + base
         return base
@@ -332,12 +347,12 @@ class Session:
             history = history[-TRUNCATE_KEEP_MESSAGES:]
         messages = [{"role": "system", "content": self.system_prompt(turn, now)}, *history]
         if not self.is_agent or turn == 1:  # an agent's later calls continue from the tool result
-            messages.append({"role": "user", "content": plan.user_text})
+            messages.append({"role": "user", "content": self.user_text(turn)})
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": plan.max_tokens}
         if plan.tools is not None:
             body["tools"] = plan.tools
             body["tool_choice"] = "none"  # "auto" needs --enable-auto-tool-choice and a parser
-        if plan.doc_order is not None:
+        if plan.doc_order is not None and self.tenant.kind == "rag":
             docs = rag_documents(self.seed, self.tenant.name)
             body["documents"] = [{"title": docs[i][0], "text": docs[i][1]} for i in plan.doc_order]
         headers = {
@@ -349,11 +364,20 @@ class Session:
             headers["X-Agent-Run-Id"] = self.agent_run_id
         return headers, body
 
+    def user_text(self, turn: int) -> str:
+        """The user message of request `turn`: the planned question, after the documents (title and text as
+        paragraphs, in the turn's order) for a tenant that pastes them into the message."""
+        plan = self.turns[turn - 1]
+        if self.tenant.kind != "rag_inline" or plan.doc_order is None:
+            return plan.user_text
+        docs = rag_documents(self.seed, self.tenant.name)
+        return "\n\n".join([*(f"{docs[i][0]}\n\n{docs[i][1]}" for i in plan.doc_order), plan.user_text])
+
     def record_reply(self, turn: int, reply: str) -> None:
         """Append turn `turn`'s exchange to the history (agents: plus the tool call and its result)."""
         plan = self.turns[turn - 1]
         if not self.is_agent or turn == 1:
-            self.history.append({"role": "user", "content": plan.user_text})
+            self.history.append({"role": "user", "content": self.user_text(turn)})
         assistant: dict[str, Any] = {"role": "assistant", "content": reply}
         if plan.tool_call:
             call = plan.tool_call

@@ -185,6 +185,10 @@ class PromptFingerprint:
     suffix_tokens: int
     prompt_fingerprint: str
     token_count_method: Literal["tokenizer", "estimate"]
+    system_line_hashes: tuple[str, ...] = ()
+    system_line_tokens: tuple[int, ...] = ()
+    suffix_chunk_hashes: tuple[str, ...] = ()
+    suffix_chunk_tokens: tuple[int, ...] = ()
 
     @property
     def parent_fingerprint(self) -> str:
@@ -195,9 +199,11 @@ class PromptFingerprint:
             self.system_hash, self.tools_hash, self.retrieval_pack_hash, self.prev_history_hash
         )
 
-    def to_log_fields(self) -> dict[str, str | int]:
-        """The 16 fingerprint fields of a log line, keyed by their schema names."""
-        return {name: getattr(self, name) for name in _FIELD_NAMES}
+    def to_log_fields(self) -> dict[str, str | int | list]:
+        """The 20 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
+        JSON lists)."""
+        return {name: list(v) if isinstance(v, tuple) else v for name in _FIELD_NAMES
+                for v in (getattr(self, name),)}
 
     @classmethod
     def empty(cls, method: Literal["tokenizer", "estimate"]) -> PromptFingerprint:
@@ -212,6 +218,77 @@ def _fingerprint(system_hash: str, tools_hash: str, pack_hash: str, history_hash
     """prompt_fingerprint = H(system, tools, retrieval pack, history prefix); "" if all four are absent."""
     parts = (system_hash, tools_hash, pack_hash, history_hash)
     return hash_parts(*parts) if any(parts) else ""
+
+
+# --- structure: lines of the system prompt, content-defined chunks of the suffix ----------------------------
+
+#: At most this many system lines are hashed; a longer prompt's last entry covers all its remaining lines.
+MAX_SYSTEM_LINES = 256
+#: At most this many suffix chunks; the last entry covers the rest of the message.
+MAX_SUFFIX_CHUNKS = 64
+#: A paragraph shorter than this (characters, whitespace stripped) ends no chunk: it joins the next one (a
+#: document's title line stays with its body, a short greeting with what follows).
+MIN_CHUNK_CHARS = 64
+#: A chunk longer than this (characters) is cut at line breaks after lines of at least MIN_CHUNK_CHARS, then
+#: every MAX_CHUNK_CHARS characters from its start.
+MAX_CHUNK_CHARS = 4096
+
+
+def system_lines(text: str) -> list[str]:
+    """The lines of a system prompt's text (split at "\n"), at most :data:`MAX_SYSTEM_LINES`: beyond it the
+    last entry is the rest of the text joined by "\n". "" → []."""
+    if not text:
+        return []
+    lines = text.split("\n")
+    if len(lines) > MAX_SYSTEM_LINES:
+        lines = [*lines[: MAX_SYSTEM_LINES - 1], "\n".join(lines[MAX_SYSTEM_LINES - 1:])]
+    return lines
+
+
+def _cut(text: str, separator: str) -> list[str]:
+    """``text`` cut after each ``separator`` whose preceding piece (since the previous separator) holds at least
+    MIN_CHUNK_CHARS non-blank characters; separators stay with the piece before them."""
+    out, start, piece_start = [], 0, 0
+    while True:
+        at = text.find(separator, piece_start)
+        if at < 0:
+            break
+        end = at + len(separator)
+        if len(text[piece_start:at].strip()) >= MIN_CHUNK_CHARS:
+            out.append(text[start:end])
+            start = end
+        piece_start = end
+    if start < len(text):
+        out.append(text[start:])
+    return out
+
+
+def content_chunks(text: str) -> list[str]:
+    """Content-defined chunks of a message's text, in order, concatenating back to ``text``.
+
+    A chunk ends at a paragraph break ("\n\n") that follows a paragraph of at least :data:`MIN_CHUNK_CHARS`
+    non-blank characters. Whether a break ends a chunk depends only on the paragraph right before it, so a
+    boundary never moves when text before that paragraph changes (retrieved documents keep their chunks
+    whatever precedes them). A chunk longer than :data:`MAX_CHUNK_CHARS` is cut the same way at line breaks,
+    then every MAX_CHUNK_CHARS characters from its start (a boundary inside it moves only with its own text).
+    At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last one holds the rest. "" → []."""
+    if not text:
+        return []
+    chunks = []
+    for para in _cut(text, "\n\n"):
+        if len(para) <= MAX_CHUNK_CHARS:
+            chunks.append(para)
+            continue
+        for piece in _cut(para, "\n"):
+            chunks.extend(piece[i:i + MAX_CHUNK_CHARS] for i in range(0, len(piece), MAX_CHUNK_CHARS))
+    if len(chunks) > MAX_SUFFIX_CHUNKS:
+        chunks = [*chunks[: MAX_SUFFIX_CHUNKS - 1], "".join(chunks[MAX_SUFFIX_CHUNKS - 1:])]
+    return chunks
+
+
+def structure(pieces: Sequence[str], counter: TokenCounter) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(H(piece) of each piece with surrounding whitespace stripped, tokens of each piece as is)."""
+    return tuple(hash_parts(p.strip()) for p in pieces), tuple(counter.count(p) for p in pieces)
 
 
 # --- messages ------------------------------------------------------------------------------------------
@@ -451,10 +528,12 @@ _MESSAGE, _DOCUMENT, _TOOLS, _TEXT = "message", "document", "tools", "text"
 class _Segments:
     """One fingerprint's segment computations, through a SegmentCache when there is one (else each entry is
     computed directly, and `budget` does not apply), so both paths give identical fingerprints. Entries:
-    message → [message_hash(m), count(message_text(m)), message_hash(m, mask=True) once needed];
+    message → [message_hash(m), count(message_text(m)), message_hash(m, mask=True) once needed, then, for a
+    system message, its line structure (hashes, tokens) once needed];
     document → [H(json as sent), H(json sorted), count(document text)];
     tools → [H(json as sent), H(json sorted), count(json as sent)];
-    text (completions) → [H(text), count(text), H(mask_volatile(text)) once needed]."""
+    text (completions) → [H(text), count(text), H(mask_volatile(text)) once needed, line structure once needed].
+    The suffix's chunk structure is not cached (a suffix is rarely repeated)."""
 
     def __init__(self, cache: SegmentCache | None, counter: TokenCounter, budget: int | None) -> None:
         self.cache = cache
@@ -520,6 +599,10 @@ class _Segments:
         tail = [self._message(m) for m in suffix]
         if system_entry is not None and system_entry[2] is None:
             system_entry[2] = message_hash(system, mask=True)  # type: ignore[arg-type]
+        if system_entry is not None and len(system_entry) < 4:
+            system_entry.append(structure(system_lines(message_text(system)), self.counter))  # type: ignore[arg-type]
+        lines = system_entry[3] if system_entry is not None else ((), ())
+        chunks = structure(content_chunks(message_text(suffix[0])), self.counter) if suffix else ((), ())
         return PromptFingerprint(
             system_hash=system_hash,
             system_norm_hash=system_entry[2] if system_entry else "",
@@ -537,6 +620,10 @@ class _Segments:
             suffix_tokens=sum(t[1] for t in tail),
             prompt_fingerprint=_fingerprint(system_hash, tools_hash, pack_hash, history_hash),
             token_count_method=self.counter.method,
+            system_line_hashes=lines[0],
+            system_line_tokens=lines[1],
+            suffix_chunk_hashes=chunks[0],
+            suffix_chunk_tokens=chunks[1],
         )
 
     def completion(self, body: Mapping[str, Any]) -> PromptFingerprint:
@@ -553,4 +640,7 @@ class _Segments:
         entry = self._text(system_text)
         if entry[2] is None:
             entry[2] = hash_parts(mask_volatile(system_text))
-        return _completion_fingerprint(entry[0], entry[2], entry[1], suffix_hash, suffix_tokens, self.counter.method)
+        if len(entry) < 4:
+            entry.append(structure(system_lines(system_text), self.counter))
+        fp = _completion_fingerprint(entry[0], entry[2], entry[1], suffix_hash, suffix_tokens, self.counter.method)
+        return dataclasses.replace(fp, system_line_hashes=entry[3][0], system_line_tokens=entry[3][1])

@@ -12,7 +12,7 @@ The model, in three steps (one function each):
    of the same conversation, else of the same agent run; else the latest request of the same model with
    the same ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose
    prefix is the same modulo a nameable change (same normalized system prompt, canonical tools or
-   retrieval set).
+   retrieval set, or half of the system prompt's lines with the rest nearly equal: :func:`lines_match`).
 2. **Shared prefix and drift** (:func:`shared_prefix`): walk the segments [system][tools][retrieval]
    [history][suffix] in prompt order; the shared length S ends at the first segment whose raw hash differs,
    and that segment's variant hashes name the drift.
@@ -96,7 +96,20 @@ BEYOND_HORIZON_KIND_SUFFIX = "_beyond_horizon"
 #: The keys on which a request finds its predecessor, as numbered in gateway_requests.predecessor_keys
 #: (sql/migrations/0008): conversation, agent run, prompt fingerprint, then the three variant hashes.
 KEY_CONVERSATION, KEY_AGENT_RUN, KEY_FINGERPRINT, KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET = range(1, 7)
-VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET)
+#: Banded keys of the system prompt's lines (sql/migrations/0020): (line count, first half of the line hashes)
+#: and (line count, second half). One changed line, wherever it sits, leaves one band equal.
+KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL = 7, 8
+BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
+VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
+
+#: Structural fields (gateway/fingerprint.py): hashes and tokens of each line of the system prompt, and of each
+#: content-defined chunk of the suffix (the final message), in order.
+LINE_HASHES, LINE_TOKENS = "system_line_hashes", "system_line_tokens"
+CHUNK_HASHES, CHUNK_TOKENS = "suffix_chunk_hashes", "suffix_chunk_tokens"
+#: A system prompt needs this many lines for the structural rule (fewer: one changed line is most of it).
+MIN_STRUCTURE_LINES = 3
+#: The structural rule: at most this share of the lines (rounded down, at least one line) may differ.
+VOLATILE_LINE_SHARE = 0.25
 
 #: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``): tokens per block for a pod whose
 #: ``vllm:cache_config_info`` is unknown.
@@ -114,6 +127,7 @@ REQUEST_FIELDS = (
     "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
     "history_prefix_hash", "prev_history_hash", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
+    LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS,
 )
 
 Request = Mapping[str, Any]
@@ -257,6 +271,12 @@ def _str(req: Request, key: str) -> str:
     return str(req.get(key) or "")
 
 
+def _list(req: Request, key: str) -> list[Any]:
+    """An array field as a list ([] when absent or null)."""
+    value = req.get(key)
+    return [] if value is None else list(value)
+
+
 def _full_blocks(tokens: int, block_size: int) -> int:
     """``tokens`` rounded down to whole blocks (tokens)."""
     return max(0, tokens) // block_size * block_size
@@ -306,7 +326,10 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     gateway_requests.predecessor_keys (sql/migrations/0008):
     1. (tenant, model, conversation_id), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`;
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
-    4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`.
+    4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
+    7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
+    :data:`MIN_STRUCTURE_LINES` lines (sql/migrations/0020): :data:`VARIANT`, once :func:`lines_match` confirms
+    the candidate (:meth:`PredecessorIndex.candidates`).
     """
     tenant, model = _str(req, "tenant_id"), _str(req, "model")
     out: list[tuple[int, tuple[str, ...]]] = []
@@ -315,10 +338,44 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
             out.append((kind, (tenant, model, _str(req, field))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
-    for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=True):
+    for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
         if _str(req, field):
             out.append((kind, (tenant, model, _str(req, field))))
+    lines = [str(x) for x in _list(req, LINE_HASHES)]
+    if len(lines) >= MIN_STRUCTURE_LINES:
+        half = len(lines) // 2
+        out.append((KEY_SYSTEM_LINES_HEAD, (tenant, model, str(len(lines)), *lines[:half])))
+        out.append((KEY_SYSTEM_LINES_TAIL, (tenant, model, str(len(lines)), *lines[half:])))
     return out
+
+
+def changed_lines(req: Request, prev: Request) -> int | None:
+    """How many system lines differ, position by position, when both requests have the same number of lines,
+    at least :data:`MIN_STRUCTURE_LINES`; else None (the structure cannot compare them)."""
+    a, b = _list(req, LINE_HASHES), _list(prev, LINE_HASHES)
+    if len(a) != len(b) or len(a) < MIN_STRUCTURE_LINES:
+        return None
+    return sum(x != y for x, y in zip(a, b, strict=True))
+
+
+def allowed_changed_lines(lines: int) -> int:
+    """The most lines of a ``lines``-line system prompt that may differ for a volatile change:
+    floor(lines × :data:`VOLATILE_LINE_SHARE`), at least 1."""
+    return max(1, int(lines * VOLATILE_LINE_SHARE))
+
+
+def lines_match(req: Request, prev: Request) -> bool:
+    """A banded-key candidate is a predecessor only if the structure confirms it: same line count (≥ 3) and at
+    most :func:`allowed_changed_lines` lines differ (0 included)."""
+    n = changed_lines(req, prev)
+    return n is not None and n <= allowed_changed_lines(len(_list(req, LINE_HASHES)))
+
+
+def lines_volatile(req: Request, prev: Request) -> bool:
+    """The structural volatile rule: :func:`lines_match` with at least one line differing (one line, or a few,
+    change each request whatever they hold: a request id of a form the masks do not know)."""
+    n = changed_lines(req, prev)
+    return n is not None and 1 <= n <= allowed_changed_lines(len(_list(req, LINE_HASHES)))
 
 
 def choose_predecessor(candidates: Mapping[int, Request]) -> Predecessor | None:
@@ -385,6 +442,8 @@ class PredecessorIndex:
             tl = self._timelines.get(key)
             found = tl.latest_before(ts_ms) if tl else None
             if found is not None and _ts_ms(found) >= not_before:
+                if key[0] in BAND_KEYS and not lines_match(req, found):
+                    continue  # a band matched by chance, the other lines too different: not a variant
                 out[key[0]] = found
         return out
 
@@ -443,11 +502,64 @@ def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
 
 def _name_drift(req: Request, prev: Request, seg: Segment) -> str:
     """Sub-cause for a segment whose raw hash differs (docs/miss-causes.md: named by the variant hashes; a variant the
-    gateway left empty proves nothing, so it names the change, not a reordering)."""
+    gateway left empty proves nothing, so it names the change, not a reordering). The system prompt is also
+    volatile when its structure says so (:func:`lines_volatile`), whatever the changed lines hold."""
     variant = _str(req, seg.variant_field) if seg.variant_field else ""
     if variant and variant == _str(prev, seg.variant_field):
         return seg.reordered
+    if seg.name == "system" and lines_volatile(req, prev):
+        return seg.reordered
     return seg.changed
+
+
+def _scaled(req: Request, raw: int) -> int:
+    """A position counted in raw segment tokens, scaled to prompt tokens as :func:`segment_offsets` scales the
+    segment boundaries (floor(raw × prompt_tokens / Σ segment tokens))."""
+    total = sum(_int(req, s.tokens_field) for s in STABLE_SEGMENTS) + _int(req, "suffix_tokens")
+    return raw * _int(req, "prompt_tokens") // total if total else 0
+
+
+def first_changed_line_tokens(req: Request, prev: Request) -> int:
+    """Raw tokens of the system lines before the first line that differs from the predecessor's (position by
+    position; when one list is a prefix of the other, the first line past the shorter), at most system_tokens;
+    0 when either side has no line structure or none differs (the change is then placed at token 0)."""
+    a, b = _list(req, LINE_HASHES), _list(prev, LINE_HASHES)
+    if not a or not b:
+        return 0
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if first == len(a) == len(b):
+        return 0
+    return min(sum(int(t) for t in _list(req, LINE_TOKENS)[:first]), _int(req, "system_tokens"))
+
+
+def suffix_chunk_drift(req: Request, prev: Request) -> tuple[int, str, int]:
+    """(P, sub, E) for a suffix that differs from the predecessor's, from their content-defined chunks h (this
+    request's, tokens t) and p (the predecessor's), all in raw suffix tokens:
+
+    - k = length of the common ordered chunk prefix (h[i] = p[i] for i < k); P = Σ t[:k], shared;
+    - a chunk h[i], k ≤ i < len(h) − 1 (never the final chunk: the question), is *known* when the predecessor's
+      suffix had it anywhere (p as a set); j = the last known one. None: no drift (sub "", E = P);
+    - guard: the known chunks of h[k..j] must hold at least as many tokens as the new ones among them, else no
+      drift (new content that repeats a paragraph by chance stays unavoidable);
+    - sub = rag_reordered when the chunks h[k..j] and the predecessor's chunks after the common prefix but
+      its final one (p[k : len(p) − 1]) are the same set, else rag_changed (documents replaced while others
+      stayed); E = Σ t[:j + 1], the end of the drift. Chunks after j (new documents, the question) stay
+      unavoidable.
+    """
+    h, p = _list(req, CHUNK_HASHES), _list(prev, CHUNK_HASHES)
+    t = [int(x) for x in _list(req, CHUNK_TOKENS)]
+    k = next((i for i, (x, y) in enumerate(zip(h, p, strict=False)) if x != y), min(len(h), len(p)))
+    shared = sum(t[:k])
+    had = set(p)
+    known = [i for i in range(k, len(h) - 1) if h[i] in had]
+    if not known:
+        return shared, "", shared
+    j = known[-1]
+    known_tokens = sum(t[i] for i in range(k, j + 1) if h[i] in had)
+    if 2 * known_tokens < sum(t[k:j + 1]):
+        return shared, "", shared
+    sub = RAG_REORDERED if set(h[k:j + 1]) == set(p[k:len(p) - 1]) else RAG_CHANGED
+    return shared, sub, sum(t[:j + 1])
 
 
 def _reusable_without_drift(req: Request, pred: Predecessor, offsets: tuple[int, ...], first: int) -> int:
@@ -476,13 +588,17 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
     Walk system, tools, retrieval, history, suffix; a segment counts while its raw hash equals the
     predecessor's (an empty segment on both sides is equal). At the first that differs:
     - system/tools/retrieval: drift named by the variant (norm / canonical / set equal → volatile_system /
-      tools_reordered / rag_reordered, else system_changed / tools_changed / rag_changed);
+      tools_reordered / rag_reordered, else system_changed / tools_changed / rag_changed); the system prompt is
+      also volatile_system when its line structure says so (:func:`lines_volatile`), and its drift starts at
+      the first changed line (:func:`first_changed_line_tokens`), not at token 0;
     - history, previous-turn predecessor: if ``prev_history_hash`` equals the predecessor's
       ``history_prefix_hash`` the conversation continued and S covers the predecessor's whole prompt (its
       history and suffix are in this history); else ``history_truncated``;
     - history, fingerprint or variant predecessor: different history is another conversation's content, not a
       change: S ends there, no drift;
-    - suffix: the new message; S ends at the stable prefix (all of the prompt when the suffix is equal too).
+    - suffix: the new message; S ends at the stable prefix plus the suffix's common ordered chunk prefix (all
+      of the prompt when the suffix is equal too); retrieved documents inside it that were reordered or
+      replaced are a rag_reordered / rag_changed drift (:func:`suffix_chunk_drift`).
     S never exceeds the predecessor's prompt_tokens (nothing beyond it was cached).
     """
     offsets = segment_offsets(req)
@@ -502,12 +618,17 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
             if pred.kind != PREVIOUS_TURN:
                 s = min(cap, offsets[i])
                 return SharedPrefix(s, reusable_without_drift_tokens=s)
-        d = min(cap, offsets[i])
+        d = min(cap, offsets[i] if i else _scaled(req, first_changed_line_tokens(req, prev)))
         w = max(d, _reusable_without_drift(req, pred, offsets, i))
         return SharedPrefix(d, _name_drift(req, prev, seg), d, w)
-    s = prompt if _str(req, "suffix_hash") == _str(prev, "suffix_hash") else offsets[HISTORY + 1]
-    s = min(cap, s)
-    return SharedPrefix(s, reusable_without_drift_tokens=s)
+    if _str(req, "suffix_hash") == _str(prev, "suffix_hash"):
+        return SharedPrefix(cap, reusable_without_drift_tokens=cap)
+    stable, suffix = _stable_prefix_tokens_raw(req), _int(req, "suffix_tokens")
+    shared, sub, end = suffix_chunk_drift(req, prev)
+    s = min(cap, _scaled(req, stable + min(shared, suffix)))
+    if not sub:
+        return SharedPrefix(s, reusable_without_drift_tokens=s)
+    return SharedPrefix(s, sub, s, max(s, _scaled(req, stable + min(end, suffix))))
 
 
 # -- step 3: token split ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import polars as pl
 import pyarrow as pa
 
 from ingest import attribution
+from ingest import attribution_structure as structure
 from ingest.attribution import (
     BELOW_BLOCK,
     BEYOND_HORIZON,
@@ -80,6 +81,12 @@ def _offsets(df: pl.DataFrame, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return cum * prompt[:, None] // safe[:, None], total > 0
 
 
+def _scaled(df: pl.DataFrame, prompt: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """Raw segment-token positions scaled like the boundaries (the reference's ``_scaled``)."""
+    total = sum(_i(df, c) for c in _TOKENS)
+    return np.where(total > 0, raw * prompt // np.where(total == 0, 1, total), 0)
+
+
 def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.ndarray,
             prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(S, drift sub-cause or "", W) per row, as :func:`ingest.attribution.shared_prefix` computes them."""
@@ -109,7 +116,10 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     w_out = np.where(other_kind, np.minimum(cap, off[:, HISTORY]), w_out)
 
     drifted = (first < HISTORY) | (hist & ~continues & prev_turn)
-    d = np.minimum(cap, off[np.arange(n), np.minimum(first, HISTORY)])
+    line_at, line_volatile = _on_rows(df, has_pred & (first == 0), structure.system_lines, (0, False))
+    var_eq[0] = var_eq[0] | line_volatile  # the system prompt's structure names a volatile change too
+    d = np.minimum(cap, np.where(first == 0, _scaled(df, prompt, line_at),
+                                 off[np.arange(n), np.minimum(first, HISTORY)]))
     for i, seg in enumerate(STABLE_SEGMENTS):
         at = drifted & (first == i)
         name = seg.reordered if seg.variant_field else seg.changed
@@ -117,7 +127,26 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off)
     s_out = np.where(drifted, d, s_out)
     w_out = np.where(drifted, np.maximum(d, w), w_out)
+    # every stable segment equal, the suffix differs: its chunks (structure.suffix_chunks)
+    in_suffix = (first == len(STABLE_SEGMENTS)) & ~suffix_eq
+    stable, suffix = sum(_i(df, c) for c in _TOKENS[:HISTORY + 1]), _i(df, "suffix_tokens")
+    shared, rag, end = _on_rows(df, has_pred & in_suffix, structure.suffix_chunks, (0, "", 0))
+    s_rag = np.minimum(cap, _scaled(df, prompt, stable + np.minimum(shared, suffix)))
+    s_out = np.where(in_suffix, s_rag, s_out)
+    w_out = np.where(in_suffix, np.maximum(s_rag, np.where(rag != "", _scaled(
+        df, prompt, stable + np.minimum(end, suffix)), s_rag)), w_out)
+    drift = np.where(in_suffix, rag, drift)
     return np.where(has_pred, s_out, 0), np.where(has_pred, drift, ""), np.where(has_pred, w_out, 0)
+
+
+def _on_rows(df: pl.DataFrame, mask: np.ndarray, rule, defaults: tuple) -> tuple[np.ndarray, ...]:
+    """``rule`` (a column-wise function of :mod:`ingest.attribution_structure`) computed on the rows of ``mask``
+    only (the structural rules matter only where the segment they read differs), ``defaults`` elsewhere."""
+    out = [np.full(len(df), d, dtype=object if isinstance(d, str) else type(d)) for d in defaults]
+    if mask.any():
+        for column, values in zip(out, rule(df.filter(pl.Series(mask))), strict=True):
+            column[mask] = values
+    return tuple(out)
 
 
 def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq: list[np.ndarray],

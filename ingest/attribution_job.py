@@ -34,12 +34,16 @@ from prometheus_client import Counter, Gauge
 
 from ingest import attribution
 from ingest.attribution import (
+    BAND_KEYS,
     KEY_AGENT_RUN,
     KEY_CONVERSATION,
     KEY_FINGERPRINT,
+    LINE_HASHES,
+    LINE_TOKENS,
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import judge_frame
+from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
 from ingest.kv_evidence import chunk_evidence
@@ -249,12 +253,13 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
         """, {**_stage(store, "targets", targets), "horizon": horizon_ms})
     ts_type = targets.schema["ts"]
-    chosen = _choose(found, False, ts_type)
+    chosen = _choose(_confirm_bands(store, found, targets), False, ts_type)
     if lookback_ms > horizon_ms:
         rest = targets.select("request_id", "ts").join(chosen.select("request_id", "ts"), on=["request_id", "ts"],
                                                        how="anti")
         if not rest.is_empty():
-            beyond = _choose(_beyond_horizon(store, rest, horizon_ms, lookback_ms), True, ts_type)
+            beyond = _choose(_confirm_bands(store, _beyond_horizon(store, rest, horizon_ms, lookback_ms), targets),
+                             True, ts_type)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
 
@@ -291,6 +296,30 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) > {{horizon:Int64}}
           AND toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{lookback:Int64}}
         """, {**_stage(store, "beyond", targets), "horizon": horizon_ms, "lookback": lookback_ms})
+
+
+def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame) -> pl.DataFrame:
+    """``found`` without the candidates on a banded system-lines key (kinds 7, 8) that their lines do not confirm
+    (ingest.attribution.lines_match, as PredecessorIndex.candidates drops them). A target that has a candidate
+    of a higher rank (conversation, agent run, fingerprint) never picks a banded one, so only the others are
+    checked; the candidates' lines are read from gateway_requests."""
+    band = found.filter(pl.col("kind").is_in(BAND_KEYS))
+    if band.is_empty():
+        return found
+    ranked = found.filter(pl.col("kind") <= KEY_FINGERPRINT).select("request_id", "ts").unique()
+    band = band.join(ranked, on=["request_id", "ts"], how="anti")
+    if band.is_empty():
+        return found.filter(~pl.col("kind").is_in(BAND_KEYS))
+    ts_type = band.schema["ts"]
+    ours = targets.select("request_id", pl.col("ts").cast(ts_type), LINE_HASHES, LINE_TOKENS)
+    keys = band.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
+    theirs = _requests(store, keys).select(pl.col("request_id").alias("p_request_id"),
+                                           pl.col("ts").cast(ts_type).alias("p_ts"),
+                                           pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
+    frame = (band.join(ours, on=["request_id", "ts"], how="left")
+             .join(theirs, on=["p_request_id", "p_ts"], how="left"))
+    confirmed = frame.filter(pl.Series(structure_lines_match(frame))).select(found.columns)
+    return pl.concat([found.filter(~pl.col("kind").is_in(BAND_KEYS)), confirmed], how="vertical_relaxed")
 
 
 def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType) -> pl.DataFrame:

@@ -25,7 +25,7 @@ from collector.gateway_log import MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows
 from ingest.errors import RejectedRows
-from ingest.rows import COLUMNS, dead_letter_row
+from ingest.rows import COLUMNS, GATEWAY_HASH_LISTS, dead_letter_row
 from ingest.store import Store
 from kvscope.importer import import_events
 
@@ -82,8 +82,8 @@ _NORMALIZED = {
     "prompt_tokens": f"if({_EXCLUSIVE}, toUInt32(toUInt64(prompt_tokens) + ifNull({_CACHE_READ}, 0) "
                      f"+ ifNull(cache_creation_input_tokens, 0)), prompt_tokens)",
     "cached_tokens": f"if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens)",
-    # the log's 16-hex-char chain hashes, staged as text, as UInt64 (big-endian hex → reverse → little-endian)
-    "prompt_block_hashes": "arrayMap(h -> reinterpretAsUInt64(reverse(unhex(h))), prompt_block_hashes)",
+    # the structural hashes arrive as 16 hex characters (staged as strings) and are stored as UInt64
+    **{c: f"arrayMap(x -> reinterpretAsUInt64(reverse(unhex(x))), {c})" for c in GATEWAY_HASH_LISTS},
 }
 
 
@@ -99,8 +99,8 @@ class _JsonStage:
         store.command(f"CREATE TABLE {self.name} ENGINE = Memory AS SELECT {cols} FROM gateway_requests WHERE 0")
         store.command(f"ALTER TABLE {self.name} ADD COLUMN usage_convention Nullable(String), "
                       "ADD COLUMN cache_read_input_tokens Nullable(UInt32), "
-                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32)")
-        store.command(f"ALTER TABLE {self.name} MODIFY COLUMN prompt_block_hashes Array(String)")
+                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), "
+                      + ", ".join(f"MODIFY COLUMN {c} Array(String)" for c in GATEWAY_HASH_LISTS))
 
     def insert_absent(self, lines: list[bytes]) -> int:
         """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold; returns how many.

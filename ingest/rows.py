@@ -20,10 +20,15 @@ GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "r
 GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "retrieval_tokens",
                "history_tokens", "suffix_tokens")
 
+#: The hash arrays, stored as UInt64 (the log's hex): the block chain (sql/migrations/0018) and the structural
+#: arrays (0020, whose token counts are UInt32).
+GATEWAY_HASH_LISTS = ("prompt_block_hashes", "system_line_hashes", "suffix_chunk_hashes")
+GATEWAY_INT_LISTS = ("system_line_tokens", "suffix_chunk_tokens")
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "stream", *GATEWAY_INT, "prompt_tokens",
                          "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms",
-                         "prompt_block_hashes", "prompt_block_size"),
+                         *GATEWAY_HASH_LISTS, "prompt_block_size", *GATEWAY_INT_LISTS),
     "vllm_metrics": ("ts", "pod", "engine", "model_name", "name", "label", "value", "increase"),
     "vllm_cache_config": ("ts", "pod", "engine", "labels"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
@@ -44,13 +49,14 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
     again because an envelope may come from any producer; raises ``BadRecord`` (a ContractViolation in
     :func:`rows_for`) when it breaks it. Token counts are stored OpenAI-inclusive
     (:func:`collector.gateway_record.inclusive_usage`); ``cached_tokens`` None when not reported;
-    ``prompt_block_hashes`` as UInt64 (the log's hex read as an unsigned 64-bit int)."""
+    ``prompt_block_hashes`` and the structural hashes as UInt64 (the log's 16 hex characters as an unsigned int)."""
     rec = record_from_builtins(p.record)
     prompt, cached = record_usage(rec)
     return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR), rec.stream,
             *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
             rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms,
-            [int(h, 16) for h in rec.prompt_block_hashes], rec.prompt_block_size)
+            *([int(x, 16) for x in getattr(rec, k)] for k in GATEWAY_HASH_LISTS), rec.prompt_block_size,
+            *(list(getattr(rec, k)) for k in GATEWAY_INT_LISTS))
 
 
 def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:

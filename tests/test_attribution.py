@@ -32,8 +32,12 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         system_tokens: int = 720, tools: str = "", tools_canonical: str | None = None, tools_tokens: int = 0,
         rag: str = "", rag_set: str | None = None, rag_tokens: int = 0, history: str = "",
         prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
+        lines: list[str] | None = None, line_tokens: list[int] | None = None,
+        chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
         ) -> dict[str, Any]:
-    """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw."""
+    """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw.
+    ``lines``/``chunks``: the system prompt's lines and the suffix's chunks (texts, hashed here) with their
+    token counts (default: none, as an older gateway logs)."""
     sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
     return {
         "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
@@ -48,6 +52,9 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         "history_prefix_hash": hh, "prev_history_hash": h(prev_history), "history_tokens": history_tokens,
         "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
         "prompt_fingerprint": h(sh, th, rh, hh) if any((sh, th, rh, hh)) else "",
+        "system_line_hashes": [h(x) or "0" * 16 for x in lines or []], "system_line_tokens": list(line_tokens or []),
+        "suffix_chunk_hashes": [h(x) or "0" * 16 for x in chunks or []],
+        "suffix_chunk_tokens": list(chunk_tokens or []),
     }
 
 
@@ -359,8 +366,22 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
             rag=rnd.choice(["", "r1", "r2"]), rag_set=rnd.choice([None, "rs"]), rag_tokens=seg[2],
             history=rnd.choice(["", "h1", "h2"]), prev_history=rnd.choice(["", "h1"]), history_tokens=seg[3],
             suffix=rnd.choice(["", "x1", "x2"]), suffix_tokens=seg[4],
+            **random_structure(rnd),
         ))
     return reqs
+
+
+def random_structure(rnd: random.Random) -> dict[str, Any]:
+    """System lines (none, or 2–5 lines of which some vary) and suffix chunks (none, or 1–5 chunks drawn from a
+    few documents and questions, in any order), with random token counts."""
+    lines: list[str] = []
+    if rnd.random() < 0.6:
+        lines = [f"l{i}" for i in range(rnd.randint(2, 5))]
+        for _ in range(rnd.choice([0, 1, 1, 2])):
+            lines[rnd.randrange(len(lines))] = rnd.choice(["v1", "v2", "v3"])
+    chunks = rnd.sample(["A", "B", "C", "D", "Q1", "Q2"], rnd.randint(1, 5)) if rnd.random() < 0.6 else []
+    return dict(lines=lines, line_tokens=[rnd.randint(0, 80) for _ in lines],
+                chunks=chunks, chunk_tokens=[rnd.randint(0, 200) for _ in chunks])
 
 
 def test_random_traffic_sums_exactly_and_is_deterministic():

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
-from test_attribution import random_requests, req
+from test_attribution import random_requests, random_structure, req
 
 from ingest import attribution as a
 from ingest.attribution_batch import judge_frame
@@ -102,6 +102,7 @@ def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
             rag_tokens=seg[2], history=draw(st.sampled_from(["", "h1", "h2"])),
             prev_history=draw(st.sampled_from(["", "h1"])), history_tokens=seg[3],
             suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
+            **random_structure(random.Random(draw(st.integers(0, 2**32)))),
         ))
         if i and draw(st.booleans()) and draw(st.booleans()):  # the same millisecond as an earlier request
             out[-1]["ts"] = out[draw(st.integers(0, i - 1))]["ts"]
@@ -137,3 +138,37 @@ def test_a_frame_without_the_beyond_horizon_column_reads_it_as_false() -> None:
                            "predecessor_kind": "fingerprint", **{f"p_{f}": r1.get(f) for f in a.REQUEST_FIELDS}}])
     got = judge_frame(frame)
     assert (got["causes"].to_pylist(), got["predecessor_kind"]) == ([["evicted", "unavoidable"]], ["fingerprint"])
+
+
+@pytest.mark.parametrize("rule", ["volatile_by_lines", "system_drift_at_a_line", "rag_in_the_message", "band_key"])
+def test_drawn_traffic_reaches_the_structural_rules(rule: str) -> None:
+    """The same guard for the structural rules: a system drift named volatile by its lines alone (normalized
+    hashes differ), a system drift placed past token 0, a drift found in the final message's chunks, a
+    predecessor found on a banded line key."""
+    def has(reqs: list[dict[str, Any]]) -> bool:
+        index = a.PredecessorIndex(reqs, horizon_seconds=30.0, lookback_seconds=1000.0)
+        for r in reqs:
+            pred = index.find(r)
+            if pred is None:
+                continue
+            if rule == "band_key":
+                cands = index.candidates(r)
+                if not any(k in cands for k in range(1, 7)) and any(k in cands for k in a.BAND_KEYS):
+                    return True
+                continue
+            shared = a.shared_prefix(r, pred)
+            if shared is None or not shared.drift_sub_cause:
+                continue
+            p = pred.request
+            if rule == "volatile_by_lines" and shared.drift_sub_cause == a.VOLATILE_SYSTEM and \
+                    r["system_norm_hash"] != p["system_norm_hash"]:
+                return True
+            if rule == "system_drift_at_a_line" and r["system_hash"] != p["system_hash"] and shared.drift_at_tokens:
+                return True
+            if rule == "rag_in_the_message" and shared.drift_sub_cause in (a.RAG_REORDERED, a.RAG_CHANGED) and \
+                    all(r[s.hash_field] == p[s.hash_field] for s in a.STABLE_SEGMENTS):
+                return True
+        return False
+
+    find(st.composite(small_requests)(), has,
+         settings=settings(max_examples=2000, deadline=None, database=None, phases=[Phase.generate]))

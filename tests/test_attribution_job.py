@@ -5,6 +5,7 @@ Uses the ``store`` fixture of tests/conftest.py (one chDB directory per process,
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -12,20 +13,28 @@ from typing import Any
 
 import polars as pl
 import pytest
+from test_attribution import random_structure
 
 from ingest import attribution, attribution_job
 from ingest.store import Store
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-#: Stamped before the job's clock (the store's now64) minus its settle time, so every run picks rows up.
+#: Stamped before the job's clock (the store's now64) minus its settle time, so every run picks rows up. Reset
+#: before each test (:func:`_fresh_ingested`): a stamp taken at import falls behind the job's 300 s overlap
+#: window when the tests before take longer than that, and the job then never picks later batches up.
 INGESTED = datetime.now(UTC) - timedelta(minutes=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ingested(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "INGESTED", datetime.now(UTC) - timedelta(minutes=1))
 
 
 def h(text: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_OID, text).hex[:16] if text else ""
 
 
-def gw(rid: str, *, at: float, ingested: datetime = INGESTED, conv: str = "", pod: str = "pod-a",
+def gw(rid: str, *, at: float, ingested: datetime | None = None, conv: str = "", pod: str = "pod-a",
        prompt: int = 762, cached: int = 0, status: int = 200, history: str = "", prev_history: str = "",
        history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22) -> dict[str, Any]:
     system = h("You are the support agent of Acme.")
@@ -39,7 +48,7 @@ def gw(rid: str, *, at: float, ingested: datetime = INGESTED, conv: str = "", po
         "history_prefix_hash": h(history), "prev_history_hash": h(prev_history),
         "history_tokens": history_tokens,
         "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
-        "prompt_fingerprint": h(system + h(history)), "ingested_at": ingested,
+        "prompt_fingerprint": h(system + h(history)), "ingested_at": ingested or INGESTED,
     }
 
 
@@ -191,10 +200,19 @@ def test_settle_leaves_the_newest_requests_for_the_next_run(store):
     assert run(store, settle_seconds=-60.0).arrivals == 4
 
 
+def structure_columns(drawn: dict[str, Any]) -> dict[str, Any]:
+    """tests/test_attribution.py random_structure's lines and chunks as gateway_requests stores them (UInt64)."""
+    return {attribution.LINE_HASHES: [int(h(x), 16) for x in drawn["lines"]],
+            attribution.LINE_TOKENS: drawn["line_tokens"],
+            attribution.CHUNK_HASHES: [int(h(x), 16) for x in drawn["chunks"]],
+            attribution.CHUNK_TOKENS: drawn["chunk_tokens"]}
+
+
 def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
     """Conversations, agent runs, shared fingerprints and variants, several pods, some failures, a third of the
-    cached counts not reported."""
+    cached counts not reported; system lines and message chunks (banded keys, structural drifts)."""
     rnd = random.Random(seed)
+    structure = random.Random(seed + 1000)  # a stream of its own: the other fields stay as they were drawn
     out = []
     for i in range(n):
         conv = rnd.choice(["", "c1", "c2", "c3"])
@@ -207,7 +225,8 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
                     "agent_run_id": rnd.choice(["", "", "run1"]),
                     "system_hash": h(rnd.choice(["s1", "s2", "s3"])), "system_norm_hash": h(rnd.choice(["n1", "n2"])),
                     "tools_canonical_hash": h(rnd.choice(["", "t1"])),
-                    "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"]))})
+                    "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"])),
+                    **structure_columns(random_structure(structure))})
         if rnd.random() < 0.3:  # same millisecond as another request: the tie-break must agree too
             out[-1]["ts"] = out[rnd.randrange(len(out))]["ts"]
     return out
@@ -298,7 +317,10 @@ def test_predecessors_beyond_the_horizon_agree_with_the_reference(store, lookbac
     shuffled = reqs[:]
     random.Random(6).shuffle(shuffled)
     for i in range(0, len(shuffled), 75):
-        insert_requests(store, [{**r, "ingested_at": INGESTED + timedelta(milliseconds=i)} for r in shuffled[i:i + 75]])
+        # stamped now, not at import: a module-level stamp falls behind the job's overlap window (300 s) when the
+        # tests before this one take longer than that, and the job then never picks the rows up
+        stamp = datetime.now(UTC) - timedelta(minutes=1)
+        insert_requests(store, [{**r, "ingested_at": stamp} for r in shuffled[i:i + 75]])
         run(store, chunk_size=40, **kw)
     assert sorted(r[:6] for r in attributed(store)) == expected
     kinds = dict(store.query_rows("SELECT request_id, predecessor_kind FROM request_attribution FINAL"))

@@ -39,6 +39,8 @@ FULL: dict[str, Any] = {
     "prev_history_hash": "", "history_tokens": 20, "suffix_hash": H2, "suffix_tokens": 22,
     "prompt_fingerprint": H1, "token_count_method": "tokenizer", "prompt_block_hashes": [H1, H2],
     "prompt_block_size": 32,
+    "system_line_hashes": [H1, H2, H1], "system_line_tokens": [5, 0, 7], "suffix_chunk_hashes": [H2],
+    "suffix_chunk_tokens": [22],
 }
 
 # --- the schema side: the JSON Schema, plus what its description says it cannot express ------------------------
@@ -83,6 +85,10 @@ def _prose_rules(obj: dict[str, Any]) -> bool:
         return False
     if not datetime(2000, 1, 1, tzinfo=UTC) <= moment < datetime(2100, 1, 1, tzinfo=UTC):
         return False
+    for hashes, tokens in (("system_line_hashes", "system_line_tokens"),
+                           ("suffix_chunk_hashes", "suffix_chunk_tokens")):
+        if len(obj.get(hashes, [])) != len(obj.get(tokens, [])):
+            return False
     cached = obj["cached_tokens"]
     return cached is None or cached <= obj["prompt_tokens"]
 
@@ -131,6 +137,12 @@ def without(*fields: str, base: dict[str, Any] = GOOD) -> dict[str, Any]:
 CORPUS: list[tuple[bytes, bool]] = [
     (line(GOOD), True),
     (line(FULL), True),
+    (line({**GOOD, "system_line_hashes": [H1] * 256, "system_line_tokens": [1] * 256}), True),
+    (line({**GOOD, "system_line_hashes": [H1] * 257, "system_line_tokens": [1] * 257}), False),
+    (line({**GOOD, "system_line_hashes": [H1, ""], "system_line_tokens": [1, 2]}), False),
+    (line({**GOOD, "system_line_hashes": [H1], "system_line_tokens": []}), False),
+    (line({**GOOD, "suffix_chunk_tokens": [2**32]}), False),
+    (line({**GOOD, "suffix_chunk_hashes": None}), False),
     (BOM + line(GOOD), True),
     (line({**GOOD, "tenant_id": ""}), True),
     (line({**GOOD, "unknown_field": {"x": [1, 2]}}), True),
@@ -239,6 +251,10 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
     **{k: st.integers(0, 5000) for k in FULL if k.endswith("_tokens") and k not in ("prompt_tokens", "cached_tokens")},
     "prompt_block_hashes": st.lists(st.sampled_from([H1, H2, H1.upper(), "", H1 + "," + H2]), max_size=3),
     "prompt_block_size": st.sampled_from([0, 1, 32]),
+    **{k: st.lists(st.sampled_from([H1, H2, H1.upper(), ""]), max_size=3) for k in ("system_line_hashes",
+                                                                                    "suffix_chunk_hashes")},
+    **{k: st.lists(st.sampled_from([0, 7, 2**32 - 1, 2**32, -1]), max_size=3) for k in ("system_line_tokens",
+                                                                                        "suffix_chunk_tokens")},
 }
 
 
@@ -362,6 +378,12 @@ def test_bom_first_line_is_accepted_and_invalid_utf8_is_refused_at_its_byte(stor
      "field prompt_block_hashes: Expected `array` of length <= 65536"),
     ({"prompt_block_hashes": [7], "prompt_block_size": 16},
      "field prompt_block_hashes: Expected `str`, got `int`"),
+    ({"system_line_hashes": [H1, "abc"], "system_line_tokens": [1, 2]},
+     "field system_line_hashes: an entry is not a hash (16 lowercase hex characters)"),
+    ({"suffix_chunk_hashes": [H1, H2], "suffix_chunk_tokens": [3]},
+     "field suffix_chunk_tokens: 1 entries, suffix_chunk_hashes has 2"),
+    ({"suffix_chunk_hashes": [H1] * 65, "suffix_chunk_tokens": [1] * 65},
+     "field suffix_chunk_hashes: Expected `array` of length <= 64"),
 ])
 def test_each_refusal_has_its_reason(change: dict[str, Any], reason: str) -> None:
     obj = {**GOOD, **change}

@@ -1,0 +1,101 @@
+"""The gateway's structural fields (gateway/fingerprint.py): per-line hashes and tokens of the system prompt, and
+content-defined chunks of the final message, as logged and as the collector and ingest read them. Token counts
+use the estimate counter (ceil(characters / 4)), so every expected count below is derived by hand."""
+
+from __future__ import annotations
+
+import json
+
+from collector.events import GatewayRequest
+from collector.gateway_record import decode_record
+from gateway.fingerprint import (
+    MAX_SUFFIX_CHUNKS,
+    MAX_SYSTEM_LINES,
+    SegmentCache,
+    TokenCounter,
+    content_chunks,
+    fingerprint_chat,
+    fingerprint_completion,
+    hash_parts,
+)
+from ingest.rows import COLUMNS, gateway_row
+
+EST = TokenCounter()
+DOC_A = "Doc A: the warranty covers parts and labour for two years after purchase."  # 74 chars
+DOC_B = "Doc B: returns are accepted within thirty days when the item is unused and boxed."  # 81
+DOC_C = "Doc C: support answers on weekdays between nine and five, central European time."  # 80
+
+
+def chat(system: str, user: str) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+
+def test_system_lines_are_hashed_and_counted_one_by_one():
+    lines = ["You are the support agent of Acme.", "trace: 7f3a91c2e0b4", "Answer briefly."]
+    fp = fingerprint_chat(chat("\n".join(lines), "hi"), EST, SegmentCache())
+    assert fp.system_line_hashes == tuple(hash_parts(x) for x in lines)
+    assert fp.system_line_tokens == (9, 5, 4)  # 34, 19 and 15 characters
+    other = fingerprint_chat(chat("\n".join([lines[0], "trace: 0b4e2c19a37f", lines[2]]), "hi"), EST)
+    # the regex masks miss this form: every whole-prompt hash differs, two of three line hashes stay equal
+    assert (other.system_hash != fp.system_hash, other.system_norm_hash != fp.system_norm_hash) == (True, True)
+    assert [x == y for x, y in zip(other.system_line_hashes, fp.system_line_hashes, strict=True)] == [
+        True, False, True]
+
+
+def test_a_long_system_prompt_keeps_at_most_the_cap_of_lines():
+    text = "\n".join(f"rule {i}" for i in range(MAX_SYSTEM_LINES + 10))
+    fp = fingerprint_chat(chat(text, "hi"), EST)
+    assert len(fp.system_line_hashes) == len(fp.system_line_tokens) == MAX_SYSTEM_LINES
+    rest = "\n".join(f"rule {i}" for i in range(MAX_SYSTEM_LINES - 1, MAX_SYSTEM_LINES + 10))
+    assert fp.system_line_hashes[-1] == hash_parts(rest)
+
+
+def test_documents_in_the_user_message_become_chunks_whatever_their_order():
+    question = "Which of these applies to my order?"
+    fp1 = fingerprint_chat(chat("S", f"{DOC_A}\n\n{DOC_B}\n\n{DOC_C}\n\n{question}"), EST)
+    fp2 = fingerprint_chat(chat("S", f"{DOC_C}\n\n{DOC_A}\n\n{DOC_B}\n\n{question}"), EST)
+    assert fp1.suffix_chunk_hashes == tuple(hash_parts(x) for x in (DOC_A, DOC_B, DOC_C, question))
+    assert sorted(fp1.suffix_chunk_hashes) == sorted(fp2.suffix_chunk_hashes)
+    assert fp1.suffix_hash != fp2.suffix_hash
+    # each chunk keeps its "\n\n": 76, 83, 82 characters, then the 35-character question
+    assert fp1.suffix_chunk_tokens == (19, 21, 21, 9)
+
+
+def test_a_chunk_boundary_does_not_move_when_text_before_it_changes():
+    """A short title paragraph (< 64 characters) joins the document after it; editing an earlier document (or
+    adding text in front) leaves every later chunk, and so its hash, as it was."""
+    tail = f"Title\n\n{DOC_B}\n\n{DOC_C}"
+    base = content_chunks(f"{DOC_A}\n\n{tail}")
+    preface = "A preface paragraph that is new, long enough to end a chunk of its own."
+    edited = content_chunks(f"{DOC_A} Extra words changed here.\n\n{preface}\n\n{tail}")
+    assert base == [f"{DOC_A}\n\n", f"Title\n\n{DOC_B}\n\n", DOC_C]
+    assert edited[-2:] == base[-2:]
+    assert edited[:2] == [f"{DOC_A} Extra words changed here.\n\n", f"{preface}\n\n"]
+
+
+def test_long_paragraphs_are_cut_and_chunks_are_capped():
+    para = ("x" * 70 + "\n") * 60  # one paragraph of 4,260 characters: cut at its lines (> 4,096 characters)
+    assert content_chunks(para) == ["x" * 70 + "\n"] * 60
+    many = "\n\n".join(f"paragraph {i} " + "y" * 64 for i in range(MAX_SUFFIX_CHUNKS + 5))
+    chunks = content_chunks(many)
+    assert len(chunks) == MAX_SUFFIX_CHUNKS and "".join(chunks) == many
+    assert content_chunks("") == []
+
+
+def test_completions_log_the_lines_of_their_stable_prefix():
+    fp = fingerprint_completion({"prompt": "Rule one.\nRule two.\nQ?", "metadata": {"prefix_chars": 20}}, EST)
+    assert fp.system_line_hashes == (hash_parts("Rule one."), hash_parts("Rule two."), hash_parts(""))
+    assert fp.system_line_tokens == (3, 3, 0)
+    assert fp.suffix_chunk_hashes == ()
+
+
+def test_the_fields_travel_through_the_log_line_to_the_row():
+    fp = fingerprint_chat(chat("a\nb\nc", f"{DOC_A}\n\nQ?"), EST)
+    line = {"log_version": 1, "request_id": "r1", "ts": "2026-11-29T12:00:00.000Z", "tenant_id": "acme",
+            "status": 200, "prompt_tokens": 40, "cached_tokens": 0, "ttft_ms": 1.0, "e2e_ms": 2.0,
+            **fp.to_log_fields()}
+    rec = decode_record(json.dumps(line))
+    assert rec.system_line_hashes == fp.system_line_hashes and rec.suffix_chunk_tokens == (19, 1)
+    stored = dict(zip(COLUMNS["gateway_requests"], gateway_row(None, GatewayRequest(record=line)), strict=True))
+    assert stored["system_line_hashes"] == [int(x, 16) for x in fp.system_line_hashes]
+    assert stored["suffix_chunk_tokens"] == [19, 1]
