@@ -191,6 +191,12 @@ class PromptFingerprint:
     suffix_chunk_tokens: tuple[int, ...] = ()
 
     @property
+    def segment_tokens(self) -> int:
+        """Sum of the five segments' token counts (tokens): the prompt's length without the chat template's
+        own tokens. Not a log field."""
+        return self.system_tokens + self.tools_tokens + self.retrieval_tokens + self.history_tokens + self.suffix_tokens
+
+    @property
     def parent_fingerprint(self) -> str:
         """The previous turn's `prompt_fingerprint` if nothing but the history's growth changed:
         H(system_hash, tools_hash, retrieval_pack_hash, prev_history_hash). Routing uses it to keep a

@@ -484,8 +484,9 @@ def test_a_canary_in_the_prompts_appears_nowhere_in_the_digest(store: Store, tmp
         body = {"model": "tiny", "messages": [{"role": "system", "content": system}, *history,
                                               {"role": "user", "content": f"question {turn} {canary}"}],
                 "documents": [{"title": f"doc {canary}", "text": f"secret {canary} " * 20}]}
-        fp = fingerprint_chat(body, counter).to_log_fields()
-        prompt = sum(v for k, v in fp.items() if k.endswith("_tokens")) + 8
+        fingerprint = fingerprint_chat(body, counter)
+        fp = fingerprint.to_log_fields()
+        prompt = fingerprint.segment_tokens + 8
         lines.append({
             "log_version": 1, "request_id": f"canary-{turn}",
             "ts": (start + timedelta(seconds=20 * turn)).strftime("%Y-%m-%dT%H:%M:%S.000Z"),

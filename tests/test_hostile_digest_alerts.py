@@ -98,8 +98,9 @@ def hostile_lines(now: datetime) -> list[dict[str, Any]]:
                                                             {"role": "assistant", "content": f"answer {k}"})]
                 body = {"model": "tiny", "messages": [{"role": "system", "content": system}, *history,
                                                       {"role": "user", "content": f"question {turn}"}]}
-                fp = fingerprint_chat(body, counter).to_log_fields()
-                prompt = sum(v for k, v in fp.items() if k.endswith("_tokens")) + 8
+                fingerprint = fingerprint_chat(body, counter)
+                fp = fingerprint.to_log_fields()
+                prompt = fingerprint.segment_tokens + 8
                 cached = 0 if volatile or turn == 0 else (prompt - fp["suffix_tokens"] - 8) // 16 * 16
                 lines.append({
                     "log_version": 1, "request_id": f"{conv}-{turn}", "ts": f"{ts:%Y-%m-%dT%H:%M:%S}.000Z",
