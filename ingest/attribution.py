@@ -762,6 +762,20 @@ def kv_evidence_zones(cached_tokens: int, block_size: int, evidence: KvEvidence,
     return zones
 
 
+def drift_first(zones: list[tuple[int, str, str]], shared: SharedPrefix | None, prompt_tokens: int,
+                block_size: int) -> list[tuple[int, str, str]]:
+    """Precise mode's zones cut where the fingerprints' drift begins: the blocks ending at or before
+    floor(min(D, P − 1)/B)·B (D = ``shared.shared_tokens``, where the changed segment starts), all of them
+    when the predecessor shows no drift. From the change point on the prompt is new content compared with its
+    predecessor: that a block of it is resident on another pod (another conversation sent the same reordered
+    documents or tools there) or was removed here does not make its miss a routing or eviction loss; the drift
+    caused it (docs/miss-causes.md, "Two causes in one request")."""
+    if shared is None or not shared.drift_sub_cause:
+        return zones
+    cut = _full_blocks(min(max(0, shared.shared_tokens), prompt_tokens - 1), max(1, block_size))
+    return [z for z in zones if z[0] <= cut]
+
+
 def _precise_reuse_cause(reuse: tuple[str, str], req: Request, pred: Predecessor, evidence: KvEvidence
                          ) -> tuple[str, str]:
     """The fingerprints' reuse cause for the part after E·B in precise mode: the blocks there were resident on
@@ -773,13 +787,13 @@ def _precise_reuse_cause(reuse: tuple[str, str], req: Request, pred: Predecessor
     return reuse
 
 
-def _evidence_fields(evidence: KvEvidence | None, split: list[tuple[str, str, int]]
+def _evidence_fields(evidence: KvEvidence | None, split: list[tuple[str, str, int]], zones: bool = True
                      ) -> tuple[str, str, datetime | None]:
     """(evidence, evidence_pod, evidence_removed_at) of a verdict: kv_events with the first missed block's
-    holder and departure when judged with ``evidence``; else inferred when a routed_away / evicted part
-    exists, else fingerprints."""
+    holder and departure when judged with ``evidence`` (no holder when ``zones`` is false: no block was
+    decided by the evidence); else inferred when a routed_away / evicted part exists, else fingerprints."""
     if evidence is not None:
-        first = evidence.blocks[0] if evidence.blocks else BlockStatus(NOWHERE)
+        first = evidence.blocks[0] if evidence.blocks and zones else BlockStatus(NOWHERE)
         return EVIDENCE_KV_EVENTS, first.pod, first.removed_at
     if any(cause in (ROUTED_AWAY, EVICTED) for cause, _, _ in split):
         return EVIDENCE_INFERRED, "", None
@@ -853,6 +867,7 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
         pred = None
     offsets = segment_offsets(req)
     split: list[tuple[str, str, int]] = []
+    zones: list[tuple[int, str, str]] = []
     precise = (evidence is not None and evidence.block_size == block_size and is_attributable(req)
                and not cached_unknown(req))
     if is_attributable(req):
@@ -862,17 +877,17 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
             split = [(NOT_REPORTED, "", _int(req, "prompt_tokens"))]
         else:
             reuse = _reuse_cause(req, pred) if pred is not None else (EVICTED, "")
-            zones: list[tuple[int, str, str]] = []
+            shared = shared_prefix(req, pred) if pred is not None else None
             if precise:
                 assert evidence is not None
                 previous_turn = pred is not None and pred.kind == PREVIOUS_TURN and not pred.beyond_horizon
-                zones = kv_evidence_zones(_int(req, "cached_tokens"), block_size, evidence, previous_turn)
+                zones = drift_first(kv_evidence_zones(_int(req, "cached_tokens"), block_size, evidence,
+                                                      previous_turn), shared, _int(req, "prompt_tokens"), block_size)
                 reuse = _precise_reuse_cause(reuse, req, pred, evidence) if pred is not None else reuse
             split = split_missed_tokens(
                 prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),
                 block_size=block_size, stable_prefix_tokens=offsets[HISTORY + 1] if offsets else None,
-                shared=shared_prefix(req, pred) if pred is not None else None,
-                reuse_cause=reuse, evidence_zones=zones,
+                shared=shared, reuse_cause=reuse, evidence_zones=zones,
             )
     pred_id = pred_pod = kind = ""
     gap_ms: float | None = None
@@ -885,7 +900,7 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
         _int(req, "prompt_tokens"), None if cached_unknown(req) else _int(req, "cached_tokens"), pred_id, pred_pod,
         kind, gap_ms, block_size,
         tuple(c for c, _, _ in split), tuple(sc for _, sc, _ in split), tuple(n for _, _, n in split),
-        *_evidence_fields(evidence if precise else None, split))
+        *_evidence_fields(evidence if precise else None, split, bool(zones)))
 
 
 def attribute_request(req: Request, pred: Predecessor | None, block_size: int) -> list[MissRow]:

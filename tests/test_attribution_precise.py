@@ -144,6 +144,18 @@ def build(store: Store, b: int) -> None:
     rows += [turn("p10", 10, b, t=0.5, pod="10-a", prompt_ids=None, suffix="q1", suffix_tokens=5),
              {**turn("s10", 10, b, t=10, pod="10-a", prompt_ids=sys_ids[10] + tokens(10, 20, 1), suffix="q2",
                      suffix_tokens=20, cached=2 * b), "e2e_ms": 2000.0}]
+    # 11: the next turn of c11 stayed on 11-a with its document changed; 11-b (another tenant) held the system
+    # prompt with that new document: the drifted part lived elsewhere, but the drift caused its miss.
+    doc_a, doc_b = tokens(11, half, 2), tokens(11, half, 3)
+    msgs += [frames("11-a", 0, 1, stored(tokens(11, N * b)[:half] + doc_a, b, 11_000)),
+             frames("11-b", 0, 1, stored(tokens(11, N * b)[:half] + doc_b, b, 11_100))]
+    rows += [gw("p11", 11, t=2, pod="11-a", prompt_ids=None, b=b, prompt=N * b + 10, conv="c11", system_tokens=half,
+                rag="docA", rag_tokens=half, suffix_tokens=10),
+             gw("p11-other", 11, t=2, pod="11-b", prompt_ids=None, b=b, prompt=N * b + 10, tenant="other",
+                system_tokens=half, rag="docB", rag_tokens=half, suffix_tokens=10),
+             gw("s11", 11, t=10, pod="11-a", prompt_ids=tokens(11, N * b)[:half] + doc_b + tokens(11, 10, 1), b=b,
+                prompt=N * b + 10, cached=half, conv="c11", system_tokens=half, rag="docB", rag_tokens=half,
+                suffix="q2", suffix_tokens=10)]
     ingest(store, collect(msgs))
     insert_requests(store, rows)
 
@@ -239,6 +251,17 @@ def test_a_hit_that_stayed_on_its_pod_is_never_routed_away(results) -> None:
     assert precise["s7-hit"] == ([("unavoidable", "", 20)], "kv_events", "", None)
     for rid in ("p7", "s7", "s7-hit"):  # every request 7-a served, although 7-b held the same blocks
         assert "routed_away" not in [c for c, _, _ in precise[rid][0]], rid
+
+
+def test_a_drifted_part_held_elsewhere_is_the_drift_not_routed_away(results) -> None:
+    """s11 stayed on 11-a, its predecessor's pod, with its document changed; the 4 blocks from the change on were
+    resident on 11-b (another tenant sent that document there): prefix_drift, not routed_away, in both modes,
+    and no holder named (no block was decided by the KV evidence)."""
+    b, precise, inferred, _ = results
+    half = N * b // 2
+    causes = [("prefix_drift", "rag_changed", half), ("unavoidable", "", 10)]
+    assert precise["s11"] == (causes, "kv_events", "", None)
+    assert inferred["s11"] == (causes, "fingerprints", "", None)
 
 
 def test_evicted_while_the_request_waited(results) -> None:

@@ -191,7 +191,12 @@ def test_later_turns_that_stayed_on_their_pod_are_never_routed_away(e2e) -> None
         "SELECT request_id, cause FROM miss_attribution WHERE request_id IN {ids:Array(String)}", {"ids": stayed})
     print(f"\nsecond turns that stayed on their pod: {len(stayed)}; their causes: {sorted({c for _, c in rows})}")
     assert stayed, "round robin kept no later turn on its pod"
-    assert [r for r in rows if r[1] == "routed_away"] == []
+    wrong = [r[0] for r in rows if r[1] == "routed_away"]
+    detail = e2e["store"].query_rows(
+        "SELECT request_id, pod, predecessor_request_id, predecessor_pod, cause, sub_cause, tokens, evidence, "
+        "evidence_pod, predecessor_kind, gap_ms FROM miss_attribution WHERE request_id IN {ids:Array(String)}",
+        {"ids": wrong})
+    assert wrong == [], "\n".join(map(str, detail))
 
 
 def test_kv_events_arrived_from_both_pods(e2e) -> None:  # type: ignore[no-untyped-def]
