@@ -88,6 +88,14 @@ class TokenCounter:
             return len(self._encode_batch([text], add_special_tokens=False)[0].ids)
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        """:meth:`count` of each text, in one tokenizer batch call (the same numbers)."""
+        if self._tokenizer is None or not any(texts):
+            return [self.count(t) for t in texts]
+        encode = self._encode_batch or self._tokenizer.encode_batch
+        return [len(e.ids) if t else 0 for t, e in zip(texts, encode(list(texts), add_special_tokens=False),
+                                                       strict=True)]
+
 
 class SegmentBudgetExceeded(Exception):
     """A cached fingerprint would have to compute more uncached segment text than its `budget` allowed.
@@ -292,9 +300,15 @@ def content_chunks(text: str) -> list[str]:
     return chunks
 
 
-def structure(pieces: Sequence[str], counter: TokenCounter) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(H(piece) of each piece with surrounding whitespace stripped, tokens of each piece as is)."""
-    return tuple(hash_parts(p.strip()) for p in pieces), tuple(counter.count(p) for p in pieces)
+def structure(pieces: Sequence[str], counter: TokenCounter, whole_tokens: int | None = None
+              ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(H(piece) of each piece with surrounding whitespace stripped, tokens of each piece as is). With one
+    piece, ``whole_tokens`` (the tokens of the text it was cut from, already counted) is its count: the text
+    is not tokenized again."""
+    hashes = tuple(hash_parts(p.strip()) for p in pieces)
+    if len(pieces) == 1 and whole_tokens is not None:
+        return hashes, (whole_tokens,)
+    return hashes, tuple(counter.count_many(pieces))
 
 
 # --- messages ------------------------------------------------------------------------------------------
@@ -606,9 +620,10 @@ class _Segments:
         if system_entry is not None and system_entry[2] is None:
             system_entry[2] = message_hash(system, mask=True)  # type: ignore[arg-type]
         if system_entry is not None and len(system_entry) < 4:
-            system_entry.append(structure(system_lines(message_text(system)), self.counter))  # type: ignore[arg-type]
+            system_entry.append(structure(system_lines(message_text(system)), self.counter,  # type: ignore[arg-type]
+                                          system_entry[1]))
         lines = system_entry[3] if system_entry is not None else ((), ())
-        chunks = structure(content_chunks(message_text(suffix[0])), self.counter) if suffix else ((), ())
+        chunks = structure(content_chunks(message_text(suffix[0])), self.counter, tail[0][1]) if suffix else ((), ())
         return PromptFingerprint(
             system_hash=system_hash,
             system_norm_hash=system_entry[2] if system_entry else "",

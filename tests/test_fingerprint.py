@@ -19,10 +19,12 @@ from gateway.fingerprint import (
     SegmentBudgetExceeded,
     SegmentCache,
     TokenCounter,
+    content_chunks,
     fingerprint_chat,
     fingerprint_completion,
     fingerprint_request,
     hash_parts,
+    system_lines,
 )
 from gateway.log import SCHEMA_PATH, BackgroundLogWriter, GatewayLogWriter, format_ts
 from gateway.normalize import VOLATILE_PATTERNS, mask_volatile
@@ -341,6 +343,23 @@ def test_token_counter_tokenizer(tokenizer_file):
     assert TokenCounter(tokenizer_file.parent).count(SYSTEM) == expected  # a model directory works too
     fp = fingerprint_chat(chat(sys(), user("q")), counter)
     assert fp.token_count_method == "tokenizer" and fp.system_tokens == expected
+
+
+def test_structure_counts_match_one_by_one_counts(tokenizer_file):
+    """count_many gives count's numbers; the suffix's chunks and the system prompt's lines carry the tokenizer's
+    count of each piece, a one-piece message its whole count (not tokenized again)."""
+    counter = TokenCounter(tokenizer_file)
+    texts = ["", SYSTEM, "one line\n", "x" * 900 + "\n\n" + "y" * 900]
+    assert counter.count_many(texts) == [counter.count(t) for t in texts] and counter.count_many(texts)[1] > 0
+    assert EST.count_many(texts) == [EST.count(t) for t in texts]
+    docs = "\n\n".join(f"Document {i}: " + "facts about the fleet. " * 20 for i in range(3))
+    for body in (chat(sys(), user("a short question")), chat(sys(), user(docs + "\n\nWhich pod?"))):
+        fp = fingerprint_chat(body, counter)
+        chunks = content_chunks(body["messages"][-1]["content"])
+        assert fp.suffix_chunk_tokens == tuple(counter.count(c) for c in chunks)
+        lines = system_lines(body["messages"][0]["content"])
+        assert fp.system_line_tokens == tuple(counter.count(x) for x in lines)
+    assert len(fingerprint_chat(chat(sys(), user(docs + "\n\nWhich pod?")), counter).suffix_chunk_tokens) > 1
 
 
 # --- the log format -------------------------------------------------------------------------------------
