@@ -63,7 +63,8 @@ _KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attri
                KEY_FINGERPRINT: attribution.FINGERPRINT}
 
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
-                     "(new = first answer, changed = a late or corrected input changed it)", ["why"])
+                     "(new = first answer, changed = a late or corrected input changed it, "
+                     "late_kv_evidence = KV events ingested late changed it)", ["why"])
 UNCHANGED = Counter("kvscope_attribution_unchanged", "Successors re-examined whose answer stayed the same")
 #: Serialises runs in this process: the job is the only writer of request_attribution (see the docstring).
 _WRITER = threading.Lock()
@@ -467,6 +468,51 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                     kv_evidence)
 
 
+#: A request that arrived this long before a late KV event may still have been waiting for its prefill then.
+LATE_KV_SLACK = timedelta(minutes=10)
+
+
+def _late_kv_targets(store: Store, since: datetime, upto: datetime, settle_seconds: float, horizon_ms: int
+                     ) -> pl.DataFrame:
+    """Answered requests that KV events ingested late may change (columns request_id, ts).
+
+    Late: ingested in (since, upto] more than ``settle_seconds`` after their own ts (a collector outage, a
+    replayed gap), so a request arriving after them may have been answered before they were stored. Its
+    targets: the answered requests of every model those pods served, from LATE_KV_SLACK before the first late
+    event to ``horizon_ms`` after the last (a block resident there is evidence for any pod of the model: the
+    request's own, or a holder), answered before the events arrived."""
+    late = store.query_rows(
+        "SELECT pod, min(ts), max(ts), max(ingested_at) FROM kv_block_events "
+        f"WHERE {_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:Int64}} GROUP BY pod",
+        {"since": since, "upto": upto, "settle_ms": int(settle_seconds * 1000)})
+    if not late:
+        return pl.DataFrame(schema={"request_id": pl.String, "ts": pl.Datetime("ms", "UTC")})
+    lo = min(_utc(r[1]) for r in late) - LATE_KV_SLACK
+    hi = max(_utc(r[2]) for r in late) + timedelta(milliseconds=horizon_ms)
+    arrived = max(_utc(r[3]) for r in late)
+    window = {"lo": lo, "hi": hi, "pods": [r[0] for r in late], "arrived": arrived}
+    return store.query_df(
+        "SELECT request_id, ts FROM request_attribution "
+        f"WHERE {_BETWEEN} AND model IN (SELECT DISTINCT model FROM gateway_requests "
+        f"WHERE {_BETWEEN} AND pod IN {{pods:Array(String)}}) "
+        "GROUP BY request_id, ts HAVING sum(sign) > 0 AND max(attributed_at) < {arrived:DateTime64(3, 'UTC')}",
+        window)
+
+
+def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: dict[str, int],
+               default_block_size: int, kv_evidence: bool, now: datetime) -> tuple[int, int]:
+    """Judge the answered requests ``keys`` (request_id, ts) again; write those whose answer changed.
+    Returns (examined, changed)."""
+    current = _current(store, keys)
+    answered = pl.DataFrame({"request_id": [i for i, _ in current], "ts": [t for _, t in current]},
+                            schema={"request_id": pl.String, "ts": keys.schema["ts"]})
+    requests = _requests(store, keys.join(answered, on=["request_id", "ts"], how="semi"))
+    if requests.is_empty():
+        return 0, 0
+    verdicts = _verdicts(store, requests, reach, sizes, default_block_size, kv_evidence=kv_evidence)
+    return len(requests), _write_changes(store, verdicts, current, now)
+
+
 def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
          reach: tuple[int, int], default_block_size: int, chunk_size: int, kv_evidence: bool = True) -> RunStats:
     now = server_now(store)
@@ -488,14 +534,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         if not late.is_empty():
             later = _successors(store, late, max(reach)).join(arrivals.select("request_id", "ts"),
                                                               on=["request_id", "ts"], how="anti")
-        current = _current(store, later)
-        answered = pl.DataFrame({"request_id": [i for i, _ in current], "ts": [t for _, t in current]},
-                                schema={"request_id": pl.String, "ts": later.schema["ts"]})
-        successors = _requests(store, later.join(answered, on=["request_id", "ts"], how="semi"))
-        changed = 0
-        if not successors.is_empty():
-            changed = _write_changes(store, _verdicts(store, successors, reach, sizes, default_block_size,
-                                                      kv_evidence=kv_evidence), current, now)
+        examined, changed = _reexamine(store, later, reach, sizes, default_block_size, kv_evidence, now)
         verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, previous, kv_evidence)
         store.insert_arrow("request_attribution", _table(verdicts, now))
         previous = arrivals
@@ -503,11 +542,20 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         answered_through = latest if answered_through is None else max(answered_through, latest)
         ATTRIBUTED.labels("new").inc(len(arrivals))
         ATTRIBUTED.labels("changed").inc(changed)
-        UNCHANGED.inc(len(successors) - changed)
+        UNCHANGED.inc(examined - changed)
         stats = RunStats(stats.arrivals + len(arrivals), stats.changed + changed,
-                         stats.examined + len(successors), stats.chunks + 1)
+                         stats.examined + examined, stats.chunks + 1)
         if stop is not None and stop.is_set():  # between chunks: the watermark stays, the next run resumes
             return stats
+    if kv_evidence and upto > since:
+        # KV events that arrived late re-answer what they change (after the arrivals: those already saw them).
+        targets = _late_kv_targets(store, since, upto, settle_seconds, reach[0])
+        for start in range(0, len(targets), chunk_size):
+            examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes,
+                                           default_block_size, kv_evidence, now)
+            ATTRIBUTED.labels("late_kv_evidence").inc(changed)
+            UNCHANGED.inc(examined - changed)
+            stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
     store.insert("attribution_watermark", [(JOB_NAME, upto, now)], ["job", "ingested_through", "updated_at"])
     WATERMARK_LAG.set((now - upto).total_seconds())
     if stats.arrivals:

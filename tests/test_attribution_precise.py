@@ -357,3 +357,26 @@ def test_cli_attributes_with_and_without_kv_evidence(store: Store, monkeypatch: 
         result = CliRunner().invoke(main, ["attribute", "--once", flag, *args])
         assert result.exit_code == 0, result.output
         assert answers(store)["s2"][1:] == want
+
+
+def test_kv_events_that_arrive_late_re_answer_what_they_change(store: Store) -> None:
+    """s12 is answered before any KV event is stored (no predecessor: cold); then the events arrive, late (their
+    ts long before their ingestion: 12-b held the prefix at s12's arrival): the next run re-answers s12 as
+    routed_away to 12-b, and a run after that changes nothing."""
+    b = 32
+    sys_ids = tokens(12, N * b)
+    insert_requests(store, [
+        gw("s12-other", 12, t=0.2, pod="12-b", prompt_ids=None, b=b, prompt=50, tenant="other", system="x",
+           system_tokens=40, suffix_tokens=10),
+        gw("s12", 12, t=5, pod="12-a", prompt_ids=sys_ids + tokens(12, 10, 1), b=b, prompt=N * b + 10,
+           system_tokens=N * b, suffix_tokens=10)])
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=b)
+    assert answers(store)["s12"] == ([("cold", "", N * b), ("unavoidable", "", 10)], "fingerprints", "", None)
+    ingest(store, collect([frames("12-a", 0, 0.5, stored(tokens(12, b, 9), b, 12_900)),
+                           frames("12-b", 0, 1, stored(sys_ids, b, 12_000))]))
+    stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=b)
+    assert answers(store)["s12"] == ([("routed_away", "", N * b), ("unavoidable", "", 10)], "kv_events", "12-b",
+                                     None)
+    assert (stats.arrivals, stats.changed) == (0, 1)
+    assert attribution_job.run_attribution(store, settle_seconds=0, default_block_size=b).changed == 0
+
