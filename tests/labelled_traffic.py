@@ -16,10 +16,11 @@ D. The demo workload's drift tenants (demo/workload.py Session: volatile header,
    reordered and with one replaced, a system prompt changed and a tool changed between two turns; every turn on
    pod-0, back to back.
 R. On pod-0, idle: a chat's first turn, vLLM's ``POST /reset_prefix_cache`` (an ``AllBlocksCleared``), its second
-   turn (evicted/cache_reset: only KV events can tell a reset from memory pressure). Then, from the emptied cache,
-   tail eviction: a long prompt, one unrelated filler that takes the free blocks and about half of the long
-   prompt's (vLLM frees a request's blocks last block first, so its tail is evicted first), and the long prompt
-   again: a partial hit that stops at a block, the rest evicted.
+   turn (evicted/cache_reset: only KV events can tell a reset from memory pressure). Then, twice from a cache reset
+   again, tail eviction: a long prompt, one unrelated filler sized to take the free blocks and exactly the long
+   prompt's last blocks (vLLM frees a request's blocks last block first, so its tail is evicted first), and the
+   long prompt again: a partial hit that stops at a block, the rest evicted; once half its blocks, once only the
+   last hittable one.
 E. After a pause longer than the horizon chosen for attribution, beyond_horizon repeats on pod-1 (which never held
    them; the flood evicted them from pod-0): nothing holds the prefix, only its age names the cause.
 
@@ -30,8 +31,8 @@ fixes them: B = 32 tokens per block, P prompt tokens, C cached, L = ⌊(P − 1)
   L tokens of that cause, P − L unavoidable;
 - an identical prompt repeated on the pod that holds it (control), C = L: P − L unavoidable;
 - a prompt of at most one block (P − 1 < B): P − 1 below_block, 1 unavoidable;
-- an identical prompt repeated on its pod after its tail was evicted, 0 < C ≤ L − 2B (a partial hit at least two
-  blocks short): L − C evicted, P − L unavoidable.
+- an identical prompt repeated on its pod after its tail was evicted, 0 < C < L (a partial hit): L − C evicted,
+  P − L unavoidable.
 Where vLLM's reply contradicts the scenario (a repeat that hit when it should not), the mismatch is recorded in
 ``Traffic.broken`` and the test reports it as a broken scenario, not as an attribution error.
 """
@@ -61,7 +62,7 @@ SHORT_WAIT_SECONDS = 0.5  # the agent's short tool wait
 LONG_WAIT_SECONDS = 5.0  # the agent's long tool wait (the flood runs within it)
 NUM_BLOCKS = 160  # KV blocks per pod (the fleet's num_gpu_blocks_override): 159 usable, vLLM keeps a null block
 TAIL_BLOCKS = 80  # full blocks of the tail-eviction prompt
-TAIL_EVICTED = 40  # of them, the filler is sized to evict about this many (its tail)
+TAIL_EVICTED = 40  # of them, the filler is sized to evict exactly this many hittable ones (its tail)
 
 
 def hittable(prompt_tokens: int) -> int:
@@ -145,7 +146,7 @@ class Traffic:
                     {"cause": "unavoidable", "tokens": p - lim}]
         if expect == "hit" and c == lim:
             return [{"cause": "unavoidable", "tokens": p - lim}]
-        if expect == "tail" and 0 < c <= lim - 2 * BLOCK:
+        if expect == "tail" and 0 < c < lim:
             return [{"cause": rec.cause, "sub_cause": rec.sub_cause, "tokens": lim - c},
                     {"cause": "unavoidable", "tokens": p - lim}]
         if expect == "below_block" and lim == 0:
@@ -162,8 +163,13 @@ class Traffic:
         """vLLM's ``POST /reset_prefix_cache`` on ``pod`` (a dev route: VLLM_SERVER_DEV_MODE=1): every cached block
         is dropped and an ``AllBlocksCleared`` KV event published. Raises AssertionError when vLLM refuses (it
         does while a request holds blocks)."""
-        resp = self.client.post(self.servers[pod] + "/reset_prefix_cache")
-        assert resp.status_code == 200 and resp.json().get("success") is True, (pod, resp.status_code, resp.text)
+        for _ in range(20):  # a request that just answered may still hold its blocks for an engine step
+            resp = self.client.post(self.servers[pod] + "/reset_prefix_cache")
+            assert resp.status_code == 200, (pod, resp.status_code, resp.text[:300])
+            if resp.json().get("success") is True:
+                return
+            time.sleep(0.25)
+        raise AssertionError(f"{pod} refused /reset_prefix_cache 20 times: {resp.text[:300]}")
 
     def tokens(self, pod: str, messages: list[dict[str, Any]]) -> int:
         """Prompt tokens of ``messages`` as ``pod`` renders them (vLLM's ``POST /tokenize``)."""
@@ -303,26 +309,45 @@ def changed_between_turns(t: Traffic, pod: str) -> None:
 
 
 def cache_reset_and_tail(t: Traffic, pod: str) -> None:
-    """Phase R (module docstring) on ``pod``, which must be idle: a reset between two turns, then tail eviction.
-
-    Sizing: after the reset every block is free and hashless; vLLM hands out hashless blocks first and frees a
-    request's full blocks to the back of the queue last block first (vllm/v1/core/block_pool.py free_blocks,
-    single_type_kv_cache_manager.py). So a filler that allocates NUM_BLOCKS − a + k blocks, a = the long
-    prompt's full blocks, evicts about k of them, from its tail; k is only aimed at (the precondition is a hit
-    at least two blocks short, ``expect="tail"``)."""
+    """Phase R (module docstring) on ``pod``, which must be idle: a reset between two turns, then tail eviction
+    twice from an emptied cache: about half of a long prompt's blocks, then only its last hittable block."""
     later = two_turns(t, (pod, pod), "rst0", "rst0", cause="evicted", sub_cause="cache_reset", send_second=False)
     t.reset_prefix_cache(pod)
     later()
-    system = long_system("tail")
-    user = sized_text(t, pod, system, "tail", TAIL_BLOCKS * BLOCK + BLOCK // 2)
-    first, _ = t.chat(pod, "tail-a", "tail", system, user, cause="cold", scenario="tail_evicted")
-    stored = (first.prompt_tokens + first.completion_tokens - 1) // BLOCK  # full blocks, generated tokens too
-    filler_blocks = NUM_BLOCKS - 1 - stored + TAIL_EVICTED
-    filler_system = long_system("tail-filler")
-    filler = sized_text(t, pod, filler_system, "tail-filler", filler_blocks * BLOCK - MAX_TOKENS - BLOCK // 2)
-    t.chat(pod, "tail-filler", "tail-filler", filler_system, filler, cause="cold", scenario="tail_evicted")
-    t.chat(pod, "tail-b", "tail", system, user, cause="evicted", scenario="tail_evicted", predecessor="tail-a",
-           expect="tail")
+    tail_eviction(t, pod, "tail40", TAIL_EVICTED)
+    tail_eviction(t, pod, "tail1", 1)
+
+
+def tail_eviction(t: Traffic, pod: str, tenant: str, evict: int) -> None:
+    """Reset ``pod``'s cache, send a long prompt (a), an unrelated filler that evicts exactly ``evict`` of a's
+    hittable blocks, from its tail, then a again (b, labelled evicted, expected L − C evicted with C = L − evict·B;
+    else ``Traffic.broken`` says so).
+
+    Block accounting (vllm/v1/core/block_pool.py, single_type_kv_cache_manager.py): after the reset all
+    NUM_BLOCKS − 1 usable blocks are free and hashless; a request computes KV for P + completion − 1 tokens
+    (⌈that/B⌉ blocks, the full ones hashed, generated tokens included) and frees its full blocks to the back
+    of the free queue last block first; allocation takes hashless blocks first, then the queue's front. So a
+    filler of F = NUM_BLOCKS − 1 − s + k blocks (s: a's full blocks) evicts a's last k blocks; k = s − L/B +
+    ``evict`` of them are hittable ones. Completions are fixed at MAX_TOKENS (vLLM's ignore_eos, min_tokens)."""
+    fixed = {"ignore_eos": True, "min_tokens": MAX_TOKENS}
+    t.reset_prefix_cache(pod)
+    system = long_system(tenant)
+    user = sized_text(t, pod, system, tenant, TAIL_BLOCKS * BLOCK + BLOCK // 2)
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **fixed}
+    first, _ = t.send(pod, f"{tenant}-a", tenant, body, cause="cold", scenario="tail_evicted")
+    blocks = NUM_BLOCKS - 1 - hittable(first.prompt_tokens) // BLOCK + evict  # F with k = s − L/B + evict
+    filler_system = long_system(f"{tenant}-filler")
+    target = blocks * BLOCK - MAX_TOKENS + 1 - BLOCK // 2  # the middle of the prompt lengths that take `blocks`
+    filler = {"messages": [{"role": "system", "content": filler_system},
+                           {"role": "user", "content": sized_text(t, pod, filler_system, f"{tenant}-filler", target)}],
+              **fixed}
+    rec, _ = t.send(pod, f"{tenant}-filler", f"{tenant}-filler", filler, cause="cold", scenario="tail_evicted")
+    took = -(-(rec.prompt_tokens + rec.completion_tokens - 1) // BLOCK)
+    again, _ = t.send(pod, f"{tenant}-b", tenant, body, cause="evicted", scenario="tail_evicted",
+                      predecessor=first.request_id, expect="tail")
+    if took != blocks or again.cached_tokens != hittable(again.prompt_tokens) - evict * BLOCK:
+        t.broken.append(f"{again.request_id}: filler took {took} blocks (planned {blocks}), cached "
+                        f"{again.cached_tokens} of {hittable(again.prompt_tokens)} (planned {evict} blocks short)")
 
 
 def sized_text(t: Traffic, pod: str, system: str, key: str, prompt_tokens: int) -> str:

@@ -32,11 +32,10 @@ from ingest.labels import load_labels
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
 from tests.kill_harness import wait_until as wait_for
-from tests.labelled_traffic import Traffic, run_traffic
+from tests.labelled_traffic import NUM_BLOCKS, Traffic, run_traffic
 
 pytestmark = [pytest.mark.vllm]
 
-NUM_BLOCKS = 160
 RUN_ID = "labelled-run"
 MIN_SCORE = 0.95
 #: What inferred mode (no KV events) can know of a class, where that is not the class itself: a cache reset
