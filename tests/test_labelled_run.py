@@ -185,8 +185,11 @@ def test_scenarios_happened_as_designed(run) -> None:  # type: ignore[no-untyped
     removed = dict(store.query_rows("SELECT pod, countIf(kind = 'removed') FROM kv_block_log FINAL GROUP BY pod"))
     waits = [w for (w,) in store.query_rows(  # the gateway's measure: previous call's answer -> this call
         "SELECT tool_latency_ms FROM gateway_requests WHERE agent_run_id = 'lab-agentco-r0' ORDER BY ts")]
+    tails = {s.request_id: f"{s.cached_tokens}/{s.prompt_tokens}" for s in run["traffic"].sent
+             if s.scenario == "tail_evicted" and s.cause == "evicted"}
     print(f"\nlabelled run: {len(run['traffic'].sent)} requests in {run['seconds']:.0f} s, horizon "
-          f"{run['horizon']:.1f} s, blocks removed per pod {removed}, agent tool waits (ms) {waits}")
+          f"{run['horizon']:.1f} s, blocks removed per pod {removed}, agent tool waits (ms) {waits}, tail "
+          f"repeats cached/prompt {tails}")
     assert waits[0] is None and waits[1] < 2000 and waits[2] > 3000, waits
     assert run["traffic"].broken == []
     p0, p1 = run["pods"]
