@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +98,7 @@ class VllmFleet:
         per_request_metrics: bool = True,
         kvcache_space_gib: int = 1,
         extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
         startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -111,6 +112,7 @@ class VllmFleet:
         self.per_request_metrics = per_request_metrics
         self.kvcache_space_gib = kvcache_space_gib
         self.extra_args = list(extra_args)
+        self.extra_env = dict(extra_env or {})
         self.startup_timeout_seconds = startup_timeout_seconds
         self.pods = [
             Pod(f"pod-{i}", host, free_port(host), self.log_dir / f"pod-{i}.log", free_port(host))
@@ -153,7 +155,9 @@ class VllmFleet:
         return argv + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        """The servers' environment: offline, small KV cache, no usage reporting."""
+        """The servers' environment: offline, small KV cache, no usage reporting, then `extra_env` (e.g.
+        `VLLM_SERVER_DEV_MODE=1`, which adds vLLM's dev routes such as `POST /reset_prefix_cache`:
+        vllm/entrypoints/serve/dev, vllm/envs.py)."""
         env = dict(os.environ)
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(self.kvcache_space_gib),  # GiB of KV cache per server
@@ -162,6 +166,7 @@ class VllmFleet:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        env.update(self.extra_env)
         return env
 
     def start(self) -> VllmFleet:

@@ -186,13 +186,16 @@ class SharedPrefix:
     one of :data:`DRIFT_SUB_CAUSES`, or "" when the prefix ends only where new content starts (the suffix, or
     the new turn's messages). ``drift_at_tokens`` (D): where the changed segment starts (None without drift).
     ``reusable_without_drift_tokens`` (W): how far the prefix would have been shared had the named change
-    (and any later nameable one) not happened; equals S without drift.
+    (and any later nameable one) not happened; equals S without drift. ``identical``: every segment and the
+    suffix are raw-equal, so the prompt repeats the predecessor's token for token and S is exact (the
+    predecessor's prompt_tokens as vLLM counted them), not a boundary estimated by scaling.
     """
 
     shared_tokens: int
     drift_sub_cause: str = ""
     drift_at_tokens: int | None = None
     reusable_without_drift_tokens: int = 0
+    identical: bool = False
 
 
 @dataclass(frozen=True)
@@ -622,7 +625,7 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
         w = max(d, _reusable_without_drift(req, pred, offsets, i))
         return SharedPrefix(d, _name_drift(req, prev, seg), d, w)
     if _str(req, "suffix_hash") == _str(prev, "suffix_hash"):
-        return SharedPrefix(cap, reusable_without_drift_tokens=cap)
+        return SharedPrefix(cap, reusable_without_drift_tokens=cap, identical=True)
     stable, suffix = _stable_prefix_tokens_raw(req), _int(req, "suffix_tokens")
     shared, sub, end = suffix_chunk_drift(req, prev)
     s = min(cap, _scaled(req, stable + min(shared, suffix)))
@@ -660,7 +663,9 @@ def split_missed_tokens(*, prompt_tokens: int, cached_tokens: int, block_size: i
       was hit, so only [C, R) counts); a hit that ends within one block of R (0 < C, R − B ≤ C < R) is taken
       as the edge of sharing (the estimated segment boundary may overshoot the real one by a few template
       tokens), so R = C and that block falls to the next zone; without any hit (C = 0) there is no edge and
-      the whole of [0, R) is ``reuse_cause``;
+      the whole of [0, R) is ``reuse_cause``; nor is there one for an identical prompt (``shared.identical``: S
+      is exact, vLLM hits all of L when every block is still there), so a hit that stops short of it, even by
+      one block, lost the blocks after it (vLLM's LRU frees a request's last block first);
     - drift (S is then where the changed segment starts): from there to floor(min(W, P−1)/B)·B
       ``prefix_drift``/sub: this includes the partial block before the change point, which the change broke.
       So a prefix both reusable elsewhere and drifted is split by position: the blocks before the change to
@@ -717,10 +722,11 @@ def _predecessor_zones(p: int, c: int, b: int, shared: SharedPrefix,
         zones.append((min(s, p - 1), BELOW_BLOCK, ""))
     else:
         r = _full_blocks(min(s, p - 1), b)
-        if 0 < c < r and r - b <= c:
+        if 0 < c < r and r - b <= c and not shared.identical:
             # A hit that stops within the last block before R: segment boundaries are placed by scaling
             # (template tokens are spread), so that block may straddle the real end of the shared part;
             # it is the edge of sharing, not a lost prefix (routed_away/evicted need at least a block).
+            # An identical prompt has no estimated boundary: its S is exact.
             r = c
         zones.append((r, *reuse_cause))
     if shared.drift_sub_cause:

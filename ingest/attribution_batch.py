@@ -88,8 +88,9 @@ def _scaled(df: pl.DataFrame, prompt: np.ndarray, raw: np.ndarray) -> np.ndarray
 
 
 def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.ndarray,
-            prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(S, drift sub-cause or "", W) per row, as :func:`ingest.attribution.shared_prefix` computes them."""
+            prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(S, drift sub-cause or "", W, identical) per row, as :func:`ingest.attribution.shared_prefix` computes
+    them (identical: every segment and the suffix raw-equal, so S is exact)."""
     n = len(df)
     cap = np.minimum(prompt, _i(df, "p_prompt_tokens"))
     raw_eq = [_eq(df, h, "p_" + h) for h in _HASHES]
@@ -136,7 +137,8 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     w_out = np.where(in_suffix, np.maximum(s_rag, np.where(rag != "", _scaled(
         df, prompt, stable + np.minimum(end, suffix)), s_rag)), w_out)
     drift = np.where(in_suffix, rag, drift)
-    return np.where(has_pred, s_out, 0), np.where(has_pred, drift, ""), np.where(has_pred, w_out, 0)
+    identical = has_pred & (first == len(STABLE_SEGMENTS)) & suffix_eq
+    return np.where(has_pred, s_out, 0), np.where(has_pred, drift, ""), np.where(has_pred, w_out, 0), identical
 
 
 def _on_rows(df: pl.DataFrame, mask: np.ndarray, rule, defaults: tuple) -> tuple[np.ndarray, ...]:
@@ -170,16 +172,17 @@ def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq:
 
 
 def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np.ndarray, has_counts: np.ndarray,
-           has_pred: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray,
+           has_pred: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray, identical: np.ndarray,
            reuse: np.ndarray, reuse_sub: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(tokens, cause, sub_cause) per zone, in prompt order, as :func:`ingest.attribution.split_missed_tokens`."""
+    """(tokens, cause, sub_cause) per zone, in prompt order, as :func:`ingest.attribution.split_missed_tokens`
+    (``identical``: no edge tolerance, S is exact)."""
     last = _full(prompt - 1, block)
     n = len(prompt)
     short = last == 0  # shorter than a block plus the last token: nothing can hit
     s = np.minimum(np.maximum(s, 0), prompt)
     below = has_pred & (s > 0) & (s < block)
     r = _full(np.minimum(s, prompt - 1), block)
-    r = np.where((cached > 0) & (r - block <= cached) & (cached < r), cached, r)
+    r = np.where(~identical & (cached > 0) & (r - block <= cached) & (cached < r), cached, r)
     t = np.minimum(np.maximum(stable, 0), prompt - 1)
     below_t = (t > 0) & (t < block)
     no_pred_end = np.where(below_t, t, _full(t, block))
@@ -285,13 +288,14 @@ def _judge_columns(df: pl.DataFrame) -> dict[str, Any]:
     has_pred_out = named & (has_counts | ~attributable)
     has_pred = named & has_counts
     prev_turn = has_pred & (kind == PREVIOUS_TURN)
-    s, drift, w = _shared(df, prompt, off, has_pred, prev_turn)
+    s, drift, w, identical = _shared(df, prompt, off, has_pred, prev_turn)
     beyond = (df["beyond_horizon"].fill_null(False).cast(pl.Boolean).to_numpy() if "beyond_horizon" in df.columns
               else np.zeros(len(df), dtype=bool)) & named
     same_pod = _eq(df, "pod", "p_pod")
     reuse = np.where(beyond, BEYOND_HORIZON, np.where(same_pod, EVICTED, ROUTED_AWAY)).astype(object)
     reuse_sub = np.where(~beyond & same_pod & prev_turn, EVICTED_BEFORE_NEXT_TURN, "").astype(object)
-    zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, reuse, reuse_sub)
+    zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, identical, reuse,
+                   reuse_sub)
     over = attributable & ~unknown & (cached > _full(prompt - 1, block))
     causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, prompt - cached),
                                                         (attributable & unknown, NOT_REPORTED, prompt)])

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,17 +41,14 @@ def tiny_model_dir() -> Path:
     return build_tiny_model(default_model_dir())
 
 
-@pytest.fixture(scope="session")
-def vllm_fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
-    """Two vLLM servers (`pod-0`, `pod-1`) serving the tiny model as `tiny`, block size 32, prefix caching
-    and prompt-token details on. Their KV events go to `fleet.kv_events_endpoint`
-    (tcp://127.0.0.1:`fleet.kv_events_port`, topic = pod name), which a test's collector binds; vLLM
-    connects and reconnects, so binding after start-up is fine, but only one socket can bind at a time."""
+def fleet_fixture(model_dir: Path, name: str, **options: Any) -> Iterator[VllmFleet]:
+    """The body of a fleet fixture: start a two-pod :class:`VllmFleet` serving ``model_dir`` (``options``: its
+    keyword arguments, e.g. ``num_gpu_blocks_override``, ``extra_env``), logging under LOG_ROOT in a directory
+    named by the time and ``name``, yield it, stop it. Fails the test (no skip) when vLLM is missing or a
+    server does not start."""
     _require("vllm")
-    log_dir = (
-        LOG_ROOT / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    )  # one per session: runs may overlap
-    fleet = VllmFleet(tiny_model_dir, log_dir, num_pods=2, kv_events_port=free_port())
+    log_dir = LOG_ROOT / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"  # one per fixture: runs may overlap
+    fleet = VllmFleet(model_dir, log_dir, **{"num_pods": 2, "kv_events_port": free_port(), **options})
     try:
         fleet.start()
     except FleetError as exc:
@@ -59,3 +57,12 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
         yield fleet
     finally:
         fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
+    """Two vLLM servers (`pod-0`, `pod-1`) serving the tiny model as `tiny`, block size 32, prefix caching
+    and prompt-token details on. Their KV events go to `fleet.kv_events_endpoint`
+    (tcp://127.0.0.1:`fleet.kv_events_port`, topic = pod name), which a test's collector binds; vLLM
+    connects and reconnects, so binding after start-up is fine, but only one socket can bind at a time."""
+    yield from fleet_fixture(tiny_model_dir, str(os.getpid()))

@@ -11,8 +11,16 @@ B. The flood on pod-0: unrelated ~800-token prompts, more blocks than the pod ho
    pod-0 before it is evicted (vLLM's LRU free queue, vllm/v1/core/block_pool.py).
 C. Victims repeated on pod-0 (evicted), the chats' second turns and the agent's third call (the long tool wait
    spanned the flood: evicted_before_next_turn).
-D. The demo workload's drift tenants (demo/workload.py Session: volatile header, reordered tool schemas, RAG
-   documents reordered, history truncated), every turn on pod-0, back to back.
+D. The demo workload's drift tenants (demo/workload.py Session: volatile header, a volatile line mid system
+   prompt, reordered tool schemas, RAG documents reordered, history truncated), documents inside the user message
+   reordered and with one replaced, a system prompt changed and a tool changed between two turns; every turn on
+   pod-0, back to back.
+R. On pod-0, idle: a chat's first turn, vLLM's ``POST /reset_prefix_cache`` (an ``AllBlocksCleared``), its second
+   turn (evicted/cache_reset: only KV events can tell a reset from memory pressure). Then, twice from a cache reset
+   again, tail eviction: a long prompt, one unrelated filler sized to take the free blocks and exactly the long
+   prompt's last blocks (vLLM frees a request's blocks last block first, so its tail is evicted first), and the
+   long prompt again: a partial hit that stops at a block, the rest evicted; once half its blocks, once only the
+   last hittable one.
 E. After a pause longer than the horizon chosen for attribution, beyond_horizon repeats on pod-1 (which never held
    them; the flood evicted them from pod-0): nothing holds the prefix, only its age names the cause.
 
@@ -22,7 +30,9 @@ fixes them: B = 32 tokens per block, P prompt tokens, C cached, L = ⌊(P − 1)
 - an identical prompt repeated where its blocks are gone (evicted, routed_away, beyond_horizon), C = 0:
   L tokens of that cause, P − L unavoidable;
 - an identical prompt repeated on the pod that holds it (control), C = L: P − L unavoidable;
-- a prompt of at most one block (P − 1 < B): P − 1 below_block, 1 unavoidable.
+- a prompt of at most one block (P − 1 < B): P − 1 below_block, 1 unavoidable;
+- an identical prompt repeated on its pod after its tail was evicted, 0 < C < L (a partial hit): L − C evicted,
+  P − L unavoidable.
 Where vLLM's reply contradicts the scenario (a repeat that hit when it should not), the mismatch is recorded in
 ``Traffic.broken`` and the test reports it as a broken scenario, not as an attribution error.
 """
@@ -32,6 +42,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from demo.workload import AGENT_TOOLS, TENANTS, Session, TenantSpec, system_prompt
+from demo.workload import AGENT_TOOLS, TENANTS, Session, TenantSpec, _text, rag_documents, system_prompt
 from ingest.labels import PATHOLOGY_CAUSES
 
 BLOCK = 32  # tokens per KV block (demo.fleet.VllmFleet default; the CPU backend wants a multiple of 32)
@@ -49,6 +60,9 @@ FLOOD_PROMPTS = 8  # x ~27 blocks = ~216 block allocations > the 159 usable bloc
 SEED = 9
 SHORT_WAIT_SECONDS = 0.5  # the agent's short tool wait
 LONG_WAIT_SECONDS = 5.0  # the agent's long tool wait (the flood runs within it)
+NUM_BLOCKS = 160  # KV blocks per pod (the fleet's num_gpu_blocks_override): 159 usable, vLLM keeps a null block
+TAIL_BLOCKS = 80  # full blocks of the tail-eviction prompt
+TAIL_EVICTED = 40  # of them, the filler is sized to evict exactly this many hittable ones (its tail)
 
 
 def hittable(prompt_tokens: int) -> int:
@@ -80,6 +94,7 @@ class Sent:
     predecessor: str | None  # the request this one was built to reuse (None: none)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0
     expected: list[dict[str, Any]] | None = None
 
     def label(self, run_id: str) -> dict[str, Any]:
@@ -99,6 +114,7 @@ class Traffic:
 
     gateways: dict[str, str]
     client: httpx.Client
+    servers: dict[str, str] = field(default_factory=dict)  # pod name → vLLM base URL (dev routes)
     sent: list[Sent] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)
 
@@ -106,7 +122,7 @@ class Traffic:
              scenario: str = "", predecessor: str | None = None, expect: str = "",
              headers: dict[str, str] | None = None) -> tuple[Sent, str]:
         """POST ``body`` through pod's gateway; returns (the record, the reply text). ``expect``: "reuse",
-        "hit" or "below_block" to derive the expected split (module docstring). Raises AssertionError when the
+        "hit", "tail" or "below_block" to derive the expected split (module docstring). Raises AssertionError when the
         request fails (the run cannot be judged without it)."""
         hdrs = {"X-Request-Id": request_id, "X-Tenant-Id": tenant, **(headers or {})}
         body = {"model": "tiny", "max_tokens": MAX_TOKENS, **body}
@@ -117,6 +133,7 @@ class Traffic:
         usage = data["usage"]
         rec.prompt_tokens = usage["prompt_tokens"]
         rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        rec.completion_tokens = usage.get("completion_tokens") or 0
         if expect:
             rec.expected = self._expected(rec, expect)
         self.sent.append(rec)
@@ -129,6 +146,9 @@ class Traffic:
                     {"cause": "unavoidable", "tokens": p - lim}]
         if expect == "hit" and c == lim:
             return [{"cause": "unavoidable", "tokens": p - lim}]
+        if expect == "tail" and 0 < c < lim:
+            return [{"cause": rec.cause, "sub_cause": rec.sub_cause, "tokens": lim - c},
+                    {"cause": "unavoidable", "tokens": p - lim}]
         if expect == "below_block" and lim == 0:
             return [{"cause": "below_block", "tokens": p - 1}, {"cause": "unavoidable", "tokens": 1}]
         self.broken.append(f"{rec.request_id} ({expect}): prompt {p}, cached {c}, hittable {lim}")
@@ -138,6 +158,24 @@ class Traffic:
         """A one-turn chat: ``system`` then ``user``."""
         body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
         return self.send(pod, rid, tenant, body, **kw)
+
+    def reset_prefix_cache(self, pod: str) -> None:
+        """vLLM's ``POST /reset_prefix_cache`` on ``pod`` (a dev route: VLLM_SERVER_DEV_MODE=1): every cached block
+        is dropped and an ``AllBlocksCleared`` KV event published. Raises AssertionError when vLLM refuses (it
+        does while a request holds blocks)."""
+        for _ in range(20):  # a request that just answered may still hold its blocks for an engine step
+            resp = self.client.post(self.servers[pod] + "/reset_prefix_cache")
+            assert resp.status_code == 200, (pod, resp.status_code, resp.text[:300])
+            if resp.json().get("success") is True:
+                return
+            time.sleep(0.25)
+        raise AssertionError(f"{pod} refused /reset_prefix_cache 20 times: {resp.text[:300]}")
+
+    def tokens(self, pod: str, messages: list[dict[str, Any]]) -> int:
+        """Prompt tokens of ``messages`` as ``pod`` renders them (vLLM's ``POST /tokenize``)."""
+        resp = self.client.post(self.servers[pod] + "/tokenize", json={"model": "tiny", "messages": messages})
+        assert resp.status_code == 200, (pod, resp.status_code, resp.text[:300])
+        return int(resp.json()["count"])
 
     def write_labels(self, path: Path, run_id: str) -> None:
         """Every request's label as JSON lines (ingest/labels.py format)."""
@@ -204,7 +242,7 @@ def drift_sessions(t: Traffic, pod: str) -> None:
     turns take the demo's label (ingest.labels.PATHOLOGY_CAUSES). Each session is its own tenant (the demo's name
     and the index), so a session's first request has no predecessor in another session."""
     specs = {s.name: s for s in TENANTS}
-    plan = [("globex", 2), ("initech", 1), ("umbrella", 2), ("hooli", 1)]
+    plan = [("globex", 2), ("stark", 1), ("initech", 1), ("umbrella", 2), ("hooli", 1)]
     for name, count in plan:
         for index in range(count):
             spec = dataclasses.replace(specs[name], name=f"{name}{index}")
@@ -213,7 +251,120 @@ def drift_sessions(t: Traffic, pod: str) -> None:
                 cause, sub = PATHOLOGY_CAUSES[session.label(turn)["pathology"]]
                 if turn == 1:
                     cause, sub = "cold", ""
-                session_turn(t, session, turn, pod, cause, sub)
+                session_turn(t, session, turn, pod, cause, sub, scenario=spec.scenario)
+
+
+def documents_in_user_message(t: Traffic, pod: str) -> None:
+    """Phase D: retrieved documents pasted into the user message (the suffix: no retrieval segment), one-turn
+    questions of one tenant on ``pod``. The demo's wayne: a session's documents rotated against the previous
+    session's (rag_reordered); then a tenant whose second question carries the same documents with the middle
+    one replaced (rag_changed)."""
+    spec = next(s for s in TENANTS if s.name == "wayne")
+    for index in range(2):
+        session = Session(spec, index, SEED, id_prefix="lab-")
+        pred = Session(spec, index - 1, SEED, id_prefix="lab-").request_id(1) if index else None
+        cause, sub = ("prefix_drift", "rag_reordered") if index else ("cold", "")
+        headers, body = session.request(1, datetime.now(UTC))
+        rid, tenant = headers.pop("X-Request-Id"), headers.pop("X-Tenant-Id")
+        t.send(pod, rid, tenant, body, cause=cause, sub_cause=sub, predecessor=pred, scenario=spec.scenario,
+               headers=headers)
+    tenant = "ragch"
+    docs = list(rag_documents(SEED, tenant))
+    replaced = [*docs[:2], rag_documents(SEED, f"{tenant}-other")[2], *docs[3:]]
+    first = None
+    for i, (pack, question) in enumerate([(docs, "Which guide covers refunds?"),
+                                          (replaced, "Which guide covers returns?")]):
+        user = "\n\n".join([*(f"{title}\n\n{text}" for title, text in pack), question])
+        rec, _ = t.chat(pod, f"ragch-{i}", tenant, long_system(tenant), user, scenario="rag_changed_in_user_message",
+                        cause="prefix_drift" if i else "cold", sub_cause="rag_changed" if i else "",
+                        predecessor=first)
+        first = rec.request_id
+
+
+def changed_between_turns(t: Traffic, pod: str) -> None:
+    """Phase D: two-turn chats on ``pod`` whose second turn changes a segment for good: the system prompt's last
+    four policies rewritten (system_changed: more lines than a volatile change), one tool's description
+    rewritten (tools_changed)."""
+    def chat(rid: str, systems: tuple[str, str], tools: tuple[list | None, list | None], sub: str) -> None:
+        hdr = {"X-Conversation-Id": rid}
+        question = [{"role": "user", "content": "First question: what is due?"}]
+        body: dict[str, Any] = {"messages": [{"role": "system", "content": systems[0]}, *question]}
+        if tools[0] is not None:
+            body.update(tools=tools[0], tool_choice="none")
+        first, reply = t.send(pod, f"{rid}-t1", rid, body, cause="cold", scenario=sub, headers=hdr)
+        body = {"messages": [{"role": "system", "content": systems[1]}, *question,
+                             {"role": "assistant", "content": reply}, {"role": "user", "content": "And after that?"}]}
+        if tools[1] is not None:
+            body.update(tools=tools[1], tool_choice="none")
+        t.send(pod, f"{rid}-t2", rid, body, cause="prefix_drift", sub_cause=sub, predecessor=first.request_id,
+               headers=hdr)
+
+    old = long_system("sysch").split("\n\n")
+    new = "\n\n".join(old[:2] + long_system("sysch-v2").split("\n\n")[2:])
+    chat("sysch", ("\n\n".join(old), new), (None, None), "system_changed")
+    tools = copy.deepcopy(AGENT_TOOLS)
+    changed = copy.deepcopy(AGENT_TOOLS)
+    changed[-1]["function"]["description"] = "Look a customer up by name, email or phone, newest first."
+    chat("toolch", (short_system("toolch"),) * 2, (tools, changed), "tools_changed")
+
+
+def cache_reset_and_tail(t: Traffic, pod: str) -> None:
+    """Phase R (module docstring) on ``pod``, which must be idle: a reset between two turns, then tail eviction
+    twice from an emptied cache: about half of a long prompt's blocks, then only its last hittable block."""
+    later = two_turns(t, (pod, pod), "rst0", "rst0", cause="evicted", sub_cause="cache_reset", send_second=False)
+    t.reset_prefix_cache(pod)
+    later()
+    tail_eviction(t, pod, "tail40", TAIL_EVICTED)
+    tail_eviction(t, pod, "tail1", 1)
+
+
+def tail_eviction(t: Traffic, pod: str, tenant: str, evict: int) -> None:
+    """Reset ``pod``'s cache, send a long prompt (a), an unrelated filler that evicts exactly ``evict`` of a's
+    hittable blocks, from its tail, then a again (b, labelled evicted, expected L − C evicted with C = L − evict·B;
+    else ``Traffic.broken`` says so).
+
+    Block accounting (vllm/v1/core/block_pool.py, single_type_kv_cache_manager.py): after the reset all
+    NUM_BLOCKS − 1 usable blocks are free and hashless; a request computes KV for P + completion − 1 tokens
+    (⌈that/B⌉ blocks, the full ones hashed, generated tokens included) and frees its full blocks to the back
+    of the free queue last block first; allocation takes hashless blocks first, then the queue's front. So a
+    filler of F = NUM_BLOCKS − 1 − s + k blocks (s: a's full blocks) evicts a's last k blocks; k = s − L/B +
+    ``evict`` of them are hittable ones. Completions are fixed at MAX_TOKENS (vLLM's ignore_eos, min_tokens)."""
+    fixed = {"ignore_eos": True, "min_tokens": MAX_TOKENS}
+    t.reset_prefix_cache(pod)
+    system = long_system(tenant)
+    user = sized_text(t, pod, system, tenant, TAIL_BLOCKS * BLOCK + BLOCK // 2)
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **fixed}
+    first, _ = t.send(pod, f"{tenant}-a", tenant, body, cause="cold", scenario="tail_evicted")
+    blocks = NUM_BLOCKS - 1 - hittable(first.prompt_tokens) // BLOCK + evict  # F with k = s − L/B + evict
+    filler_system = long_system(f"{tenant}-filler")
+    target = blocks * BLOCK - MAX_TOKENS + 1 - BLOCK // 2  # the middle of the prompt lengths that take `blocks`
+    filler = {"messages": [{"role": "system", "content": filler_system},
+                           {"role": "user", "content": sized_text(t, pod, filler_system, f"{tenant}-filler", target)}],
+              **fixed}
+    rec, _ = t.send(pod, f"{tenant}-filler", f"{tenant}-filler", filler, cause="cold", scenario="tail_evicted")
+    took = -(-(rec.prompt_tokens + rec.completion_tokens - 1) // BLOCK)
+    again, _ = t.send(pod, f"{tenant}-b", tenant, body, cause="evicted", scenario="tail_evicted",
+                      predecessor=first.request_id, expect="tail")
+    if took != blocks or again.cached_tokens != hittable(again.prompt_tokens) - evict * BLOCK:
+        t.broken.append(f"{again.request_id}: filler took {took} blocks (planned {blocks}), cached "
+                        f"{again.cached_tokens} of {hittable(again.prompt_tokens)} (planned {evict} blocks short)")
+
+
+def sized_text(t: Traffic, pod: str, system: str, key: str, prompt_tokens: int) -> str:
+    """Demo words (seeded by ``key``) for a user message that makes ``system`` + it about ``prompt_tokens`` long
+    as ``pod`` tokenizes the chat (a few rounds of vLLM's /tokenize; within a few tokens)."""
+    def text(words: int) -> str:
+        return _text(random.Random(f"{SEED}:{key}:user"), max(1, words))
+
+    def count(words: int) -> int:
+        return t.tokens(pod, [{"role": "system", "content": system}, {"role": "user", "content": text(words)}])
+    base, words = count(1), 100
+    for _ in range(4):
+        got = count(words)
+        if abs(got - prompt_tokens) <= 4:
+            break
+        words = max(1, words + round((prompt_tokens - got) * words / max(1, got - base)))
+    return text(words)
 
 
 def run_traffic(t: Traffic, pods: list[str]) -> float:
@@ -255,6 +406,10 @@ def run_traffic(t: Traffic, pods: list[str]) -> float:
     session_turn(t, agent, 3, p0, "evicted", "evicted_before_next_turn", scenario="agent_ttl")
     # phase D
     drift_sessions(t, p0)
+    documents_in_user_message(t, p0)
+    changed_between_turns(t, p0)
+    # phase R
+    cache_reset_and_tail(t, p0)
     # phase E: the horizon lies between the longest built gap and the beyond_horizon gap
     by_id = {s.request_id: s for s in t.sent}
     longest = max((s.ts - by_id[s.predecessor].ts).total_seconds() for s in t.sent if s.predecessor)

@@ -135,6 +135,18 @@ def test_a_hit_ending_within_one_block_of_the_estimate_is_the_edge_not_eviction(
     assert split(rows, "t3")[0] == ("evicted", "evicted_before_next_turn", 64)
 
 
+def test_an_identical_repeat_one_block_short_lost_that_block_not_the_edge():
+    """r2 repeats r1's 762-token prompt token for token on r1's pod (every segment and the suffix equal): S is
+    exact (762), not a scaled boundary, so a hit of 704 of L = 736 means vLLM's LRU took the tail block (it frees
+    a request's last block first): [704, 736) evicted 32, unavoidable 26. Before: the one-block edge tolerance
+    read it as the edge of sharing, all 58 unavoidable, which precise mode contradicted on real vLLM. A request
+    whose suffix differs keeps the tolerance (its boundary is an estimate)."""
+    r1, r2 = req("r1"), req("r2", at=600, cached=704)
+    assert split(run(r1, r2), "r2") == [("evicted", "", 32), ("unavoidable", "", 26)]
+    other = req("r3", at=600, cached=704, suffix="q2")
+    assert split(run(r1, other), "r3") == [("unavoidable", "", 58)]
+
+
 def test_evicted_without_previous_turn_has_no_flag():
     r1, r2 = req("r1"), req("r2", at=600, suffix="q2")
     rows = run(r1, r2)
@@ -424,9 +436,9 @@ def test_a_cached_count_not_reported_is_one_not_reported_cause_not_invented_miss
     for r in rows:
         by_req.setdefault(r.request_id, []).append((r.cause, r.sub_cause, r.tokens, r.predecessor_request_id))
     assert by_req["t2"] == [("not_reported", "", 762, "t1")]
-    # t3: hit 704 of L = floor(761/32)*32 = 736; [704, 736) is one block within R - B: the edge of sharing, so
-    # unavoidable 762 - 704 = 58; its predecessor is t2
-    assert by_req["t3"] == [("unavoidable", "", 58, "t2")]
+    # t3: hit 704 of L = floor(761/32)*32 = 736; t3 repeats t2's prompt token for token, so the boundary is exact
+    # (no edge of sharing): [704, 736) was lost, evicted 32, unavoidable 26; its predecessor is t2
+    assert by_req["t3"] == [("evicted", "evicted_before_next_turn", 32, "t2"), ("unavoidable", "", 26, "t2")]
     verdict = a.judge(t2, a.Predecessor(t1, a.PREVIOUS_TURN), 32)
     assert verdict.cached_tokens is None and verdict.missed_tokens == (762,)
     before = a.judge({**t2, "cached_tokens": 0}, a.Predecessor(t1, a.PREVIOUS_TURN), 32)

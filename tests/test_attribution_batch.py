@@ -132,6 +132,14 @@ def test_drawn_traffic_reaches_the_rare_rules(cause: str) -> None:
          settings=settings(max_examples=2000, deadline=None, database=None, phases=[Phase.generate]))
 
 
+def test_an_identical_repeat_has_no_edge_tolerance_column_wise() -> None:
+    """The column-wise rules skip the one-block edge tolerance for an identical repeat as the reference does
+    (r2: every segment and the suffix equal, one block short: evicted) and keep it for a changed suffix (r3)."""
+    reqs = [req("r1"), req("r2", at=600, cached=704), req("r3", at=601, cached=704, suffix="q2")]
+    check_equal(reqs, {"pod-a": 32})
+    assert a.judge(reqs[1], a.Predecessor(reqs[0], a.FINGERPRINT), 32).causes == ("evicted", "unavoidable")
+
+
 def test_a_frame_without_the_beyond_horizon_column_reads_it_as_false() -> None:
     r1, r2 = req("r1"), req("r2", at=7200, suffix="q2")
     frame = pl.DataFrame([{**{f: r2.get(f) for f in a.REQUEST_FIELDS}, "block_size": 32,
