@@ -390,7 +390,8 @@ def test_request_detail(fx: Store) -> None:
     }
     assert all(set(x) == set(head) for x in r) and {x["request_id"] for x in r} == {"cap-4-timestamp-first"}
     # cost: 768 and 16 missed tokens on pod-a at its measured rate; 784 in all
-    assert head["cause_gpu_seconds"] == [approx(768 * PREFILL_SECONDS_PER_TOKEN), approx(16 * PREFILL_SECONDS_PER_TOKEN)]
+    assert head["cause_gpu_seconds"] == [approx(768 * PREFILL_SECONDS_PER_TOKEN),
+                                         approx(16 * PREFILL_SECONDS_PER_TOKEN)]
     assert head["gpu_seconds"] == approx(784 * PREFILL_SECONDS_PER_TOKEN)
     # which line changed (fixture STRUCTURE): globex's 4 system lines, the first (the timestamp) differs, 52
     # tokens here, new (not elsewhere in the predecessor's); no chunks logged for either message
