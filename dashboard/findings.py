@@ -52,6 +52,18 @@ def cost_text(gpu_seconds: float | None, money: float | None = None, currency: s
     return out + (f" · {money:,.2f} {currency}" if money is not None else "")
 
 
+def with_cost_column(df: pl.DataFrame, gpu_hour_price: float, currency: str) -> pl.DataFrame:
+    """``df`` for a table: with a ``cost (<currency>)`` column (:func:`with_money`) right after ``gpu_seconds``
+    when ``gpu_hour_price`` > 0, else unchanged (no money without a configured price)."""
+    if gpu_hour_price <= 0:
+        return df
+    name = f"cost ({currency})"
+    out = with_money(df.drop("money", strict=False), gpu_hour_price).rename({"money": name})
+    cols = [c for c in df.columns if c != "money"]
+    at = cols.index("gpu_seconds") + 1
+    return out.select([*cols[:at], name, *cols[at:]])
+
+
 def with_money(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
     """``df`` (with a ``gpu_seconds`` column, e.g. named query ``miss_causes``) plus ``money`` = gpu_seconds / 3600
     × ``gpu_hour_price`` (None when the price is 0 or the GPU-seconds are unknown)."""

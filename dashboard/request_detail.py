@@ -3,7 +3,9 @@
 Shows the missed tokens by cause in prompt order (each cause in its colour from :mod:`dashboard.causes`), the
 predecessor (id, arrival, pod, how it was found, with a link that opens its own detail), the pod that served the
 request beside the predecessor's, the gap, each prompt segment's token counts and whether it matched the
-predecessor's (the first that differs is the changed segment), the block size, and the evidence behind the cause.
+predecessor's (the first that differs is the changed segment) and, where the gateway logged the prompt's structure,
+which system lines and message chunks differ ("line 1 (52 tokens, new)"), the block size, the evidence behind the
+cause, and what re-computing the missed tokens cost (GPU-seconds, and money when ``KVSCOPE_GPU_HOUR_PRICE`` is set).
 Only ids, names and counts: never prompt text.
 """
 
@@ -15,7 +17,7 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
-from dashboard import charts, data, untrusted
+from dashboard import charts, data, findings, fix_first, untrusted
 from dashboard.causes import color, label
 from ingest.attribution import BEYOND_HORIZON, BEYOND_HORIZON_KIND_SUFFIX, EVICTED, PREFIX_DRIFT, ROUTED_AWAY
 
@@ -75,22 +77,45 @@ def compared(row: dict[str, Any]) -> str:
     return "changed"
 
 
+#: What a segment's logged parts are (request_detail segment_parts): system lines, chunks of the new message.
+PART_NAME = {"system": "line", "suffix": "chunk"}
+
+
+def changed_parts_text(row: dict[str, Any]) -> str:
+    """The segment's lines / chunks that differ from the predecessor's at the same position, in words: "line 1
+    (52 tokens, new)", "chunk 2 (20 tokens, moved)"; the predecessor's extra ones as "3 lines before, 4 now";
+    '' when none differs or the gateway logged none (request_detail changed_parts / changed_part_tokens /
+    changed_part_moved)."""
+    part = PART_NAME.get(row["segment"])
+    if part is None:
+        return ""
+    out = [f"{part} {i} ({n:,} token{'' if n == 1 else 's'}, {'moved' if moved else 'new'})"
+           for i, n, moved in zip(row["changed_parts"], row["changed_part_tokens"], row["changed_part_moved"],
+                                  strict=True)]
+    now, before = row["segment_parts"], row["predecessor_segment_parts"]
+    if now and before and before != now:
+        out.append(f"{before} {part}s before, {now} now")
+    return "; ".join(out)
+
+
 def segment_table(rows: pl.DataFrame, changed: str) -> pl.DataFrame:
-    """One row per segment in prompt order: tokens here and in the predecessor, how it compares, missed tokens
-    in it, and a mark on the changed segment."""
+    """One row per segment in prompt order: tokens here and in the predecessor, how it compares, which lines /
+    chunks differ (:func:`changed_parts_text`), missed tokens in it, and a mark on the changed segment."""
     out = [
         {
             "segment": r["segment"],
             "tokens": r["segment_tokens"],
             "predecessor_tokens": r["predecessor_segment_tokens"],
             "compared_with_predecessor": compared(r),
+            "what_differs": changed_parts_text(r),
             "first_change": "◀ first change" if r["segment"] == changed else "",
             "missed_tokens": r["segment_missed_tokens"],
         }
         for r in rows.sort("segment_index").iter_rows(named=True)
     ]
     return pl.DataFrame(out, schema={"segment": pl.String, "tokens": pl.UInt64, "predecessor_tokens": pl.UInt64,
-                                     "compared_with_predecessor": pl.String, "first_change": pl.String,
+                                     "compared_with_predecessor": pl.String, "what_differs": pl.String,
+                                     "first_change": pl.String,
                                      "missed_tokens": pl.UInt64})
 
 
@@ -112,15 +137,18 @@ def prompt_bar(head: dict[str, Any], key: str) -> None:
     st.plotly_chart(fig, key=key)
 
 
-def cause_table(head: dict[str, Any]) -> pl.DataFrame:
-    """The request's causes in prompt order with their missed tokens and share of its missed tokens."""
+def cause_table(head: dict[str, Any], price: float = 0.0, currency: str = "") -> pl.DataFrame:
+    """The request's causes in prompt order with their missed tokens, share of its missed tokens and re-compute
+    cost (``gpu_seconds``, None when unmeasured; a ``cost (<currency>)`` column when ``price``, per GPU-hour, > 0)."""
     total = sum(head["cause_missed_tokens"]) or 1
-    return pl.DataFrame(
+    df = pl.DataFrame(
         {"cause": head["causes"], "sub_cause": head["sub_causes"], "missed_tokens": head["cause_missed_tokens"],
-         "share_of_request_missed": [n / total for n in head["cause_missed_tokens"]]},
+         "share_of_request_missed": [n / total for n in head["cause_missed_tokens"]],
+         "gpu_seconds": head["cause_gpu_seconds"]},
         schema={"cause": pl.String, "sub_cause": pl.String, "missed_tokens": pl.UInt64,
-                "share_of_request_missed": pl.Float64},
+                "share_of_request_missed": pl.Float64, "gpu_seconds": pl.Float64},
     )
+    return findings.with_cost_column(df, price, currency)
 
 
 def _precise_text(head: dict[str, Any]) -> list[str]:
@@ -159,9 +187,11 @@ def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
                      "is expected to still hold.")
     changed = head["changed_segment"]
     if PREFIX_DRIFT in causes and changed:
-        how = segments.filter(pl.col("segment") == changed)["compared_with_predecessor"].to_list()
+        seg = segments.filter(pl.col("segment") == changed).to_dicts()
+        how = seg[0]["compared_with_predecessor"] if seg else "changed"
+        parts = seg[0]["what_differs"] if seg else ""
         lines.append(f"The drift is named by the segment hashes: **{changed}** is the first segment that differs "
-                     f"({how[0] if how else 'changed'}).")
+                     f"({how})" + (f"; in it: {parts}." if parts else "."))
     if pod != pred_pod:
         lines.append(f"This request went to **{pod}**, the predecessor to **{pred_pod}**: another pod held the "
                      "prefix.")
@@ -189,8 +219,12 @@ def predecessor_link(head: dict[str, Any]) -> None:
                  query_params={**params, "request_id": pred})
 
 
-def header(head: dict[str, Any], in_window: bool) -> None:
+def header(head: dict[str, Any], in_window: bool, price: float = 0.0, currency: str = "") -> None:
+    """Title and one caption line: tenant, model, pod, arrival, token counts, block size and what re-computing
+    its missed tokens cost (:func:`dashboard.findings.cost_text`)."""
     cached = head["cached_tokens"]
+    gpu = head["gpu_seconds"]
+    money = gpu / 3600 * price if gpu is not None and price > 0 else None
     st.subheader(f"Request {charts.name(head['request_id'])}")
     st.caption(
         f"{charts.name(head['tenant_id'], empty=untrusted.NO_TENANT)} · "
@@ -198,7 +232,7 @@ def header(head: dict[str, Any], in_window: bool) -> None:
         f" · served by **{charts.name(head['pod'], empty='(no pod)')}** · arrived "
         f"{head['ts']:%Y-%m-%d %H:%M:%S} UTC · {charts.count(head['prompt_tokens'])} prompt tokens, "
         f"{'cached count not reported' if cached is None else charts.count(cached) + ' cached'} · block size "
-        f"{head['block_size']} tokens"
+        f"{head['block_size']} tokens · its missed tokens cost {findings.cost_text(gpu, money, currency)}"
         + ("" if in_window else " · outside the chosen time range")
     )
 
@@ -223,9 +257,10 @@ def render(request_id: str, f: data.Filters) -> None:
                 "attribution job has not answered it yet.", icon=":material/search_off:")
         return
     head = rows.row(0, named=True)
-    header(head, in_window)
+    price, currency = fix_first.gpu_hour_price()
+    header(head, in_window, price, currency)
     prompt_bar(head, key="request_prompt_bar")
-    charts.table(cause_table(head), percent_cols=["share_of_request_missed"], key="request_causes")
+    charts.table(cause_table(head, price, currency), percent_cols=["share_of_request_missed"], key="request_causes")
     predecessor(head)
     predecessor_link(head)
     changed = head["changed_segment"]

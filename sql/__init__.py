@@ -9,6 +9,12 @@ Header format (one item per ``--`` line, before the SQL)::
     -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 
 Parameters are bound as ClickHouse typed parameters (``{since:DateTime64(3)}``), never formatted in.
+
+Shared pieces (``sql/parts/<part>.sql``): a line ``-- include: <part>`` in a query's SQL is replaced by that
+file's text when the query loads, so SQL several queries need (the prefill cost of a missed token, the next turns
+of conversations and agent runs) is written once. A part is a run of WITH items that ends with a comma, opening
+with ``--`` comment lines that say what it defines and which parameters it reads (the including query declares
+them). ClickHouse has no include of its own, and a view would need a migration; parts nest no further.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from pathlib import Path
 SQL_DIR = Path(str(resources.files(__name__)))
 MIGRATIONS_DIR = SQL_DIR / "migrations"
 QUERIES_DIR = SQL_DIR / "queries"
+PARTS_DIR = SQL_DIR / "parts"
 
 _HEADER = re.compile(r"^--\s*(name|description|param|returns):\s*(.*)$")
 _PARAM = re.compile(r"^(\w+):\s*([^=|]+?)\s*(?:=\s*([^|]*?))?\s*(?:\|\s*(.*))?$")
 _RETURNS = re.compile(r"^(\w+)\s+([^|]+?)\s*(?:\|\s*(.*))?$")
+_INCLUDE = re.compile(r"^[ \t]*--[ \t]*include:[ \t]*(\w+)[ \t]*$", re.MULTILINE)
 
 
 class HeaderError(ValueError):
@@ -143,12 +151,30 @@ def query_names() -> list[str]:
     return sorted(p.stem for p in QUERIES_DIR.glob("*.sql"))
 
 
+def part_names() -> list[str]:
+    """Names of the shared pieces in ``sql/parts/`` that queries include."""
+    return sorted(p.stem for p in PARTS_DIR.glob("*.sql"))
+
+
+def expand_includes(text: str, source: str = "<string>") -> str:
+    """``text`` with every ``-- include: <part>`` line replaced by ``sql/parts/<part>.sql`` (its text as is, so
+    it is indented as written there). Raises :class:`HeaderError` naming ``source`` for an unknown part."""
+    def part(m: re.Match[str]) -> str:
+        path = PARTS_DIR / f"{m.group(1)}.sql"
+        if not path.is_file():
+            raise HeaderError(f"{source}: no SQL part {m.group(1)!r} to include; known: {', '.join(part_names())}")
+        return path.read_text().rstrip("\n")
+
+    return _INCLUDE.sub(part, text)
+
+
 def load_query(name: str) -> NamedQuery:
-    """Load ``sql/queries/<name>.sql``. Raises :class:`KeyError` if there is no such query."""
+    """Load ``sql/queries/<name>.sql`` with its ``-- include:`` lines expanded (:func:`expand_includes`).
+    Raises :class:`KeyError` if there is no such query, :class:`HeaderError` for a bad header or include."""
     path = QUERIES_DIR / f"{name}.sql"
     if not path.is_file():
         raise KeyError(f"no named query {name!r}; known: {', '.join(query_names())}")
-    q = parse_query(path.read_text(), str(path))
+    q = parse_query(expand_includes(path.read_text(), str(path)), str(path))
     if q.name != name:
         raise HeaderError(f"{path}: header name {q.name!r} differs from the file name")
     return q

@@ -71,7 +71,8 @@ def _gateway_row(rid: str, t: float, tenant: str, pod: str, prompt: int, cached:
         "tools_canonical_hash": "", "tools_tokens": 0, "retrieval_pack_hash": "", "retrieval_set_hash": "",
         "retrieval_tokens": 0, "history_prefix_hash": fx.h(f"hist-{rid}"), "prev_history_hash": "",
         "history_tokens": 0, "suffix_hash": fx.h(f"suffix-{rid}"), "suffix_tokens": 32,
-        "prompt_fingerprint": fx.h(f"fp-{rid}"), "token_count_method": "tokenizer",
+        "prompt_fingerprint": fx.h(f"fp-{rid}"), "token_count_method": "tokenizer", "system_line_hashes": [],
+        "system_line_tokens": [], "suffix_chunk_hashes": [], "suffix_chunk_tokens": [],
     }
     return tuple(values[c] for c in fx.GATEWAY_COLUMNS)
 

@@ -43,19 +43,19 @@ def widest(text: str) -> int:
 
 
 def test_table_fits_the_width_at_200(fx: Store) -> None:
-    """miss_requests has 16 columns, 300 characters at full width: at 200 every line fits, the widest text
+    """miss_requests has 17 columns, 300 characters at full width: at 200 every line fits, the widest text
     cells end in an ellipsis, timestamps and numbers stay whole, and no column is dropped."""
     out = cli(fx, "query", "miss_requests", columns=200)
     assert widest(out) <= 200
     lines = out.splitlines()
     assert len(lines) == 2 + 16  # header, rule, one line per (request, cause) row
-    assert len(lines[0].split()) == 16, lines[0]  # a cut header ends in "…" but stays
+    assert len(lines[0].split()) == 17, lines[0]  # a cut header ends in "…" but stays
     assert "…" in lines[0] and "…" in out.split("\n", 2)[2]
     assert lines[2].startswith("2026-11-29 12:02:00  ") and " 69,985 " in lines[2]  # the largest miss first
 
 
 def test_too_many_columns_for_80_become_records(fx: Store) -> None:
-    """At 80 characters, 16 columns of at least 6 do not fit: one record per row, every line within 80."""
+    """At 80 characters, 17 columns of at least 6 do not fit: one record per row, every line within 80."""
     out = cli(fx, "query", "miss_requests", columns=80)
     assert widest(out) <= 80
     records = out.split("-[ row ")[1:]
@@ -63,7 +63,7 @@ def test_too_many_columns_for_80_become_records(fx: Store) -> None:
     first = dict(line.split(None, 1) for line in records[0].splitlines()[1:] if len(line.split(None, 1)) == 2)
     assert first["request_id"] == "acme-c1-t3" and first["missed_tokens"] == "768"
     assert first["gap_ms"] == "69,985" and first["ts"] == "2026-11-29 12:02:00"
-    assert len(records[0].splitlines()) == 1 + 16
+    assert len(records[0].splitlines()) == 1 + 17
 
 
 def test_table_numbers_right_aligned_with_separators(fx: Store) -> None:
@@ -109,7 +109,7 @@ def test_markdown_parses(fx: Store) -> None:
             cells_per_row[-1] += 1
             if t.type == "th_open":
                 aligns.append((t.attrGet("style") or "").removeprefix("text-align:") or None)
-    assert cells_per_row == [16] * 17  # header + 16 rows
+    assert cells_per_row == [17] * 17  # header + 16 rows
     names = pl.DataFrame(fx.named("miss_requests", {})).columns
     assert aligns[names.index("missed_tokens")] == "right" and aligns[names.index("request_id")] is None
     assert "…" not in out and widest(out) > 80

@@ -283,6 +283,9 @@ def test_miss_causes_and_drill_down(fixture_store: Store) -> None:
     drill = at.dataframe[1].value
     assert drill["request_id"].tolist() == ["cap-3-tools-reordered"]
     assert drill["predecessor_request_id"].tolist() == ["cap-2-warm"]
+    # its cost beside its tokens: 64 missed tokens at pod-a's measured rate; no money without a price
+    assert drill["gpu_seconds"].tolist() == [pytest.approx(64 * PREFILL_SECONDS_PER_TOKEN)]
+    assert not [c for c in drill.columns if c.startswith("cost")]
 
 
 def miss_page(store: Store, **params: str) -> AppTest:
@@ -317,7 +320,16 @@ def test_request_detail_from_the_url(fixture_store: Store) -> None:
     assert [(t["name"], t["marker"]["color"]) for t in bar["data"]] == [
         ("prefix_drift / volatile_system", causes_module.color("prefix_drift", "volatile_system")),
         ("unavoidable", causes_module.color("unavoidable"))]
+    # cost beside tokens: 768 and 16 tokens at pod-a's rate, 784 in all (0.0638 GPU-s)
+    assert causes["gpu_seconds"].tolist() == [pytest.approx(768 * PREFILL_SECONDS_PER_TOKEN),
+                                              pytest.approx(16 * PREFILL_SECONDS_PER_TOKEN)]
+    assert any("its missed tokens cost 0.064 GPU-s" in c.value for c in at.caption)
     segments = table(at, "compared_with_predecessor").set_index("segment")
+    # which line of the system prompt differs (fixture STRUCTURE: the first, the timestamp, 52 tokens)
+    assert segments["what_differs"].tolist() == ["line 1 (52 tokens, new)", "", "", "", ""]
+    (evidence,) = [md.value for md in at.markdown if md.value.startswith("**Evidence.**")]
+    assert "**system** is the first segment that differs (differs only in masked volatile values (timestamps, " \
+           "ids)); in it: line 1 (52 tokens, new)." in evidence
     assert segments.loc["system", "first_change"].startswith("◀")
     assert segments.loc["system", "compared_with_predecessor"].startswith("differs only in masked volatile")
     assert segments.loc["tools", "compared_with_predecessor"] == "same tools, other order"
@@ -329,6 +341,32 @@ def test_request_detail_from_the_url(fixture_store: Store) -> None:
     at.run()
     assert_clean(at)
     assert metrics(at)["Predecessor"] == "cap-2-warm"
+
+
+def test_costs_in_money_and_changed_chunks(fixture_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 36,000 USD per GPU-hour (10 USD per GPU-second) the drill-down and the request's causes carry a cost
+    column beside gpu_seconds; acme-c1-t4's message chunks against acme-c1-t3's (fixture STRUCTURE): doc-y 24
+    new, doc-x 20 moved from the first place, question-4 20 new; 2 chunks before, 3 now. Its 64 missed tokens on
+    pod-b (unmeasured: the fleet's rate, pod-a's) cost 64 · 0.139662678 / 1715 = 0.0052 GPU-s, 0.05 USD."""
+    from dashboard import fix_first
+
+    monkeypatch.setenv("KVSCOPE_GPU_HOUR_PRICE", "36000")
+    fix_first.gpu_hour_price.cache_clear()
+    try:
+        at = miss_page(fixture_store, cause="unavoidable", request_id="acme-c1-t4")
+        drill = at.dataframe(key="miss_requests").value
+        assert list(drill.columns[6:9]) == ["missed_tokens", "gpu_seconds", "cost (USD)"]
+        row = drill[drill["request_id"] == "acme-c1-t4"].iloc[0]
+        assert (row["gpu_seconds"], row["cost (USD)"]) == (pytest.approx(64 * PREFILL_SECONDS_PER_TOKEN),
+                                                           pytest.approx(640 * PREFILL_SECONDS_PER_TOKEN))
+        causes = table(at, "share_of_request_missed")
+        assert causes["cost (USD)"].tolist() == [pytest.approx(640 * PREFILL_SECONDS_PER_TOKEN)]
+        assert any("its missed tokens cost 0.005 GPU-s · 0.05 USD" in c.value for c in at.caption)
+        segments = table(at, "compared_with_predecessor").set_index("segment")
+        assert segments.loc["suffix", "what_differs"] == ("chunk 1 (24 tokens, new); chunk 2 (20 tokens, moved); "
+                                                          "chunk 3 (20 tokens, new); 2 chunks before, 3 now")
+    finally:
+        fix_first.gpu_hour_price.cache_clear()
 
 
 def test_request_detail_routed_away_evidence(fixture_store: Store) -> None:

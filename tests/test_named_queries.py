@@ -123,6 +123,18 @@ def test_runs_on_empty_store(empty: Store, name: str) -> None:
     assert df.columns == [c.name for c in sqlfiles.load_query(name).returns]
 
 
+def test_includes_expand_and_unknown_parts_are_refused() -> None:
+    """``-- include: <part>`` lines become the part's text; every part is included somewhere; an unknown part
+    names the file."""
+    q = sqlfiles.load_query("miss_requests")
+    assert "-- include:" not in q.sql and "AS seconds_per_token_on" in q.sql
+    raw = {name: (sqlfiles.QUERIES_DIR / f"{name}.sql").read_text() for name in QUERIES}
+    for part in sqlfiles.part_names():
+        assert any(f"-- include: {part}\n" in text for text in raw.values()), f"part {part} is included"
+    with pytest.raises(sqlfiles.HeaderError, match="x.sql: no SQL part 'nope'"):
+        sqlfiles.expand_includes("SELECT 1\n    -- include: nope\n", "x.sql")
+
+
 def test_unknown_parameter_is_refused(fx: Store) -> None:
     with pytest.raises(QueryError, match="no parameter"):
         fx.named("hit_rate", {"tenant_id": "acme"})
@@ -324,11 +336,22 @@ def test_miss_requests_drill_down(fx: Store) -> None:
         "pod-a",
     )
     assert routed["gap_ms"] == approx(69985.0)
+    # each row's cost: its missed tokens × pod-a's measured rate (pod-b, unmeasured, takes the fleet's: pod-a's)
+    assert [x["gpu_seconds"] for x in r] == [approx(768 * PREFILL_SECONDS_PER_TOKEN),
+                                             approx(64 * PREFILL_SECONDS_PER_TOKEN)]
+    assert routed["gpu_seconds"] == approx(768 * PREFILL_SECONDS_PER_TOKEN)  # served by pod-b
     assert len(rows(fx, "miss_requests", limit=3)) == 3
     assert len(rows(fx, "miss_requests")) == 16
     assert {x["sub_cause"] for x in rows(fx, "miss_requests", sub_cause="tools_reordered")} == {
         "tools_reordered"
     }
+
+
+def test_miss_requests_gpu_seconds_need_a_measurement(fx: Store) -> None:
+    """Before pod-a's second scrape no pod measured its prefill time: the cost is unknown (NULL), not 0."""
+    r = rows(fx, "miss_requests", until="2026-11-29 12:01:00.000")
+    assert [(x["request_id"], x["missed_tokens"], x["gpu_seconds"]) for x in r] == [
+        ("cap-1-cold", 736, None), ("cap-2-warm", 26, None), ("cap-1-cold", 26, None)]
 
 
 def segments(r: list[dict[str, Any]], *keys: str) -> dict[str, tuple[Any, ...]]:
@@ -366,6 +389,34 @@ def test_request_detail(fx: Store) -> None:
         "suffix": (16, 28, 0, None, 16),
     }
     assert all(set(x) == set(head) for x in r) and {x["request_id"] for x in r} == {"cap-4-timestamp-first"}
+    # cost: 768 and 16 missed tokens on pod-a at its measured rate; 784 in all
+    assert head["cause_gpu_seconds"] == [approx(768 * PREFILL_SECONDS_PER_TOKEN),
+                                         approx(16 * PREFILL_SECONDS_PER_TOKEN)]
+    assert head["gpu_seconds"] == approx(784 * PREFILL_SECONDS_PER_TOKEN)
+    # which line changed (fixture STRUCTURE): globex's 4 system lines, the first (the timestamp) differs, 52
+    # tokens here, new (not elsewhere in the predecessor's); no chunks logged for either message
+    assert segments(r, "segment_parts", "predecessor_segment_parts", "changed_parts", "changed_part_tokens",
+                    "changed_part_moved") == {
+        "system": (4, 4, [1], [52], [0]),
+        "tools": (0, 0, [], [], []), "retrieval": (0, 0, [], [], []), "history": (0, 0, [], [], []),
+        "suffix": (0, 0, [], [], []),
+    }
+
+
+def test_request_detail_changed_chunks(fx: Store) -> None:
+    """acme-c1-t4's message (fixture STRUCTURE) is chunks doc-y 24, doc-x 20, question-4 20; its predecessor
+    acme-c1-t3's was doc-x 20, question-3 12. Position by position all three differ (the third lies past the
+    predecessor's last); doc-x was the predecessor's first chunk (moved), doc-y and question-4 are new. Cost: 64
+    missed tokens on pod-b, which measured no prefill time: the fleet's rate (pod-a's)."""
+    r = rows(fx, "request_detail", request_id="acme-c1-t4")
+    assert segments(r, "segment_parts", "predecessor_segment_parts", "changed_parts", "changed_part_tokens",
+                    "changed_part_moved")["suffix"] == (3, 2, [1, 2, 3], [24, 20, 20], [0, 1, 0])
+    assert {x["segment"] for x in r if x["changed_parts"]} == {"suffix"}
+    assert r[0]["gpu_seconds"] == approx(64 * PREFILL_SECONDS_PER_TOKEN)
+    # the predecessor acme-c1-t3's own detail: its predecessor cap-2-warm logged no chunks, so none is named
+    assert [x["changed_parts"] for x in rows(fx, "request_detail", request_id="acme-c1-t3")] == [[]] * 5
+    unmeasured = rows(fx, "request_detail", request_id="cap-1-cold", until="2026-11-29 12:01:00.000")[0]
+    assert (unmeasured["cause_gpu_seconds"], unmeasured["gpu_seconds"]) == ([None, None], None)
 
 
 def test_request_detail_routed_away_next_turn(fx: Store) -> None:

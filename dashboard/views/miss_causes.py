@@ -90,7 +90,10 @@ def picked_request(event: object, rows: pl.DataFrame) -> str:
     return rid
 
 
-def drill_down(f: data.Filters, causes: pl.DataFrame) -> None:
+def drill_down(f: data.Filters, causes: pl.DataFrame, price: float, currency: str) -> None:
+    """The requests of the picked cause (named query ``miss_requests``) with what each one's missed tokens cost
+    (``gpu_seconds``, and ``cost (<currency>)`` when ``price`` per GPU-hour > 0), and the picked request's
+    detail."""
     st.subheader("Requests")
     choices = url_cause([ALL_CAUSES, *causes["label"].to_list()])
     left, right = st.columns([3, 1])
@@ -103,7 +106,8 @@ def drill_down(f: data.Filters, causes: pl.DataFrame) -> None:
         event = None
     else:
         st.caption("Pick a row to see the request's predecessor, pods, gap, changed segment and evidence.")
-        event = st.dataframe(charts.shown_strings(rows), hide_index=True, placeholder=charts.MISSING,
+        shown = findings.with_cost_column(rows, price, currency)
+        event = st.dataframe(charts.shown_strings(shown), hide_index=True, placeholder=charts.MISSING,
                              key="miss_requests", on_select="rerun", selection_mode="single-row")
     request_id = picked_request(event, rows)
     if request_id:
@@ -159,10 +163,8 @@ def render(f: data.Filters) -> None:
         key="cause_bars",
     )
     columns = ["cause", "sub_cause", "missed_tokens", "share_of_missed", "gpu_seconds", "requests"]
-    if price > 0:
-        causes = causes.rename({"money": f"cost ({currency})"})
-        columns.insert(5, f"cost ({currency})")
-    charts.table(causes.select(columns), percent_cols=["share_of_missed"], key="cause_table")
+    charts.table(findings.with_cost_column(causes.select(columns), price, currency), percent_cols=["share_of_missed"],
+                 key="cause_table")
     per_tenant = data.named("miss_causes", **f.params(), by_tenant=1)
     if not per_tenant.is_empty():
         per_tenant = label(per_tenant)
@@ -178,7 +180,7 @@ def render(f: data.Filters) -> None:
             barmode="stack",
             key="cause_tenants",
         )
-    drill_down(f, causes)
+    drill_down(f, causes, price, currency)
 
 
 data.live(render)

@@ -16,27 +16,11 @@
 --
 -- Reads misses_rollup (sql/migrations/0012): missed tokens and requests per cause, weighted by the sign of each
 -- answer (a replaced answer cancels itself), so exact without FINAL. GPU-seconds: each pod's missed tokens times
--- that pod's measured prefill seconds per computed prompt token over the same window, Δ vllm:request_prefill_time_seconds_sum /
--- (Δ vllm:prompt_tokens_total − Δ vllm:prefix_cache_hits_total) (vLLM v1 metrics/loggers.py; docs/miss-causes.md,
--- "Cost of a miss"): the view prefill_rate (sql/migrations/0021); a pod without its own measurement takes the
--- fleet's rate (pods that have one, pooled).
+-- that pod's measured prefill seconds per computed prompt token over the same window, else the fleet's (the part
+-- sql/parts/prefill_cost.sql, shared by every query that shows a cost).
 WITH
-    cost AS
-    (
-        SELECT pod_name, prefill_seconds, computed_tokens
-        FROM prefill_rate(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                          model = {model:String})
-    ),
-    (SELECT if(count() > 0, sum(prefill_seconds) / sum(computed_tokens), NULL) FROM cost) AS fleet_seconds_per_token
-SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
-       share_of_missed, affected AS requests, gpu_seconds
-FROM
-(
-    SELECT tenant, cause_name, sub_cause_name, sum(m.pod_missed) AS missed,
-           missed / sum(missed) OVER () AS share_of_missed, sum(m.pod_requests) AS affected,
-           sum(m.pod_missed * if(c.pod_name = '', CAST(fleet_seconds_per_token AS Nullable(Float64)),
-                                 c.prefill_seconds / c.computed_tokens)) AS gpu_seconds
-    FROM
+    -- include: prefill_cost
+    per_pod AS
     (
         SELECT
             if({by_tenant:UInt8} = 1, CAST(tenant_id AS String), '') AS tenant,
@@ -50,8 +34,14 @@ FROM
           AND ({model:String} = '' OR model = {model:String})
         GROUP BY tenant, cause_name, sub_cause_name, pod_name
         HAVING pod_missed > 0
-    ) AS m
-    LEFT JOIN cost AS c ON m.pod_name = c.pod_name
+    )
+SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
+       missed / sum(missed) OVER () AS share_of_missed, affected AS requests, gpu_seconds
+FROM
+(
+    SELECT tenant, cause_name, sub_cause_name, sum(pod_missed) AS missed, sum(pod_requests) AS affected,
+           sum(pod_missed * seconds_per_token_on(pod_name)) AS gpu_seconds
+    FROM per_pod
     GROUP BY tenant, cause_name, sub_cause_name
 )
 ORDER BY missed_tokens DESC, tenant_id, cause, sub_cause

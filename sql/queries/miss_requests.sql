@@ -1,5 +1,5 @@
 -- name: miss_requests
--- description: Drill-down from a miss cause to requests: one row per (request, cause, sub_cause) with its missed tokens, the request's token counts, its predecessor and pods, largest misses first.
+-- description: Drill-down from a miss cause to requests: one row per (request, cause, sub_cause) with its missed tokens and what re-computing them cost, the request's token counts, its predecessor and pods, largest misses first.
 -- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival), UTC
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
@@ -15,6 +15,7 @@
 -- returns: cause String | miss cause
 -- returns: sub_cause String | sub-cause ('' if none)
 -- returns: missed_tokens UInt64 | missed tokens of this request explained by this cause, tokens
+-- returns: gpu_seconds Nullable(Float64) | what re-computing those missed tokens cost: missed_tokens × the serving pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds, as miss_causes; NULL when no pod measured prefill time (vllm:request_prefill_time_seconds) in the window
 -- returns: request_missed_tokens UInt64 | all missed tokens of this request (prompt - cached; the whole prompt when cached was not reported), tokens
 -- returns: prompt_tokens UInt64 | the request's prompt tokens (gateway log; 0 if the log row is missing)
 -- returns: cached_tokens Nullable(UInt64) | the request's cached tokens (gateway log; NULL when the pod did not report it or the log row is missing)
@@ -28,7 +29,9 @@
 -- The current answer of a request is its request_attribution row with sign +1 that no row with sign -1 of the
 -- same version cancels (a replaced answer is cancelled that way; sql/migrations/0009). The cancelled set is
 -- small, so the anti-join is cheap; the top rows then come from a partial sort, no GROUP BY over the window.
+-- GPU-seconds: the part sql/parts/prefill_cost.sql, as miss_causes.
 WITH
+    -- include: prefill_cost
     cancelled AS
     (
         SELECT request_id, version FROM request_attribution
@@ -65,7 +68,8 @@ WITH
     )
 SELECT
     m.ts AS ts, m.request_id AS request_id, m.tenant_id AS tenant_id, m.pod AS pod, m.cause AS cause,
-    m.sub_cause AS sub_cause, m.missed_tokens AS missed_tokens, m.request_missed_tokens AS request_missed_tokens,
+    m.sub_cause AS sub_cause, m.missed_tokens AS missed_tokens,
+    m.missed_tokens * seconds_per_token_on(m.pod) AS gpu_seconds, m.request_missed_tokens AS request_missed_tokens,
     toUInt64(r.prompt_tokens) AS prompt_tokens, CAST(r.cached_tokens AS Nullable(UInt64)) AS cached_tokens,
     m.predecessor_request_id AS predecessor_request_id, m.predecessor_pod AS predecessor_pod,
     m.gap_ms AS gap_ms, r.conversation_id AS conversation_id, r.agent_run_id AS agent_run_id,

@@ -1,9 +1,10 @@
 -- name: request_detail
--- description: One request's miss attribution with its evidence, one row per prompt segment in prompt order (system, tools, retrieval, history, suffix): its causes, its predecessor (id, arrival, pod, how it was found, gap), the block size, the first segment whose hash differs from the predecessor's, each segment's token counts and whether it matched, and the KV events of the predecessor's pod in between. Never prompt text or hashes.
+-- description: One request's miss attribution with its evidence, one row per prompt segment in prompt order (system, tools, retrieval, history, suffix): its causes, its predecessor (id, arrival, pod, how it was found, gap), the block size, the first segment whose hash differs from the predecessor's, each segment's token counts and whether it matched, which system lines and message chunks differ, what re-computing the missed tokens cost, and the KV events of the predecessor's pod in between. Never prompt text or hashes.
 -- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window the request arrived in (inclusive), UTC
 -- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
 -- param: tenant: String = '' | tenant_id of the request, '' = all
 -- param: pod: String = '' | pod that served the request, '' = all
+-- param: model: String = '' | model of the request ('' = all); also the vLLM model_name whose prefill time prices the misses
 -- param: request_id: String = '' | gateway request id; '' = the request with the most missed tokens in the window and filters (latest first on a tie)
 -- returns: request_id String | gateway request id
 -- returns: ts DateTime64(3, 'UTC') | the request's arrival at the gateway, UTC
@@ -16,6 +17,8 @@
 -- returns: causes Array(String) | miss causes of the request in prompt order (parallel to sub_causes and cause_missed_tokens)
 -- returns: sub_causes Array(String) | sub-cause of each cause ('' if none)
 -- returns: cause_missed_tokens Array(UInt64) | missed tokens of each cause, tokens; they sum to prompt_tokens - cached_tokens (all prompt tokens for not_reported)
+-- returns: cause_gpu_seconds Array(Nullable(Float64)) | what re-computing each cause's missed tokens cost: tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds, as miss_causes; NULL when no pod measured prefill time in the window
+-- returns: gpu_seconds Nullable(Float64) | the same for all the request's missed tokens (Σ cause_gpu_seconds), GPU-seconds
 -- returns: predecessor_request_id String | the request whose prefix this one could have reused ('' if none within the lookback)
 -- returns: predecessor_ts Nullable(DateTime64(3, 'UTC')) | the predecessor's arrival, UTC (NULL if none or its log row is gone)
 -- returns: predecessor_pod String | pod that served the predecessor ('' if none)
@@ -35,6 +38,11 @@
 -- returns: predecessor_segment_tokens Nullable(UInt64) | the segment's tokens in the predecessor (NULL if none or its log row is gone), tokens
 -- returns: hash_matched Nullable(UInt8) | 1 if the segment's hash equals the predecessor's (two empty segments match), 0 if not, NULL without a predecessor row
 -- returns: variant_matched Nullable(UInt8) | when the hash differs, whether the change is nameable: 1 if the normalized system prompt / canonical tools / retrieval set equals the predecessor's (volatile values masked, reordered), for history 1 if it continues the predecessor's conversation (a previous_turn whose history this one extends), else 0; NULL when the hash matched, for suffix, or without a predecessor row
+-- returns: segment_parts UInt32 | the segment's parts the gateway logged: system lines (system_line_hashes) for system, content-defined chunks of the new message (suffix_chunk_hashes) for suffix; 0 for the other segments or when none were logged
+-- returns: predecessor_segment_parts Nullable(UInt32) | the same count in the predecessor (NULL if none or its log row is gone)
+-- returns: changed_parts Array(UInt32) | 1-based positions of this request's lines / chunks whose hash differs from the predecessor's at the same position (a position past the predecessor's last counts); [] when none differs, without a predecessor row, or when either side logged none
+-- returns: changed_part_tokens Array(UInt64) | tokens of each of those lines / chunks in this request (parallel to changed_parts), tokens
+-- returns: changed_part_moved Array(UInt8) | 1 if the predecessor's segment held that line / chunk at another position (moved: reordered), 0 if it is new (parallel to changed_parts)
 -- returns: segment_missed_tokens Nullable(UInt64) | missed tokens [cached_tokens, prompt_tokens) that fall in this segment, segment boundaries scaled to prompt_tokens as the attribution places them, tokens (NULL when cached is not reported or the log has no segment counts)
 --
 -- The current answer is the request_attribution row with sign +1 that no row with sign -1 of the same version
@@ -42,8 +50,11 @@
 -- token counts: the same comparison ingest/attribution.py shared_prefix() walks (docs/miss-causes.md). Segment
 -- boundaries: cumulative segment counts × prompt_tokens / Σ segment counts, floored (attribution
 -- segment_offsets()). KV events are read from kv_block_events FINAL (a re-sent ZMQ batch counted once), on
--- the predecessor's pod, from the predecessor's arrival (else its end, arrival - gap_ms) to this arrival.
+-- the predecessor's pod, from the predecessor's arrival (else its end, arrival - gap_ms) to this arrival. Lines
+-- and chunks are compared position by position, as ingest/attribution.py first_changed_line_tokens() and
+-- suffix_chunk_drift() walk them (sql/migrations/0020). GPU-seconds: the part sql/parts/prefill_cost.sql.
 WITH
+    -- include: prefill_cost
     cancelled AS
     (
         SELECT request_id, version FROM request_attribution
@@ -64,7 +75,7 @@ WITH
         WHERE sign = 1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND ({request_id:String} = '' OR request_id = {request_id:String})
           AND ({tenant:String} = '' OR tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR pod = {pod:String})
+          AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
           AND (request_id, version) NOT IN (SELECT request_id, version FROM cancelled)
         ORDER BY arraySum(missed_tokens) DESC, ts DESC, request_id
         LIMIT 1
@@ -73,7 +84,8 @@ WITH
     (
         SELECT request_id, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
-               prev_history_hash, history_tokens, suffix_hash, suffix_tokens
+               prev_history_hash, history_tokens, suffix_hash, suffix_tokens, system_line_hashes,
+               system_line_tokens, suffix_chunk_hashes, suffix_chunk_tokens
         FROM gateway_requests
         WHERE (tenant_id, ts, request_id) IN (SELECT tenant_id, ts, request_id FROM answer)
         LIMIT 1
@@ -82,7 +94,7 @@ WITH
     (
         SELECT request_id, ts, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
-               history_tokens, suffix_hash, suffix_tokens
+               history_tokens, suffix_hash, suffix_tokens, system_line_hashes, suffix_chunk_hashes
         FROM gateway_requests
         WHERE request_id IN (SELECT predecessor_request_id FROM answer WHERE predecessor_request_id != '')
           -- gap_ms = arrival - (predecessor arrival + its e2e_ms), e2e_ms >= 0: the predecessor arrived by
@@ -115,6 +127,13 @@ WITH
             arrayMap(x -> toUInt64(x),
                      [p.system_tokens, p.tools_tokens, p.retrieval_tokens, p.history_tokens, p.suffix_tokens])
                 AS p_tokens,
+            [r.system_line_hashes, [], [], [], r.suffix_chunk_hashes] AS r_parts,
+            [r.system_line_tokens, [], [], [], r.suffix_chunk_tokens] AS r_part_tokens,
+            [p.system_line_hashes, [], [], [], p.suffix_chunk_hashes] AS p_parts,
+            -- per segment, the positions (1-based) whose line / chunk hash differs from the predecessor's
+            arrayMap((rh, ph) -> if(has_pred AND NOT empty(ph),
+                                    arrayFilter(j -> j > length(ph) OR rh[j] != ph[j], arrayEnumerate(rh)), []),
+                     r_parts, p_parts) AS changed_at,
             startsWith(a.predecessor_kind, 'previous_turn') AND r.prev_history_hash = p.history_prefix_hash
                 AS continues,
             arraySum(r_tokens) AS total,
@@ -140,6 +159,8 @@ SELECT
     d.request_id AS request_id, d.ts AS ts, d.tenant_id AS tenant_id, d.pod AS pod, d.model AS model,
     d.prompt_tokens AS prompt_tokens, d.cached_tokens AS cached_tokens, d.block_size AS block_size,
     d.causes AS causes, d.sub_causes AS sub_causes, d.cause_missed_tokens AS cause_missed_tokens,
+    arrayMap(n -> n * seconds_per_token_on(d.pod), d.cause_missed_tokens) AS cause_gpu_seconds,
+    arraySum(d.cause_missed_tokens) * seconds_per_token_on(d.pod) AS gpu_seconds,
     d.predecessor_request_id AS predecessor_request_id, d.pred_ts AS predecessor_ts,
     d.predecessor_pod AS predecessor_pod, d.predecessor_kind AS predecessor_kind, d.gap_ms AS gap_ms,
     d.evidence AS evidence, d.evidence_pod AS evidence_pod, d.evidence_removed_at AS evidence_removed_at,
@@ -152,6 +173,11 @@ SELECT
     multiIf(NOT d.has_pred OR i = 5 OR d.r_hash[i] = d.p_hash[i], CAST(NULL AS Nullable(UInt8)),
             i = 4, toUInt8(d.continues),
             toUInt8(d.r_variant[i] != '' AND d.r_variant[i] = d.p_variant[i])) AS variant_matched,
+    toUInt32(length(d.r_parts[i])) AS segment_parts,
+    if(d.has_pred, CAST(length(d.p_parts[i]) AS Nullable(UInt32)), NULL) AS predecessor_segment_parts,
+    arrayMap(j -> toUInt32(j), d.changed_at[i]) AS changed_parts,
+    arrayMap(j -> toUInt64(d.r_part_tokens[i][j]), d.changed_at[i]) AS changed_part_tokens,
+    arrayMap(j -> toUInt8(has(d.p_parts[i], d.r_parts[i][j])), d.changed_at[i]) AS changed_part_moved,
     if(d.cached_tokens IS NULL OR d.total = 0, CAST(NULL AS Nullable(UInt64)),
        toUInt64(greatest(0, toInt64(d.ends[i]) - toInt64(greatest(d.starts[i], assumeNotNull(d.cached_tokens))))))
         AS segment_missed_tokens

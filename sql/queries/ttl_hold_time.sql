@@ -17,56 +17,23 @@
 -- returns: retained_bytes Nullable(Float64) | what holding one waiting run's prefix costs: held tokens × bytes per token, mean over next turns, bytes; NULL when bytes per token are unknown
 -- returns: held_block_seconds Float64 | KV blocks taken from other traffic over the window by holding each previous turn's prefix for hold_ms: Σ over next turns of held blocks × min(gap, hold_ms), block-seconds (a lower bound: a run's last turn, which has no next turn, is held too)
 --
--- Reads request_attribution's current answers (a row with sign +1 that no sign -1 row of the same version
--- cancels, sql/migrations/0009), the previous turns' prompt tokens from gateway_requests and each pod's latest
--- vllm_cache_config before `until` (bytes_per_token = kv_cache_memory_bytes / kv_cache_size_tokens, vLLM >= 0.32,
--- sql/migrations/0011). gap_ms runs from the previous turn's end (its ts + e2e_ms), so a previous turn is looked
--- up from a day before the earliest gap on (one that ran longer than a day counts as not found). Turns on another pod than their previous turn are left out (routed_away: no pod held
--- the prefix for them). A turn counts as warm when its gap is at most the hold time: holding a prefix for
--- hold_ms keeps it until its next turn if that comes within hold_ms.
+-- Reads request_attribution's current answers and the previous turns' prompt tokens from gateway_requests (the
+-- part sql/parts/next_turns.sql, as ttl_runs) and each pod's bytes per token (sql/parts/kv_bytes_per_token.sql).
+-- gap_ms runs from the previous turn's end (its ts + e2e_ms). Turns on another pod than their previous turn are
+-- left out (routed_away: no pod held the prefix for them). A turn counts as warm when its gap is at most the hold
+-- time: holding a prefix for hold_ms keeps it until its next turn if that comes within hold_ms.
 WITH
-    cancelled AS
-    (
-        SELECT request_id, version FROM request_attribution
-        WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-    ),
-    turns AS
-    (
-        SELECT a.ts AS turn_ts, CAST(a.pod AS String) AS pod_name, a.predecessor_request_id AS predecessor,
-               assumeNotNull(a.gap_ms) AS gap, greatest(a.block_size, 1) AS block
-        FROM request_attribution AS a
-        WHERE a.sign = 1 AND a.ts >= {since:DateTime64(3, 'UTC')} AND a.ts < {until:DateTime64(3, 'UTC')}
-          AND a.predecessor_kind = 'previous_turn' AND a.predecessor_pod = a.pod AND a.gap_ms IS NOT NULL
-          AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR a.pod = {pod:String}) AND ({model:String} = '' OR a.model = {model:String})
-          AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)
-    ),
-    (SELECT min(turn_ts - toIntervalMillisecond(toInt64(ceil(gap)))) - INTERVAL 1 DAY FROM turns) AS first_predecessor_ts,
-    predecessors AS
-    (
-        SELECT request_id, any(prompt_tokens) AS prompt
-        FROM gateway_requests
-        WHERE ts >= first_predecessor_ts AND ts < {until:DateTime64(3, 'UTC')}
-          AND request_id IN (SELECT predecessor FROM turns)
-        GROUP BY request_id
-    ),
-    config AS
-    (
-        SELECT CAST(pod AS String) AS pod_name, argMax(bytes_per_token, ts) AS pod_bytes_per_token
-        FROM vllm_cache_config
-        WHERE ts < {until:DateTime64(3, 'UTC')} AND ({pod:String} = '' OR pod = {pod:String})
-        GROUP BY pod_name
-    ),
+    -- include: next_turns
+    -- include: kv_bytes_per_token
     waits AS
     (
         SELECT t.gap AS gap,
                if(p.request_id = '', NULL, toFloat64(p.prompt)) AS tokens,
                if(p.request_id = '', NULL, toFloat64(intDiv(p.prompt, t.block))) AS blocks,
-               multiIf(c.pod_bytes_per_token > 0, c.pod_bytes_per_token,
-                       {kv_bytes_per_token:Float64} > 0, {kv_bytes_per_token:Float64}, NULL) AS per_token
-        FROM turns AS t
-        LEFT JOIN predecessors AS p ON t.predecessor = p.request_id
-        LEFT JOIN config AS c ON t.pod_name = c.pod_name
+               bytes_per_token_on(t.pod_name) AS per_token
+        FROM next_turns AS t
+        LEFT JOIN turn_log AS p ON t.predecessor = p.request_id
+        WHERE t.same_pod
     ),
     holds AS
     (

@@ -16,57 +16,32 @@
 -- returns: evicted_missed_tokens UInt64 | the missed tokens of cause evicted (sub-cause evicted_before_next_turn) of the bucket's turns, tokens
 -- returns: gpu_seconds Nullable(Float64) | what re-computing those evicted tokens cost: per pod, tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds; NULL when no pod measured prefill time in the window
 --
--- Reads request_attribution's current answers (a row with sign +1 that no sign -1 row of the same version
--- cancels, sql/migrations/0009), as turn_gaps does. A turn served by another pod than its previous turn is left
--- out (its miss is routed_away: it says nothing about how long a pod held the prefix), and so is a turn whose
--- pod did not report its cached count (not_reported: whether it survived is unknown). Prefill cost per token:
--- the view prefill_rate (sql/migrations/0021), as miss_causes.
+-- Reads request_attribution's current answers (the part sql/parts/next_turns.sql, as turn_gaps). A turn served by
+-- another pod than its previous turn is left out (its miss is routed_away: it says nothing about how long a pod
+-- held the prefix), and so is a turn whose pod did not report its cached count (not_reported: whether it
+-- survived is unknown). Prefill cost per token: the part sql/parts/prefill_cost.sql, as miss_causes.
 WITH
-    cancelled AS
-    (
-        SELECT request_id, version FROM request_attribution
-        WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-    ),
-    rate AS
-    (
-        SELECT pod_name, seconds_per_token
-        FROM prefill_rate(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                          model = {model:String})
-    ),
-    (SELECT if(count() > 0, sum(prefill_seconds) / sum(computed_tokens), NULL)
-     FROM prefill_rate(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')},
-                       model = {model:String})) AS fleet_seconds_per_token,
+    -- include: next_turns
+    -- include: prefill_cost
     turns AS
     (
-        SELECT
-            CAST(a.tenant_id AS String) AS tenant_name,
-            CAST(a.model AS String) AS model_name,
-            CAST(a.pod AS String) AS pod_name,
-            assumeNotNull(a.gap_ms) AS gap,
-            multiIf(gap < 1000, 0, gap < 5000, 1, gap < 15000, 2, gap < 60000, 3, gap < 300000, 4,
-                    gap < 900000, 5, gap < 3600000, 6, 7) AS bucket,
-            arraySum((c, n) -> if(c = 'evicted', toUInt64(n), 0), a.causes, a.missed_tokens) AS evicted_tokens
-        FROM request_attribution AS a
-        WHERE a.sign = 1 AND a.ts >= {since:DateTime64(3, 'UTC')} AND a.ts < {until:DateTime64(3, 'UTC')}
-          AND a.predecessor_kind = 'previous_turn' AND a.predecessor_pod = a.pod AND a.gap_ms IS NOT NULL
-          AND NOT has(a.causes, 'not_reported')
-          AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR a.pod = {pod:String}) AND ({model:String} = '' OR a.model = {model:String})
-          AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)
+        SELECT tenant_name, model_name, pod_name, gap, evicted_tokens,
+               multiIf(gap < 1000, 0, gap < 5000, 1, gap < 15000, 2, gap < 60000, 3, gap < 300000, 4,
+                       gap < 900000, 5, gap < 3600000, 6, 7) AS bucket
+        FROM next_turns
+        WHERE same_pod AND NOT not_reported
     )
 SELECT
-    t.tenant_name AS tenant_id,
-    t.model_name AS model,
-    CAST(['<1s', '1-5s', '5-15s', '15-60s', '1-5m', '5-15m', '15-60m', '>1h'][t.bucket + 1] AS String) AS gap_bucket,
-    toUInt8(t.bucket) AS bucket_index,
-    CAST([0, 1000, 5000, 15000, 60000, 300000, 900000, 3600000][t.bucket + 1] AS Float64) AS bucket_start_ms,
+    tenant_name AS tenant_id,
+    model_name AS model,
+    CAST(['<1s', '1-5s', '5-15s', '15-60s', '1-5m', '5-15m', '15-60m', '>1h'][bucket + 1] AS String) AS gap_bucket,
+    toUInt8(bucket) AS bucket_index,
+    CAST([0, 1000, 5000, 15000, 60000, 300000, 900000, 3600000][bucket + 1] AS Float64) AS bucket_start_ms,
     count() AS turns,
-    countIf(t.evicted_tokens = 0) AS survived_turns,
+    countIf(evicted_tokens = 0) AS survived_turns,
     survived_turns / turns AS survival_share,
-    sum(t.evicted_tokens) AS evicted_missed_tokens,
-    sum(t.evicted_tokens * if(r.pod_name = '', CAST(fleet_seconds_per_token AS Nullable(Float64)),
-                              r.seconds_per_token)) AS gpu_seconds
-FROM turns AS t
-LEFT JOIN rate AS r ON t.pod_name = r.pod_name
-GROUP BY t.tenant_name, t.model_name, t.bucket
+    sum(evicted_tokens) AS evicted_missed_tokens,
+    sum(evicted_tokens * seconds_per_token_on(pod_name)) AS gpu_seconds
+FROM turns
+GROUP BY tenant_name, model_name, bucket
 ORDER BY tenant_id, model, bucket_index

@@ -16,32 +16,20 @@
 -- returns: evicted_missed_tokens UInt64 | their missed tokens of that cause, tokens
 -- returns: evicted_gap_p50_ms Nullable(Float64) | median gap of those evicted next turns (nearest rank), ms: the pods held prefixes for less than this; NULL when none was evicted
 --
--- Reads request_attribution's current answers: a row with sign +1 that no sign -1 row of the same version
--- cancels (sql/migrations/0009), as miss_requests does. Percentiles are exact (nearest-rank method: the
+-- Reads request_attribution's current answers (the part sql/parts/next_turns.sql, as ttl_survival and
+-- ttl_hold_time): the turns the previous turn's pod served. Percentiles are exact (nearest-rank method: the
 -- smallest gap g with at least q·n gaps ≤ g), computed over the sorted gaps of the window.
 WITH
-    cancelled AS
-    (
-        SELECT request_id, version FROM request_attribution
-        WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
-    ),
+    -- include: next_turns
     turns AS
     (
-        SELECT
-            if({by_pod:UInt8} = 1, CAST(a.pod AS String), '') AS pod_name,
-            assumeNotNull(a.gap_ms) AS gap,
-            arraySum((c, s, n) -> if(c = 'evicted' AND s = 'evicted_before_next_turn', toUInt64(n), 0),
-                     a.causes, a.sub_causes, a.missed_tokens) AS evicted_tokens,
-            evicted_tokens > 0 AS evicted
-        FROM request_attribution AS a
-        WHERE a.sign = 1 AND a.ts >= {since:DateTime64(3, 'UTC')} AND a.ts < {until:DateTime64(3, 'UTC')}
-          AND a.predecessor_kind = 'previous_turn' AND a.predecessor_pod = a.pod AND a.gap_ms IS NOT NULL
-          AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
-          AND ({pod:String} = '' OR a.pod = {pod:String}) AND ({model:String} = '' OR a.model = {model:String})
-          AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)
+        SELECT if({by_pod:UInt8} = 1, pod_name, '') AS pod_group, gap, wait_evicted_tokens AS evicted_tokens,
+               evicted_tokens > 0 AS evicted
+        FROM next_turns
+        WHERE same_pod
     )
 SELECT
-    pod_name AS pod,
+    pod_group AS pod,
     n AS next_turns,
     gaps[intDiv(n + 1, 2)] AS gap_p50_ms,
     gaps[intDiv(9 * n + 9, 10)] AS gap_p90_ms,
@@ -52,9 +40,9 @@ SELECT
     CAST(if(n_evicted > 0, evicted_gaps[intDiv(n_evicted + 1, 2)], NULL) AS Nullable(Float64)) AS evicted_gap_p50_ms
 FROM
 (
-    SELECT pod_name, count() AS n, arraySort(groupArray(gap)) AS gaps, countIf(evicted) AS n_evicted,
+    SELECT pod_group, count() AS n, arraySort(groupArray(gap)) AS gaps, countIf(evicted) AS n_evicted,
            sum(evicted_tokens) AS tokens_evicted, arraySort(groupArrayIf(gap, evicted)) AS evicted_gaps
     FROM turns
-    GROUP BY pod_name
+    GROUP BY pod_group
 )
 ORDER BY pod
