@@ -154,10 +154,10 @@ class KvTimeline:
                     if end_ms is not None else [None])
             if not all(gone):
                 return BlockStatus(RESIDENT_HERE, pod)
-            latest = max((d for d in gone if d is not None), key=lambda d: d[1])
+            latest = max((d for d in gone if d is not None), key=lambda d: (d[1], d[0]))
         for track in here if latest is None else ():
             departure = track.at(t_ms)[1]
-            if departure is not None and (latest is None or departure[1] > latest[1]):
+            if departure is not None and (latest is None or (departure[1], departure[0]) > (latest[1], latest[0])):
                 latest = departure
         if latest is not None:
             state = REMOVED_HERE if latest[0] == "removed" else RESET_HERE
