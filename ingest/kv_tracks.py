@@ -38,7 +38,7 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     A track's chain is that of its last stored row with a chain (row order), as in the reference."""
     rows = blocks.with_row_index("row")
     named = (rows.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0))
-             .group_by(_KEY).agg(pl.col("chain").sort_by("row").last())
+             .group_by(_KEY).agg(pl.col("chain").cast(pl.UInt64).sort_by("row").last())
              .sort(_KEY).with_row_index("track"))
     events = (rows.join(named.select(*_KEY, "track"), on=_KEY, how="inner")
               .select("track", "pod", "engine", pl.col("ts").cast(pl.Int64), pl.col("seq").cast(pl.Int64),
@@ -107,7 +107,8 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     tracks, events = _tracks(blocks)
     numbered = _resets(resets)
     seg, inits, departures = _segments(events, numbered)
-    cand = (asks.join(tracks.rename({"pod": "tpod"}), on="chain", how="inner")
+    cand = (asks.with_columns(pl.col("chain").cast(pl.UInt64)).join(tracks.rename({"pod": "tpod"}), on="chain",
+                                                                     how="inner")
             .with_columns((pl.col("t") - 1).alias("before")))
     if cand.is_empty():
         return _finish(keys, pl.DataFrame(schema={"rid": asks.schema["rid"], "i": asks.schema["i"],
