@@ -222,8 +222,8 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.
     lookback to ``until`` (the chunk's last request's end): its stores and its removals (paired by vLLM hash).
     ``chain``: the wanted hash a stored row names (its chain hash, else its vLLM hash), 0 on other rows. One
     query, no FINAL and no join: the log is read only where its hash columns are in the wanted set (PREWHERE),
-    a row written twice is dropped here (ReplacingMergeTree's identity, sql/migrations/0017), and the rows come
-    back sorted by that identity."""
+    in the order of its sorting key (a row written twice comes twice, adjacent: :mod:`ingest.kv_tracks` counts
+    it once, as FINAL would)."""
     frame = store.query_df(
         f"""
         WITH {_WANTED.format(in_set=in_set)},
@@ -241,13 +241,13 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.
         FROM kv_block_log
         PREWHERE block_hash IN (SELECT block_hash FROM named)
         WHERE kind IN ('stored', 'removed') AND {_FROM}
+        ORDER BY pod, engine, medium, block_hash, ts, seq, idx, pos, kind
         """, dict(params)).rename({"ts_ms": "ts", "kind_name": "kind"})
     if frame.is_empty():
         return pl.DataFrame(schema={"pod": pl.String, "engine": pl.String, "medium": pl.String,
                                     "block_hash": pl.UInt64, "chain": pl.UInt64, "ts": pl.Int64, "seq": pl.UInt64,
                                     "idx": pl.UInt32, "pos": pl.UInt32, "kind": pl.String})
-    identity = ["pod", "engine", "medium", "block_hash", "ts", "seq", "idx", "pos", "kind"]
-    return frame.unique(identity, keep="first").sort(identity)
+    return frame
 
 
 def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
