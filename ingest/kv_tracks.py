@@ -201,6 +201,11 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
         def key(owner: np.ndarray, ts: np.ndarray) -> np.ndarray:
             return owner * span + (ts - base)
 
+        # binary searches run much faster over sorted queries: candidates in (track, t) order
+        order = np.argsort(key(track, t), kind="stable")
+        ask, pod, model, t, end, track, tpod, engine = (x[order] for x in (ask, pod, model, t, end, track, tpod,
+                                                                           engine))
+
         # copies just before t: the track's last event before t if in the segment of t, else that segment's init
         ev_track = _np(seg, "track")
         k = _last_at_or_before(key(ev_track, _np(seg, "ts")), ev_track, track, key(track, t - 1))
