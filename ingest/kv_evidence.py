@@ -326,11 +326,11 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     b = pl.col("chain_block_size")
     k0 = pl.col("cached_tokens") // b
     last = pl.min_horizontal(pl.col("chain").list.len().cast(pl.Int64), (pl.col("prompt_tokens") - 1).clip(0) // b)
-    asks = (rows.select("rid", "pod", "model", "t", "end", "chain", k0.alias("k0"),
-                        pl.int_ranges(k0, pl.max_horizontal(k0, last)).alias("j"))
-            .explode("j").drop_nulls("j")
-            .select("rid", (pl.col("j") - pl.col("k0")).alias("i"),
-                    pl.col("chain").list.get(pl.col("j")).alias("chain"), "pod", "model", "t", "end"))
+    count = pl.max_horizontal(last - k0, 0)
+    asks = (rows.select("rid", "pod", "model", "t", "end", pl.int_ranges(0, count).alias("i"),
+                        pl.col("chain").list.slice(k0, count).alias("chain"))
+            .explode("i", "chain").drop_nulls("i")
+            .select("rid", "i", "chain", "pod", "model", "t", "end"))
     statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods)
     pods = (rows.select("rid", "t").join(first.select(pl.col("pod").alias("covered"), "first"), how="cross")
             .filter(pl.col("first") <= pl.col("t")).group_by("rid").agg(pl.col("covered").sort()))
