@@ -1,4 +1,4 @@
-"""Precise mode's block statuses computed column-wise (polars as-of joins): the same answers as the readable
+"""Precise mode's block statuses computed column-wise (polars, numpy): the same answers as the readable
 reference :class:`ingest.kv_evidence.KvTimeline` / :func:`ingest.kv_evidence.request_evidence` (a test compares
 both on generated histories), for a whole chunk of requests at once.
 
@@ -9,7 +9,8 @@ before the blocks of its own batch). In a segment a track holds ``init + running
 copies stored before the evidence (minus the lowest running sum). A *departure* is the event after which its last
 copy is gone: a removal that takes the copies to 0, or a reset that ends a segment with copies > 0.
 
-The state of a track just before ``t`` (events at ``t`` have not happened yet) is then three as-of joins:
+The state of a track just before ``t`` (events at ``t`` have not happened yet) is then three as-of lookups
+(binary searches over (track, ts) keys):
 its last event before ``t`` (its copies, if in the segment of ``t``), the last reset of its pod and engine before
 ``t`` (the segment of ``t``, whose ``init`` holds when the track has no event in it before ``t``), its last
 departure before ``t``; and, for the evicted-while-waiting rule, its first departure at or after ``t``. Ties of
@@ -32,8 +33,6 @@ BLOCK_COLUMNS = ("pod", "engine", "medium", "block_hash", "chain", "ts", "seq", 
 RESET_COLUMNS = ("pod", "engine", "ts", "seq", "idx", "kind")
 _ORDER = ["ts", "seq", "idx", "flag", "pos"]  # a reset (flag 0) sorts before the blocks of its own batch
 _KEY = ["pod", "engine", "medium", "block_hash"]
-
-
 _IDENTITY = [*_KEY, "ts", "seq", "idx", "pos", "kind"]
 
 
