@@ -10,7 +10,7 @@ rate beside the raw insert, bytes of vLLM series per pod-day. Then bench/collect
 Attribution with KV-event evidence (precise mode, bench/kv_history.py) at ``--kv-requests`` sizes, beside the same
 store attributed with the evidence off.
 
-Usage: ``python -m bench.run [--requests 1000000 10000000] [--kv-requests 1000000] [--quick] [--no-collector]
+Usage: ``python -m bench.run [--requests 1000000 10000000] [--kv-requests 1000000 10000000] [--quick] [--no-collector]
 [--no-gateway]``.
 """
 
@@ -154,14 +154,16 @@ def load_kv_history(store: Any, n: int) -> tuple[int, int]:
 
 
 def bench_attribution_kv(store_factory: Callable[[str], Any], n: int) -> None:
-    """Attribution with KV-event evidence (precise mode) on its own store; the same history without chains is
-    the plain attribution figure above."""
+    """Attribution with KV-event evidence (precise mode) on its own store, then the same store attributed again
+    with the evidence off: each rate (wall and per CPU second: chDB's queries run in this process too) and its
+    peak memory, beside the goal (issue "Benchmark": >= 100,000 requests/s on one core, linear in requests)."""
     from ingest.attribution_job import run_attribution
 
     label = f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
     store = store_factory(f"kv_{label}".replace(".", "_"))
     _, events = load_kv_history(store, n)
     log_rows = store.query_rows("SELECT count() FROM kv_block_log")[0][0]
+    print(f"  {n:,} requests, {events:,} KV events, {log_rows:,} kv_block_log rows", flush=True)
     for evidence in (True, False):
         if not evidence:
             store.command("TRUNCATE TABLE request_attribution")
@@ -170,15 +172,16 @@ def bench_attribution_kv(store_factory: Callable[[str], Any], n: int) -> None:
             t, c = time.perf_counter(), time.process_time()
             stats = run_attribution(store, settle_seconds=-60, kv_evidence=evidence)
             wall, cpu = time.perf_counter() - t, time.process_time() - c
-        mode = "with KV evidence" if evidence else "same store, KV evidence off"
+        mode = "with KV evidence" if evidence else "KV evidence off"
         share = store.query_rows("SELECT countIf(evidence = 'kv_events') / count() FROM request_attribution "
                                  "WHERE length(causes) > 0")[0][0]
-        report(f"attribution {mode}, {n:,} requests ({events:,} KV events, {log_rows:,} block rows): "
-               "rate (requests/s, wall)", f"{stats.arrivals / wall:,.0f}",
-               f"goal >= 100,000; {share:.0%} of attributed requests judged on KV evidence")
+        goal = "goal >= 100,000 on one core"
+        report(f"attribution {mode}, {n:,} requests: rate (requests/s, wall)", f"{stats.arrivals / wall:,.0f}",
+               f"{goal}; {share:.0%} of attributed requests judged on KV evidence")
         report(f"attribution {mode}, {n:,} requests: rate (requests per CPU second)", f"{stats.arrivals / cpu:,.0f}",
-               "")
-        report(f"attribution {mode}, {n:,} requests: memory grown (MB)", f"{mem.grew / 1e6:,.0f}", "")
+               goal)
+        report(f"attribution {mode}, {n:,} requests: peak memory grown (MB)", f"{mem.grew / 1e6:,.0f}",
+               "bounded by the chunk (10^5 requests), not the history")
 
 
 QUERY_CASES: list[tuple[str, dict[str, str]]] = []
@@ -294,7 +297,7 @@ def bench_metrics_bytes(store_factory: Callable[[str], Any]) -> None:
 def main(argv: list[str] | None = None) -> list[tuple[str, str, str]]:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    parser.add_argument("--kv-requests", type=int, nargs="*", default=[1_000_000],
+    parser.add_argument("--kv-requests", type=int, nargs="*", default=[1_000_000, 10_000_000],
                         help="sizes for attribution with KV-event evidence (precise mode)")
     parser.add_argument("--import-lines", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=7, help="runs per query and page (p50/p95 over them)")

@@ -9,44 +9,52 @@ none; the plain kind), optionally ``beyond_horizon`` (true when the predecessor 
 absent or null = false) and ``block_size`` (tokens per KV block of its pod). Output: :func:`judge_frame`
 returns the verdict columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
 
-Precise mode (KV-event evidence, docs/miss-causes.md): the rows that have a
-:class:`ingest.attribution.KvEvidence` are a subset (requests that logged a block chain, on pods with KV
-events); :func:`judge_frame` hands them to the reference :func:`ingest.attribution.judge` one by one and
-splices their verdicts back in row order. The column-wise rules cover the others, whose ``evidence`` is
-``inferred`` (a routed_away / evicted part) or ``fingerprints``.
+Precise mode (KV-event evidence, docs/miss-causes.md): the rows that have evidence (:class:`EvidenceFrames`,
+or a mapping request_id → :class:`ingest.attribution.KvEvidence`) are judged column-wise too: each missed block's
+state gives its zone (:func:`ingest.attribution.kv_evidence_zones`), the fingerprints' zones follow from the
+evidence's end, with routed_away / evicted read as cold when the predecessor's pod is covered
+(``_precise_reuse_cause``), and equal (cause, sub_cause) pairs add up in order of first appearance, as
+:func:`ingest.attribution.split_missed_tokens` totals them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from ingest import attribution
 from ingest import attribution_structure as structure
 from ingest.attribution import (
     BELOW_BLOCK,
     BEYOND_HORIZON,
     BEYOND_HORIZON_KIND_SUFFIX,
+    CACHE_RESET,
     COLD,
     EVICTED,
     EVICTED_BEFORE_NEXT_TURN,
     EVIDENCE_FINGERPRINTS,
     EVIDENCE_INFERRED,
+    EVIDENCE_KV_EVENTS,
     NOT_REPORTED,
+    NOWHERE,
     PREFIX_DRIFT,
     PREVIOUS_TURN,
+    REMOVED_HERE,
+    RESET_HERE,
+    RESIDENT_AT_ARRIVAL,
+    RESIDENT_ELSEWHERE,
+    RESIDENT_HERE,
     ROUTED_AWAY,
     STABLE_SEGMENTS,
     UNAVOIDABLE,
     UNKNOWN,
-    VERDICT_COLUMNS,
+    BlockStatus,
     KvEvidence,
-    Predecessor,
-    Verdict,
 )
 
 _HASHES = [s.hash_field for s in STABLE_SEGMENTS]
@@ -173,9 +181,11 @@ def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq:
 
 def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np.ndarray, has_counts: np.ndarray,
            has_pred: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray, identical: np.ndarray,
-           reuse: np.ndarray, reuse_sub: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+           reuse: np.ndarray, reuse_sub: np.ndarray, start: np.ndarray
+           ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(tokens, cause, sub_cause) per zone, in prompt order, as :func:`ingest.attribution.split_missed_tokens`
-    (``identical``: no edge tolerance, S is exact)."""
+    (``identical``: no edge tolerance, S is exact); ``start``: where they begin (tokens: the end of precise
+    mode's block zones, else 0)."""
     last = _full(prompt - 1, block)
     n = len(prompt)
     short = last == 0  # shorter than a block plus the last token: nothing can hit
@@ -195,7 +205,6 @@ def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np
     has_drift = ~short & has_counts & has_pred & (drift != "")
     end2 = np.where(has_drift, _full(np.minimum(w, prompt - 1), block), 0)
     out = []
-    start = np.zeros(n, dtype=np.int64)
     for end, cause, sub in ((end1, cause1, sub1), (end2, np.full(n, PREFIX_DRIFT, dtype=object), drift),
                             (prompt, np.full(n, UNAVOIDABLE, dtype=object), np.full(n, "", dtype=object))):
         end = np.maximum(start, end)
@@ -205,14 +214,18 @@ def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np
 
 
 def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable: np.ndarray,
-           whole: list[tuple[np.ndarray, str, np.ndarray]]) -> tuple[pa.ListArray, pa.ListArray, pa.ListArray]:
-    """The zones as three Arrow list columns (causes, sub_causes, missed_tokens), empty zones left out, built
-    from flat arrays and offsets (no per-row Python). ``whole``: (rows, cause, tokens) of requests that get one
-    entry instead of zones: cached tokens beyond what vLLM can hit at the block size (``unknown``, the missed
-    tokens), a cached count not reported (``not_reported``, the prompt tokens)."""
-    tok = np.stack([z[0] for z in zones], axis=1)
-    cause = np.stack([z[1] for z in zones], axis=1)
-    sub = np.stack([z[2] for z in zones], axis=1)
+           whole: list[tuple[np.ndarray, str, np.ndarray]], first: tuple[np.ndarray, np.ndarray, np.ndarray]
+           ) -> tuple[pa.ListArray, pa.ListArray, pa.ListArray]:
+    """The zones as three Arrow list columns (causes, sub_causes, missed_tokens), empty zones left out, equal
+    (cause, sub_cause) pairs added up (:func:`_merge`), built from flat arrays and offsets (no per-row Python).
+    ``first``: (n, k) slots of tokens / causes / sub_causes before the zones (precise mode's blocks). ``whole``:
+    (rows, cause, tokens) of requests that get one entry instead of zones: cached tokens beyond what vLLM can
+    hit at the block size (``unknown``, the missed tokens), a cached count not reported (``not_reported``, the
+    prompt tokens)."""
+    tok = np.concatenate([first[0], np.stack([z[0] for z in zones], axis=1)], axis=1)
+    cause = np.concatenate([first[1], np.stack([z[1] for z in zones], axis=1)], axis=1)
+    sub = np.concatenate([first[2], np.stack([z[2] for z in zones], axis=1)], axis=1)
+    _merge(tok, cause, sub)
     n = len(tok)
     tok[~attributable] = 0
     for rows, name, tokens in whole:
@@ -227,55 +240,142 @@ def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable:
             pa.ListArray.from_arrays(offsets, pa.array(tok[keep], type=pa.uint32())))
 
 
-def judge_frame(df: pl.DataFrame, evidence: Mapping[str, KvEvidence] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EvidenceFrames:
+    """Precise mode's evidence for many requests, as two frames. ``requests``: request_id, block_size (of the
+    chain, Int64), covered (list of the pods whose KV events cover the arrival); ``blocks``: request_id, i (0, 1,
+    ... from block cached // block_size on), state (:data:`ingest.attribution.BLOCK_STATES`), pod, removed_at
+    (unix ms or null): :attr:`ingest.attribution.KvEvidence.blocks` row by row."""
+
+    requests: pl.DataFrame
+    blocks: pl.DataFrame
+
+    @staticmethod
+    def from_mapping(evidence: Mapping[str, KvEvidence]) -> EvidenceFrames:
+        """The frames of request_id → :class:`ingest.attribution.KvEvidence`."""
+        ids = list(evidence)
+        requests = pl.DataFrame({"request_id": ids, "block_size": [evidence[r].block_size for r in ids],
+                                 "covered": [sorted(evidence[r].covered_pods) for r in ids]},
+                                schema={"request_id": pl.String, "block_size": pl.Int64, "covered": pl.List(pl.String)})
+        rows = [(r, i, b.state, b.pod, None if b.removed_at is None else round(b.removed_at.timestamp() * 1000))
+                for r in ids for i, b in enumerate(evidence[r].blocks)]
+        blocks = pl.DataFrame(rows, schema={"request_id": pl.String, "i": pl.Int64, "state": pl.String,
+                                            "pod": pl.String, "removed_at": pl.Int64}, orient="row")
+        return EvidenceFrames(requests, blocks)
+
+    def to_mapping(self) -> dict[str, KvEvidence]:
+        """request_id → :class:`ingest.attribution.KvEvidence` (for the reference judge and tests)."""
+        blocks: dict[str, list[BlockStatus]] = {}
+        for r, state, pod, removed in self.blocks.sort("request_id", "i").select(
+                "request_id", "state", "pod", "removed_at").iter_rows():
+            at = None if removed is None else datetime.fromtimestamp(removed / 1000, UTC)
+            blocks.setdefault(r, []).append(BlockStatus(state, pod, at))
+        return {r: KvEvidence(size, tuple(blocks.get(r, ())), frozenset(covered))
+                for r, size, covered in self.requests.select("request_id", "block_size", "covered").iter_rows()}
+
+
+def judge_frame(df: pl.DataFrame, evidence: EvidenceFrames | Mapping[str, KvEvidence] | None = None
+                ) -> dict[str, Any]:
     """Verdict columns for every row of ``df`` (see the module docstring), as lists/arrays keyed by
-    :data:`ingest.attribution.VERDICT_COLUMNS`, in row order. ``evidence``: request_id → KV evidence of the
-    rows judged in precise mode (by the reference, per row). Pure; raises only on a frame that lacks a
-    column."""
-    if evidence:
-        precise = df["request_id"].is_in(list(evidence)).to_numpy()
-        if precise.any():
-            return _splice(df, precise, evidence)
-    return _judge_columns(df)
+    :data:`ingest.attribution.VERDICT_COLUMNS`, in row order. ``evidence``: the KV evidence of the rows judged
+    in precise mode. Pure; raises only on a frame that lacks a column."""
+    if evidence is not None and not isinstance(evidence, EvidenceFrames):
+        evidence = EvidenceFrames.from_mapping(evidence) if evidence else None
+    return _judge_columns(df, evidence)
 
 
-def _reference_verdict(row: dict[str, Any], evidence: KvEvidence) -> Verdict:
-    """One row of the frame judged by :func:`ingest.attribution.judge` with its evidence."""
-    req = {f: row.get(f) for f in attribution.REQUEST_FIELDS}
-    pred = None
-    if row.get("predecessor_kind"):
-        pred = Predecessor({f: row.get(f"p_{f}") for f in attribution.REQUEST_FIELDS}, row["predecessor_kind"],
-                           bool(row.get("beyond_horizon")))
-    return attribution.judge(req, pred, int(row.get("block_size") or 0), evidence)
+#: Block state → (cause, sub_cause) of its zone (ingest.attribution.kv_evidence_zones); None = the predecessor's.
+_STATE_ZONES = {REMOVED_HERE: (EVICTED, None), RESET_HERE: (EVICTED, CACHE_RESET),
+                RESIDENT_ELSEWHERE: (ROUTED_AWAY, ""), RESIDENT_HERE: (UNKNOWN, RESIDENT_AT_ARRIVAL)}
 
 
-def _splice(df: pl.DataFrame, precise: np.ndarray, evidence: Mapping[str, KvEvidence]) -> dict[str, Any]:
-    """Verdict columns of ``df``: the column-wise rules for the rows without evidence, the reference for the
-    ``precise`` ones, put back in row order (same column types as :func:`_judge_columns`)."""
-    rest = _judge_columns(df.filter(pl.Series(~precise)))
-    rows = df.filter(pl.Series(precise)).to_dicts()
-    verdicts = [_reference_verdict(r, evidence[r["request_id"]]) for r in rows]
-    order = np.argsort(np.concatenate([np.flatnonzero(~precise), np.flatnonzero(precise)]), kind="stable")
-    out: dict[str, Any] = {}
-    for name in VERDICT_COLUMNS:
-        values = [getattr(v, name) for v in verdicts]
-        col = rest[name]
-        if isinstance(col, pl.Series):
-            out[name] = pl.concat([col, pl.Series(name, values, dtype=col.dtype)]).gather(order)
-        elif isinstance(col, pa.Array | pa.ChunkedArray):
-            extra = pa.array([list(v) if isinstance(v, tuple) else v for v in values], type=col.type)
-            out[name] = pa.concat_arrays([pa.concat_arrays(col.chunks) if isinstance(col, pa.ChunkedArray)
-                                          else col, extra]).take(pa.array(order))
-        elif isinstance(col, np.ndarray):
-            out[name] = np.concatenate([col, np.array(values, dtype=col.dtype)])[order]
-        else:
-            merged = list(col) + values
-            out[name] = [merged[i] for i in order]
+@dataclass
+class _Precise:
+    """Per row of the frame: ``rows`` judged in precise mode, the predecessor's pod ``covered``, the evidence's
+    end (tokens, ``start``), its zones as (n, 4) slots of tokens / causes / sub_causes in order of first
+    appearance, and the first block's pod and departure (unix ms, −1 = none)."""
+
+    rows: np.ndarray
+    covered: np.ndarray
+    start: np.ndarray
+    zones: tuple[np.ndarray, np.ndarray, np.ndarray]
+    pod: np.ndarray
+    removed_at: np.ndarray
+
+
+def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndarray, cached: np.ndarray,
+             block: np.ndarray, previous_turn: np.ndarray, cut: np.ndarray) -> _Precise:
+    """The precise-mode columns (:class:`_Precise`); ``served_ok``: attributable with a known cached count;
+    ``cut``: per row, tokens beyond which no block is decided by the evidence (the fingerprints' drift,
+    :func:`ingest.attribution.drift_first`)."""
+    n = len(df)
+    slots = len(_STATE_ZONES)
+    out = _Precise(np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64),
+                   (np.zeros((n, slots), dtype=np.int64), np.full((n, slots), "", dtype=object),
+                    np.full((n, slots), "", dtype=object)), np.full(n, "", dtype=object), np.full(n, -1, np.int64))
+    if frames is None or frames.requests.is_empty():
+        return out
+    rows = (df.select("request_id", pl.col("p_pod").fill_null("").cast(pl.String)).with_row_index("row")
+            .join(frames.requests, on="request_id", how="inner"))
+    at = rows["row"].to_numpy().astype(np.int64)
+    ok = (rows["block_size"].to_numpy() == _i(df, "block_size")[at]) & served_ok[at]
+    at, rows = at[ok], rows.filter(pl.Series(ok))
+    out.rows[at] = True
+    out.covered[at] = rows.select(pl.col("covered").list.contains(pl.col("p_pod"))).to_series().to_numpy()
+    blocks = (rows.select("row", "request_id").join(frames.blocks, on="request_id", how="inner")
+              .sort("row", "i"))
+    if blocks.is_empty():
+        return out
+    r = blocks["row"].to_numpy().astype(np.int64)
+    i = blocks["i"].to_numpy().astype(np.int64)
+    before_cut = (cached[r] // block[r] + i + 1) * block[r] <= cut[r]
+    first = (i == 0) & before_cut
+    out.pod[r[first]] = blocks["pod"].to_numpy()[first]
+    out.removed_at[r[first]] = blocks["removed_at"].fill_null(-1).to_numpy()[first]
+    state = blocks["state"].to_numpy()
+    stop = pl.DataFrame({"r": r, "nowhere": np.where(state == NOWHERE, i, np.iinfo(np.int64).max)}).select(
+        pl.col("nowhere").min().over("r")).to_series().to_numpy()
+    named = (i < stop) & before_cut
+    r, i, state = r[named], i[named], state[named]
+    bsz, c = block[r], cached[r]
+    last = _full(_i(df, "prompt_tokens")[r] - 1, bsz)
+    j = c // bsz + i
+    tok = np.maximum(0, np.minimum((j + 1) * bsz, last) - np.maximum(j * bsz, c))
+    end = np.minimum((j + 1) * bsz, last)
+    np.maximum.at(out.start, r, end)
+    code = np.zeros(len(r), dtype=np.int64)
+    for k, name in enumerate(_STATE_ZONES):
+        code[state == name] = k
+    # per row and zone: tokens and the first block with tokens (split_missed_tokens keeps first appearance)
+    agg = (pl.DataFrame({"r": r, "code": code, "tok": tok, "i": np.where(tok > 0, i, np.iinfo(np.int64).max)})
+           .group_by("r", "code").agg(pl.col("tok").sum(), pl.col("i").min())
+           .filter(pl.col("tok") > 0).sort("r", "i")
+           .with_columns(pl.int_range(pl.len()).over("r").alias("slot")))
+    ar, slot, acode = (agg[c].to_numpy().astype(np.int64) for c in ("r", "slot", "code"))
+    tokens, causes, subs = out.zones
+    tokens[ar, slot] = agg["tok"].to_numpy()
+    names = list(_STATE_ZONES.values())
+    causes[ar, slot] = np.array([names[k][0] for k in range(slots)], dtype=object)[acode]
+    sub = np.array([names[k][1] or "" for k in range(slots)], dtype=object)[acode]
+    evicted_sub = np.where(previous_turn[ar], EVICTED_BEFORE_NEXT_TURN, "")
+    subs[ar, slot] = np.where(acode == 0, evicted_sub, sub)
     return out
 
 
-def _judge_columns(df: pl.DataFrame) -> dict[str, Any]:
-    """:func:`judge_frame` for rows without KV evidence, column-wise."""
+def _merge(tok: np.ndarray, cause: np.ndarray, sub: np.ndarray) -> None:
+    """Add each slot's tokens to the first earlier slot with tokens and the same (cause, sub_cause), in place
+    (split_missed_tokens totals per pair, in order of first appearance)."""
+    for k in range(1, tok.shape[1]):
+        moved = np.zeros(len(tok), dtype=bool)
+        for m in range(k):
+            same = ~moved & (tok[:, m] > 0) & (tok[:, k] > 0) & (cause[:, m] == cause[:, k]) & (sub[:, m] == sub[:, k])
+            tok[same, m] += tok[same, k]
+            tok[same, k] = 0
+            moved |= same
+
+
+def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str, Any]:
+    """:func:`judge_frame`, column-wise."""
     prompt, cached = _i(df, "prompt_tokens"), _i(df, "cached_tokens")
     unknown = df["cached_tokens"].is_null().to_numpy()
     block = np.maximum(_i(df, "block_size"), 1)
@@ -294,13 +394,18 @@ def _judge_columns(df: pl.DataFrame) -> dict[str, Any]:
     same_pod = _eq(df, "pod", "p_pod")
     reuse = np.where(beyond, BEYOND_HORIZON, np.where(same_pod, EVICTED, ROUTED_AWAY)).astype(object)
     reuse_sub = np.where(~beyond & same_pod & prev_turn, EVICTED_BEFORE_NEXT_TURN, "").astype(object)
+    drifted = has_pred & (drift != "")
+    cut = np.where(drifted, _full(np.minimum(np.maximum(s, 0), prompt - 1), block), np.iinfo(np.int64).max)
+    ev = _precise(df, frames, attributable & ~unknown, cached, block, prev_turn & ~beyond, cut)
+    # precise mode: the blocks resident nowhere cannot have been left on a covered pod (_precise_reuse_cause)
+    cold = ev.rows & ev.covered & np.isin(reuse, [ROUTED_AWAY, EVICTED])
+    reuse, reuse_sub = np.where(cold, COLD, reuse).astype(object), np.where(cold, "", reuse_sub).astype(object)
     zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, identical, reuse,
-                   reuse_sub)
+                   reuse_sub, ev.start)
     over = attributable & ~unknown & (cached > _full(prompt - 1, block))
     causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, prompt - cached),
-                                                        (attributable & unknown, NOT_REPORTED, prompt)])
+                                                        (attributable & unknown, NOT_REPORTED, prompt)], ev.zones)
     reused = attributable & ~unknown & ~over & (zones[0][0] > 0) & np.isin(zones[0][1], [ROUTED_AWAY, EVICTED])
-    n = len(df)
     ts_ms = df["ts"].dt.epoch("ms").to_numpy()
     p_ts_ms = df["p_ts"].dt.epoch("ms").fill_null(0).to_numpy()
     p_e2e = df["p_e2e_ms"].fill_null(0.0).to_numpy()
@@ -315,6 +420,9 @@ def _judge_columns(df: pl.DataFrame) -> dict[str, Any]:
         "predecessor_kind": np.where(has_pred_out, stored_kind, "").tolist(),
         "gap_ms": [None if np.isnan(g) else float(g) for g in gap],
         "block_size": _i(df, "block_size"), "causes": causes, "sub_causes": subs, "missed_tokens": tokens,
-        "evidence": np.where(reused, EVIDENCE_INFERRED, EVIDENCE_FINGERPRINTS).tolist(),
-        "evidence_pod": [""] * n, "evidence_removed_at": [None] * n,
+        "evidence": np.where(ev.rows, EVIDENCE_KV_EVENTS,
+                             np.where(reused, EVIDENCE_INFERRED, EVIDENCE_FINGERPRINTS)).tolist(),
+        "evidence_pod": np.where(ev.rows, ev.pod, "").tolist(),
+        "evidence_removed_at": pa.array(np.maximum(ev.removed_at, 0), type=pa.timestamp("ms", tz="UTC"),
+                                        mask=~ev.rows | (ev.removed_at < 0)),
     }

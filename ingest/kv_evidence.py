@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 
 import polars as pl
 
+from ingest import kv_tracks
 from ingest.attribution import (
     NOWHERE,
     REMOVED_HERE,
@@ -42,6 +43,7 @@ from ingest.attribution import (
     BlockStatus,
     KvEvidence,
 )
+from ingest.attribution_batch import EvidenceFrames
 from ingest.store import Store
 
 _NEVER = -(2**62)
@@ -154,10 +156,10 @@ class KvTimeline:
                     if end_ms is not None else [None])
             if not all(gone):
                 return BlockStatus(RESIDENT_HERE, pod)
-            latest = max((d for d in gone if d is not None), key=lambda d: d[1])
+            latest = max((d for d in gone if d is not None), key=lambda d: (d[1], d[0]))
         for track in here if latest is None else ():
             departure = track.at(t_ms)[1]
-            if departure is not None and (latest is None or departure[1] > latest[1]):
+            if departure is not None and (latest is None or (departure[1], departure[0]) > (latest[1], latest[0])):
                 latest = departure
         if latest is not None:
             state = REMOVED_HERE if latest[0] == "removed" else RESET_HERE
@@ -213,102 +215,127 @@ _WANTED = """
     )"""
 
 
-def fetch_block_rows(store: Store, params: Mapping[str, object], in_set: str) -> list[BlockRow]:
-    """The kv_block_log rows (FINAL: a re-sent batch counts once) of every block that a missed block of the
-    staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback in ms)
-    names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
+def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
+    """The kv_block_log rows (:data:`ingest.kv_tracks.BLOCK_COLUMNS`, ts in unix ms) of every block that a missed
+    block of the staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback
+    in ms) names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
     lookback to ``until`` (the chunk's last request's end): its stores and its removals (paired by vLLM hash).
-    One query."""
-    rows = store.query_rows(
+    ``chain``: the wanted hash a stored row names (its chain hash, else its vLLM hash), 0 on other rows. One
+    query, no FINAL and no join: the log is read only where its hash columns are in the wanted set (PREWHERE),
+    in the order of its sorting key (a row written twice comes twice, adjacent: :mod:`ingest.kv_tracks` counts
+    it once, as FINAL would)."""
+    frame = store.query_df(
         f"""
         WITH {_WANTED.format(in_set=in_set)},
         named AS
         (
-            SELECT DISTINCT pod, engine, medium, block_hash,
-                   if(chain_hash IN (SELECT h FROM wanted), chain_hash, block_hash) AS chain
-            FROM kv_block_log
+            SELECT DISTINCT block_hash FROM kv_block_log
+            PREWHERE chain_hash IN (SELECT h FROM wanted) OR block_hash IN (SELECT h FROM wanted)
             WHERE kind = 'stored' AND {_FROM}
-              AND (chain_hash IN (SELECT h FROM wanted) OR block_hash IN (SELECT h FROM wanted))
         )
-        SELECT CAST(l.pod AS String), CAST(l.engine AS String), CAST(l.medium AS String), l.block_hash, n.chain,
-               toUnixTimestamp64Milli(l.ts), l.seq, l.idx, l.pos, CAST(l.kind AS String)
-        FROM kv_block_log AS l FINAL
-        INNER JOIN named AS n ON l.pod = n.pod AND l.engine = n.engine AND l.medium = n.medium
-                              AND l.block_hash = n.block_hash
-        WHERE l.kind IN ('stored', 'removed') AND {_FROM.replace('ts ', 'l.ts ')}
-        """, dict(params))
-    return [(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]), int(r[8]),
-             str(r[9])) for r in rows]
+        SELECT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, CAST(medium AS String) AS medium,
+               block_hash,
+               if(kind = 'stored', multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
+                                           block_hash IN (SELECT h FROM wanted), block_hash, 0), 0) AS chain,
+               toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, CAST(kind AS String) AS kind_name
+        FROM kv_block_log
+        PREWHERE block_hash IN (SELECT block_hash FROM named)
+        WHERE kind IN ('stored', 'removed') AND {_FROM}
+        ORDER BY pod, engine, medium, block_hash, ts, seq, idx, pos, kind
+        """, dict(params)).rename({"ts_ms": "ts", "kind_name": "kind"})
+    if frame.is_empty():
+        return pl.DataFrame(schema={"pod": pl.String, "engine": pl.String, "medium": pl.String,
+                                    "block_hash": pl.UInt64, "chain": pl.UInt64, "ts": pl.Int64, "seq": pl.UInt64,
+                                    "idx": pl.UInt32, "pos": pl.UInt32, "kind": pl.String})
+    return frame
 
 
-def fetch_reset_rows(store: Store, params: Mapping[str, object]) -> list[ResetRow]:
-    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from lo − lookback to until."""
-    rows = store.query_rows(
-        f"SELECT pod, engine, toUnixTimestamp64Milli(ts), seq, idx, kind FROM kv_cache_resets WHERE {_FROM}",
-        dict(params))
-    return [(str(r[0]), str(r[1]), int(r[2]), int(r[3]), int(r[4]), str(r[5])) for r in rows]
+def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
+    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from lo − lookback to until
+    (:data:`ingest.kv_tracks.RESET_COLUMNS`, ts in unix ms)."""
+    return store.query_df(
+        "SELECT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, toUnixTimestamp64Milli(ts) AS ts_ms, "
+        f"seq, idx, CAST(kind AS String) AS kind_name FROM kv_cache_resets WHERE {_FROM}", dict(params)
+    ).rename({"ts_ms": "ts", "kind_name": "kind"})
 
 
-def fetch_first_events(store: Store, params: Mapping[str, object]) -> dict[str, int]:
-    """pod → its first kv_block_log row (unix ms) from lo − lookback to until: the start of its KV evidence."""
-    rows = store.query_rows(
-        f"SELECT CAST(pod AS String), toUnixTimestamp64Milli(min(ts)) FROM kv_block_log WHERE {_FROM} "
-        "GROUP BY pod", dict(params))
-    return {str(pod): int(first) for pod, first in rows}
+def fetch_first_events(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
+    """Per pod (column pod) its first kv_block_log row (``first``, unix ms) from lo − lookback to until: the
+    start of its KV evidence."""
+    return store.query_df(
+        f"SELECT CAST(pod AS String) AS pod, toUnixTimestamp64Milli(min(ts)) AS first FROM kv_block_log "
+        f"WHERE {_FROM} GROUP BY pod", dict(params))
 
 
-def fetch_model_pods(store: Store, params: Mapping[str, object]) -> dict[str, set[str]]:
-    """model → the pods that served it (gateway_requests) from lo − lookback to until: a block resident on a pod
-    of another model is no evidence (the same token ids hash alike across models)."""
-    rows = store.query_rows(
-        "SELECT DISTINCT CAST(model AS String), CAST(pod AS String) FROM gateway_requests "
+def fetch_model_pods(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
+    """(model, pod): the pods that served each model (gateway_requests) from lo − lookback to until: a block
+    resident on a pod of another model is no evidence (the same token ids hash alike across models)."""
+    return store.query_df(
+        "SELECT DISTINCT CAST(model AS String) AS model, CAST(pod AS String) AS pod FROM gateway_requests "
         f"WHERE {_FROM}", dict(params))
-    out: dict[str, set[str]] = defaultdict(set)
-    for model, pod in rows:
-        out[str(model)].add(str(pod))
-    return out
 
 
-def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> dict[str, tuple[list[int], int]]:
-    """request_id → (prompt_block_hashes, prompt_block_size) of the staged requests that logged a chain."""
-    rows = store.query_rows(
-        "SELECT request_id, prompt_block_hashes, prompt_block_size FROM gateway_requests "
-        f"WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}} "
-        "AND prompt_block_size > 0 AND notEmpty(prompt_block_hashes)", dict(params))
-    return {str(r[0]): ([int(h) for h in r[1]], int(r[2])) for r in rows}
+def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
+    """request_id, chain (prompt_block_hashes), chain_block_size (prompt_block_size) of the staged requests that
+    logged a chain."""
+    return store.query_df(
+        "SELECT request_id, prompt_block_hashes AS chain, toInt64(prompt_block_size) AS chain_block_size "
+        f"FROM gateway_requests WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} "
+        "AND ts <= {hi:DateTime64(3, 'UTC')} AND prompt_block_size > 0 AND notEmpty(prompt_block_hashes)",
+        dict(params))
 
 
 def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str
-                   ) -> dict[str, KvEvidence]:
-    """request_id → :class:`KvEvidence` for the rows of ``frame`` (columns request_id, ts, pod, model,
-    prompt_tokens, cached_tokens, status, e2e_ms, block_size: the staged requests ``in_set`` selects;
-    ``params``: set, lo, hi and lookback in ms) that are judged with KV evidence: a chain whose block size
-    equals ``block_size``, a known cached count below the prompt, status < 400, and KV events of their own pod
-    at or before their arrival within the lookback. Events are read up to the latest request end (arrival +
-    e2e_ms, at most :data:`MAX_END_MS` after it). Five queries per chunk, whatever its size."""
+                   ) -> EvidenceFrames | None:
+    """Precise mode's evidence (:class:`ingest.attribution_batch.EvidenceFrames`) for the rows of ``frame``
+    (columns request_id, ts, pod, model, prompt_tokens, cached_tokens, status, e2e_ms, block_size: the staged
+    requests ``in_set`` selects; ``params``: set, lo, hi and lookback in ms) that are judged with KV evidence: a
+    chain whose block size equals ``block_size``, a known cached count below the prompt, status < 400, and KV
+    events of their own pod at or before their arrival within the lookback (None when there are none). Events
+    are read up to the latest request end (arrival + e2e_ms, at most :data:`MAX_END_MS` after it). The blocks'
+    statuses are computed column-wise (:func:`ingest.kv_tracks.block_statuses`), the same as
+    :func:`request_evidence` gives. Six queries per chunk, whatever its size."""
     chains = fetch_chains(store, params, in_set)
-    if not chains:
-        return {}
+    if chains.is_empty():
+        return None
     end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
     last_end = frame.select(end.max()).item()
     params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
-    first = fetch_first_events(store, params)
-    rows = (frame.filter(pl.col("request_id").is_in(list(chains)) & pl.col("cached_tokens").is_not_null()
-                         & (pl.col("status").fill_null(0) < 400) & (pl.col("prompt_tokens") > pl.col("cached_tokens"))
-                         & pl.col("pod").is_in(list(first)))
-            .select("request_id", pl.col("ts").dt.epoch("ms").alias("ts_ms"), end.alias("end_ms"), "pod", "model",
-                    "prompt_tokens", "cached_tokens", "block_size").to_dicts())
-    rows = [r for r in rows if chains[r["request_id"]][1] == r["block_size"] and first[r["pod"]] <= r["ts_ms"]]
-    if not rows:
-        return {}
-    timeline = KvTimeline(fetch_block_rows(store, params, in_set), fetch_reset_rows(store, params))
-    model_pods = fetch_model_pods(store, params)
-    out: dict[str, KvEvidence] = {}
-    for r in rows:
-        chain, size = chains[r["request_id"]]
-        out[r["request_id"]] = request_evidence(
-            timeline, pod=r["pod"], ts_ms=r["ts_ms"], chain=chain, chain_block_size=size,
-            prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
-            model_pods=model_pods.get(r["model"], {r["pod"]}), covered_pods=covered(first, r["ts_ms"]),
-            end_ms=r["end_ms"])
-    return out
+    return frame_evidence(frame, chains, fetch_first_events(store, params), fetch_blocks(store, params, in_set),
+                          fetch_resets(store, params), fetch_model_pods(store, params))
+
+
+def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFrame, blocks: pl.DataFrame,
+                   resets: pl.DataFrame, model_pods: pl.DataFrame) -> EvidenceFrames | None:
+    """:func:`chunk_evidence` once its rows are read (pure): ``frame`` as there; ``chains``
+    (:func:`fetch_chains`), ``first`` (:func:`fetch_first_events`), ``blocks`` (:func:`fetch_blocks`), ``resets``
+    (:func:`fetch_resets`), ``model_pods`` (:func:`fetch_model_pods`). The evidence of each request equals
+    :func:`request_evidence` over a :class:`KvTimeline` of the same rows."""
+    end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
+    rows = (frame.filter(pl.col("cached_tokens").is_not_null() & (pl.col("status").fill_null(0) < 400)
+                         & (pl.col("prompt_tokens") > pl.col("cached_tokens")))
+            .select("request_id", pl.col("ts").dt.epoch("ms").alias("t"), end.alias("end"),
+                    pl.col("pod").cast(pl.String), pl.col("model").cast(pl.String),
+                    pl.col("prompt_tokens").cast(pl.Int64), pl.col("cached_tokens").cast(pl.Int64),
+                    pl.col("block_size").cast(pl.Int64))
+            .join(chains, on="request_id", how="inner").join(first, on="pod", how="inner")
+            .filter((pl.col("chain_block_size") == pl.col("block_size")) & (pl.col("first") <= pl.col("t")))
+            .with_row_index("rid"))
+    if rows.is_empty():
+        return None
+    b = pl.col("chain_block_size")
+    k0 = pl.col("cached_tokens") // b
+    last = pl.min_horizontal(pl.col("chain").list.len().cast(pl.Int64), (pl.col("prompt_tokens") - 1).clip(0) // b)
+    count = pl.max_horizontal(last - k0, 0)
+    asks = (rows.select("rid", "pod", "model", "t", "end", pl.int_ranges(0, count).alias("i"),
+                        pl.col("chain").list.slice(k0, count).alias("chain"))
+            .explode("i", "chain").drop_nulls("i")
+            .select("rid", "i", "chain", "pod", "model", "t", "end"))
+    statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods)
+    pods = (rows.select("rid", "t").join(first.select(pl.col("pod").alias("covered"), "first"), how="cross")
+            .filter(pl.col("first") <= pl.col("t")).group_by("rid").agg(pl.col("covered").sort()))
+    requests = (rows.select("rid", "request_id", pl.col("chain_block_size").alias("block_size"))
+                .join(pods, on="rid", how="left"))
+    found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id"), on="rid")
+             .select("request_id", "i", "state", "pod", "removed_at"))
+    return EvidenceFrames(requests.drop("rid"), found)

@@ -15,13 +15,15 @@ from hypothesis import strategies as st
 from test_attribution import random_requests, random_structure, req
 
 from ingest import attribution as a
-from ingest.attribution_batch import judge_frame
+from ingest.attribution_batch import EvidenceFrames, judge_frame
 
 
 def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
-                evidence: dict[str, a.KvEvidence] | None = None, **index_kw: Any) -> None:
+                evidence: dict[str, a.KvEvidence] | None = None, frames: EvidenceFrames | None = None,
+                **index_kw: Any) -> None:
     """judge_frame over all of ``reqs`` (each with the predecessor the reference index finds) equals judge;
-    ``evidence``: precise mode's KV evidence of some requests (by request_id), given to both."""
+    ``evidence``: precise mode's KV evidence of some requests (by request_id), given to both, unless ``frames``
+    (the same evidence computed column-wise) is given to judge_frame instead."""
     index = a.PredecessorIndex(reqs, **index_kw)
     rows, expected = [], []
     for r in reqs:
@@ -33,7 +35,7 @@ def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
                      "predecessor_kind": pred.kind if pred else "",
                      "beyond_horizon": pred.beyond_horizon if pred else None,
                      **{f"p_{f}": p.get(f) for f in a.REQUEST_FIELDS}})
-    got = judge_frame(pl.DataFrame(rows, infer_schema_length=None), evidence)
+    got = judge_frame(pl.DataFrame(rows, infer_schema_length=None), frames if frames is not None else evidence)
     got = {c: v.to_pylist() if hasattr(v, "to_pylist") else v for c, v in got.items()}
     columns = a.VERDICT_COLUMNS
     for k, want in enumerate(expected):
@@ -66,9 +68,10 @@ def random_evidence(reqs: list[dict[str, Any]], sizes: dict[str, int], seed: int
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_rows_with_kv_evidence_splice_back_in_order(seed: int) -> None:
-    """Rows with KV evidence (judged by the reference, per row) and rows without (column-wise) come back in row
-    order with every verdict column, precise-mode rows included."""
+def test_rows_with_kv_evidence_equal_the_reference(seed: int) -> None:
+    """Rows with random KV evidence (block states in any order, equal causes from the blocks and the
+    fingerprints that add up, evidence at another block size) and rows without come back in row order with
+    every verdict column equal to the reference's."""
     sizes = {"pod-a": 32, "pod-b": 16, "pod-c": 64}
     reqs = random_requests(400, seed)
     evidence = random_evidence(reqs, sizes, seed)

@@ -18,6 +18,12 @@ def test_bench_runs_and_prints_every_figure() -> None:
     for figure in ("raw insert", "insert through gateway_requests", "attribution, 20,000 requests: rate",
                    "memory grown", "stored bytes per request", "named-query cases over 300 ms", "page overview",
                    "page miss_causes", "import gateway-log", "vLLM series per pod-day", "bodies/s on one core",
-                   "64 pods x 1 s", "bench/collector.py", "bench/gateway.py"):
+                   "64 pods x 1 s", "bench/collector.py", "bench/gateway.py",
+                   "attribution with KV evidence, 20,000 requests: rate (requests/s, wall)",
+                   "attribution with KV evidence, 20,000 requests: rate (requests per CPU second)",
+                   "attribution with KV evidence, 20,000 requests: peak memory grown (MB)",
+                   "attribution KV evidence off, 20,000 requests: rate (requests/s, wall)",
+                   "attribution KV evidence off, 20,000 requests: rate (requests per CPU second)",
+                   "attribution KV evidence off, 20,000 requests: peak memory grown (MB)"):
         assert figure in out.stdout, f"`{figure}` missing from the bench output"
     assert "FAILED" not in out.stdout and "ERRORS" not in out.stdout

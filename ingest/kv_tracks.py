@@ -1,0 +1,272 @@
+"""Precise mode's block statuses computed column-wise (polars, numpy): the same answers as the readable
+reference :class:`ingest.kv_evidence.KvTimeline` / :func:`ingest.kv_evidence.request_evidence` (a test compares
+both on generated histories), for a whole chunk of requests at once.
+
+Residency rules: see :mod:`ingest.kv_evidence` (sql/migrations/0017 kv_block_residency). A *track* is one
+(pod, engine, medium, vLLM block hash) with a chain hash; its events are cut into *segments* by the resets of
+its pod and engine (segment 0 before the first, segment k from the k-th, in (ts, seq, idx, pos) order, a reset
+before the blocks of its own batch). In a segment a track holds ``init + running sum`` copies, ``init`` being the
+copies stored before the evidence (minus the lowest running sum). A *departure* is the event after which its last
+copy is gone: a removal that takes the copies to 0, or a reset that ends a segment with copies > 0.
+
+The state of a track just before ``t`` (events at ``t`` have not happened yet) is then three as-of lookups
+(binary searches over (track, ts) keys):
+its last event before ``t`` (its copies, if in the segment of ``t``), the last reset of its pod and engine before
+``t`` (the segment of ``t``, whose ``init`` holds when the track has no event in it before ``t``), its last
+departure before ``t``; and, for the evicted-while-waiting rule, its first departure at or after ``t``. Ties of
+departures at the same millisecond on several tracks: the latest (ts, kind) wins (as in the reference).
+
+Memory: the rows read for the chunk (events of the blocks its requests missed) plus one row per (request block,
+track holding that chain hash).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from ingest.attribution import NOWHERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE, RESIDENT_HERE
+
+#: Columns of the block rows (kv_block_log rows, ts in unix ms; ``chain`` 0 on removed rows, ignored there).
+BLOCK_COLUMNS = ("pod", "engine", "medium", "block_hash", "chain", "ts", "seq", "idx", "pos", "kind")
+#: Columns of the reset rows (kv_cache_resets, ts in unix ms; kind 'cleared' or anything else = a restart).
+RESET_COLUMNS = ("pod", "engine", "ts", "seq", "idx", "kind")
+_ORDER = ["ts", "seq", "idx", "flag", "pos"]  # a reset (flag 0) sorts before the blocks of its own batch
+_KEY = ["pod", "engine", "medium", "block_hash"]
+_IDENTITY = [*_KEY, "ts", "seq", "idx", "pos", "kind"]
+
+
+def _changed(columns: list[str]) -> pl.Expr:
+    """True on the first row and wherever one of ``columns`` differs from the row before."""
+    return pl.any_horizontal(pl.col(c) != pl.col(c).shift(1) for c in columns).fill_null(True)
+
+
+def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(tracks: track, chain, pod, engine; events: track, pod, engine, ts, seq, idx, pos, delta ±1, in track then
+    event order). ``blocks`` sorted by kv_block_log's identity (:data:`_IDENTITY`: a track's rows are contiguous,
+    in event order, a removal before a store of the same position); a row equal to the one before (written
+    twice) counts once. A track's chain is that of its last stored row with a chain, as in the reference."""
+    rows = (blocks.filter(_changed(_IDENTITY))
+            .with_columns((_changed(_KEY).cum_sum() - 1).cast(pl.UInt32).alias("track")))
+    named = (rows.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0))
+             .unique("track", keep="last", maintain_order=True)
+             .select("track", pl.col("chain").cast(pl.UInt64), "pod", "engine"))
+    events = (rows.filter(pl.col("track").is_in(named["track"].implode()))
+              .select("track", "pod", "engine", pl.col("ts").cast(pl.Int64), pl.col("seq").cast(pl.Int64),
+                      pl.col("idx").cast(pl.Int64), pl.col("pos").cast(pl.Int64),
+                      pl.when(pl.col("kind") == "stored").then(1).otherwise(-1).cast(pl.Int64).alias("delta")))
+    return named, events
+
+
+def _resets(resets: pl.DataFrame) -> pl.DataFrame:
+    """Resets numbered per pod and engine: seg (1, 2, ...) in order, with kind 'cleared' / 'restart'."""
+    return (resets.select("pod", "engine", pl.col("ts").cast(pl.Int64), pl.col("seq").cast(pl.Int64),
+                          pl.col("idx").cast(pl.Int64), pl.lit(0, pl.Int64).alias("pos"),
+                          pl.lit(0, pl.Int8).alias("flag"),
+                          pl.when(pl.col("kind") == "cleared").then(pl.lit("cleared")).otherwise(pl.lit("restart"))
+                          .alias("kind"))
+            .sort(["pod", "engine", *_ORDER])
+            .with_columns(pl.int_range(1, pl.len() + 1).over(["pod", "engine"]).cast(pl.Int64).alias("seg")))
+
+
+def _segment_numbers(events: pl.DataFrame, resets: pl.DataFrame) -> np.ndarray:
+    """Per event, how many resets of its pod and engine come before it in (ts, seq, idx, pos) order (a reset
+    before the blocks of its own batch): the last reset at or before its ms (as-of join), less those of that
+    same ms that come after it."""
+    if resets.is_empty():
+        return np.zeros(len(events), dtype=np.int64)
+    last = (resets.group_by("pod", "engine", "ts").agg(pl.col("seg").max())
+            .rename({"ts": "rts"}).with_columns(pl.col("rts").alias("ts")))
+    seg = (_asof(events.select("pod", "engine", "ts", "seq", "idx").with_row_index("n"), last,
+                 ["pod", "engine"], "backward", left_on="ts"))
+    ties = seg.filter(pl.col("rts") == pl.col("ts"))
+    if not ties.is_empty():
+        later = (ties.select("n", "pod", "engine", "ts", "seq", "idx")
+                 .join(resets.select("pod", "engine", "ts", pl.col("seq").alias("rseq"), pl.col("idx").alias("ridx")),
+                       on=["pod", "engine", "ts"])
+                 .filter((pl.col("rseq") > pl.col("seq")) | ((pl.col("rseq") == pl.col("seq"))
+                                                              & (pl.col("ridx") > pl.col("idx"))))
+                 .group_by("n").agg(pl.len().alias("after")))
+        seg = seg.join(later, on="n", how="left")
+    else:
+        seg = seg.with_columns(pl.lit(0).alias("after"))
+    seg = seg.sort("n").select(pl.col("seg").fill_null(0) - pl.col("after").fill_null(0))
+    return seg.to_series().to_numpy().astype(np.int64)
+
+
+def _segments(events: pl.DataFrame, resets: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(events with seg and copies after each, in track then event order; per (track, seg) its init copies;
+    departures: track, ts, kind, in order). ``events`` in track then event order (:func:`_tracks`), so each
+    (track, seg) is a contiguous run and the running sums are numpy segment sums."""
+    seg_no = _segment_numbers(events, resets)
+    track = events["track"].to_numpy().astype(np.int64)
+    delta = events["delta"].to_numpy()
+    n = len(delta)
+    starts = np.flatnonzero(np.r_[True, (track[1:] != track[:-1]) | (seg_no[1:] != seg_no[:-1])]) if n else \
+        np.zeros(0, dtype=np.int64)
+    lengths = np.diff(np.r_[starts, n])
+    total = np.cumsum(delta)
+    run = total - np.repeat(total[starts] - delta[starts], lengths)
+    init = -np.minimum(np.minimum.reduceat(run, starts), 0) if n else np.zeros(0, dtype=np.int64)
+    copies = run + np.repeat(init, lengths)
+    seg = events.select("track", "ts", "seq", "idx", "pos").with_columns(
+        pl.Series("seg", seg_no), pl.Series("copies", copies), pl.Series("delta", delta))
+    inits = pl.DataFrame({"track": track[starts].astype(np.uint32), "seg": seg_no[starts], "init": init,
+                          "end": copies[np.r_[starts[1:], n] - 1] if n else init,
+                          "pod": events["pod"].gather(starts), "engine": events["engine"].gather(starts)})
+    removed = seg.filter((pl.col("delta") < 0) & (pl.col("copies") == 0)).select(
+        "track", "ts", "seq", "idx", "pos", pl.lit(1, pl.Int8).alias("flag"), pl.lit("removed").alias("kind"))
+    ended = (inits.filter(pl.col("end") > 0).with_columns((pl.col("seg") + 1).alias("next"))
+             .join(resets, left_on=["pod", "engine", "next"], right_on=["pod", "engine", "seg"], how="inner")
+             .select("track", "ts", "seq", "idx", "pos", "flag", "kind"))
+    departures = removed if ended.is_empty() else (
+        pl.concat([removed, ended], how="vertical_relaxed").sort(["track", *_ORDER]))
+    return (seg.select("track", "ts", "seg", "copies"), inits.select("track", "seg", "init"),
+            departures.select("track", "ts", "kind"))
+
+
+def _asof(left: pl.DataFrame, right: pl.DataFrame, by: list[str], strategy: str, left_on: str = "before"
+          ) -> pl.DataFrame:
+    """``left`` with the last (backward) or first (forward) row of ``right`` on ts by ``by``; ``right`` stably
+    sorted by ts so ties resolve in event order."""
+    out = left.sort(left_on).join_asof(right.sort("ts", maintain_order=True), left_on=left_on, right_on="ts",
+                                       by=by, strategy=strategy, check_sortedness=False)
+    return out.drop("ts", strict=False) if "ts" not in left.columns else out
+
+
+def _np(frame: pl.DataFrame, column: str) -> np.ndarray:
+    return frame[column].to_numpy().astype(np.int64)
+
+
+def _last_at_or_before(keys: np.ndarray, owner: np.ndarray, want_owner: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Index of the last entry of ``keys`` (sorted) ≤ ``want`` whose owner equals ``want_owner``, else −1."""
+    k = np.searchsorted(keys, want, side="right") - 1
+    ok = k >= 0
+    ok[ok] = owner[k[ok]] == want_owner[ok]
+    return np.where(ok, k, -1)
+
+
+def _first_at_or_after(keys: np.ndarray, owner: np.ndarray, want_owner: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Index of the first entry of ``keys`` (sorted) ≥ ``want`` whose owner equals ``want_owner``, else −1."""
+    k = np.searchsorted(keys, want, side="left")
+    ok = k < len(keys)
+    ok[ok] = owner[k[ok]] == want_owner[ok]
+    return np.where(ok, k, -1)
+
+
+#: Departure kinds in name order: a tie of departures at the same ms goes to the greater (ts, kind).
+_KINDS = ("cleared", "removed", "restart")
+_STATES = (NOWHERE, RESIDENT_HERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE)
+
+
+def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataFrame
+                   ) -> pl.DataFrame:
+    """The status of each asked block, as :meth:`ingest.kv_evidence.KvTimeline.status` gives it.
+
+    ``blocks``: :data:`BLOCK_COLUMNS` rows sorted by kv_block_log's identity (:data:`_IDENTITY`, its ORDER BY);
+    ``resets``: :data:`RESET_COLUMNS` rows; ``asks``: columns rid (request), i (position among its missed
+    blocks), chain, pod, model, t (arrival, unix ms), end (its end, unix ms); ``model_pods``: (model, pod) pairs,
+    the pods whose holdings count as elsewhere for that model. Returns asks' rid and i with state
+    (:data:`ingest.attribution.BLOCK_STATES`), holder pod and removed_at (unix ms or null), one row per ask in
+    its order. Names (pods, engines, media, models) are replaced by their rank among all names first (cheaper to
+    sort, group and join on; a pod's rank orders holders by name); the as-of lookups are binary searches over
+    (track, ts) keys, the per-block answers numpy reductions over its candidate tracks."""
+    named = ((blocks, ("pod", "engine", "medium")), (resets, ("pod", "engine")), (asks, ("pod", "model")),
+             (model_pods, ("pod", "model")))
+    words = sorted(set().union(*(frame[c].cast(pl.String).unique().to_list() for frame, cols in named for c in cols)))
+    code = pl.Enum(words)
+    blocks, resets, asks, model_pods = (
+        frame.with_columns(pl.col(c).cast(pl.String).cast(code).to_physical().cast(pl.Int64) for c in cols)
+        for frame, cols in named)
+    tracks, events = _tracks(blocks)
+    numbered = _resets(resets)
+    seg, inits, departures = _segments(events, numbered)
+    cand = (asks.select(pl.int_range(pl.len(), dtype=pl.Int64).alias("ask"), pl.col("chain").cast(pl.UInt64),
+                        "pod", "model", "t", "end")
+            .join(tracks.rename({"pod": "tpod"}), on="chain", how="inner"))
+    n = len(asks)
+    state = np.zeros(n, dtype=np.int64)  # index into _STATES
+    holder = np.full(n, -1, dtype=np.int64)
+    removed_at = np.full(n, -1, dtype=np.int64)
+    if not cand.is_empty():
+        ask, pod, model, t, end, track, tpod, engine = (_np(cand, c) for c in (
+            "ask", "pod", "model", "t", "end", "track", "tpod", "engine"))
+        times = [_np(seg, "ts"), _np(departures, "ts"), t]
+        if not numbered.is_empty():
+            times.append(_np(numbered, "ts"))
+        base = min(int(x.min()) for x in times if len(x)) - 1
+        span = max(int(x.max()) for x in times if len(x)) - base + 2
+
+        def key(owner: np.ndarray, ts: np.ndarray) -> np.ndarray:
+            return owner * span + (ts - base)
+
+        # binary searches run much faster over sorted queries: candidates in (track, t) order
+        order = np.argsort(key(track, t), kind="stable")
+        ask, pod, model, t, end, track, tpod, engine = (x[order] for x in (ask, pod, model, t, end, track, tpod,
+                                                                           engine))
+
+        # copies just before t: the track's last event before t if in the segment of t, else that segment's init
+        ev_track = _np(seg, "track")
+        k = _last_at_or_before(key(ev_track, _np(seg, "ts")), ev_track, track, key(track, t - 1))
+        seg_e = np.where(k >= 0, _np(seg, "seg")[k], -1)
+        copies_e = np.where(k >= 0, _np(seg, "copies")[k], 0)
+        seg_t = np.zeros(len(cand), dtype=np.int64)
+        if not numbered.is_empty():
+            engines = len(words) + 1
+            r_owner = _np(numbered, "pod") * engines + _np(numbered, "engine")
+            order = np.lexsort((_np(numbered, "seg"), _np(numbered, "ts"), r_owner))
+            r_owner, r_ts, r_seg = r_owner[order], _np(numbered, "ts")[order], _np(numbered, "seg")[order]
+            owner = tpod * engines + engine
+            k = _last_at_or_before(key(r_owner, r_ts), r_owner, owner, key(owner, t - 1))
+            seg_t = np.where(k >= 0, r_seg[k], 0)
+        i_track, i_seg = _np(inits, "track"), _np(inits, "seg")
+        order = np.lexsort((i_seg, i_track))
+        i_key = i_track[order] * (1 << 24) + i_seg[order]
+        want = track * (1 << 24) + seg_t
+        k = np.minimum(np.searchsorted(i_key, want), max(len(i_key) - 1, 0))
+        init_t = np.where((len(i_key) > 0) & (i_key[k] == want), _np(inits, "init")[order][k], 0) if len(i_key) \
+            else np.zeros(len(cand), dtype=np.int64)
+        resident = np.where(seg_e == seg_t, copies_e, init_t) > 0
+        # departures: the last before t, the first at or after t
+        d_track, d_ts = _np(departures, "track"), _np(departures, "ts")
+        d_rank = departures["kind"].replace_strict({k: i for i, k in enumerate(_KINDS)}, return_dtype=pl.Int64)
+        d_code = d_ts * len(_KINDS) + d_rank.to_numpy() if len(d_ts) else d_ts
+        d_key = key(d_track, d_ts)
+        before = _last_at_or_before(d_key, d_track, track, key(track, t - 1))
+        after = _first_at_or_after(d_key, d_track, track, key(track, t))
+        before_code = np.where(before >= 0, d_code[before], -1) if len(d_ts) else np.full(len(cand), -1)
+        after_code = np.where(after >= 0, d_code[after], -1) if len(d_ts) else np.full(len(cand), -1)
+        own = tpod == pod
+        here = own & resident
+        gone = (after_code >= 0) & (after_code // len(_KINDS) <= end)
+        any_here = np.zeros(n, dtype=bool)
+        any_here[ask[here]] = True
+        stays = np.zeros(n, dtype=bool)
+        stays[ask[here & ~gone]] = True
+        latest = np.full(n, -1, dtype=np.int64)
+        np.maximum.at(latest, ask[here], np.where(gone[here], after_code[here], -1))
+        left_before = np.full(n, -1, dtype=np.int64)
+        np.maximum.at(left_before, ask[own], before_code[own])
+        latest = np.where(any_here, latest, left_before)
+        pairs = np.unique(_np(model_pods, "model") * (len(words) + 1) + _np(model_pods, "pod"))
+        other = ~own & resident & np.isin(model * (len(words) + 1) + tpod, pairs)
+        first_holder = np.full(n, len(words), dtype=np.int64)
+        np.minimum.at(first_holder, ask[other], tpod[other])
+        asked_pod = _np(asks, "pod")
+        departed = (latest >= 0) & ~(any_here & stays)
+        kind = latest % len(_KINDS)
+        state = np.select([any_here & stays, departed, first_holder < len(words)],
+                          [1, np.where(kind == _KINDS.index("removed"), 2, 3), 4], 0)
+        holder = np.where(state == 4, first_holder, np.where(state > 0, asked_pod, -1))
+        removed_at = np.where(departed & (state != 1), latest // len(_KINDS), -1)
+    names = np.array([*words, ""], dtype=object)
+    return pl.DataFrame({
+        "rid": asks["rid"], "i": asks["i"], "state": np.array(_STATES, dtype=object)[state],
+        "pod": names[holder], "removed_at": removed_at}, schema_overrides={"state": pl.String, "pod": pl.String}
+    ).with_columns(pl.when(pl.col("removed_at") >= 0).then(pl.col("removed_at")).alias("removed_at"))
+
+
+def until_nowhere(statuses: pl.DataFrame) -> pl.DataFrame:
+    """``statuses`` (rid, i, ...) cut after each request's first nowhere block (the evidence ends there)."""
+    stop = pl.when(pl.col("state") == NOWHERE).then(pl.col("i")).otherwise(None).min().over("rid")
+    return statuses.filter(stop.is_null() | (pl.col("i") <= stop))
