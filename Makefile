@@ -34,7 +34,7 @@ test: $(STAMP) system-deps  ## README command 2: the whole test suite (starts vL
 test-fast: $(STAMP)  ## tests that need no vLLM server, broker or browser
 	$(BIN)/python -m pytest -m "not vllm and not broker and not browser" $(PYTEST_ARGS)
 
-bench: $(STAMP)  ## fleet-scale figures beside their goals (10^6 and 10^7 requests; ~30 min; docs/scale.md)
+bench: $(STAMP)  ## fleet-scale figures beside their goals (10^6 and 10^7 requests, KV evidence at 10^6; ~45 min; docs/scale.md)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 lint: $(STAMP)  ## ruff
