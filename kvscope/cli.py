@@ -477,11 +477,20 @@ def _params(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--param", "params", multiple=True, help="key=value for a query parameter (repeat).")
 @FORMAT_OPTION
 @click.option("--list", "list_", is_flag=True, help="List the named queries with their parameters and columns.")
+@click.option("--show-sql", is_flag=True,
+              help="Print the query's SQL with its shared parts (sql/parts/) expanded, to adapt and run elsewhere.")
 @store_options
-def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, **opts: Any) -> None:
+def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, show_sql: bool, **opts: Any) -> None:
     """Run a named query from sql/queries/ (see --list)."""
     import sql as sqlfiles
     from ingest.errors import KvscopeError
+
+    if show_sql and name:
+        try:
+            click.echo(sqlfiles.load_query(name).sql)
+        except KeyError as exc:
+            raise click.UsageError(str(exc.args[0])) from exc
+        return
 
     if list_ or not name:
         for n in sqlfiles.query_names():

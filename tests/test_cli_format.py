@@ -147,3 +147,15 @@ def test_fit_widths(natural: list[int], content: list[int], kinds: list[int], bu
     widths = fit_widths(natural, content, kinds, budget)
     assert widths == expected
     assert sum(widths) <= budget or all(w == min(n, MIN_COLUMN_WIDTH) for w, n in zip(widths, natural, strict=True))
+
+
+def test_show_sql_prints_the_query_with_its_parts_expanded(fx: Store) -> None:
+    """`kvscope query NAME --show-sql`: the SQL that runs, its `-- include:` lines replaced by the parts' text."""
+    import sql as sqlfiles
+
+    raw = (sqlfiles.QUERIES_DIR / "miss_causes.sql").read_text()
+    part = (sqlfiles.QUERIES_DIR.parent / "parts" / "prefill_cost.sql").read_text()
+    out = cli(fx, "query", "miss_causes", "--show-sql")
+    assert "-- include: prefill_cost" in raw
+    assert "-- include:" not in out and part.strip() in out
+    assert out.strip() == sqlfiles.load_query("miss_causes").sql.strip()
