@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -186,7 +187,11 @@ async def _serve(fd: int, config: Mapping[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m gateway.chain_worker FD CONFIG_JSON`` (started by :class:`RemoteChainer`)."""
+    """``python -m gateway.chain_worker FD CONFIG_JSON`` (started by :class:`RemoteChainer`). Ignores SIGINT: a
+    Ctrl-C reaches the whole foreground process group, and the gateway owns this helper's lifetime (it closes
+    the socket at shutdown, the helper drains and exits; the socket's end-of-file also ends it if the gateway
+    dies), so the helper neither dies with a traceback first nor loses the chains it holds."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(_serve(int(argv[0]), json.loads(argv[1])))
 

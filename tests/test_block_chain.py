@@ -188,3 +188,32 @@ def test_the_sliced_chain_equals_the_whole_chain() -> None:
         assert asyncio.run(_chain_hashes(ids, 16, memo)) == want, n
         assert len(memo) <= 40
     assert len(asyncio.run(_chain_hashes(list(range(1000)), 16))) == 62  # full blocks only
+
+
+def test_the_chain_helper_outlives_a_ctrl_c_and_exits_when_the_gateway_closes() -> None:
+    """The helper process (gateway/chain_worker.py) ignores SIGINT (Ctrl-C on `kvscope demo` reaches the whole
+    process group; the gateway shuts it down), and exits with 0 when the gateway closes its socket."""
+    import asyncio
+    import signal
+
+    from gateway.chain_worker import RemoteChainer
+    from gateway.upstream import Timeouts, UpstreamClient
+
+    async def scenario() -> tuple[int | None, int | None]:
+        chainer = RemoteChainer({"pod-0": "http://127.0.0.1:9"})
+        await chainer.start()
+        proc = chainer._proc
+        assert proc is not None
+        client = UpstreamClient(Timeouts(connect=1.0, read=1.0))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        # an answer (nothing listens on port 9: no chain) proves the helper's loop runs, its handler installed
+        assert await chainer.chain(client, "pod-0", body, "/v1/chat/completions", None) == ([], 0)
+        await client.aclose()
+        proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(1)
+        alive = proc.poll()
+        await chainer.aclose()
+        return alive, proc.wait(timeout=30)
+
+    assert asyncio.run(scenario()) == (None, 0)
+
