@@ -173,3 +173,13 @@ def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: P
     assert gw["cached_tokens_coverage"] == pytest.approx(1524 / 2524)
     s.run_migration(migrations["0014_nullable_cached_tokens"])  # safe to rerun: the rollups are untouched
     assert s.query_rows("SELECT sum(known_served), sum(known_prompt_tokens) FROM requests_1m")[0] == (2, 1524)
+
+
+def test_the_tables_read_by_ingestion_time_have_a_minmax_index_on_it(store: Store) -> None:
+    """The attribution job filters gateway_requests and kv_block_events on ingested_at every run; both tables are
+    sorted by other columns, so each has a minmax skipping index on it (migrations 0008, 0023)."""
+    rows = store.query_rows(
+        "SELECT table, type, expr FROM system.data_skipping_indices WHERE database = currentDatabase() "
+        "AND name = 'ingested_at_minmax' ORDER BY table")
+    assert [(r[0], r[1], r[2]) for r in rows] == [("gateway_requests", "minmax", "ingested_at"),
+                                                  ("kv_block_events", "minmax", "ingested_at")]
