@@ -731,13 +731,20 @@ def test_cause_in_the_url(fixture_store: Store) -> None:
 def test_freshness_per_source_and_the_old_data_banner(fixture_store: Store) -> None:
     at = url_app(fixture_store, {"range": "all"})
     (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
-    assert "last scrape 2 d ago (pod-a 2 d, pod-b 2 d)" in sources
-    assert "gateway log: 2 d ago (12 lines in the last day of data)" in sources
+    scrape = age_of(fixture_time(150))  # the last scrape, 12:02:30
+    assert f"last scrape {scrape} (pod-a {scrape.removesuffix(' ago')}, pod-b {scrape.removesuffix(' ago')})" in sources
+    assert f"gateway log: {age_of(fixture_time(145))} (12 lines in the last day of data)" in sources
     assert "no KV events: routed_away/evicted are inferred from which pod served the predecessor" in sources
-    assert "attribution: latest answer 2 d ago; 1 request waiting" in sources
+    assert f"attribution: latest answer {age_of(fixture_time(300))}; 1 request waiting" in sources
     (old,) = [w.value for w in at.warning]
-    assert old.startswith("Data is from 2026-11-29 12:02:30 UTC (2 d ago); no new data since.")
+    assert old.startswith(f"Data is from 2026-11-29 12:02:30 UTC ({scrape}); no new data since.")
     assert "before this start" not in old  # no kvscope process registered: only what the store says
+
+
+def age_of(t: datetime) -> str:
+    """What the sidebar says of a fixture time (fixed) read at the clock's now (not fixed): "2 d ago" on the day
+    after the fixture, "3 d ago" later, so the page is checked against the same words without depending on the date."""
+    return status.ago((datetime.now(UTC) - t).total_seconds())
 
 
 def test_a_second_start_says_the_numbers_are_old(fixture_store: Store) -> None:
@@ -749,7 +756,8 @@ def test_a_second_start_says_the_numbers_are_old(fixture_store: Store) -> None:
     assert "no new data since" in old and "the numbers below are from before this start" in old
     (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
     assert "vLLM: first scrape pending (pod-0, pod-1); the last stored is from 2026-11-29 12:02:30 UTC" in sources
-    assert "gateway log: no request since this start; the latest is from 2026-11-29 12:02:25 UTC (2 d ago)" in sources
+    assert ("gateway log: no request since this start; the latest is from 2026-11-29 12:02:25 UTC "
+            f"({age_of(fixture_time(145))})") in sources
     assert metrics(at)["Token-weighted hit rate (gateway)"] == "50.96%"  # old numbers, said to be old
 
 
