@@ -1,7 +1,7 @@
 """Two periods of data for the digest tests, written straight into the store (as tests/fixture_data.py does).
 
-The current period is 12:00–12:03 on 2026-11-29: the shared fixture (tests/fixture_data.py) plus two tenants;
-the previous period, 11:57–12:00, is the fixture three minutes earlier, healthier in two places:
+The current period is 12:00–12:03 of the fixture's day (tests/clock.py): the shared fixture (tests/fixture_data.py)
+plus two tenants; the previous period, 11:57–12:00, is the fixture three minutes earlier, healthier in two places:
 
 - ``cap-4-timestamp-first`` hit (cached 768; its answer is ``unavoidable`` 16): globex's volatile system prompt
   is new in the current period;

@@ -1,5 +1,6 @@
 """A small, realistic data set written straight into the store"s tables, for the named-query and dashboard
-tests (no collector, no Kafka): three tenants on two vLLM pods (block size 32) over three minutes.
+tests (no collector, no Kafka): three tenants on two vLLM pods (block size 32) over three minutes, from 12:00 UTC
+two days before the run (tests/clock.py: a fixed date would fall out of the tables' 30-day retention).
 
 The numbers come from the real vLLM 0.32.0 CPU capture (tests/samples) where they
 can: pod-a"s counters are the captured ones (9,818 queried / 4,064 hit, then 12,909 / 5,472) and the five
@@ -29,17 +30,18 @@ Every expected value in the tests is derived by hand from the constants below; t
 from __future__ import annotations
 
 import hashlib
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+from tests.clock import DAY, T0
+
 BLOCK_SIZE = 32
 PODS = ("pod-a", "pod-b")
 TENANTS = ("acme", "globex", "initech")
 
 
 def at(seconds: float) -> datetime:
-    """Fixture time: ``seconds`` after 12:00:00 UTC on 2026-11-29."""
+    """Fixture time: ``seconds`` after T0, 12:00:00 UTC two days before the run (tests/clock.py)."""
     return T0 + timedelta(seconds=seconds)
 
 
@@ -196,15 +198,15 @@ def attribution_rows() -> list[tuple[Any, ...]]:
 
 # --- vllm_metrics ------------------------------------------------------------------------------------------
 SCRAPES = (30, 90, 150)  # 12:00:30, 12:01:30, 12:02:30
-# Per pod, per scrape: (queries, hits, prompt_tokens, generation_tokens, kv_cache_usage_perc, _created).
+# Per pod, per scrape: (queries, hits, prompt_tokens, generation_tokens, kv_cache_usage_perc).
 # fmt: off
-COUNTERS: dict[str, list[tuple[float, float, float, float, float, float]]] = {
-    "pod-a": [(9818, 4064, 9818, 98, 0.0, 1795949655.355),
-              (12909, 5472, 12909, 138, 0.0, 1795949655.355),
-              (13709, 6240, 13709, 154, 0.25, 1795949655.355)],
-    "pod-b": [(5000, 2000, 5000, 100, 0.5, 1795940000.0),
-              (800, 288, 800, 16, 0.0, 1795950060.0),       # restarted at ~12:01:00: counters reset
-              (2451, 1056, 2451, 56, 0.1, 1795950060.0)],
+COUNTERS: dict[str, list[tuple[float, float, float, float, float]]] = {
+    "pod-a": [(9818, 4064, 9818, 98, 0.0),
+              (12909, 5472, 12909, 138, 0.0),
+              (13709, 6240, 13709, 154, 0.25)],
+    "pod-b": [(5000, 2000, 5000, 100, 0.5),
+              (800, 288, 800, 16, 0.0),       # restarted at ~12:01:00: counters reset
+              (2451, 1056, 2451, 56, 0.1)],
 }
 # pod-a's vllm:time_to_first_token_seconds_bucket and vllm:request_queue_time_seconds_bucket at the first two
 # scrapes: the real capture's values (metrics_1 → metrics_2: 12 → 17 requests).
@@ -261,7 +263,7 @@ def metric_rows() -> list[tuple[Any, ...]]:
             rows.append((at(t), pod, "0", "tiny", name, label, float(value), float(increase)))
 
     for pod, series in COUNTERS.items():
-        for t, (queries, hits, prompt, gen, usage, _created) in zip(SCRAPES, series, strict=True):
+        for t, (queries, hits, prompt, gen, usage) in zip(SCRAPES, series, strict=True):
             add(pod, t, "vllm:prefix_cache_queries_total", queries)
             add(pod, t, "vllm:prefix_cache_hits_total", hits)
             add(pod, t, "vllm:prompt_tokens_total", prompt)
@@ -299,7 +301,7 @@ def dead_letter_rows() -> list[tuple[Any, ...]]:
         (h("dl1"), at(60), "vllm_metrics", "pod-a", reason, url, bad_line),
         (h("dl2"), at(120), "vllm_metrics", "pod-a", reason, url, bad_line + "3"),
         (h("dl3"), at(90), "gateway_log", "", "missing required field request_id", "/var/log/gw.jsonl:4096",
-         '{"ts": "2026-11-29T12:01:30.000Z"}'),
+         f'{{"ts": "{DAY}T12:01:30.000Z"}}'),
     ]  # fmt: skip
 
 

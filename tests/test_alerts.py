@@ -40,6 +40,7 @@ from ingest.store import Store
 from kvscope.cli import main
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
+from tests.clock import DAY
 from tests.conftest import free_port
 from tests.fixture_data import load_fixture
 
@@ -447,9 +448,9 @@ def test_alert_state_query_and_the_alerts_page(store: Store) -> None:
         at = alerts_page(store)
         assert {m.label: m.value for m in at.metric}["Firing"] == "1"
         text = "\n".join(m.value for m in at.markdown).replace("\\", "")  # unescaped
-        assert "**prefix_drift_share** · :red[firing] since 2026-11-29 12:02:00" in text
+        assert f"**prefix_drift_share** · :red[firing] since {DAY} 12:02:00" in text
         assert "94.0 % vs threshold 50.0 %" in text and "Cause: prefix_drift / volatile_system" in text
-        assert "**vllm_scrape_silent** · :green[ok] since 2026-11-29 12:00:00" in text
+        assert f"**vllm_scrape_silent** · :green[ok] since {DAY} 12:00:00" in text
     finally:
         data.register_store(None)
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from ingest import attribution as a
+from tests.clock import T0
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 BLOCK = {"pod-a": 32, "pod-b": 32}
 
 

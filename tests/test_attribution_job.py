@@ -17,8 +17,8 @@ from test_attribution import random_structure
 
 from ingest import attribution, attribution_job
 from ingest.store import Store
+from tests.clock import T0
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 #: Stamped before the job's clock (the store's now64) minus its settle time, so every run picks rows up. Reset
 #: before each test (:func:`_fresh_ingested`): a stamp taken at import falls behind the job's 300 s overlap
 #: window when the tests before take longer than that, and the job then never picks later batches up.

@@ -21,8 +21,8 @@ from dashboard import request_detail
 from ingest import attribution_job, kv_evidence
 from ingest.store import Store
 from kvscope.block_hash import chain_hashes
+from tests.clock import DAY, T0  # the KV-event frames' clock (test_kv_residency.at)
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)  # the KV-event frames' clock (test_kv_residency.at)
 N = 8  # full blocks of every scenario's stable prefix
 
 
@@ -295,7 +295,7 @@ def test_without_kv_events_or_with_another_block_size_todays_logic_stays(results
 def test_request_detail_shows_the_evidence(results) -> None:
     precise, inferred = results[3]["precise"], results[3]["inferred"]
     assert precise["s2"][:4] == ("kv_events", "2-a", at(4), ["evicted", "unavoidable"])
-    assert "**2-a** held the first missed block; it left 2-a at 2026-11-29 12:00:04 UTC" in precise["s2"][4][0]
+    assert f"**2-a** held the first missed block; it left 2-a at {DAY} 12:00:04 UTC" in precise["s2"][4][0]
     assert precise["s1"][:3] == ("kv_events", "1-b", None)
     assert inferred["s2"] == ("inferred", "", None, ["evicted", "unavoidable"], [])
     assert inferred["s1"][:2] == ("fingerprints", "")

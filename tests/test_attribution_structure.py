@@ -17,6 +17,7 @@ from test_attribution_job import attributed, insert_requests, run
 
 from gateway.normalize import mask_volatile
 from ingest import attribution as a
+from tests.clock import DAY
 
 B = 64
 LINE = 40  # tokens of every system line below
@@ -201,7 +202,7 @@ def test_the_stored_band_keys_follow_the_lines(store, tmp_path):
     lines = [h(x) for x in BASE_LINES]
 
     def line(rid: str, hashes: list[str]) -> str:
-        return json.dumps({"log_version": 1, "request_id": rid, "ts": "2026-11-29T12:00:00.000Z", "tenant_id": "acme",
+        return json.dumps({"log_version": 1, "request_id": rid, "ts": f"{DAY}T12:00:00.000Z", "tenant_id": "acme",
                            "model": "tiny", "status": 200, "prompt_tokens": 10, "cached_tokens": 0, "ttft_ms": 1.0,
                            "e2e_ms": 2.0, "system_line_hashes": hashes, "system_line_tokens": [1] * len(hashes)})
 

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 from collector.events import topic_for
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
+from tests.clock import DAY
 
 SAMPLES = Path(__file__).parent / "samples"
 
@@ -56,7 +57,7 @@ def wait_rows(store, sql: str, n: int, timeout: float = 60.0) -> int:  # type: i
 
 
 def good_record(i: int) -> dict:
-    return {"log_version": 1, "request_id": f"good-{i}", "ts": f"2026-11-29T12:00:0{i}.000Z",
+    return {"log_version": 1, "request_id": f"good-{i}", "ts": f"{DAY}T12:00:0{i}.000Z",
             "tenant_id": "acme", "pod": "pod-0", "model": "tiny", "prompt_tokens": 762, "cached_tokens": 736,
             "completion_tokens": 8, "ttft_ms": 50.0, "e2e_ms": 80.0, "status": 200}
 

@@ -16,6 +16,7 @@ from markdown_it import MarkdownIt
 from ingest.store import Store
 from kvscope.cli import main
 from kvscope.tables import MIN_COLUMN_WIDTH, fit_widths
+from tests.clock import DAY
 from tests.fixture_data import load_fixture
 
 
@@ -51,7 +52,7 @@ def test_table_fits_the_width_at_200(fx: Store) -> None:
     assert len(lines) == 2 + 16  # header, rule, one line per (request, cause) row
     assert len(lines[0].split()) == 17, lines[0]  # a cut header ends in "…" but stays
     assert "…" in lines[0] and "…" in out.split("\n", 2)[2]
-    assert lines[2].startswith("2026-11-29 12:02:00  ") and " 69,985 " in lines[2]  # the largest miss first
+    assert lines[2].startswith(f"{DAY} 12:02:00  ") and " 69,985 " in lines[2]  # the largest miss first
 
 
 def test_too_many_columns_for_80_become_records(fx: Store) -> None:
@@ -62,7 +63,7 @@ def test_too_many_columns_for_80_become_records(fx: Store) -> None:
     assert len(records) == 16
     first = dict(line.split(None, 1) for line in records[0].splitlines()[1:] if len(line.split(None, 1)) == 2)
     assert first["request_id"] == "acme-c1-t3" and first["missed_tokens"] == "768"
-    assert first["gap_ms"] == "69,985" and first["ts"] == "2026-11-29 12:02:00"
+    assert first["gap_ms"] == "69,985" and first["ts"] == f"{DAY} 12:02:00"
     assert len(records[0].splitlines()) == 1 + 17
 
 

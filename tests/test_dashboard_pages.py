@@ -23,6 +23,7 @@ from streamlit.testing.v1 import AppTest
 from dashboard import causes, charts, data, status
 from dashboard import causes as causes_module
 from ingest.store import Store
+from tests.clock import DAY, day
 from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, load_fixture
 from tests.fixture_data import at as fixture_time
 
@@ -179,13 +180,13 @@ def test_time_charts_mark_partial_buckets(fixture_store: Store) -> None:
     fig = figure(at, "hit_rate")
     (line,) = [t for t in traces(fig, "Token-weighted hit rate, gateway log") if "partial" not in t["name"]]
     by_bucket = points(line)
-    assert by_bucket["2026-11-29T12:01:00.000"] == pytest.approx((672 + 288) / (764 + 784 + 400 + 19 + 400))
+    assert by_bucket[f"{DAY}T12:01:00.000"] == pytest.approx((672 + 288) / (764 + 784 + 400 + 19 + 400))
     assert line["connectgaps"] is False
     vllm_line, vllm_partial = traces(fig, "Token-weighted hit rate, vLLM counters")
     assert vllm_partial["mode"] == "markers" and "partial bucket" in vllm_partial["name"]
     partial = points(vllm_partial)
-    assert partial["2026-11-29T12:02:00.000"] == pytest.approx((768 + 768) / (800 + 1651))
-    assert points(vllm_line)["2026-11-29T12:02:00.000"] is None
+    assert partial[f"{DAY}T12:02:00.000"] == pytest.approx((768 + 768) / (800 + 1651))
+    assert points(vllm_line)[f"{DAY}T12:02:00.000"] is None
     assert any(shape["type"] == "rect" for shape in fig["layout"]["shapes"])
 
 
@@ -627,7 +628,7 @@ def test_buckets_span(fixture_store: Store) -> None:
 
 
 # -- operator basics: filters in the URL, time axes, colours, freshness, start-up, the vLLM page -----------------
-FROM, TO = "2026-11-29T12:00:00Z", "2026-11-29T12:03:00Z"
+FROM, TO = f"{DAY}T12:00:00Z", f"{DAY}T12:03:00Z"
 
 
 def test_url_filters_reopen_the_same_view(fixture_store: Store) -> None:
@@ -635,8 +636,8 @@ def test_url_filters_reopen_the_same_view(fixture_store: Store) -> None:
     those numbers; the URL keeps them across a page switch."""
     at = url_app(fixture_store, {"from": FROM, "to": TO, "tenant": "globex", "pod": "pod-a", "model": "tiny"})
     assert at.selectbox(key="time_range").value == data.CUSTOM
-    assert at.datetime_input(key="range_from").value == datetime(2026, 11, 29, 12, 0)
-    assert at.datetime_input(key="range_to").value == datetime(2026, 11, 29, 12, 3)
+    assert at.datetime_input(key="range_from").value == fixture_time(0).replace(tzinfo=None)
+    assert at.datetime_input(key="range_to").value == fixture_time(180).replace(tzinfo=None)
     assert (at.selectbox(key="tenant").value, at.selectbox(key="pod").value, at.selectbox(key="model").value) == (
         "globex", "pod-a", "tiny")
     # globex on pod-a (tests/test_named_queries.py): 1,440 / 2,348 cached
@@ -660,10 +661,10 @@ def test_changing_a_filter_updates_the_url(fixture_store: Store) -> None:
     at.selectbox(key="tenant").select("").run()  # All tenants: the parameter goes
     assert at.query_params == {"range": "7d", "model": "tiny"}
     at.selectbox(key="time_range").select(data.CUSTOM).run()
-    at.datetime_input(key="range_from").set_value(datetime(2026, 11, 29, 12, 1)).run()
-    at.datetime_input(key="range_to").set_value(datetime(2026, 11, 29, 12, 2)).run()
+    at.datetime_input(key="range_from").set_value(fixture_time(60).replace(tzinfo=None)).run()
+    at.datetime_input(key="range_to").set_value(fixture_time(120).replace(tzinfo=None)).run()
     assert_clean(at)
-    assert at.query_params == {"from": "2026-11-29T12:01:00Z", "to": "2026-11-29T12:02:00Z", "model": "tiny"}
+    assert at.query_params == {"from": f"{DAY}T12:01:00Z", "to": f"{DAY}T12:02:00Z", "model": "tiny"}
 
 
 def test_a_bad_url_falls_back_to_defaults(fixture_store: Store) -> None:
@@ -677,7 +678,7 @@ def test_a_bad_url_falls_back_to_defaults(fixture_store: Store) -> None:
     ("query", "expected"),
     [({}, data.Filters()), ({"range": "all"}, data.Filters(time_range="All")),
      ({"range": "15m", "model": "m"}, data.Filters(time_range="Last 15 min", model="m")),
-     ({"from": "2026-11-29T13:00:00+01:00", "to": "2026-11-29T12:30:00.250Z"},
+     ({"from": f"{DAY}T13:00:00+01:00", "to": f"{DAY}T12:30:00.250Z"},
       data.Filters(time_range=data.CUSTOM, start=fixture_time(0), end=fixture_time(1800.25))),
      ({"from": TO, "to": FROM, "range": "6h"}, data.Filters(time_range="Last 6 h"))],
     ids=["empty", "all", "preset", "absolute", "backwards"],
@@ -687,23 +688,23 @@ def test_filters_from_and_to_the_url(query: dict[str, str], expected: data.Filte
     assert f == expected
     assert data.Filters.from_query(f.query()) == f  # the round trip
     if f.absolute:
-        assert f.window() == ("2026-11-29 12:00:00.000", "2026-11-29 12:30:00.250")
+        assert f.window() == (f"{DAY} 12:00:00.000", f"{DAY} 12:30:00.250")
 
 
 def test_time_axis_spans_the_window_and_titles_state_the_bucket(fixture_store: Store) -> None:
     """Over 12:00-13:00 the data fills three minutes: the axis still shows the hour (from the first bucket's
     start, half a bucket of margin), and the title says the bucket width."""
-    at = url_app(fixture_store, {"from": "2026-11-29T12:00:00Z", "to": "2026-11-29T13:00:00Z"})
+    at = url_app(fixture_store, {"from": f"{DAY}T12:00:00Z", "to": f"{DAY}T13:00:00Z"})
     fig = figure(at, "hit_rate")
     assert fig["layout"]["title"]["text"] == "Prefix-cache hit rate · 1 bucket = 1 min"
-    assert fig["layout"]["xaxis"]["range"] == ["2026-11-29T11:59:30", "2026-11-29T13:00:30"]
+    assert fig["layout"]["xaxis"]["range"] == [f"{DAY}T11:59:30", f"{DAY}T13:00:30"]
     bars = figure(at, "tokens_gateway")
     assert bars["layout"]["title"]["text"].endswith("· 1 bucket = 1 min")
     assert bars["layout"]["xaxis"]["range"] == fig["layout"]["xaxis"]["range"]
-    at = url_app(fixture_store, {"from": "2026-11-29T00:00:00Z", "to": "2026-11-30T00:00:00Z"})
+    at = url_app(fixture_store, {"from": f"{DAY}T00:00:00Z", "to": f"{day(1)}T00:00:00Z"})
     fig = figure(at, "hit_rate")  # a day in ~100 buckets: 15 min
     assert fig["layout"]["title"]["text"].endswith("1 bucket = 15 min")
-    assert fig["layout"]["xaxis"]["range"] == ["2026-11-28T23:52:30", "2026-11-30T00:07:30"]
+    assert fig["layout"]["xaxis"]["range"] == [f"{day(-1)}T23:52:30", f"{day(1)}T00:07:30"]
     assert data.duration(7200) == "2 h" and data.duration(86400) == "1 d" and data.duration(90) == "2 min"
 
 
@@ -737,13 +738,14 @@ def test_freshness_per_source_and_the_old_data_banner(fixture_store: Store) -> N
     assert "no KV events: routed_away/evicted are inferred from which pod served the predecessor" in sources
     assert f"attribution: latest answer {age_of(fixture_time(300))}; 1 request waiting" in sources
     (old,) = [w.value for w in at.warning]
-    assert old.startswith(f"Data is from 2026-11-29 12:02:30 UTC ({scrape}); no new data since.")
+    assert old.startswith(f"Data is from {DAY} 12:02:30 UTC ({scrape}); no new data since.")
     assert "before this start" not in old  # no kvscope process registered: only what the store says
 
 
 def age_of(t: datetime) -> str:
-    """What the sidebar says of a fixture time (fixed) read at the clock's now (not fixed): "2 d ago" on the day
-    after the fixture, "3 d ago" later, so the page is checked against the same words without depending on the date."""
+    """What the sidebar says of a fixture time read at the clock's now: "2 d ago" (tests/clock.py puts the fixture
+    36 to 60 h back), "1 d ago" for its later times in the first minutes after midnight UTC, so the page is checked
+    against the same words whenever the suite runs."""
     return status.ago((datetime.now(UTC) - t).total_seconds())
 
 
@@ -755,8 +757,8 @@ def test_a_second_start_says_the_numbers_are_old(fixture_store: Store) -> None:
     (old,) = [w.value for w in at.warning]
     assert "no new data since" in old and "the numbers below are from before this start" in old
     (sources,) = [c.value.replace("\\", "") for c in at.sidebar.caption if "Sources" in c.value]
-    assert "vLLM: first scrape pending (pod-0, pod-1); the last stored is from 2026-11-29 12:02:30 UTC" in sources
-    assert ("gateway log: no request since this start; the latest is from 2026-11-29 12:02:25 UTC "
+    assert f"vLLM: first scrape pending (pod-0, pod-1); the last stored is from {DAY} 12:02:30 UTC" in sources
+    assert (f"gateway log: no request since this start; the latest is from {DAY} 12:02:25 UTC "
             f"({age_of(fixture_time(145))})") in sources
     assert metrics(at)["Token-weighted hit rate (gateway)"] == "50.96%"  # old numbers, said to be old
 
@@ -790,23 +792,23 @@ def test_vllm_page(fixture_store: Store) -> None:
     prompt = figure(at, "vllm_prompt_tokens_per_s")
     assert prompt["layout"]["title"]["text"] == "Prompt throughput (tokens/s) · 1 bucket = 1 min"
     (pod_a,) = [tr for tr in traces(prompt, "pod-a") if "partial" not in tr["name"]]
-    assert points(pod_a)["2026-11-29T12:01:00.000"] == pytest.approx(3091 / 60)
+    assert points(pod_a)[f"{DAY}T12:01:00.000"] == pytest.approx(3091 / 60)
     running = figure(at, "vllm_running")
     assert points(next(tr for tr in traces(running, "pod-a") if "partial" not in tr["name"]))[
-        "2026-11-29T12:01:00.000"] == 2.0
+        f"{DAY}T12:01:00.000"] == 2.0
     usage = figure(at, "vllm_kv_cache_usage")
     assert usage["layout"]["yaxis"]["tickformat"] == ".0%"
     itl = figure(at, "vllm_inter_token_ms")
-    assert points(traces(itl, "pod-a, p99")[0])["2026-11-29T12:01:00.000"] == pytest.approx(19.75)
+    assert points(traces(itl, "pod-a, p99")[0])[f"{DAY}T12:01:00.000"] == pytest.approx(19.75)
     e2e = figure(at, "vllm_e2e_ms")
-    assert points(traces(e2e, "pod-a, p50")[0])["2026-11-29T12:01:00.000"] == pytest.approx(150.0)
+    assert points(traces(e2e, "pod-a, p50")[0])[f"{DAY}T12:01:00.000"] == pytest.approx(150.0)
     assert any("Error rate" in c.value for c in at.caption)  # no request_success in the fixture: says so
     at.selectbox(key="tenant").select("acme").run()
     assert [i.value for i in at.info] == [charts.NO_TENANT_IN_VLLM]
 
 
 def test_no_dead_letters_reads_as_good_news(fixture_store: Store) -> None:
-    at = url_app(fixture_store, {"from": "2026-11-29T12:02:10Z", "to": "2026-11-29T12:02:40Z"}, "views/pods.py")
+    at = url_app(fixture_store, {"from": f"{DAY}T12:02:10Z", "to": f"{DAY}T12:02:40Z"}, "views/pods.py")
     assert [s.value for s in at.success] == ["No dead letters: every line and event parsed."]
     at = url_app(fixture_store, {"range": "all"}, "views/pods.py")
     assert not at.success and set(at.dataframe[1].value["source"]) == {"vllm_metrics", "gateway_log"}

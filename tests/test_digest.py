@@ -38,6 +38,7 @@ from kvscope.cli import main
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
 from kvscope.schedule import DigestSchedule, check_schedule
+from tests.clock import DAY, T0
 from tests.conftest import ARTIFACTS, free_port
 from tests.digest_data import PREVIOUS, SINCE, UNTIL, load_two_periods
 
@@ -216,7 +217,7 @@ def parts(msg: EmailMessage) -> dict[str, Any]:
 def test_the_message_says_the_figures_in_both_parts(two: Store) -> None:
     d = gather(two, SINCE, UNTIL, gpu_hour_price=2.0, currency="EUR", dashboard_url=BASE_URL)
     msg = render(d, to=["oncall@example.com"], sender="kvscope@example.com")
-    assert msg["Subject"] == (f"kvscope digest 2026-11-29: hit rate {3232 / 6342 * 100:.1f} % "
+    assert msg["Subject"] == (f"kvscope digest {DAY}: hit rate {3232 / 6342 * 100:.1f} % "
                               f"(\u2212{(4768 - 3232) / 6342 * 100:.1f} pp), 7,170 missed tokens")
     p = parts(msg)
     umbrella = next(t for t in d.tenants if t.tenant_id == "umbrella")
@@ -367,7 +368,7 @@ def cli(store: Store, *args: str, env: dict[str, str] | None = None) -> Any:
     return result
 
 
-WINDOW_ARGS = ("--since", "2026-11-29T12:00:00Z", "--until", "2026-11-29T12:03:00Z")
+WINDOW_ARGS = ("--since", f"{DAY}T12:00:00Z", "--until", f"{DAY}T12:03:00Z")
 
 
 def test_dry_run_writes_a_parseable_eml(two: Store, tmp_path: Path) -> None:
@@ -378,7 +379,7 @@ def test_dry_run_writes_a_parseable_eml(two: Store, tmp_path: Path) -> None:
     assert "nothing sent" in result.stdout
     msg = email.message_from_bytes(out.read_bytes(), policy=policy.default)
     assert msg["To"] == "a@example.com, b@example.com"
-    assert msg["Subject"].startswith("kvscope digest 2026-11-29: hit rate 51.0 %")
+    assert msg["Subject"].startswith(f"kvscope digest {DAY}: hit rate 51.0 %")
     assert BASE_URL in parts(msg)["text"]  # type: ignore[arg-type]
     assert b"\r\n" in out.read_bytes()
 
@@ -389,14 +390,14 @@ def test_the_command_sends_and_fails_in_one_line(two: Store) -> None:
     try:
         env = {"KVSCOPE_SMTP_HOST": "127.0.0.1", "KVSCOPE_SMTP_PORT": str(server.port),
                "KVSCOPE_SMTP_SECURITY": "none", "KVSCOPE_DIGEST_TO": "team@example.com"}
-        result = cli(two, "--period", "3m", "--until", "2026-11-29T12:03:00Z", env=env)
+        result = cli(two, "--period", "3m", "--until", f"{DAY}T12:03:00Z", env=env)
         assert result.exit_code == 0, result.output
         assert "digest sent to team@example.com" in result.stdout
     finally:
         server.stop()
     [(_, recipients, _)] = inbox.received
     assert recipients == ["team@example.com"]
-    assert inbox.message()["Subject"].startswith("kvscope digest 2026-11-29: hit rate 51.0 % (\u2212")
+    assert inbox.message()["Subject"].startswith(f"kvscope digest {DAY}: hit rate 51.0 % (\u2212")
     # no server configured: one line, exit 1
     result = cli(two, *WINDOW_ARGS, "--to", "x@example.com", env={"KVSCOPE_SMTP_HOST": None})  # type: ignore[dict-item]
     assert result.exit_code == 1
@@ -475,10 +476,10 @@ def test_a_canary_in_the_prompts_appears_nowhere_in_the_digest(store: Store, tmp
     canary = f"kvscopecanary{uuid.uuid4().hex}"
     tenant = f"tenantcontrol{uuid.uuid4().hex[:8]}"
     counter = TokenCounter()
-    start = datetime(2026, 11, 29, 15, 0, tzinfo=UTC)
+    start = T0 + timedelta(hours=3)  # 15:00 on the fixture's day
     lines = []
     for turn in range(4):
-        system = f"Now: 2026-11-29T15:0{turn}:00Z. You are the {canary} assistant. " + "Rules. " * 60
+        system = f"Now: {DAY}T15:0{turn}:00Z. You are the {canary} assistant. " + "Rules. " * 60
         history = [m for i in range(turn) for m in ({"role": "user", "content": f"question {i} {canary}"},
                                                     {"role": "assistant", "content": f"answer {i} {canary}"})]
         body = {"model": "tiny", "messages": [{"role": "system", "content": system}, *history,

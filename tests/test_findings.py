@@ -3,7 +3,7 @@ the cost, the drill-down link, and the adoption order within a tenant."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -12,9 +12,10 @@ from pytest import approx
 from dashboard import causes, findings
 from dashboard.findings import Finding
 from ingest.store import Store
+from tests.clock import DAY, T0
 from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, load_fixture
 
-SINCE, UNTIL = datetime(2026, 11, 29, 12, 0, tzinfo=UTC), datetime(2026, 11, 29, 13, 0, tzinfo=UTC)
+SINCE, UNTIL = T0, T0 + timedelta(hours=1)  # 12:00-13:00 of the fixture's day
 TOTAL_MISSED = 3110  # tests/test_named_queries.py::test_miss_causes
 
 
@@ -66,7 +67,7 @@ def test_per_tenant_keeps_each_tenants_dominant_finding(fx: Store) -> None:
 
 def test_where_missed_equals_the_named_query(fx: Store) -> None:
     df = findings.where_missed(fx, SINCE, UNTIL)
-    q = fx.named("miss_causes", {"since": "2026-11-29 12:00:00.000", "until": "2026-11-29 13:00:00.000"})
+    q = fx.named("miss_causes", {"since": f"{DAY} 12:00:00.000", "until": f"{DAY} 13:00:00.000"})
     assert df["missed_tokens"].to_list() == q["missed_tokens"].to_list()
     assert int(df["missed_tokens"].sum()) == TOTAL_MISSED
     assert dict(zip(df["label"], df["actionable"], strict=True))["routed_away"] is True
@@ -79,7 +80,7 @@ def test_drill_down_url_carries_the_finding_and_window(fx: Store) -> None:
     u = urlparse(url)
     assert (u.netloc, u.path) == ("kvscope.example.com", "/miss_causes")
     q = {k: v[0] for k, v in parse_qs(u.query).items()}
-    assert q == {"from": "2026-11-29T12:00:00Z", "to": "2026-11-29T13:00:00Z", "tenant": "globex",
+    assert q == {"from": f"{DAY}T12:00:00Z", "to": f"{DAY}T13:00:00Z", "tenant": "globex",
                  "cause": "prefix_drift", "sub_cause": "volatile_system", "request_id": "cap-4-timestamp-first"}
     assert f.url("", SINCE, UNTIL) == ""
 

@@ -52,6 +52,7 @@ from dashboard.mail import MailSettings, send
 from ingest.store import Store
 from kvscope.config import build_config
 from kvscope.tables import render_markdown, render_table
+from tests.clock import T0
 from tests.conftest import ARTIFACTS, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def write_log(path: Path, now: datetime) -> Path:
 
 
 #: The Python-API tests' clock: the current hour is [NOW − 1 h, NOW).
-NOW = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
+NOW = T0 + timedelta(hours=2)  # 14:00 on the test data's day (tests/clock.py)
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from ingest.ingester import Ingester
 from ingest.source import QueueSource
 from ingest.store import Store
 from kvscope.block_hash import chain_hashes
+from tests.clock import T0
 
 CAPTURE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_kv_events.json"
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 def at(seconds: float) -> datetime:

@@ -18,6 +18,7 @@ from ingest import attribution as a
 from ingest.labels import PATHOLOGY_CAUSES, BadLabel, LabelTail, load_labels, parse_label
 from ingest.store import Store
 from kvscope.cli import main
+from tests.clock import DAY
 from tests.fixture_data import ATTRIBUTION_COLUMNS, GATEWAY_COLUMNS, at, gateway_rows, load_fixture
 
 
@@ -174,7 +175,7 @@ def test_dominant_cause_ties_go_to_the_first_class_alphabetically(store: Store, 
         "tie-1", row[1], "acme", "pod-b", "tiny", 832, 604, "acme-c1-t3", "pod-a", "previous_turn", 10.0, 32,
         ["routed_away", "prefix_drift", "unavoidable"], ["", "tools_changed", ""], [64, 64, 100], row[1], 1, 1,
     )], ATTRIBUTION_COLUMNS)  # fmt: skip
-    label = {"request_id": "tie-1", "cause": "prefix_drift", "sub_cause": "tools_changed", "ts": "2026-11-29T12:02:10Z"}
+    label = {"request_id": "tie-1", "cause": "prefix_drift", "sub_cause": "tools_changed", "ts": f"{DAY}T12:02:10Z"}
     path = write_labels(tmp_path, [label])
     assert load_labels(store, path).rows == 1
     assert list(agreement(store, confusion=1)) == [("prefix_drift", "tools_changed", "prefix_drift", "tools_changed")]
@@ -204,13 +205,13 @@ def stored(store: Store) -> list[tuple[Any, ...]]:
 def test_import_loads_each_label_once_and_dead_letters_bad_lines(store: Store, tmp_path: Path) -> None:
     store.insert("gateway_requests", [r for r in gateway_rows() if r[0] == "cap-1-cold"], GATEWAY_COLUMNS)
     path = write_labels(tmp_path, [
-        {"request_id": "r1", "tenant_id": "acme", "pathology": "none", "ts": "2026-11-29T12:00:00Z", "run_id": "x"},
-        {"request_id": "r2", "tenant_id": "globex", "pathology": "volatile_system", "ts": "2026-11-29T12:00:01Z"},
+        {"request_id": "r1", "tenant_id": "acme", "pathology": "none", "ts": f"{DAY}T12:00:00Z", "run_id": "x"},
+        {"request_id": "r2", "tenant_id": "globex", "pathology": "volatile_system", "ts": f"{DAY}T12:00:01Z"},
         {"request_id": "cap-1-cold", "cause": "cold"},  # no ts, no tenant: the gateway's
-        {"request_id": "r3", "pathology": "bogus", "ts": "2026-11-29T12:00:02Z"},
+        {"request_id": "r3", "pathology": "bogus", "ts": f"{DAY}T12:00:02Z"},
         {"request_id": "r4", "cause": "cold"},  # no ts, and no gateway request: refused
         "{truncated",
-        {"request_id": "r1", "tenant_id": "acme", "pathology": "none", "ts": "2026-11-29T12:00:00Z"},  # repeated
+        {"request_id": "r1", "tenant_id": "acme", "pathology": "none", "ts": f"{DAY}T12:00:00Z"},  # repeated
     ])
     code, out, err = cli(store, "import", "labels", str(path))
     assert code == 0, err
@@ -220,9 +221,9 @@ def test_import_loads_each_label_once_and_dead_letters_bad_lines(store: Store, t
     assert "1 × not JSON" in err
     run = path.stem  # lines without run_id take the file's name
     assert stored(store) == [
-        ("cap-1-cold", run, "acme", "2026-11-29 12:00:40.000", "cold", "", "cold"),
-        ("r1", "x", "acme", "2026-11-29 12:00:00.000", "none", "", "none"),
-        ("r2", run, "globex", "2026-11-29 12:00:01.000", "prefix_drift", "volatile_system", "volatile_system"),
+        ("cap-1-cold", run, "acme", f"{DAY} 12:00:40.000", "cold", "", "cold"),
+        ("r1", "x", "acme", f"{DAY} 12:00:00.000", "none", "", "none"),
+        ("r2", run, "globex", f"{DAY} 12:00:01.000", "prefix_drift", "volatile_system", "volatile_system"),
     ]
     letters = store.query_rows("SELECT source, reason, location, raw FROM dead_letters FINAL ORDER BY location")
     assert [(s, loc.rsplit(":", 1)[0]) for s, _, loc, _ in letters] == [("workload_labels", str(path))] * 3
@@ -247,7 +248,7 @@ def test_a_tail_loads_complete_lines_as_they_are_written(store: Store, tmp_path:
     tail = LabelTail(store, path.with_name("absent.jsonl"))
     assert tail.poll() is None  # the workload has not written yet
     tail = LabelTail(store, path, run_id="0101")
-    line = json.dumps({"request_id": "t1", "pathology": "none", "ts": "2026-11-29T12:00:00Z"})
+    line = json.dumps({"request_id": "t1", "pathology": "none", "ts": f"{DAY}T12:00:00Z"})
     with path.open("a") as fh:
         fh.write(line + "\n" + line.replace("t1", "t2")[:20])  # t2's line half written
     assert tail.poll().rows == 1

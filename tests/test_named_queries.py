@@ -22,6 +22,7 @@ from collector.vllm_metrics import ScrapeState, scrape_events
 from ingest.errors import QueryError
 from ingest.rows import metric_rows
 from ingest.store import Store
+from tests.clock import DAY
 from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, at, load_fixture
 from tests.test_vllm_metrics import BODY1, vllm_0_10
 
@@ -199,11 +200,11 @@ def test_hit_rate_filters_and_window(fx: Store) -> None:
     assert (r["vllm"]["hit_tokens"], r["vllm"]["query_tokens"]) == (1056, 2451)
     assert (r["gateway"]["hit_tokens"], r["gateway"]["query_tokens"]) == (1056, 2451)
     # since after the first scrape: the increases were computed by the collector, stamped at the later scrape.
-    r = by(rows(fx, "hit_rate_total", since="2026-11-29 12:01:00"), "source")
+    r = by(rows(fx, "hit_rate_total", since=f"{DAY} 12:01:00"), "source")
     assert r["vllm"]["query_tokens"] == 6342
     assert r["gateway"]["query_tokens"] == 2367 + 2451
     # until before the 12:01 minute (windows resolve to whole minutes): no vLLM increase yet.
-    r = by(rows(fx, "hit_rate_total", until="2026-11-29 12:01:00"), "source")
+    r = by(rows(fx, "hit_rate_total", until=f"{DAY} 12:01:00"), "source")
     assert set(r) == {"gateway"}
     # bucket_seconds: one hour puts everything in one bucket.
     assert {(x["source"], x["query_tokens"]) for x in rows(fx, "hit_rate", bucket_seconds=3600)} == {
@@ -298,7 +299,7 @@ def test_tenant_profile(fx: Store) -> None:
 
 def test_miss_causes_gpu_seconds_need_a_measurement(fx: Store) -> None:
     # a window with misses but no prefill-time increase (before pod-a's second scrape): unknown, not 0
-    r = rows(fx, "miss_causes", until="2026-11-29 12:01:00.000")
+    r = rows(fx, "miss_causes", until=f"{DAY} 12:01:00.000")
     assert r and all(x["gpu_seconds"] is None for x in r)
 
 
@@ -349,7 +350,7 @@ def test_miss_requests_drill_down(fx: Store) -> None:
 
 def test_miss_requests_gpu_seconds_need_a_measurement(fx: Store) -> None:
     """Before pod-a's second scrape no pod measured its prefill time: the cost is unknown (NULL), not 0."""
-    r = rows(fx, "miss_requests", until="2026-11-29 12:01:00.000")
+    r = rows(fx, "miss_requests", until=f"{DAY} 12:01:00.000")
     assert [(x["request_id"], x["missed_tokens"], x["gpu_seconds"]) for x in r] == [
         ("cap-1-cold", 736, None), ("cap-2-warm", 26, None), ("cap-1-cold", 26, None)]
 
@@ -415,7 +416,7 @@ def test_request_detail_changed_chunks(fx: Store) -> None:
     assert r[0]["gpu_seconds"] == approx(64 * PREFILL_SECONDS_PER_TOKEN)
     # the predecessor acme-c1-t3's own detail: its predecessor cap-2-warm logged no chunks, so none is named
     assert [x["changed_parts"] for x in rows(fx, "request_detail", request_id="acme-c1-t3")] == [[]] * 5
-    unmeasured = rows(fx, "request_detail", request_id="cap-1-cold", until="2026-11-29 12:01:00.000")[0]
+    unmeasured = rows(fx, "request_detail", request_id="cap-1-cold", until=f"{DAY} 12:01:00.000")[0]
     assert (unmeasured["cause_gpu_seconds"], unmeasured["gpu_seconds"]) == ([None, None], None)
 
 
@@ -518,7 +519,7 @@ def test_tenant_affinity(fx: Store) -> None:
     acme_b = by(rows(fx, "tenant_affinity", pod="pod-b"), "tenant_id")["acme"]
     assert (acme_b["predecessor_tokens"], acme_b["same_pod_tokens"]) == (800 + 832, 832)
     # A window starting after the predecessors keeps their answers (the attribution named them).
-    late = by(rows(fx, "tenant_affinity", since="2026-11-29 12:02:00"), "tenant_id")
+    late = by(rows(fx, "tenant_affinity", since=f"{DAY} 12:02:00"), "tenant_id")
     assert late["acme"]["requests_with_predecessor"] == 2 and late["initech"]["same_pod_tokens"] == 0
 
 

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import re
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 import sql as sqlfiles
 from ingest.store import RETENTION, Store, create_database, replicated, split_statements
+from tests.clock import T0
 
 
 def test_retention_is_applied_and_only_when_it_changes(store: Store) -> None:
@@ -19,6 +22,23 @@ def test_retention_is_applied_and_only_when_it_changes(store: Store) -> None:
                                     "WHERE database = currentDatabase()"))
     assert "toIntervalDay(7)" in queries["gateway_requests"] and "toIntervalDay(90)" in queries["requests_1m"]
     assert store.apply_retention(7, 90) == []
+
+
+def test_the_test_data_is_inside_every_retention() -> None:
+    """The stored test data starts at tests/clock.py's T0, which follows the run date: ClickHouse drops rows already
+    past a table's TTL at insert, so data on a fixed date would vanish from the tests' tables a month later. T0 is
+    36 h to 3 d old (3 d: a suite that crossed midnight after import) and younger than the shortest retention of
+    the migrations' TTLs and the retention settings' defaults."""
+    from kvscope.config import build_config
+
+    ttl_days = [int(n) for _, text in sqlfiles.migrations()
+                for n in re.findall(r"^TTL .*\+ INTERVAL (\d+) DAY", text, flags=re.MULTILINE)]
+    assert len(ttl_days) >= 17  # every TTL clause of sql/migrations is read
+    cfg = build_config({}, environ={})
+    shortest = min(*ttl_days, cfg.retention_days, cfg.rollup_retention_days)
+    age = datetime.now(UTC) - T0
+    assert timedelta(hours=36) <= age < timedelta(days=3)
+    assert age < timedelta(days=shortest)
 
 
 def test_cluster_ddl_uses_replicated_engines() -> None:
@@ -115,18 +135,17 @@ def test_a_store_written_by_0_1_is_migrated_in_place(chdb_dir: Path) -> None:
         if version < "0008":
             s.run_migration(text)
             s.insert("schema_migrations", [(version,)], ["version"])
-    from datetime import UTC, datetime, timedelta
+    from datetime import timedelta
 
-    t0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-    rows = [(f"ev{i}", f"r{i}", t0 + timedelta(seconds=i), "acme", "c1", "", "tiny", "pod-a", 762,
+    rows = [(f"ev{i}", f"r{i}", T0 + timedelta(seconds=i), "acme", "c1", "", "tiny", "pod-a", 762,
              0 if i == 0 else 736, "sys", 720, "q", 22, "fp") for i in range(3)]
     cols = ["event_id", "request_id", "ts", "tenant_id", "conversation_id", "agent_run_id", "model", "pod",
             "prompt_tokens", "cached_tokens", "system_hash", "system_tokens", "suffix_hash", "suffix_tokens",
             "prompt_fingerprint"]
     s.insert("gateway_requests", rows + rows[:1], cols)  # a duplicate that 0.1's FINAL collapsed
-    samples = [(f"s{k}", t0 + timedelta(seconds=30 * k), "pod-a", "0", "tiny", "vllm:prefix_cache_queries_total",
+    samples = [(f"s{k}", T0 + timedelta(seconds=30 * k), "pod-a", "0", "tiny", "vllm:prefix_cache_queries_total",
                 {"engine": "0"}, float(1000 + 500 * k)) for k in range(3)]
-    samples.append(("cfg", t0, "pod-a", "0", "", "vllm:cache_config_info", {"block_size": "32"}, 1.0))
+    samples.append(("cfg", T0, "pod-a", "0", "", "vllm:cache_config_info", {"block_size": "32"}, 1.0))
     s.insert("vllm_metric_samples", samples, ["event_id", "ts", "pod", "engine", "model_name", "name", "labels",
                                               "value"])
     s.migrate()
@@ -147,7 +166,7 @@ def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: P
     """Rows and rollups written before 0014 (cached 0 and 736 of 762) keep their values and count as known:
     coverage 1.0, hit rate 736 / (2 × 762); after 0014 a row with a NULL count is not known; rerunning 0014
     changes nothing."""
-    from datetime import UTC, datetime, timedelta
+    from datetime import timedelta
 
     s = Store.open(data_dir=chdb_dir, database=f"m14_{uuid.uuid4().hex[:10]}")
     s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
@@ -157,12 +176,11 @@ def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: P
         if version < "0014":
             s.run_migration(text)
             s.insert("schema_migrations", [(version,)], ["version"])
-    t0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
     cols = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens"]
-    s.insert("gateway_requests", [("old0", t0, "acme", "pod-a", 200, 762, 0),
-                                  ("old1", t0 + timedelta(seconds=1), "acme", "pod-a", 200, 762, 736)], cols)
+    s.insert("gateway_requests", [("old0", T0, "acme", "pod-a", 200, 762, 0),
+                                  ("old1", T0 + timedelta(seconds=1), "acme", "pod-a", 200, 762, 736)], cols)
     assert s.migrate()[0] == "0014_nullable_cached_tokens"  # then any later migrations
-    s.insert("gateway_requests", [("new0", t0 + timedelta(seconds=2), "acme", "pod-a", 200, 1000, None)], cols)
+    s.insert("gateway_requests", [("new0", T0 + timedelta(seconds=2), "acme", "pod-a", 200, 1000, None)], cols)
     assert s.query_rows("SELECT request_id, cached_tokens FROM gateway_requests ORDER BY request_id") == [
         ("new0", None), ("old0", 0), ("old1", 736)]
     assert s.query_rows("SELECT sum(served), sum(known_served), sum(prompt_tokens), sum(known_prompt_tokens), "

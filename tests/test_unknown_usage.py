@@ -17,6 +17,7 @@ from ingest.attribution_job import run_attribution
 from ingest.bulk import load_gateway_log
 from ingest.store import Store
 from kvscope.importer import import_events
+from tests.clock import DAY
 
 H = "0123456789abcdef"
 
@@ -25,7 +26,7 @@ def line(rid: str, second: int, pod: str, prompt: int, cached: int | None, *, sy
          suffix_tokens: int, error: str = "", **usage: Any) -> dict[str, Any]:
     """A complete, schema-valid log record (conversation "c" of tenant acme, all one minute)."""
     return {
-        "log_version": 1, "request_id": rid, "ts": f"2026-11-29T12:00:{second:02d}.000Z", "tenant_id": "acme",
+        "log_version": 1, "request_id": rid, "ts": f"{DAY}T12:00:{second:02d}.000Z", "tenant_id": "acme",
         "conversation_id": "", "agent_run_id": "", "model": "tiny", "pod": pod, "endpoint": "chat.completions",
         "stream": True, "routing_policy": "round_robin", "routing_reason": "round_robin", "status": 200,
         "error": error, "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": 4,

@@ -15,10 +15,11 @@ tokens of which Δ2,000 hit: 1e-4 s/token. Bytes per token: pod-a's vllm:cache_c
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-T0 = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC)
+from tests.clock import T0  # 12:00 UTC two days ago: inside the tables' retention whenever the suite runs
+
 BLOCK = 32
 POD_A_SECONDS_PER_TOKEN = 0.5 / 10_000
 POD_B_SECONDS_PER_TOKEN = 0.2 / 2_000
