@@ -23,19 +23,22 @@ from collector.events import (
     topic_for,
 )
 from ingest.rows import COLUMNS, rows_for
+from tests.clock import DAY, T0
 
+#: 12:00:00 on the stored test data's day (tests/clock.py), unix ms: inside the tables' retention
+AT_MS = int(T0.timestamp()) * 1000
 EXAMPLES = [
-    VllmScrape(target="http://p:8000/metrics", scraped_at_ms=1_795_950_818_000, previous_scraped_at_ms=0,
+    VllmScrape(target="http://p:8000/metrics", scraped_at_ms=AT_MS, previous_scraped_at_ms=0,
                duration_ms=2.5,
                samples=[SeriesSample("vllm:prefix_cache_hits_total", "0", "tiny", "", 4064.0, 1408.0)],
                cache_config={"0": {"block_size": "32", "num_gpu_blocks": "128"}}, restarts=["0"]),
-    GatewayRequest(record={"log_version": 1, "request_id": "r1", "ts": "2026-11-29T12:00:00.000Z",
+    GatewayRequest(record={"log_version": 1, "request_id": "r1", "ts": f"{DAY}T12:00:00.000Z",
                            "tenant_id": "acme", "status": 200, "prompt_tokens": 762, "cached_tokens": 736,
                            "ttft_ms": 50.0, "e2e_ms": 80.0}, source_file="g.jsonl", line_offset=0),
-    KvEventBatch(topic="pod-0", seq=10, batch_ts=1795950818.34, dp_rank=0,
+    KvEventBatch(topic="pod-0", seq=10, batch_ts=AT_MS / 1000 + 0.34, dp_rank=0,
                  events=[KvBlockEvent(type="BlockStored", block_hashes=[2**64 - 1], parent_block_hash=None,
                                       token_ids=list(range(32)), block_size=32, medium="GPU")]),
-    KvEventGap(topic="pod-0", dp_rank=0, first_seq=11, last_seq=13, detected_at_ms=1795950818340,
+    KvEventGap(topic="pod-0", dp_rank=0, first_seq=11, last_seq=13, detected_at_ms=AT_MS + 340,
                reason="missed", replayed_batches=3, recovered=True),
     DeadLetter(source="gateway_log", reason="not JSON", raw="{", location="g.jsonl:0"),
 ]
@@ -80,7 +83,7 @@ def test_every_table_has_the_columns_written(store) -> None:  # type: ignore[no-
 
 @pytest.mark.parametrize("payload", EXAMPLES, ids=lambda p: type(p).__name__)
 def test_every_kind_maps_to_rows_the_store_accepts(store, payload) -> None:  # type: ignore[no-untyped-def]
-    ev = envelope(payload, pod="pod-0", natural_key=("k",), observed_at_ms=1_795_950_818_000)
+    ev = envelope(payload, pod="pod-0", natural_key=("k",), observed_at_ms=AT_MS)
     mapped = rows_for(ev)
     assert mapped and all(rows for _, rows in mapped)
     for table, rows in mapped:

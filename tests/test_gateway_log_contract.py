@@ -23,11 +23,12 @@ from gateway.log import SCHEMA_PATH
 from ingest.bulk import load_gateway_log
 from ingest.rows import rows_for
 from kvscope.importer import import_events
+from tests.clock import DAY
 
 BOM = b"\xef\xbb\xbf"
 H1, H2 = "0123456789abcdef", "fedcba9876543210"
 GOOD: dict[str, Any] = {
-    "log_version": 1, "request_id": "r-1", "ts": "2026-11-29T12:00:00.123Z", "tenant_id": "acme", "status": 200,
+    "log_version": 1, "request_id": "r-1", "ts": f"{DAY}T12:00:00.123Z", "tenant_id": "acme", "status": 200,
     "prompt_tokens": 762, "cached_tokens": 736, "ttft_ms": 50.0, "e2e_ms": 80.0,
 }
 FULL: dict[str, Any] = {
@@ -410,14 +411,14 @@ def test_a_5mb_error_is_stored_capped_with_a_marker_on_every_path(store, tmp_pat
 def test_live_and_bulk_paths_store_the_same_row(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Canonical ts (an offset and 9 fraction digits → UTC ms, truncated), absent fields as their "none"."""
     log = tmp_path / "g.jsonl"
-    log.write_text(json.dumps({**GOOD, "ts": "2026-11-29T13:30:00.123999999+01:30"}) + "\n")
+    log.write_text(json.dumps({**GOOD, "ts": f"{DAY}T13:30:00.123999999+01:30"}) + "\n")
     cols = "request_id, toString(ts), tenant_id, conversation_id, stream, completion_tokens, system_hash, queue_wait_ms"
     import_events(store, read_file(log))
     live = store.query_rows(f"SELECT {cols} FROM gateway_requests")
     store.command("TRUNCATE TABLE gateway_requests")
     load_gateway_log(store, log)
     bulk = store.query_rows(f"SELECT {cols} FROM gateway_requests")
-    assert live == bulk == [("r-1", "2026-11-29 12:00:00.123", "acme", "", False, 0, "", None)]
+    assert live == bulk == [("r-1", f"{DAY} 12:00:00.123", "acme", "", False, 0, "", None)]
 
 
 def test_prompt_block_chain_is_stored_as_uint64_on_every_path(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

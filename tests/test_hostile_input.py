@@ -17,8 +17,9 @@ from collector.publish import MemoryQueue, QueuePublisher
 from ingest.ingester import Ingester
 from ingest.source import QueueSource
 from kvscope.importer import import_events
+from tests.clock import DAY
 
-GOOD = {"log_version": 1, "request_id": "good", "ts": "2026-11-29T12:00:00.000Z", "tenant_id": "acme",
+GOOD = {"log_version": 1, "request_id": "good", "ts": f"{DAY}T12:00:00.000Z", "tenant_id": "acme",
         "pod": "pod-0", "model": "tiny", "prompt_tokens": 762, "cached_tokens": 736, "status": 200, "ttft_ms": 50.0,
         "e2e_ms": 80.0}
 
