@@ -84,8 +84,7 @@ def summary_lines(ev: Evaluation, link: str = "", *, slack: bool = False, gpu_ho
         lines.append(f"Was firing since {iso(ev.previous['changed_at'])}: {show(ev.previous['message'], limit=None)}")
     if e.get("cause") and e.get("missed_tokens"):
         gpu = e.get("gpu_seconds")
-        amount = gpu / 3600 * gpu_hour_price if gpu is not None and gpu_hour_price > 0 else None
-        cost = f", {findings.cost_text(gpu, amount, currency)}" if gpu is not None else ""
+        cost = f", {findings.cost_text(gpu, findings.money(gpu, gpu_hour_price), currency)}" if gpu is not None else ""
         lines.append(f"Missed: {int(e['missed_tokens']):,} tokens of {causes.label(e['cause'], e.get('sub_cause', ''))}"
                      f"{cost}.")
     if e.get("request_id"):

@@ -301,7 +301,7 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
         since=since, until=until, previous_since=prev, hit_rates=hit_rates, causes=cause_lines,
         missed_tokens=sum(c.missed_tokens for c in cause_lines),
         previous_missed_tokens=int(missed.pooled_before["missed_tokens"].sum()),
-        gpu_seconds=gpu, money=gpu / 3600 * gpu_hour_price if gpu is not None and gpu_hour_price > 0 else None,
+        gpu_seconds=gpu, money=findings.money(gpu, gpu_hour_price),
         currency=currency,
         tenants=_tenants(store, since, until, missed, gpu_hour_price, top_tenants, link),
         drift=_drift(missed, link, gpu_hour_price), cardinality=_cardinality(store, now_w, prev_w, link),
@@ -375,7 +375,7 @@ def _tenants(store: Any, since: datetime, until: datetime, missed: _Missed, pric
         gpu = r["gpu_seconds"]
         out.append(TenantLoss(
             tenant_id=tenant, missed_tokens=int(r["missed_tokens"]), gpu_seconds=gpu,
-            money=gpu / 3600 * price if gpu is not None and price > 0 else None,
+            money=findings.money(gpu, price),
             previous_missed_tokens=int(previous.get(tenant, 0)),
             finding=finding, worth=worth.get(tenant),
             link=finding.url(link.base, since, until) if finding else link("miss_causes", tenant=tenant)))
@@ -391,17 +391,13 @@ def _per_tenant(df: pl.DataFrame) -> pl.DataFrame:
         pl.when(pl.col("gpu_seconds").null_count() == 0).then(pl.col("gpu_seconds").sum()).alias("gpu_seconds"))
 
 
-def _money(gpu_seconds: float | None, price: float) -> float | None:
-    return gpu_seconds / 3600 * price if gpu_seconds is not None and price > 0 else None
-
-
 def _drift(missed: _Missed, link: _Links, price: float) -> tuple[DriftEvent, ...]:
     before = {(r["tenant_id"], r["sub_cause"]) for r in missed.before.iter_rows(named=True)
               if r["cause"] == attribution.PREFIX_DRIFT}
     out = [DriftEvent(tenant_id=r["tenant_id"], sub_cause=r["sub_cause"], missed_tokens=int(r["missed_tokens"]),
                       requests=int(r["requests"]),
                       link=link("miss_causes", tenant=r["tenant_id"], cause=r["cause"], sub_cause=r["sub_cause"]),
-                      gpu_seconds=r["gpu_seconds"], money=_money(r["gpu_seconds"], price))
+                      gpu_seconds=r["gpu_seconds"], money=findings.money(r["gpu_seconds"], price))
            for r in missed.now.iter_rows(named=True)
            if r["cause"] == attribution.PREFIX_DRIFT and (r["tenant_id"], r["sub_cause"]) not in before]
     return tuple(sorted(out, key=lambda d: (-d.missed_tokens, d.tenant_id, d.sub_cause)))
@@ -458,7 +454,7 @@ def _ttl(store: Any, now_w: dict[str, str], missed: _Missed, price: float) -> Tt
     return TtlAdvice(next_turns=int(r["next_turns"]), gap_p50_ms=r["gap_p50_ms"], hold_ms=r["gap_p90_ms"],
                      gap_max_ms=r["gap_max_ms"], evicted_before_next_turn=int(r["evicted_before_next_turn"]),
                      evicted_missed_tokens=int(r["evicted_missed_tokens"]), evicted_gap_p50_ms=r["evicted_gap_p50_ms"],
-                     evicted_gpu_seconds=gpu, evicted_money=_money(gpu, price))
+                     evicted_gpu_seconds=gpu, evicted_money=findings.money(gpu, price))
 
 
 def _data_quality(store: Any, now_w: dict[str, str]) -> tuple[DataQualityWarning, ...]:

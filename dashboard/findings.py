@@ -52,6 +52,12 @@ def cost_text(gpu_seconds: float | None, money: float | None = None, currency: s
     return out + (f" · {money:,.2f} {currency}" if money is not None else "")
 
 
+def money(gpu_seconds: float | None, gpu_hour_price: float) -> float | None:
+    """What ``gpu_seconds`` cost at ``gpu_hour_price`` per GPU-hour: gpu_seconds / 3600 × price; None when the
+    price is not set (≤ 0) or the GPU-seconds are unknown."""
+    return gpu_seconds / 3600 * gpu_hour_price if gpu_seconds is not None and gpu_hour_price > 0 else None
+
+
 def with_cost_column(df: pl.DataFrame, gpu_hour_price: float, currency: str) -> pl.DataFrame:
     """``df`` for a table: with a ``cost (<currency>)`` column (:func:`with_money`) right after ``gpu_seconds``
     when ``gpu_hour_price`` > 0, else unchanged (no money without a configured price)."""

@@ -223,8 +223,7 @@ def header(head: dict[str, Any], in_window: bool, price: float = 0.0, currency: 
     """Title and one caption line: tenant, model, pod, arrival, token counts, block size and what re-computing
     its missed tokens cost (:func:`dashboard.findings.cost_text`)."""
     cached = head["cached_tokens"]
-    gpu = head["gpu_seconds"]
-    money = gpu / 3600 * price if gpu is not None and price > 0 else None
+    cost = findings.cost_text(head["gpu_seconds"], findings.money(head["gpu_seconds"], price), currency)
     st.subheader(f"Request {charts.name(head['request_id'])}")
     st.caption(
         f"{charts.name(head['tenant_id'], empty=untrusted.NO_TENANT)} · "
@@ -232,7 +231,7 @@ def header(head: dict[str, Any], in_window: bool, price: float = 0.0, currency: 
         f" · served by **{charts.name(head['pod'], empty='(no pod)')}** · arrived "
         f"{head['ts']:%Y-%m-%d %H:%M:%S} UTC · {charts.count(head['prompt_tokens'])} prompt tokens, "
         f"{'cached count not reported' if cached is None else charts.count(cached) + ' cached'} · block size "
-        f"{head['block_size']} tokens · its missed tokens cost {findings.cost_text(gpu, money, currency)}"
+        f"{head['block_size']} tokens · its missed tokens cost {cost}"
         + ("" if in_window else " · outside the chosen time range")
     )
 

@@ -64,8 +64,7 @@ def show(fig: go.Figure, key: str) -> None:
 
 def cost_text(gpu_seconds: float | None, price: float, currency: str) -> str:
     """ "0.062 GPU-s · 0.00 USD" (money only when a price is set), or an en dash when no pod measured prefill."""
-    money = gpu_seconds / 3600 * price if gpu_seconds is not None and price > 0 else None
-    return findings.cost_text(gpu_seconds, money, currency)
+    return findings.cost_text(gpu_seconds, findings.money(gpu_seconds, price), currency)
 
 
 def survival(df: pl.DataFrame) -> None:
