@@ -253,12 +253,6 @@ def _serve_gateway(port: int, upstream: str, log_path: str, tokenizer: str, bloc
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--role", *args],
@@ -364,7 +358,9 @@ def bench_proxy(tokenizer_path: Path | None, seconds: float, clients: int, block
     procs: list[subprocess.Popen] = []
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-bench-")
     try:
-        up_port, gw_port = _free_port(), _free_port()
+        from demo.fleet import free_port
+
+        up_port, gw_port = free_port(), free_port()
         procs.append(_spawn("upstream", str(up_port)))
         _wait_port(up_port, procs[-1])
         log_path = Path(tmp.name) / "gateway.jsonl"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,11 +69,43 @@ class Pod:
         return f"tcp://{self.host}:{self.kv_replay_port}"
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ephemeral (client source) ports, inclusive: read from
+    ``/proc/sys/net/ipv4/ip_local_port_range`` (Linux; ``ip(7)``), else the Linux default ``(32768, 60999)``."""
+    try:
+        low, high = (int(x) for x in EPHEMERAL_RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port for a server to listen on: free a moment ago and OUTSIDE the kernel's ephemeral range.
+
+    Port 0 would hand out an ephemeral port, and a listening port inside that range can be taken before the
+    server binds it: by any outgoing connection's source port, or by TCP self-connect, where a client
+    that keeps reconnecting to an unbound local port (vLLM's ZeroMQ KV-event publisher does, every
+    100 ms, until the collector binds) is eventually given that very port as its source and connects to
+    itself. Either way the later ``bind`` fails with "Address already in use".
+
+    Returns a port in 20000..(ephemeral low - 1), or in (ephemeral high + 1)..65535 when the range leaves
+    nothing below it. Raises ``OSError`` when 200 random candidates are all taken.
+    """
+    low, high = ephemeral_range()
+    candidates = range(20000, low) if low > 20000 + 1000 else range(high + 1, 65536)
+    rnd = random.SystemRandom()
+    for _ in range(200):
+        port = rnd.choice(candidates)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port found in {candidates.start}..{candidates.stop - 1} on {host}")
 
 
 class VllmFleet:

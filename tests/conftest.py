@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from demo.fleet import free_port as fleet_free_port
 from ingest.store import Store
 
 pytest_plugins = ["conftest_vllm"]
@@ -24,9 +25,8 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a test server to listen on, outside the ephemeral range (see `demo.fleet.free_port`)."""
+    return fleet_free_port()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from conftest import free_port
 
 from collector.gateway_record import decode_record
 from gateway.fingerprint import TokenCounter, fingerprint_chat
@@ -31,12 +31,6 @@ def long_text(n_words: int, seed: str) -> str:
     """A prompt of `n_words` words that starts with `seed` (so no other test shares its first block)."""
     rnd = random.Random(seed)
     return seed + " " + " ".join(rnd.choice(WORDS) for _ in range(n_words))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _VALIDATOR = None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import tempfile
 import threading
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
@@ -416,9 +416,7 @@ def test_a_slow_pod_does_not_delay_another_pods_scrape(servers, tmp_path: Path) 
 
 
 def test_the_scrape_loop_keeps_its_interval_while_a_pod_hangs(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+    closed = f"http://127.0.0.1:{free_port()}/metrics"  # a port nobody listens on
     pods = {"fast": servers(BODY1), "hung": servers(BODY1, delay=3.0), "err": servers("oops", status=500),
             "down": closed}
     before = {(p, r): failures(p, r) for p, r in [("hung", "timeout"), ("err", "http_status"), ("down", "connect")]}
