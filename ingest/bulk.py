@@ -25,6 +25,7 @@ from collector.gateway_log import MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows
 from ingest.errors import RejectedRows
+from ingest.retention import Retention, Retentions
 from ingest.rows import COLUMNS, GATEWAY_HASH_LISTS, dead_letter_row
 from ingest.store import Store
 from kvscope.importer import import_events
@@ -33,11 +34,13 @@ from kvscope.importer import import_events
 @dataclass
 class LoadStats:
     """What a load did: ``lines`` read, ``rows`` inserted into gateway_requests, ``duplicates`` dropped (the
-    store held them), ``dead_letters`` written."""
+    store held them), ``expired`` not loaded because they are older than gateway_requests' retention
+    (:mod:`ingest.retention`; one dead letter per chunk names them), ``dead_letters`` written."""
 
     lines: int = 0
     rows: int = 0
     duplicates: int = 0
+    expired: int = 0
     dead_letters: int = 0
 
 
@@ -102,24 +105,43 @@ class _JsonStage:
                       "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), "
                       + ", ".join(f"MODIFY COLUMN {c} Array(String)" for c in GATEWAY_HASH_LISTS))
 
-    def insert_absent(self, lines: list[bytes]) -> int:
-        """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold; returns how many.
-        Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder accepted (the
-        caller then loads that chunk line by line), or what the store raises."""
+    def insert_absent(self, lines: list[bytes], retention: Retention | None) -> tuple[int, list[str]]:
+        """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold and that are not
+        older than ``retention`` (:mod:`ingest.retention`); returns (how many were inserted, the request ids
+        of the expired lines, in order). Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a
+        line the decoder accepted (the caller then loads that chunk line by line), or what the store raises."""
         cols = ", ".join(COLUMNS["gateway_requests"])
         exprs = ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
         self.store.command(f"TRUNCATE TABLE {self.name}")
         self.store.insert_raw(self.name, b"\n".join(lines), "JSONEachRow", _JSON_SETTINGS)
+        expired: list[str] = []
+        live, params = "1", {}
+        if retention is not None:  # as Retention.expired: the TTL's whole seconds at or before the cutoff
+            live, params = "toDateTime(ts) > {cutoff:DateTime('UTC')}", {"cutoff": retention.cutoff}
+            expired = [str(r[0]) for r in self.store.query_rows(
+                f"SELECT request_id FROM {self.name} WHERE NOT ({live}) ORDER BY ts, request_id", params)]
         before = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0]
         self.store.command(
-            f"INSERT INTO gateway_requests ({cols}) SELECT {exprs} FROM {self.name} "
-            f"WHERE (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests "
+            f"INSERT INTO gateway_requests ({cols}) SELECT {exprs} FROM {self.name} WHERE {live} "
+            f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests "
             f"WHERE ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})) "
-            "LIMIT 1 BY request_id, ts")
-        return self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before
+            "LIMIT 1 BY request_id, ts", params)
+        return self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before, expired
 
     def drop(self) -> None:
         self.store.command(f"DROP TABLE IF EXISTS {self.name}")
+
+
+def _expired_letter(path: Path, chunk: list[tuple[int, bytes]], expired: list[str], retention: Retention | None,
+                    pod: str, now_ms: int) -> tuple:
+    """The dead letter of a chunk's lines older than the retention: where the chunk lies, how many, the
+    reason, and their request ids (one per line, capped)."""
+    first, last = chunk[0][0], chunk[-1][0]
+    reason = retention.reason_for_many(len(expired)) if retention else f"{len(expired)} rows older than the retention"
+    raw = "\n".join(expired)[:MAX_RAW]
+    dl = DeadLetter(source="gateway_log", reason=reason, raw=raw, location=f"{path}:{first}-{last}")
+    ev = envelope(dl, pod=pod, natural_key=(str(path), first, last, "expired"), observed_at_ms=now_ms)
+    return dead_letter_row(ev, dl)
 
 
 def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
@@ -129,6 +151,7 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     path = Path(path)
     stats = LoadStats()
     json_stage = _JsonStage(store)
+    retentions = Retentions(store)
     now_ms = int(time.time() * 1000)
     for chunk in _chunks(path, lines_per_chunk):
         good: list[bytes] = []
@@ -143,8 +166,9 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                 dead.append(dead_letter_row(ev, dl))
         stats.lines += len(chunk)
         if good:
+            expired: list[str] = []
             try:
-                inserted = json_stage.insert_absent(good)
+                inserted, expired = json_stage.insert_absent(good, retentions.get("gateway_requests"))
             except RejectedRows:  # ClickHouse refused a line the decoder accepted: this chunk line by line,
                 # with the live path's isolation (the refused row becomes a dead letter with the store's reason)
                 events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]
@@ -152,7 +176,10 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                 inserted = written.get("gateway_requests", 0)
                 stats.dead_letters += written.get("dead_letters", 0)
             stats.rows += inserted
-            stats.duplicates += len(good) - inserted
+            stats.duplicates += len(good) - len(expired) - inserted
+            if expired:  # one dead letter per chunk: its count, reason and request ids
+                stats.expired += len(expired)
+                dead.append(_expired_letter(path, chunk, expired, retentions.get("gateway_requests"), pod, now_ms))
         if dead:
             keep = absent_rows(store, "dead_letters", dead, COLUMNS["dead_letters"])
             store.insert("dead_letters", [dead[i] for i in keep], COLUMNS["dead_letters"])

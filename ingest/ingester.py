@@ -22,6 +22,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -30,6 +31,7 @@ from collector.events import ContractError, decode_batch, encode_batch
 from collector.publish import Message
 from ingest.dedup import absent_rows
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
+from ingest.retention import Retentions
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
 from ingest.source import Source
 from ingest.store import Store
@@ -41,6 +43,8 @@ ROWS_DUPLICATE = Counter("kvscope_ingest_rows_duplicate", "Rows dropped because 
                          "(redelivery, a collector re-send, a re-import)", ["table"])
 DEAD_LETTERS = Counter("kvscope_dead_letters", "Inputs dead-lettered, by source", ["source"])
 INGEST_ERRORS = Counter("kvscope_ingest_errors", "Ingest failures by kind", ["kind"])
+ROWS_EXPIRED = Counter("kvscope_ingest_rows_expired", "Rows not inserted because they are already older than their "
+                       "table's retention (ClickHouse would drop them at insert); dead-lettered", ["table"])
 RETRIES = Counter("kvscope_ingest_retries", "Batches retried after a failure that may pass, by reason", ["reason"])
 BATCH_BACKOFF = Gauge("kvscope_ingest_backoff_seconds", "Current wait before retrying the held batch (0 = none)")
 
@@ -106,11 +110,13 @@ class Ingester:
         self.max_backoff_seconds = max_backoff_seconds
         self.messages_handled = 0
         self.rows_written: dict[str, int] = defaultdict(int)
+        self.retentions = Retentions(store)
 
     # -- writing one table ------------------------------------------------------------------------------
     def _write(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]]) -> None:
         """Insert the rows the store does not hold yet; isolate and dead-letter rows it refuses as data."""
         columns = COLUMNS[table]
+        rows = self._set_aside_expired(table, rows)
         keep = absent_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
         if len(keep) < len(rows):
             ROWS_DUPLICATE.labels(table).inc(len(rows) - len(keep))
@@ -132,6 +138,38 @@ class Ingester:
         if table == "dead_letters":
             for row, _ in todo:
                 DEAD_LETTERS.labels(row[2]).inc()
+
+    def _set_aside_expired(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]]
+                           ) -> list[tuple[tuple[Any, ...], Origin]]:
+        """``rows`` minus those already older than ``table``'s retention (:mod:`ingest.retention`), which become
+        one dead letter per envelope, with the reason and the rows as JSON lines. Dead letters themselves are
+        never set aside: an old one (a collector's, observed long ago) is stamped with the time it is stored."""
+        retention = self.retentions.get(table)
+        if retention is None or retention.column not in COLUMNS[table]:
+            return rows
+        at = COLUMNS[table].index(retention.column)
+        keep, expired = self.retentions.split(table, [r for r, _ in rows], lambda r: r[at])
+        if not expired:
+            return rows
+        if table == "dead_letters":
+            now, old = datetime.now(UTC), set(expired)
+            return [((*r[:at], now, *r[at + 1:]) if i in old else r, o) for i, (r, o) in enumerate(rows)]
+        ROWS_EXPIRED.labels(table).inc(len(expired))
+        by_origin: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+        origins: dict[int, Origin] = {}
+        for i in expired:
+            row, origin = rows[i]
+            by_origin[origin.group].append(row)
+            origins[origin.group] = origin
+        log.warning("rows older than the retention of %s set aside as dead letters: %d", table, len(expired))
+        for group, group_rows in by_origin.items():
+            origin = origins[group]
+            raw = "\n".join(json.dumps(dict(zip(COLUMNS[table], r, strict=False)), default=str, ensure_ascii=False)
+                            for r in group_rows)
+            reason = retention.reason(group_rows[0][at]) + (f" ({len(group_rows)} rows)" if len(group_rows) > 1
+                                                             else "")
+            self._write("dead_letters", [(contract_dead_letter(reason, origin.location, raw, origin.pod), origin)])
+        return [rows[i] for i in keep]
 
     def _dead_letter_refused(self, table: str, item: tuple[tuple[Any, ...], Origin], exc: RejectedRows) -> None:
         row, origin = item

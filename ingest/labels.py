@@ -29,6 +29,7 @@ from typing import Any
 from collector.events import DeadLetter, envelope
 from ingest import attribution as a
 from ingest.dedup import absent_rows
+from ingest.retention import Retentions
 from ingest.rows import COLUMNS as ROW_COLUMNS
 from ingest.rows import dead_letter_row
 from ingest.store import Store
@@ -205,8 +206,9 @@ def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int 
     """Load the label lines of ``path`` from byte ``start`` into workload_labels, each request once (a label the
     store holds is skipped, so a file may be loaded again, or tailed); bad lines become dead letters. A line
     without ts takes the gateway's arrival ts of its request, so such lines need the gateway log loaded first
-    (else they are dead letters saying so). Returns :class:`LabelLoad`. Raises ``OSError`` and what the store
-    raises (``StoreUnavailable``: load again; nothing is written twice)."""
+    (else they are dead letters saying so). A label older than workload_labels' retention is a dead letter with
+    that reason (:mod:`ingest.retention`: ClickHouse would drop it at insert). Returns :class:`LabelLoad`.
+    Raises ``OSError`` and what the store raises (``StoreUnavailable``: load again; nothing is written twice)."""
     path = Path(path)
     lines, end = _lines(path, start, partial_last_line)
     stats = LabelLoad(lines=len(lines), end_offset=end)
@@ -223,6 +225,10 @@ def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int 
     for r in [r for r in good if r["ts"] is None]:
         bad.append((r["_offset"], r["_line"], "no ts, and the store holds no gateway request with this request_id: "
                                               "import the gateway log first, or give ts"))
+        good.remove(r)
+    retention = Retentions(store).get("workload_labels")
+    for r in [r for r in good if retention is not None and retention.expired(r["ts"])]:
+        bad.append((r["_offset"], r["_line"], retention.reason(r["ts"])))
         good.remove(r)
     rows = [tuple(r[c] for c in COLUMNS) for r in good]
     keep = absent_rows(store, "workload_labels", rows, COLUMNS)

@@ -401,6 +401,9 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
     for f in files:
         stats = load_gateway_log(store, f)
         click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, {stats.dead_letters} dead letters")
+        if stats.expired:
+            click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, which "
+                       "ClickHouse would drop at insert (kvscope query dead_letters names them)", err=True)
     from ingest.attribution_job import run_attribution
     from kvscope.pipeline import attribution_kwargs
 

@@ -11,6 +11,7 @@ from collector.events import DeadLetter, Envelope
 from collector.publish import Message, to_messages
 from collector.vllm_metrics import MAX_RAW, dead_letter_event, scrape_events
 from ingest.ingester import Ingester
+from ingest.retention import Retentions
 from ingest.store import Store
 
 
@@ -57,7 +58,8 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
 
     A lone snapshot is a baseline (:func:`collector.vllm_metrics.scrape_events`: gauges and the cache config;
     counters need a previous scrape). Refused whole, as one dead letter with its reason: gzip bytes, bytes
-    that are not UTF-8 (a UTF-8 BOM is dropped), and a second scrape of ``pod`` at ``at_ms`` when the store
+    that are not UTF-8 (a UTF-8 BOM is dropped), an ``at_ms`` older than vllm_metrics' retention (ClickHouse
+    would drop the rows at insert; :mod:`ingest.retention`), and a second scrape of ``pod`` at ``at_ms`` when the store
     holds one (the first is kept: one scrape per pod and instant, so a query's "latest value" has one
     answer). Every other bad input is dead-lettered as the live collector does. Raises what
     :meth:`Store.query_rows` raises.
@@ -71,6 +73,10 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
             body = raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             problem = f"not UTF-8 text ({exc.reason} at byte {exc.start}): a /metrics body is UTF-8"
+    retention = Retentions(store).get("vllm_metrics")
+    at = datetime.fromtimestamp(at_ms / 1000, UTC)
+    if not problem and retention is not None and retention.expired(at):
+        problem = retention.reason(at)
     if not problem and _scrape_stored(store, pod, at_ms):
         problem = (f"the store already holds a scrape of pod {pod!r} at this time: a second scrape of one pod at "
                    "one instant is refused (the first is kept); give another --at")
