@@ -362,6 +362,11 @@ def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndar
     return out
 
 
+def _text_column(df: pl.DataFrame, column: str) -> pa.Array:
+    """A string column of ``df`` as an Arrow string array (nulls as "", as the reference gives them)."""
+    return df[column].cast(pl.String).fill_null("").to_arrow().cast(pa.string())
+
+
 def _merge(tok: np.ndarray, cause: np.ndarray, sub: np.ndarray) -> None:
     """Add each slot's tokens to the first earlier slot with tokens and the same (cause, sub_cause), in place
     (split_missed_tokens totals per pair, in order of first appearance)."""
@@ -411,18 +416,21 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     p_e2e = df["p_e2e_ms"].fill_null(0.0).to_numpy()
     stored_kind = kind + np.where(beyond, BEYOND_HORIZON_KIND_SUFFIX, "").astype(object)
     gap = np.where(has_pred_out, (ts_ms - p_ts_ms).astype(np.float64) - p_e2e, np.nan)
+    def text(values: np.ndarray) -> pa.Array:  # object or unicode numpy → Arrow strings, in C
+        return pa.array(values, type=pa.string())
+
     return {
-        "request_id": df["request_id"].to_list(), "ts": df["ts"], "tenant_id": df["tenant_id"].to_list(),
-        "pod": df["pod"].to_list(), "model": df["model"].to_list(), "prompt_tokens": prompt,
+        "request_id": _text_column(df, "request_id"), "ts": df["ts"], "tenant_id": _text_column(df, "tenant_id"),
+        "pod": _text_column(df, "pod"), "model": _text_column(df, "model"), "prompt_tokens": prompt,
         "cached_tokens": pa.array(cached, type=pa.uint32(), mask=unknown),
-        "predecessor_request_id": np.where(has_pred_out, df["p_request_id"].fill_null("").to_numpy(), "").tolist(),
-        "predecessor_pod": np.where(has_pred_out, df["p_pod"].fill_null("").to_numpy(), "").tolist(),
-        "predecessor_kind": np.where(has_pred_out, stored_kind, "").tolist(),
-        "gap_ms": [None if np.isnan(g) else float(g) for g in gap],
+        "predecessor_request_id": text(np.where(has_pred_out, df["p_request_id"].fill_null("").to_numpy(), "")),
+        "predecessor_pod": text(np.where(has_pred_out, df["p_pod"].fill_null("").to_numpy(), "")),
+        "predecessor_kind": text(np.where(has_pred_out, stored_kind, "")),
+        "gap_ms": pa.array(np.where(np.isnan(gap), 0.0, gap), type=pa.float64(), mask=np.isnan(gap)),
         "block_size": _i(df, "block_size"), "causes": causes, "sub_causes": subs, "missed_tokens": tokens,
-        "evidence": np.where(ev.rows, EVIDENCE_KV_EVENTS,
-                             np.where(reused, EVIDENCE_INFERRED, EVIDENCE_FINGERPRINTS)).tolist(),
-        "evidence_pod": np.where(ev.rows, ev.pod, "").tolist(),
+        "evidence": text(np.where(ev.rows, EVIDENCE_KV_EVENTS, np.where(reused, EVIDENCE_INFERRED,
+                                                                         EVIDENCE_FINGERPRINTS))),
+        "evidence_pod": text(np.where(ev.rows, ev.pod, "")),
         "evidence_removed_at": pa.array(np.maximum(ev.removed_at, 0), type=pa.timestamp("ms", tz="UTC"),
                                         mask=~ev.rows | (ev.removed_at < 0)),
     }

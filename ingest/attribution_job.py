@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
@@ -404,8 +405,9 @@ def _table(verdicts: dict[str, Any], attributed_at: datetime) -> pa.Table:
     columns[VERDICT_COLUMNS.index("ts")] = verdicts["ts"].to_arrow()
     arrays = [col.cast(field.type) if isinstance(col, pa.Array | pa.ChunkedArray) else pa.array(col, type=field.type)
               for col, field in zip(columns, _ARROW, strict=False)]
-    arrays += [pa.array([attributed_at] * n, type=_ARROW.field("attributed_at").type),
-               pa.array([1] * n, type=pa.int8()), pa.array([1] * n, type=pa.uint32())]
+    at_ms = int(attributed_at.timestamp() * 1000)
+    arrays += [pa.array(np.full(n, at_ms, dtype=np.int64), type=pa.int64()).cast(_ARROW.field("attributed_at").type),
+               pa.array(np.ones(n, dtype=np.int8)), pa.array(np.ones(n, dtype=np.uint32))]
     return pa.Table.from_arrays(arrays, schema=_ARROW)
 
 

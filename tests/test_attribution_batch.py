@@ -148,7 +148,8 @@ def test_a_frame_without_the_beyond_horizon_column_reads_it_as_false() -> None:
     frame = pl.DataFrame([{**{f: r2.get(f) for f in a.REQUEST_FIELDS}, "block_size": 32,
                            "predecessor_kind": "fingerprint", **{f"p_{f}": r1.get(f) for f in a.REQUEST_FIELDS}}])
     got = judge_frame(frame)
-    assert (got["causes"].to_pylist(), got["predecessor_kind"]) == ([["evicted", "unavoidable"]], ["fingerprint"])
+    assert (got["causes"].to_pylist(), got["predecessor_kind"].to_pylist()) == ([["evicted", "unavoidable"]],
+                                                                           ["fingerprint"])
 
 
 @pytest.mark.parametrize("rule", ["volatile_by_lines", "system_drift_at_a_line", "rag_in_the_message", "band_key"])
