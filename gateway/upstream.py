@@ -78,7 +78,7 @@ class UpstreamResponse:
     """A pod's response: `status_code`, `headers` (case-insensitive mapping), then the body by `aread()` or
     `aiter_bytes()` (transfer framing removed, content encoding kept). Reading raises `UpstreamError` /
     `UpstreamTimeout`. `close()` (synchronous, idempotent) hands the connection back to the pool when the
-    body was read to its end, else closes it (vLLM then aborts the generation)."""
+    body was read to its end, else closes it (vLLM then aborts the generation when it notices; not at once)."""
 
     __slots__ = ("_response", "_timeouts", "headers", "status_code")
 
