@@ -22,6 +22,9 @@ from collector.file_tail import Chunk, FileFollower, Position, start_position
 from collector.gateway_record import BadRecord, decode_record, ts_ms
 
 MAX_RAW = 64 * 1024
+#: The longest gateway log line read, in bytes without its newline (exclusive): a longer one is dead-lettered by
+#: its head, live (GatewayLogSource) and on import (ingest.bulk) alike.
+MAX_LINE_BYTES = 8 << 20
 
 
 def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int) -> Envelope:
@@ -92,7 +95,7 @@ class GatewayLogSource:
     """
 
     def __init__(self, path: str | Path, checkpoints: CheckpointStore, *, pod: str = "gateway",
-                 max_bytes: int = 8 << 20, rotate_wait_seconds: float = 1.0) -> None:
+                 max_bytes: int = MAX_LINE_BYTES, rotate_wait_seconds: float = 1.0) -> None:
         self.path = Path(path)
         self.pod = pod
         self.key = checkpoint_key(path)

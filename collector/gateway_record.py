@@ -143,7 +143,9 @@ _hashes_of = operator.attrgetter(*_HASHES)
 _ONE_HASH = re.compile(r"(?:[0-9a-f]{16})?")
 _ALL_HASHES = re.compile(r"(?:[0-9a-f]{16})?" + r",(?:[0-9a-f]{16})?" * (len(_HASHES) - 1))
 _CHAIN = re.compile(r"[0-9a-f]{16}(?:,[0-9a-f]{16})*")
-_EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
+#: The times kvscope stores, [EARLIEST, LATEST) UTC: inside ClickHouse's DateTime (1970..2106), which the TTLs
+#: and rollups use (``toDateTime(ts)``), with room for a TTL interval.
+EARLIEST, LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -179,7 +181,7 @@ def _parse_ts(ts: str) -> datetime:
                       int((frac or "0")[:6].ljust(6, "0")), tzinfo=tz)
     except ValueError as exc:
         raise BadRecord(f"ts {ts} is not a real date and time ({exc})") from exc
-    if not _EARLIEST <= dt < _LATEST:
+    if not EARLIEST <= dt < LATEST:
         raise BadRecord(f"ts {ts} is outside 2000..2100 (UTC)")
     return dt
 
@@ -259,7 +261,7 @@ def _canonical_ts(ts: str) -> str:
         except ValueError:
             _parse_ts(ts)  # raises with the reason
             raise
-        if not _EARLIEST <= dt < _LATEST:
+        if not EARLIEST <= dt < LATEST:
             raise BadRecord(f"ts {ts} is outside 2000..2100 (UTC)")
         return ts
     dt = _parse_ts(ts).astimezone(UTC)

@@ -279,12 +279,19 @@ def cardinality_jump(store: Store, rule: Rule, now: datetime) -> Outcome:
     return FIRING, top["factor"], _with_cause(message, evidence), evidence
 
 
+#: How far ahead of the store's clock a source's row may be stamped and still count as heard from (clock skew).
+CLOCK_SKEW_SECONDS = 300.0
+
+
 def source_silent(store: Store, rule: Rule, now: datetime) -> Outcome:
     """Seconds since each pod's (or the source's) latest row, from the named query ``freshness`` (value = the
-    oldest). A pod silent for longer than ``lookback`` has no row and is no longer watched."""
+    oldest). A pod silent for longer than ``lookback`` has no row and is no longer watched. Rows stamped more
+    than :data:`CLOCK_SKEW_SECONDS` after ``now`` are not signs of life (one line dated next year would
+    otherwise keep the source "fresh" for a year)."""
     p = rule.params
     what = SOURCE_WORDS[p["source"]]
-    df = _q(store, "freshness", since=now - timedelta(seconds=p["lookback"]), pod=p["pod"])
+    df = _q(store, "freshness", since=now - timedelta(seconds=p["lookback"]),
+            until=now + timedelta(seconds=CLOCK_SKEW_SECONDS), pod=p["pod"])
     df = df.filter(pl.col("source") == p["source"])
     if df.is_empty():
         return OK, None, f"no {what} in the last {human_duration(p['lookback'])}: nothing to watch", {}

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from collector.events import DeadLetter, envelope
-from collector.gateway_log import MAX_RAW, line_event
+from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows
 from ingest.errors import RejectedRows
@@ -144,11 +144,19 @@ def _expired_letter(path: Path, chunk: list[tuple[int, bytes]], expired: list[st
     return dead_letter_row(ev, dl)
 
 
+class CompressedLog(ValueError):
+    """A gateway log file that is gzip-compressed (rotated logs often are): refused whole, nothing written."""
+
+
 def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                      lines_per_chunk: int = 50_000) -> LoadStats:
-    """Load a finished gateway log into ``store``; returns :class:`LoadStats`. Raises what the store raises
-    (``StoreUnavailable``: the load may be repeated; rows already loaded are skipped) and ``OSError``."""
-    path = Path(path)
+    """Load a finished gateway log into ``store``; returns :class:`LoadStats`. Raises :class:`CompressedLog` for
+    a gzip file (nothing written), what the store raises (``StoreUnavailable``: the load may be repeated; rows
+    already loaded are skipped) and ``OSError``."""
+    path = Path(path).resolve()  # one spelling per file: dead letters are keyed by it (a re-import adds none)
+    with path.open("rb") as fh:
+        if fh.read(2) == b"\x1f\x8b":
+            raise CompressedLog(f"{path}: gzip-compressed bytes, not a gateway log: decompress it first (gunzip)")
     stats = LoadStats()
     json_stage = _JsonStage(store)
     retentions = Retentions(store)
@@ -158,9 +166,11 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
         dead = []
         for offset, line in chunk:
             try:
+                if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
+                    raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
                 good.append(_encode(decode_record(line)))
             except BadRecord as exc:
-                text = line.decode("utf-8", "replace")
+                text = line[:MAX_RAW].decode("utf-8", "replace")
                 dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW], location=f"{path}:{offset}")
                 ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256]), observed_at_ms=now_ms)
                 dead.append(dead_letter_row(ev, dl))

@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from collector.events import ContractError, decode_batch, encode_batch
+from collector.gateway_record import LATEST
 from collector.publish import Message
 from ingest.dedup import absent_rows
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
@@ -143,17 +144,18 @@ class Ingester:
                            ) -> list[tuple[tuple[Any, ...], Origin]]:
         """``rows`` minus those already older than ``table``'s retention (:mod:`ingest.retention`), which become
         one dead letter per envelope, with the reason and the rows as JSON lines. Dead letters themselves are
-        never set aside: an old one (a collector's, observed long ago) is stamped with the time it is stored."""
+        never set aside: an old one (a collector's, observed long ago) or one stamped at or after
+        :data:`collector.gateway_record.LATEST` is stamped with the time it is stored."""
         retention = self.retentions.get(table)
         if retention is None or retention.column not in COLUMNS[table]:
             return rows
         at = COLUMNS[table].index(retention.column)
         keep, expired = self.retentions.split(table, [r for r, _ in rows], lambda r: r[at])
+        if table == "dead_letters":  # also those stamped past what DateTime holds (their TTL would wrap)
+            now, restamp = datetime.now(UTC), set(expired) | {i for i, (r, _) in enumerate(rows) if r[at] >= LATEST}
+            return [((*r[:at], now, *r[at + 1:]) if i in restamp else r, o) for i, (r, o) in enumerate(rows)]
         if not expired:
             return rows
-        if table == "dead_letters":
-            now, old = datetime.now(UTC), set(expired)
-            return [((*r[:at], now, *r[at + 1:]) if i in old else r, o) for i, (r, o) in enumerate(rows)]
         ROWS_EXPIRED.labels(table).inc(len(expired))
         by_origin: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
         origins: dict[int, Origin] = {}

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.events import DeadLetter, envelope
+from collector.gateway_record import EARLIEST, LATEST
 from ingest import attribution as a
 from ingest.dedup import absent_rows
 from ingest.retention import Retentions
@@ -52,7 +53,6 @@ COLUMNS = ("request_id", "ts", "tenant_id", "run_id", "scenario", "cause", "sub_
            "expected_sub_causes", "expected_tokens", "location")
 NAME_MAX_CHARS = 512
 MAX_RAW = 64 * 1024
-_EARLIEST, _LATEST = datetime(2000, 1, 1, tzinfo=UTC), datetime(2100, 1, 1, tzinfo=UTC)
 
 
 class BadLabel(ValueError):
@@ -82,6 +82,10 @@ def _name(obj: dict[str, Any], key: str, *, required: bool = False) -> str:
                        f"{'non-empty ' if required else ''}string")
     if len(value) > NAME_MAX_CHARS:
         raise BadLabel(f"field {key}: longer than {NAME_MAX_CHARS} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's \ud800 escapes decode to lone surrogates, which UTF-8 cannot hold
+        raise BadLabel(f"field {key}: not valid Unicode (a lone surrogate at character {exc.start})") from exc
     return value
 
 
@@ -95,7 +99,7 @@ def _ts(obj: dict[str, Any]) -> datetime | None:
         dt = None
     if dt is None or dt.tzinfo is None:
         raise BadLabel("field ts: not an ISO 8601 time with a time zone (e.g. 2026-11-29T12:00:00.123Z)")
-    if not _EARLIEST <= dt < _LATEST:
+    if not EARLIEST <= dt < LATEST:
         raise BadLabel(f"field ts: {value} is outside 2000..2100 (UTC)")
     dt = dt.astimezone(UTC)
     return dt.replace(microsecond=dt.microsecond // 1000 * 1000)
@@ -140,6 +144,8 @@ def _expected(obj: dict[str, Any]) -> tuple[list[str], list[str], list[int]]:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens < 2**32:
             raise BadLabel(f"expected_tokens: tokens of {cause} must be an integer 0..2^32-1")
         split[(cause, sub)] = split.get((cause, sub), 0) + tokens
+        if split[(cause, sub)] >= 2**32:
+            raise BadLabel(f"expected_tokens: the tokens of {cause}/{sub or '-'} add up past 2^32-1")
     keys = sorted(k for k, v in split.items() if v)
     return [k[0] for k in keys], [k[1] for k in keys], [split[k] for k in keys]
 
@@ -209,7 +215,7 @@ def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int 
     (else they are dead letters saying so). A label older than workload_labels' retention is a dead letter with
     that reason (:mod:`ingest.retention`: ClickHouse would drop it at insert). Returns :class:`LabelLoad`.
     Raises ``OSError`` and what the store raises (``StoreUnavailable``: load again; nothing is written twice)."""
-    path = Path(path)
+    path = Path(path).resolve()  # one spelling per file: dead letters are keyed by it (a re-import adds none)
     lines, end = _lines(path, start, partial_last_line)
     stats = LabelLoad(lines=len(lines), end_offset=end)
     good: list[dict[str, Any]] = []

@@ -394,12 +394,15 @@ def import_() -> None:
 def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
     """Load gateway fingerprint log JSONL files (streamed, any size); bad lines go to dead_letters with their
     reason; lines already in the store are skipped."""
-    from ingest.bulk import load_gateway_log
+    from ingest.bulk import CompressedLog, load_gateway_log
 
     cfg = _config(**opts)
     store = _store(cfg)
     for f in files:
-        stats = load_gateway_log(store, f)
+        try:
+            stats = load_gateway_log(store, f)
+        except CompressedLog as exc:
+            raise click.ClickException(str(exc)) from exc
         click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, {stats.dead_letters} dead letters")
         if stats.expired:
             click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, which "
@@ -421,13 +424,17 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
     into workload_labels, each request once (a label already stored is skipped); bad lines go to dead_letters
     with their reason. Compare with attribution: `kvscope query attribution_agreement`. Exits 1 when no line of
     any file could be used."""
+    from ingest.errors import KvscopeError
     from ingest.labels import load_labels
 
     cfg = _config(**opts)
     store = _store(cfg)
     usable = 0
     for f in files:
-        stats = load_labels(store, f, run_id=run_id or Path(f).stem)
+        try:
+            stats = load_labels(store, f, run_id=run_id or Path(f).stem)
+        except KvscopeError as exc:
+            raise click.ClickException(f"{f}: the store refused the labels: {exc}") from exc
         usable += stats.rows + stats.duplicates
         click.echo(f"{f}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad lines "
                    f"({stats.dead_letters} new dead letters)")

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from collector.events import DeadLetter, Envelope
+from collector.gateway_record import EARLIEST, LATEST
 from collector.publish import Message, to_messages
 from collector.vllm_metrics import MAX_RAW, dead_letter_event, scrape_events
 from ingest.ingester import Ingester
@@ -58,11 +59,11 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
 
     A lone snapshot is a baseline (:func:`collector.vllm_metrics.scrape_events`: gauges and the cache config;
     counters need a previous scrape). Refused whole, as one dead letter with its reason: gzip bytes, bytes
-    that are not UTF-8 (a UTF-8 BOM is dropped), an ``at_ms`` older than vllm_metrics' retention (ClickHouse
-    would drop the rows at insert; :mod:`ingest.retention`), and a second scrape of ``pod`` at ``at_ms`` when the store
-    holds one (the first is kept: one scrape per pod and instant, so a query's "latest value" has one
-    answer). Every other bad input is dead-lettered as the live collector does. Raises what
-    :meth:`Store.query_rows` raises.
+    that are not UTF-8 (a UTF-8 BOM is dropped), an ``at_ms`` outside 2000..2100 UTC or older than
+    vllm_metrics' retention (ClickHouse would drop the rows at insert; :mod:`ingest.retention`), and a second
+    scrape of ``pod`` at ``at_ms`` when the store holds one (the first is kept: one scrape per pod and
+    instant, so a query's "latest value" has one answer). Every other bad input is dead-lettered as the live
+    collector does. Raises what :meth:`Store.query_rows` raises.
     """
     url = f"file://{path.resolve()}"
     problem, body = "", ""
@@ -75,6 +76,9 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
             problem = f"not UTF-8 text ({exc.reason} at byte {exc.start}): a /metrics body is UTF-8"
     retention = Retentions(store).get("vllm_metrics")
     at = datetime.fromtimestamp(at_ms / 1000, UTC)
+    if not problem and not EARLIEST <= at < LATEST:
+        problem = (f"scrape time {at.isoformat()} is outside {EARLIEST.year}..{LATEST.year} (UTC), the times kvscope "
+                   "stores (ClickHouse's DateTime, which the retention and the rollups use, ends in 2106)")
     if not problem and retention is not None and retention.expired(at):
         problem = retention.reason(at)
     if not problem and _scrape_stored(store, pod, at_ms):

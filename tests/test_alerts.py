@@ -323,6 +323,28 @@ def test_source_silent_fires_on_a_stale_pod_through_the_cli(store: Store, webhoo
     assert [b["state"] for b in webhook.bodies("scrape_silent")] == ["firing", "resolved"]
 
 
+def test_a_row_dated_in_the_future_does_not_keep_a_silent_source_fresh(store: Store) -> None:
+    """One scrape stamped next year (a wrong clock, a hostile file) is not a sign of life; one a minute ahead of
+    the store's clock (skew) is."""
+    sample = ROOT / "tests" / "samples" / "vllm_0.32.0_cpu_real_metrics_1.txt"
+    now = datetime.now(UTC)
+
+    def scrape(at: datetime) -> None:
+        cli(store, "import", "metrics", str(sample), "--pod", "pod-a", "--at", at.isoformat())
+
+    rules = Path(store.dsn.removeprefix("chdb://")) / f"{store.database}-rules.toml"
+    rules.write_text('[[rule]]\nname = "scrape_silent"\nkind = "source_silent"\nsource = "vllm_scrape"\n'
+                     'silent_seconds = "2m"\n')
+    env = {"KVSCOPE_ALERT_RULES": str(rules)}
+    scrape(now - timedelta(minutes=10))
+    scrape(now + timedelta(days=400))
+    (row,) = json.loads(cli(store, "alerts", "--once", "--format", "json", env=env))
+    assert row["state"] == "firing" and 600 <= row["value"] < 700, row
+    scrape(now + timedelta(minutes=1))
+    (row,) = json.loads(cli(store, "alerts", "--once", "--format", "json", env=env))
+    assert row["state"] == "ok" and -90 < row["value"] < 0, row
+
+
 def test_failed_deliveries_are_counted_and_do_not_stop_the_evaluation(store: Store, webhook: Receiver) -> None:
     webhook.status = 500
     closed = f"http://127.0.0.1:{free_port()}/nobody"

@@ -447,3 +447,48 @@ def test_an_envelope_that_breaks_the_record_is_a_dead_letter_not_coerced(store) 
     [(reason,)] = store.query_rows("SELECT reason FROM dead_letters")
     assert "missing field tenant_id" in reason
     assert store.query_rows("SELECT request_id, tenant_id FROM gateway_requests") == [("ok", "acme")]
+
+
+def test_a_reimport_under_another_spelling_of_the_path_adds_no_dead_letter(store, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "g.jsonl"
+    log.write_text(json.dumps(GOOD) + "\n{not json\n")
+    assert load_gateway_log(store, log).dead_letters == 1
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    again = load_gateway_log(store, "../g.jsonl")
+    assert (again.rows, again.duplicates, again.dead_letters) == (0, 1, 0)
+    assert store.query_rows("SELECT location FROM dead_letters") == [(f"{log.resolve()}:{len(json.dumps(GOOD)) + 1}",)]
+
+
+def test_a_line_too_long_for_the_live_path_is_refused_on_import_too(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The live tail dead-letters a line of MAX_LINE_BYTES or more by its head; import does the same."""
+    from collector.gateway_log import MAX_LINE_BYTES
+
+    fits = json.dumps({**GOOD, "request_id": "fits", "pad": ""})
+    fits = fits.replace('"pad": ""', '"pad": "' + "x" * (MAX_LINE_BYTES - 1 - len(fits)) + '"')
+    long = fits.replace('"fits"', '"long"').replace('"pad": "', '"pad": "x')
+    assert (len(fits), len(long)) == (MAX_LINE_BYTES - 1, MAX_LINE_BYTES)
+    log = tmp_path / "g.jsonl"
+    log.write_text(fits + "\n" + long + "\n")
+    stats = load_gateway_log(store, log)
+    assert (stats.rows, stats.dead_letters) == (1, 1)
+    [(reason, raw_len)] = store.query_rows("SELECT reason, length(raw) FROM dead_letters")
+    assert reason == f"line longer than {MAX_LINE_BYTES} bytes" and raw_len <= 64 * 1024
+    assert store.query_rows("SELECT request_id FROM gateway_requests") == [("fits",)]
+
+
+def test_a_gzip_log_is_refused_whole_with_the_reason(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import gzip
+
+    from click.testing import CliRunner
+
+    from kvscope.cli import main
+
+    log = tmp_path / "g.jsonl.gz"
+    log.write_bytes(gzip.compress((json.dumps(GOOD) + "\n").encode()))
+    result = CliRunner().invoke(main, ["import", "gateway-log", str(log), "--data-dir",
+                                       store.dsn.removeprefix("chdb://"), "--database", store.database])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "gzip-compressed bytes, not a gateway log: decompress it first (gunzip)" in result.stderr
+    assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 0

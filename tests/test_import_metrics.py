@@ -90,3 +90,18 @@ def test_the_command_exits_1_when_nothing_was_loaded(tmp_path: Path) -> None:
     ok = run_cli("import", "metrics", str(tmp_path / "m.txt"), "--pod", "p", "--at", at, *data)
     assert ok.returncode == 0, ok.stderr
     assert "3 series, 1 cache configs" in ok.stdout
+
+
+@pytest.mark.parametrize("at", ["2150-01-01T00:00:00+00:00", "1999-12-31T23:59:59+00:00"])
+def test_a_scrape_time_outside_what_the_store_holds_is_refused(store: Store, tmp_path: Path, at: str) -> None:
+    """Past 2106 ClickHouse's DateTime wraps: the TTL would drop the raw rows at insert while the minute rollups
+    kept them (at a clamped minute, again on every re-import). Refused whole, its dead letter kept."""
+    at_ms = int(datetime.fromisoformat(at).timestamp() * 1000)
+    for _ in range(2):
+        result = import_metrics(store, "pod-a", tmp_path / "m.txt", with_usage(0.25), at_ms)
+        assert (result.series, result.configs) == (0, 0)
+        [reason] = result.reasons
+        assert reason.startswith(f"scrape time {at} is outside 2000..2100 (UTC)")
+    assert store.query_rows("SELECT count() FROM vllm_metrics")[0][0] == 0
+    assert store.query_rows("SELECT count() FROM vllm_1m")[0][0] == 0
+    assert [r[0] for r in store.query_rows("SELECT reason FROM dead_letters")] == [reason]

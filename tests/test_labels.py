@@ -258,3 +258,20 @@ def test_a_tail_loads_complete_lines_as_they_are_written(store: Store, tmp_path:
     assert (stats.rows, stats.reasons, tail.rows) == (1, [], 2)
     assert tail.poll().lines == 0
     assert [r[:2] for r in stored(store)] == [("t1", "0101"), ("t2", "0101")]
+
+
+def test_lines_the_store_could_not_hold_are_bad_lines_not_a_traceback(store: Store, tmp_path: Path) -> None:
+    """Expected tokens that add up past UInt32 and a lone surrogate (JSON's \\ud800) used to reach the store and
+    fail the whole file; each is now a bad line with its reason and the rest loads."""
+    path = tmp_path / "labels.jsonl"
+    path.write_text(
+        json.dumps({"request_id": "big", "cause": "cold", "ts": f"{DAY}T12:00:00Z", "expected_tokens": [
+            {"cause": "cold", "tokens": 2**32 - 1}, {"cause": "cold", "tokens": 10}]}) + "\n"
+        + '{"request_id": "r-\\ud800", "cause": "cold", "ts": "' + DAY + 'T12:00:01Z"}\n'
+        + json.dumps({"request_id": "ok", "cause": "cold", "ts": f"{DAY}T12:00:02Z"}) + "\n")
+    code, out, err = cli(store, "import", "labels", str(path))
+    assert code == 0, err
+    assert out.strip() == f"{path}: 1 labels, 0 already stored, 2 bad lines (2 new dead letters)"
+    assert "1 × expected_tokens: the tokens of cold/- add up past 2^32-1" in err
+    assert "1 × field request_id: not valid Unicode (a lone surrogate at character 2)" in err
+    assert [r[0] for r in stored(store)] == ["ok"]
