@@ -266,12 +266,14 @@ class KvEventSubscriber:
     def poll(self, timeout_ms: int = 200) -> tuple[list[Envelope], Callable[[], None] | None]:
         """Wait up to ``timeout_ms`` for messages, then take up to ``max_messages`` waiting ones.
 
-        Returns (envelopes, ack). Envelopes in arrival order: ``KvEventBatch`` (duplicates left out),
-        ``DeadLetter`` for undecodable messages, and before a batch that reveals a gap the ``KvEventGap`` and
-        the replayed batches (``replayed=True``, ascending seq); BlockStored events carry ``token_count`` and
-        ``chain_hashes`` instead of their token ids (:attr:`chains`). ``ack()`` (thread safe, call it once the
-        envelopes are durable downstream) checkpoints each stream delivered here; None when there is nothing
-        to ack. Bad input and replay failures never raise (they become dead letters and lost gaps).
+        Returns (envelopes, ack). Envelopes in arrival order: ``KvEventBatch`` (duplicates left out), each
+        followed by a ``DeadLetter`` per event of it that did not decode (:func:`message_events`), a
+        ``DeadLetter`` for an undecodable message, and before a batch that reveals a gap the ``KvEventGap`` and
+        the replayed batches (``replayed=True``, ascending seq, with their dead letters); BlockStored events
+        carry ``token_count`` and ``chain_hashes`` instead of their token ids (:attr:`chains`). ``ack()``
+        (thread safe, call it once the envelopes are durable downstream) checkpoints each stream delivered
+        here; None when there is nothing to ack. Bad input and replay failures never raise (they become dead
+        letters and lost gaps).
         """
         out: list[Envelope] = []
         touched: set[tuple[str, int | None]] = set()
