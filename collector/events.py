@@ -93,7 +93,9 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     (``GPU``/``CPU``/... or None), ``lora_name`` (str | None), ``token_count`` (int tokens the event covered,
     None = not counted yet: then ``len(token_ids)``), ``chain_hashes`` (list[int], BlockStored: kvscope's chain
     hash of each block, parallel to ``block_hashes``, 0 = unknown; :func:`kvscope.block_hash.chain_hashes`;
-    empty when the producer did not compute them).
+    empty when the producer did not compute them), ``idx`` (int, the event's position in vLLM's batch, from 0,
+    which a batch keeps when events before it were dead-lettered; None = its position in ``events``, as an
+    older collector published it).
     """
 
     type: str
@@ -105,6 +107,7 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     lora_name: str | None = None
     token_count: int | None = None
     chain_hashes: list[int] = []
+    idx: int | None = None
 
 
 class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
@@ -112,7 +115,8 @@ class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
 
     Fields: ``topic`` (str, the ZMQ topic), ``seq`` (int, vLLM's per-publisher sequence number),
     ``batch_ts`` (float, unix seconds set by vLLM), ``dp_rank`` (int | None, data-parallel rank = engine),
-    ``events`` (list[KvBlockEvent]). Natural key: (pod, topic, seq, batch_ts).
+    ``events`` (list[KvBlockEvent]: the events that decoded, each with its ``idx`` in vLLM's batch; each one
+    that did not is a separate ``DeadLetter``). Natural key: (pod, topic, seq, batch_ts).
     """
 
     topic: str

@@ -15,6 +15,11 @@ or below the last one is a duplicate when its batch is not newer (batch_ts), els
 (``publisher_restart``, a gap when its first seq seen is not 0). Gaps are fetched back from the pod's replay
 socket (``collector/kv_replay.py``) and reported as ``KvEventGap`` events either way.
 
+Bad input costs only itself: a message that is not ``[topic, seq, payload]`` with payload ``[ts, [events],
+dp_rank]`` is one dead letter; inside a well-formed batch each event is decoded on its own, so a malformed event
+or one of a type this kvscope does not read (a newer vLLM's) is a dead letter of its own, while the batch keeps
+its other events at their positions (``KvBlockEvent.idx``) and its seq counts as delivered (no false gap).
+
 Token ids: each delivered batch's ``BlockStored`` token ids are turned into kvscope chain hashes and a token
 count (``collector/kv_chains.py``) in delivery order (replayed batches before the batch that revealed the gap),
 so the ids themselves are not published.
@@ -28,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
@@ -51,10 +56,20 @@ _ARRAY_FIELDS = {
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
+KV_EVENT_TYPES = tuple(_ARRAY_FIELDS)
+"""The vLLM KV event types kvscope reads; any other is dead-lettered (:func:`decode_event`)."""
 
 
 class BadKvMessage(ValueError):
-    """A ZMQ message that is not a vLLM KV-event batch; the message is the dead-letter reason."""
+    """A ZMQ message that is not a vLLM KV-event batch, or one event of a batch that is not a KV event this
+    kvscope reads; the exception's message is the dead-letter reason."""
+
+
+_UNDECODABLE = (BadKvMessage, RecursionError, ValueError, TypeError, OverflowError)
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, BadKvMessage) else f"undecodable KV events: {exc!r}"[:500]
 
 
 def _hash(value: Any) -> int:
@@ -67,15 +82,20 @@ def _hash(value: Any) -> int:
     raise BadKvMessage(f"block hash of type {type(value).__name__}")
 
 
-def decode_event(raw: Any) -> KvBlockEvent:
-    """One event (map or tagged array form) → :class:`KvBlockEvent`. Raises :class:`BadKvMessage`."""
+def decode_event(raw: Any, idx: int | None = None) -> KvBlockEvent:
+    """One event (map or tagged array form) → :class:`KvBlockEvent` with ``idx`` (its position in vLLM's batch).
+
+    Raises :class:`BadKvMessage` when it is not one of the event types in :data:`KV_EVENT_TYPES` (an unknown
+    ``type`` says so: a newer vLLM may publish types this kvscope does not read) or a field is malformed."""
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         fields = _ARRAY_FIELDS.get(raw[0])
         if fields is None:
-            raise BadKvMessage(f"unknown KV event type {raw[0]!r}")
+            raise BadKvMessage(_unknown_type(raw[0]))
         raw = {"type": raw[0], **dict(zip(fields, raw[1:], strict=False))}
-    if not isinstance(raw, dict) or raw.get("type") not in _ARRAY_FIELDS:
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise BadKvMessage(f"not a KV event: {str(raw)[:200]}")
+    if raw["type"] not in _ARRAY_FIELDS:
+        raise BadKvMessage(_unknown_type(raw["type"]))
     parent = raw.get("parent_block_hash")
     token_ids = raw.get("token_ids") or []
     hashes = raw.get("block_hashes") or []
@@ -97,11 +117,30 @@ def decode_event(raw: Any) -> KvBlockEvent:
         block_size=block_size,
         medium=raw.get("medium"),
         lora_name=raw.get("lora_name"),
+        idx=idx,
     )
 
 
-def decode_batch_payload(payload: bytes) -> tuple[float, list[KvBlockEvent], int | None]:
-    """msgpack ``[ts, [events], dp_rank]`` → (ts seconds, events, dp_rank). Raises :class:`BadKvMessage`."""
+def _unknown_type(name: str) -> str:
+    return (f"unknown KV event type {name[:100]!r} (a newer vLLM may publish it; this kvscope reads "
+            f"{', '.join(KV_EVENT_TYPES)})")
+
+
+class DecodedBatch(NamedTuple):
+    """A decoded batch payload: ``ts`` (float unix seconds, vLLM's batch time), ``events`` (the events that
+    decoded, in batch order, each with its ``idx`` in the batch), ``dp_rank`` (int | None), ``bad`` (one
+    ``(idx, reason, raw event as decoded from msgpack)`` per event that did not, in batch order)."""
+
+    ts: float
+    events: list[KvBlockEvent]
+    dp_rank: int | None
+    bad: list[tuple[int, str, Any]]
+
+
+def decode_batch_payload(payload: bytes) -> DecodedBatch:
+    """msgpack ``[ts, [events], dp_rank]`` → :class:`DecodedBatch`, event by event: a malformed or unknown event
+    costs only itself (it goes to ``bad`` with its reason). Raises :class:`BadKvMessage` when the payload itself
+    is not such an array (not msgpack, no events list, ts not a unix time in 2000..2100)."""
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -112,11 +151,35 @@ def decode_batch_payload(payload: bytes) -> tuple[float, list[KvBlockEvent], int
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not 946684800 <= ts < 4102444800:
         raise BadKvMessage(f"batch ts {str(ts)[:40]} is not a unix time in 2000..2100")
     dp_rank = obj[2] if len(obj) > 2 and isinstance(obj[2], int) and not isinstance(obj[2], bool) else None
-    return float(ts), [decode_event(e) for e in obj[1]], dp_rank
+    events: list[KvBlockEvent] = []
+    bad: list[tuple[int, str, Any]] = []
+    for idx, raw in enumerate(obj[1]):
+        try:
+            events.append(decode_event(raw, idx))
+        except _UNDECODABLE as exc:
+            bad.append((idx, _reason(exc), raw))
+    return DecodedBatch(float(ts), events, dp_rank, bad)
 
 
-def message_event(frames: list[bytes], topic_pods: dict[str, str] | None = None) -> Envelope:
-    """One multipart ZMQ message → ``KvEventBatch`` envelope, or ``DeadLetter`` envelope with the reason."""
+def _raw_event(raw: Any) -> str:
+    """A bad event as a dead letter's ``raw``: base64 of its msgpack, at most 64 KiB (a note of its type when it
+    cannot be encoded again, e.g. nested too deep)."""
+    try:
+        return base64.b64encode(msgspec.msgpack.encode(raw))[:65536].decode()
+    except (RecursionError, TypeError, ValueError, OverflowError):
+        return f"unencodable event of type {type(raw).__name__}"
+
+
+def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None) -> list[Envelope]:
+    """One multipart ZMQ message → ``[KvEventBatch envelope, DeadLetter envelope per bad event...]``, or
+    ``[DeadLetter envelope]`` when the message itself is malformed (not 3 frames, seq not 8 bytes, payload not
+    ``[ts, [events], dp_rank]``).
+
+    The batch keeps the events that decoded with their position in vLLM's batch (``KvBlockEvent.idx``, stored as
+    ``kv_block_events.idx``), so its seq still advances and its rows are the same on every re-send. Each bad
+    event is its own dead letter: reason ``event <idx> of the batch: <why>``, location ``zmq:<topic>:<dp_rank>:
+    seq <seq>:event <idx>``, raw its msgpack in base64, event id from (topic, dp_rank, seq, ts, idx), so a
+    re-sent or replayed batch dead-letters it under the same id (stored once)."""
     now_ms = int(time.time() * 1000)
     topic = frames[0].decode("utf-8", "replace").encode("utf-8", "replace").decode() if frames else ""
     pod = (topic_pods or {}).get(topic, topic or "unknown")
@@ -126,15 +189,20 @@ def message_event(frames: list[bytes], topic_pods: dict[str, str] | None = None)
         if len(frames[1]) != 8:
             raise BadKvMessage(f"seq frame has {len(frames[1])} bytes, expected 8")
         seq = int.from_bytes(frames[1], "big")
-        ts, events, dp_rank = decode_batch_payload(frames[2])
-    except (BadKvMessage, RecursionError, ValueError, TypeError, OverflowError) as exc:
+        ts, events, dp_rank, bad = decode_batch_payload(frames[2])
+    except _UNDECODABLE as exc:
         raw = base64.b64encode(b"".join(frames))[:65536].decode()
-        reason = str(exc) if isinstance(exc, BadKvMessage) else f"undecodable KV events: {exc!r}"[:500]
-        dl = DeadLetter(source="kv_events", reason=reason, raw=raw, location=f"zmq:{topic}")
-        return envelope(dl, pod=pod, natural_key=(topic, raw[:512]), observed_at_ms=now_ms)
+        dl = DeadLetter(source="kv_events", reason=_reason(exc), raw=raw, location=f"zmq:{topic}")
+        return [envelope(dl, pod=pod, natural_key=(topic, raw[:512]), observed_at_ms=now_ms)]
+    engine = "" if dp_rank is None else str(dp_rank)
     batch = KvEventBatch(topic=topic, seq=seq, batch_ts=ts, dp_rank=dp_rank, events=events)
-    return envelope(batch, pod=pod, natural_key=(topic, seq, ts), observed_at_ms=int(ts * 1000),
-                    engine="" if dp_rank is None else str(dp_rank))
+    out = [envelope(batch, pod=pod, natural_key=(topic, seq, ts), observed_at_ms=int(ts * 1000), engine=engine)]
+    for idx, reason, raw_event in bad:
+        dl = DeadLetter(source="kv_events", reason=f"event {idx} of the batch: {reason}", raw=_raw_event(raw_event),
+                        location=f"zmq:{topic}:{engine}:seq {seq}:event {idx}")
+        out.append(envelope(dl, pod=pod, natural_key=(topic, dp_rank, seq, ts, idx), observed_at_ms=int(ts * 1000),
+                            engine=engine))
+    return out
 
 
 def checkpoint_key(topic: str, dp_rank: int | None) -> str:
@@ -180,7 +248,7 @@ class KvEventSubscriber:
         self._polls = 0
         self._acked: dict[tuple[str, int | None], int] = {}  # stream → number of the last poll acked
         self._ack_lock = threading.Lock()
-        self._replay = ReplayClient(self.replay_endpoints, lambda frames: message_event(frames, self.topic_pods))
+        self._replay = ReplayClient(self.replay_endpoints, lambda frames: message_events(frames, self.topic_pods))
         self.chains = BlockChains()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -198,12 +266,14 @@ class KvEventSubscriber:
     def poll(self, timeout_ms: int = 200) -> tuple[list[Envelope], Callable[[], None] | None]:
         """Wait up to ``timeout_ms`` for messages, then take up to ``max_messages`` waiting ones.
 
-        Returns (envelopes, ack). Envelopes in arrival order: ``KvEventBatch`` (duplicates left out),
-        ``DeadLetter`` for undecodable messages, and before a batch that reveals a gap the ``KvEventGap`` and
-        the replayed batches (``replayed=True``, ascending seq); BlockStored events carry ``token_count`` and
-        ``chain_hashes`` instead of their token ids (:attr:`chains`). ``ack()`` (thread safe, call it once the
-        envelopes are durable downstream) checkpoints each stream delivered here; None when there is nothing
-        to ack. Bad input and replay failures never raise (they become dead letters and lost gaps).
+        Returns (envelopes, ack). Envelopes in arrival order: ``KvEventBatch`` (duplicates left out), each
+        followed by a ``DeadLetter`` per event of it that did not decode (:func:`message_events`), a
+        ``DeadLetter`` for an undecodable message, and before a batch that reveals a gap the ``KvEventGap`` and
+        the replayed batches (``replayed=True``, ascending seq, with their dead letters); BlockStored events
+        carry ``token_count`` and ``chain_hashes`` instead of their token ids (:attr:`chains`). ``ack()``
+        (thread safe, call it once the envelopes are durable downstream) checkpoints each stream delivered
+        here; None when there is nothing to ack. Bad input and replay failures never raise (they become dead
+        letters and lost gaps).
         """
         out: list[Envelope] = []
         touched: set[tuple[str, int | None]] = set()
@@ -217,12 +287,12 @@ class KvEventSubscriber:
                     self._drop_left -= 1
                     self.dropped.append(frames)
                     continue
-                env = message_event(frames, self.topic_pods)
+                envs = message_events(frames, self.topic_pods)
                 try:
-                    admitted = self._admit(env, touched)
+                    admitted = self._admit(envs, touched)
                 except Exception:  # a bug in gap tracking must not lose the batch or stop the loop
-                    log.exception("KV-event gap tracking failed; batch delivered as is. pod=%s", env.pod)
-                    admitted = [env]
+                    log.exception("KV-event gap tracking failed; batch delivered as is. pod=%s", envs[0].pod)
+                    admitted = envs
                 out.extend(self._hashed(admitted))
         return out, self._ack_for(touched)
 
@@ -241,11 +311,13 @@ class KvEventSubscriber:
     def close(self) -> None:
         self._sock.close(linger=0)
 
-    def _admit(self, env: Envelope, touched: set[tuple[str, int | None]]) -> list[Envelope]:
-        """The envelopes one received message yields: [] for a duplicate, [gap, replayed..., env] after a gap."""
+    def _admit(self, envs: list[Envelope], touched: set[tuple[str, int | None]]) -> list[Envelope]:
+        """The envelopes one received message yields (``envs``: :func:`message_events`' answer): [] for a
+        duplicate batch, [gap, replayed..., *envs] after a gap, else ``envs``."""
+        env = envs[0]
         b = env.payload
         if not isinstance(b, KvEventBatch):
-            return [env]
+            return envs
         key = (b.topic, b.dp_rank)
         st = self._streams.get(key) or self._restore(key)
         out: list[Envelope] = []
@@ -261,7 +333,7 @@ class KvEventSubscriber:
             out = self._recover(env.pod, b, 0, "publisher_restart", None)
         self._streams[key] = _Stream(b.seq, b.batch_ts)
         touched.add(key)
-        out.append(env)
+        out.extend(envs)
         return out
 
     def _restore(self, key: tuple[str, int | None]) -> _Stream | None:
@@ -277,7 +349,8 @@ class KvEventSubscriber:
         return None
 
     def _recover(self, pod: str, b: KvEventBatch, first: int, reason: str, verify: _Stream | None) -> list[Envelope]:
-        """Replay ``first..b.seq-1`` of ``b``'s stream; → [KvEventGap envelope, replayed batches...].
+        """Replay ``first..b.seq-1`` of ``b``'s stream; → [KvEventGap envelope, replayed batches (each followed by
+        the dead letters of its bad events)...].
 
         ``verify`` (the stream's last position, with its batch_ts): also fetch the last delivered batch; if vLLM
         now holds a different batch under that seq, vLLM restarted unseen (e.g. while the collector was down) and
@@ -287,11 +360,11 @@ class KvEventSubscriber:
         deadline = time.monotonic() + self.replay_timeout_seconds
         last = b.seq - 1
         got = self._replay.batches(pod, b.topic, b.dp_rank, first - 1 if verify else first, last, deadline)
-        if verify is not None and first - 1 in got and got[first - 1].payload.batch_ts != verify.batch_ts:
+        if verify is not None and first - 1 in got and got[first - 1][0].payload.batch_ts != verify.batch_ts:
             reason, first = "publisher_restart", 0
             got = self._replay.batches(pod, b.topic, b.dp_rank, 0, last, deadline)
-        replayed = [got[s] for s in sorted(got) if s >= first]
-        missing, n = last - first + 1, len(replayed)
+        seqs = [s for s in sorted(got) if s >= first]
+        missing, n = last - first + 1, len(seqs)
         outcome = "recovered" if n == missing else "partial" if n else "lost"
         GAPS.labels(pod, reason, outcome).inc()
         BATCHES_REPLAYED.labels(pod).inc(n)
@@ -303,7 +376,7 @@ class KvEventSubscriber:
                          reason=reason, replayed_batches=n, recovered=n == missing)
         gap_env = envelope(gap, pod=pod, natural_key=(b.topic, b.dp_rank, first, last), observed_at_ms=now_ms,
                            engine="" if b.dp_rank is None else str(b.dp_rank))
-        return [gap_env, *replayed]
+        return [gap_env, *(e for s in seqs for e in got[s])]
 
     def _ack_for(self, touched: set[tuple[str, int | None]]) -> Callable[[], None] | None:
         if not touched or self.checkpoints is None:

@@ -104,10 +104,11 @@ def fetch_replay(endpoint: str, first_seq: int, last_seq: int, timeout_seconds: 
 
 class ReplayClient:
     """Replays for many pods: ``endpoints`` maps pod → rank-0 replay endpoint (read at each call, so the caller
-    may change it); ``decode`` turns a live-format message into an envelope (``kv_events.message_event``).
+    may change it); ``decode`` turns a live-format message into envelopes, the batch first
+    (``kv_events.message_events``).
     Keeps which endpoints are failing, to log one WARNING per outage."""
 
-    def __init__(self, endpoints: dict[str, str], decode: Callable[[list[bytes]], Envelope],
+    def __init__(self, endpoints: dict[str, str], decode: Callable[[list[bytes]], list[Envelope]],
                  ctx: zmq.Context | None = None) -> None:
         self.endpoints = endpoints
         self.decode = decode
@@ -115,9 +116,10 @@ class ReplayClient:
         self._failing: set[str] = set()
 
     def batches(self, pod: str, topic: str, dp_rank: int | None, first: int, last: int,
-                deadline: float) -> dict[int, Envelope]:
-        """seq → envelope of the replayed ``KvEventBatch`` (``replayed=True``) of stream (topic, dp_rank) for
-        ``first..last`` that ``pod``'s replay socket still holds, asked until ``deadline`` (``time.monotonic``).
+                deadline: float) -> dict[int, list[Envelope]]:
+        """seq → envelopes of the replayed ``KvEventBatch`` (``replayed=True``, first) and the dead letters of its
+        bad events, of stream (topic, dp_rank) for ``first..last`` that ``pod``'s replay socket still holds, asked
+        until ``deadline`` (``time.monotonic``).
         {} when the pod has no replay endpoint or the replay fails (counted in
         ``kvscope_collector_kv_replay_failures_total``). Messages of another stream or undecodable ones are
         skipped with a WARNING. Never raises for an unreachable, slow or malformed endpoint."""
@@ -138,12 +140,13 @@ class ReplayClient:
         if url in self._failing:
             self._failing.discard(url)
             log.info("KV-event replay answers again. pod=%s endpoint=%s", pod, url)
-        got: dict[int, Envelope] = {}
+        got: dict[int, list[Envelope]] = {}
         for frames in answer:
-            env = self.decode(frames)
+            env, *dead_letters = self.decode(frames)
             p = env.payload
             if isinstance(p, KvEventBatch) and p.topic == topic and p.dp_rank == dp_rank:
-                got[p.seq] = msgspec.structs.replace(env, payload=msgspec.structs.replace(p, replayed=True))
+                got[p.seq] = [msgspec.structs.replace(env, payload=msgspec.structs.replace(p, replayed=True)),
+                              *dead_letters]
             else:
                 log.warning("replayed KV-event message skipped: undecodable or of another stream (topic %r, "
                             "expected %r). pod=%s endpoint=%s", frames[0][:100], topic, pod, url)

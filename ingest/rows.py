@@ -70,14 +70,15 @@ def cache_config_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
 
 
 def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
-    """One ``kv_block_events`` row per event of the batch. ``token_count``: the collector's count, else the
-    token ids carried (an older collector); ``chain_hashes``: one per block hash when the collector computed
-    them, else [] (unknown; collector/kv_chains.py)."""
+    """One ``kv_block_events`` row per event of the batch. ``idx``: the event's position in vLLM's batch
+    (``KvBlockEvent.idx``), else in ``events`` (an older collector); ``token_count``: the collector's count,
+    else the token ids carried (an older collector); ``chain_hashes``: one per block hash when the collector
+    computed them, else [] (unknown; collector/kv_chains.py)."""
     ts = _dt(p.batch_ts * 1000)
     engine = "" if p.dp_rank is None else str(p.dp_rank)
-    return [(ev.event_id, ts, ev.pod, engine, p.seq, i, e.type, e.block_hashes, e.parent_block_hash,
-             len(e.token_ids) if e.token_count is None else e.token_count, e.block_size, e.medium or "",
-             e.chain_hashes if len(e.chain_hashes) == len(e.block_hashes) else [])
+    return [(ev.event_id, ts, ev.pod, engine, p.seq, i if e.idx is None else e.idx, e.type, e.block_hashes,
+             e.parent_block_hash, len(e.token_ids) if e.token_count is None else e.token_count, e.block_size,
+             e.medium or "", e.chain_hashes if len(e.chain_hashes) == len(e.block_hashes) else [])
             for i, e in enumerate(p.events)]
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from collector.events import KvBlockEvent
 from collector.kv_chains import BlockChains
-from collector.kv_events import message_event
+from collector.kv_events import message_events
 from kvscope.block_hash import DEFAULT_SEED, block_digests, chain_hashes, external, hash_function, none_hash
 
 CAPTURE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_kv_events.json"
@@ -92,17 +92,18 @@ def test_the_collector_publishes_chain_hashes_instead_of_token_ids() -> None:
     chains = BlockChains()
     for m in capture():
         raw = m["decoded"][1][0]
-        env = chains.envelope(message_event(frames(m)))
+        (batch,) = message_events(frames(m))  # no dead letter
+        env = chains.envelope(batch)
         (e,) = env.payload.events
         assert e.token_ids == [] and e.token_count == len(raw["token_ids"])
         assert e.chain_hashes == e.block_hashes == raw["block_hashes"]
-        assert env.event_id == message_event(frames(m)).event_id
+        assert env.event_id == message_events(frames(m))[0].event_id
     assert len(chains) == 52
 
 
 def test_a_continuation_whose_parent_was_never_seen_has_unknown_chain_hashes() -> None:
     m = capture()[1]  # seq 11: one decode-filled block on top of the first prompt's last block
-    (e,) = BlockChains().envelope(message_event(frames(m))).payload.events
+    (e,) = BlockChains().envelope(message_events(frames(m))[0]).payload.events
     assert e.parent_block_hash is not None and e.chain_hashes == [0] and e.token_count == 32
 
 

@@ -37,7 +37,8 @@ EXAMPLES = [
                            "ttft_ms": 50.0, "e2e_ms": 80.0}, source_file="g.jsonl", line_offset=0),
     KvEventBatch(topic="pod-0", seq=10, batch_ts=AT_MS / 1000 + 0.34, dp_rank=0,
                  events=[KvBlockEvent(type="BlockStored", block_hashes=[2**64 - 1], parent_block_hash=None,
-                                      token_ids=list(range(32)), block_size=32, medium="GPU")]),
+                                      token_ids=list(range(32)), block_size=32, medium="GPU", idx=0),
+                         KvBlockEvent(type="BlockRemoved", block_hashes=[7], medium="GPU", idx=2)]),  # 1: bad
     KvEventGap(topic="pod-0", dp_rank=0, first_seq=11, last_seq=13, detected_at_ms=AT_MS + 340,
                reason="missed", replayed_batches=3, recovered=True),
     DeadLetter(source="gateway_log", reason="not JSON", raw="{", location="g.jsonl:0"),

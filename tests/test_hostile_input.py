@@ -12,7 +12,7 @@ import pytest
 from collector.checkpoint import CheckpointStore
 from collector.events import GatewayRequest, envelope
 from collector.gateway_log import GatewayLogSource, read_file
-from collector.kv_events import message_event
+from collector.kv_events import message_events
 from collector.publish import MemoryQueue, QueuePublisher
 from ingest.ingester import Ingester
 from ingest.source import QueueSource
@@ -31,16 +31,32 @@ def kv(payload: object, seq: int = 1) -> list[bytes]:
 @pytest.mark.parametrize("payload", [
     [1e300, [{"type": "BlockStored", "block_size": 16}]],          # ts out of range (crashed the ingester)
     [float("nan"), []],
-    [1795950818.0, [{"type": "BlockStored", "block_hashes": 5}]],
-    [1795950818.0, [{"type": "BlockStored", "token_ids": ["a"]}]],
-    [1795950818.0, [{"type": "BlockStored", "block_size": -16}]],
-    [1795950818.0, [{"type": "BlockStored", "block_hashes": [-1]}]],
-    [1795950818.0, [{"type": "BlockStored", "medium": 5}]],
-    [1795950818.0, [{"type": "Nope"}]],
+    [1795950818.0, {"type": "BlockStored"}],                        # events not a list
 ])
 def test_hostile_kv_messages_are_dead_letters(payload: object) -> None:
-    ev = message_event(kv(payload))
-    assert ev.schema == "dead_letter" and ev.payload.reason
+    (ev,) = message_events(kv(payload))
+    assert ev.schema == "dead_letter" and ev.payload.reason and ev.payload.location == "zmq:pod-0"
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "BlockStored", "block_hashes": 5},
+    {"type": "BlockStored", "token_ids": ["a"]},
+    {"type": "BlockStored", "block_size": -16},
+    {"type": "BlockStored", "block_hashes": [-1]},
+    {"type": "BlockStored", "medium": 5},
+    {"type": "Nope"},
+    ["Nope", [1]],
+    {"type": 7},
+    "BlockStored",
+])
+def test_a_hostile_kv_event_costs_only_itself(event: object) -> None:
+    """The batch keeps its good events at their positions in vLLM's batch; the bad one is its own dead letter."""
+    good = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    batch, dead = message_events(kv([1795950818.0, [good, event, good], 0], seq=4))
+    assert batch.schema == "kv_event_batch" and batch.payload.seq == 4
+    assert [(e.type, e.idx) for e in batch.payload.events] == [("BlockRemoved", 0), ("BlockRemoved", 2)]
+    assert dead.schema == "dead_letter" and dead.payload.reason.startswith("event 1 of the batch: ")
+    assert dead.payload.location == "zmq:pod-0:0:seq 4:event 1" and dead.payload.raw
 
 
 @pytest.mark.parametrize("line", [

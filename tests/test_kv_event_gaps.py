@@ -26,11 +26,11 @@ import pytest
 import zmq
 from conftest import free_port
 from prometheus_client import REGISTRY
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch, ZmqEventPublisher
 
 from collector.checkpoint import CheckpointStore
 from collector.events import Envelope, KvEventBatch, KvEventGap
-from collector.kv_events import KvEventSubscriber, checkpoint_key, message_event
+from collector.kv_events import KvEventSubscriber, checkpoint_key, message_events
 from kvscope.block_hash import chain_hashes
 
 
@@ -67,11 +67,14 @@ class Pub:
             h = random.getrandbits(63)
             stored = BlockStored(block_hashes=[h, h + 1], parent_block_hash=None, token_ids=list(range(8)),
                                  block_size=4, lora_id=None, medium="GPU", lora_name=None)
-            self.vllm.publish(KVEventBatch(ts=time.time(), events=[stored, BlockRemoved(block_hashes=[h - 1],
-                                                                                         medium="GPU")]))
-            seqs.append(self.count)
-            self.count += 1
+            seqs.append(self.send([stored, BlockRemoved(block_hashes=[h - 1], medium="GPU")]))
         return seqs
+
+    def send(self, events: list[KVCacheEvent]) -> int:
+        """Publish one batch of ``events`` (vLLM encodes them as they are, valid or not); returns its seq."""
+        self.vllm.publish(KVEventBatch(ts=time.time(), events=events))
+        self.count += 1
+        return self.count - 1
 
     def close(self) -> None:
         self.vllm.shutdown()
@@ -179,7 +182,7 @@ def test_missed_batches_come_back_through_vllm_replay_in_order_exactly_once() ->
         assert [b.seq for b in replayed] == dropped and all(b.replayed for b in replayed)
         assert new[i + 4].payload.seq == after_gap[0] and not new[i + 4].payload.replayed
         # the replayed batches decode exactly as the dropped live messages would have (token ids hashed)
-        lost_live = [sub.chains.envelope(message_event(f)) for f in sub.dropped]
+        lost_live = [sub.chains.envelope(message_events(f)[0]) for f in sub.dropped]
         assert [msgspec.structs.replace(b, replayed=True) for b in (e.payload for e in lost_live)] == replayed
         assert [e.event_id for e in lost_live] == [e.event_id for e in new[i + 1:i + 4]]
         assert {ev.type for b in replayed for ev in b.events} == {"BlockStored", "BlockRemoved"}
@@ -524,7 +527,7 @@ def test_gap_on_a_real_vllm_server_is_recovered_from_its_replay_socket(vllm_flee
         mine = batches(out[start:], topic)
         replayed = [b for b in mine if b.replayed]
         assert [b.seq for b in replayed] == dropped
-        assert [msgspec.structs.replace(sub.chains.envelope(message_event(f)).payload, replayed=True)
+        assert [msgspec.structs.replace(sub.chains.envelope(message_events(f)[0]).payload, replayed=True)
                 for f in sub.dropped] == replayed
         assert any(ev.type == "BlockStored" and ev.block_size == 32 for b in replayed for ev in b.events)
         seqs = [b.seq for b in batches(out, topic)]

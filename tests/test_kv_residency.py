@@ -20,7 +20,7 @@ import pytest
 
 from collector.events import Envelope, KvEventGap, envelope
 from collector.kv_chains import BlockChains
-from collector.kv_events import message_event
+from collector.kv_events import message_events
 from collector.publish import MemoryQueue, QueuePublisher
 from ingest.ingester import Ingester
 from ingest.source import QueueSource
@@ -91,7 +91,7 @@ def ingest(store: Store, envs: list[Envelope]) -> dict[str, int]:
 def collect(messages: list[list[bytes]], topic_pods: dict[str, str] | None = None) -> list[Envelope]:
     """What the collector publishes for these messages: decoded, token ids turned into chain hashes."""
     chains = BlockChains()
-    return [chains.envelope(message_event(m, topic_pods)) for m in messages]
+    return [chains.envelope(e) for m in messages for e in message_events(m, topic_pods)]
 
 
 def named(store: Store, name: str, **params: Any) -> dict[str, dict[str, Any]]:
