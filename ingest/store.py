@@ -214,12 +214,13 @@ class Store:
     def named(self, name: str, params: dict[str, str] | None = None) -> pl.DataFrame:
         """Run named query ``sql/queries/<name>.sql`` with typed parameters (defaults from its header).
 
-        Raises :class:`QueryError` for an unknown query or parameter, or a failing query.
+        Raises :class:`QueryError` for an unknown query or parameter, a value the parameter does not allow
+        (:func:`sql.check_value`: an impossible date, a bucket that is not whole minutes), or a failing query.
         """
         try:
             q = sqlfiles.load_query(name)
             bound = q.bind(params or {})
-        except (KeyError, sqlfiles.HeaderError) as exc:
+        except (KeyError, sqlfiles.HeaderError, sqlfiles.ParamError) as exc:
             raise QueryError(str(exc).strip('"')) from exc
         return self.query_df(q.sql, parameters=bound)
 

@@ -325,6 +325,10 @@ def test_sql_duplicate_names_print(store: Store) -> None:
 @pytest.mark.parametrize(("args", "expected"), [
     (("query", "no_such_query"), "no_such_query"),
     (("query", "hit_rate", "--param", "since=yesterday"), "since"),
+    (("query", "hit_rate", "--param", "since=2026-13-01"), "parameter since: '2026-13-01' is not a real date"),
+    (("query", "hit_rate", "--param", "until=2026-11-31"), "parameter until: '2026-11-31' is not a real date"),
+    (("query", "hit_rate", "--param", "bucket_seconds=90"), "bucket_seconds: 90 is refused: the rollups hold whole"),
+    (("query", "latency", "--param", "bucket_seconds=99999999999"), "is not a UInt32"),
 ])
 def test_query_errors_are_one_line(store: Store, args: tuple[str, ...], expected: str) -> None:
     code, _, err = cli(store, *args)
