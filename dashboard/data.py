@@ -303,37 +303,7 @@ def live(render: Callable[[Filters], None]) -> None:
 
 
 # -- ad hoc SQL ----------------------------------------------------------------------------------------------
-#: A ClickHouse DateTime result type (not DateTime64), its time zone in group 1: Arrow carries it as uint32.
-_DATETIME = re.compile(r"(?:Nullable\()?(?:LowCardinality\()?DateTime(?:\('([^']*)'\))?\)*")
 _CH_ERROR = re.compile(r"Code:\s*(\d+)\.\s*DB::Exception:\s*(.*)", re.S)
-
-
-def adhoc(statement: str) -> pl.DataFrame:
-    """Run read-only user SQL (the store enforces read-only and limits) with its DateTime columns as datetimes.
-
-    ClickHouse's Arrow output carries ``DateTime`` as uint32 epoch seconds with no type metadata; the result's
-    ClickHouse types come from ``DESCRIBE TABLE (<query>)`` (asked only when an integer column came back, and
-    through the same read-only path), and those columns are cast back to UTC (or their own zone) datetimes.
-    """
-    store = get_store()
-    df = store.adhoc(statement)
-    ints = {name for name, dtype in df.schema.items() if dtype.is_integer()}
-    if not ints:
-        return df
-    try:  # the newline keeps a trailing -- comment from swallowing the parenthesis
-        types = store.adhoc(f"DESCRIBE TABLE (\n{statement.strip().rstrip(';')}\n)")
-    except Exception:  # noqa: BLE001  (SHOW, EXPLAIN ...: not a subquery, so no types; show the integers)
-        return df
-    casts = []
-    for name, ch_type in types.select("name", "type").iter_rows():
-        m = _DATETIME.fullmatch(ch_type)
-        if m and name in ints:
-            at = pl.from_epoch(name, time_unit="s").dt.replace_time_zone("UTC")
-            casts.append(at.dt.convert_time_zone(m.group(1)) if m.group(1) else at)
-    try:
-        return df.with_columns(casts) if casts else df
-    except pl.exceptions.PolarsError:  # an unknown time zone name, say: keep the integers
-        return df
 
 
 def error_text(exc: BaseException) -> str:

@@ -4,8 +4,12 @@ check in front of it, and ClickHouse errors as one readable line. :meth:`ingest.
 
 from __future__ import annotations
 
+import functools
 import re
+import zoneinfo
 from typing import Any
+
+import pyarrow as pa
 
 from ingest.errors import QueryError
 
@@ -23,10 +27,27 @@ READ_KINDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "EXISTS", "EXPLAIN", "(")
 #: Asks ClickHouse's parser for the statement, rendered on one line: comments dropped, keywords upper case, one
 #: statement only (a second one is a syntax error). Positions in a syntax error are the user's own.
 FORMAT_QUERY = "SELECT formatQuerySingleLine({statement:String})"
+#: Asks ClickHouse's parser for the syntax tree of a statement (the rendered one is appended): one node a line,
+#: each child one space deeper than its parent. It only parses; nothing is read, called or fetched.
+EXPLAIN_AST = "EXPLAIN AST "
+#: The table functions ClickHouse lets a read-only user call (``system.table_functions.allow_readonly``:
+#: numbers, values, view, merge ...; not file, url, s3, remote, executable, mysql, format ...).
+READONLY_TABLE_FUNCTIONS = "SELECT name FROM system.table_functions WHERE allow_readonly"
+#: Functions that read a file of the server, which ``readonly`` does not stop: ``file(path)`` returns a file's
+#: contents as a String (ClickHouse docs, "Functions for working with files"; chDB reads any path).
+FILE_FUNCTIONS = frozenset({"file"})
+#: Why a statement whose syntax tree is too large to read whole (:data:`ADHOC_MAX_ROWS` nodes) is refused.
+TOO_LARGE = f"read-only: the statement is too large to check (at most {ADHOC_MAX_ROWS:,} syntax tree nodes)"
+#: Asks ClickHouse for the result types of a query (the rendered one is put between the parentheses).
+DESCRIBE_RESULT = "DESCRIBE TABLE ({statement})"
 
 # Literals, quoted names and comments are blanked before looking for clauses.
 _NOT_CODE = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|--[^\n]*|/\*.*?\*/", re.S)
 _KIND = re.compile(r"\(|[A-Z]+(?: [A-Z]+)?")
+_AST_NODE = re.compile(r" *(\w+)(?: (\S+))?")
+#: A ClickHouse DateTime type (not DateTime64), its time zone in group 1: Arrow carries it as uint32 seconds.
+_DATETIME = re.compile(r"DateTime(?:\('([^']*)'\))?")
+_WRAPPED = re.compile(r"(?:Nullable|LowCardinality)\((.*)\)")
 _CH_ERROR = re.compile(r"Code:\s*(\d+)\.\s*DB::Exception:\s*(.*)", re.S)
 _WRAPPER = re.compile(r"(?:\. )?:? In scope SELECT formatQuerySingleLine\(.*\)(?=\. \(\w+\)$)", re.S)
 _HINTS = {
@@ -75,6 +96,83 @@ def check_read_only(rendered: str) -> None:
         raise QueryError("read-only: INTO OUTFILE is refused (it writes a file)")
     if re.search(r"\bFORMAT \w+$", code):
         raise QueryError("drop the FORMAT clause: kvscope chooses the output format (--format on the command line)")
+
+
+def check_sources(ast: list[str], table_functions: frozenset[str] | set[str]) -> None:
+    """Refuse a statement that reaches outside the database's tables, given ClickHouse's syntax tree of it
+    (the lines of :data:`EXPLAIN_AST`) and the table functions a read-only user may call
+    (:data:`READONLY_TABLE_FUNCTIONS`).
+
+    Refused, anywhere in the statement (subqueries, CTEs, EXPLAIN, joins): a table function not in
+    ``table_functions`` (``readonly`` refuses a SELECT from ``file()`` or ``url()``, but ``DESCRIBE`` of one
+    infers its schema unchecked: it reads a local file's first line or fetches a URL), a function of
+    :data:`FILE_FUNCTIONS`, and ``DESCRIBE`` of anything but a table name (``DESCRIBE gateway_requests``). A tree
+    of :data:`ADHOC_MAX_ROWS` lines or more may have been cut by the ``limit`` setting and is refused whole
+    (:data:`TOO_LARGE`; ClickHouse's ``max_result_rows`` usually refuses it first).
+    Raises :class:`QueryError` ("read-only: ...").
+    """
+    if len(ast) >= ADHOC_MAX_ROWS:
+        raise QueryError(TOO_LARGE)
+    nodes = [(m.group(1), m.group(2) or "") for m in map(_AST_NODE.match, ast) if m]
+    describe = any(kind == "DescribeQuery" for kind, _ in nodes)
+    for i, (kind, name) in enumerate(nodes):
+        if kind == "Function" and name in FILE_FUNCTIONS:
+            raise QueryError(f"read-only: {name}() is refused (it reads a file of the server)")
+        if kind != "TableExpression" or i + 1 == len(nodes):
+            continue
+        child, child_name = nodes[i + 1]  # a node's first child is the next line: the table, function or subquery
+        if describe and child != "TableIdentifier":
+            raise QueryError("read-only: DESCRIBE takes a table name only (DESCRIBE gateway_requests)")
+        if child == "Function" and child_name not in table_functions:
+            raise QueryError(f"read-only: table function {child_name}() is refused; ad hoc SQL reads the "
+                             "database's tables and the table functions ClickHouse allows read-only users "
+                             "(numbers, values ...)")
+
+
+def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
+    """``table`` (ClickHouse's Arrow output) with its ``DateTime`` columns as timestamps: Arrow carries them as
+    uint32 epoch seconds without type metadata. ``types``: the ClickHouse type of each column, in order (the
+    ``type`` column of :data:`DESCRIBE_RESULT`). A ``DateTime`` (also Nullable, LowCardinality, and the items of
+    an Array) becomes ``timestamp[s]`` in its own time zone, UTC when it names none (or one Python does not know:
+    the instant stays right); other columns are kept."""
+    columns = list(table.columns)
+    for i, (column, ch_type) in enumerate(zip(columns, types, strict=True)):
+        target = _timestamp_type(ch_type, column.type)
+        if target is not None:  # Arrow casts uint32 to int64 and int64 to timestamp, not uint32 to timestamp
+            columns[i] = column.cast(_int64_like(target)).cast(target)
+    return pa.table(columns, names=table.column_names)
+
+
+def has_uint32(table: pa.Table) -> bool:
+    """Whether ``table`` has a uint32 column or list of them: where :func:`datetimes` may find a DateTime."""
+    return any(_holds_uint32(t) for t in table.schema.types)
+
+
+def _holds_uint32(t: pa.DataType) -> bool:
+    return t == pa.uint32() or (pa.types.is_list(t) and _holds_uint32(t.value_type))
+
+
+def _timestamp_type(ch_type: str, arrow_type: pa.DataType) -> pa.DataType | None:
+    while m := _WRAPPED.fullmatch(ch_type):
+        ch_type = m.group(1)
+    if (dt := _DATETIME.fullmatch(ch_type)) and arrow_type == pa.uint32():
+        return pa.timestamp("s", dt.group(1) if dt.group(1) in _zones() else "UTC")
+    if ch_type.startswith("Array(") and pa.types.is_list(arrow_type):
+        item = _timestamp_type(ch_type[len("Array("):-1], arrow_type.value_type)
+        return None if item is None else pa.list_(pa.field("item", item, arrow_type.value_field.nullable))
+    return None
+
+
+@functools.cache
+def _zones() -> frozenset[str]:
+    """The time zone names Python knows (a zone ClickHouse knows and Python not is shown in UTC)."""
+    return frozenset(zoneinfo.available_timezones())
+
+
+def _int64_like(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_list(t):
+        return pa.list_(pa.field("item", _int64_like(t.value_type), t.value_field.nullable))
+    return pa.int64()
 
 
 def error_line(text: str) -> str:

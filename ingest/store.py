@@ -28,10 +28,17 @@ import sql as sqlfiles
 from ingest.adhoc import (
     ADHOC_MAX_MEMORY_BYTES,
     ADHOC_MAX_ROWS,
+    DESCRIBE_RESULT,
+    EXPLAIN_AST,
     FORMAT_QUERY,
+    READONLY_TABLE_FUNCTIONS,
+    TOO_LARGE,
     adhoc_settings,
     check_read_only,
+    check_sources,
+    datetimes,
     error_line,
+    has_uint32,
     unique_names,
 )
 from ingest.errors import QueryError, RejectedRows, StoreUnavailable
@@ -86,6 +93,7 @@ class Store:
         # the lock the ingester and the attribution job write under.
         self._adhoc_lock = threading.Lock()
         self._adhoc_client: Any = None
+        self._table_functions: frozenset[str] | None = None  # ingest.adhoc.READONLY_TABLE_FUNCTIONS, read once
 
     @classmethod
     def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
@@ -206,12 +214,13 @@ class Store:
     def named(self, name: str, params: dict[str, str] | None = None) -> pl.DataFrame:
         """Run named query ``sql/queries/<name>.sql`` with typed parameters (defaults from its header).
 
-        Raises :class:`QueryError` for an unknown query or parameter, or a failing query.
+        Raises :class:`QueryError` for an unknown query or parameter, a value the parameter does not allow
+        (:func:`sql.check_value`: an impossible date, a bucket that is not whole minutes), or a failing query.
         """
         try:
             q = sqlfiles.load_query(name)
             bound = q.bind(params or {})
-        except (KeyError, sqlfiles.HeaderError) as exc:
+        except (KeyError, sqlfiles.HeaderError, sqlfiles.ParamError) as exc:
             raise QueryError(str(exc).strip('"')) from exc
         return self.query_df(q.sql, parameters=bound)
 
@@ -219,13 +228,17 @@ class Store:
         """Run one user statement, read-only, under :attr:`adhoc_settings` (time, memory, result rows and bytes).
 
         ClickHouse parses the statement first (:data:`ingest.adhoc.FORMAT_QUERY`) and only reads run
-        (:func:`ingest.adhoc.check_read_only`); the database's ``readonly`` stays the guard. The query runs on
-        the ad hoc client, never under the writers' lock, so ingestion goes on while it runs. On chDB that
-        client is its own session, set read-only once (clickhouse-connect's chDB backend applies per-query
-        settings with SET and cannot restore them after ``readonly=1``); on a server the settings travel with
-        each query, where they cannot outlive it (``readonly=2`` lets the request carry them).
+        (:func:`ingest.adhoc.check_read_only`) that stay inside the database (its syntax tree,
+        :data:`~ingest.adhoc.EXPLAIN_AST`, checked by :func:`~ingest.adhoc.check_sources`: no table function a
+        read-only user may not call, no ``file()``, DESCRIBE of a table name only); the database's ``readonly``
+        stays the guard. The query runs on the ad hoc client, never under the writers' lock, so ingestion goes on
+        while it runs. On chDB that client is its own session, set read-only once (clickhouse-connect's chDB
+        backend applies per-query settings with SET and cannot restore them after ``readonly=1``), with chDB's
+        ``python()`` table function switched off; on a server the settings travel with each query, where they
+        cannot outlive it (``readonly=2`` lets the request carry them).
         Returns at most :data:`~ingest.adhoc.ADHOC_MAX_ROWS` rows (exactly that many: the result may have been
-        cut), repeated column names made unique (:func:`~ingest.adhoc.unique_names`).
+        cut), repeated column names made unique (:func:`~ingest.adhoc.unique_names`), ``DateTime`` columns as
+        datetimes (:func:`~ingest.adhoc.datetimes`, the types from :data:`~ingest.adhoc.DESCRIBE_RESULT`).
         Raises :class:`QueryError` (one line, :func:`~ingest.adhoc.error_line`) when the statement is not a
         single read, fails, exceeds a limit or its result cannot be read; :class:`StoreUnavailable` when the
         store cannot be reached.
@@ -245,9 +258,18 @@ class Store:
         with self._adhoc_lock:
             client = self._adhoc_session()
             try:
-                rendered = client.query(FORMAT_QUERY, parameters={"statement": statement}, settings=per_query)
-                check_read_only(rendered.result_rows[0][0])
-                return client.query_arrow(statement, settings=per_query)
+                rendered = client.query(FORMAT_QUERY, parameters={"statement": statement},
+                                        settings=per_query).result_rows[0][0]
+                check_read_only(rendered)
+                if self._table_functions is None:
+                    self._table_functions = frozenset(
+                        r[0] for r in client.query(READONLY_TABLE_FUNCTIONS, settings=per_query).result_rows)
+                check_sources(self._syntax_tree(client, rendered, per_query), self._table_functions)
+                table = client.query_arrow(statement, settings=per_query)
+                if has_uint32(table) and rendered.startswith(("SELECT", "WITH", "(")):
+                    described = client.query(DESCRIBE_RESULT.format(statement=rendered), settings=per_query)
+                    table = datetimes(table, [r[1] for r in described.result_rows])
+                return table
             except ch_exc.OperationalError as exc:
                 self._drop_adhoc_session()
                 raise StoreUnavailable(f"ad hoc query: {error_line(str(exc))}") from exc
@@ -259,12 +281,25 @@ class Store:
                 self._drop_adhoc_session()
                 raise
 
+    def _syntax_tree(self, client: Any, rendered: str, per_query: dict[str, Any] | None) -> list[str]:
+        """The lines of ClickHouse's syntax tree of ``rendered`` (:data:`~ingest.adhoc.EXPLAIN_AST`); a tree over
+        the ad hoc result cap (``max_result_rows``) is refused as too large to check."""
+        try:
+            return [r[0] for r in client.query(EXPLAIN_AST + rendered, settings=per_query).result_rows]
+        except ch_exc.Error as exc:
+            if _code(exc) != 396:  # TOO_MANY_ROWS_OR_BYTES
+                raise
+            self._drop_adhoc_session()
+            raise QueryError(TOO_LARGE) from exc
+
     def _adhoc_session(self) -> Any:
         """The ad hoc client, opened on first use (call with ``_adhoc_lock`` held)."""
         if self._adhoc_client is None:
             try:
                 client = clickhouse_connect.get_client(dsn=self.dsn, database=self.database)
                 if self.dsn.startswith("chdb:"):
+                    # chDB's python() reads the process's Python objects; once off, a session cannot turn it on
+                    client.command("SET allow_python_table_function = 0")
                     for key, value in self.adhoc_settings.items():  # readonly last: then nothing can change
                         client.command(f"SET {key} = {value!r}" if isinstance(value, str) else f"SET {key} = {value}")
             except ch_exc.Error as exc:

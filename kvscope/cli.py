@@ -527,9 +527,11 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, show
 @FORMAT_OPTION
 @store_options
 def sql_(statement: str, fmt: str, **opts: Any) -> None:
-    """Run one read-only statement (SELECT, WITH, SHOW, DESCRIBE, EXISTS, EXPLAIN), with the database enforcing
-    readonly, max_execution_time, max_memory_usage (KVSCOPE_ADHOC_MAX_MEMORY_BYTES), max_result_rows and
-    max_result_bytes. A failure is one line on stderr and exit code 1."""
+    """Run one read-only statement (SELECT, WITH, SHOW, DESCRIBE of a table, EXISTS, EXPLAIN) of the database's
+    tables (no file(), url() or other table function a read-only ClickHouse user may not call), with the
+    database enforcing readonly, max_execution_time, max_memory_usage (KVSCOPE_ADHOC_MAX_MEMORY_BYTES),
+    max_result_rows and max_result_bytes. DateTime columns print as datetimes (UTC unless the type names a
+    zone). A failure is one line on stderr and exit code 1."""
     from ingest.adhoc import ADHOC_MAX_ROWS
     from ingest.errors import KvscopeError
 

@@ -69,9 +69,11 @@ class NamedQuery:
     sql: str = ""
 
     def bind(self, values: dict[str, str]) -> dict[str, str]:
-        """Parameter values for ClickHouse: defaults filled in, unknown or missing ones rejected.
+        """Parameter values for ClickHouse: defaults filled in, unknown or missing ones rejected, given ones
+        checked (:func:`check_value`).
 
-        Raises :class:`HeaderError` for an unknown parameter name or a required one left out.
+        Raises :class:`HeaderError` for an unknown parameter name or a required one left out,
+        :class:`ParamError` for a value its type or meaning does not allow.
         """
         known = {p.name for p in self.params}
         unknown = set(values) - known
@@ -80,7 +82,7 @@ class NamedQuery:
         out: dict[str, str] = {}
         for p in self.params:
             if p.name in values:
-                out[p.name] = _clickhouse_time(values[p.name]) if p.type.startswith("DateTime") else values[p.name]
+                out[p.name] = check_value(p, values[p.name])
             elif p.default is not None:
                 out[p.name] = p.default.strip("'")
             else:
@@ -88,27 +90,91 @@ class NamedQuery:
         return out
 
 
+class ParamError(ValueError):
+    """A parameter value its type or meaning does not allow (an impossible date, a bucket that is not whole
+    minutes, an integer outside its type)."""
+
+
 #: The times a time parameter is held to (UTC, naive). The rollups store minutes as ClickHouse ``DateTime``
 #: (seconds since 1970 in 32 bits, up to 2106-02-07): a bound outside it saturates or wraps there, and a window
 #: starting after 2106 read every row. No row can be outside it, so a bound beyond it means the same as this one.
 TIME_MIN = "1970-01-01 00:00:00.000"
 TIME_MAX = "2106-01-01 00:00:00.000"
+#: The named queries' bucket width parameter (seconds). The rollups hold whole minutes (docs/scale.md), so a
+#: bucket must be whole minutes: 90 s buckets would hold one minute or two by turns, 30 s ones a minute each.
+BUCKET_PARAM = "bucket_seconds"
+#: The widest bucket: whole minutes within UInt32, the parameter's type (a wider value would wrap).
+BUCKET_MAX_SECONDS = (2**32 - 1) // 60 * 60
+#: The forms a time parameter takes (ISO 8601 dates and times, checked against the calendar).
+TIME_FORMS = ("YYYY-MM-DD, YYYY-MM-DD HH:MM[:SS[.fff]] or YYYY-MM-DDTHH:MM[:SS[.fff]], UTC unless it ends in "
+              "Z or an offset ±HH:MM")
+_TIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[Tt ]\d{2}(?::\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
+_INTEGER = re.compile(r"(U?)Int(8|16|32|64)")
+#: Date and Date32 ranges (ClickHouse docs, "Date", "Date32"); a date beyond them is held to them.
+_DATE_RANGES = {"Date": ("1970-01-01", "2149-06-06"), "Date32": ("1900-01-01", "2299-12-31")}
 
 
-def _clickhouse_time(value: str) -> str:
+def check_value(param: Param, value: str) -> str:
+    """``value`` as ClickHouse is to read it for ``param``, or :class:`ParamError` naming the parameter, the
+    value and what it accepts.
+
+    DateTime and DateTime64: one of :data:`TIME_FORMS`, a real calendar date and time (ClickHouse reads
+    ``2026-13-01`` and ``2026-11-31`` leniently, as other days), as UTC text within [:data:`TIME_MIN`,
+    :data:`TIME_MAX`]. Date, Date32: ``YYYY-MM-DD``, a real date, within the type's range. (U)Int8..64: a
+    whole number within the type (ClickHouse wraps a larger one). :data:`BUCKET_PARAM`: also a positive
+    multiple of 60 (whole minutes, the rollups' grain). Other types go to ClickHouse as given.
+    """
+    kind = param.type.split("(", 1)[0]
+    if kind in ("DateTime", "DateTime64"):
+        value = _clickhouse_time(param.name, value)
+    elif kind in _DATE_RANGES:
+        value = _clickhouse_date(param.name, value, *_DATE_RANGES[kind])
+    elif m := _INTEGER.fullmatch(param.type):
+        bits = int(m.group(2))
+        low, high = (0, 2**bits - 1) if m.group(1) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        text = value.strip()
+        if not re.fullmatch(r"[+-]?\d+", text) or not low <= int(text) <= high:
+            raise ParamError(f"parameter {param.name}: {value!r} is not a {param.type} (a whole number "
+                             f"{low:,}..{high:,})")
+        value = str(int(text))
+    if param.name == BUCKET_PARAM and not (0 < int(value) <= BUCKET_MAX_SECONDS and int(value) % 60 == 0):
+        raise ParamError(f"parameter {param.name}: {value} is refused: the rollups hold whole minutes, so a bucket "
+                         f"is a positive multiple of 60 seconds, at most {BUCKET_MAX_SECONDS:,}")
+    return value
+
+
+def _clickhouse_time(name: str, value: str) -> str:
     """An ISO 8601 time (``2026-11-29T12:00:00Z``, ``+01:00`` offsets too) as ClickHouse's UTC text
-    ``2026-11-29 12:00:00.000``, held within [:data:`TIME_MIN`, :data:`TIME_MAX`]; anything else is passed
-    through for ClickHouse to judge."""
+    ``2026-11-29 12:00:00.000``, held within [:data:`TIME_MIN`, :data:`TIME_MAX`]. Raises :class:`ParamError`
+    (naming parameter ``name``) for any other text or an impossible date or time."""
     from datetime import UTC, datetime
 
+    text = value.strip()
     try:
-        dt = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        if not _TIME.fullmatch(text):
+            raise ValueError(text)
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        return value
+        raise ParamError(f"parameter {name}: {value!r} is not a real date and time; give {TIME_FORMS}") from None
     if dt.tzinfo is not None:
         dt = dt.astimezone(UTC)
     text = f"{dt.year:04d}" + dt.strftime("-%m-%d %H:%M:%S.") + f"{dt.microsecond // 1000:03d}"
     return min(max(text, TIME_MIN), TIME_MAX)  # same-width text: compares as the times do
+
+
+def _clickhouse_date(name: str, value: str, low: str, high: str) -> str:
+    """A ``YYYY-MM-DD`` date checked against the calendar, held within [``low``, ``high``]. Raises
+    :class:`ParamError` (naming parameter ``name``) otherwise."""
+    from datetime import date
+
+    text = value.strip()
+    try:
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+            raise ValueError(text)
+        date.fromisoformat(text)
+    except ValueError:
+        raise ParamError(f"parameter {name}: {value!r} is not a real date; give YYYY-MM-DD") from None
+    return min(max(text, low), high)
 
 
 def parse_query(text: str, source: str = "<string>") -> NamedQuery:

@@ -5,9 +5,13 @@ an ad hoc query that does not pause ingestion."""
 from __future__ import annotations
 
 import functools
+import http.server
+import re
 import threading
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -16,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 import ingest.store
+from ingest.adhoc import ADHOC_MAX_ROWS, check_sources
 from ingest.errors import QueryError
 from ingest.store import Store
 from kvscope.cli import main
@@ -149,6 +154,147 @@ def test_reads_run(store: Store, statement: str) -> None:
     assert store.adhoc(statement).height >= 1
 
 
+# -- nothing outside the database: table functions, files, URLs ---------------------------------------------------
+@pytest.fixture()
+def web() -> Iterator[tuple[str, list[str]]]:
+    """A real HTTP server on 127.0.0.1 serving a CSV: (its URL, the paths it was asked for, in order)."""
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+            asked.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"a,b\n1,2\n")
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    server.shutdown()
+    thread.join()
+
+
+URL_READS = [
+    "DESCRIBE {url}", "DESC TABLE {url}", "SELECT * FROM {url}", "EXPLAIN PLAN SELECT * FROM {url}",
+    "EXPLAIN PIPELINE SELECT * FROM {url}", "EXPLAIN ESTIMATE SELECT * FROM {url}",
+    "EXPLAIN QUERY TREE SELECT * FROM {url}", "EXPLAIN SYNTAX SELECT * FROM {url}",
+    "DESCRIBE (SELECT * FROM {url})", "SELECT * FROM view(SELECT * FROM {url})",
+    "WITH t AS (SELECT * FROM {url}) SELECT * FROM t", "SELECT 1 IN (SELECT a FROM {url})",
+    "SELECT * FROM (EXPLAIN SELECT * FROM {url})", "SELECT * FROM dead_letters, {url}",
+]
+
+
+@pytest.mark.parametrize("template", URL_READS)
+def test_url_table_function_is_refused_without_a_request(store: Store, web: tuple[str, list[str]],
+                                                         template: str) -> None:
+    """DESCRIBE url(...) inferred the CSV's schema with a real GET (readonly checks SELECT, not DESCRIBE): every
+    statement naming url() is refused before ClickHouse runs it, and the server is asked nothing."""
+    base, asked = web
+    with urllib.request.urlopen(f"{base}/control.csv") as answer:  # the server answers: it would see a request
+        assert answer.read() == b"a,b\n1,2\n"
+    assert asked == ["/control.csv"]
+    with pytest.raises(QueryError) as err:
+        store.adhoc(template.format(url=f"url('{base}/x.csv', 'CSVWithNames')"))
+    assert str(err.value).startswith("read-only: ") and "\n" not in str(err.value)
+    assert asked == ["/control.csv"]
+
+
+@pytest.mark.parametrize("template", [
+    "DESCRIBE {file}", "DESCRIBE TABLE {file}", "SELECT * FROM {file}", "EXPLAIN SELECT * FROM {file}",
+    "SELECT {path}", "SELECT `file`({path})", "SELECT length({path}) AS n",
+])
+def test_server_files_are_refused(store: Store, tmp_path: Path, template: str) -> None:
+    """DESCRIBE file('<path>', 'TSVWithNames') returned a file's first line as a column name, and file(path) a
+    whole file: refused, and the file's text appears nowhere in the message."""
+    secret = tmp_path / "secret.tsv"
+    secret.write_text("first-line-secret\tsecond\nrest\tof it\n")
+    path = f"'{secret}'"
+    statement = template.format(file=f"file({path}, 'TSVWithNames')", path=f"file({path})")
+    with pytest.raises(QueryError) as err:
+        store.adhoc(statement)
+    assert str(err.value).startswith("read-only: ") and "secret" not in str(err.value).replace(str(secret), "")
+
+
+@pytest.mark.parametrize(("statement", "reason"), [
+    ("DESCRIBE s3('http://127.0.0.1:1/b/x.csv', 'CSV')", "DESCRIBE takes a table name only"),
+    ("DESCRIBE (SELECT 1)", "DESCRIBE takes a table name only"),
+    ("DESCRIBE input('a String')", "DESCRIBE takes a table name only"),
+    ("DESCRIBE format(CSV, '1,2')", "DESCRIBE takes a table name only"),
+    ("SELECT * FROM remote('127.0.0.1:1', system.one)", "table function remote() is refused"),
+    ("SELECT * FROM executable('x.sh', 'TSV', 'a String')", "table function executable() is refused"),
+    ("SELECT * FROM python('store')", "table function python() is refused"),
+    ("SELECT * FROM mysql('127.0.0.1:1', 'd', 't', 'u', 'p')", "table function mysql() is refused"),
+])
+def test_table_functions_outside_the_database_are_refused(store: Store, statement: str, reason: str) -> None:
+    with pytest.raises(QueryError, match=f"^read-only: {re.escape(reason)}"):
+        store.adhoc(statement)
+
+
+def test_describe_of_a_table_and_readonly_table_functions_run(store: Store) -> None:
+    described = store.adhoc("DESCRIBE TABLE gateway_requests")
+    assert ("ts", "DateTime64(3, 'UTC')") in described.select("name", "type").rows()
+    assert store.adhoc(f"DESC {store.database}.dead_letters").height >= 3
+    assert store.adhoc("SELECT sum(number) AS s FROM numbers(10)")["s"].to_list() == [45]
+    # text that only looks like a table function or file() is a literal and an alias
+    df = store.adhoc("SELECT 'FROM file(\\'/etc/passwd\\')\n TableExpression\n  Function url' AS `Function file`")
+    assert df.columns == ["Function file"] and df["Function file"][0].startswith("FROM file(")
+
+
+def test_a_syntax_tree_cut_by_the_row_limit_is_refused(store: Store) -> None:
+    """EXPLAIN AST answers under the ad hoc result limits too: a tree longer than ADHOC_MAX_ROWS cannot be read
+    whole, and what follows (here a file() after 10,000 literals) would go unchecked: the statement is refused."""
+    statement = f"SELECT tuple({', '.join(['1'] * ADHOC_MAX_ROWS)}) AS t, file('/etc/hostname') AS f"
+    with pytest.raises(QueryError, match="^read-only: the statement is too large to check"):
+        store.adhoc(statement)
+
+
+def test_check_sources_reads_the_tree() -> None:
+    """The rule on ClickHouse's EXPLAIN AST lines: the first child of a TableExpression is what it reads."""
+    tree = ["SelectWithUnionQuery (children 1)", " TableExpression (children 1)", "  Function numbers (children 1)",
+            " Function file (children 1)"]
+    check_sources(tree[:3], {"numbers"})
+    with pytest.raises(QueryError, match="table function numbers"):
+        check_sources(tree[:3], set())
+    with pytest.raises(QueryError, match=r"file\(\) is refused"):
+        check_sources(tree, {"numbers"})
+    check_sources(["SelectWithUnionQuery", " Literal 'Function file'", " Identifier Function file"], set())
+
+
+# -- DateTime prints as a datetime ---------------------------------------------------------------------------------
+def test_datetime_columns_come_back_as_datetimes(store: Store) -> None:
+    """Arrow carries DateTime as uint32 seconds: now() printed as 1,796,183,180. Every DateTime (Nullable,
+    LowCardinality, in an Array, with a zone) is a datetime again; a UInt32 stays a number."""
+    at = "toDateTime('2026-11-29 12:00:05', 'UTC')"
+    df = store.adhoc(
+        f"SELECT {at} AS a, toStartOfInterval({at}, INTERVAL 1 HOUR) AS h, toNullable({at}) AS n, "
+        f"toLowCardinality({at}) AS lc, [{at}] AS arr, toTimeZone({at}, 'Asia/Tokyo') AS tokyo, "
+        f"toUInt32({at}) AS u, toDateTime64({at}, 3, 'UTC') AS d64"
+    )
+    expected = datetime(2026, 11, 29, 12, 0, 5, tzinfo=UTC)
+    row = df.row(0, named=True)
+    assert row["a"] == row["n"] == row["lc"] == row["arr"][0] == row["tokyo"] == row["d64"] == expected
+    assert row["h"] == datetime(2026, 11, 29, 12, tzinfo=UTC)
+    assert str(df.schema["a"]) == "Datetime(time_unit='ms', time_zone='UTC')"
+    assert str(df.schema["tokyo"]) == "Datetime(time_unit='ms', time_zone='Asia/Tokyo')"
+    assert row["u"] == 1_795_953_605
+
+
+@pytest.mark.parametrize(("fmt", "expected"), [
+    ("json", '[{"a":"2026-11-29T12:00:05+00:00","n":1}]\n'),
+    ("csv", "a,n\n2026-11-29T12:00:05.000+0000,1\n"),
+    ("table", "a                    n\n" + "─" * 22 + "\n2026-11-29 12:00:05  1\n"),
+])
+def test_sql_prints_datetimes(store: Store, fmt: str, expected: str) -> None:
+    code, out, _ = cli(store, "sql", "SELECT toDateTime('2026-11-29 12:00:05', 'UTC') AS a, 1 AS n", "--format", fmt)
+    assert code == 0 and out == expected
+
+
 # -- one clean line, exit 1 ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("statement", "expected"), [
     ("SELEC 1", ("Syntax error: failed at position 7", "[code 62]")),
@@ -179,6 +325,10 @@ def test_sql_duplicate_names_print(store: Store) -> None:
 @pytest.mark.parametrize(("args", "expected"), [
     (("query", "no_such_query"), "no_such_query"),
     (("query", "hit_rate", "--param", "since=yesterday"), "since"),
+    (("query", "hit_rate", "--param", "since=2026-13-01"), "parameter since: '2026-13-01' is not a real date"),
+    (("query", "hit_rate", "--param", "until=2026-11-31"), "parameter until: '2026-11-31' is not a real date"),
+    (("query", "hit_rate", "--param", "bucket_seconds=90"), "bucket_seconds: 90 is refused: the rollups hold whole"),
+    (("query", "latency", "--param", "bucket_seconds=99999999999"), "is not a UInt32"),
 ])
 def test_query_errors_are_one_line(store: Store, args: tuple[str, ...], expected: str) -> None:
     code, _, err = cli(store, *args)

@@ -22,6 +22,7 @@ from collector.vllm_metrics import ScrapeState, scrape_events
 from ingest.errors import QueryError
 from ingest.rows import metric_rows
 from ingest.store import Store
+from sql import TIME_MAX, TIME_MIN
 from tests.clock import DAY
 from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, at, load_fixture
 from tests.test_vllm_metrics import BODY1, vllm_0_10
@@ -105,6 +106,14 @@ def test_header_matches_sql(name: str) -> None:
             assert p.type == "String" and p.default == "''"
     if {"tenant", "pod"} <= set(declared) and name != "request_detail":  # that one names a single request
         assert "model" in declared, "a query filtered by tenant and pod is filtered by model too (the sidebar's)"
+    bucketed = set(re.findall(r"toIntervalSecond\(\{(\w+):", body))
+    assert bucketed <= {sqlfiles.BUCKET_PARAM}, "a bucket width is bucket_seconds, which bind holds to whole minutes"
+    if sqlfiles.BUCKET_PARAM in declared:
+        assert declared[sqlfiles.BUCKET_PARAM] == "UInt32" and bucketed
+    if "_rollup(" in body:  # the rollups hold minutes: the window widens to whole minutes (docs/scale.md)
+        for p in q.params:
+            if p.name in WINDOW_PARAMS:
+                assert "whole minutes" in p.help and "inside a minute" in p.help, p.help
 
 
 @pytest.mark.parametrize("name", QUERIES)
@@ -144,6 +153,105 @@ def test_unknown_parameter_is_refused(fx: Store) -> None:
 def test_buckets_are_datetimes(fx: Store) -> None:
     df = fx.named("hit_rate")
     assert df.schema["bucket"] == pl.Datetime("ms", "UTC")
+
+
+# -- parameter values ------------------------------------------------------------------------------------------
+BUCKETED = [n for n in QUERIES if any(p.name == sqlfiles.BUCKET_PARAM for p in sqlfiles.load_query(n).params)]
+
+
+@pytest.mark.parametrize("name", BUCKETED)
+@pytest.mark.parametrize("bucket", ["90", "30", "0", "-60", "61", "99999999999", "4294967295", "1e3", "", "60s"])
+def test_bucket_not_whole_minutes_is_refused(fx: Store, name: str, bucket: str) -> None:
+    """The rollups hold minutes: 90 s buckets held one minute or two by turns, 30 s ones came back 60 s wide,
+    and 99999999999 wrapped in UInt32. Each is refused in one line naming the parameter."""
+    with pytest.raises(QueryError, match="^parameter bucket_seconds: ") as err:
+        fx.named(name, {"bucket_seconds": bucket})
+    assert "\n" not in str(err.value)
+
+
+def test_buckets_of_whole_minutes_run(fx: Store) -> None:
+    """Two-minute buckets start on even minutes and hold the one-minute buckets' tokens."""
+    for bucket in (60, 120, 420, sqlfiles.BUCKET_MAX_SECONDS):
+        assert fx.named("hit_rate", {"bucket_seconds": str(bucket)}).height >= 2
+    per_minute = rows(fx, "hit_rate", bucket_seconds=60)
+    per_two = rows(fx, "hit_rate", bucket_seconds=" 120 ")
+    assert all(r["bucket"].timestamp() % 120 == 0 for r in per_two)
+    for source in ("vllm", "gateway"):
+        two = {r["bucket"]: r["query_tokens"] for r in per_two if r["source"] == source}
+        one: dict[datetime, int] = {}
+        for r in per_minute:
+            if r["source"] == source:
+                start = datetime.fromtimestamp(r["bucket"].timestamp() // 120 * 120, UTC)
+                one[start] = one.get(start, 0) + r["query_tokens"]
+        assert two == one and len(two) >= 1
+
+
+def test_dashboard_buckets_are_whole_minutes() -> None:
+    """Every bucket width the dashboard, the digest and the alerts pass is one bind accepts."""
+    from dashboard.alerts import BUCKET_ALL
+    from dashboard.data import NICE_BUCKETS
+    from dashboard.digest import WHOLE_WINDOW
+
+    param = next(p for p in sqlfiles.load_query("hit_rate").params if p.name == sqlfiles.BUCKET_PARAM)
+    for bucket in (*NICE_BUCKETS, WHOLE_WINDOW, BUCKET_ALL):
+        assert sqlfiles.check_value(param, str(bucket)) == str(bucket)
+
+
+@pytest.mark.parametrize(("param", "value"), [
+    ("since", "2026-13-01"),             # ClickHouse read it as a day in 2027: every row
+    ("since", "2026-11-31"),             # ... as December 1st: no row
+    ("until", "2026-02-29 12:00:00"),    # not a leap year
+    ("since", "2026-11-29 24:00:00"),
+    ("since", "2026-11-29T12:60:00Z"),
+    ("until", "2026-11-29T12:00:00+25:00"),
+    ("since", "yesterday"),
+    ("since", "1796184238"),
+    ("until", "2026-1-2"),
+    ("since", ""),
+])
+def test_impossible_times_are_refused(fx: Store, param: str, value: str) -> None:
+    with pytest.raises(QueryError) as err:
+        fx.named("hit_rate_total", {param: value})
+    message = str(err.value)
+    assert message.startswith(f"parameter {param}: {value!r} is not a real date and time; give YYYY-MM-DD")
+    assert "\n" not in message and "Z or an offset" in message
+
+
+@pytest.mark.parametrize("value", [
+    f"{DAY} 12:01", f"{DAY} 12:01:00", f"{DAY}T12:01:00Z", f"{DAY}T12:01:00.000", f"{DAY}T13:01:00+01:00",
+    f"{DAY}T08:01-0400", f" {DAY}t12:01:00.000000000Z ", f"{DAY} 12",
+])
+def test_time_forms_accepted(fx: Store, value: str) -> None:
+    """The forms that worked keep working, and mean the same time (12:01 UTC; 12:00 for the hour alone)."""
+    expected = f"{DAY} 12:00:00" if value.endswith(" 12") else f"{DAY} 12:01:00"
+    assert rows(fx, "hit_rate_total", since=value) == rows(fx, "hit_rate_total", since=expected)
+    assert sqlfiles.check_value(sqlfiles.Param("since", "DateTime64(3, 'UTC')", None), value) == f"{expected}.000"
+
+
+@pytest.mark.parametrize(("ptype", "value", "bound"), [
+    ("UInt32", "100", "100"), ("UInt32", "+7", "7"), ("UInt8", "255", "255"), ("Int8", "-128", "-128"),
+    ("UInt32", "99999999999", None), ("UInt32", "-1", None), ("UInt8", "256", None), ("UInt32", "1.5", None),
+    ("UInt64", "18446744073709551616", None),
+    ("Date", "2026-11-29", "2026-11-29"), ("Date", "2026-02-29", None), ("Date", "2026-11-29 12:00", None),
+    ("Date", "2200-01-01", "2149-06-06"), ("Date32", "1800-01-01", "1900-01-01"),
+    ("DateTime", "2026-11-29T12:00:00+01:00", "2026-11-29 11:00:00.000"), ("DateTime", "0001-01-01", TIME_MIN),
+    ("DateTime64(3, 'UTC')", "9999-12-31 23:59:59.999", TIME_MAX),
+    ("String", "2026-13-01", "2026-13-01"), ("Array(UInt8)", "[1, 2]", "[1, 2]"),
+])
+def test_check_value_by_type(ptype: str, value: str, bound: str | None) -> None:
+    param = sqlfiles.Param("p", ptype, None)
+    if bound is None:
+        with pytest.raises(sqlfiles.ParamError, match=f"^parameter p: {re.escape(repr(value))} is not a "):
+            sqlfiles.check_value(param, value)
+    else:
+        assert sqlfiles.check_value(param, value) == bound
+
+
+def test_integer_out_of_its_type_is_refused(fx: Store) -> None:
+    """limit is UInt32: 99999999999 wrapped to 1,215,752,191 in ClickHouse."""
+    with pytest.raises(QueryError, match=r"^parameter limit: '99999999999' is not a UInt32 \(a whole number "):
+        fx.named("miss_requests", {"limit": "99999999999"})
+    assert len(rows(fx, "miss_requests", limit=2)) == 2
 
 
 # -- hit rate ------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ st.html(
 st.header("SQL")
 limits = data.get_store().adhoc_settings
 st.caption(
-    "Read-only: one SELECT, WITH, SHOW, DESCRIBE, EXISTS or EXPLAIN; the database refuses writes, stops a query "
+    "Read-only: one SELECT, WITH, SHOW, DESCRIBE (of a table), EXISTS or EXPLAIN over the database's tables (no "
+    "file(), url() or other table functions that reach outside it); the database refuses writes, stops a query "
     f"after {limits['max_execution_time']} s or {limits['max_memory_usage'] / 2**30:g} GiB of memory, and "
     f"returns at most {ADHOC_MAX_ROWS:,} rows and {ADHOC_MAX_RESULT_BYTES >> 20} MiB. Tables: gateway_requests, "
     "request_attribution (weight by sign), miss_attribution (one row per request and cause), vllm_metrics (kept "
@@ -36,7 +37,7 @@ ORDER BY requests DESC"""
 text = st.text_area("Query", EXAMPLE, height=180, key="sql_text")
 if st.button("Run", type="primary", key="sql_run"):
     try:
-        result = data.adhoc(text)
+        result = data.get_store().adhoc(text)  # DateTime columns come back as datetimes
     except Exception as exc:  # noqa: BLE001  (refused, bad SQL, a limit, an unreadable result: a message, no traceback)
         st.error(f"**The query failed.** {charts.plain(data.error_text(exc))}", icon=":material/error:")
     else:

@@ -1,7 +1,7 @@
 -- name: data_quality
 -- description: Per pod: the two sources of the hit rate side by side (vLLM's counters, the gateway log), the gap between them in percentage points and tokens, the coverage of each input, and the likely cause of a disagreement from the evidence (cached counts not reported, hits from a KV connector, requests the gateway did not see, preemption recomputes).
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
 -- returns: pod String | pod name (gateway log `pod` = the collector's name for the scrape target)

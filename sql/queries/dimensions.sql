@@ -1,7 +1,7 @@
 -- name: dimensions
 -- description: The tenants, pods and models seen in the window (for filter lists), with their request counts.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- returns: kind String | tenant, pod or model
 -- returns: value String | tenant_id, pod name or model (the gateway log's `model`, vLLM's `model_name` label; non-empty)
 -- returns: requests UInt64 | requests in the gateway log (all statuses); 0 for a pod or model only seen in vLLM scrapes

@@ -1,11 +1,11 @@
 -- name: fingerprint_cardinality
 -- description: prompt_fingerprint_cardinality per tenant per bucket (distinct stable-prefix fingerprints; a jump means something volatile entered the prefix) and the same per segment, raw beside its normalized variant (raw > normalized = volatile values, reordered tools or RAG).
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
--- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds: a positive multiple of 60 (the rollups hold whole minutes)
 -- param: by_tenant: UInt8 = 1 | 1 = one row per tenant and bucket; 0 = tenants pooled (tenant_id '')
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 -- returns: tenant_id String | tenant, or '' when by_tenant = 0

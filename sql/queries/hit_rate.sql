@@ -1,11 +1,11 @@
 -- name: hit_rate
 -- description: Token-weighted prefix-cache hit rate per time bucket, from vLLM's counters and from the gateway log side by side (a disagreement is itself a finding), with the request-weighted hit rate beside the gateway's to expose the gap.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM counters carry no tenant, so vllm rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
--- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds: a positive multiple of 60 (the rollups hold whole minutes)
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC (vllm: bucket of the later scrape of each counter delta; gateway: of the request's arrival)
 -- returns: source String | vllm (Δ vllm:prefix_cache_hits_total / Δ vllm:prefix_cache_queries_total) or gateway (cached_tokens / prompt_tokens over the requests whose cached count is known)
 -- returns: hit_tokens UInt64 | prefix_cache_hit_tokens, tokens served from the prefix cache

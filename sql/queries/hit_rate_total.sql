@@ -1,7 +1,7 @@
 -- name: hit_rate_total
 -- description: Token-weighted prefix-cache hit rate over the whole window, one row per source (vllm counters, gateway log): the numbers to compare with what the servers report; same rules as hit_rate, without buckets.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM counters carry no tenant, so the vllm row appears only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label

@@ -1,11 +1,11 @@
 -- name: latency
 -- description: ttft_ms and queue_wait_ms p50/p95/p99 per bucket: quantiles over the gateway's requests (t-digest: on small sets the nearest rank, at scale within about 1 %), and from vLLM's histograms (vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds) by bucket interpolation of the count deltas, as Prometheus histogram_quantile does.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM histograms carry no tenant, so vllm rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
--- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds: a positive multiple of 60 (the rollups hold whole minutes)
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 -- returns: source String | gateway (measured per request at the gateway) or vllm (vLLM's own histograms)
 -- returns: metric String | ttft_ms (gateway: arrival to first content chunk; vLLM: arrival at the frontend to first token) or queue_wait_ms (vLLM queue time: first queued to first scheduled)

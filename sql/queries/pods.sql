@@ -1,7 +1,7 @@
 -- name: pods
 -- description: Per pod: served requests and the token-weighted hit rate from the gateway beside vLLM's own (counter deltas), KV cache usage (latest), and the cache configuration vLLM reports (block size, prefix caching on, hash algorithm, bytes per cached token).
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; with a tenant, only pods that served it are listed and the vllm_* columns are NULL (counters carry no tenant)
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label

@@ -1,7 +1,7 @@
 -- name: tenant_affinity
 -- description: Per tenant: tenant_cache_affinity (the token-weighted share of requests with a prefix-sharing predecessor that went to the predecessor's pod) beside the token- and request-weighted hit rates.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod that served the request, '' = all (predecessors are looked up on every pod)
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label

@@ -1,7 +1,7 @@
 -- name: tenant_profile
 -- description: Per tenant, the workload traits that decide whether prefix-cache work pays: prompt size, the stable prefix (everything before the new suffix), how often each stable prefix repeats, the hit rate, and TTFT.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive, on the request's arrival; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all
 -- param: pod: String = '' | pod that served the request, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label

@@ -1,11 +1,11 @@
 -- name: tokens
 -- description: Prefill vs decode tokens per bucket: from the gateway (prompt tokens split into cached and computed prefill, completion tokens) and from vLLM's counters (Δ vllm:prompt_tokens_total, Δ vllm:generation_tokens_total).
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM counters carry no tenant, so vllm rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): the gateway log's `model`, vLLM's `model_name` label
--- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds: a positive multiple of 60 (the rollups hold whole minutes)
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 -- returns: source String | gateway (per-request usage) or vllm (counter deltas)
 -- returns: requests Nullable(UInt64) | served requests (status < 400, prompt_tokens > 0); NULL for vllm

@@ -1,11 +1,11 @@
 -- name: vllm_latency
 -- description: vLLM's end-to-end request latency and inter-token latency p50/p95/p99 per bucket (per pod, or pods pooled), by bucket interpolation of its histograms' count deltas, as Prometheus histogram_quantile does.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM's histograms carry no tenant, so rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): vLLM's `model_name` label
--- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds: a positive multiple of 60 (the rollups hold whole minutes)
 -- param: by_pod: UInt8 = 1 | 1 = one row per pod and bucket; 0 = pods pooled (pod '')
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC
 -- returns: pod String | pod name; '' when by_pod = 0

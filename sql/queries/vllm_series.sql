@@ -1,11 +1,11 @@
 -- name: vllm_series
 -- description: The vLLM-board panels per bucket and pod, from vLLM's own series: prompt and generation throughput (tokens/s), finished and failed requests per second and the error rate, preemptions per second, running and waiting requests, KV-cache usage.
--- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive), UTC
--- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive), UTC
+-- param: since: DateTime64(3, 'UTC') = 1970-01-01 00:00:00 | start of the window (inclusive; the rollups hold whole minutes: a since inside a minute counts from the minute's start), UTC
+-- param: until: DateTime64(3, 'UTC') = 2200-01-01 00:00:00 | end of the window (exclusive; an until inside a minute counts to the minute's end: whole minutes, as since), UTC
 -- param: tenant: String = '' | tenant_id to keep, '' = all; vLLM's series carry no tenant, so rows appear only when this is ''
 -- param: pod: String = '' | pod to keep, '' = all
 -- param: model: String = '' | model to keep ('' = all): vLLM's `model_name` label
--- param: bucket_seconds: UInt32 = 60 | bucket width, seconds
+-- param: bucket_seconds: UInt32 = 60 | bucket width, seconds: a positive multiple of 60 (the rollups hold whole minutes)
 -- returns: bucket DateTime64(3, 'UTC') | bucket start, UTC (counter increases are stamped at the later of their two scrapes)
 -- returns: pod String | pod name (the collector's name for the scrape target)
 -- returns: prompt_tokens_per_s Float64 | Δ vllm:prompt_tokens_total / bucket_seconds, tokens/s (prefill throughput, cached tokens included)
