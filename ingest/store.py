@@ -142,7 +142,7 @@ class Store:
         MergeTree-family tables are created as their Replicated* engines (:func:`replicated`). docs/scale.md.
         ``adhoc_max_memory_bytes``: the memory cap of each ad hoc query (:meth:`adhoc`).
         """
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+        if not sqlfiles.DATABASE_NAME.fullmatch(database):
             raise ValueError(f"database name {database!r} must be an identifier")
         if clickhouse_url:
             dsn = clickhouse_url
