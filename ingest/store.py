@@ -64,8 +64,9 @@ _RETRYABLE_READ_CODES = {159, 202, 209, 210, 241, 242, 252, 425}
 _SERIALISE_ERRORS = (ValueError, TypeError, OverflowError, struct.error, ch_exc.DataError)
 _CODE = re.compile(r"Code:\s*(\d+)")
 #: What ClickHouse says (code 252, like "too many parts") when one INSERT block spans more partitions than
-#: ``max_partitions_per_insert_block`` allows: permanent for that block, so never retried as it is.
-_TOO_MANY_PARTITIONS = "Too many partitions for single INSERT block"
+#: ``max_partitions_per_insert_block`` allows: permanent for that block, so never retried as it is. Newer
+#: servers say "for a single INSERT block".
+_TOO_MANY_PARTITIONS = re.compile(r"Too many partitions for (?:a )?single INSERT block", re.IGNORECASE)
 #: The settings of the writers' session: any number of partitions per INSERT block (ClickHouse default 100;
 #: 0 = unlimited, https://clickhouse.com/docs/operations/settings/settings#max_partitions_per_insert_block).
 #: kvscope's raw tables are partitioned by day and the rollups by month, so a backfill of more than 100 days
@@ -82,7 +83,7 @@ def _halves(exc: BaseException, rows: int) -> bool:
     """Whether a refused insert of ``rows`` rows is to be retried as two halves: the store refused it for
     spanning too many partitions (a server whose user may not raise ``max_partitions_per_insert_block``).
     Halving ends: a block of at most that many rows touches at most that many partitions."""
-    return rows > 1 and _TOO_MANY_PARTITIONS in str(exc)
+    return rows > 1 and bool(_TOO_MANY_PARTITIONS.search(str(exc)))
 
 
 def _insert_error(table: str, exc: BaseException) -> Exception:
@@ -95,18 +96,20 @@ def _insert_error(table: str, exc: BaseException) -> Exception:
 
 
 def insert_settings(client: Any) -> dict[str, Any]:
-    """:data:`INSERT_SETTINGS` for a session of ``client``'s server, minus any this user may not change
-    (``system.settings.readonly``, e.g. a settings profile constraint): those are logged and left out, and
-    :meth:`Store.insert` falls back to splitting what the server refuses."""
-    out = {}
-    for key, value in INSERT_SETTINGS.items():
-        known = client.server_settings.get(key)
-        if known is not None and known.readonly:
-            log.warning("the server does not let this user set %s=%s (it stays %s); inserts spanning more "
-                        "partitions are split", key, value, known.value)
-            continue
-        out[key] = value
-    return out
+    """:data:`INSERT_SETTINGS` when a session of ``client``'s store accepts them, else ``{}``: a server whose
+    settings profile makes this user's ``max_partitions_per_insert_block`` read-only or constrains it (the client
+    refuses a read-only setting; the server answers a constrained one with an error) gets a warning, and
+    :meth:`Store.insert` then splits what the server refuses. Probed with ``SELECT 1`` under the settings;
+    a network failure raises (clickhouse-connect's OperationalError)."""
+    try:
+        client.query("SELECT 1", settings=INSERT_SETTINGS)
+    except ch_exc.OperationalError:
+        raise
+    except ch_exc.Error as exc:
+        log.warning("the store does not let this user set %s; inserts refused for spanning too many partitions "
+                    "are split. error=%s", INSERT_SETTINGS, error_line(str(exc)))
+        return {}
+    return dict(INSERT_SETTINGS)
 
 
 class Store:
@@ -174,7 +177,7 @@ class Store:
         except ch_exc.OperationalError as exc:
             raise StoreUnavailable(f"{what}: {exc}") from exc
         except ch_exc.Error as exc:
-            if _TOO_MANY_PARTITIONS in str(exc):
+            if _TOO_MANY_PARTITIONS.search(str(exc)):
                 raise TooManyPartitions(f"{what}: {exc}") from exc
             if _code(exc) in _RETRYABLE_READ_CODES:
                 raise StoreUnavailable(f"{what}: {exc}") from exc
@@ -182,7 +185,9 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------------------
     def command(self, statement: str, parameters: dict[str, Any] | None = None) -> Any:
-        """Run a statement that returns no rows (DDL, INSERT ... SELECT)."""
+        """Run a statement that returns no rows (DDL, INSERT ... SELECT). Raises :class:`StoreUnavailable` (may
+        pass), :class:`TooManyPartitions` (an INSERT ... SELECT over more partitions than a server lets this user
+        write at once: :func:`insert_settings`), :class:`QueryError` (the statement is wrong)."""
         with self._translate("command"):
             return self.client.command(statement, parameters=parameters)
 

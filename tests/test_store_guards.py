@@ -21,7 +21,7 @@ from collector.publish import to_messages
 from ingest.bulk import load_gateway_log
 from ingest.errors import TooManyPartitions
 from ingest.ingester import Ingester
-from ingest.store import Store
+from ingest.store import INSERT_SETTINGS, Store, insert_settings
 from kvscope.cli import main
 from kvscope.config import MAX_RETENTION_DAYS, ConfigError, build_config
 from kvscope.importer import _NoSource
@@ -153,6 +153,15 @@ def test_a_session_held_to_100_partitions_splits_what_it_may_not_write_at_once(s
     stats = load_gateway_log(held, one_a_day(tmp_path))
     assert (stats.rows, stats.duplicates) == (DAYS, 0)
     assert (count(store, "gateway_requests"), count(store, "days")) == (2 * DAYS, DAYS)
+
+
+def test_a_session_that_may_not_change_the_limit_is_opened_without_it(store: Store) -> None:
+    """A read-only user stands in for a server's settings profile (real chDB, ``readonly = 1``)."""
+    free = clickhouse_connect.get_client(dsn=store.dsn, database=store.database)
+    assert insert_settings(free) == INSERT_SETTINGS == {"max_partitions_per_insert_block": 0}
+    held = clickhouse_connect.get_client(dsn=store.dsn, database=store.database)
+    held.command("SET readonly = 1")
+    assert insert_settings(held) == {}
 
 
 def stage_tables(store: Store) -> list[str]:
