@@ -108,10 +108,8 @@ def _store(cfg, *, must_exist: bool = False, writer: bool = False):  # type: ign
     try:
         return open_store(cfg, writer=writer)
     except OSError as exc:  # Store.open creates the chDB directory
-        why = ("a file is there" if isinstance(exc, FileExistsError) else "a part of the path is a file"
-               if isinstance(exc, NotADirectoryError) else (exc.strerror or str(exc)).lower())
-        raise click.UsageError(f"--data-dir / KVSCOPE_DATA_DIR {cfg.data_dir}: cannot be the chDB data directory: "
-                               f"{why} ({exc.filename})") from exc
+        raise _path_error(f"--data-dir / KVSCOPE_DATA_DIR {cfg.data_dir}: cannot be the chDB data directory",
+                          exc) from exc
     except KvscopeError as exc:
         msg = str(exc)
         if "Cannot lock file" in msg or "EmbeddedServer" in msg:
@@ -120,6 +118,14 @@ def _store(cfg, *, must_exist: bool = False, writer: bool = False):  # type: ign
                 "process per directory); stop it, or query through its dashboard's SQL page"
             )
         raise click.ClickException(msg) from exc
+
+
+def _path_error(what: str, exc: OSError) -> click.UsageError:
+    """A directory kvscope could not create (a file on the path, permissions) as one line: ``what``, why, the
+    path that failed."""
+    why = ("a file is there" if isinstance(exc, FileExistsError) else "a part of the path is a file"
+           if isinstance(exc, NotADirectoryError) else (exc.strerror or str(exc)).lower())
+    return click.UsageError(f"{what}: {why} ({exc.filename})")
 
 
 def _store_error(exc: Exception) -> click.ClickException:
@@ -202,7 +208,11 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     cfg = _config(**opts)
     alerts = _alert_setup(cfg)  # a bad rules file stops start-up before anything starts
     _check_digest_schedule(cfg)
-    watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
+    try:
+        watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
+    except OSError as exc:
+        raise _path_error("the collector's checkpoints (KVSCOPE_STATE_DIR, else beside --data-dir) cannot be "
+                          "written", exc) from exc
     store = _store(cfg, writer=True)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours

@@ -208,3 +208,17 @@ def test_a_data_dir_that_cannot_be_a_directory_is_one_line(tmp_path: Path) -> No
             assert result.output.splitlines()[-1] == (
                 f"Error: --data-dir / KVSCOPE_DATA_DIR {data_dir}: cannot be the chDB data directory: {why} "
                 f"({data_dir})")
+
+
+def test_up_with_a_data_dir_under_a_file_is_one_line(tmp_path: Path) -> None:
+    """``kvscope up`` checkpoints its gateway logs beside the data directory before it opens the store."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    log = tmp_path / "gateway.jsonl"
+    log.write_text("")
+    result = CliRunner().invoke(main, ["up", "--no-dashboard", "--data-dir", str(a_file / "data"),
+                                       "--gateway-log", str(log)], env={})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.exception
+    assert result.output.splitlines()[-1] == (
+        "Error: the collector's checkpoints (KVSCOPE_STATE_DIR, else beside --data-dir) cannot be written: a part "
+        f"of the path is a file ({a_file / 'data.state'})")
