@@ -24,7 +24,7 @@ from collector.events import DeadLetter, envelope
 from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows
-from ingest.errors import RejectedRows
+from ingest.errors import RejectedRows, TooManyPartitions
 from ingest.retention import Retention, Retentions
 from ingest.rows import COLUMNS, GATEWAY_HASH_LISTS, dead_letter_row
 from ingest.store import Store
@@ -152,7 +152,7 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                      lines_per_chunk: int = 50_000) -> LoadStats:
     """Load a finished gateway log into ``store``; returns :class:`LoadStats`. Raises :class:`CompressedLog` for
     a gzip file (nothing written), what the store raises (``StoreUnavailable``: the load may be repeated; rows
-    already loaded are skipped) and ``OSError``."""
+    already loaded are skipped) and ``OSError``. The stage table is dropped whatever happens."""
     path = Path(path).resolve()  # one spelling per file: dead letters are keyed by it (a re-import adds none)
     with path.open("rb") as fh:
         if fh.read(2) == b"\x1f\x8b":
@@ -161,38 +161,44 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     json_stage = _JsonStage(store)
     retentions = Retentions(store)
     now_ms = int(time.time() * 1000)
-    for chunk in _chunks(path, lines_per_chunk):
-        good: list[bytes] = []
-        dead = []
-        for offset, line in chunk:
-            try:
-                if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
-                    raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
-                good.append(_encode(decode_record(line)))
-            except BadRecord as exc:
-                text = line[:MAX_RAW].decode("utf-8", "replace")
-                dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW], location=f"{path}:{offset}")
-                ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256]), observed_at_ms=now_ms)
-                dead.append(dead_letter_row(ev, dl))
-        stats.lines += len(chunk)
-        if good:
-            expired: list[str] = []
-            try:
-                inserted, expired = json_stage.insert_absent(good, retentions.get("gateway_requests"))
-            except RejectedRows:  # ClickHouse refused a line the decoder accepted: this chunk line by line,
-                # with the live path's isolation (the refused row becomes a dead letter with the store's reason)
-                events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]
-                written = import_events(store, [e for e in events if e.schema == "gateway_request"])
-                inserted = written.get("gateway_requests", 0)
-                stats.dead_letters += written.get("dead_letters", 0)
-            stats.rows += inserted
-            stats.duplicates += len(good) - len(expired) - inserted
-            if expired:  # one dead letter per chunk: its count, reason and request ids
-                stats.expired += len(expired)
-                dead.append(_expired_letter(path, chunk, expired, retentions.get("gateway_requests"), pod, now_ms))
-        if dead:
-            keep = absent_rows(store, "dead_letters", dead, COLUMNS["dead_letters"])
-            store.insert("dead_letters", [dead[i] for i in keep], COLUMNS["dead_letters"])
-            stats.dead_letters += len(keep)
-    json_stage.drop()
+    try:
+        for chunk in _chunks(path, lines_per_chunk):
+            good: list[bytes] = []
+            dead = []
+            for offset, line in chunk:
+                try:
+                    if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
+                        raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
+                    good.append(_encode(decode_record(line)))
+                except BadRecord as exc:
+                    text = line[:MAX_RAW].decode("utf-8", "replace")
+                    dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW],
+                                    location=f"{path}:{offset}")
+                    ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256]), observed_at_ms=now_ms)
+                    dead.append(dead_letter_row(ev, dl))
+            stats.lines += len(chunk)
+            if good:
+                expired: list[str] = []
+                try:
+                    inserted, expired = json_stage.insert_absent(good, retentions.get("gateway_requests"))
+                except (RejectedRows, TooManyPartitions):  # ClickHouse refused a line the decoder accepted, or
+                    # the chunk spans more partitions than the server lets this user write at once: this chunk
+                    # through the live path (rows in halves until they fit; a refused row becomes a dead letter
+                    # with the store's reason)
+                    events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]
+                    written = import_events(store, [e for e in events if e.schema == "gateway_request"])
+                    inserted = written.get("gateway_requests", 0)
+                    stats.dead_letters += written.get("dead_letters", 0)
+                stats.rows += inserted
+                stats.duplicates += len(good) - len(expired) - inserted
+                if expired:  # one dead letter per chunk: its count, reason and request ids
+                    stats.expired += len(expired)
+                    dead.append(_expired_letter(path, chunk, expired, retentions.get("gateway_requests"), pod,
+                                                now_ms))
+            if dead:
+                keep = absent_rows(store, "dead_letters", dead, COLUMNS["dead_letters"])
+                store.insert("dead_letters", [dead[i] for i in keep], COLUMNS["dead_letters"])
+                stats.dead_letters += len(keep)
+    finally:
+        json_stage.drop()
     return stats

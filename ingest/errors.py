@@ -6,6 +6,7 @@
     └── PermanentError            isolate and dead-letter; never retried
         ├── ContractViolation     an envelope that does not decode or map to rows
         ├── RejectedRows          ClickHouse refused the rows (type mismatch, incorrect data)
+        ├── TooManyPartitions     an INSERT ... SELECT spans more partitions than the server allows this user
         └── QueryError            a named or ad hoc query is invalid, or was refused (read-only)
 
 Only ``ingest/store.py`` sees clickhouse-connect exceptions; it translates them here.
@@ -47,6 +48,12 @@ class RejectedRows(PermanentError):
         super().__init__(f"{table}: {message}")
         self.table = table
         self.code = code
+
+
+class TooManyPartitions(PermanentError):
+    """An INSERT ... SELECT whose rows fall into more partitions than the server lets this user write in one
+    block (``max_partitions_per_insert_block``, a setting the user may not change): the same statement fails
+    again, so the caller inserts the rows in smaller pieces."""
 
 
 class QueryError(PermanentError):

@@ -11,6 +11,7 @@ never pauses ingestion.
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 import threading
@@ -41,11 +42,12 @@ from ingest.adhoc import (
     has_uint32,
     unique_names,
 )
-from ingest.errors import QueryError, RejectedRows, StoreUnavailable
+from ingest.errors import QueryError, RejectedRows, StoreUnavailable, TooManyPartitions
 
 # The ClickHouse error codes that mean "these rows are wrong" (parse, type, range): the only failures of an
 # insert that are permanent. Every other failure of a write (network, timeouts, memory limit 241, too many
-# parts 252, a missing table during a migration, an error without a code) may pass and is retried.
+# parts 252, a missing table during a migration, an error without a code) may pass and is retried; too many
+# partitions in one block (also 252) is split instead (INSERT_SETTINGS, _halves).
 # Source: ClickHouse src/Common/ErrorCodes.cpp.
 DATA_ERROR_CODES = frozenset({
     6,    # CANNOT_PARSE_TEXT
@@ -62,15 +64,59 @@ DATA_ERROR_CODES = frozenset({
     321,  # VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE
     349,  # CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN
 })
+log = logging.getLogger("kvscope.store")
 #: Read failures that may pass (timeouts, too many queries, network, memory limit, too many parts).
 _RETRYABLE_READ_CODES = {159, 202, 209, 210, 241, 242, 252, 425}
 #: What clickhouse-connect raises while serialising values that do not fit their column (a data error).
 _SERIALISE_ERRORS = (ValueError, TypeError, OverflowError, struct.error, ch_exc.DataError)
 _CODE = re.compile(r"Code:\s*(\d+)")
+#: What ClickHouse says (code 252, like "too many parts") when one INSERT block spans more partitions than
+#: ``max_partitions_per_insert_block`` allows: permanent for that block, so never retried as it is. Newer
+#: servers say "for a single INSERT block".
+_TOO_MANY_PARTITIONS = re.compile(r"Too many partitions for (?:a )?single INSERT block", re.IGNORECASE)
+#: The settings of the writers' session: any number of partitions per INSERT block (ClickHouse default 100;
+#: 0 = unlimited, https://clickhouse.com/docs/operations/settings/settings#max_partitions_per_insert_block).
+#: kvscope's raw tables are partitioned by day and the rollups by month, so a backfill of more than 100 days
+#: (or a replay of 100 months) is one block over many partitions; the parts it makes are merged as usual.
+INSERT_SETTINGS = {"max_partitions_per_insert_block": 0}
+
 
 def _code(exc: BaseException) -> int | None:
     m = _CODE.search(str(exc))
     return int(m.group(1)) if m else None
+
+
+def _halves(exc: BaseException, rows: int) -> bool:
+    """Whether a refused insert of ``rows`` rows is to be retried as two halves: the store refused it for
+    spanning too many partitions (a server whose user may not raise ``max_partitions_per_insert_block``).
+    Halving ends: a block of at most that many rows touches at most that many partitions."""
+    return rows > 1 and bool(_TOO_MANY_PARTITIONS.search(str(exc)))
+
+
+def _insert_error(table: str, exc: BaseException) -> Exception:
+    """A failed insert as kvscope's error: a data error (:data:`DATA_ERROR_CODES`) → :class:`RejectedRows`,
+    anything else → :class:`StoreUnavailable` (retryable)."""
+    code = _code(exc)
+    if code in DATA_ERROR_CODES or isinstance(exc, ch_exc.DataError):
+        return RejectedRows(table, str(exc), code)
+    return StoreUnavailable(f"insert into {table}: {exc}")
+
+
+def insert_settings(client: Any) -> dict[str, Any]:
+    """:data:`INSERT_SETTINGS` when a session of ``client``'s store accepts them, else ``{}``: a server whose
+    settings profile makes this user's ``max_partitions_per_insert_block`` read-only or constrains it (the client
+    refuses a read-only setting; the server answers a constrained one with an error) gets a warning, and
+    :meth:`Store.insert` then splits what the server refuses. Probed with ``SELECT 1`` under the settings;
+    a network failure raises (clickhouse-connect's OperationalError)."""
+    try:
+        client.query("SELECT 1", settings=INSERT_SETTINGS)
+    except ch_exc.OperationalError:
+        raise
+    except ch_exc.Error as exc:
+        log.warning("the store does not let this user set %s; inserts refused for spanning too many partitions "
+                    "are split. error=%s", INSERT_SETTINGS, error_line(str(exc)))
+        return {}
+    return dict(INSERT_SETTINGS)
 
 
 class Store:
@@ -107,7 +153,7 @@ class Store:
         MergeTree-family tables are created as their Replicated* engines (:func:`replicated`). docs/scale.md.
         ``adhoc_max_memory_bytes``: the memory cap of each ad hoc query (:meth:`adhoc`).
         """
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+        if not sqlfiles.DATABASE_NAME.fullmatch(database):
             raise ValueError(f"database name {database!r} must be an identifier")
         if clickhouse_url:
             dsn = clickhouse_url
@@ -122,7 +168,7 @@ class Store:
         try:
             boot = clickhouse_connect.get_client(dsn=dsn)
             boot.command(create_database(database, cluster))
-            client = clickhouse_connect.get_client(dsn=dsn, database=database)
+            client = clickhouse_connect.get_client(dsn=dsn, database=database, settings=insert_settings(boot))
         except ch_exc.Error as exc:
             raise StoreUnavailable(f"cannot open ClickHouse at {dsn}: {exc}") from exc
         return cls(client, database, dsn, cluster, adhoc_settings(adhoc_max_memory_bytes))
@@ -130,26 +176,35 @@ class Store:
     @contextmanager
     def _translate(self, what: str) -> Iterator[None]:
         """Hold the lock and translate clickhouse-connect errors of a read or a command: network, timeouts
-        and load → StoreUnavailable (retry); others → QueryError (the statement itself is wrong)."""
+        and load → StoreUnavailable (retry); an INSERT ... SELECT over more partitions than the server lets
+        this user write in one block → TooManyPartitions; others → QueryError (the statement itself is
+        wrong)."""
         try:
             with self._lock:
                 yield
         except ch_exc.OperationalError as exc:
             raise StoreUnavailable(f"{what}: {exc}") from exc
         except ch_exc.Error as exc:
+            if _TOO_MANY_PARTITIONS.search(str(exc)):
+                raise TooManyPartitions(f"{what}: {exc}") from exc
             if _code(exc) in _RETRYABLE_READ_CODES:
                 raise StoreUnavailable(f"{what}: {exc}") from exc
             raise QueryError(f"{what}: {exc}") from exc
 
     # -- writes -------------------------------------------------------------------------------------------
     def command(self, statement: str, parameters: dict[str, Any] | None = None) -> Any:
-        """Run a statement that returns no rows (DDL, INSERT ... SELECT)."""
+        """Run a statement that returns no rows (DDL, INSERT ... SELECT). Raises :class:`StoreUnavailable` (may
+        pass), :class:`TooManyPartitions` (an INSERT ... SELECT over more partitions than a server lets this user
+        write at once: :func:`insert_settings`), :class:`QueryError` (the statement is wrong)."""
         with self._translate("command"):
             return self.client.command(statement, parameters=parameters)
 
     def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
         """Insert row tuples into ``table`` (one INSERT; ClickHouse writes one part per partition touched).
 
+        The session allows any number of partitions per INSERT (:data:`INSERT_SETTINGS`); where a server does
+        not let this user change that, a batch it refuses for spanning too many partitions is inserted in
+        halves (:func:`_halves`): a half that landed stays, so the rows land once.
         Raises :class:`RejectedRows` only for data errors: the client could not serialise a value into its
         column, or ClickHouse answered with one of :data:`DATA_ERROR_CODES`. Every other failure raises
         :class:`StoreUnavailable` (retryable): the rows may or may not have landed, so a retry must first
@@ -161,26 +216,32 @@ class Store:
             with self._lock:
                 self.client.insert(table, list(rows), column_names=list(column_names))
         except ch_exc.Error as exc:
-            code = _code(exc)
-            if code in DATA_ERROR_CODES or isinstance(exc, ch_exc.DataError):
-                raise RejectedRows(table, str(exc), code) from exc
-            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
+            if _halves(exc, len(rows)):
+                mid = len(rows) // 2
+                self.insert(table, rows[:mid], column_names)
+                self.insert(table, rows[mid:], column_names)
+                return
+            raise _insert_error(table, exc) from exc
         except _SERIALISE_ERRORS as exc:
             raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
 
     def insert_raw(self, table: str, data: bytes, fmt: str, settings: dict[str, Any] | None = None) -> None:
         """Insert ``data`` in ClickHouse input format ``fmt`` (e.g. JSONEachRow: ClickHouse parses it). Errors as
-        :meth:`insert` (a parse error of the data is :class:`RejectedRows`)."""
+        :meth:`insert` (a parse error of the data is :class:`RejectedRows`); only JSONEachRow data is split in
+        halves (at line ends) when refused for spanning too many partitions."""
         if not data:
             return
         try:
             with self._lock:
                 self.client.raw_insert(table, None, insert_block=data, fmt=fmt, settings=settings)
         except ch_exc.Error as exc:
-            code = _code(exc)
-            if code in DATA_ERROR_CODES or isinstance(exc, ch_exc.DataError):
-                raise RejectedRows(table, str(exc), code) from exc
-            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
+            lines = data.split(b"\n") if fmt == "JSONEachRow" else []
+            if _halves(exc, len(lines)):
+                mid = len(lines) // 2
+                self.insert_raw(table, b"\n".join(lines[:mid]), fmt, settings)
+                self.insert_raw(table, b"\n".join(lines[mid:]), fmt, settings)
+                return
+            raise _insert_error(table, exc) from exc
 
     def insert_arrow(self, table: str, data: pa.Table) -> None:
         """Insert an Arrow table (columns named as the table's): the fast path for column-wise writers (the
@@ -191,10 +252,12 @@ class Store:
             with self._lock:
                 self.client.insert_arrow(table, data)
         except ch_exc.Error as exc:
-            code = _code(exc)
-            if code in DATA_ERROR_CODES or isinstance(exc, ch_exc.DataError):
-                raise RejectedRows(table, str(exc), code) from exc
-            raise StoreUnavailable(f"insert into {table}: {exc}") from exc
+            if _halves(exc, data.num_rows):
+                mid = data.num_rows // 2
+                self.insert_arrow(table, data.slice(0, mid))
+                self.insert_arrow(table, data.slice(mid))
+                return
+            raise _insert_error(table, exc) from exc
         except (*_SERIALISE_ERRORS, pa.ArrowException) as exc:
             raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
 

@@ -94,7 +94,11 @@ def _serve_self_metrics(cfg) -> None:  # type: ignore[no-untyped-def]
         click.echo(f"self-metrics: http://{cfg.dashboard_address}:{cfg.metrics_port}/metrics")
 
 
-def _store(cfg, *, must_exist: bool = False):  # type: ignore[no-untyped-def]
+def _store(cfg, *, must_exist: bool = False, writer: bool = False):  # type: ignore[no-untyped-def]
+    """The store the settings name, migrated (:func:`kvscope.pipeline.open_store`); ``writer``: this command
+    writes it, so the retention settings are set on its tables. Every failure is click's one-line error:
+    ``must_exist`` and no chDB directory there, a data directory that cannot be one (a file on the path,
+    permissions), the store unreachable or in use."""
     from ingest.errors import KvscopeError
     from kvscope.pipeline import open_store
 
@@ -102,7 +106,10 @@ def _store(cfg, *, must_exist: bool = False):  # type: ignore[no-untyped-def]
         raise click.ClickException(
             f"no kvscope data at {cfg.data_dir}; give --data-dir (the demo keeps its data in .kvscope/demo/data)")
     try:
-        return open_store(cfg)
+        return open_store(cfg, writer=writer)
+    except OSError as exc:  # Store.open creates the chDB directory
+        raise _path_error(f"--data-dir / KVSCOPE_DATA_DIR {cfg.data_dir}: cannot be the chDB data directory",
+                          exc) from exc
     except KvscopeError as exc:
         msg = str(exc)
         if "Cannot lock file" in msg or "EmbeddedServer" in msg:
@@ -111,6 +118,14 @@ def _store(cfg, *, must_exist: bool = False):  # type: ignore[no-untyped-def]
                 "process per directory); stop it, or query through its dashboard's SQL page"
             )
         raise click.ClickException(msg) from exc
+
+
+def _path_error(what: str, exc: OSError) -> click.UsageError:
+    """A directory kvscope could not create (a file on the path, permissions) as one line: ``what``, why, the
+    path that failed."""
+    why = ("a file is there" if isinstance(exc, FileExistsError) else "a part of the path is a file"
+           if isinstance(exc, NotADirectoryError) else (exc.strerror or str(exc)).lower())
+    return click.UsageError(f"{what}: {why} ({exc.filename})")
 
 
 def _store_error(exc: Exception) -> click.ClickException:
@@ -193,8 +208,12 @@ def up(no_dashboard: bool, **opts: Any) -> None:
     cfg = _config(**opts)
     alerts = _alert_setup(cfg)  # a bad rules file stops start-up before anything starts
     _check_digest_schedule(cfg)
-    watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
-    store = _store(cfg)
+    try:
+        watch_logs(cfg)  # before the store opens (seconds): lines written meanwhile survive a rotation and a kill
+    except OSError as exc:
+        raise _path_error("the collector's checkpoints (KVSCOPE_STATE_DIR, else beside --data-dir) cannot be "
+                          "written", exc) from exc
+    store = _store(cfg, writer=True)
     _stop_on_signals()  # again: chDB took SIGINT when it opened
     _serve_self_metrics(cfg)  # once it answers, the store is open and Ctrl-C is ours
     pipe = Pipeline(cfg, store=store, alerts=alerts, digest=True)
@@ -258,7 +277,7 @@ def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> No
     cfg = _config(**opts)
     alerts = _alert_setup(cfg)
     _serve_self_metrics(cfg)
-    store = _store(cfg)
+    store = _store(cfg, writer=True)
     run = DemoRun(cfg, store, workdir=workdir, pods=pods, scale=scale, rounds=rounds, alerts=alerts)
     context = _run_context(cfg, store, config=lambda: run.pipeline.cfg if run.pipeline else cfg,
                            step=lambda: run.status)
@@ -312,7 +331,8 @@ def ingest(attribution: bool, **opts: Any) -> None:
     _serve_self_metrics(cfg)
     if not cfg.kafka_bootstrap:
         raise click.UsageError("kvscope ingest consumes Kafka: give --kafka-bootstrap (or use kvscope up)")
-    _run_until_interrupted(Pipeline(cfg, store=_store(cfg), collect=False, ingest=True, attribute=attribution))
+    _run_until_interrupted(Pipeline(cfg, store=_store(cfg, writer=True), collect=False, ingest=True,
+                                    attribute=attribution))
 
 
 @main.command()
@@ -328,7 +348,7 @@ def attribute(once: bool, kv_evidence: bool, **opts: Any) -> None:
 
     cfg = _config(**opts)
     _serve_self_metrics(cfg)
-    store = _store(cfg)
+    store = _store(cfg, writer=True)
     kwargs = {**attribution_kwargs(cfg), "kv_evidence": kv_evidence}
     if once:
         stats = run_attribution(store, **kwargs)
@@ -394,24 +414,27 @@ def import_() -> None:
 def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
     """Load gateway fingerprint log JSONL files (streamed, any size); bad lines go to dead_letters with their
     reason; lines already in the store are skipped."""
-    from ingest.bulk import CompressedLog, load_gateway_log
-
-    cfg = _config(**opts)
-    store = _store(cfg)
-    for f in files:
-        try:
-            stats = load_gateway_log(store, f)
-        except CompressedLog as exc:
-            raise click.ClickException(str(exc)) from exc
-        click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, {stats.dead_letters} dead letters")
-        if stats.expired:
-            click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, which "
-                       "ClickHouse would drop at insert (kvscope query dead_letters names them)", err=True)
     from ingest.attribution_job import run_attribution
+    from ingest.bulk import CompressedLog, load_gateway_log
+    from ingest.errors import KvscopeError
     from kvscope.pipeline import attribution_kwargs
 
-    stats = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
-    click.echo(f"attribution: {stats.arrivals} new answers, {stats.changed} changed")
+    cfg = _config(**opts)
+    store = _store(cfg, writer=True)
+    try:
+        for f in files:
+            stats = load_gateway_log(store, f)
+            click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, "
+                       f"{stats.dead_letters} dead letters")
+            if stats.expired:
+                click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, "
+                           "which ClickHouse would drop at insert (kvscope query dead_letters names them)", err=True)
+        answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
+    except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
+        raise _store_error(exc) from exc
+    except CompressedLog as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"attribution: {answers.arrivals} new answers, {answers.changed} changed")
 
 
 @import_.command("labels")
@@ -428,7 +451,7 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
     from ingest.labels import load_labels
 
     cfg = _config(**opts)
-    store = _store(cfg)
+    store = _store(cfg, writer=True)
     usable = 0
     for f in files:
         try:
@@ -462,7 +485,7 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
     if ts.tzinfo is None:
         raise click.BadParameter("give a time zone (e.g. Z)", param_hint="--at")
     cfg = _config(**opts)
-    store = _store(cfg)
+    store = _store(cfg, writer=True)
     result = load(store, pod, Path(file), Path(file).read_bytes(), int(ts.timestamp() * 1000))
     if not result.loaded:
         why = "; ".join(dict.fromkeys(result.reasons)) or (
@@ -641,9 +664,10 @@ def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...
 @main.command()
 @store_options
 def migrate(**opts: Any) -> None:
-    """Apply the SQL migrations in sql/migrations (also done by every command that opens the store)."""
+    """Apply the SQL migrations in sql/migrations (also done by every command that opens the store) and set the
+    tables' retention to KVSCOPE_RETENTION_DAYS / KVSCOPE_ROLLUP_RETENTION_DAYS (as every command that writes)."""
     cfg = _config(**opts)
-    _store(cfg)
+    _store(cfg, writer=True)
     click.echo("migrations up to date")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
+from sql import DATABASE_NAME
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,10 @@ SETTINGS: list[Setting] = [
     Setting("database", "kvscope", "ClickHouse database name"),
     Setting("clickhouse_cluster", "", "ClickHouse cluster (remote_servers name) to create the database on, "
             "replicated; '' = a single server or chDB"),
-    Setting("retention_days", 30, "Days raw rows (requests, answers, vLLM series, KV events, dead letters) are kept",
-            int),
-    Setting("rollup_retention_days", 400, "Days the per-minute and per-hour rollups are kept", int),
+    Setting("retention_days", 30, "Days raw rows (requests, answers, vLLM series, KV events, dead letters) are kept, "
+            "1 to 3650; set on the tables by the commands that write (docs/scale.md)", int),
+    Setting("rollup_retention_days", 400, "Days the per-minute and per-hour rollups are kept, 1 to 3650; set on the "
+            "tables by the commands that write (docs/scale.md)", int),
     Setting("adhoc_max_memory_bytes", ADHOC_MAX_MEMORY_BYTES, "Memory one ad hoc query (kvscope sql, the "
             "dashboard's SQL page) may use (ClickHouse max_memory_usage); over it the query fails", int),
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
@@ -96,6 +98,12 @@ SETTINGS: list[Setting] = [
     Setting("alert_to", "", "Comma-separated recipients of alert emails ('' = no alert email)"),
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
+
+#: The longest retention (days) a table's TTL may have: ten years. A TTL is ``toDateTime(ts) + days`` and
+#: ClickHouse's DateTime ends at 2106-02-07 06:28:15 UTC; past it the sum wraps around (36,500 days from 2026 is
+#: 1990), so every row would expire at once. Ten years keeps the sum inside the range for rows stamped up to 2096.
+#: Source: https://clickhouse.com/docs/sql-reference/data-types/datetime (supported range).
+MAX_RETENTION_DAYS = 3650
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,14 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
     _check_targets(cfg)
     if cfg.gateway_block_chain not in ("auto", "off"):
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_CHAIN={cfg.gateway_block_chain!r}: expected auto or off")
+    if not DATABASE_NAME.fullmatch(cfg.database):
+        raise ConfigError(f"KVSCOPE_DATABASE / --database {cfg.database!r}: expected a plain identifier (letters, "
+                          "digits and _, not starting with a digit)")
+    for name in ("retention_days", "rollup_retention_days"):
+        days = getattr(cfg, name)
+        if not 1 <= days <= MAX_RETENTION_DAYS:
+            raise ConfigError(f"{BY_NAME[name].env}={days}: expected whole days from 1 to {MAX_RETENTION_DAYS} "
+                              "(fewer expires every row; more passes the end of ClickHouse's DateTime range, 2106)")
     if cfg.gateway_block_size < 0:
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
     return cfg

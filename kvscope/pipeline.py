@@ -26,13 +26,22 @@ from kvscope.config import Config
 log = logging.getLogger("kvscope.pipeline")
 
 
-def open_store(cfg: Config) -> Store:
-    """The store the settings name (a server when ``clickhouse_url`` is set, else chDB), migrated."""
+def open_store(cfg: Config, *, writer: bool) -> Store:
+    """The store the settings name (a server when ``clickhouse_url`` is set, else chDB), migrated.
+
+    ``writer``: the caller writes the store (``kvscope up``, ``demo``, ``ingest``, ``attribute``, ``import ...``,
+    ``migrate``): only then are ``retention_days`` / ``rollup_retention_days`` set on the tables' TTLs
+    (:meth:`Store.apply_retention`), so a read (``query``, ``sql``, ``digest``, ``alerts``, ``dashboard``) run
+    with other settings never shortens, and so deletes, what the writers keep. Raises what :meth:`Store.open`
+    raises.
+    """
     store = Store.open(data_dir=cfg.data_dir, clickhouse_url=cfg.clickhouse_url or None, database=cfg.database,
                        cluster=cfg.clickhouse_cluster, adhoc_max_memory_bytes=cfg.adhoc_max_memory_bytes)
     applied = store.migrate()
     if applied:
         log.info("migrations applied. versions=%s", ",".join(applied))
+    if not writer:
+        return store
     changed = store.apply_retention(cfg.retention_days, cfg.rollup_retention_days)
     if changed:
         log.info("retention set. raw_days=%d rollup_days=%d tables=%s", cfg.retention_days,
@@ -116,7 +125,7 @@ class Pipeline:
 
     def start(self) -> None:
         if self.store is None and (self.ingest or self.attribute):
-            self.store = open_store(self.cfg)
+            self.store = open_store(self.cfg, writer=True)
         publisher, source = self._transport()
         self._closers = [x for x in (publisher, source) if x is not None]
         if self.ingest:

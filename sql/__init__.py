@@ -29,6 +29,9 @@ MIGRATIONS_DIR = SQL_DIR / "migrations"
 QUERIES_DIR = SQL_DIR / "queries"
 PARTS_DIR = SQL_DIR / "parts"
 
+#: A database name kvscope accepts: a plain ClickHouse identifier (letters, digits, _; not starting with a digit),
+#: so it can be written into DDL unquoted.
+DATABASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER = re.compile(r"^--\s*(name|description|param|returns):\s*(.*)$")
 _PARAM = re.compile(r"^(\w+):\s*([^=|]+?)\s*(?:=\s*([^|]*?))?\s*(?:\|\s*(.*))?$")
 _RETURNS = re.compile(r"^(\w+)\s+([^|]+?)\s*(?:\|\s*(.*))?$")
