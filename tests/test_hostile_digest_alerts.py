@@ -21,7 +21,7 @@ import logging
 import os
 import pty
 import re
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -450,18 +450,21 @@ def in_terminal(*args: str, columns: int = 200) -> bytes:
                             cwd=ROOT, env=env)
     os.close(follower)
     out = b""
-    while True:
-        ready, _, _ = select.select([leader], [], [], 120)
-        if not ready:
-            proc.kill()
-            break
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
+    # selectors (epoll), not select.select: this process may hold more than 1024 descriptors by now (chDB keeps
+    # three /proc files open per thread it started), and select() refuses any descriptor past 1023
+    with selectors.DefaultSelector() as sel:
+        sel.register(leader, selectors.EVENT_READ)
+        while True:
+            if not sel.select(120):
+                proc.kill()
+                break
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
     proc.wait(timeout=60)
     os.close(leader)
     return out
