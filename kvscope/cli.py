@@ -457,7 +457,7 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
         try:
             stats = load_labels(store, f, run_id=run_id or Path(f).stem)
         except KvscopeError as exc:
-            raise click.ClickException(f"{f}: the store refused the labels: {exc}") from exc
+            raise _store_error(exc) from exc
         usable += stats.rows + stats.duplicates
         click.echo(f"{f}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad lines "
                    f"({stats.dead_letters} new dead letters)")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.fleet import free_port as fleet_free_port
+from demo.fleet import free_port  # tests import it from here: a port outside the ephemeral range
 from ingest.store import Store
 
 pytest_plugins = ["conftest_vllm"]
@@ -24,9 +24,6 @@ pytest_plugins = ["conftest_vllm"]
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
-def free_port() -> int:
-    """A port for a test server to listen on, outside the ephemeral range (see `demo.fleet.free_port`)."""
-    return fleet_free_port()
 
 
 @pytest.fixture(scope="session")
