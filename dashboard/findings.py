@@ -1,7 +1,7 @@
 """What to fix first: the actionable miss causes ranked by what they cost, each with evidence and a fix.
 
 Read by the Overview's "fix first", the digest and the alerts, so the three say the same thing. Everything comes
-from named queries (``miss_causes`` per tenant for the amounts, ``miss_requests`` for one example request), so the
+from named queries (``miss_causes`` per tenant for the amounts, ``miss_examples`` for one example request per finding, the one ``miss_requests`` lists first), so the
 figures equal what ``kvscope query`` returns for the same window.
 
 Ranking (docs/fix-first.md): findings are the (tenant, cause, sub-cause) rows whose cause has a fix
@@ -255,7 +255,12 @@ def fix_first(store: Any, since: datetime, until: datetime, *, tenant: str = "",
     ranked = _rank(candidates)
     if per_tenant:
         ranked = [f for i, f in enumerate(ranked) if all(g.tenant_id != f.tenant_id for g in ranked[:i])]
-    return [_with_evidence(store, f, since, until, pod, model) for f in ranked[:limit]]
+    ranked = ranked[:limit]
+    if not ranked:
+        return []
+    examples = {(r["tenant_id"], r["cause"], r["sub_cause"]): r for r in store.named(
+        "miss_examples", _params(since, until, tenant, pod, model=model)).iter_rows(named=True)}
+    return [_with_evidence(f, examples.get((f.tenant_id, f.cause, f.sub_cause))) for f in ranked]
 
 
 def _rank(candidates: list[Finding]) -> list[Finding]:
@@ -274,20 +279,11 @@ def _rank(candidates: list[Finding]) -> list[Finding]:
     return out
 
 
-#: Requests read to find the evidence of the traffic without a tenant: a tenant filter of '' means every tenant
-#: in the named queries, so the largest misses are read and the first without a tenant is taken.
-NO_TENANT_EVIDENCE_ROWS = 200
-
-
-def _with_evidence(store: Any, f: Finding, since: datetime, until: datetime, pod: str, model: str) -> Finding:
-    limit = 1 if f.tenant_id else NO_TENANT_EVIDENCE_ROWS
-    rows = store.named("miss_requests", {**_params(since, until, f.tenant_id, pod, model=model), "cause": f.cause,
-                                         "sub_cause": f.sub_cause, "limit": str(limit)})
-    if not f.tenant_id and not rows.is_empty():
-        rows = rows.filter(pl.col("tenant_id") == "")  # '' selects every tenant: keep the finding's own traffic
-    if rows.is_empty():
+def _with_evidence(f: Finding, r: dict[str, Any] | None) -> Finding:
+    """``f`` with its evidence: ``r``, the row of named query ``miss_examples`` for its (tenant, cause, sub_cause),
+    the request ``miss_requests`` lists first for them (None: no example, ``f`` as it is)."""
+    if r is None:
         return f
-    r = rows.row(0, named=True)
     ev = Evidence(request_id=r["request_id"], ts=r["ts"], pod=r["pod"],
                   predecessor_request_id=r["predecessor_request_id"], predecessor_pod=r["predecessor_pod"],
                   gap_ms=r["gap_ms"],

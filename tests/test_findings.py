@@ -114,3 +114,38 @@ def test_worth_it_says_per_tenant_whether_cache_work_pays(fx: Store) -> None:
     initech = got["initech"]  # only cold, below_block and unavoidable misses: nothing a fix recovers
     assert not initech.pays and initech.recoverable_tokens == 0
     assert initech.text().startswith("initech: little to gain from cache work: repeated prefixes: 168 stable")
+
+
+@pytest.mark.parametrize("filters", [{}, {"pod": "pod-a"}, {"tenant": "globex"}])
+def test_each_example_is_the_request_miss_requests_lists_first(fx: Store, filters: dict[str, str]) -> None:
+    """miss_examples reads all (tenant, cause, sub_cause) at once; each row equals miss_requests' first row for
+    that tenant, cause and sub-cause (the most missed tokens, then the latest, then the first request_id)."""
+    window = {"since": f"{DAY} 00:00:00.000", "until": f"{DAY} 23:59:59.000", **filters}
+    examples = fx.named("miss_examples", window)
+    assert len(examples) >= 3
+    several = 0
+    for r in examples.iter_rows(named=True):
+        drill = fx.named("miss_requests", {**window, "tenant": r["tenant_id"], "cause": r["cause"],
+                                           "sub_cause": r["sub_cause"], "limit": "1000"})
+        drill = drill.filter((drill["tenant_id"] == r["tenant_id"]) & (drill["cause"] == r["cause"])
+                             & (drill["sub_cause"] == r["sub_cause"]))
+        several += len(drill) > 1
+        first = drill.row(0, named=True)
+        assert {k: r[k] for k in ("ts", "request_id", "pod", "missed_tokens", "predecessor_request_id",
+                                  "predecessor_pod", "gap_ms")} == \
+               {k: first[k] for k in ("ts", "request_id", "pod", "missed_tokens", "predecessor_request_id",
+                                      "predecessor_pod", "gap_ms")}
+    assert several, "no group with more than one request: the order is not exercised"
+
+
+def test_fix_first_makes_one_example_read_for_all_its_findings(fx: Store) -> None:
+    asked: list[str] = []
+
+    class Counting:
+        def named(self, name: str, params: dict[str, str]):  # type: ignore[no-untyped-def]
+            asked.append(name)
+            return fx.named(name, params)
+
+    top = findings.fix_first(Counting(), SINCE, UNTIL, limit=10, per_tenant=True)
+    assert len(top) == 2 and all(f.evidence is not None for f in top)
+    assert asked == ["miss_causes", "miss_examples"]
