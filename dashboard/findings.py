@@ -1,8 +1,9 @@
 """What to fix first: the actionable miss causes ranked by what they cost, each with evidence and a fix.
 
 Read by the Overview's "fix first", the digest and the alerts, so the three say the same thing. Everything comes
-from named queries (``miss_causes`` per tenant for the amounts, ``miss_examples`` for one example request per finding, the one ``miss_requests`` lists first), so the
-figures equal what ``kvscope query`` returns for the same window.
+from named queries (``miss_causes`` per tenant for the amounts, ``miss_examples`` for every finding's example
+request in one read: the one ``miss_requests`` lists first), so the figures equal what ``kvscope query`` returns
+for the same window.
 
 Ranking (docs/fix-first.md): findings are the (tenant, cause, sub-cause) rows whose cause has a fix
 (:data:`dashboard.causes.FIXES`), with at least :data:`MIN_SHARE` of all missed tokens; they are ordered by
