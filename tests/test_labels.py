@@ -275,3 +275,106 @@ def test_lines_the_store_could_not_hold_are_bad_lines_not_a_traceback(store: Sto
     assert "1 × expected_tokens: the tokens of cold/- add up past 2^32-1" in err
     assert "1 × field request_id: not valid Unicode (a lone surrogate at character 2)" in err
     assert [r[0] for r in stored(store)] == ["ok"]
+
+
+# -- the query against its definitions on random data ------------------------------------------------------------
+def _reference_agreement(labels: list[dict[str, Any]], answers: dict[str, list[tuple[str, str, int]]],
+                         by_sub: bool, confusion: bool) -> dict[tuple[str, str, str, str], tuple[Any, ...]]:
+    """attribution_agreement's definitions (docs/miss-causes.md, "Validating attribution") in plain Python:
+    ``answers`` maps each evaluated request to its current answer's (cause, sub_cause, tokens) entries."""
+    cells: dict[tuple[str, str, str, str], list[int]] = {}
+    for lab in labels:
+        entries = answers.get(lab["request_id"])
+        if entries is None:
+            continue
+        pooled: dict[tuple[str, str], int] = {}
+        for c, sc, n in entries:
+            if c != "unavoidable":
+                pooled[(c, sc if by_sub else "")] = pooled.get((c, sc if by_sub else ""), 0) + n
+        top = min(pooled.items(), key=lambda kv: (-kv[1], kv[0]))[0] if pooled else ("none", "")
+        expected = sorted(zip(lab["expected_causes"], lab["expected_sub_causes"], lab["expected_tokens"],
+                              strict=True))
+        checked = bool(expected)
+        cell = cells.setdefault((lab["cause"], lab["sub_cause"] if by_sub else "", *top), [0, 0, 0])
+        cell[0] += 1
+        cell[1] += checked
+        cell[2] += checked and expected == sorted(entries)
+    out: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
+    classes = {k[:2] for k in cells} | {k[2:] for k in cells}
+    labelled = {c: sum(v[0] for k, v in cells.items() if k[:2] == c) for c in classes}
+    attributed = {c: sum(v[0] for k, v in cells.items() if k[2:] == c) for c in classes}
+    if confusion:
+        for k, (n, chk, ex) in cells.items():
+            out[k] = (n, labelled[k[:2]], attributed[k[2:]], n / attributed[k[2:]], n / labelled[k[:2]], chk, ex)
+        return out
+    total = [0] * 5
+    for c in classes:
+        matched = cells.get((*c, *c), [0])[0]
+        chk = sum(v[1] for k, v in cells.items() if k[:2] == c)
+        ex = sum(v[2] for k, v in cells.items() if k[:2] == c)
+        row = (matched, labelled[c], attributed[c], matched / attributed[c] if attributed[c] else None,
+               matched / labelled[c] if labelled[c] else None, chk, ex)
+        out[(*c, *c)] = row
+        if c[0] != "none":
+            total = [t + x for t, x in zip(total, (matched, labelled[c], attributed[c], chk, ex), strict=True)]
+    if any(c[0] != "none" for c in classes):
+        out[("all", "", "all", "")] = (total[0], total[1], total[2], total[0] / total[2] if total[2] else None,
+                                       total[0] / total[1] if total[1] else None, total[3], total[4])
+    return out
+
+
+def test_agreement_equals_its_definitions_on_random_labels_and_answers(chdb_dir: Path) -> None:
+    """300 random labelled requests: random intended classes, answers with several causes (ties, unavoidable,
+    replaced answers, requests that failed or were never answered), every (by_sub_cause, confusion) pair."""
+    import random
+
+    rng = random.Random(7)
+    s = Store.open(data_dir=chdb_dir, database=f"lbr_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    classes = [("cold", ""), ("routed_away", ""), ("evicted", ""), ("evicted", "cache_reset"),
+               ("prefix_drift", "tools_reordered"), ("prefix_drift", "volatile_system"), ("below_block", "")]
+    gw_names = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens"]
+    gateway, answers_rows, labels, current = [], [], [], {}
+    for i in range(300):
+        rid, ts = f"r{i}", at(i)
+        status = 500 if i % 37 == 0 else 200
+        gateway.append((rid, ts, "t", "pod-a", status, 100))
+        cause, sub = rng.choice([("none", ""), *classes])
+        k = rng.randint(0, 2)
+        expected = [(*rng.choice(classes), rng.choice([4, 8, 8])) for _ in range(k)]
+        labels.append({"request_id": rid, "ts": ts, "tenant_id": "t", "run_id": "r", "scenario": cause,
+                       "cause": cause, "sub_cause": sub, "expected_causes": [e[0] for e in expected],
+                       "expected_sub_causes": [e[1] for e in expected], "expected_tokens": [e[2] for e in expected],
+                       "location": ""})
+        if i % 23 == 0:
+            continue  # never answered
+        drawn = expected if rng.random() < 0.5 else [(*rng.choice(classes), rng.choice([4, 8]))
+                                                     for _ in range(rng.randint(0, 3))]
+        merged: dict[tuple[str, str], int] = {}
+        for c, sc, n in [*drawn, ("unavoidable", "", rng.choice([1, 9]))]:
+            merged[(c, sc)] = merged.get((c, sc), 0) + n
+        entries = sorted((c, sc, n) for (c, sc), n in merged.items())
+        versions = [entries]
+        if i % 5 == 0:  # replaced: a stale answer, cancelled, then the current one
+            versions = [[(*rng.choice(classes), 50)], entries]
+        for v, e in enumerate(versions, start=1):
+            row = {"request_id": rid, "ts": ts, "tenant_id": "t", "pod": "pod-a", "causes": [x[0] for x in e],
+                   "sub_causes": [x[1] for x in e], "missed_tokens": [x[2] for x in e], "version": v}
+            answers_rows.append({**row, "sign": 1})
+            if v < len(versions):
+                answers_rows.append({**row, "sign": -1})
+        if status < 400:
+            current[rid] = entries
+    s.insert("gateway_requests", gateway, gw_names)
+    s.insert("workload_labels", [tuple(lab[c] for c in LABEL_NAMES) for lab in labels], LABEL_NAMES)
+    names = list(answers_rows[0])
+    s.insert("request_attribution", [tuple(r[c] for c in names) for r in answers_rows], names)
+    for by_sub in (0, 1):
+        for confusion in (0, 1):
+            got = {k: figures(v) for k, v in agreement(s, by_sub_cause=by_sub, confusion=confusion).items()}
+            want = _reference_agreement(labels, current, bool(by_sub), bool(confusion))
+            assert got == want, (by_sub, confusion)
+
+
+LABEL_NAMES = ["request_id", "ts", "tenant_id", "run_id", "scenario", "cause", "sub_cause", "expected_causes",
+               "expected_sub_causes", "expected_tokens", "location"]

@@ -31,6 +31,9 @@
 --   class: nothing to find), Σ matched / Σ attributed and Σ matched / Σ labelled.
 -- Labels' ts is the sender's clock (or the gateway's arrival ts): the gateway and attribution rows are read
 -- within an hour of the labels' range, so only those partitions are scanned.
+-- Each table is read once: ClickHouse runs a WITH subquery again wherever it is named, so each request's answer
+-- (its split and dominant class) comes from one GROUP BY with sumMap, the classes from one ARRAY JOIN over the
+-- cells, and the confusion rows' totals from window functions over the same cells.
 WITH
     labels AS
     (
@@ -47,74 +50,44 @@ WITH
     ),
     (SELECT min(ts) - INTERVAL 1 HOUR FROM labels) AS lo,
     (SELECT max(ts) + INTERVAL 1 HOUR FROM labels) AS hi,
-    answered AS
-    (
-        SELECT request_id
-        FROM request_attribution
-        WHERE ts >= lo AND ts <= hi AND request_id IN (SELECT request_id FROM labels)
-          AND request_id IN (SELECT request_id FROM gateway_requests
-                             WHERE ts >= lo AND ts <= hi AND status < 400 AND prompt_tokens > 0)
-        GROUP BY request_id
-        HAVING sum(sign) > 0
-    ),
     answers AS
     (
-        SELECT request_id, CAST(cause AS String) AS a_cause, CAST(sub_cause AS String) AS a_sub,
-               sum(toInt64(tokens) * sign) AS missed
-        FROM request_attribution
-        ARRAY JOIN causes AS cause, sub_causes AS sub_cause, missed_tokens AS tokens
-        WHERE ts >= lo AND ts <= hi AND request_id IN (SELECT request_id FROM answered)
-        GROUP BY request_id, a_cause, a_sub
-        HAVING missed > 0
-    ),
-    splits AS
-    (
-        SELECT request_id, arraySort(groupArray((a_cause, a_sub, toUInt32(missed)))) AS split
-        FROM answers
-        GROUP BY request_id
-    ),
-    dominant AS
-    (
-        SELECT request_id, arraySort(x -> (-x.3, x.1, x.2), groupArray((a_cause, d_sub, d_missed)))[1] AS top
+        -- per answered request: its missed tokens per (cause, sub_cause), sign-weighted, those above 0
+        SELECT request_id,
+               arrayFilter(x -> x.3 > 0, arrayMap((k, v) -> (k.1, k.2, v), m.1, m.2)) AS entries
         FROM
         (
-            SELECT request_id, a_cause, if({by_sub_cause:UInt8} = 1, a_sub, '') AS d_sub, sum(missed) AS d_missed
-            FROM answers
-            WHERE a_cause != 'unavoidable'
-            GROUP BY request_id, a_cause, d_sub
+            SELECT request_id,
+                   sumMap(arrayMap((c, sc) -> (CAST(c AS String), CAST(sc AS String)), causes, sub_causes),
+                          arrayMap(n -> toInt64(n) * sign, missed_tokens)) AS m
+            FROM request_attribution
+            WHERE ts >= lo AND ts <= hi AND request_id IN (SELECT request_id FROM labels)
+              AND request_id IN (SELECT request_id FROM gateway_requests
+                                 WHERE ts >= lo AND ts <= hi AND status < 400 AND prompt_tokens > 0)
+            GROUP BY request_id
+            HAVING sum(sign) > 0
         )
-        GROUP BY request_id
     ),
     evaluated AS
     (
         SELECT l.l_cause AS i_cause, l.l_sub AS i_sub,
-               if(d.top.1 = '', 'none', d.top.1) AS a_cause, d.top.2 AS a_sub,
-               length(l.expected) > 0 AS checked, checked AND l.expected = s.split AS exact
+               arrayMap(e -> (e.1, if({by_sub_cause:UInt8} = 1, e.2, ''), e.3),
+                        arrayFilter(e -> e.1 != 'unavoidable', a.entries)) AS classed,
+               -- the dominant class: the most tokens (sub-causes pooled when by_sub_cause = 0), then name order
+               arraySort(x -> (-x.3, x.1, x.2),
+                         arrayMap(k -> (k.1, k.2, arraySum(arrayMap(e -> if((e.1, e.2) = k, e.3, 0), classed))),
+                                  arrayDistinct(arrayMap(e -> (e.1, e.2), classed))))[1] AS top,
+               if(top.1 = '', 'none', top.1) AS a_cause, top.2 AS a_sub,
+               length(l.expected) > 0 AS checked,
+               checked AND l.expected = arraySort(arrayMap(e -> (e.1, e.2, toUInt32(e.3)), a.entries)) AS exact
         FROM labels AS l
-        LEFT JOIN dominant AS d ON d.request_id = l.request_id
-        LEFT JOIN splits AS s ON s.request_id = l.request_id
-        WHERE l.request_id IN (SELECT request_id FROM answered)
+        INNER JOIN answers AS a ON a.request_id = l.request_id
     ),
     cells AS
     (
         SELECT i_cause, i_sub, a_cause, a_sub, count() AS n, countIf(checked) AS n_checked, countIf(exact) AS n_exact
         FROM evaluated
         GROUP BY i_cause, i_sub, a_cause, a_sub
-    ),
-    classes AS
-    (
-        SELECT cause, sub, sum(c_labelled) AS labelled, sum(c_attributed) AS attributed, sum(c_matched) AS matched,
-               sum(c_checked) AS checked, sum(c_exact) AS exact
-        FROM
-        (
-            SELECT i_cause AS cause, i_sub AS sub, n AS c_labelled, toUInt64(0) AS c_attributed,
-                   if(i_cause = a_cause AND i_sub = a_sub, n, 0) AS c_matched, n_checked AS c_checked,
-                   n_exact AS c_exact
-            FROM cells
-            UNION ALL
-            SELECT a_cause, a_sub, 0, n, 0, 0, 0 FROM cells
-        )
-        GROUP BY cause, sub
     )
 SELECT intended_cause, intended_sub_cause, attributed_cause, attributed_sub_cause, requests, labelled, attributed,
        if(attributed > 0, requests / attributed, NULL) AS precision,
@@ -122,23 +95,25 @@ SELECT intended_cause, intended_sub_cause, attributed_cause, attributed_sub_caus
        tokens_checked, tokens_exact
 FROM
 (
-    SELECT cause AS intended_cause, sub AS intended_sub_cause, cause AS attributed_cause, sub AS attributed_sub_cause,
-           toUInt64(matched) AS requests, toUInt64(labelled) AS labelled, toUInt64(attributed) AS attributed,
-           toUInt64(checked) AS tokens_checked, toUInt64(exact) AS tokens_exact, 0 AS total_row
-    FROM classes
+    -- confusion = 0: per class, and the micro total row over every class but none (GROUPING SETS' empty set)
+    SELECT if(total_row, 'all', x.1) AS intended_cause, if(total_row, '', x.2) AS intended_sub_cause,
+           intended_cause AS attributed_cause, intended_sub_cause AS attributed_sub_cause,
+           toUInt64(if(total_row, sumIf(x.5, x.1 != 'none'), sum(x.5))) AS requests,
+           toUInt64(if(total_row, sumIf(x.3, x.1 != 'none'), sum(x.3))) AS labelled,
+           toUInt64(if(total_row, sumIf(x.4, x.1 != 'none'), sum(x.4))) AS attributed,
+           toUInt64(if(total_row, sumIf(x.6, x.1 != 'none'), sum(x.6))) AS tokens_checked,
+           toUInt64(if(total_row, sumIf(x.7, x.1 != 'none'), sum(x.7))) AS tokens_exact,
+           toUInt8(grouping(x.1, x.2) != 0) AS total_row
+    FROM cells
+    ARRAY JOIN [(i_cause, i_sub, n, toUInt64(0), if(i_cause = a_cause AND i_sub = a_sub, n, 0), n_checked, n_exact),
+                (a_cause, a_sub, toUInt64(0), n, toUInt64(0), toUInt64(0), toUInt64(0))] AS x
     WHERE {confusion:UInt8} = 0
+    GROUP BY GROUPING SETS ((x.1, x.2), ())
+    HAVING NOT total_row OR countIf(x.1 != 'none') > 0
     UNION ALL
-    SELECT 'all', '', 'all', '', toUInt64(sum(matched)), toUInt64(sum(labelled)), toUInt64(sum(attributed)),
-           toUInt64(sum(checked)), toUInt64(sum(exact)), 1
-    FROM classes
-    WHERE {confusion:UInt8} = 0 AND cause != 'none'
-    HAVING count() > 0
-    UNION ALL
-    SELECT c.i_cause, c.i_sub, c.a_cause, c.a_sub, toUInt64(c.n), toUInt64(r.labelled), toUInt64(k.attributed),
-           toUInt64(c.n_checked), toUInt64(c.n_exact), 0
-    FROM cells AS c
-    INNER JOIN classes AS r ON r.cause = c.i_cause AND r.sub = c.i_sub
-    INNER JOIN classes AS k ON k.cause = c.a_cause AND k.sub = c.a_sub
+    SELECT i_cause, i_sub, a_cause, a_sub, toUInt64(n), toUInt64(sum(n) OVER (PARTITION BY i_cause, i_sub)),
+           toUInt64(sum(n) OVER (PARTITION BY a_cause, a_sub)), toUInt64(n_checked), toUInt64(n_exact), 0
+    FROM cells
     WHERE {confusion:UInt8} = 1
 )
 ORDER BY total_row, intended_cause, intended_sub_cause, attributed_cause, attributed_sub_cause
