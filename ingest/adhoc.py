@@ -4,6 +4,7 @@ check in front of it, and ClickHouse errors as one readable line. :meth:`ingest.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 import zoneinfo
@@ -43,7 +44,11 @@ DESCRIBE_RESULT = "DESCRIBE TABLE ({statement})"
 
 # Literals, quoted names and comments are blanked before looking for clauses.
 _NOT_CODE = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|--[^\n]*|/\*.*?\*/", re.S)
-_KIND = re.compile(r"\(|[A-Z]+(?: [A-Z]+)?")
+#: Clause keywords that end a statement's head (``KILL QUERY WHERE``, ``GRANT SELECT ON``, ``DROP TABLE IF``).
+_CLAUSES = frozenset({"WHERE", "ON", "TO", "AS", "IF", "FOR", "USING", "SETTINGS", "FORMAT", "VALUES", "AND",
+                      "FINAL", "ASYNC", "SYNC", "SELECT", "WITH"})
+_TOKEN = re.compile(r"\w+|\S")
+_WORD = re.compile(r"[A-Za-z]+")
 _AST_NODE = re.compile(r" *(\w+)(?: (\S+))?")
 #: A ClickHouse DateTime type (not DateTime64), its time zone in group 1: Arrow carries it as uint32 seconds.
 _DATETIME = re.compile(r"DateTime(?:\('([^']*)'\))?")
@@ -78,24 +83,59 @@ def adhoc_settings(max_memory_bytes: int = ADHOC_MAX_MEMORY_BYTES,
     }
 
 
-def check_read_only(rendered: str) -> None:
-    """Refuse a statement that is not a read, given ClickHouse's one-line rendering of it (:data:`FORMAT_QUERY`).
+def check_read_only(rendered: str, statement: str) -> None:
+    """Refuse a statement that is not a read, given ClickHouse's one-line rendering of it (:data:`FORMAT_QUERY`)
+    and the statement as the user wrote it.
 
     The database's ``readonly`` stays the guard; this check names the refusal ("read-only: ...") instead of a
     syntax error (``SET``, ``SYSTEM``, ``DELETE`` do not parse with a FORMAT clause after them), and refuses
     what ``readonly`` lets through: ``KILL QUERY`` (a user may kill its own queries, and on chDB every session,
     the ingester's too, is the same user) and ``INTO OUTFILE`` (chDB writes the file). A ``FORMAT`` clause is
-    refused too: kvscope chooses the output format. Raises :class:`QueryError`.
+    refused too: kvscope chooses the output format. A refused statement is named by its leading keywords as
+    the user wrote them (:func:`statement_head`). Raises :class:`QueryError`.
     """
     code = _NOT_CODE.sub("''", rendered).strip()
-    m = _KIND.match(code)
-    kind = m.group(0) if m else code.split(" ", 1)[0]
-    if kind.split(" ")[0] not in READ_KINDS:
-        raise QueryError(f"read-only: {kind} is refused; ad hoc SQL runs {', '.join(READ_KINDS[:-1])} only")
+    if code.split(" ", 1)[0] not in READ_KINDS and code[:1] != "(":
+        raise QueryError(f"read-only: {statement_head(rendered, statement)} is refused; ad hoc SQL runs "
+                         f"{', '.join(READ_KINDS[:-1])} only")
     if re.search(r"\bINTO OUTFILE\b", code):
         raise QueryError("read-only: INTO OUTFILE is refused (it writes a file)")
     if re.search(r"\bFORMAT \w+$", code):
         raise QueryError("drop the FORMAT clause: kvscope chooses the output format (--format on the command line)")
+
+
+def statement_head(rendered: str, statement: str) -> str:
+    """The keywords ``statement`` starts with, as the user wrote them (upper case): ``SYSTEM DROP DNS CACHE``,
+    ``KILL QUERY``, ``INSERT INTO``, ``START TRANSACTION``, ``TRUNCATE``.
+
+    ``rendered`` is ClickHouse's rendering of it (:data:`FORMAT_QUERY`), whose leading upper-case words up to a
+    clause keyword (``WHERE``, ``ON``, ``IF`` ...) or a name are the head. The rendering renames some keywords
+    (``SYSTEM DROP ... CACHE`` is rendered ``SYSTEM CLEAR ... CACHE``, ``START TRANSACTION`` ``BEGIN
+    TRANSACTION``) and adds some (``TRUNCATE t`` is rendered ``TRUNCATE TABLE t``), so the head is mapped back
+    onto the user's words by aligning the two token lists (:class:`difflib.SequenceMatcher`): a renamed word is
+    the user's, an added one is dropped. Comments and literals are not words of either."""
+    ours, theirs = _tokens(rendered), _tokens(statement)
+    n = 1
+    while n < len(ours) and _WORD.fullmatch(ours[n]) and ours[n].isupper() and ours[n] not in _CLAUSES:
+        n += 1
+    head: list[str] = []
+    matcher = difflib.SequenceMatcher(None, [t.upper() for t in ours], [t.upper() for t in theirs], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if i1 >= n:
+            break
+        if tag == "equal":
+            head += theirs[j1:j1 + min(i2, n) - i1]
+        elif tag == "replace":  # words ClickHouse renamed ("delete" ones it added are dropped)
+            head += theirs[j1:j2] if i2 <= n else theirs[j1:j1 + n - i1]
+        elif tag == "insert":  # words the user wrote and the rendering leaves out
+            head += theirs[j1:j2]
+    words = [w.upper() for w in head if _WORD.fullmatch(w)]
+    return " ".join(words) if words else " ".join(ours[:n])
+
+
+def _tokens(text: str) -> list[str]:
+    """The words and single signs of ``text``; a literal or quoted name is one token (``''``), a comment none."""
+    return _TOKEN.findall(_NOT_CODE.sub(lambda m: "''" if m.group(0)[0] in "'\"`" else " ", text))
 
 
 def check_sources(ast: list[str], table_functions: frozenset[str] | set[str]) -> None:

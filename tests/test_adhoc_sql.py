@@ -91,8 +91,15 @@ def test_repeated_column_names_are_made_unique(store: Store) -> None:
 REFUSED = {
     "KILL QUERY WHERE 1": "KILL QUERY",
     "/* comment */ kill query where query_id = 'x' SYNC": "KILL QUERY",
-    "SYSTEM FLUSH LOGS": "SYSTEM FLUSH",
-    "system drop mark cache": "SYSTEM CLEAR",  # ClickHouse renders DROP ... CACHE as its new name
+    "SYSTEM FLUSH LOGS": "SYSTEM FLUSH LOGS",
+    # named as the user wrote them, not as ClickHouse renders them (SYSTEM CLEAR ... CACHE, BEGIN TRANSACTION,
+    # TRUNCATE TABLE)
+    "system drop mark cache": "SYSTEM DROP MARK CACHE",
+    "SYSTEM DROP DNS CACHE": "SYSTEM DROP DNS CACHE",
+    "START TRANSACTION": "START TRANSACTION",
+    "TRUNCATE dead_letters": "TRUNCATE",
+    "GRANT SELECT ON *.* TO default": "GRANT",
+    "CREATE OR REPLACE TABLE y (a Int8) ENGINE = Memory": "CREATE OR REPLACE TABLE",
     "DELETE FROM dead_letters WHERE 1": "DELETE FROM",
     "SET max_memory_usage = 0": "SET",
     "INSERT INTO dead_letters (event_id) VALUES ('x')": "INSERT INTO",
@@ -300,7 +307,8 @@ def test_sql_prints_datetimes(store: Store, fmt: str, expected: str) -> None:
     ("SELEC 1", ("Syntax error: failed at position 7", "[code 62]")),
     ("SELECT * FROM nope", ("Unknown table expression identifier 'nope'", "[code 60]")),
     ("SELECT 1; SELECT 2", ("Multi-statements are not allowed",)),
-    ("SYSTEM FLUSH LOGS", ("read-only: SYSTEM FLUSH is refused",)),
+    ("SYSTEM FLUSH LOGS", ("read-only: SYSTEM FLUSH LOGS is refused",)),
+    ("SYSTEM DROP DNS CACHE", ("read-only: SYSTEM DROP DNS CACHE is refused",)),
     ("KILL QUERY WHERE 1", ("read-only: KILL QUERY is refused",)),
     ("DELETE FROM dead_letters WHERE 1", ("read-only: DELETE FROM is refused",)),
     ("SELECT 1 FORMAT JSON", ("drop the FORMAT clause",)),
