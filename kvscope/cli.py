@@ -395,7 +395,7 @@ def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> No
         name, sep, url = spec.partition("=")
         if not sep:
             raise click.UsageError(f"--pod {spec!r}: expected NAME=http://host:port")
-        parsed.append((name, url.rstrip("/")))
+        parsed.append((_not_blank("--pod", name, "give NAME=http://host:port"), url.rstrip("/")))
     app = make_app(
         parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None,
         block_chain=cfg.gateway_block_chain, block_size=cfg.gateway_block_size,
@@ -470,7 +470,8 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
 
 @import_.command("metrics")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--pod", required=True, help="Pod name the snapshot came from.")
+@click.option("--pod", required=True, callback=lambda _ctx, _param, v: _not_blank("--pod", v),
+              help="Pod name the snapshot came from.")
 @click.option("--at", "at", required=True, help="When it was scraped, ISO 8601 (e.g. 2026-11-29T12:00:00Z).")
 @store_options
 def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
@@ -495,13 +496,24 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
                f"gauges and the cache config; counters need a previous scrape), {len(result.reasons)} dead letters")
 
 
+def _not_blank(option: str, value: str, fix: str = "give a name") -> str:
+    """``value`` of ``option``, or click's usage error (one line: the option, the value, ``fix``) when it is
+    empty or only whitespace: a pod stored or a pod, tenant or model filter given under a blank name matches
+    nothing the user can name."""
+    if not value.strip():
+        raise click.BadParameter(f"{value!r} is blank; {fix}", param_hint=option)
+    return value
+
+
 def _params(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``--param key=value`` items as a dict. A usage error for an item without ``=`` or with a blank value
+    (``pod=``, ``tenant=" "``): a parameter left out takes its default ('' = all for the filters)."""
     out = {}
     for p in pairs:
         k, sep, v = p.partition("=")
         if not sep:
             raise click.BadParameter(f"{p!r}: expected key=value", param_hint="--param")
-        out[k] = v
+        out[k] = _not_blank(f"--param {k}", v, f"leave --param {k} out for its default (pod, tenant, model ...: all)")
     return out
 
 
@@ -537,9 +549,10 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, show
                 )
             click.echo("    returns: " + ", ".join(f"{c.name} {c.type}" for c in q.returns))
         return
+    values = _params(params)
     cfg = _config(**opts)
     try:
-        df = _store(cfg, must_exist=True).named(name, _params(params))
+        df = _store(cfg, must_exist=True).named(name, values)
     except KvscopeError as exc:
         raise _store_error(exc) from exc
     _emit(df, fmt)
