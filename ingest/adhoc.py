@@ -53,6 +53,8 @@ _AST_NODE = re.compile(r" *(\w+)(?: (\S+))?")
 #: A ClickHouse DateTime type (not DateTime64), its time zone in group 1: Arrow carries it as uint32 seconds.
 _DATETIME = re.compile(r"DateTime(?:\('([^']*)'\))?")
 _WRAPPED = re.compile(r"(?:Nullable|LowCardinality)\((.*)\)")
+#: A named Tuple element (``at DateTime('UTC')``, the name possibly back-quoted), its type in group 1.
+_NAMED_ELEMENT = re.compile(r"(?:`(?:[^`\\]|\\.)*`|[A-Za-z_]\w*)\s+(\S.*)", re.S)
 _CH_ERROR = re.compile(r"Code:\s*(\d+)\.\s*DB::Exception:\s*(.*)", re.S)
 _WRAPPER = re.compile(r"(?:\. )?:? In scope SELECT formatQuerySingleLine\(.*\)(?=\. \(\w+\)$)", re.S)
 _HINTS = {
@@ -170,11 +172,11 @@ def check_sources(ast: list[str], table_functions: frozenset[str] | set[str]) ->
 
 
 def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
-    """``table`` (ClickHouse's Arrow output) with its ``DateTime`` columns as timestamps: Arrow carries them as
+    """``table`` (ClickHouse's Arrow output) with its ``DateTime`` values as timestamps: Arrow carries them as
     uint32 epoch seconds without type metadata. ``types``: the ClickHouse type of each column, in order (the
-    ``type`` column of :data:`DESCRIBE_RESULT`). A ``DateTime`` (also Nullable, LowCardinality, and the items of
-    an Array) becomes ``timestamp[s]`` in its own time zone, UTC when it names none (or one Python does not know:
-    the instant stays right); other columns are kept."""
+    ``type`` column of :data:`DESCRIBE_RESULT`). A ``DateTime`` (also Nullable, LowCardinality, and anywhere in
+    an Array, a Tuple (named or not) or a Map, key or value) becomes ``timestamp[s]`` in its own time zone, UTC
+    when it names none (or one Python does not know: the instant stays right); other values are kept."""
     columns = list(table.columns)
     for i, (column, ch_type) in enumerate(zip(columns, types, strict=True)):
         target = _timestamp_type(ch_type, column.type)
@@ -184,23 +186,68 @@ def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
 
 
 def has_uint32(table: pa.Table) -> bool:
-    """Whether ``table`` has a uint32 column or list of them: where :func:`datetimes` may find a DateTime."""
+    """Whether ``table`` holds uint32 values, at the top or nested: where :func:`datetimes` may find a
+    DateTime."""
     return any(_holds_uint32(t) for t in table.schema.types)
 
 
 def _holds_uint32(t: pa.DataType) -> bool:
-    return t == pa.uint32() or (pa.types.is_list(t) and _holds_uint32(t.value_type))
+    return t == pa.uint32() or any(_holds_uint32(f.type) for f in _children(t))
 
 
 def _timestamp_type(ch_type: str, arrow_type: pa.DataType) -> pa.DataType | None:
+    """``arrow_type`` with each DateTime of ``ch_type`` (a uint32 in Arrow) a timestamp; None when it has none."""
     while m := _WRAPPED.fullmatch(ch_type):
         ch_type = m.group(1)
     if (dt := _DATETIME.fullmatch(ch_type)) and arrow_type == pa.uint32():
         return pa.timestamp("s", dt.group(1) if dt.group(1) in _zones() else "UTC")
-    if ch_type.startswith("Array(") and pa.types.is_list(arrow_type):
-        item = _timestamp_type(ch_type[len("Array("):-1], arrow_type.value_type)
-        return None if item is None else pa.list_(pa.field("item", item, arrow_type.value_field.nullable))
-    return None
+    outer, _, rest = ch_type.partition("(")
+    if outer not in ("Array", "Tuple", "Map") or not rest.endswith(")"):
+        return None
+    args = _type_args(rest[:-1])
+    if outer == "Tuple":  # a named element is "name Type"
+        args = [m.group(1) if (m := _NAMED_ELEMENT.fullmatch(arg)) else arg for arg in args]
+    fields = _children(arrow_type)
+    if len(args) != len(fields):
+        return None
+    targets = [_timestamp_type(arg, f.type) for arg, f in zip(args, fields, strict=True)]
+    if all(t is None for t in targets):
+        return None
+    return _with_children(arrow_type, [f if t is None else f.with_type(t) for f, t in zip(fields, targets,
+                                                                                           strict=True)])
+
+
+def _type_args(text: str) -> list[str]:
+    """The arguments of a ClickHouse type (``String, Array(DateTime('UTC'))``), split at the commas outside
+    parentheses and quotes, stripped."""
+    args, depth, start = [], 0, 0
+    for m in re.finditer(r"'(?:[^'\\]|\\.)*'|`[^`]*`|[(),]", text):
+        sign = m.group(0)
+        depth += {"(": 1, ")": -1}.get(sign, 0)
+        if sign == "," and depth == 0:
+            args.append(text[start:m.start()].strip())
+            start = m.end()
+    return [*args, text[start:].strip()]
+
+
+def _children(t: pa.DataType) -> list[pa.Field]:
+    """The fields a nested Arrow type holds: a list's item, a struct's fields, a map's key and value."""
+    if pa.types.is_map(t):
+        return [t.key_field, t.item_field]
+    if pa.types.is_list(t):
+        return [t.value_field]
+    if pa.types.is_struct(t):
+        return [t.field(i) for i in range(t.num_fields)]
+    return []
+
+
+def _with_children(t: pa.DataType, fields: list[pa.Field]) -> pa.DataType:
+    """``t`` (a type with :func:`_children`) holding ``fields`` instead."""
+    if pa.types.is_map(t):
+        return pa.map_(fields[0], fields[1], t.keys_sorted)
+    if pa.types.is_list(t):
+        return pa.list_(fields[0])
+    return pa.struct(fields)
 
 
 @functools.cache
@@ -210,9 +257,11 @@ def _zones() -> frozenset[str]:
 
 
 def _int64_like(t: pa.DataType) -> pa.DataType:
-    if pa.types.is_list(t):
-        return pa.list_(pa.field("item", _int64_like(t.value_type), t.value_field.nullable))
-    return pa.int64()
+    """``t`` with each timestamp an int64 (the step between uint32 and timestamp)."""
+    if pa.types.is_timestamp(t):
+        return pa.int64()
+    fields = _children(t)
+    return _with_children(t, [f.with_type(_int64_like(f.type)) for f in fields]) if fields else t
 
 
 def error_line(text: str) -> str:

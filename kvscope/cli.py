@@ -139,11 +139,13 @@ def _store_error(exc: Exception) -> click.ClickException:
 def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
     import polars as pl
 
+    from kvscope.tables import json_text, render_json
+
     if fmt == "json":
-        click.echo(df.write_json())
+        click.echo(render_json(df))
     elif fmt == "csv":  # CSV has no nested values: arrays, maps and tuples go out as JSON text
         nested = [c for c, t in df.schema.items() if t.is_nested()]
-        flat = df.with_columns(pl.col(c).map_elements(_json_text, return_dtype=pl.String) for c in nested)
+        flat = df.with_columns(pl.col(c).map_elements(json_text, return_dtype=pl.String) for c in nested)
         click.echo(flat.write_csv(), nl=False)
     elif fmt == "markdown":
         from kvscope.tables import render_markdown
@@ -161,12 +163,6 @@ def _stdout_is_terminal() -> bool:
         return sys.stdout.isatty()
     except (AttributeError, ValueError):  # a closed or replaced stream
         return False
-
-
-def _json_text(value: Any) -> str:
-    import json
-
-    return json.dumps(value.to_list() if hasattr(value, "to_list") else value, default=str)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -566,8 +562,8 @@ def sql_(statement: str, fmt: str, **opts: Any) -> None:
     """Run one read-only statement (SELECT, WITH, SHOW, DESCRIBE of a table, EXISTS, EXPLAIN) of the database's
     tables (no file(), url() or other table function a read-only ClickHouse user may not call), with the
     database enforcing readonly, max_execution_time, max_memory_usage (KVSCOPE_ADHOC_MAX_MEMORY_BYTES),
-    max_result_rows and max_result_bytes. DateTime columns print as datetimes (UTC unless the type names a
-    zone). A failure is one line on stderr and exit code 1."""
+    max_result_rows and max_result_bytes. DateTime values print as datetimes (UTC unless the type names a
+    zone), inside an Array, Tuple or Map too. A failure is one line on stderr and exit code 1."""
     from ingest.adhoc import ADHOC_MAX_ROWS
     from ingest.errors import KvscopeError
 

@@ -292,6 +292,47 @@ def test_datetime_columns_come_back_as_datetimes(store: Store) -> None:
     assert row["u"] == 1_795_953_605
 
 
+def test_nested_datetimes_come_back_as_datetimes(store: Store) -> None:
+    """A DateTime inside a Tuple (named or not), a Map (key or value) or an Array of them printed as an integer:
+    each is a datetime in its own zone, and the uint32 and Date beside it keep their types."""
+    at = "toDateTime('2026-11-29 12:00:05', 'UTC')"
+    df = store.adhoc(
+        f"SELECT tuple({at}, toUInt32(7)) AS t, "
+        f"CAST(({at}, 'x'), 'Tuple(at DateTime(\\'Asia/Tokyo\\'), `s s` String)') AS named, "
+        f"map('k', {at}) AS m, map({at}, toUInt32(1)) AS mk, [tuple({at}, toNullable({at}), toDate({at}))] AS at, "
+        f"[[{at}]] AS aa, map('k', [{at}]) AS ma, tuple(toUInt32(5)) AS u, "
+        f"CAST(('a,(b', {at}), 'Tuple(e Enum8(\\'a,(b\\' = 1), at DateTime(\\'UTC\\'))') AS e"  # quoted , and (
+    )
+    expected = datetime(2026, 11, 29, 12, 0, 5, tzinfo=UTC)
+    row = df.row(0, named=True)
+    assert row["t"] == {"1": expected, "2": 7}
+    assert row["named"] == {"at": expected, "s s": "x"}
+    assert str(df.schema["named"]) == ("Struct({'at': Datetime(time_unit='ms', time_zone='Asia/Tokyo'), "
+                                       "'s s': String})")
+    assert row["m"] == {"k": expected} and row["mk"] == {expected: 1}
+    assert row["at"] == [{"1": expected, "2": expected, "3": expected.date()}]
+    assert row["aa"] == [[expected]] and row["ma"] == {"k": [expected]}
+    assert row["u"] == {"1": 5} and str(df.schema["u"]) == "Struct({'1': UInt32})"
+    assert row["e"]["at"] == expected
+
+
+AT = "2026-11-29T12:00:05+00:00"
+
+
+@pytest.mark.parametrize(("fmt", "expected"), [
+    ("json", f'[{{"t":{{"1":"{AT}","2":1}},"mk":{{"{AT}":[1]}},"m":{{"1":2}}}}]\n'),
+    ("csv", f't,mk,m\n"{{""1"": ""{AT}"", ""2"": 1}}","{{""{AT}"": [1]}}","{{""1"": 2}}"\n'),
+    ("markdown", f'| t | mk | m |\n|---|---|---|\n| {{"1": "{AT}", "2": 1}} | {{"{AT}": \\[1\\]}} | {{"1": 2}} |\n'),
+])
+def test_sql_prints_nested_datetimes(store: Store, fmt: str, expected: str) -> None:
+    """Tuple(DateTime, UInt8) printed {"1": 1795953605, ...}; a Map with a DateTime or integer key failed in JSON
+    with a traceback (polars writes String keys only): keys are text, as in the other formats."""
+    at = "toDateTime('2026-11-29 12:00:05', 'UTC')"
+    code, out, _ = cli(store, "sql", f"SELECT tuple({at}, 1) AS t, map({at}, [1]) AS mk, map(1, 2) AS m",
+                       "--format", fmt)
+    assert code == 0 and out == expected
+
+
 @pytest.mark.parametrize(("fmt", "expected"), [
     ("json", '[{"a":"2026-11-29T12:00:05+00:00","n":1}]\n'),
     ("csv", "a,n\n2026-11-29T12:00:05.000+0000,1\n"),
