@@ -78,7 +78,7 @@ def render_json(df: pl.DataFrame) -> str:
     """``df`` as a JSON array of row objects (``--format json``): polars' ``write_json``, except for a frame
     holding a Map whose keys are not String anywhere (polars cannot write one: a ClickHouse ``Map(UInt8, ..)``
     or ``Map(DateTime, ..)``), written the same way with the keys as text (:func:`json_text`)."""
-    if not any(_has_keyed_map(t) for t in df.dtypes):
+    if not any(holds_map(t, keyed=True) for t in df.dtypes):
         return df.write_json()
     return json.dumps(_text_keys(df.to_dicts()), default=_json_default, separators=(",", ":"))
 
@@ -92,13 +92,15 @@ def _text_keys(value: Any) -> Any:
     return value
 
 
-def _has_keyed_map(dtype: pl.DataType) -> bool:
+def holds_map(dtype: pl.DataType, *, keyed: bool = False) -> bool:
+    """Whether ``dtype`` is or holds (in a List, Array or Struct) a Map; with ``keyed``, one whose keys are not
+    String (a ClickHouse ``Map(UInt8, ..)`` or ``Map(DateTime, ..)``)."""
     if isinstance(dtype, pl.Map):
-        return dtype.key != pl.String or _has_keyed_map(dtype.value)
+        return not keyed or dtype.key != pl.String or holds_map(dtype.value, keyed=keyed)
     if isinstance(dtype, pl.List | pl.Array):
-        return _has_keyed_map(dtype.inner)
+        return holds_map(dtype.inner, keyed=keyed)
     if isinstance(dtype, pl.Struct):
-        return any(_has_keyed_map(f.dtype) for f in dtype.fields)
+        return any(holds_map(f.dtype, keyed=keyed) for f in dtype.fields)
     return False
 
 

@@ -374,6 +374,8 @@ def test_sql_duplicate_names_print(store: Store) -> None:
 @pytest.mark.parametrize(("args", "expected"), [
     (("query", "no_such_query"), "no_such_query"),
     (("query", "hit_rate", "--param", "since=yesterday"), "since"),
+    (("query", "hit_rate", "--param", "since=1764633600"),  # a Unix time: the forms it takes are named
+     "parameter since: '1764633600' is not a real date and time; give YYYY-MM-DD, YYYY-MM-DD HH:MM[:SS[.fff]] or"),
     (("query", "hit_rate", "--param", "since=2026-13-01"), "parameter since: '2026-13-01' is not a real date"),
     (("query", "hit_rate", "--param", "until=2026-11-31"), "parameter until: '2026-11-31' is not a real date"),
     (("query", "hit_rate", "--param", "bucket_seconds=90"), "bucket_seconds: 90 is refused: the rollups hold whole"),
