@@ -160,8 +160,6 @@ def _convert(name: str, spec: Param, value: Any) -> Any:
         return _cause(name, value)
     if not isinstance(value, str):
         raise ValueError(f"{name} = {value!r}: expected a string")
-    if value and not value.strip():  # a blank tenant or pod matches no row: the rule could never fire
-        raise ValueError(f"{name} = {value!r}: blank; give a name, or \"\" (the default) for all")
     return value
 
 

@@ -125,13 +125,9 @@ def check_value(param: Param, value: str) -> str:
     ``2026-13-01`` and ``2026-11-31`` leniently, as other days), as UTC text within [:data:`TIME_MIN`,
     :data:`TIME_MAX`]. Date, Date32: ``YYYY-MM-DD``, a real date, within the type's range. (U)Int8..64: a
     whole number within the type (ClickHouse wraps a larger one). :data:`BUCKET_PARAM`: also a positive
-    multiple of 60 (whole minutes, the rollups' grain). String: '' (every String parameter's "all") or a value
-    that is not only whitespace (a blank pod, tenant or model filter matched no row, silently). Other types go to
-    ClickHouse as given.
+    multiple of 60 (whole minutes, the rollups' grain). Other types go to ClickHouse as given.
     """
     kind = param.type.split("(", 1)[0]
-    if kind == "String" and value and not value.strip():
-        raise ParamError(f"parameter {param.name}: {value!r} is blank; give a value, or '' (the default) for all")
     if kind in ("DateTime", "DateTime64"):
         value = _clickhouse_time(param.name, value)
     elif kind in _DATE_RANGES:
