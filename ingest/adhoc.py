@@ -4,6 +4,7 @@ check in front of it, and ClickHouse errors as one readable line. :meth:`ingest.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 import zoneinfo
@@ -43,11 +44,17 @@ DESCRIBE_RESULT = "DESCRIBE TABLE ({statement})"
 
 # Literals, quoted names and comments are blanked before looking for clauses.
 _NOT_CODE = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|--[^\n]*|/\*.*?\*/", re.S)
-_KIND = re.compile(r"\(|[A-Z]+(?: [A-Z]+)?")
+#: Clause keywords that end a statement's head (``KILL QUERY WHERE``, ``GRANT SELECT ON``, ``DROP TABLE IF``).
+_CLAUSES = frozenset({"WHERE", "ON", "TO", "AS", "IF", "FOR", "USING", "SETTINGS", "FORMAT", "VALUES", "AND",
+                      "FINAL", "ASYNC", "SYNC", "SELECT", "WITH"})
+_TOKEN = re.compile(r"\w+|\S")
+_WORD = re.compile(r"[A-Za-z]+")
 _AST_NODE = re.compile(r" *(\w+)(?: (\S+))?")
 #: A ClickHouse DateTime type (not DateTime64), its time zone in group 1: Arrow carries it as uint32 seconds.
 _DATETIME = re.compile(r"DateTime(?:\('([^']*)'\))?")
 _WRAPPED = re.compile(r"(?:Nullable|LowCardinality)\((.*)\)")
+#: A named Tuple element (``at DateTime('UTC')``, the name possibly back-quoted), its type in group 1.
+_NAMED_ELEMENT = re.compile(r"(?:`(?:[^`\\]|\\.)*`|[A-Za-z_]\w*)\s+(\S.*)", re.S)
 _CH_ERROR = re.compile(r"Code:\s*(\d+)\.\s*DB::Exception:\s*(.*)", re.S)
 _WRAPPER = re.compile(r"(?:\. )?:? In scope SELECT formatQuerySingleLine\(.*\)(?=\. \(\w+\)$)", re.S)
 _HINTS = {
@@ -78,24 +85,59 @@ def adhoc_settings(max_memory_bytes: int = ADHOC_MAX_MEMORY_BYTES,
     }
 
 
-def check_read_only(rendered: str) -> None:
-    """Refuse a statement that is not a read, given ClickHouse's one-line rendering of it (:data:`FORMAT_QUERY`).
+def check_read_only(rendered: str, statement: str) -> None:
+    """Refuse a statement that is not a read, given ClickHouse's one-line rendering of it (:data:`FORMAT_QUERY`)
+    and the statement as the user wrote it.
 
     The database's ``readonly`` stays the guard; this check names the refusal ("read-only: ...") instead of a
     syntax error (``SET``, ``SYSTEM``, ``DELETE`` do not parse with a FORMAT clause after them), and refuses
     what ``readonly`` lets through: ``KILL QUERY`` (a user may kill its own queries, and on chDB every session,
     the ingester's too, is the same user) and ``INTO OUTFILE`` (chDB writes the file). A ``FORMAT`` clause is
-    refused too: kvscope chooses the output format. Raises :class:`QueryError`.
+    refused too: kvscope chooses the output format. A refused statement is named by its leading keywords as
+    the user wrote them (:func:`statement_head`). Raises :class:`QueryError`.
     """
     code = _NOT_CODE.sub("''", rendered).strip()
-    m = _KIND.match(code)
-    kind = m.group(0) if m else code.split(" ", 1)[0]
-    if kind.split(" ")[0] not in READ_KINDS:
-        raise QueryError(f"read-only: {kind} is refused; ad hoc SQL runs {', '.join(READ_KINDS[:-1])} only")
+    if code.split(" ", 1)[0] not in READ_KINDS and code[:1] != "(":
+        raise QueryError(f"read-only: {statement_head(rendered, statement)} is refused; ad hoc SQL runs "
+                         f"{', '.join(READ_KINDS[:-1])} only")
     if re.search(r"\bINTO OUTFILE\b", code):
         raise QueryError("read-only: INTO OUTFILE is refused (it writes a file)")
     if re.search(r"\bFORMAT \w+$", code):
         raise QueryError("drop the FORMAT clause: kvscope chooses the output format (--format on the command line)")
+
+
+def statement_head(rendered: str, statement: str) -> str:
+    """The keywords ``statement`` starts with, as the user wrote them (upper case): ``SYSTEM DROP DNS CACHE``,
+    ``KILL QUERY``, ``INSERT INTO``, ``START TRANSACTION``, ``TRUNCATE``.
+
+    ``rendered`` is ClickHouse's rendering of it (:data:`FORMAT_QUERY`), whose leading upper-case words up to a
+    clause keyword (``WHERE``, ``ON``, ``IF`` ...) or a name are the head. The rendering renames some keywords
+    (``SYSTEM DROP ... CACHE`` is rendered ``SYSTEM CLEAR ... CACHE``, ``START TRANSACTION`` ``BEGIN
+    TRANSACTION``) and adds some (``TRUNCATE t`` is rendered ``TRUNCATE TABLE t``), so the head is mapped back
+    onto the user's words by aligning the two token lists (:class:`difflib.SequenceMatcher`): a renamed word is
+    the user's, an added one is dropped. Comments and literals are not words of either."""
+    ours, theirs = _tokens(rendered), _tokens(statement)
+    n = 1
+    while n < len(ours) and _WORD.fullmatch(ours[n]) and ours[n].isupper() and ours[n] not in _CLAUSES:
+        n += 1
+    head: list[str] = []
+    matcher = difflib.SequenceMatcher(None, [t.upper() for t in ours], [t.upper() for t in theirs], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if i1 >= n:
+            break
+        if tag == "equal":
+            head += theirs[j1:j1 + min(i2, n) - i1]
+        elif tag == "replace":  # words ClickHouse renamed ("delete" ones it added are dropped)
+            head += theirs[j1:j2] if i2 <= n else theirs[j1:j1 + n - i1]
+        elif tag == "insert":  # words the user wrote and the rendering leaves out
+            head += theirs[j1:j2]
+    words = [w.upper() for w in head if _WORD.fullmatch(w)]
+    return " ".join(words) if words else " ".join(ours[:n])
+
+
+def _tokens(text: str) -> list[str]:
+    """The words and single signs of ``text``; a literal or quoted name is one token (``''``), a comment none."""
+    return _TOKEN.findall(_NOT_CODE.sub(lambda m: "''" if m.group(0)[0] in "'\"`" else " ", text))
 
 
 def check_sources(ast: list[str], table_functions: frozenset[str] | set[str]) -> None:
@@ -130,11 +172,11 @@ def check_sources(ast: list[str], table_functions: frozenset[str] | set[str]) ->
 
 
 def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
-    """``table`` (ClickHouse's Arrow output) with its ``DateTime`` columns as timestamps: Arrow carries them as
+    """``table`` (ClickHouse's Arrow output) with its ``DateTime`` values as timestamps: Arrow carries them as
     uint32 epoch seconds without type metadata. ``types``: the ClickHouse type of each column, in order (the
-    ``type`` column of :data:`DESCRIBE_RESULT`). A ``DateTime`` (also Nullable, LowCardinality, and the items of
-    an Array) becomes ``timestamp[s]`` in its own time zone, UTC when it names none (or one Python does not know:
-    the instant stays right); other columns are kept."""
+    ``type`` column of :data:`DESCRIBE_RESULT`). A ``DateTime`` (also Nullable, LowCardinality, and anywhere in
+    an Array, a Tuple (named or not) or a Map, key or value) becomes ``timestamp[s]`` in its own time zone, UTC
+    when it names none (or one Python does not know: the instant stays right); other values are kept."""
     columns = list(table.columns)
     for i, (column, ch_type) in enumerate(zip(columns, types, strict=True)):
         target = _timestamp_type(ch_type, column.type)
@@ -144,23 +186,68 @@ def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
 
 
 def has_uint32(table: pa.Table) -> bool:
-    """Whether ``table`` has a uint32 column or list of them: where :func:`datetimes` may find a DateTime."""
+    """Whether ``table`` holds uint32 values, at the top or nested: where :func:`datetimes` may find a
+    DateTime."""
     return any(_holds_uint32(t) for t in table.schema.types)
 
 
 def _holds_uint32(t: pa.DataType) -> bool:
-    return t == pa.uint32() or (pa.types.is_list(t) and _holds_uint32(t.value_type))
+    return t == pa.uint32() or any(_holds_uint32(f.type) for f in _children(t))
 
 
 def _timestamp_type(ch_type: str, arrow_type: pa.DataType) -> pa.DataType | None:
+    """``arrow_type`` with each DateTime of ``ch_type`` (a uint32 in Arrow) a timestamp; None when it has none."""
     while m := _WRAPPED.fullmatch(ch_type):
         ch_type = m.group(1)
     if (dt := _DATETIME.fullmatch(ch_type)) and arrow_type == pa.uint32():
         return pa.timestamp("s", dt.group(1) if dt.group(1) in _zones() else "UTC")
-    if ch_type.startswith("Array(") and pa.types.is_list(arrow_type):
-        item = _timestamp_type(ch_type[len("Array("):-1], arrow_type.value_type)
-        return None if item is None else pa.list_(pa.field("item", item, arrow_type.value_field.nullable))
-    return None
+    outer, _, rest = ch_type.partition("(")
+    if outer not in ("Array", "Tuple", "Map") or not rest.endswith(")"):
+        return None
+    args = _type_args(rest[:-1])
+    if outer == "Tuple":  # a named element is "name Type"
+        args = [m.group(1) if (m := _NAMED_ELEMENT.fullmatch(arg)) else arg for arg in args]
+    fields = _children(arrow_type)
+    if len(args) != len(fields):
+        return None
+    targets = [_timestamp_type(arg, f.type) for arg, f in zip(args, fields, strict=True)]
+    if all(t is None for t in targets):
+        return None
+    return _with_children(arrow_type, [f if t is None else f.with_type(t) for f, t in zip(fields, targets,
+                                                                                           strict=True)])
+
+
+def _type_args(text: str) -> list[str]:
+    """The arguments of a ClickHouse type (``String, Array(DateTime('UTC'))``), split at the commas outside
+    parentheses and quotes, stripped."""
+    args, depth, start = [], 0, 0
+    for m in re.finditer(r"'(?:[^'\\]|\\.)*'|`[^`]*`|[(),]", text):
+        sign = m.group(0)
+        depth += {"(": 1, ")": -1}.get(sign, 0)
+        if sign == "," and depth == 0:
+            args.append(text[start:m.start()].strip())
+            start = m.end()
+    return [*args, text[start:].strip()]
+
+
+def _children(t: pa.DataType) -> list[pa.Field]:
+    """The fields a nested Arrow type holds: a list's item, a struct's fields, a map's key and value."""
+    if pa.types.is_map(t):
+        return [t.key_field, t.item_field]
+    if pa.types.is_list(t):
+        return [t.value_field]
+    if pa.types.is_struct(t):
+        return [t.field(i) for i in range(t.num_fields)]
+    return []
+
+
+def _with_children(t: pa.DataType, fields: list[pa.Field]) -> pa.DataType:
+    """``t`` (a type with :func:`_children`) holding ``fields`` instead."""
+    if pa.types.is_map(t):
+        return pa.map_(fields[0], fields[1], t.keys_sorted)
+    if pa.types.is_list(t):
+        return pa.list_(fields[0])
+    return pa.struct(fields)
 
 
 @functools.cache
@@ -170,9 +257,11 @@ def _zones() -> frozenset[str]:
 
 
 def _int64_like(t: pa.DataType) -> pa.DataType:
-    if pa.types.is_list(t):
-        return pa.list_(pa.field("item", _int64_like(t.value_type), t.value_field.nullable))
-    return pa.int64()
+    """``t`` with each timestamp an int64 (the step between uint32 and timestamp)."""
+    if pa.types.is_timestamp(t):
+        return pa.int64()
+    fields = _children(t)
+    return _with_children(t, [f.with_type(_int64_like(f.type)) for f in fields]) if fields else t
 
 
 def error_line(text: str) -> str:

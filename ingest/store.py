@@ -323,7 +323,7 @@ class Store:
             try:
                 rendered = client.query(FORMAT_QUERY, parameters={"statement": statement},
                                         settings=per_query).result_rows[0][0]
-                check_read_only(rendered)
+                check_read_only(rendered, statement)
                 if self._table_functions is None:
                     self._table_functions = frozenset(
                         r[0] for r in client.query(READONLY_TABLE_FUNCTIONS, settings=per_query).result_rows)

@@ -139,11 +139,13 @@ def _store_error(exc: Exception) -> click.ClickException:
 def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
     import polars as pl
 
+    from kvscope.tables import json_text, render_json
+
     if fmt == "json":
-        click.echo(df.write_json())
+        click.echo(render_json(df))
     elif fmt == "csv":  # CSV has no nested values: arrays, maps and tuples go out as JSON text
         nested = [c for c, t in df.schema.items() if t.is_nested()]
-        flat = df.with_columns(pl.col(c).map_elements(_json_text, return_dtype=pl.String) for c in nested)
+        flat = df.with_columns(pl.col(c).map_elements(json_text, return_dtype=pl.String) for c in nested)
         click.echo(flat.write_csv(), nl=False)
     elif fmt == "markdown":
         from kvscope.tables import render_markdown
@@ -161,12 +163,6 @@ def _stdout_is_terminal() -> bool:
         return sys.stdout.isatty()
     except (AttributeError, ValueError):  # a closed or replaced stream
         return False
-
-
-def _json_text(value: Any) -> str:
-    import json
-
-    return json.dumps(value.to_list() if hasattr(value, "to_list") else value, default=str)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -395,7 +391,7 @@ def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> No
         name, sep, url = spec.partition("=")
         if not sep:
             raise click.UsageError(f"--pod {spec!r}: expected NAME=http://host:port")
-        parsed.append((name, url.rstrip("/")))
+        parsed.append((_not_blank("--pod", name, "give NAME=http://host:port"), url.rstrip("/")))
     app = make_app(
         parsed, log_path, policy=cfg.routing_policy, tokenizer_path=Path(cfg.tokenizer) if cfg.tokenizer else None,
         block_chain=cfg.gateway_block_chain, block_size=cfg.gateway_block_size,
@@ -470,7 +466,8 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
 
 @import_.command("metrics")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--pod", required=True, help="Pod name the snapshot came from.")
+@click.option("--pod", required=True, callback=lambda _ctx, _param, v: _not_blank("--pod", v),
+              help="Pod name the snapshot came from.")
 @click.option("--at", "at", required=True, help="When it was scraped, ISO 8601 (e.g. 2026-11-29T12:00:00Z).")
 @store_options
 def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
@@ -495,13 +492,24 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
                f"gauges and the cache config; counters need a previous scrape), {len(result.reasons)} dead letters")
 
 
+def _not_blank(option: str, value: str, fix: str = "give a name") -> str:
+    """``value`` of ``option``, or click's usage error (one line: the option, the value, ``fix``) when it is
+    empty or only whitespace: a pod stored or a pod, tenant or model filter given under a blank name matches
+    nothing the user can name."""
+    if not value.strip():
+        raise click.BadParameter(f"{value!r} is blank; {fix}", param_hint=option)
+    return value
+
+
 def _params(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``--param key=value`` items as a dict. A usage error for an item without ``=`` or with a blank value
+    (``pod=``, ``tenant=" "``): a parameter left out takes its default ('' = all for the filters)."""
     out = {}
     for p in pairs:
         k, sep, v = p.partition("=")
         if not sep:
             raise click.BadParameter(f"{p!r}: expected key=value", param_hint="--param")
-        out[k] = v
+        out[k] = _not_blank(f"--param {k}", v, f"leave --param {k} out for its default (pod, tenant, model ...: all)")
     return out
 
 
@@ -537,9 +545,10 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, show
                 )
             click.echo("    returns: " + ", ".join(f"{c.name} {c.type}" for c in q.returns))
         return
+    values = _params(params)
     cfg = _config(**opts)
     try:
-        df = _store(cfg, must_exist=True).named(name, _params(params))
+        df = _store(cfg, must_exist=True).named(name, values)
     except KvscopeError as exc:
         raise _store_error(exc) from exc
     _emit(df, fmt)
@@ -553,8 +562,8 @@ def sql_(statement: str, fmt: str, **opts: Any) -> None:
     """Run one read-only statement (SELECT, WITH, SHOW, DESCRIBE of a table, EXISTS, EXPLAIN) of the database's
     tables (no file(), url() or other table function a read-only ClickHouse user may not call), with the
     database enforcing readonly, max_execution_time, max_memory_usage (KVSCOPE_ADHOC_MAX_MEMORY_BYTES),
-    max_result_rows and max_result_bytes. DateTime columns print as datetimes (UTC unless the type names a
-    zone). A failure is one line on stderr and exit code 1."""
+    max_result_rows and max_result_bytes. DateTime values print as datetimes (UTC unless the type names a
+    zone), inside an Array, Tuple or Map too. A failure is one line on stderr and exit code 1."""
     from ingest.adhoc import ADHOC_MAX_ROWS
     from ingest.errors import KvscopeError
 

@@ -65,6 +65,45 @@ def _json_default(value: Any) -> str:
     return value.isoformat() if isinstance(value, date | datetime | time) else str(value)
 
 
+def json_text(value: Any) -> str:
+    """A nested value (a list, a dict, a tuple, or a polars Series of one) as one line of JSON: times and dates
+    ISO 8601 (``2026-11-29T12:00:05+00:00``), a map's keys as text (a DateTime key too, which ``json`` refuses),
+    anything else JSON cannot hold as its ``str``."""
+    if isinstance(value, pl.Series):
+        value = value.to_list()
+    return json.dumps(_text_keys(value), default=_json_default)
+
+
+def render_json(df: pl.DataFrame) -> str:
+    """``df`` as a JSON array of row objects (``--format json``): polars' ``write_json``, except for a frame
+    holding a Map whose keys are not String anywhere (polars cannot write one: a ClickHouse ``Map(UInt8, ..)``
+    or ``Map(DateTime, ..)``), written the same way with the keys as text (:func:`json_text`)."""
+    if not any(holds_map(t, keyed=True) for t in df.dtypes):
+        return df.write_json()
+    return json.dumps(_text_keys(df.to_dicts()), default=_json_default, separators=(",", ":"))
+
+
+def _text_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k if isinstance(k, str | int | float | bool) or k is None else _json_default(k): _text_keys(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_text_keys(v) for v in value]
+    return value
+
+
+def holds_map(dtype: pl.DataType, *, keyed: bool = False) -> bool:
+    """Whether ``dtype`` is or holds (in a List, Array or Struct) a Map; with ``keyed``, one whose keys are not
+    String (a ClickHouse ``Map(UInt8, ..)`` or ``Map(DateTime, ..)``)."""
+    if isinstance(dtype, pl.Map):
+        return not keyed or dtype.key != pl.String or holds_map(dtype.value, keyed=keyed)
+    if isinstance(dtype, pl.List | pl.Array):
+        return holds_map(dtype.inner, keyed=keyed)
+    if isinstance(dtype, pl.Struct):
+        return any(holds_map(f.dtype, keyed=keyed) for f in dtype.fields)
+    return False
+
+
 def _text(value: Any) -> str:
     """One line of visible text for a string or other scalar: line breaks and tabs become spaces; other control
     characters (an ANSI escape sequence's ESC, BEL), bidirectional overrides and invisible format characters
@@ -97,7 +136,7 @@ def column_cells(series: pl.Series) -> tuple[list[str], int]:
     if dtype == pl.Boolean:
         return [MISSING if v is None else ("true" if v else "false") for v in values], TEXT
     if dtype.is_nested():
-        return [MISSING if v is None else json.dumps(v, default=_json_default) for v in values], TEXT
+        return [MISSING if v is None else json_text(v) for v in values], TEXT
     return [_text(v) for v in values], TEXT
 
 

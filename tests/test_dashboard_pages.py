@@ -559,6 +559,21 @@ def test_sql_page_shows_datetimes(fixture_store: Store) -> None:
     assert row["requests"] == 1
 
 
+def test_sql_page_shows_nested_datetimes(fixture_store: Store) -> None:
+    """A DateTime in a Tuple, an Array or a Map (a key too) is a datetime on the page as on the command line; a
+    map shows as JSON text (the table turned its entries into arrays of one type: the value 2 a time in 1970)."""
+    at = app(fixture_store)
+    at.switch_page("views/adhoc_sql.py").run()
+    moment = "toDateTime('2026-11-29 12:00:05', 'UTC')"
+    at.text_area(key="sql_text").input(f"SELECT tuple({moment}, 1) AS t, [{moment}] AS a, map({moment}, 2) AS m")
+    at.button(key="sql_run").click().run()
+    assert_clean(at)
+    row = at.dataframe[0].value.iloc[0]
+    expected = datetime(2026, 11, 29, 12, 0, 5, tzinfo=UTC)
+    assert row["t"] == {"1": expected, "2": 1} and list(row["a"]) == [np.datetime64("2026-11-29T12:00:05")]
+    assert row["m"] == '{"2026-11-29T12:00:05+00:00": 2}'  # as JSON text: as a table, the 2 became a time
+
+
 @pytest.mark.parametrize(
     "failure",
     [pa.ArrowInvalid("Message metadata too long by 492 bytes"), RuntimeError("boom")],

@@ -269,3 +269,70 @@ def test_events_stored_before_the_migration_are_logged_once(chdb_dir: Path, monk
     got = [(h, c, by, n, m) for h, c, _, _, by, n, m in residency(s, "pod-a")]
     assert got[2] == (2, 0, "block_removed", 2, 2)  # no chain hash: stored before kvscope computed them
     assert named(s, "kv_evictions")["pod-a"]["evicted_blocks"] == 4
+
+
+# pod-r: a vLLM process stores blocks 1, 2, 3; vLLM restarts at 10 s and the new process's first batch (seq 0)
+# opens with a malformed event (block hash -1: a dead letter of its own), then stores blocks 5 and 6.
+BAD_FIRST = [
+    frames("pod-r", 0, 0, stored([1, 2, 3])),
+    frames("pod-r", 1, 1, stored([4], 96, parent=3)),
+    frames("pod-r", 0, 10, removed([-1]), stored([5], 500), stored([6], 532, parent=5)),
+]
+
+
+def restarts(store: Store, pod: str) -> list[tuple[Any, ...]]:
+    rows = store.query_rows("SELECT ts, seq, idx FROM kv_cache_resets WHERE pod = {pod:String} AND kind = 'restart' "
+                            "ORDER BY ts", {"pod": pod})
+    return [(ts.replace(tzinfo=None), seq, idx) for ts, seq, idx in rows]
+
+
+def test_a_restart_is_marked_from_the_first_good_event_of_its_batch(store: Store) -> None:
+    """Event 0 of the restarted vLLM's first batch is a dead letter: the restart is still marked (once, though two
+    events of the batch are good), so the old process's blocks end there and the new one's stay."""
+    envs = collect(BAD_FIRST)
+    assert ingest(store, envs) == {"kv_block_events": 4, "dead_letters": 1}
+    assert restarts(store, "pod-r") == [(naive(0), 0, 0), (naive(10), 0, 0)]
+    got = [(h, r.replace(tzinfo=None) if r else None, by) for h, _, _, r, by, _, _ in residency(store, "pod-r")]
+    assert got == [(1, naive(10), "pod_restart"), (2, naive(10), "pod_restart"), (3, naive(10), "pod_restart"),
+                   (4, naive(10), "pod_restart"), (5, None, None), (6, None, None)]
+    assert named(store, "kv_evictions")["pod-r"]["restarts"] == 2
+    assert store.query_rows("SELECT count() FROM kv_block_log FINAL WHERE pod = 'pod-r' AND kind = 'restart'") == [(2,)]
+
+
+def test_a_restart_inserted_again_is_marked_once(store: Store) -> None:
+    """Redelivered, the batch is dropped whole by the ingester's dedup. Inserted again anyway (two ingesters past
+    the dedup check at once in a rebalance, docs/reliability.md), or in parts (the ingester halves rows the store
+    refuses), each insert marks the restart as the same row: it is read once."""
+    from ingest.rows import COLUMNS, kv_rows
+
+    envs = collect(BAD_FIRST)
+    assert ingest(store, envs) == {"kv_block_events": 4, "dead_letters": 1}
+    assert ingest(store, envs) == {}
+    batch = next(e for e in envs if e.schema == "kv_event_batch" and e.payload.batch_ts == at(10).timestamp())
+    rows = kv_rows(batch, batch.payload)
+    assert [r[5] for r in rows] == [1, 2]  # the events' idx in vLLM's batch: event 0 was the dead letter
+    store.insert("kv_block_events", rows[1:], COLUMNS["kv_block_events"])
+    store.insert("kv_block_events", rows, COLUMNS["kv_block_events"])
+    assert restarts(store, "pod-r") == [(naive(0), 0, 0), (naive(10), 0, 0)]
+    assert store.query_rows("SELECT count() FROM kv_block_log FINAL WHERE pod = 'pod-r' AND kind = 'restart'") == [(2,)]
+    assert named(store, "kv_evictions")["pod-r"]["restarts"] == 2
+
+
+def test_restarts_stored_before_the_migration_are_marked_once(chdb_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events stored before migration 0025 (the restart went unmarked: event 0 was a dead letter) get their restart
+    when it runs, once: running it again adds nothing, and a restart already marked is not marked again."""
+    import sql as sqlfiles
+
+    everything = sqlfiles.migrations()
+    mine = next(i for i, (v, _) in enumerate(everything) if v.startswith("0025_"))
+    s = Store.open(data_dir=chdb_dir, database=f"mig_{uuid.uuid4().hex[:12]}")
+    monkeypatch.setattr(sqlfiles, "migrations", lambda: everything[:mine])
+    s.migrate()
+    ingest(s, collect(BAD_FIRST))
+    assert restarts(s, "pod-r") == [(naive(0), 0, 0)]  # what the store held before
+    monkeypatch.setattr(sqlfiles, "migrations", lambda: everything)
+    assert s.migrate() == [everything[mine][0]]
+    s.command("DELETE FROM schema_migrations WHERE version = {v:String}", {"v": everything[mine][0]})
+    s.migrate()  # a crash before the migration was recorded: it runs again
+    assert restarts(s, "pod-r") == [(naive(0), 0, 0), (naive(10), 0, 0)]
+    assert s.query_rows("SELECT count() FROM kv_block_log WHERE pod = 'pod-r' AND kind = 'restart'") == [(2,)]

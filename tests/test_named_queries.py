@@ -15,6 +15,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from click.testing import CliRunner
 
 import sql as sqlfiles
 from collector.events import VllmScrape
@@ -22,6 +23,7 @@ from collector.vllm_metrics import ScrapeState, scrape_events
 from ingest.errors import QueryError
 from ingest.rows import metric_rows
 from ingest.store import Store
+from kvscope.cli import main
 from sql import TIME_MAX, TIME_MIN
 from tests.clock import DAY
 from tests.fixture_data import PREFILL_SECONDS_PER_TOKEN, at, load_fixture
@@ -252,6 +254,40 @@ def test_integer_out_of_its_type_is_refused(fx: Store) -> None:
     with pytest.raises(QueryError, match=r"^parameter limit: '99999999999' is not a UInt32 \(a whole number "):
         fx.named("miss_requests", {"limit": "99999999999"})
     assert len(rows(fx, "miss_requests", limit=2)) == 2
+
+
+SAMPLE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_metrics_1.txt"
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["query", "hit_rate", "--param", "pod="],
+     "Error: Invalid value for --param pod: '' is blank; leave --param pod out for its default (pod, tenant, "
+     "model ...: all)"),
+    (["query", "tenant_profile", "--param", "tenant= "], "Error: Invalid value for --param tenant: ' ' is blank"),
+    (["query", "hit_rate", "--param", "model=\t"], "Error: Invalid value for --param model: '\\t' is blank"),
+    (["import", "metrics", str(SAMPLE), "--pod", "", "--at", f"{DAY}T12:00:00Z"],
+     "Error: Invalid value for --pod: '' is blank; give a name"),
+    (["import", "metrics", str(SAMPLE), "--pod", "  ", "--at", f"{DAY}T12:00:00Z"],
+     "Error: Invalid value for --pod: '  ' is blank; give a name"),
+])
+def test_blank_names_on_the_command_line_are_usage_errors(fx: Store, args: list[str], error: str) -> None:
+    """``--pod ""`` was taken: a filter matched nothing, an import stored a scrape of pod ''. Each is click's
+    usage error (exit 2), its error one line, before the store is touched. (Store.named still takes '' for all,
+    which the dashboard passes, and any stored name: the gateway log stores identifiers exactly as logged.)"""
+    stored = "SELECT sum(total_rows) FROM system.tables WHERE database = currentDatabase()"
+    before = fx.query_rows(stored)
+    result = CliRunner().invoke(main, [*args, "--data-dir", fx.dsn.removeprefix("chdb://"), "--database",
+                                       fx.database], env={})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines()[-1].startswith(error), result.output
+    assert fx.query_rows(stored) == before
+
+
+def test_a_gateway_pod_without_a_name_is_a_usage_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["gateway", "--pod", "=http://127.0.0.1:1", "--log", str(tmp_path / "g.log")],
+                                env={})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines()[-1] == "Error: Invalid value for --pod: '' is blank; give NAME=http://host:port"
 
 
 # -- hit rate ------------------------------------------------------------------------------------------------

@@ -3,11 +3,13 @@ named queries."""
 
 from __future__ import annotations
 
+import polars as pl
 import streamlit as st
 
 import sql as sqlfiles
 from dashboard import charts, data
 from ingest.adhoc import ADHOC_MAX_RESULT_BYTES, ADHOC_MAX_ROWS
+from kvscope.tables import holds_map, json_text
 
 st.html(
     "<style>.st-key-sql_text textarea {font-family: 'Source Code Pro', ui-monospace, SFMono-Regular, Menlo, "
@@ -43,8 +45,10 @@ if st.button("Run", type="primary", key="sql_run"):
     else:
         cut = f" (at most {ADHOC_MAX_ROWS:,} are shown: there may be more)" if result.height == ADHOC_MAX_ROWS else ""
         st.caption(f"{result.height:,} rows{cut}")
-        if result.height:
-            charts.table(result, key="sql_result")
+        if result.height:  # a map as JSON text: the table would turn its entries into arrays of one type
+            maps = [c for c, t in result.schema.items() if holds_map(t)]
+            charts.table(result.with_columns(pl.col(c).map_elements(json_text, return_dtype=pl.String) for c in maps),
+                         key="sql_result")
 
 with st.expander("Named queries (sql/queries)"):
     for name in sqlfiles.query_names():
