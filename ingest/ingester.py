@@ -121,18 +121,25 @@ class Ingester:
         keep = absent_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
         if len(keep) < len(rows):
             ROWS_DUPLICATE.labels(table).inc(len(rows) - len(keep))
-        todo = [rows[i] for i in keep]
+        self._insert_isolating(table, [rows[i] for i in keep])
+
+    def _insert_isolating(self, table: str, todo: list[tuple[tuple[Any, ...], Origin]]) -> None:
+        """Insert ``todo`` (rows the store did not hold); when the store refuses them as data, insert each half
+        on its own until the refused rows are alone, and dead-letter those. The halves are not checked against
+        the store again: rows of one envelope share its identity (a KV batch's events, a scrape's samples), so
+        once one half landed the other would read as already stored and be lost. A refused insert wrote
+        nothing, so no row can land twice."""
         if not todo:
             return
         try:
-            self.store.insert(table, [r for r, _ in todo], columns)
+            self.store.insert(table, [r for r, _ in todo], COLUMNS[table])
         except RejectedRows as exc:
             if len(todo) == 1:
                 self._dead_letter_refused(table, todo[0], exc)
                 return
             mid = len(todo) // 2
-            self._write(table, todo[:mid])
-            self._write(table, todo[mid:])
+            self._insert_isolating(table, todo[:mid])
+            self._insert_isolating(table, todo[mid:])
             return
         ROWS_WRITTEN.labels(table).inc(len(todo))
         self.rows_written[table] += len(todo)

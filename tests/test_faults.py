@@ -226,3 +226,45 @@ def test_a_late_predecessor_corrects_its_successor_and_a_reread_changes_nothing(
         pipe.close()
     assert causes(store) == after
     assert count(store) == (2, 2)
+
+
+class RowRefusingClient(RefusingClient):
+    """The store's client refusing, as a server refuses a value it cannot convert (code 53, a data error), any
+    insert into ``table`` that holds a row with ``marker`` in it. Everything else passes through."""
+
+    def __init__(self, client: Any, table: str, marker: Any) -> None:
+        super().__init__(client)
+        self.table, self.marker = table, marker
+
+    def insert(self, table: str, data: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if table == self.table and any(self.marker in row for row in data):
+            self.refused += 1
+            raise DatabaseError("Code: 53. DB::Exception: Type mismatch in IN or VALUES section. (TYPE_MISMATCH)")
+        return self._client.insert(table, data, *args, **kwargs)
+
+
+def test_a_refused_event_of_a_kv_batch_costs_only_itself(store: Store) -> None:
+    """One KV-event batch (one envelope, one event id for all its rows) whose third event the store refuses as
+    data: the other events land, the refused one is dead-lettered, and nothing else is lost. Before, the halves
+    of the batch were checked against the store again: the first half's rows made the envelope read as already
+    stored, and the rest of the batch was dropped without a trace."""
+    from test_kv_residency import collect, frames, ingest, removed, stored
+
+    pod = f"pod-{uuid.uuid4().hex[:8]}"
+    marker = 7_777_000_000 + int(uuid.uuid4().int % 1000)
+    events = [stored([marker - 3]), stored([marker - 2]), removed([marker]), stored([marker - 1]),
+              removed([marker - 3])]
+    faulty = RowRefusingClient(store.client, "kv_block_events", [marker])
+    store.client = faulty
+    try:
+        ingest(store, collect([frames(pod, 1, 0, *events)]))
+    finally:
+        store.client = faulty._client
+    assert faulty.refused >= 1
+    kept = store.query_rows("SELECT idx, event_type, block_hashes FROM kv_block_events WHERE pod = {p:String} "
+                            "ORDER BY idx", {"p": pod})
+    assert [(i, t, list(h)) for i, t, h in kept] == [
+        (0, "BlockStored", [marker - 3]), (1, "BlockStored", [marker - 2]), (3, "BlockStored", [marker - 1]),
+        (4, "BlockRemoved", [marker - 3])]
+    [(reason, raw)] = store.query_rows("SELECT reason, raw FROM dead_letters WHERE pod = {p:String}", {"p": pod})
+    assert reason.startswith("store refused a row of kv_block_events") and str(marker) in raw
