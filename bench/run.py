@@ -241,7 +241,7 @@ def bench_pages(store: Any, label: str, repeat: int) -> None:
     data.register_store(store)
     app = str(ROOT / "dashboard" / "app.py")
     for page in ("views/overview.py", "views/tenants.py", "views/miss_causes.py", "views/fingerprints.py",
-                 "views/pods.py", "views/vllm.py"):
+                 "views/pods.py", "views/vllm.py", "views/ttl.py", "views/data_quality.py"):
         for rng in ("Last 1 h", "Last 24 h"):
             at = AppTest.from_file(app, default_timeout=120)
             at.run()
