@@ -11,7 +11,8 @@
     --   first_predecessor_ts: a day before the earliest previous-turn end, where the previous turns are looked up
     --     in gateway_requests (one that ran longer than a day counts as not found);
     --   turn_log: the gateway log of the next turns and their previous turns: request_id, prompt (prompt
-    --     tokens), conversation, agent_run.
+    --     tokens), conversation, agent_run; one row per log line, not grouped (a GROUP BY over every turn cost
+    --     more than the rest of the query): join it with ANY LEFT JOIN, which keeps one row per request_id.
     cancelled AS
     (
         SELECT request_id, version FROM request_attribution
@@ -38,10 +39,8 @@
         AS first_predecessor_ts,
     turn_log AS
     (
-        SELECT request_id, any(prompt_tokens) AS prompt, any(conversation_id) AS conversation,
-               any(agent_run_id) AS agent_run
+        SELECT request_id, prompt_tokens AS prompt, conversation_id AS conversation, agent_run_id AS agent_run
         FROM gateway_requests
         WHERE ts >= first_predecessor_ts AND ts < {until:DateTime64(3, 'UTC')}
-          AND (request_id IN (SELECT predecessor FROM next_turns) OR request_id IN (SELECT request_id FROM next_turns))
-        GROUP BY request_id
+          AND request_id IN (SELECT arrayJoin([predecessor, request_id]) FROM next_turns)
     ),

@@ -32,27 +32,27 @@ WITH
                if(p.request_id = '', NULL, toFloat64(intDiv(p.prompt, t.block))) AS blocks,
                bytes_per_token_on(t.pod_name) AS per_token
         FROM next_turns AS t
-        LEFT JOIN turn_log AS p ON t.predecessor = p.request_id
+        ANY LEFT JOIN turn_log AS p ON t.predecessor = p.request_id
         WHERE t.same_pod
     ),
-    holds AS
+    all_waits AS
     (
-        SELECT pct, n, gaps[intDiv(toUInt64(pct) * n + 99, 100)] AS hold
-        FROM (SELECT count() AS n, arraySort(groupArray(gap)) AS gaps FROM waits)
-        ARRAY JOIN {percents:Array(UInt8)} AS pct
-        WHERE n > 0 AND pct BETWEEN 1 AND 100
+        -- waits read once (a WITH subquery runs again wherever it is named): every percent from one array
+        SELECT count() AS n, groupArray((gap, tokens, blocks, per_token)) AS w,
+               arraySort(arrayMap(x -> x.1, w)) AS gaps
+        FROM waits
     )
 SELECT
-    toUInt8(h.pct) AS percent,
-    toUInt64(any(h.n)) AS next_turns,
-    toFloat64(any(h.hold)) AS hold_ms,
-    countIf(w.gap <= h.hold) AS warm_turns,
-    CAST(avg(w.tokens) AS Nullable(Float64)) AS held_tokens,
-    CAST(avg(w.blocks) AS Nullable(Float64)) AS held_blocks,
-    CAST(avg(w.per_token) AS Nullable(Float64)) AS bytes_per_token,
-    CAST(avg(w.tokens * w.per_token) AS Nullable(Float64)) AS retained_bytes,
-    toFloat64(sum(ifNull(w.blocks, 0) * least(w.gap, h.hold)) / 1000) AS held_block_seconds
-FROM holds AS h
-CROSS JOIN waits AS w
-GROUP BY h.pct
+    toUInt8(pct) AS percent,
+    toUInt64(n) AS next_turns,
+    toFloat64(gaps[intDiv(toUInt64(pct) * n + 99, 100)]) AS hold_ms,
+    toUInt64(arrayCount(x -> x.1 <= hold_ms, w)) AS warm_turns,
+    CAST(arrayReduce('avg', arrayMap(x -> x.2, w)) AS Nullable(Float64)) AS held_tokens,
+    CAST(arrayReduce('avg', arrayMap(x -> x.3, w)) AS Nullable(Float64)) AS held_blocks,
+    CAST(arrayReduce('avg', arrayMap(x -> x.4, w)) AS Nullable(Float64)) AS bytes_per_token,
+    CAST(arrayReduce('avg', arrayMap(x -> x.2 * x.4, w)) AS Nullable(Float64)) AS retained_bytes,
+    toFloat64(arraySum(x -> ifNull(x.3, 0) * least(x.1, hold_ms), w) / 1000) AS held_block_seconds
+FROM all_waits
+ARRAY JOIN {percents:Array(UInt8)} AS pct
+WHERE n > 0 AND pct BETWEEN 1 AND 100
 ORDER BY percent
