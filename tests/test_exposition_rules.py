@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, VllmScrape, decode_batch
@@ -134,11 +135,14 @@ HOSTILE = {
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
 def test_the_live_scrape_and_the_import_load_the_same(store: Store, tmp_path: Path, kind: str) -> None:
     body = HOSTILE[kind]
+    counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) or 0.0
     result = import_metrics(store, "pod-a", tmp_path / "m.txt", body.encode(), MINUTE_MS)
     assert result.loaded and result.reasons
     rows, config, dead = loaded(live(body, tmp_path))
     assert stored(store) == (rows, config, dead)
     assert sorted(result.reasons) == sorted(reason for _, reason in dead)
+    counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) - counted
+    assert counted == len(dead)  # each one in kvscope's own metrics too
 
 
 def test_a_series_twice_in_one_body_keeps_its_first_sample() -> None:
