@@ -30,11 +30,12 @@ random expositions). The differences, each deliberate:
 5. Values are floats: ``-0`` is -0.0 (prometheus_client: the int 0; equal as numbers), and integers beyond
    2**53 are rounded to the nearest float. Timestamps are validated as prometheus_client does, then dropped
    (vLLM writes none; the collector stamps each scrape).
-6. Nothing after a ``# EOF`` line (OpenMetrics' end of the exposition, https://prometheus.io/docs/specs/om/
-   open_metrics_spec/#overall-structure; prometheus_client's text parser reads it as a comment and goes on) is
-   loaded: each line after it that would have been parsed (not blank, not a comment, with ``keep`` a kept
-   name or a line that cannot start with a name) is returned in ``bad_lines`` with :data:`AFTER_EOF`, as
-   Prometheus' OpenMetrics parser refuses data after ``# EOF``. Lines before it are parsed as above.
+6. Nothing after a line ``# EOF`` (OpenMetrics' end of the exposition, exactly so, a CRLF line end allowed:
+   https://prometheus.io/docs/specs/om/open_metrics_spec/#overall-structure; prometheus_client's text parser
+   reads it as a comment and goes on) is loaded: each line after it that would have been parsed (not blank,
+   not a comment; with ``keep``, of a kept name or unable to start with a name) is returned in ``bad_lines``
+   with :data:`AFTER_EOF`, as Prometheus' OpenMetrics parser refuses data after ``# EOF``. Lines before it
+   are parsed as above.
 
 Never raises on malformed input: each rejected line is returned in :attr:`Parsed.bad_lines` with a reason.
 """
@@ -98,16 +99,18 @@ def parse(text: str, keep: Collection[str] | None = None) -> Parsed:
 
 
 def _cut_at_eof(text: str) -> tuple[str, list[str]]:
-    """(the body up to and without its first ``# EOF`` line, the lines after that line); one search of the
-    body when it has none."""
-    i = text.find("# EOF")
-    while i >= 0:
-        start = text.rfind("\n", 0, i) + 1
-        end = text.find("\n", i)
-        if text[start : len(text) if end < 0 else end].strip() == "# EOF":
+    """(the body up to and without its first ``# EOF`` line, the lines after that line). A body without one
+    costs one reverse search (~13 us for a 52 kB vLLM body; a forward ``find`` takes ~40 us there)."""
+    if not text.startswith("# EOF") and text.rfind("\n# EOF") < 0:
+        return text, []
+    start = 0 if text.startswith("# EOF") else text.find("\n# EOF") + 1  # a candidate line's start; 0 = none
+    while True:
+        end = text.find("\n", start)
+        if text[start : len(text) if end < 0 else end] in ("# EOF", "# EOF\r"):
             return text[:start], text[end + 1 :].split("\n") if end >= 0 else []
-        i = text.find("# EOF", i + 5)
-    return text, []
+        start = text.find("\n# EOF", end) + 1 if end >= 0 else 0
+        if start == 0:
+            return text, []
 
 
 def _reject_after_eof(lines: list[str], keep: Collection[str] | None, bad: list[tuple[str, str]]) -> None:

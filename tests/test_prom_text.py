@@ -104,7 +104,7 @@ def other_lines(draw: st.DrawFn) -> str:
     return draw(st.sampled_from([
         "", " ", "\t", "#", "# a comment", f"# HELP {name} help with \\\\ and \\n and \"quotes\"", f"# HELP {name}",
         f"# TYPE {name} gauge", f"# TYPE {name} untyped", f"# TYPE {name} histogram", f"# TYPE {name} summary",
-        f"  # TYPE {name} gauge", "# TYPE x_total counter", "#HELP no space", "# EOF", " # EOF\t", "# EOFX",
+        f"  # TYPE {name} gauge", "# TYPE x_total counter", "#HELP no space", "# EOF", "# EOF\r", " # EOF", "# EOFX",
     ]))
 
 
@@ -114,10 +114,12 @@ expositions = st.lists(sample_lines() | other_lines(), max_size=25).map("\n".joi
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=expositions, data=st.data())
 @example(text='a{b="x\\\\"} 1\nc{d="\\"",e="=,}{"} -0\n\n# TYPE f histogram\nf_bucket{le="+Inf"} NaN 123', data=None)
+@example(text="# EOFX\nx 1\n# EOFX\n# EOF\ny 2\n# EOF\nz 3", data=None)  # candidates that are not `# EOF`, then two
+@example(text="x 1\n# EOFX\ny 2", data=None)  # only a candidate that is not `# EOF` (once an endless loop)
 def test_random_expositions_parse_as_prometheus_client_parses_them(text: str, data: st.DataObject | None) -> None:
     """Up to a `# EOF` line as prometheus_client; each sample line after it rejected (prom_text difference 6)."""
     lines = text.split("\n")
-    eof = next((i for i, line in enumerate(lines) if line.strip() == "# EOF"), len(lines))
+    eof = next((i for i, line in enumerate(lines) if line in ("# EOF", "# EOF\r")), len(lines))
     ref = theirs("\n".join(lines[:eof]))
     after = [line for line in lines[eof + 1:] if line.strip() and not line.strip().startswith("#")]
     r = parse(text)
