@@ -182,10 +182,12 @@ class ScrapeState:
     def from_json(cls, obj: Mapping[str, Any]) -> ScrapeState:
         """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError/AttributeError on a foreign shape. A
         checkpoint written before ``since`` existed watches from its last scrape (a later ``_created`` is then
-        surely a series born after that scrape)."""
-        values = {(str(name), str(engine), str(model), str(label), str(extra)): float(v)
+        surely a series born after that scrape); one written before the other labels were escaped (``k=v,...``)
+        has them rewritten (``k="v",...``), so its series continue instead of restarting as baselines."""
+        values = {(str(name), str(engine), str(model), str(label), _escaped(str(extra))): float(v)
                   for name, engine, model, extra, group in obj["values"] for label, v in group.items()}
-        created = {(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])): float(r[5]) for r in obj["created"]}
+        created = {(str(r[0]), str(r[1]), str(r[2]), str(r[3]), _escaped(str(r[4]))): float(r[5])
+                   for r in obj["created"]}
         config = {str(e): {str(k): str(v) for k, v in lab.items()} for e, lab in obj["cache_config"].items()}
         at = int(obj["at"])
         return cls(at, int(obj.get("since", at)), values, created, config)
@@ -195,6 +197,14 @@ def _extra(labels: Mapping[str, str], label: str) -> str:
     """The labels other than engine, model_name and ``label``, sorted, as written in an exposition
     (``instance="a:1",replica="b"``); an empty value is no label (as in Prometheus)."""
     return _label_text((k, v) for k, v in sorted(labels.items()) if v and k not in ("engine", "model_name", label))
+
+
+def _escaped(extra: str) -> str:
+    """A checkpoint's ``extra`` in :func:`_extra`'s form; one written unescaped (``k=v,...``, before the
+    exposition rules) is rewritten (a value holding "," or "=" was ambiguous there and may stay unmatched)."""
+    if not extra or extra.endswith('"'):
+        return extra
+    return _label_text((k, v) for k, _, v in (p.partition("=") for p in extra.split(",")))
 
 
 _ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})

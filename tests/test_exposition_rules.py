@@ -221,3 +221,21 @@ def test_label_sets_that_would_render_alike_are_two_series() -> None:
     rows, _, dead = loaded(scrape_events("pod-a", "u", body, 1_000, 1.0))
     assert dead == []
     assert [(label, v) for _, _, label, v in rows] == [('x="1",y="2"', 2.0), ('x="1,y=2"', 1.0), ('x="a\\"b"', 3.0)]
+
+
+def test_a_checkpoint_from_before_the_escaped_keys_continues_its_counters() -> None:
+    """A scrape state saved when the other labels were keyed unescaped (`replica=a`) still gives the increase
+    of a proxied counter at the next scrape (not a baseline: that interval's tokens would be lost)."""
+    state = ScrapeState()
+    scrape_events("pod-a", "u", proxied(BODY1, replica="a"), 1_000, 1.0, state)
+    old = state.to_json()
+    for row in old["values"]:
+        row[3] = row[3].replace('"', "")
+    for row in old["created"]:
+        row[4] = row[4].replace('"', "")
+    assert any(row[3] == "replica=a" for row in old["values"])
+    restored = ScrapeState.from_json(old)
+    assert restored.values == state.values and restored.created == state.created
+    [scrape] = [e.payload for e in scrape_events("pod-a", "u", proxied(BODY2, replica="a"), 2_000, 1.0, restored)
+                if isinstance(e.payload, VllmScrape)]
+    assert {s.name: s.increase for s in scrape.samples}["vllm:prompt_tokens_total"] == 12909.0 - 9818.0
