@@ -272,7 +272,8 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
             if first is None:
                 config[engine or ""] = dict(labels)
             else:
-                differ = ", ".join(sorted(k for k in first.keys() | labels.keys() if first.get(k) != labels.get(k)))
+                differ = ", ".join(sorted(k for k in first.keys() | labels.keys()
+                                          if first.get(k, "") != labels.get(k, "")))  # "" = no label
                 bad.append((_render(name, labels, value), f"a second {name} of engine {engine or ''!r} in one "
                             f"scrape (it differs in {differ}): the first is kept, one cache config per pod and "
                             "engine" if differ else DUPLICATE))

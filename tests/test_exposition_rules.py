@@ -123,6 +123,7 @@ DUPLICATES = [  # each a second sample of a series BODY1 has (labels reordered, 
     'vllm:prompt_tokens_created{engine="0",model_name="tiny"} 1.9e+09',
     'vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="tiny"} 99.0',
     CONFIG,
+    CONFIG.replace("} 1.0", ',replica=""} 1.0'),
     CONFIG.replace('block_size="32"', 'block_size="16"', 1),
 ]
 HOSTILE = {
