@@ -30,6 +30,12 @@ random expositions). The differences, each deliberate:
 5. Values are floats: ``-0`` is -0.0 (prometheus_client: the int 0; equal as numbers), and integers beyond
    2**53 are rounded to the nearest float. Timestamps are validated as prometheus_client does, then dropped
    (vLLM writes none; the collector stamps each scrape).
+6. Nothing after a line ``# EOF`` (OpenMetrics' end of the exposition, exactly so, a CRLF line end allowed:
+   https://prometheus.io/docs/specs/om/open_metrics_spec/#overall-structure; prometheus_client's text parser
+   reads it as a comment and goes on) is loaded: each line after it that would have been parsed (not blank,
+   not a comment; with ``keep``, of a kept name or unable to start with a name) is returned in ``bad_lines``
+   with :data:`AFTER_EOF`, as Prometheus' OpenMetrics parser refuses data after ``# EOF``. Lines before it
+   are parsed as above.
 
 Never raises on malformed input: each rejected line is returned in :attr:`Parsed.bad_lines` with a reason.
 """
@@ -74,16 +80,45 @@ _NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:"
 _ODD_WS_ASCII = "\t\r\x0b\x0c\x1c\x1d\x1e\x1f"
 _ODD_WS = _ODD_WS_ASCII + "\x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
 
+#: The reason of a line after ``# EOF`` (difference 6).
+AFTER_EOF = "after # EOF, the end of the exposition (OpenMetrics): not loaded"
+
 _label_cache: dict[str, Labels] = {}
 _LABEL_CACHE_MAX = 8192
 
 
 def parse(text: str, keep: Collection[str] | None = None) -> Parsed:
     """Parse an exposition body; with ``keep`` (sample names, e.g. ``{"vllm:prefix_cache_hits_total"}``, a set
-    for speed), only the lines of those names are parsed and returned. ``keep=None`` parses every line."""
-    if keep is not None and _plain(text):
-        return _parse_fast(text, keep)
-    return _parse_careful(text, keep)
+    for speed), only the lines of those names are parsed and returned. ``keep=None`` parses every line. Lines
+    after a ``# EOF`` line are rejected (difference 6 of the module docstring)."""
+    text, after = _cut_at_eof(text)
+    parsed = _parse_fast(text, keep) if keep is not None and _plain(text) else _parse_careful(text, keep)
+    if after:
+        _reject_after_eof(after, keep, parsed.bad_lines)
+    return parsed
+
+
+def _cut_at_eof(text: str) -> tuple[str, list[str]]:
+    """(the body up to and without its first ``# EOF`` line, the lines after that line). A body without one
+    costs one reverse search (~13 us for a 52 kB vLLM body; a forward ``find`` takes ~40 us there)."""
+    if not text.startswith("# EOF") and text.rfind("\n# EOF") < 0:
+        return text, []
+    start = 0 if text.startswith("# EOF") else text.find("\n# EOF") + 1  # a candidate line's start; 0 = none
+    while True:
+        end = text.find("\n", start)
+        if text[start : len(text) if end < 0 else end] in ("# EOF", "# EOF\r"):
+            return text[:start], text[end + 1 :].split("\n") if end >= 0 else []
+        start = text.find("\n# EOF", end) + 1 if end >= 0 else 0
+        if start == 0:
+            return text, []
+
+
+def _reject_after_eof(lines: list[str], keep: Collection[str] | None, bad: list[tuple[str, str]]) -> None:
+    """Each of ``lines`` that :func:`_careful_line` would parse goes to ``bad`` with :data:`AFTER_EOF`."""
+    for line in lines:
+        s = line.strip()
+        if s and s[0] != "#" and not _skipped(s, keep):
+            bad.append((line, AFTER_EOF))
 
 
 def _plain(text: str) -> bool:
@@ -145,17 +180,23 @@ def _careful_line(line: str, keep: Collection[str] | None, samples: list[Sample]
                   bad: list[tuple[str, str]]) -> None:
     """One line of any shape: the name as prometheus_client would see it decides whether it is parsed."""
     s = line.strip()
-    if not s or s[0] == "#":
+    if not s or s[0] == "#" or _skipped(s, keep):
         return
-    if keep is not None and s[0] != "{":
-        m = _NAME_RE.match(s)
-        if m is None:
-            bad.append((line, "unparseable sample line: it does not start with a metric name"))
-            return
-        end = m.end()
-        if m.group() not in keep or (end < len(s) and s[end] != "{" and not s[end].isspace()):
-            return
+    if keep is not None and s[0] not in _NAME_START and s[0] != "{":
+        bad.append((line, "unparseable sample line: it does not start with a metric name"))
+        return
     _parse_line(line, keep, samples, bad)
+
+
+def _skipped(s: str, keep: Collection[str] | None) -> bool:
+    """Whether ``s`` (a stripped sample line) is one of a name not in ``keep``: skipped unparsed."""
+    if keep is None or s[0] == "{":
+        return False
+    m = _NAME_RE.match(s)
+    if m is None:
+        return False
+    end = m.end()
+    return m.group() not in keep or (end < len(s) and s[end] != "{" and not s[end].isspace())
 
 
 def _labels(block: str) -> Labels | None:

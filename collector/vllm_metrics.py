@@ -15,6 +15,26 @@ plus one ``DeadLetter`` per bad line.
   drops scrapes the store holds: identity (pod, scraped_at_ms)).
 
 Parsing is :func:`collector.prom_text.parse` (fast, checked differentially against prometheus_client).
+
+Exposition rules, one per kind of input, the same for the live scrape (:mod:`collector.service`) and ``kvscope
+import metrics`` (:mod:`kvscope.importer`): both call :func:`advance`. Each rejected sample is one dead letter
+with its reason (``kvscope query dead_letters``, counted in ``kvscope_dead_letters_total{source="vllm_metrics"}``);
+docs/reliability.md, "vLLM /metrics bodies":
+
+- **A series is its full label set**, as in Prometheus (an empty label value is no label). A series twice in
+  one body (same name, same labels) keeps its first sample; each later one is a dead letter (:data:`DUPLICATE`),
+  whatever its kind (counter, ``_created``, bucket, gauge, ``cache_config_info``). Prometheus' scrape keeps
+  the first too: a later sample of a series at the scrape's timestamp is rejected (counted in
+  ``prometheus_target_scrapes_sample_duplicate_timestamp_total``).
+- **Nothing after ``# EOF``** (the OpenMetrics end marker) is loaded: each sample line after it is a dead
+  letter (:data:`collector.prom_text.AFTER_EOF`).
+- **Labels kvscope does not read** (an ``instance`` or ``replica`` a proxy adds, a label a newer vLLM adds):
+  a *gauge* is never summed; each label set is its own series, its other labels stored in ``label``
+  (``replica="b"``; "" for vLLM's own series), and the queries combine a pod's gauge series as they combine
+  its engines (requests summed, KV-cache usage averaged: sql/queries/vllm_series.sql, pods.sql). A
+  *counter*'s increases are computed per label set and then summed on (name, engine, model_name, label):
+  every query reads counters as sums of increases, so the sum is what they mean. ``vllm:cache_config_info``
+  is one per engine: a second one of an engine in a body is a dead letter naming the labels that differ.
 """
 
 from __future__ import annotations
@@ -36,6 +56,8 @@ from collector.events import DeadLetter, Envelope, SeriesSample, VllmScrape, env
 from collector.prom_text import Sample, parse
 
 MAX_RAW = 64 * 1024
+#: The reason of each later sample of a series already in the scrape (the exposition rules, module docstring).
+DUPLICATE = "the same series twice in one scrape: the first is kept (Prometheus rejects the later ones)"
 
 SCRAPE_ANOMALIES = Counter("kvscope_collector_scrape_anomalies", "Counter series and scrapes that break a counter "
                            "rule (also in a dead letter): decrease_without_restart (series that went down while "
@@ -96,7 +118,9 @@ def _specs(keep: Mapping[str, tuple[str, str, str]]) -> dict[str, tuple[int, str
             out[fam + "_count"] = (_COUNTER, fam, "", False)
             out[fam + "_created"] = (_CREATED, fam, "", False)
         elif kind == "gauge":
-            out[fam] = (_GAUGE, fam, label, False)
+            if label:  # a gauge's series are told apart by every label but engine and model_name (advance)
+                raise ValueError(f"KEEP[{fam!r}]: a gauge has no label of its own, got {label!r}")
+            out[fam] = (_GAUGE, fam, "", False)
         elif kind == "info":
             out[fam] = (_INFO, fam, "", False)
         else:
@@ -124,8 +148,8 @@ class ScrapeState:
     ``scraped_at_ms`` (unix ms of the last scrape that had kept series; 0 = none), ``watching_since_ms`` (unix
     ms, collector clock, of the collector's first scrape attempt of the pod, checkpointed with the state; 0 =
     unknown, e.g. ``kvscope import``: no series is then counted from 0), ``values`` (counter series
-    key → its last value; key = (sample name, engine, model_name, label value, extra labels rendered
-    ``k=v,...``: "" unless vLLM adds labels kvscope does not expect)), ``created`` ((family, engine,
+    key → its last value; key = (sample name, engine, model_name, label value, the other labels as
+    ``k="v",...``, sorted: "" unless a proxy or vLLM adds labels kvscope does not read)), ``created`` ((family, engine,
     model_name, label value or "" for histograms, extra) → ``_created``, unix seconds), ``cache_config``
     (engine → labels of ``vllm:cache_config_info`` last seen), ``config_sent`` (this process already sent the
     cache config; not persisted, so a restarted collector sends it once more).
@@ -158,17 +182,37 @@ class ScrapeState:
     def from_json(cls, obj: Mapping[str, Any]) -> ScrapeState:
         """Inverse of :meth:`to_json`; raises ValueError/TypeError/KeyError/AttributeError on a foreign shape. A
         checkpoint written before ``since`` existed watches from its last scrape (a later ``_created`` is then
-        surely a series born after that scrape)."""
-        values = {(str(name), str(engine), str(model), str(label), str(extra)): float(v)
+        surely a series born after that scrape); one written before the other labels were escaped (``k=v,...``)
+        has them rewritten (``k="v",...``), so its series continue instead of restarting as baselines."""
+        values = {(str(name), str(engine), str(model), str(label), _escaped(str(extra))): float(v)
                   for name, engine, model, extra, group in obj["values"] for label, v in group.items()}
-        created = {(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])): float(r[5]) for r in obj["created"]}
+        created = {(str(r[0]), str(r[1]), str(r[2]), str(r[3]), _escaped(str(r[4]))): float(r[5])
+                   for r in obj["created"]}
         config = {str(e): {str(k): str(v) for k, v in lab.items()} for e, lab in obj["cache_config"].items()}
         at = int(obj["at"])
         return cls(at, int(obj.get("since", at)), values, created, config)
 
 
 def _extra(labels: Mapping[str, str], label: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("engine", "model_name", label))
+    """The labels other than engine, model_name and ``label``, sorted, as written in an exposition
+    (``instance="a:1",replica="b"``); an empty value is no label (as in Prometheus)."""
+    return _label_text((k, v) for k, v in sorted(labels.items()) if v and k not in ("engine", "model_name", label))
+
+
+def _escaped(extra: str) -> str:
+    """A checkpoint's ``extra`` in :func:`_extra`'s form; one written unescaped (``k=v,...``, before the
+    exposition rules) is rewritten (a value holding "," or "=" was ambiguous there and may stay unmatched)."""
+    if not extra or extra.endswith('"'):
+        return extra
+    return _label_text((k, v) for k, _, v in (p.partition("=") for p in extra.split(",")))
+
+
+_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})
+
+
+def _label_text(pairs: Iterable[tuple[str, str]]) -> str:
+    """``k="v",...`` with the exposition format's escapes (``\\``, ``\"``, ``\n``): one text per label set."""
+    return ",".join(f'{k}="{v.translate(_ESCAPES)}"' for k, v in pairs)
 
 
 def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: int,
@@ -177,10 +221,11 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
 
     Events: one ``VllmScrape`` when the body holds any kept series (every gauge; every counter, bucket, sum
     and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
-    changes; ``restarts``), and one ``DeadLetter`` per bad line, per non-finite kept value (the JSON contract
-    carries finite floats), per repeated series, and one listing the counters that went down without a
-    restart; a body without any kept series, and an empty, HTML or binary body (:func:`body_problem`), is
-    one dead letter.
+    changes; ``restarts``), and one ``DeadLetter`` per bad line, per line after ``# EOF``, per non-finite kept
+    value (the JSON contract carries finite floats), per repeated series (and second ``cache_config_info`` of
+    an engine), and one listing the counters that went down without a restart; a body without any kept
+    series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter. The exposition
+    rules (module docstring) decide duplicates and labels kvscope does not read.
     Counter rules (docs/reliability.md, "vLLM targets and counters"):
 
     - increase = value − previous;
@@ -223,7 +268,15 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
         engine = labels.get("engine")
         model = labels.get("model_name")
         if kind == _INFO:
-            config[engine or ""] = dict(labels)
+            first = config.get(engine or "")
+            if first is None:
+                config[engine or ""] = dict(labels)
+            else:
+                differ = ", ".join(sorted(k for k in first.keys() | labels.keys()
+                                          if first.get(k, "") != labels.get(k, "")))  # "" = no label
+                bad.append((_render(name, labels, value), f"a second {name} of engine {engine or ''!r} in one "
+                            f"scrape (it differs in {differ}): the first is kept, one cache config per pod and "
+                            "engine" if differ else DUPLICATE))
             continue
         lab = labels.get(lname) if lname else None
         extra = ""
@@ -233,7 +286,7 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
         engine, model, lab = engine or "", model or "", lab or ""
         key = (name, engine, model, lab, extra)
         if key in seen:
-            bad.append((_render(name, labels, value), "the same series twice in one scrape: the first is kept"))
+            bad.append((_render(name, labels, value), DUPLICATE))
             continue
         seen.add(key)
         if not isfinite(value):
@@ -241,8 +294,8 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
         elif kind == _COUNTER:
             counters.append((name, engine, model, lab, extra, value,
                              (family, engine, model, lab if created_has_label else "", extra)))
-        elif kind == _GAUGE:
-            gauges.append(SeriesSample(name, engine, model, lab, value, 0.0))
+        elif kind == _GAUGE:  # never summed: each label set is its own series, its other labels in `label`
+            gauges.append(SeriesSample(name, engine, model, extra, value, 0.0))
         else:
             created[(family, engine, model, lab if created_has_label else "", extra)] = value
 
@@ -250,9 +303,7 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     new_state = state
     if counters or gauges or config or created:
         inc = _increases(state, counters, created)
-        samples = inc.samples + gauges
-        if extras:
-            samples = _merge(samples)
+        samples = (_merge(inc.samples) if extras else inc.samples) + gauges
         if inc.decreases:
             SCRAPE_ANOMALIES.labels(pod, "decrease_without_restart").inc(len(inc.decreases))
             bad.append(("\n".join(inc.decreases), f"counter went down without a restart (its _created did not "
@@ -342,7 +393,8 @@ def _increases(state: ScrapeState, counters: list[tuple[str, str, str, str, str,
 
 
 def _merge(samples: list[SeriesSample]) -> list[SeriesSample]:
-    """Series that differ only by labels kvscope does not expect, summed on (name, engine, model_name, label)."""
+    """Counter samples that differ only by labels kvscope does not read, summed on (name, engine, model_name,
+    label): values and increases (every query sums a counter's increases over such series anyway)."""
     acc: dict[tuple[str, str, str, str], list[float]] = {}
     for s in samples:
         a = acc.setdefault((s.name, s.engine, s.model_name, s.label), [0.0, 0.0])
@@ -352,7 +404,7 @@ def _merge(samples: list[SeriesSample]) -> list[SeriesSample]:
 
 
 def _render(name: str, labels: Mapping[str, str], value: float) -> str:
-    return name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} " + repr(value)
+    return name + "{" + _label_text(labels.items()) + "} " + repr(value)
 
 
 def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms: float,

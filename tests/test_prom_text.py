@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector.prom_text import parse
+from collector.prom_text import AFTER_EOF, parse
 from collector.vllm_metrics import KEPT_NAMES
 
 SAMPLES = Path(__file__).parent / "samples"
@@ -104,7 +104,7 @@ def other_lines(draw: st.DrawFn) -> str:
     return draw(st.sampled_from([
         "", " ", "\t", "#", "# a comment", f"# HELP {name} help with \\\\ and \\n and \"quotes\"", f"# HELP {name}",
         f"# TYPE {name} gauge", f"# TYPE {name} untyped", f"# TYPE {name} histogram", f"# TYPE {name} summary",
-        f"  # TYPE {name} gauge", "# TYPE x_total counter", "#HELP no space",
+        f"  # TYPE {name} gauge", "# TYPE x_total counter", "#HELP no space", "# EOF", "# EOF\r", " # EOF", "# EOFX",
     ]))
 
 
@@ -114,15 +114,25 @@ expositions = st.lists(sample_lines() | other_lines(), max_size=25).map("\n".joi
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=expositions, data=st.data())
 @example(text='a{b="x\\\\"} 1\nc{d="\\"",e="=,}{"} -0\n\n# TYPE f histogram\nf_bucket{le="+Inf"} NaN 123', data=None)
+@example(text="# EOFX\nx 1\n# EOFX\n# EOF\ny 2\n# EOF\nz 3", data=None)  # candidates that are not `# EOF`, then two
+@example(text="x 1\n# EOFX\ny 2", data=None)  # only a candidate that is not `# EOF` (once an endless loop)
 def test_random_expositions_parse_as_prometheus_client_parses_them(text: str, data: st.DataObject | None) -> None:
-    ref = theirs(text)
-    assert same(mine(text), ref)
+    """Up to a `# EOF` line as prometheus_client; each sample line after it rejected (prom_text difference 6)."""
+    lines = text.split("\n")
+    eof = next((i for i, line in enumerate(lines) if line in ("# EOF", "# EOF\r")), len(lines))
+    ref = theirs("\n".join(lines[:eof]))
+    after = [line for line in lines[eof + 1:] if line.strip() and not line.strip().startswith("#")]
+    r = parse(text)
+    assert same([(n, dict(lab), v) for n, lab, v in r.samples], ref)
+    assert r.bad_lines == [(line, AFTER_EOF) for line in after]
     present = sorted({n for n, _, _ in ref})
     keeps = [set(present[::2]), KEPT_NAMES]
     if data is not None:
         keeps.append(data.draw(st.sets(st.sampled_from(present)) if present else st.just(set())))
     for keep in keeps:
-        assert same(mine(text, keep), [r for r in ref if r[0] in keep])
+        r = parse(text, keep)
+        assert same([(n, dict(lab), v) for n, lab, v in r.samples], [x for x in ref if x[0] in keep])
+        assert [b for b in r.bad_lines if b[0] not in after or b[1] != AFTER_EOF] == []
 
 
 label_values = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
@@ -258,3 +268,19 @@ def test_counter_names_are_reported_as_exposed() -> None:
     """prom_text docstring, difference 3: no `_total` is appended to a counter sample lacking it."""
     assert theirs("# TYPE foo counter\nfoo 1\n")[0][0] == "foo_total"
     assert mine("# TYPE foo counter\nfoo 1\n") == [("foo", {}, 1.0)]
+
+
+def test_nothing_after_eof_is_loaded() -> None:
+    """prom_text docstring, difference 6: a real capture served as OpenMetrics (`# EOF` last) parses as without
+    it; lines after `# EOF` (another body, junk) are rejected one by one, on the fast and the careful path."""
+    body = (SAMPLES / "vllm_0.32.0_cpu_real_metrics_1.txt").read_text()
+    other = (SAMPLES / "vllm_0.32.0_cpu_real_metrics_2.txt").read_text() + "<html>\n"
+    for b, o in ((body, other), (body.replace("\n", "\r\n"), other.replace("\n", "\r\n"))):
+        for keep in (None, KEPT_NAMES):
+            clean = parse(b, keep)
+            assert parse(b + "# EOF\n", keep) == clean and parse(b + "# EOF", keep) == clean
+            r = parse(b + "# EOF\n" + o, keep)
+            assert r.samples == clean.samples and r.samples
+            wanted = [line for line in o.split("\n") if line.strip() and not line.startswith("#")
+                      and (keep is None or line.strip() == "<html>" or re.split(r"[{ ]", line)[0] in keep)]
+            assert r.bad_lines == [(line, AFTER_EOF) for line in wanted] and len(wanted) > 100

@@ -220,18 +220,6 @@ def test_non_metrics_body_is_a_dead_letter_not_an_exception() -> None:
     assert other.payload.reason.startswith("no series kvscope keeps")
 
 
-def test_series_with_unexpected_labels_are_summed() -> None:
-    body = ('vllm:prompt_tokens_total{engine="0",model_name="m",lora="a"} 10\n'
-            'vllm:prompt_tokens_total{engine="0",model_name="m",lora="b"} 5\n'
-            'vllm:num_requests_running{engine="0",model_name="m",lora="a"} 2\n'
-            'vllm:num_requests_running{engine="0",model_name="m",lora="b"} 1\n')
-    state = ScrapeState()
-    scrape_events("p", URL, body, 1, 1.0, state)
-    p = scrape_of(scrape_events("p", URL, body.replace("} 10", "} 13").replace("} 5", "} 9"), 2, 1.0, state))
-    assert {(s.name, s.value, s.increase) for s in p.samples} == {("vllm:prompt_tokens_total", 22.0, 7.0),
-                                                                 ("vllm:num_requests_running", 3.0, 0.0)}
-
-
 # --- exactly once across collector crashes ------------------------------------------------------------------
 
 KILLS = ["none", "before_put", "after_put", "after_publish", "after_ack"]

@@ -15,7 +15,7 @@
 -- returns: vllm_hit_tokens Nullable(UInt64) | Δ vllm:prefix_cache_hits_total summed over engines, tokens
 -- returns: vllm_query_tokens Nullable(UInt64) | Δ vllm:prefix_cache_queries_total summed over engines, tokens
 -- returns: vllm_token_weighted_hit_rate Nullable(Float64) | vllm_hit_tokens / vllm_query_tokens, fraction 0..1
--- returns: kv_cache_usage Nullable(Float64) | vllm:kv_cache_usage_perc (older: vllm:gpu_cache_usage_perc), latest sample in the window, mean over engines, fraction 0..1 of KV blocks held by running requests (cached free blocks count as free)
+-- returns: kv_cache_usage Nullable(Float64) | vllm:kv_cache_usage_perc (older: vllm:gpu_cache_usage_perc), latest sample in the window, mean over the pod's series (engines; replicas a proxy tells apart by a label of its own), fraction 0..1 of KV blocks held by running requests (cached free blocks count as free)
 -- returns: engines UInt64 | distinct engine labels (data-parallel ranks) on vLLM's series in the window (1 when none carries the label, as in vLLM V0)
 -- returns: block_size Nullable(UInt32) | vllm:cache_config_info block_size label, tokens per KV block
 -- returns: enable_prefix_caching String | vllm:cache_config_info label ('' if not scraped)
@@ -59,10 +59,10 @@ WITH
         SELECT pod_name, CAST(avg(latest) AS Nullable(Float64)) AS kv_cache_usage
         FROM
         (
-            SELECT CAST(pod AS String) AS pod_name, engine, argMaxMerge(last_value) AS latest
+            SELECT CAST(pod AS String) AS pod_name, engine, label, argMaxMerge(last_value) AS latest
             FROM vllm_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1, names = ['vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc'])
             WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model_name = {model:String})
-            GROUP BY pod_name, engine
+            GROUP BY pod_name, engine, label
         )
         GROUP BY pod_name
     ),

@@ -14,23 +14,26 @@
 -- returns: failed_requests_per_s Float64 | Δ vllm:request_success_total{finished_reason="abort" or "error"} / bucket_seconds, requests/s
 -- returns: error_rate Nullable(Float64) | failed / finished requests in the bucket, fraction 0..1; NULL when none finished
 -- returns: preemptions_per_s Float64 | Δ vllm:num_preemptions_total / bucket_seconds, preemptions/s (KV-cache pressure)
--- returns: running Nullable(Float64) | vllm:num_requests_running, mean over the bucket's scrapes, summed over engines, requests
--- returns: waiting Nullable(Float64) | vllm:num_requests_waiting, mean over the bucket's scrapes, summed over engines, requests
--- returns: kv_cache_usage Nullable(Float64) | vllm:kv_cache_usage_perc (older: vllm:gpu_cache_usage_perc), mean over the bucket's scrapes and over engines, fraction 0..1 of KV blocks held by running requests
+-- returns: running Nullable(Float64) | vllm:num_requests_running, mean over the bucket's scrapes, summed over the pod's series (engines; replicas a proxy tells apart by a label of its own), requests
+-- returns: waiting Nullable(Float64) | vllm:num_requests_waiting, mean over the bucket's scrapes, summed over the pod's series, requests
+-- returns: kv_cache_usage Nullable(Float64) | vllm:kv_cache_usage_perc (older: vllm:gpu_cache_usage_perc), mean over the bucket's scrapes and over the pod's series (engines, replicas), fraction 0..1 of KV blocks held by running requests
 --
 -- Reads vllm_rollup (sql/migrations/0012): counter increases computed by the collector between consecutive
 -- scrapes (restarts handled; docs/reliability.md), gauges as the sum and count of their samples per minute.
 -- A rate is the bucket's increase over the whole bucket width, as a Prometheus increase()/range would read: a
 -- bucket the data covers only in part (the window's first, the newest one still filling) reads low; the
--- dashboard marks those buckets. A gauge's mean is Σ samples / count per engine, then summed (requests) or
--- averaged (usage) over the pod's engines.
+-- dashboard marks those buckets. A gauge's mean is Σ samples / count per series (engine and label: a gauge's
+-- label holds the labels kvscope does not read, e.g. a proxy's replica="b"; collector/vllm_metrics.py), then
+-- summed (requests) or averaged (usage) over the pod's series; a gauge is never summed within a series.
+-- Counters are summed over every series.
 WITH
-    per_engine AS
+    per_series AS
     (
         SELECT
             toDateTime64(toStartOfInterval(t, toIntervalSecond({bucket_seconds:UInt32})), 3, 'UTC') AS bucket,
             CAST(pod AS String) AS pod_name,
             engine,
+            label,
             sumIf(increase, name = 'vllm:prompt_tokens_total') AS prompt_increase,
             sumIf(increase, name = 'vllm:generation_tokens_total') AS generation_increase,
             sumIf(increase, name = 'vllm:request_success_total') AS finished_increase,
@@ -54,7 +57,7 @@ WITH
                                   'vllm:kv_cache_usage_perc', 'vllm:gpu_cache_usage_perc'])
         WHERE {tenant:String} = '' AND ({pod:String} = '' OR pod = {pod:String})
           AND ({model:String} = '' OR model_name = {model:String})
-        GROUP BY bucket, pod_name, engine
+        GROUP BY bucket, pod_name, engine, label
     )
 SELECT
     bucket,
@@ -68,6 +71,6 @@ SELECT
     if(count(running_mean) > 0, sum(running_mean), NULL) AS running,
     if(count(waiting_mean) > 0, sum(waiting_mean), NULL) AS waiting,
     if(count(usage_mean) > 0, avg(usage_mean), NULL) AS kv_cache_usage
-FROM per_engine
+FROM per_series
 GROUP BY bucket, pod
 ORDER BY bucket, pod

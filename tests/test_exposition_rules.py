@@ -1,0 +1,242 @@
+"""The exposition rules of collector/vllm_metrics.py (its module docstring; docs/reliability.md "vLLM /metrics
+bodies") on real vLLM 0.32 captures made hostile as a proxy or a broken exporter makes them: a proxy's own
+label on every series, the same series twice in one body, samples after ``# EOF``. The live scrape (a real
+HTTP server, the real Collector) and ``kvscope import metrics`` (real chDB) give the same rows and dead letters;
+the named queries read a proxied pod's gauges without summing them."""
+
+from __future__ import annotations
+
+import http.server
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from collector.checkpoint import CheckpointStore
+from collector.events import DeadLetter, Envelope, VllmScrape, decode_batch
+from collector.prom_text import AFTER_EOF
+from collector.publish import MemoryQueue, QueuePublisher
+from collector.service import Collector, Target
+from collector.vllm_metrics import DUPLICATE, KEPT_NAMES, ScrapeState, scrape_events
+from ingest.store import Store
+from kvscope.importer import import_events, import_metrics
+
+SAMPLES = Path(__file__).parent / "samples"
+BODY1 = (SAMPLES / "vllm_0.32.0_cpu_real_metrics_1.txt").read_text()
+BODY2 = (SAMPLES / "vllm_0.32.0_cpu_real_metrics_2.txt").read_text()
+SERIES = '{engine="0",model_name="tiny"}'
+USAGE, RUNNING = f"vllm:kv_cache_usage_perc{SERIES}", f"vllm:num_requests_running{SERIES}"
+PROMPT = f"vllm:prompt_tokens_total{SERIES}"
+CONFIG = next(line for line in BODY1.splitlines() if line.startswith("vllm:cache_config_info{"))
+MINUTE_MS = (int(time.time()) // 3600 - 1) * 3600 * 1000  # the start of a recent whole hour (raw rows: 30 days)
+Row = tuple[str, str, str, float]  # (name, engine, label, value)
+
+
+def gauges(body: str, usage: float, running: float) -> str:
+    """A real capture with its KV-cache usage and running requests set."""
+    out = body.replace(f"{USAGE} 0.0", f"{USAGE} {usage!r}").replace(f"{RUNNING} 0.0", f"{RUNNING} {running!r}")
+    assert out.count(repr(usage)) and out != body
+    return out
+
+
+def proxied(body: str, **labels: str) -> str:
+    """``body``'s sample lines with ``labels`` added, as a proxy adds its own (``instance``, ``replica``)."""
+    extra = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return "\n".join(line if not line or line[0] == "#" else
+                     re.sub(r"^([^{ ]+)(?:\{(.*?)\})? ", lambda m: f"{m[1]}{{{m[2] + ',' if m[2] else ''}{extra}}} ",
+                            line, count=1)
+                     for line in body.splitlines()) + "\n"
+
+
+def kept_lines(body: str) -> list[str]:
+    """The sample lines of ``body`` whose name kvscope keeps (what a scrape would load)."""
+    return [line for line in body.splitlines() if line and line[0] != "#" and re.split(r"[{ ]", line)[0] in KEPT_NAMES]
+
+
+# --- live scrape and import: one code path -------------------------------------------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def live(body: str, tmp_path: Path) -> list[Envelope]:
+    """One scrape of ``body`` by the real Collector from a real HTTP server; the envelopes it published."""
+    handler = type("H", (_Handler,), {"body": body.encode()})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    q = MemoryQueue()
+    c = Collector(publisher=QueuePublisher(q), checkpoints=CheckpointStore(tmp_path / "c.json"),
+                  targets=[Target("pod-a", f"http://127.0.0.1:{srv.server_port}/metrics")])
+    try:
+        with httpx.Client(timeout=10.0) as client:
+            assert c.scrape_all(client, wait_seconds=10.0) > 0
+    finally:
+        c.close_scrapes()
+        srv.shutdown()
+        srv.server_close()
+    out: list[Envelope] = []
+    while msgs := q.take(100, 0.05):
+        for m in msgs:
+            out.extend(decode_batch(m.value))
+        q.release(msgs)
+    return out
+
+
+def loaded(events: list[Envelope]) -> tuple[list[Row], dict[str, str], list[tuple[str, str]]]:
+    """(sorted samples, engine 0's cache config, sorted dead letters (raw, reason)) of a scrape's envelopes."""
+    [scrape] = [e.payload for e in events if isinstance(e.payload, VllmScrape)]
+    rows = sorted((s.name, s.engine, s.label, s.value) for s in scrape.samples)
+    dead = sorted((e.payload.raw, e.payload.reason) for e in events if isinstance(e.payload, DeadLetter))
+    return rows, scrape.cache_config.get("0", {}), dead
+
+
+def stored(store: Store) -> tuple[list[Row], dict[str, str], list[tuple[str, str]]]:
+    """The same, read back from the store after ``kvscope import metrics``."""
+    rows = sorted((n, e, lab, v) for n, e, lab, v in store.query_rows(
+        "SELECT name, engine, label, value FROM vllm_metrics WHERE pod = 'pod-a'"))
+    [(config,)] = store.query_rows("SELECT labels FROM vllm_cache_config WHERE pod = 'pod-a' AND engine = '0'")
+    dead = sorted((raw, reason) for raw, reason in store.query_rows(
+        "SELECT raw, reason FROM dead_letters WHERE source = 'vllm_metrics' AND pod = 'pod-a'"))
+    return rows, dict(config), dead
+
+
+DUPLICATES = [  # each a second sample of a series BODY1 has (labels reordered, an empty label: the same set)
+    f"{USAGE} 0.9",
+    'vllm:num_requests_running{model_name="tiny",engine="0"} 5.0',
+    'vllm:num_requests_waiting{engine="0",model_name="tiny",replica=""} 7.0',
+    f"{PROMPT} 1.0",
+    'vllm:prompt_tokens_created{engine="0",model_name="tiny"} 1.9e+09',
+    'vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="tiny"} 99.0',
+    CONFIG,
+    CONFIG.replace("} 1.0", ',replica=""} 1.0'),
+    CONFIG.replace('block_size="32"', 'block_size="16"', 1),
+]
+HOSTILE = {
+    "duplicates": BODY1 + "\n".join(DUPLICATES) + "\n",
+    "after_eof": BODY1 + "# EOF\n" + gauges(BODY2, 0.75, 3.0),
+    "proxy_label": proxied(gauges(BODY1, 0.6, 2.0), replica="a") + proxied(gauges(BODY1, 0.5, 1.0), replica="b"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_the_live_scrape_and_the_import_load_the_same(store: Store, tmp_path: Path, kind: str) -> None:
+    body = HOSTILE[kind]
+    counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) or 0.0
+    result = import_metrics(store, "pod-a", tmp_path / "m.txt", body.encode(), MINUTE_MS)
+    assert result.loaded and result.reasons
+    rows, config, dead = loaded(live(body, tmp_path))
+    assert stored(store) == (rows, config, dead)
+    assert sorted(result.reasons) == sorted(reason for _, reason in dead)
+    counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) - counted
+    assert counted == len(dead)  # each one in kvscope's own metrics too
+
+
+def test_a_series_twice_in_one_body_keeps_its_first_sample() -> None:
+    """Every kind (gauge, counter, _created, bucket, cache_config_info): the first sample is kept, each later one
+    is one dead letter with the reason; a second cache_config_info of engine 0 names the label that differs."""
+    state = ScrapeState()
+    base = loaded(scrape_events("pod-a", "u", BODY1, 1_000, 1.0, state))
+    first = loaded(scrape_events("pod-a", "u", HOSTILE["duplicates"], 1_000, 1.0))
+    assert first[:2] == base[:2]  # gauges 0.0 and block_size 32: the first ones
+    assert first[0] and first[1]["block_size"] == "32"
+    reasons = dict(first[2])
+    assert len(first[2]) == len(DUPLICATES) == len(reasons)
+    assert reasons.pop(DUPLICATES[-1]) == (
+        "a second vllm:cache_config_info of engine '0' in one scrape (it differs in block_size): the first is "
+        "kept, one cache config per pod and engine")
+    assert set(reasons.values()) == {DUPLICATE}
+    # a counter's later sample changes nothing: the increase is the first sample's
+    second = scrape_events("pod-a", "u", BODY2 + "\n".join(DUPLICATES[3:5]) + "\n", 2_000, 1.0, state)
+    [scrape] = [e.payload for e in second if isinstance(e.payload, VllmScrape)]
+    assert {s.name: s.increase for s in scrape.samples}["vllm:prompt_tokens_total"] == 12909.0 - 9818.0
+    assert sum(isinstance(e.payload, DeadLetter) for e in second) == 2
+
+
+def test_nothing_after_eof_is_loaded() -> None:
+    """An OpenMetrics body followed by another one: the scrape is the first body's, each kept sample line after
+    # EOF is one dead letter."""
+    rows, config, dead = loaded(scrape_events("pod-a", "u", HOSTILE["after_eof"], 1_000, 1.0))
+    assert (rows, config) == loaded(scrape_events("pod-a", "u", BODY1, 1_000, 1.0))[:2]
+    after = kept_lines(gauges(BODY2, 0.75, 3.0))
+    assert len(after) > 100 and sorted(after) == [raw for raw, _ in dead]
+    assert {reason for _, reason in dead} == {AFTER_EOF}
+    # a `# EOF` at the end of a body (OpenMetrics as served) costs nothing
+    assert loaded(scrape_events("pod-a", "u", BODY1 + "# EOF\n", 1_000, 1.0))[2] == []
+
+
+# --- labels kvscope does not read -------------------------------------------------------------------------
+
+
+def test_a_gauge_behind_a_proxy_is_never_summed_and_the_queries_read_each_replica(store: Store) -> None:
+    """Two replicas behind one target, told apart by the proxy's `replica` label. Each gauge sample is its own
+    series (usage 0.6 and 0.5, never 1.1); counters are summed (their increases are what every query sums).
+    Queries: `pods` averages the latest usage over the pod's series, `vllm_series` sums running requests over
+    them and averages usage; the token rate is both replicas' increases."""
+    state = ScrapeState()
+    scrapes = [(MINUTE_MS + 10_000, {"a": (0.6, 2.0, BODY1), "b": (0.5, 1.0, BODY1)}),
+               (MINUTE_MS + 40_000, {"a": (0.7, 4.0, BODY2), "b": (0.2, 0.0, BODY2)})]
+    dead: list[str] = []
+    for at_ms, replicas in scrapes:
+        body = "".join(proxied(gauges(b, u, r), replica=k) for k, (u, r, b) in replicas.items())
+        events = scrape_events("pod-a", "u", body, at_ms, 1.0, state)
+        dead += [e.payload.reason for e in events if isinstance(e.payload, DeadLetter)]
+        import_events(store, events)
+    # the second cache_config_info of engine 0 (replica b's) is the only dead letter, once: config sent once
+    assert dead == ["a second vllm:cache_config_info of engine '0' in one scrape (it differs in replica): the "
+                    "first is kept, one cache config per pod and engine"] * 2
+    usage = store.query_rows("SELECT toUnixTimestamp64Milli(ts), label, value FROM vllm_metrics "
+                             "WHERE name = 'vllm:kv_cache_usage_perc' ORDER BY ts, label")
+    assert usage == [(MINUTE_MS + 10_000, 'replica="a"', 0.6), (MINUTE_MS + 10_000, 'replica="b"', 0.5),
+                     (MINUTE_MS + 40_000, 'replica="a"', 0.7), (MINUTE_MS + 40_000, 'replica="b"', 0.2)]
+    prompt = store.query_rows("SELECT label, increase FROM vllm_metrics WHERE name = 'vllm:prompt_tokens_total'")
+    assert prompt == [("", 2 * (12909.0 - 9818.0))]  # counters: one row, both replicas' increases
+    [p] = store.named("pods", {}).to_dicts()
+    assert p["kv_cache_usage"] == pytest.approx((0.7 + 0.2) / 2)
+    [s] = store.named("vllm_series", {}).to_dicts()
+    assert s["kv_cache_usage"] == pytest.approx(((0.6 + 0.7) / 2 + (0.5 + 0.2) / 2) / 2)
+    assert s["running"] == pytest.approx((2.0 + 4.0) / 2 + (1.0 + 0.0) / 2)
+    assert s["prompt_tokens_per_s"] == pytest.approx(2 * (12909.0 - 9818.0) / 60)
+
+
+def test_label_sets_that_would_render_alike_are_two_series() -> None:
+    """A series key holds the labels kvscope does not read as written in an exposition (escaped): `x="1,y=2"` and
+    `x="1",y="2"` are two series (joined unescaped they were one, and the second a false duplicate)."""
+    body = ('vllm:num_requests_running{engine="0",model_name="tiny",x="1,y=2"} 1.0\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny",x="1",y="2"} 2.0\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny",x="a\\"b"} 3.0\n')
+    rows, _, dead = loaded(scrape_events("pod-a", "u", body, 1_000, 1.0))
+    assert dead == []
+    assert [(label, v) for _, _, label, v in rows] == [('x="1",y="2"', 2.0), ('x="1,y=2"', 1.0), ('x="a\\"b"', 3.0)]
+
+
+def test_a_checkpoint_from_before_the_escaped_keys_continues_its_counters() -> None:
+    """A scrape state saved when the other labels were keyed unescaped (`replica=a`) still gives the increase
+    of a proxied counter at the next scrape (not a baseline: that interval's tokens would be lost)."""
+    state = ScrapeState()
+    scrape_events("pod-a", "u", proxied(BODY1, replica="a"), 1_000, 1.0, state)
+    old = state.to_json()
+    for row in old["values"]:
+        row[3] = row[3].replace('"', "")
+    for row in old["created"]:
+        row[4] = row[4].replace('"', "")
+    assert any(row[3] == "replica=a" for row in old["values"])
+    restored = ScrapeState.from_json(old)
+    assert restored.values == state.values and restored.created == state.created
+    [scrape] = [e.payload for e in scrape_events("pod-a", "u", proxied(BODY2, replica="a"), 2_000, 1.0, restored)
+                if isinstance(e.payload, VllmScrape)]
+    assert {s.name: s.increase for s in scrape.samples}["vllm:prompt_tokens_total"] == 12909.0 - 9818.0
