@@ -11,6 +11,7 @@ import __future__
 
 import ast
 import base64
+import hashlib
 import importlib.util
 import json
 import logging
@@ -24,7 +25,15 @@ import pytest
 from collector.events import KvBlockEvent
 from collector.kv_chains import BlockChains
 from collector.kv_events import message_events
-from kvscope.block_hash import DEFAULT_SEED, block_digests, chain_hashes, external, hash_function, none_hash
+from kvscope.block_hash import (
+    DEFAULT_SEED,
+    block_digests,
+    chain_hashes,
+    external,
+    hash_function,
+    none_hash,
+    salt_keys,
+)
 
 CAPTURE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_kv_events.json"
 VLLM = Path(str(importlib.util.find_spec("vllm").origin)).parent  # found, not imported
@@ -49,14 +58,15 @@ def vllm_hashing() -> tuple[ModuleType, dict[str, Any]]:
     spec.loader.exec_module(hashing)
     path = VLLM / "v1" / "core" / "kv_cache_utils.py"
     wanted = {"DEFAULT_NONE_HASH_SEED", "_NON_CRYPTO_HASH_FUNCTIONS", "_NONE_HASH_SEED", "resolve_none_hash_seed",
-              "init_none_hash", "hash_block_tokens"}
+              "init_none_hash", "hash_block_tokens", "generate_block_hash_extra_keys", "_gen_mm_extra_hash_keys",
+              "_gen_lora_extra_hash_keys", "_gen_prompt_embeds_extra_hash_keys", "to_event_extra_keys"}
     tree = ast.parse(path.read_text())
     nodes = [n for n in tree.body
              if (isinstance(n, ast.FunctionDef) and n.name in wanted)
              or (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in wanted for t in n.targets))
              or (isinstance(n, ast.AnnAssign) and n.value is not None and isinstance(n.target, ast.Name)
                  and n.target.id in wanted)]
-    ns: dict[str, Any] = {"os": os, "xxhash": hashing.xxhash, "xxhash_cbor": hashing.xxhash_cbor,
+    ns: dict[str, Any] = {"os": os, "hashlib": hashlib, "xxhash": hashing.xxhash, "xxhash_cbor": hashing.xxhash_cbor,
                           "BlockHash": bytes, "logger": logging.getLogger("vllm-source")}
     code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
                    flags=__future__.annotations.compiler_flag, dont_inherit=True)
@@ -156,3 +166,47 @@ def test_xxhash_pods_are_not_reproducible_without_pythonhashseed(monkeypatch: py
             hash_function(algo)
     with pytest.raises(ValueError, match="block_size"):
         block_digests([1, 2], 0)
+
+
+def vllm_request_hashes(v: dict[str, Any], tokens: list[int], block_size: int, *, cache_salt: str | None = None,
+                        lora: tuple[str, str] | None = None, mm: list[tuple[str, int, int]] = ()
+                        ) -> tuple[list[bytes], list[tuple[Any, ...] | None]]:
+    """vLLM's own block hashes of a request's full blocks and its per-block extra keys, from the installed source:
+    ``generate_block_hash_extra_keys`` (its request reduced to the attributes that function reads: cache_salt,
+    lora_request, mm_features, prompt_embeds) and ``hash_block_tokens`` with SHA-256, default seed. ``mm``:
+    (identifier, offset, length) of each multimodal item."""
+    from types import SimpleNamespace
+
+    hashing, _ = vllm_hashing()
+    v["init_none_hash"](hashing.sha256)
+    request = SimpleNamespace(
+        cache_salt=cache_salt, prompt_embeds=None,
+        lora_request=None if lora is None else SimpleNamespace(lora_name=lora[0], lora_path=lora[1]),
+        mm_features=[SimpleNamespace(identifier=i, mm_position=SimpleNamespace(offset=o, length=n))
+                     for i, o, n in mm])
+    hashes, keys, parent, mm_idx = [], [], None, 0
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        extra, mm_idx = v["generate_block_hash_extra_keys"](request, start, start + block_size, mm_idx)
+        parent = v["hash_block_tokens"](hashing.sha256, parent, tokens[start:start + block_size], extra)
+        hashes.append(parent)
+        keys.append(extra)
+    return hashes, keys
+
+
+def test_a_salted_prompt_chain_equals_vllms_salted_block_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keys ``("cache_salt", salt)`` into the first block only; kvscope's chain with the salt equals vLLM's
+    hash of every block (so, on a default pod, the hashes the pod publishes), and differs from the unsalted
+    chain and another salt's in every block (the salt reaches later blocks through their parents)."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    _, v = vllm_hashing()
+    tokens = list(range(500, 600))
+    want, keys = vllm_request_hashes(v, tokens, 16, cache_salt="tenant-a")
+    assert keys[0] == salt_keys("tenant-a") == (("cache_salt", "tenant-a"),) and keys[1:] == [None] * 5
+    salted = chain_hashes(tokens, 16, cache_salt="tenant-a")
+    assert salted == [external(d) for d in want]
+    other, plain = chain_hashes(tokens, 16, cache_salt="tenant-b"), chain_hashes(tokens, 16)
+    assert all(a != b and a != c for a, b, c in zip(salted, other, plain, strict=True))
+    assert chain_hashes(tokens, 16, cache_salt="") == plain == [external(d) for d in vllm_request_hashes(
+        v, tokens, 16)[0]]
+    with pytest.raises(ValueError, match="first block"):
+        chain_hashes(tokens, 16, parent=none_hash(), cache_salt="tenant-a")
