@@ -187,6 +187,9 @@ def test_the_sliced_chain_equals_the_whole_chain() -> None:
         assert asyncio.run(_chain_hashes(ids, 16)) == want, n
         assert asyncio.run(_chain_hashes(ids, 16, memo)) == want, n
         assert len(memo) <= 40
+        salted = [f"{h:016x}" for h in chain_hashes(ids, 16, cache_salt="s")]  # the salt keys the first block
+        assert asyncio.run(_chain_hashes(ids, 16, memo, "s")) == salted, n
+        assert all(x != y for x, y in zip(salted, want, strict=True))
     assert len(asyncio.run(_chain_hashes(list(range(1000)), 16))) == 62  # full blocks only
 
 
