@@ -118,7 +118,7 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None
     if cache_salt and parent:
         raise ValueError("cache_salt keys the prompt's first block only: pass it without a parent")
     first = salt_keys(cache_salt)
-    keys = [first] + [None] * (len(token_ids) // max(block_size, 1)) if first else None
+    keys = [first] + [None] * (len(token_ids) // max(block_size, 1) - 1) if first else None  # one per full block
     return [external(d) for d in block_digests(token_ids, block_size, parent, extra_keys=keys)]
 
 
