@@ -95,7 +95,9 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     hash of each block, parallel to ``block_hashes``, 0 = unknown; :func:`kvscope.block_hash.chain_hashes`;
     empty when the producer did not compute them), ``idx`` (int, the event's position in vLLM's batch, from 0,
     which a batch keeps when events before it were dead-lettered; None = its position in ``events``, as an
-    older collector published it).
+    older collector published it), ``extra_keys`` (BlockStored as vLLM published it: per block None or the
+    untagged keys, LoRA name, ``(mm_identifier, offset)`` pairs, the cache_salt string, prompt-embeds digests;
+    read only to compute ``chain_hashes`` and emptied with the token ids, so a salt never leaves the collector).
     """
 
     type: str
@@ -108,6 +110,7 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     token_count: int | None = None
     chain_hashes: list[int] = []
     idx: int | None = None
+    extra_keys: list[Any] | None = None
 
 
 class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):

@@ -117,6 +117,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     suffix_hash: str = ""
     suffix_tokens: U32 = 0
     prompt_fingerprint: str = ""
+    cache_salt_hash: str = ""
     token_count_method: Name = ""
     usage_convention: Literal["openai", "exclusive"] | None = None
     cache_read_input_tokens: U32 | None = None

@@ -22,7 +22,7 @@ its other events at their positions (``KvBlockEvent.idx``) and its seq counts as
 
 Token ids: each delivered batch's ``BlockStored`` token ids are turned into kvscope chain hashes and a token
 count (``collector/kv_chains.py``) in delivery order (replayed batches before the batch that revealed the gap),
-so the ids themselves are not published.
+so the ids themselves are not published; neither are the events' ``extra_keys`` (a ``cache_salt`` can be a secret).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import zmq
 
 from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, KvBlockEvent, KvEventBatch, KvEventGap, envelope
-from collector.kv_chains import BlockChains
+from collector.kv_chains import BlockChains, without_extra_keys
 from collector.kv_replay import (
     BATCHES_LOST,
     BATCHES_REPLAYED,
@@ -52,7 +52,8 @@ from collector.kv_replay import (
 log = logging.getLogger("kvscope.collector")
 
 _ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -109,6 +110,9 @@ def decode_event(raw: Any, idx: int | None = None) -> KvBlockEvent:
     for key in ("medium", "lora_name"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise BadKvMessage(f"{key} is {type(raw[key]).__name__}, not a string")
+    extra_keys = raw.get("extra_keys")
+    if extra_keys is not None and not isinstance(extra_keys, list):
+        raise BadKvMessage(f"extra_keys is {type(extra_keys).__name__}, not a list")
     return KvBlockEvent(
         type=raw["type"],
         block_hashes=[_hash(h) for h in hashes],
@@ -118,6 +122,7 @@ def decode_event(raw: Any, idx: int | None = None) -> KvBlockEvent:
         medium=raw.get("medium"),
         lora_name=raw.get("lora_name"),
         idx=idx,
+        extra_keys=extra_keys or None,
     )
 
 
@@ -305,7 +310,7 @@ class KvEventSubscriber:
                 out.append(self.chains.envelope(env))
             except Exception:  # noqa: BLE001 - hashing must never cost the batch
                 log.exception("KV-event chain hashing failed; batch delivered with its token ids. pod=%s", env.pod)
-                out.append(env)
+                out.append(without_extra_keys(env))
         return out
 
     def close(self) -> None:

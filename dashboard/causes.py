@@ -37,6 +37,7 @@ CAUSE_COLORS: dict[str, str] = {
     a.RAG_REORDERED: "#FF8C69",
     a.RAG_CHANGED: "#C0504D",
     a.HISTORY_TRUNCATED: "#8B4513",
+    a.CACHE_SALT_CHANGED: "#E07040",
     a.EVICTED_BEFORE_NEXT_TURN: "#A0527F",
 }
 FALLBACK_COLOR = "#7F7F7F"
@@ -111,6 +112,10 @@ FIXES: dict[tuple[str, str], Fix] = {
     (a.PREFIX_DRIFT, a.HISTORY_TRUNCATED): Fix(
         STAGE_PROMPT, "Stop trimming the oldest turns on every request: each trim shifts the whole history and "
         "misses it. Trim less often and in larger steps, or summarise at fixed points."),
+    (a.PREFIX_DRIFT, a.CACHE_SALT_CHANGED): Fix(
+        STAGE_PROMPT, "Keep a conversation's or agent run's cache_salt for its whole life: the salt changed "
+        "between turns, and vLLM keys it into the first KV block, so the whole previous prompt missed. Rotate "
+        "salts between conversations, not within one."),
     (a.PREFIX_DRIFT, ""): Fix(
         STAGE_PROMPT, "Keep the start of the prompt stable between requests: a segment before the new content "
         "changed."),

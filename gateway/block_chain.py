@@ -9,8 +9,9 @@ template, tools and template kwargs as ``/v1/chat/completions`` (``TokenizeChatR
 (``TokenizeCompletionRequest``). A completion prompt given as token ids needs no call. The pod's block size
 comes from its ``/metrics`` (``vllm:cache_config_info{block_size="..."}``), read once per pod and cached, read
 again after a failure, unless configured. The chain is :func:`kvscope.block_hash.chain_hashes` over the full
-blocks (at most :data:`kvscope.block_hash.MAX_PROMPT_BLOCKS`), the same hash the collector computes from the
-pod's ``BlockStored`` events (collector/kv_chains.py).
+blocks (at most :data:`kvscope.block_hash.MAX_PROMPT_BLOCKS`), salted as vLLM salts it when the body has a
+``cache_salt`` (the salt keys the first block), the same hash the collector computes from the pod's
+``BlockStored`` events (collector/kv_chains.py).
 
 Chat request fields that shape the prompt and how they reach /tokenize (vLLM 0.32
 ``entrypoints/openai/chat_completion/protocol.py ChatCompletionRequest.build_chat_params``): ``messages``,
@@ -45,7 +46,7 @@ import msgspec
 from prometheus_client import Counter
 
 from gateway.upstream import UpstreamClient, UpstreamError, pod_url
-from kvscope.block_hash import MAX_PROMPT_BLOCKS, block_digests, external, none_hash
+from kvscope.block_hash import MAX_PROMPT_BLOCKS, block_digests, external, none_hash, salt_keys
 
 log = logging.getLogger("kvscope.gateway.block_chain")
 
@@ -216,7 +217,8 @@ class BlockChainer:
             if prompt_tokens is not None and len(ids) != prompt_tokens:
                 raise ChainFailure("count_mismatch")
             size = await self._block_size(client, pod)
-            hashes = await _chain_hashes(ids[: MAX_PROMPT_BLOCKS * size], size, self.memo)
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            hashes = await _chain_hashes(ids[: MAX_PROMPT_BLOCKS * size], size, self.memo, salt)
         except ChainFailure as exc:
             return [], 0, exc.reason
         except Exception:  # a bug here must cost only the chain
@@ -330,15 +332,22 @@ class DigestMemo:
         return out
 
 
-async def _chain_hashes(token_ids: list[int], block_size: int, memo: DigestMemo | None = None) -> list[str]:
-    """:func:`kvscope.block_hash.chain_hashes` of ``token_ids`` (ints ≥ 0) as 16-hex-character strings, computed
-    :data:`SLICE_BLOCKS` blocks at a time with a yield to the event loop after each slice, through ``memo`` (a
-    fresh one when None)."""
+async def _chain_hashes(token_ids: list[int], block_size: int, memo: DigestMemo | None = None,
+                        cache_salt: str | None = None) -> list[str]:
+    """:func:`kvscope.block_hash.chain_hashes` of ``token_ids`` (ints ≥ 0) with ``cache_salt`` (None or "" = no
+    salt) as 16-hex-character strings, computed :data:`SLICE_BLOCKS` blocks at a time with a yield to the event
+    loop after each slice, through ``memo`` (a fresh one when None; a salted first block is hashed outside it,
+    the blocks after it are remembered under their salted parent)."""
     memo = memo if memo is not None else DigestMemo()
     out: list[str] = []
     parent = memo.root
+    first = 0
+    if cache_salt and len(token_ids) >= block_size:
+        parent = block_digests(token_ids[:block_size], block_size, extra_keys=[salt_keys(cache_salt)])[0]
+        out.append(f"{external(parent):016x}")
+        first = block_size
     step = SLICE_BLOCKS * block_size
-    for start in range(0, len(token_ids) // block_size * block_size, step):
+    for start in range(first, len(token_ids) // block_size * block_size, step):
         entries = memo.digests(token_ids[start:start + step], block_size, parent)
         out += [h for _, h in entries]
         parent = entries[-1][0]

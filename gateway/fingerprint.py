@@ -12,6 +12,7 @@ with U+001F; an absent segment is "" with 0 tokens. Any gateway that hashes the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -197,6 +198,7 @@ class PromptFingerprint:
     system_line_tokens: tuple[int, ...] = ()
     suffix_chunk_hashes: tuple[str, ...] = ()
     suffix_chunk_tokens: tuple[int, ...] = ()
+    cache_salt_hash: str = ""
 
     @property
     def segment_tokens(self) -> int:
@@ -208,14 +210,15 @@ class PromptFingerprint:
     def parent_fingerprint(self) -> str:
         """The previous turn's `prompt_fingerprint` if nothing but the history's growth changed:
         H(system_hash, tools_hash, retrieval_pack_hash, prev_history_hash). Routing uses it to keep a
-        conversation on the pod that served its previous turn. Not a log field."""
+        conversation on the pod that served its previous turn (salted as :func:`salted`: a turn under another
+        cache_salt shares no KV blocks with it). Not a log field."""
         return _fingerprint(
-            self.system_hash, self.tools_hash, self.retrieval_pack_hash, self.prev_history_hash
+            self.system_hash, self.tools_hash, self.retrieval_pack_hash, self.prev_history_hash, self.cache_salt_hash
         )
 
     def to_log_fields(self) -> dict[str, str | int | list]:
-        """The 20 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
-        JSON lists)."""
+        """The 21 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
+        JSON lists; ``cache_salt_hash`` included)."""
         return {name: list(v) if isinstance(v, tuple) else v for name in _FIELD_NAMES
                 for v in (getattr(self, name),)}
 
@@ -228,10 +231,56 @@ class PromptFingerprint:
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PromptFingerprint))
 
 
-def _fingerprint(system_hash: str, tools_hash: str, pack_hash: str, history_hash: str) -> str:
-    """prompt_fingerprint = H(system, tools, retrieval pack, history prefix); "" if all four are absent."""
+def _fingerprint(system_hash: str, tools_hash: str, pack_hash: str, history_hash: str, salt_hash: str = "") -> str:
+    """prompt_fingerprint = H(system, tools, retrieval pack, history prefix), or H(system, tools, retrieval pack,
+    history prefix, cache_salt_hash) for a salted request; "" if the four segments are all absent."""
     parts = (system_hash, tools_hash, pack_hash, history_hash)
-    return hash_parts(*parts) if any(parts) else ""
+    if not any(parts):
+        return ""
+    return hash_parts(*parts, salt_hash) if salt_hash else hash_parts(*parts)
+
+
+def cache_salt_hash(body: Mapping[str, Any]) -> str:
+    """The log's ``cache_salt_hash`` of a chat or completion body: H("cache_salt", salt) for vLLM's ``cache_salt``
+    request field when it is a non-empty string, else "" (no salt; vLLM refuses any other value with a 400).
+    The salt itself is never logged: it can be a per-user secret."""
+    salt = body.get("cache_salt")
+    return hash_parts("cache_salt", salt) if isinstance(salt, str) and salt else ""
+
+
+def _salt(salt_hash: str, value: str) -> str:
+    return hash_parts(salt_hash, value) if value else ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _salted_lines(salt_hash: str, lines: tuple[str, ...]) -> tuple[str, ...]:
+    """H(salt_hash, h) of each system line hash, memoized: a tenant's salt and system prompt repeat (40 lines cost
+    ~40 µs to hash, a hit ~1 µs)."""
+    return tuple(hash_parts(salt_hash, h) for h in lines)
+
+
+def salted(fp: PromptFingerprint, salt_hash: str) -> PromptFingerprint:
+    """``fp`` of a request sent with a ``cache_salt`` (``salt_hash`` from :func:`cache_salt_hash`; "" returns
+    ``fp`` unchanged). vLLM keys the salt into the prompt's first KV block (``generate_block_hash_extra_keys``
+    in ``vllm/v1/core/kv_cache_utils.py``), so requests under different salts share no cached block. The hashes
+    on which attribution and routing find an earlier request to reuse from then include the salt, so a request
+    under another salt is never found on them: ``prompt_fingerprint`` (and ``parent_fingerprint``) = H(…,
+    salt_hash); the variant hashes ``system_norm_hash``, ``tools_canonical_hash``, ``retrieval_set_hash`` and
+    each ``system_line_hashes`` entry (the first segment's structure) = H(salt_hash, unsalted hash). The raw
+    segment hashes stay unsalted: they compare a turn with the previous turn of its conversation, which
+    attribution finds whatever the salt (a changed salt is then a drift, ``cache_salt_changed``)."""
+    if not salt_hash:
+        return fp
+    return dataclasses.replace(
+        fp,
+        cache_salt_hash=salt_hash,
+        prompt_fingerprint=_fingerprint(fp.system_hash, fp.tools_hash, fp.retrieval_pack_hash,
+                                        fp.history_prefix_hash, salt_hash),
+        system_norm_hash=_salt(salt_hash, fp.system_norm_hash),
+        tools_canonical_hash=_salt(salt_hash, fp.tools_canonical_hash),
+        retrieval_set_hash=_salt(salt_hash, fp.retrieval_set_hash),
+        system_line_hashes=_salted_lines(salt_hash, fp.system_line_hashes),
+    )
 
 
 # --- structure: lines of the system prompt, content-defined chunks of the suffix ----------------------------
@@ -530,14 +579,17 @@ def fingerprint_request(
     *,
     budget: int | None = None,
 ) -> PromptFingerprint:
-    """Fingerprint of an OpenAI request body sent to `endpoint` ("chat.completions" or "completions").
+    """Fingerprint of an OpenAI request body sent to `endpoint` ("chat.completions" or "completions"), salted
+    by the body's `cache_salt` (:func:`salted`).
 
     `cache` and `budget`: as for `fingerprint_chat`."""
     if endpoint == "chat.completions":
-        return fingerprint_chat(body, counter, cache, budget=budget)
-    if endpoint == "completions":
-        return fingerprint_completion(body, counter, cache, budget=budget)
-    raise ValueError(f"unknown endpoint {endpoint!r}")
+        fp = fingerprint_chat(body, counter, cache, budget=budget)
+    elif endpoint == "completions":
+        fp = fingerprint_completion(body, counter, cache, budget=budget)
+    else:
+        raise ValueError(f"unknown endpoint {endpoint!r}")
+    return salted(fp, cache_salt_hash(body))
 
 
 # --- segments, memoized or not ------------------------------------------------------------------------

@@ -9,7 +9,9 @@ response through unchanged, reads vLLM's usage (`usage.prompt_tokens`,
 `entrypoints/openai/chat_completion/serving.py`), and queues exactly one log line
 (`gateway.log.BackgroundLogWriter`), also for errors (whose `error` field holds the type, status and a
 scrubbed message, never the pod's text: `gateway.error_text`). A stream that ends without its usage chunk is
-logged with the fingerprint's token count as its prompt and a null cached count.
+logged with the fingerprint's token count as its prompt and a null cached count. vLLM's `cache_salt` request field
+is forwarded as sent and logged only as its hash (`cache_salt_hash`, `gateway.fingerprint.cache_salt_hash`): it
+can be a per-user secret.
 
 Precise mode (`gateway.block_chain`): once the pod has answered, a task has the helper process
 (`gateway.chain_worker`) ask that pod's /tokenize for the prompt's token ids and hash its blocks, then logs the
@@ -55,7 +57,9 @@ from gateway.fingerprint import (
     SegmentBudgetExceeded,
     SegmentCache,
     TokenCounter,
+    cache_salt_hash,
     fingerprint_request,
+    salted,
 )
 from gateway.log import BackgroundLogWriter, format_ts
 from gateway.routing import NoPodAvailable, make_router
@@ -367,9 +371,11 @@ class Gateway:
             except SegmentBudgetExceeded:
                 ex.fingerprint = await run_in_threadpool(self._fingerprint, body, endpoint)
         except FingerprintError:
-            pass  # vLLM judges the body; the line keeps empty fingerprint fields
+            pass  # vLLM judges the body; the line keeps empty fingerprint fields (but its cache_salt_hash)
         except Exception:  # a body shape the library did not foresee must not drop the request
             log.exception("fingerprinting failed; forwarding without a fingerprint. request_id=%s", ex.request_id)
+        if not ex.fingerprint.cache_salt_hash:  # a body the fingerprint could not read: its salt is still logged
+            ex.fingerprint = salted(ex.fingerprint, cache_salt_hash(body))
         if self.chainer.enabled:
             ex.body = body
         ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)

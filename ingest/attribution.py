@@ -59,8 +59,12 @@ TOOLS_CHANGED = "tools_changed"
 RAG_REORDERED = "rag_reordered"
 RAG_CHANGED = "rag_changed"
 HISTORY_TRUNCATED = "history_truncated"
+#: The previous turn of the conversation / agent run was sent with another vLLM ``cache_salt``
+#: (gateway_requests.cache_salt_hash differs): vLLM keys the salt into the first block, so the cache key changed at
+#: token 0 and everything after it misses (docs/miss-causes.md).
+CACHE_SALT_CHANGED = "cache_salt_changed"
 DRIFT_SUB_CAUSES = (VOLATILE_SYSTEM, SYSTEM_CHANGED, TOOLS_REORDERED, TOOLS_CHANGED, RAG_REORDERED,
-                    RAG_CHANGED, HISTORY_TRUNCATED)
+                    RAG_CHANGED, HISTORY_TRUNCATED, CACHE_SALT_CHANGED)
 #: sub_cause of ``evicted`` when the predecessor is the previous turn of the same conversation or agent run.
 EVICTED_BEFORE_NEXT_TURN = "evicted_before_next_turn"
 #: sub_cause of ``evicted`` in precise mode when the blocks left this pod by a cache reset (vLLM's
@@ -127,7 +131,7 @@ REQUEST_FIELDS = (
     "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
     "history_prefix_hash", "prev_history_hash", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
-    LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS,
+    LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash",
 )
 
 Request = Mapping[str, Any]
@@ -603,7 +607,25 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
       of the prompt when the suffix is equal too); retrieved documents inside it that were reordered or
       replaced are a rag_reordered / rag_changed drift (:func:`suffix_chunk_drift`).
     S never exceeds the predecessor's prompt_tokens (nothing beyond it was cached).
+
+    A previous turn sent under another ``cache_salt`` (``cache_salt_hash`` differs) shares nothing: vLLM keys the
+    salt into the first block, so S = 0 with drift :data:`CACHE_SALT_CHANGED` at token 0, and W is what the walk
+    above gives (how far the prompt would have been reused under the same salt). A fingerprint or variant
+    predecessor always has the request's salt (the gateway salts those keys: docs/gateway-log.md).
     """
+    shared = _shared_prefix(req, pred)
+    if shared is None or not salt_changed(req, pred):
+        return shared
+    return SharedPrefix(0, CACHE_SALT_CHANGED, 0, shared.reusable_without_drift_tokens)
+
+
+def salt_changed(req: Request, pred: Predecessor) -> bool:
+    """The predecessor is the previous turn and was sent under another vLLM ``cache_salt`` than ``req``."""
+    return pred.kind == PREVIOUS_TURN and _str(req, "cache_salt_hash") != _str(pred.request, "cache_salt_hash")
+
+
+def _shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
+    """:func:`shared_prefix` by the segments alone, whatever the salts."""
     offsets = segment_offsets(req)
     if offsets is None:
         return None

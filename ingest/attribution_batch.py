@@ -34,6 +34,7 @@ from ingest.attribution import (
     BEYOND_HORIZON,
     BEYOND_HORIZON_KIND_SUFFIX,
     CACHE_RESET,
+    CACHE_SALT_CHANGED,
     COLD,
     EVICTED,
     EVICTED_BEFORE_NEXT_TURN,
@@ -146,6 +147,10 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
         df, prompt, stable + np.minimum(end, suffix)), s_rag)), w_out)
     drift = np.where(in_suffix, rag, drift)
     identical = has_pred & (first == len(STABLE_SEGMENTS)) & suffix_eq
+    # a previous turn under another cache_salt shares nothing: the cache key changed at the first block
+    salt = prev_turn & ~_eq(df, "cache_salt_hash", "p_cache_salt_hash") if "cache_salt_hash" in df.columns \
+        else np.zeros(n, dtype=bool)
+    s_out, drift, identical = np.where(salt, 0, s_out), np.where(salt, CACHE_SALT_CHANGED, drift), identical & ~salt
     return np.where(has_pred, s_out, 0), np.where(has_pred, drift, ""), np.where(has_pred, w_out, 0), identical
 
 

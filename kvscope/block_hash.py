@@ -14,11 +14,13 @@ else the fixed ``"vllm-none-hash"`` for the SHA-256 algorithms, else (``xxhash``
 bytes per process: those pods' hashes cannot be reproduced. KV events publish each hash's low 64 bits as an
 unsigned int (``maybe_convert_block_hash``, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default).
 
-kvscope's **chain hash** of a block is exactly this with ``sha256`` and the default seed, no extra keys: on a
-pod with vLLM's defaults it equals the block hash in the pod's KV events (checked on a real capture,
-tests/test_block_hash.py), and on any other pod it still names the same token prefix, so the gateway (which
-knows a prompt's token ids from vLLM's ``/tokenize``) and the collector (which reads them from ``BlockStored``)
-compute the same value. docs/kv-events.md says when vLLM's own hash is reproducible.
+kvscope's **chain hash** of a block is exactly this with ``sha256`` and the default seed, and of the extra keys
+only the request's ``cache_salt`` (``("cache_salt", salt)`` on the first block, :func:`salt_keys`): on a pod with
+vLLM's defaults it equals the block hash in the pod's KV events (checked on a real capture and against vLLM's
+``hash_block_tokens`` + ``generate_block_hash_extra_keys``, tests/test_block_hash.py), and on any other pod it
+still names the same (salted) token prefix, so the gateway (which knows a prompt's token ids from vLLM's
+``/tokenize`` and its salt from the body) and the collector (which reads them from ``BlockStored``) compute the
+same value. docs/kv-events.md says when vLLM's own hash is reproducible.
 """
 
 from __future__ import annotations
@@ -97,12 +99,27 @@ def external(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & MASK_64
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None) -> list[int]:
+def salt_keys(cache_salt: str | None) -> tuple[tuple[str, str], ...] | None:
+    """vLLM's extra keys of a request's *first* block for its ``cache_salt`` (``generate_block_hash_extra_keys``
+    in ``vllm/v1/core/kv_cache_utils.py``: ``("cache_salt", salt)`` when ``start_token_idx == 0`` and the salt
+    is non-empty; no LoRA, multimodal or prompt-embeds keys): ``(("cache_salt", salt),)``, or None for no salt
+    (None or ""). Later blocks never carry the salt: it reaches them through their parent's hash."""
+    return (("cache_salt", cache_salt),) if cache_salt else None
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None,
+                 cache_salt: str | None = None) -> list[int]:
     """kvscope's chain hash of each full block of ``token_ids``: vLLM's default block hash (sha256, seed
-    ``vllm-none-hash``, no extra keys), low 64 bits, as list[int] in block order. ``parent``: full digest of
-    the block before ``token_ids[0]`` (None = the prompt's start). The gateway computes a prompt's chain with
+    ``vllm-none-hash``, extra keys only the salt's, :func:`salt_keys`), low 64 bits, as list[int] in block
+    order. ``parent``: full digest of the block before ``token_ids[0]`` (None = the prompt's start);
+    ``cache_salt``: the request's ``cache_salt`` (None or "" = none), keyed into the prompt's first block only,
+    so it applies only with ``parent`` None (ValueError otherwise). The gateway computes a prompt's chain with
     this function; the collector computes each ``BlockStored`` block's with it (collector/kv_chains.py)."""
-    return [external(d) for d in block_digests(token_ids, block_size, parent)]
+    if cache_salt and parent:
+        raise ValueError("cache_salt keys the prompt's first block only: pass it without a parent")
+    first = salt_keys(cache_salt)
+    keys = [first] + [None] * (len(token_ids) // max(block_size, 1) - 1) if first else None  # one per full block
+    return [external(d) for d in block_digests(token_ids, block_size, parent, extra_keys=keys)]
 
 
 MAX_PROMPT_BLOCKS = 65_536

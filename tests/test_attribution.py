@@ -380,6 +380,9 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
             suffix=rnd.choice(["", "x1", "x2"]), suffix_tokens=seg[4],
             **random_structure(rnd),
         ))
+    salts = random.Random(seed + 3000)  # a stream of its own: the fields above stay as they were drawn
+    for r in reqs:
+        r["cache_salt_hash"] = salts.choice(["", "", "", "5a17000000000001", "5a17000000000002"])
     return reqs
 
 

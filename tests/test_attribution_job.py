@@ -213,6 +213,7 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
     cached counts not reported; system lines and message chunks (banded keys, structural drifts)."""
     rnd = random.Random(seed)
     structure = random.Random(seed + 1000)  # a stream of its own: the other fields stay as they were drawn
+    salts = random.Random(seed + 2000)  # vLLM cache_salt: a previous turn under another salt is a drift
     out = []
     for i in range(n):
         conv = rnd.choice(["", "c1", "c2", "c3"])
@@ -226,7 +227,8 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
                     "system_hash": h(rnd.choice(["s1", "s2", "s3"])), "system_norm_hash": h(rnd.choice(["n1", "n2"])),
                     "tools_canonical_hash": h(rnd.choice(["", "t1"])),
                     "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"])),
-                    **structure_columns(random_structure(structure))})
+                    **structure_columns(random_structure(structure)),
+                    "cache_salt_hash": salts.choice(["", "", "", h("salt-1"), h("salt-2")])})
         if rnd.random() < 0.3:  # same millisecond as another request: the tie-break must agree too
             out[-1]["ts"] = out[rnd.randrange(len(out))]["ts"]
     return out
@@ -362,3 +364,58 @@ def test_a_pod_without_cache_config_takes_the_block_size_its_kv_events_declare(s
     store.insert("kv_block_events", rows, ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type",
                                            "block_hashes", "parent_block_hash", "token_count", "block_size", "medium"])
     assert attribution_job.block_sizes(store) == {"pod-a": 32, "pod-c": 64}
+
+
+def fingerprinted(rid: str, body: dict[str, Any], *, at: float, conv: str = "", cached: int = 0) -> dict[str, Any]:
+    """A gateway_requests row of ``body`` as the reference gateway fingerprints and salts it (its cache_salt),
+    served on pod-a; prompt_tokens = the segments' tokens + 12 template tokens."""
+    from gateway.fingerprint import TokenCounter, fingerprint_request
+
+    fp = fingerprint_request(body, "chat.completions", TokenCounter()).to_log_fields()
+    for key in (attribution.LINE_HASHES, attribution.CHUNK_HASHES):
+        fp[key] = [int(x, 16) for x in fp[key]]
+    del fp["token_count_method"]
+    prompt = sum(fp[k] for k in ("system_tokens", "tools_tokens", "retrieval_tokens", "history_tokens",
+                                 "suffix_tokens")) + 12
+    return {"request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": "acme", "conversation_id": conv,
+            "agent_run_id": "", "model": "tiny", "pod": "pod-a", "status": 200, "prompt_tokens": prompt,
+            "cached_tokens": cached, "e2e_ms": 400.0, "ingested_at": INGESTED, **fp}
+
+
+def test_a_cache_salt_isolates_prefixes_in_attribution(store):
+    """vLLM's cache_salt, as the gateway logs it, through the job on real chDB and the in-memory reference: the same
+    prompt under another salt has no predecessor (cold: it could reuse nothing, although the same tokens were just
+    served on this pod), under the same salt it is evicted; a conversation's next turn under another salt is
+    prefix_drift / cache_salt_changed over what it would have reused, not evicted_before_next_turn."""
+    system = {"role": "system", "content": "You are the billing agent of Acme.\nBe brief.\nCite the policy. " * 20}
+    tools = [{"type": "function", "function": {"name": "refund", "parameters": {"type": "object"}}}]
+    body = {"model": "tiny", "messages": [system, {"role": "user", "content": "where is my refund?"}], "tools": tools}
+    turn_2 = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "which order?"},
+                                   {"role": "user", "content": "order 42"}]}
+    rows = [
+        fingerprinted("a1", {**body, "cache_salt": "A"}, at=0),
+        fingerprinted("a2", {**body, "cache_salt": "A"}, at=5),
+        fingerprinted("b1", {**body, "cache_salt": "B"}, at=10),
+        fingerprinted("c1", {**body, "cache_salt": "A"}, at=20, conv="c9"),
+        fingerprinted("c2", {**turn_2, "cache_salt": "B"}, at=30, conv="c9"),
+        fingerprinted("d1", body, at=40, conv="c8"),
+        fingerprinted("d2", turn_2, at=50, conv="c8"),
+    ]
+    insert_requests(store, rows)
+    run(store)
+    got = attributed(store)
+    reference = [(r.request_id, r.cause, r.sub_cause, r.tokens, r.predecessor_request_id)
+                 for r in attribution.attribute(rows, default_block_size=32)]
+    assert sorted(r[:5] for r in got) == sorted(reference)
+    causes: dict[str, dict[tuple[str, str], int]] = {}
+    for rid, cause, sub, tokens, pred, *_ in got:
+        causes.setdefault(rid, {})[(cause, sub)] = tokens
+        assert rid != "b1" or pred == ""
+    prompt = {r["request_id"]: r["prompt_tokens"] for r in rows}
+    assert causes["a2"][("evicted", "")] > 0  # same salt: the fingerprint predecessor a1
+    assert set(causes["b1"]) == {("cold", ""), ("unavoidable", "")}  # another salt: nothing to reuse
+    assert set(causes["c2"]) == {("prefix_drift", "cache_salt_changed"), ("unavoidable", "")}
+    assert causes["c2"][("prefix_drift", "cache_salt_changed")] == prompt["c1"] // 32 * 32  # c1's whole prompt
+    assert set(causes["d2"]) == {("evicted", "evicted_before_next_turn"), ("unavoidable", "")}  # no salt: as before
+    stored = dict(store.query_rows("SELECT request_id, cache_salt_hash FROM gateway_requests"))
+    assert stored["a1"] == stored["c1"] != stored["b1"] != "" and stored["d1"] == ""

@@ -380,3 +380,38 @@ def test_kv_events_that_arrive_late_re_answer_what_they_change(store: Store) -> 
     assert (stats.arrivals, stats.changed) == (0, 1)
     assert attribution_job.run_attribution(store, settle_seconds=0, default_block_size=b).changed == 0
 
+
+
+def test_blocks_stored_under_one_cache_salt_are_not_resident_for_another(store: Store) -> None:
+    """Pod s-a stored a prompt's 8 blocks under cache_salt A (BlockStored extra_keys [(A,), None, ...], as vLLM
+    publishes them). The same prompt's chain under salt A matches them (a miss there is a race: unknown /
+    resident_at_arrival); under salt B it matches nothing: the conversation's next turn sent with salt B is
+    prefix_drift / cache_salt_changed and the same prompt outside the conversation is cold, neither of them
+    unknown / resident_at_arrival (what kvscope said when its chains ignored the salt)."""
+    b, scenario = 32, 20
+    ids = tokens(scenario, N * b)
+    salt_a, salt_b = "tenant-a-secret", "tenant-b-secret"
+    event = {**stored(ids, b, 20_000), "extra_keys": [[salt_a]] + [None] * (N - 1)}
+    ingest(store, collect([frames("s-a", 0, 1, event)]))
+
+    def row(rid: str, salt: str, *, t: float, conv: str = "", tenant: str = "") -> dict[str, Any]:
+        r = gw(rid, scenario, t=t, pod="s-a", prompt_ids=None, b=b, prompt=N * b + 20, conv=conv, tenant=tenant,
+               system_tokens=N * b, suffix=rid, suffix_tokens=20)
+        salt_hash = h("salt" + salt)
+        return {**r, "cache_salt_hash": salt_hash, "prompt_fingerprint": h(r["prompt_fingerprint"] + salt_hash),
+                "system_norm_hash": h(r["system_norm_hash"] + salt_hash),
+                "prompt_block_hashes": chain_hashes(ids + tokens(scenario, 20, 1), b, cache_salt=salt),
+                "prompt_block_size": b}
+
+    insert_requests(store, [
+        {**row("c-1", salt_a, t=0.5, conv="c20"), "prompt_block_hashes": [], "prompt_block_size": 0},
+        row("c-2", salt_b, t=10, conv="c20"),
+        row("x-b", salt_b, t=11, tenant="other"),
+        row("x-a", salt_a, t=12, tenant="other"),
+    ])
+    attribution_job.run_attribution(store, default_block_size=b)
+    got = answers(store)
+    assert got["x-a"][0][0] == ("unknown", "resident_at_arrival", N * b) and got["x-a"][1] == "kv_events"
+    assert got["c-2"][0] == [("prefix_drift", "cache_salt_changed", N * b), ("unavoidable", "", 20)]
+    assert got["x-b"][0] == [("cold", "", N * b), ("unavoidable", "", 20)]
+    assert got["c-2"][1] == got["x-b"][1] == "kv_events"

@@ -187,6 +187,9 @@ def test_the_sliced_chain_equals_the_whole_chain() -> None:
         assert asyncio.run(_chain_hashes(ids, 16)) == want, n
         assert asyncio.run(_chain_hashes(ids, 16, memo)) == want, n
         assert len(memo) <= 40
+        salted = [f"{h:016x}" for h in chain_hashes(ids, 16, cache_salt="s")]  # the salt keys the first block
+        assert asyncio.run(_chain_hashes(ids, 16, memo, "s")) == salted, n
+        assert all(x != y for x, y in zip(salted, want, strict=True))
     assert len(asyncio.run(_chain_hashes(list(range(1000)), 16))) == 62  # full blocks only
 
 
@@ -217,3 +220,76 @@ def test_the_chain_helper_outlives_a_ctrl_c_and_exits_when_the_gateway_closes() 
 
     assert asyncio.run(scenario()) == (None, 0)
 
+
+
+@pytest.mark.vllm
+def test_a_cache_salt_isolates_the_prompt_on_a_real_pod(vllm_fleet, store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One prompt through the gateway to one real vLLM pod with cache_salt A, again with A, then with B. vLLM hits
+    the second A (cached_tokens ≥ a block) and nothing of B (0); A's logged chain is made of the hashes vLLM itself
+    published in its BlockStored events (and equals the collector's chain hashes), B's chain shares no block with
+    A's; attribution (precise mode) reads B as cold, not evicted, routed away or unknown: it could reuse nothing."""
+    from ingest.attribution_job import run_attribution
+
+    run = uuid.uuid4().hex[:8]
+    log = tmp_path / "gateway.jsonl"
+    pod = vllm_fleet.pods[0]
+    cfg = replace(build_config({}, environ={}), database=store.database, state_dir=str(tmp_path / "state"),
+                  gateway_log=str(log), kv_events_endpoint=vllm_fleet.kv_events_endpoint,
+                  kv_events_replay=f"{pod.kv_events_topic}={pod.kv_replay_endpoint}",
+                  scrape_interval_seconds=3600, attribution_interval_seconds=3600)
+    pipe = Pipeline(cfg, store=store)
+    messages = [{"role": "system", "content": f"salted run {run}. " + _words(run + "s", 150)},
+                {"role": "user", "content": _words(run + "q", 20)}]
+    sent = [(f"salt-{run}-a1", "A"), (f"salt-{run}-a2", "A"), (f"salt-{run}-b1", "B")]
+    salt = {"A": f"tenant-a-{run}", "B": f"tenant-b-{run}"}
+    with GatewayServer(make_app([(pod.name, pod.base_url)], log, policy="round_robin")) as gw:
+        pipe.start()
+        try:
+            with httpx.Client(base_url=gw.url, timeout=180) as client:
+                def events_arrive() -> bool:  # the pod reconnects its publisher to the collector's fresh socket
+                    client.post("/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                        "prompt": f"warm {uuid.uuid4().hex} " + _words(run, 60)},
+                                headers={"X-Request-Id": f"warm-{uuid.uuid4().hex}"}).raise_for_status()
+                    return store.query_rows("SELECT count() FROM kv_block_events WHERE pod = {p:String} AND "
+                                            "event_type = 'BlockStored'", {"p": pod.name})[0][0] > 0
+                wait_until(events_arrive, 120, "KV events from the pod", interval=2.0)
+                cached = {}
+                for rid, which in sent:
+                    r = client.post("/v1/chat/completions", headers={"X-Request-Id": rid},
+                                    json={"model": "tiny", "max_tokens": 2, "messages": messages,
+                                          "cache_salt": salt[which]})
+                    assert r.status_code == 200, r.text
+                    cached[rid] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            ids = [rid for rid, _ in sent]
+            wait_until(lambda: store.query_rows("SELECT count() FROM gateway_requests WHERE request_id IN "
+                                                "{ids:Array(String)}", {"ids": ids})[0][0] == len(ids),
+                       60, "every request's row")
+            rows = {r[0]: r[1:] for r in store.query_rows(
+                "SELECT request_id, prompt_tokens, cached_tokens, cache_salt_hash, prompt_block_hashes "
+                "FROM gateway_requests WHERE request_id IN {ids:Array(String)}", {"ids": ids})}
+            chain_a, chain_b = rows[ids[0]][3], rows[ids[2]][3]
+
+            def published() -> tuple[set[int], set[int]]:
+                (vllm_hashes, chains), = store.query_rows(
+                    "SELECT groupUniqArrayArray(block_hashes), groupUniqArrayArray(chain_hashes) FROM kv_block_events "
+                    "WHERE pod = {p:String} AND event_type = 'BlockStored'", {"p": pod.name})
+                return set(vllm_hashes), set(chains)
+            wait_until(lambda: set(chain_a) | set(chain_b) <= published()[1], 60, "A's and B's blocks in the events")
+        finally:
+            pipe.close()
+    vllm_hashes, chains = published()
+    a1, a2, b1 = ids
+    print(f"\ncached tokens {cached}; prompt {rows[a1][0]} tokens, {len(chain_a)} blocks")
+    assert cached[a2] >= 32 and cached[b1] == 0
+    assert rows[a1][2] == rows[a2][2] != rows[b1][2] != ""
+    assert salt["A"] not in log.read_text() and salt["B"] not in log.read_text()
+    assert len(chain_a) == rows[a1][0] // 32 >= 3 and rows[a2][3] == chain_a
+    assert set(chain_a) <= vllm_hashes  # vLLM's own salted block hashes: the chain equals what the pod publishes
+    assert not set(chain_a) & set(chain_b) and set(chain_b) <= vllm_hashes
+    run_attribution(store, settle_seconds=0.0, default_block_size=32)
+    verdict = {r[0]: r[1:] for r in store.query_rows(
+        "SELECT request_id, causes, sub_causes, evidence FROM request_attribution FINAL "
+        "WHERE request_id IN {ids:Array(String)}", {"ids": ids})}
+    causes_b = verdict[b1][0]
+    print(f"b1: {verdict[b1]}")
+    assert "cold" in causes_b and not {"evicted", "unknown", "routed_away"} & set(causes_b)

@@ -11,6 +11,7 @@ import __future__
 
 import ast
 import base64
+import hashlib
 import importlib.util
 import json
 import logging
@@ -24,7 +25,15 @@ import pytest
 from collector.events import KvBlockEvent
 from collector.kv_chains import BlockChains
 from collector.kv_events import message_events
-from kvscope.block_hash import DEFAULT_SEED, block_digests, chain_hashes, external, hash_function, none_hash
+from kvscope.block_hash import (
+    DEFAULT_SEED,
+    block_digests,
+    chain_hashes,
+    external,
+    hash_function,
+    none_hash,
+    salt_keys,
+)
 
 CAPTURE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_kv_events.json"
 VLLM = Path(str(importlib.util.find_spec("vllm").origin)).parent  # found, not imported
@@ -49,14 +58,15 @@ def vllm_hashing() -> tuple[ModuleType, dict[str, Any]]:
     spec.loader.exec_module(hashing)
     path = VLLM / "v1" / "core" / "kv_cache_utils.py"
     wanted = {"DEFAULT_NONE_HASH_SEED", "_NON_CRYPTO_HASH_FUNCTIONS", "_NONE_HASH_SEED", "resolve_none_hash_seed",
-              "init_none_hash", "hash_block_tokens"}
+              "init_none_hash", "hash_block_tokens", "generate_block_hash_extra_keys", "_gen_mm_extra_hash_keys",
+              "_gen_lora_extra_hash_keys", "_gen_prompt_embeds_extra_hash_keys", "to_event_extra_keys"}
     tree = ast.parse(path.read_text())
     nodes = [n for n in tree.body
              if (isinstance(n, ast.FunctionDef) and n.name in wanted)
              or (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in wanted for t in n.targets))
              or (isinstance(n, ast.AnnAssign) and n.value is not None and isinstance(n.target, ast.Name)
                  and n.target.id in wanted)]
-    ns: dict[str, Any] = {"os": os, "xxhash": hashing.xxhash, "xxhash_cbor": hashing.xxhash_cbor,
+    ns: dict[str, Any] = {"os": os, "hashlib": hashlib, "xxhash": hashing.xxhash, "xxhash_cbor": hashing.xxhash_cbor,
                           "BlockHash": bytes, "logger": logging.getLogger("vllm-source")}
     code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
                    flags=__future__.annotations.compiler_flag, dont_inherit=True)
@@ -156,3 +166,127 @@ def test_xxhash_pods_are_not_reproducible_without_pythonhashseed(monkeypatch: py
             hash_function(algo)
     with pytest.raises(ValueError, match="block_size"):
         block_digests([1, 2], 0)
+
+
+def vllm_request_hashes(v: dict[str, Any], tokens: list[int], block_size: int, *, cache_salt: str | None = None,
+                        lora: tuple[str, str] | None = None, mm: list[tuple[str, int, int]] = ()
+                        ) -> tuple[list[bytes], list[tuple[Any, ...] | None]]:
+    """vLLM's own block hashes of a request's full blocks and its per-block extra keys, from the installed source:
+    ``generate_block_hash_extra_keys`` (its request reduced to the attributes that function reads: cache_salt,
+    lora_request, mm_features, prompt_embeds) and ``hash_block_tokens`` with SHA-256, default seed. ``mm``:
+    (identifier, offset, length) of each multimodal item."""
+    from types import SimpleNamespace
+
+    hashing, _ = vllm_hashing()
+    v["init_none_hash"](hashing.sha256)
+    request = SimpleNamespace(
+        cache_salt=cache_salt, prompt_embeds=None,
+        lora_request=None if lora is None else SimpleNamespace(lora_name=lora[0], lora_path=lora[1]),
+        mm_features=[SimpleNamespace(identifier=i, mm_position=SimpleNamespace(offset=o, length=n))
+                     for i, o, n in mm])
+    hashes, keys, parent, mm_idx = [], [], None, 0
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        extra, mm_idx = v["generate_block_hash_extra_keys"](request, start, start + block_size, mm_idx)
+        parent = v["hash_block_tokens"](hashing.sha256, parent, tokens[start:start + block_size], extra)
+        hashes.append(parent)
+        keys.append(extra)
+    return hashes, keys
+
+
+def test_a_salted_prompt_chain_equals_vllms_salted_block_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keys ``("cache_salt", salt)`` into the first block only; kvscope's chain with the salt equals vLLM's
+    hash of every block (so, on a default pod, the hashes the pod publishes), and differs from the unsalted
+    chain and another salt's in every block (the salt reaches later blocks through their parents)."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    _, v = vllm_hashing()
+    tokens = list(range(500, 600))
+    want, keys = vllm_request_hashes(v, tokens, 16, cache_salt="tenant-a")
+    assert keys[0] == salt_keys("tenant-a") == (("cache_salt", "tenant-a"),) and keys[1:] == [None] * 5
+    salted = chain_hashes(tokens, 16, cache_salt="tenant-a")
+    assert salted == [external(d) for d in want]
+    other, plain = chain_hashes(tokens, 16, cache_salt="tenant-b"), chain_hashes(tokens, 16)
+    assert all(a != b and a != c for a, b, c in zip(salted, other, plain, strict=True))
+    assert chain_hashes(tokens, 16, cache_salt="") == plain == [external(d) for d in vllm_request_hashes(
+        v, tokens, 16)[0]]
+    with pytest.raises(ValueError, match="first block"):
+        chain_hashes(tokens, 16, parent=none_hash(), cache_salt="tenant-a")
+
+
+def stored_frames(events: list[dict[str, Any]], seq: int, topic: str = "pod-0") -> list[bytes]:
+    """ZMQ frames of one vLLM 0.32 batch (``[ts, [events...], dp_rank]`` msgpack, each event a map with "type")."""
+    import msgspec
+
+    payload = msgspec.msgpack.encode([1.7e9 + seq, [{"type": "BlockStored", **e} for e in events], 0])
+    return [topic.encode(), seq.to_bytes(8, "big"), payload]
+
+
+def test_the_collector_chains_salted_blocks_as_vllm_and_the_gateway_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BlockStored events whose blocks and extra_keys come from vLLM's own hashing code (generate_block_hash_extra_keys,
+    to_event_extra_keys, hash_block_tokens): a salted prompt and its continuation get chain hashes equal to vLLM's
+    published hashes and to the gateway's salted chain; the salt is nowhere in what the collector publishes. With a
+    LoRA adapter the name is left out (the gateway's chain); a multimodal block and everything after it is unknown."""
+    import msgspec
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    _, v = vllm_hashing()
+    secret = "user-31-Kq9v"
+    tokens = list(range(3000, 3100))  # 6 full blocks of 16, 4 left over
+    hashes, keys = vllm_request_hashes(v, tokens, 16, cache_salt=secret)
+    wire = [int(external(h)) for h in hashes]
+    event_keys = v["to_event_extra_keys"](keys)
+    assert event_keys == [(secret,)] + [None] * 5  # vLLM publishes the bare salt on the first block
+    chains = BlockChains()
+    first = {"block_hashes": wire[:4], "parent_block_hash": None, "token_ids": tokens[:64], "block_size": 16,
+             "medium": "GPU", "extra_keys": event_keys[:4]}
+    more = {"block_hashes": wire[4:], "parent_block_hash": wire[3], "token_ids": tokens[64:96], "block_size": 16,
+            "medium": "GPU", "extra_keys": event_keys[4:]}
+    got = []
+    for seq, event in enumerate((first, more)):
+        (env,) = message_events(stored_frames([event], seq))
+        env = chains.envelope(env)
+        assert secret.encode() not in msgspec.json.encode(env)
+        (e,) = env.payload.events
+        assert e.extra_keys is None and e.token_ids == []
+        got += e.chain_hashes
+    assert got == wire == chain_hashes(tokens, 16, cache_salt=secret) != chain_hashes(tokens, 16)
+
+    lora_hashes, lora_keys = vllm_request_hashes(v, tokens, 16, cache_salt=secret, lora=("ad-1", "/models/ad-1"))
+    lora_event = {"block_hashes": [external(h) for h in lora_hashes], "parent_block_hash": None, "token_ids": tokens,
+                  "block_size": 16, "lora_name": "ad-1", "extra_keys": v["to_event_extra_keys"](lora_keys)}
+    assert lora_event["extra_keys"][:2] == [("ad-1", secret), ("ad-1",)]
+    (env,) = message_events(stored_frames([lora_event], 0, "pod-1"))
+    assert chains.envelope(env).payload.events[0].chain_hashes == chain_hashes(tokens, 16, cache_salt=secret)
+
+    mm_hashes, mm_keys = vllm_request_hashes(v, tokens, 16, mm=[("img-7", 20, 30)])  # tokens 20..49: blocks 1-3
+    mm_wire = [external(h) for h in mm_hashes]
+    mm_event = {"block_hashes": mm_wire[:5], "parent_block_hash": None, "token_ids": tokens[:80], "block_size": 16,
+                "extra_keys": v["to_event_extra_keys"](mm_keys[:5])}
+    assert mm_event["extra_keys"][:3] == [None, (("img-7", 4),), (("img-7", -12),)]
+    after = {"block_hashes": mm_wire[5:], "parent_block_hash": mm_wire[4], "token_ids": tokens[80:96],
+             "block_size": 16}
+    envs = [chains.envelope(message_events(stored_frames([e], s, "pod-2"))[0]) for s, e in enumerate((mm_event, after))]
+    assert envs[0].payload.events[0].chain_hashes == [mm_wire[0], 0, 0, 0, 0]  # block 0 has no keys: vLLM's hash
+    assert envs[1].payload.events[0].chain_hashes == [0]  # its parent is unknown
+
+
+def test_extra_keys_kvscope_cannot_tag_make_the_chain_unknown() -> None:
+    """Per block: a salt on a block other than the request's first, a prompt-embeds digest (bytes), a LoRA name that
+    is not the event's, a salt beside another string, or a count of entries that is not one per block: chain hash 0
+    from that block on; no entry, or [None] per block, is the plain chain."""
+    tokens = list(range(64))
+    plain = chain_hashes(tokens, 16)
+    cases = [
+        ([None, ("s",), None, None], None, None, 1),
+        ([(b"\x01" * 32,), None, None, None], None, None, 0),
+        ([("other", "s"), None, None, None], "ad", None, 0),
+        ([("s", "t"), None, None, None], None, None, 0),
+        ([None, None], None, None, 0),
+        (None, None, None, 4),
+        ([None] * 4, "ad", None, 4),
+    ]
+    for keys, lora, parent, known in cases:
+        e = KvBlockEvent(type="BlockStored", block_hashes=[11, 12, 13, 14], parent_block_hash=parent, token_ids=tokens,
+                         block_size=16, lora_name=lora, extra_keys=keys)
+        got = BlockChains().event(e)
+        assert got.chain_hashes == plain[:known] + [0] * (4 - known), keys
+        assert got.extra_keys is None

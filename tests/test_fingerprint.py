@@ -699,3 +699,46 @@ def test_background_writer_writes_batches_of_whole_lines(tmp_path):
         os.write = real_write
     assert len(writes) < 10 and all(w.endswith(b"\n") for w in writes)
     assert len(path.read_text().splitlines()) == 100
+
+
+def test_a_cache_salt_salts_the_keys_attribution_and_routing_find_predecessors_on() -> None:
+    """vLLM's ``cache_salt`` keys the prompt's first KV block, so a request under another salt can reuse nothing:
+    the fingerprint (and the next turn's parent fingerprint), the variant hashes and the system prompt's line
+    structure differ between salts and equal within one; the raw segment hashes (compared with the previous
+    turn whatever its salt) do not change; the salt itself appears nowhere in the fields."""
+    system = {"role": "system", "content": SYSTEM + "\nLine two of the policy.\nLine three."}
+    turn_1 = {"model": "m", "messages": [system, {"role": "user", "content": "where is my order?"}],
+              "tools": TOOLS, "documents": [{"title": "t", "text": "refunds take 5 days"}]}
+    turn_2 = {**turn_1, "messages": [*turn_1["messages"], {"role": "assistant", "content": "which one?"},
+                                     {"role": "user", "content": "order 42"}]}
+    secret = "user-7-s3cr3t"
+
+    def fp(body: dict, salt: str | None) -> PromptFingerprint:
+        return fingerprint_request(body if salt is None else {**body, "cache_salt": salt}, "chat.completions", EST)
+
+    plain, a, a_again, b = fp(turn_1, None), fp(turn_1, secret), fp(turn_1, secret), fp(turn_1, "other")
+    assert plain.cache_salt_hash == "" and a.cache_salt_hash == hash_parts("cache_salt", secret) != b.cache_salt_hash
+    assert a == a_again
+    keys = ("prompt_fingerprint", "system_norm_hash", "tools_canonical_hash", "retrieval_set_hash")
+    for key in keys:
+        assert len({getattr(plain, key), getattr(a, key), getattr(b, key)}) == 3, key
+    assert len(plain.system_line_hashes) == 3
+    assert all(len({x, y, z}) == 3 for x, y, z in zip(plain.system_line_hashes, a.system_line_hashes,
+                                                      b.system_line_hashes, strict=True))
+    raw = ("system_hash", "tools_hash", "retrieval_pack_hash", "history_prefix_hash", "suffix_hash")
+    assert {k: getattr(a, k) for k in raw} == {k: getattr(plain, k) for k in raw}
+    assert fp(turn_2, secret).parent_fingerprint == a.prompt_fingerprint  # routing keeps the conversation's pod
+    assert fp(turn_2, "other").parent_fingerprint != a.prompt_fingerprint
+    assert fp(turn_2, None).parent_fingerprint == plain.prompt_fingerprint
+    fields = a.to_log_fields()
+    assert fields["cache_salt_hash"] == a.cache_salt_hash and secret not in json.dumps(fields)
+    decode_record(json.dumps({"log_version": 1, "request_id": "r", "ts": "2026-11-29T12:00:00.000Z",
+                              "tenant_id": "", "status": 200, "prompt_tokens": 9, "cached_tokens": 0,
+                              "ttft_ms": 1.0, "e2e_ms": 2.0, **fields}).encode())
+    completion = {"model": "m", "prompt": SYSTEM + " tell me", "metadata": {"prefix_chars": len(SYSTEM)}}
+    c_plain, c_salted = (fingerprint_request(completion | extra, "completions", EST)
+                         for extra in ({}, {"cache_salt": secret}))
+    assert c_plain.prompt_fingerprint != c_salted.prompt_fingerprint != ""
+    assert c_salted.cache_salt_hash == a.cache_salt_hash
+    for not_a_salt in ("", 7):  # vLLM refuses all but a non-empty string: neither salts the fingerprint
+        assert fingerprint_request({**turn_1, "cache_salt": not_a_salt}, "chat.completions", EST) == plain

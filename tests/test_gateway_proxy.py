@@ -403,9 +403,10 @@ def _failures(reason: str) -> float:
     return REGISTRY.get_sample_value("kvscope_gateway_block_chain_failures_total", {"reason": reason}) or 0.0
 
 
-def _vllm_chain_hex(token_ids: list[int], block_size: int) -> list[str]:
+def _vllm_chain_hex(token_ids: list[int], block_size: int, cache_salt: str = "") -> list[str]:
     """vLLM's default block hash written out (kv_cache_utils.hash_block_tokens with sha256 = SHA-256 of the
-    pickle, NONE_HASH = H("vllm-none-hash"), no extra keys), low 64 bits as 16 hex characters."""
+    pickle, NONE_HASH = H("vllm-none-hash"), extra keys only a cache_salt's on the first block, as
+    generate_block_hash_extra_keys gives them), low 64 bits as 16 hex characters."""
     import hashlib
     import pickle
 
@@ -414,7 +415,8 @@ def _vllm_chain_hex(token_ids: list[int], block_size: int) -> list[str]:
 
     parent, out = h("vllm-none-hash"), []
     for i in range(len(token_ids) // block_size):
-        parent = h((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), None))
+        keys = (("cache_salt", cache_salt),) if cache_salt and i == 0 else None
+        parent = h((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), keys))
         out.append(parent[-8:].hex())
     return out
 
@@ -902,3 +904,41 @@ def test_client_disconnect_mid_stream_still_logs(vllm_fleet, gateway):
     # ceil(chars / 4) per message; "What now?" is 9 characters) and an unknown cached count
     system = body["messages"][0]["content"]
     assert (rec["prompt_tokens"], rec["cached_tokens"]) == (math.ceil(len(system) / 4) + 3, None)
+
+
+def test_a_cache_salt_is_forwarded_logged_only_as_its_hash_and_salts_the_chain(gateway, fake_pod):
+    """A chat request with a cache_salt: the pod gets the salt as sent, /tokenize does not; the line has
+    cache_salt_hash (not the salt: it can be a per-user secret, and it is nowhere in the log file), a salted
+    fingerprint, and the chain vLLM computes with the salt keyed into the first block. Another salt and no salt
+    give other fingerprints and chains; a body the fingerprint cannot read keeps its hash."""
+    from gateway.fingerprint import hash_parts
+
+    pod = fake_pod()
+    pod.token_ids = [101, 2023, 7, 99, 5, 6, 1]  # the pod's 7 prompt tokens: one full block of 4
+    client, log_path = gateway([("pod-0", pod.url)])
+    secret = "tenant-9-Zq81"
+    sent = [("salt-a1", secret), ("salt-a2", secret), ("salt-b", "other"), ("salt-none", None)]
+    for rid, salt in sent:
+        body = CHAT if salt is None else {**CHAT, "cache_salt": salt}
+        assert client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid}).status_code == 200
+        assert pod.requests[-1]["body"].get("cache_salt") == salt
+    recs = {rid: log_line(log_path, rid) for rid, _ in sent}
+    assert all(r == CHAT for r in pod.tokenize_requests)
+    a1, a2, b, none = (recs[rid] for rid, _ in sent)
+    assert a1["cache_salt_hash"] == a2["cache_salt_hash"] == hash_parts("cache_salt", secret)
+    assert b["cache_salt_hash"] == hash_parts("cache_salt", "other") and none["cache_salt_hash"] == ""
+    assert a1["prompt_block_hashes"] == a2["prompt_block_hashes"] == _vllm_chain_hex(pod.token_ids, 4, secret)
+    assert b["prompt_block_hashes"] == _vllm_chain_hex(pod.token_ids, 4, "other")
+    assert none["prompt_block_hashes"] == _vllm_chain_hex(pod.token_ids, 4)
+    chains = [a1["prompt_block_hashes"], b["prompt_block_hashes"], none["prompt_block_hashes"]]
+    assert len({tuple(c) for c in chains}) == 3 and len(chains[0]) == 1
+    assert a1["prompt_fingerprint"] == a2["prompt_fingerprint"]
+    assert len({a1["prompt_fingerprint"], b["prompt_fingerprint"], none["prompt_fingerprint"]}) == 3
+    assert a1["system_hash"] == none["system_hash"]  # raw segment hashes stay unsalted
+    client.post("/v1/chat/completions", json={"model": "tiny", "messages": "not a list", "cache_salt": secret},
+                headers={"X-Request-Id": "salt-unread"})
+    unread = log_line(log_path, "salt-unread")
+    assert unread["cache_salt_hash"] == a1["cache_salt_hash"] and unread["prompt_fingerprint"] == ""
+    assert secret not in log_path.read_text()
+    for rec in (*recs.values(), unread):
+        validate(rec)

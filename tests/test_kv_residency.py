@@ -330,7 +330,7 @@ def test_restarts_stored_before_the_migration_are_marked_once(chdb_dir: Path, mo
     s.migrate()
     ingest(s, collect(BAD_FIRST))
     assert restarts(s, "pod-r") == [(naive(0), 0, 0)]  # what the store held before
-    monkeypatch.setattr(sqlfiles, "migrations", lambda: everything)
+    monkeypatch.setattr(sqlfiles, "migrations", lambda: everything[: mine + 1])  # later migrations are not 0025's
     assert s.migrate() == [everything[mine][0]]
     s.command("DELETE FROM schema_migrations WHERE version = {v:String}", {"v": everything[mine][0]})
     s.migrate()  # a crash before the migration was recorded: it runs again
