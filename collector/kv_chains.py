@@ -36,8 +36,10 @@ class BlockChains:
     def event(self, e: KvBlockEvent) -> KvBlockEvent:
         """``e`` with ``token_count`` set and ``token_ids`` moved into ``chain_hashes`` (BlockStored with token
         ids); other events, and events already converted, are returned unchanged. ``chain_hashes`` has one
-        entry per ``block_hashes`` entry: 0 when the parent is unknown, when the token ids do not fill the
-        blocks, or when ``block_size`` is 0."""
+        entry per ``block_hashes`` entry: 0 when the parent is unknown, when ``block_size`` is 0, or when the token
+        ids are not exactly ``block_size`` per block hash (vLLM publishes the token range of every block it
+        cached but no hash for a null or masked-out block, ``vllm/v1/core/block_pool.py`` ``cache_full_blocks``:
+        which tokens each hash covers is then unknown)."""
         if e.type != "BlockStored" or (not e.token_ids and e.token_count is not None):
             return e
         chains = self._chains(e)
@@ -51,9 +53,9 @@ class BlockChains:
             if parent is None:
                 return [0] * n
             self._touch(e.parent_block_hash, parent)
-        if e.block_size <= 0 or len(e.token_ids) < n * e.block_size:
+        if e.block_size <= 0 or len(e.token_ids) != n * e.block_size:
             return [0] * n
-        digests = block_digests(e.token_ids[: n * e.block_size], e.block_size, parent)
+        digests = block_digests(e.token_ids, e.block_size, parent)
         for vllm_hash, digest in zip(e.block_hashes, digests, strict=True):
             self._touch(vllm_hash, digest)
         return [external(d) for d in digests]

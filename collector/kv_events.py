@@ -52,7 +52,8 @@ from collector.kv_replay import (
 log = logging.getLogger("kvscope.collector")
 
 _ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    "extra_keys"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -109,7 +110,7 @@ def decode_event(raw: Any, idx: int | None = None) -> KvBlockEvent:
     for key in ("medium", "lora_name"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise BadKvMessage(f"{key} is {type(raw[key]).__name__}, not a string")
-    return KvBlockEvent(
+    event = KvBlockEvent(
         type=raw["type"],
         block_hashes=[_hash(h) for h in hashes],
         parent_block_hash=None if parent is None else _hash(parent),
@@ -119,6 +120,21 @@ def decode_event(raw: Any, idx: int | None = None) -> KvBlockEvent:
         lora_name=raw.get("lora_name"),
         idx=idx,
     )
+    if _has_extra_keys(raw):  # vLLM's hash is not the tokens' alone: kvscope's chain hash would name other blocks
+        return msgspec.structs.replace(event, token_ids=[], token_count=len(token_ids),
+                                       chain_hashes=[0] * len(event.block_hashes))
+    return event
+
+
+def _has_extra_keys(raw: dict[str, Any]) -> bool:
+    """True when a BlockStored's block hashes cover more than its token ids: a LoRA adapter (``lora_name``, or
+    the deprecated ``lora_id``) or any per-block ``extra_keys`` entry (multimodal inputs, a ``cache_salt``,
+    prompt embeddings), which vLLM adds to the hashed tuple (``vllm/v1/core/kv_cache_utils.py``
+    ``generate_block_hash_extra_keys``). Raises :class:`BadKvMessage` when ``extra_keys`` is not a list."""
+    extra = raw.get("extra_keys")
+    if extra is not None and not isinstance(extra, list):
+        raise BadKvMessage(f"extra_keys is {type(extra).__name__}, not a list")
+    return raw.get("lora_name") is not None or raw.get("lora_id") is not None or any(k is not None for k in extra or [])
 
 
 def _unknown_type(name: str) -> str:

@@ -1,0 +1,78 @@
+"""Hostile but plausible vLLM KV-event input, through the real path: vLLM's own ``ZmqEventPublisher``
+(vllm/distributed/kv_events.py) publishes each batch to the collector's bound SUB socket (it encodes whatever it
+is handed, so a malformed field reaches the collector as the bytes vLLM would put on the wire), the in-process
+queue and the ingester write what the collector made of it to chDB. Each test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+from test_kv_event_gaps import Pub, collect, seen, subscriber, tcp, warm_up
+from test_kv_residency import ingest
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+
+from collector.events import Envelope
+from ingest.store import Store
+from kvscope.block_hash import block_digests, chain_hashes, external
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **extra: object) -> BlockStored:
+    """A BlockStored of 4-token blocks as vLLM builds it (``vllm/v1/core/block_pool.py``)."""
+    fields: dict[str, object] = {"lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=4,
+                       **fields)  # type: ignore[arg-type]
+
+
+def send(pub: Pub, sub, out: list[Envelope], *batch_events: list[KVCacheEvent]) -> list[Envelope]:  # type: ignore[no-untyped-def]
+    """Publish each list of events as one vLLM batch; → what the collector published for them."""
+    start, seqs = len(out), [pub.send(list(events)) for events in batch_events]
+    collect(sub, out, seen(out, pub.topic, seqs[-1]))
+    return out[start:]
+
+
+def link(topic: str):  # type: ignore[no-untyped-def]
+    """A subscriber and vLLM's publisher for ``topic`` with the link up; → (sub, pub, out)."""
+    endpoint, replay = tcp(), tcp()
+    sub = subscriber(endpoint, replay_endpoints={topic: replay})
+    pub = Pub(endpoint, topic, replay)
+    pub.topic = topic  # type: ignore[attr-defined]
+    return sub, pub, warm_up(sub, pub, topic)
+
+
+def log_chains(store: Store, pod: str, hashes: list[int]) -> dict[int, int]:
+    rows = store.query_rows("SELECT block_hash, chain_hash FROM kv_block_log FINAL WHERE pod = {p:String} AND "
+                            "kind = 'stored' AND has({h:Array(UInt64)}, block_hash)", {"p": pod, "h": hashes})
+    return dict(rows)
+
+
+def test_blocks_whose_vllm_hash_is_not_their_tokens_alone_get_no_chain_hash(store: Store) -> None:
+    """A LoRA adapter, a cache_salt or a multimodal input is hashed into vLLM's block hash with the tokens
+    (``extra_keys``), and a null or masked-out block (hybrid models) has its tokens published but no hash: the
+    chain hash kvscope would compute from the token ids alone names other blocks (the same tokens without the
+    adapter or salt, or tokens shifted by a skipped block), so precise attribution would credit a pod with blocks
+    it never held. Such blocks, and blocks stored on top of them, get chain hash 0 (unknown)."""
+    topic = f"pod-{uuid.uuid4().hex[:8]}"
+    sub, pub, out = link(topic)
+    try:
+        h = random.getrandbits(60)
+        toks = list(range(100, 108))
+        new = send(pub, sub, out,
+                   [stored([h, h + 1], toks, lora_name="adapter-a", lora_id=1)],           # LoRA
+                   [stored([h + 2, h + 3], toks, extra_keys=[("tenant-salt",), None])],    # cache_salt, first block
+                   [stored([h + 4], list(range(108, 112)), parent=h + 3)],                 # on top of the salted one
+                   [stored([h + 5], toks)],                                                # 2 blocks of tokens, 1 hash
+                   [stored([h + 6, h + 7], toks)],                                         # plain: known
+                   [stored([h + 8], list(range(108, 112)), parent=h + 7)])                 # on top of a plain one
+        assert [e.schema for e in new] == ["kv_event_batch"] * 6
+        assert ingest(store, new)["kv_block_events"] == 6
+        plain = chain_hashes(toks, 4)
+        top = external(block_digests(range(108, 112), 4, block_digests(toks, 4)[-1])[0])
+        assert log_chains(store, topic, [h + i for i in range(9)]) == {
+            h: 0, h + 1: 0, h + 2: 0, h + 3: 0, h + 4: 0, h + 5: 0, h + 6: plain[0], h + 7: plain[1], h + 8: top}
+        assert store.query_rows("SELECT block_hashes, token_count FROM kv_block_events WHERE pod = {p:String} AND "
+                                "has(block_hashes, {h:UInt64})", {"p": topic, "h": h}) == [([h, h + 1], 8)]
+    finally:
+        sub.close()
+        pub.close()
