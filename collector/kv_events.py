@@ -79,6 +79,8 @@ def _hash(value: Any) -> int:
             raise BadKvMessage(f"block hash {value} is outside 0..2**64-1")
         return value
     if isinstance(value, bytes | bytearray):  # raw digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): low 64 bits
+        if len(value) < 8:  # vLLM's digests are 32 (sha256) or 16 (xxhash) bytes: a shorter one is no block hash
+            raise BadKvMessage(f"block hash of {len(value)} bytes (a vLLM block digest has 16 or 32)")
         return int.from_bytes(bytes(value)[-8:], "big")
     raise BadKvMessage(f"block hash of type {type(value).__name__}")
 
@@ -95,35 +97,46 @@ def decode_event(raw: Any, idx: int | None = None) -> KvBlockEvent:
         raw = {"type": raw[0], **dict(zip(fields, raw[1:], strict=False))}
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise BadKvMessage(f"not a KV event: {str(raw)[:200]}")
-    if raw["type"] not in _ARRAY_FIELDS:
-        raise BadKvMessage(_unknown_type(raw["type"]))
-    parent = raw.get("parent_block_hash")
-    token_ids = raw.get("token_ids") or []
-    hashes = raw.get("block_hashes") or []
-    block_size = raw.get("block_size") or 0
+    kind = raw["type"]
+    if kind not in _ARRAY_FIELDS:
+        raise BadKvMessage(_unknown_type(kind))
+    if kind == "AllBlocksCleared":  # vLLM's has no fields: any other key is not read
+        return KvBlockEvent(type=kind, idx=idx)
+    if not isinstance(raw.get("block_hashes"), list):
+        raise BadKvMessage(f"{kind} has no block_hashes list (got {_type_name(raw.get('block_hashes'))})")
+    hashes = [_hash(h) for h in raw["block_hashes"]]
+    medium = _text(raw, "medium")
+    if kind == "BlockRemoved":  # fields of a BlockStored on it are not read
+        return KvBlockEvent(type=kind, block_hashes=hashes, medium=medium, idx=idx)
+    parent, token_ids, block_size = raw.get("parent_block_hash"), raw.get("token_ids"), raw.get("block_size")
+    token_ids = [] if token_ids is None else token_ids  # no token ids: chain hashes unknown
+    block_size = 0 if block_size is None else block_size  # 0 = unknown
     if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
         raise BadKvMessage("token_ids is not a list of integers")
-    if not isinstance(hashes, list):
-        raise BadKvMessage("block_hashes is not a list")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 <= block_size < 2**31:
         raise BadKvMessage(f"block_size {str(block_size)[:40]} is not a token count")
-    for key in ("medium", "lora_name"):
-        if raw.get(key) is not None and not isinstance(raw[key], str):
-            raise BadKvMessage(f"{key} is {type(raw[key]).__name__}, not a string")
-    event = KvBlockEvent(
-        type=raw["type"],
-        block_hashes=[_hash(h) for h in hashes],
-        parent_block_hash=None if parent is None else _hash(parent),
-        token_ids=token_ids,
-        block_size=block_size,
-        medium=raw.get("medium"),
-        lora_name=raw.get("lora_name"),
-        idx=idx,
-    )
+    lora_id = raw.get("lora_id")
+    if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)):
+        raise BadKvMessage(f"lora_id is {_type_name(lora_id)}, not an integer")
+    event = KvBlockEvent(type=kind, block_hashes=hashes, parent_block_hash=None if parent is None else _hash(parent),
+                         token_ids=token_ids, block_size=block_size, medium=medium, lora_name=_text(raw, "lora_name"),
+                         idx=idx)
     if _has_extra_keys(raw):  # vLLM's hash is not the tokens' alone: kvscope's chain hash would name other blocks
         return msgspec.structs.replace(event, token_ids=[], token_count=len(token_ids),
                                        chain_hashes=[0] * len(event.block_hashes))
     return event
+
+
+def _type_name(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+def _text(raw: dict[str, Any], key: str) -> str | None:
+    """``raw[key]``: a string or None (absent). Raises :class:`BadKvMessage` for anything else."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadKvMessage(f"{key} is {_type_name(value)}, not a string")
+    return value
 
 
 def _has_extra_keys(raw: dict[str, Any]) -> bool:

@@ -6,12 +6,15 @@ queue and the ingester write what the collector made of it to chDB. Each test fa
 
 from __future__ import annotations
 
+import hashlib
 import random
 import uuid
+from typing import Any
 
+from test_kv_bad_events import dead_letters
 from test_kv_event_gaps import Pub, collect, seen, subscriber, tcp, warm_up
 from test_kv_residency import ingest
-from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from collector.events import Envelope
 from ingest.store import Store
@@ -73,6 +76,68 @@ def test_blocks_whose_vllm_hash_is_not_their_tokens_alone_get_no_chain_hash(stor
             h: 0, h + 1: 0, h + 2: 0, h + 3: 0, h + 4: 0, h + 5: 0, h + 6: plain[0], h + 7: plain[1], h + 8: top}
         assert store.query_rows("SELECT block_hashes, token_count FROM kv_block_events WHERE pod = {p:String} AND "
                                 "has(block_hashes, {h:UInt64})", {"p": topic, "h": h}) == [([h, h + 1], 8)]
+    finally:
+        sub.close()
+        pub.close()
+
+
+class ClearedWithFields(KVCacheEvent, tag="AllBlocksCleared"):
+    """An AllBlocksCleared carrying fields vLLM's has not (block hashes, a medium, nested garbage)."""
+
+    block_hashes: list[int]
+    medium: str
+    nested: Any
+
+
+class RemovedWithStoreFields(KVCacheEvent, tag="BlockRemoved"):
+    """A BlockRemoved carrying a BlockStored's fields (token ids, block size, parent)."""
+
+    block_hashes: list[int]
+    medium: str
+    token_ids: list[int]
+    block_size: int
+    parent_block_hash: int
+
+
+def test_each_event_type_reads_only_its_own_fields_and_requires_its_block_hashes(store: Store) -> None:
+    """A BlockStored or BlockRemoved without a block_hashes list, a block hash of fewer than 8 bytes, a block size
+    or LoRA id of the wrong type are dead letters with their reason (they were stored as an event of no blocks,
+    a block hash 0, a block size 0); fields an event type does not have are not read (an AllBlocksCleared kept
+    the block hashes it carried, a BlockRemoved counted the token ids it carried)."""
+    topic = f"pod-{uuid.uuid4().hex[:8]}"
+    sub, pub, out = link(topic)
+    try:
+        h, digest = random.getrandbits(60), hashlib.sha256(b"block").digest()
+        events: list[KVCacheEvent] = [
+            BlockRemoved(block_hashes=None, medium="GPU"),  # type: ignore[arg-type]
+            stored([b""], list(range(4))),  # type: ignore[list-item]
+            BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=list(range(4)), block_size=False,
+                        lora_id=None, medium="GPU", lora_name=None),
+            ClearedWithFields(block_hashes=[h], medium="GPU", nested=[[[{"a": [1]}]]]),
+            RemovedWithStoreFields(block_hashes=[h], medium="GPU", token_ids=list(range(8)), block_size=4,
+                                   parent_block_hash=h - 1),
+            stored([h + 1], list(range(4)), lora_id="adapter-a"),
+            stored([digest], list(range(4))),  # type: ignore[list-item]
+        ]
+        [batch, *dead] = send(pub, sub, out, events)
+        seq = batch.payload.seq
+        assert [(e.type, e.idx, e.block_hashes, e.medium) for e in batch.payload.events] == [
+            ("AllBlocksCleared", 3, [], None), ("BlockRemoved", 4, [h], "GPU"),
+            ("BlockStored", 6, [int.from_bytes(digest[-8:], "big")], "GPU")]
+        assert [(loc, reason) for loc, reason, _ in dead_letters(dead)] == [
+            (f"zmq:{topic}:0:seq {seq}:event 0", "event 0 of the batch: BlockRemoved has no block_hashes list (got "
+                                                 "nothing)"),
+            (f"zmq:{topic}:0:seq {seq}:event 1", "event 1 of the batch: block hash of 0 bytes (a vLLM block digest "
+                                                 "has 16 or 32)"),
+            (f"zmq:{topic}:0:seq {seq}:event 2", "event 2 of the batch: block_size False is not a token count"),
+            (f"zmq:{topic}:0:seq {seq}:event 5", "event 5 of the batch: lora_id is str, not an integer"),
+        ]
+        assert ingest(store, [batch, *dead]) == {"kv_block_events": 3, "dead_letters": 4}
+        assert store.query_rows("SELECT idx, event_type, block_hashes, parent_block_hash, token_count, block_size, "
+                                "medium FROM kv_block_events WHERE pod = {p:String} AND seq = {s:UInt64} ORDER BY idx",
+                                {"p": topic, "s": seq}) == [
+            (3, "AllBlocksCleared", [], None, 0, 0, ""), (4, "BlockRemoved", [h], None, 0, 0, "GPU"),
+            (6, "BlockStored", [int.from_bytes(digest[-8:], "big")], None, 4, 4, "GPU")]
     finally:
         sub.close()
         pub.close()
