@@ -169,7 +169,8 @@ class DecodedBatch(NamedTuple):
 def decode_batch_payload(payload: bytes) -> DecodedBatch:
     """msgpack ``[ts, [events], dp_rank]`` → :class:`DecodedBatch`, event by event: a malformed or unknown event
     costs only itself (it goes to ``bad`` with its reason). Raises :class:`BadKvMessage` when the payload itself
-    is not such an array (not msgpack, no events list, ts not a unix time in 2000..2100)."""
+    is not such an array (not msgpack, no events list, ts not a unix time in 2000..2100, dp_rank neither absent,
+    None nor an integer 0..65535: vLLM's rank, whose replay port is the configured one + rank)."""
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -179,7 +180,9 @@ def decode_batch_payload(payload: bytes) -> DecodedBatch:
     ts = obj[0]
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not 946684800 <= ts < 4102444800:
         raise BadKvMessage(f"batch ts {str(ts)[:40]} is not a unix time in 2000..2100")
-    dp_rank = obj[2] if len(obj) > 2 and isinstance(obj[2], int) and not isinstance(obj[2], bool) else None
+    dp_rank = obj[2] if len(obj) > 2 else None
+    if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or not 0 <= dp_rank < 2**16):
+        raise BadKvMessage(f"data_parallel_rank {str(dp_rank)[:40]!r} is not a rank (an integer 0..65535)")
     events: list[KvBlockEvent] = []
     bad: list[tuple[int, str, Any]] = []
     for idx, raw in enumerate(obj[1]):

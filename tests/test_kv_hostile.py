@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 import uuid
 from typing import Any
 
 from test_kv_bad_events import dead_letters
-from test_kv_event_gaps import Pub, collect, seen, subscriber, tcp, warm_up
+from test_kv_event_gaps import Pub, batches, collect, gaps, seen, subscriber, tcp, warm_up
 from test_kv_residency import ingest
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 
 from collector.events import Envelope
 from ingest.store import Store
@@ -138,6 +139,37 @@ def test_each_event_type_reads_only_its_own_fields_and_requires_its_block_hashes
                                 {"p": topic, "s": seq}) == [
             (3, "AllBlocksCleared", [], None, 0, 0, ""), (4, "BlockRemoved", [h], None, 0, 0, "GPU"),
             (6, "BlockStored", [int.from_bytes(digest[-8:], "big")], None, 4, 4, "GPU")]
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_batch_whose_data_parallel_rank_is_not_a_rank_is_a_dead_letter(store: Store) -> None:
+    """vLLM's publisher fills in its own rank only when the batch has none: a rank of "1", 1.0 or -1 reaches
+    the collector as sent. It was read as no rank (engine "", another stream than the pod's rank 0) or as engine
+    "-1" (and its replay asked at port - 1); the message is now one dead letter with its reason, and the good
+    batch after it is delivered on the pod's own stream, the bad seq reported as a gap."""
+    topic = f"pod-{uuid.uuid4().hex[:8]}"
+    sub, pub, out = link(topic)
+    try:
+        start, h = len(out), random.getrandbits(60)
+        for rank in ("1", 1.0, -1):
+            pub.vllm.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[h], medium="GPU")],
+                                          data_parallel_rank=rank))  # type: ignore[arg-type]
+            pub.count += 1
+        good = pub.publish(1)[0]
+        collect(sub, out, seen(out, topic, good))
+        new = out[start:]
+        dead = [e.payload for e in new if e.schema == "dead_letter"]
+        assert [(d.location, d.reason) for d in dead] == [
+            (f"zmq:{topic}", f"data_parallel_rank {r!r} is not a rank (an integer 0..65535)")
+            for r in ("1", "1.0", "-1")]
+        assert [b.seq for b in batches(new, topic)] == [good]
+        [gap] = gaps(new)
+        assert (gap.first_seq, gap.last_seq, gap.replayed_batches) == (good - 3, good - 1, 0)
+        assert ingest(store, new)["dead_letters"] == 3
+        assert store.query_rows("SELECT DISTINCT engine FROM kv_block_events WHERE pod = {p:String}",
+                                {"p": topic}) == [("0",)]
     finally:
         sub.close()
         pub.close()
