@@ -382,7 +382,8 @@ class KvEventSubscriber:
 
     def _recover(self, pod: str, b: KvEventBatch, first: int, reason: str, verify: _Stream | None) -> list[Envelope]:
         """Replay ``first..b.seq-1`` of ``b``'s stream; → [KvEventGap envelope, replayed batches (each followed by
-        the dead letters of its bad events)...].
+        the dead letters of its bad events) and the dead letter of each replayed message that does not decode,
+        in seq order...]. Only decoded batches count as replayed.
 
         ``verify`` (the stream's last position, with its batch_ts): also fetch the last delivered batch; if vLLM
         now holds a different batch under that seq, vLLM restarted unseen (e.g. while the collector was down) and
@@ -392,11 +393,13 @@ class KvEventSubscriber:
         deadline = time.monotonic() + self.replay_timeout_seconds
         last = b.seq - 1
         got = self._replay.batches(pod, b.topic, b.dp_rank, first - 1 if verify else first, last, deadline)
-        if verify is not None and first - 1 in got and got[first - 1][0].payload.batch_ts != verify.batch_ts:
+        previous = got.get(first - 1, [None])[0]
+        if verify is not None and previous is not None and (not isinstance(previous.payload, KvEventBatch)
+                                                            or previous.payload.batch_ts != verify.batch_ts):
             reason, first = "publisher_restart", 0
             got = self._replay.batches(pod, b.topic, b.dp_rank, 0, last, deadline)
         seqs = [s for s in sorted(got) if s >= first]
-        missing, n = last - first + 1, len(seqs)
+        missing, n = last - first + 1, sum(isinstance(got[s][0].payload, KvEventBatch) for s in seqs)
         outcome = "recovered" if n == missing else "partial" if n else "lost"
         GAPS.labels(pod, reason, outcome).inc()
         BATCHES_REPLAYED.labels(pod).inc(n)

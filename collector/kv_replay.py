@@ -21,7 +21,7 @@ import msgspec
 import zmq
 from prometheus_client import Counter
 
-from collector.events import Envelope, KvEventBatch
+from collector.events import DeadLetter, Envelope, KvEventBatch
 
 log = logging.getLogger("kvscope.collector")
 
@@ -119,10 +119,11 @@ class ReplayClient:
                 deadline: float) -> dict[int, list[Envelope]]:
         """seq → envelopes of the replayed ``KvEventBatch`` (``replayed=True``, first) and the dead letters of its
         bad events, of stream (topic, dp_rank) for ``first..last`` that ``pod``'s replay socket still holds, asked
-        until ``deadline`` (``time.monotonic``).
+        until ``deadline`` (``time.monotonic``); for a message of ``topic`` that does not decode (the live one was
+        missed), its ``DeadLetter`` envelope alone (the same one the live message would have made).
         {} when the pod has no replay endpoint or the replay fails (counted in
-        ``kvscope_collector_kv_replay_failures_total``). Messages of another stream or undecodable ones are
-        skipped with a WARNING. Never raises for an unreachable, slow or malformed endpoint."""
+        ``kvscope_collector_kv_replay_failures_total``). Messages of another stream are skipped with a WARNING.
+        Never raises for an unreachable, slow or malformed endpoint."""
         base = self.endpoints.get(pod)
         if base is None or last < first:
             return {}
@@ -147,7 +148,9 @@ class ReplayClient:
             if isinstance(p, KvEventBatch) and p.topic == topic and p.dp_rank == dp_rank:
                 got[p.seq] = [msgspec.structs.replace(env, payload=msgspec.structs.replace(p, replayed=True)),
                               *dead_letters]
+            elif isinstance(p, DeadLetter) and frames[0].decode("utf-8", "replace") == topic:
+                got[int.from_bytes(frames[1], "big")] = [env]  # this stream's, undecodable: its only dead letter
             else:
-                log.warning("replayed KV-event message skipped: undecodable or of another stream (topic %r, "
-                            "expected %r). pod=%s endpoint=%s", frames[0][:100], topic, pod, url)
+                log.warning("replayed KV-event message skipped: of another stream (topic %r, expected %r). pod=%s "
+                            "endpoint=%s", frames[0][:100], topic, pod, url)
         return got

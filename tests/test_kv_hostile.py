@@ -18,6 +18,7 @@ from test_kv_residency import ingest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 
 from collector.events import Envelope
+from collector.kv_events import message_events
 from ingest.store import Store
 from kvscope.block_hash import block_digests, chain_hashes, external
 
@@ -160,8 +161,8 @@ def test_a_batch_whose_data_parallel_rank_is_not_a_rank_is_a_dead_letter(store: 
         good = pub.publish(1)[0]
         collect(sub, out, seen(out, topic, good))
         new = out[start:]
-        dead = [e.payload for e in new if e.schema == "dead_letter"]
-        assert [(d.location, d.reason) for d in dead] == [
+        dead = {e.event_id: e.payload for e in new if e.schema == "dead_letter"}  # live, then again from the replay
+        assert [(d.location, d.reason) for d in dead.values()] == [
             (f"zmq:{topic}", f"data_parallel_rank {r!r} is not a rank (an integer 0..65535)")
             for r in ("1", "1.0", "-1")]
         assert [b.seq for b in batches(new, topic)] == [good]
@@ -170,6 +171,35 @@ def test_a_batch_whose_data_parallel_rank_is_not_a_rank_is_a_dead_letter(store: 
         assert ingest(store, new)["dead_letters"] == 3
         assert store.query_rows("SELECT DISTINCT engine FROM kv_block_events WHERE pod = {p:String}",
                                 {"p": topic}) == [("0",)]
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_missed_message_that_does_not_decode_is_dead_lettered_from_the_replay() -> None:
+    """A message the collector missed live and that does not decode (here a batch ts that is not a time) comes
+    back in vLLM's replay answer: it was skipped with a log line only, so it was neither listed nor counted; it
+    is now the dead letter the live message would have made (same id), and it does not count as a replayed
+    batch (the gap is not recovered)."""
+    topic = f"pod-{uuid.uuid4().hex[:8]}"
+    sub, pub, out = link(topic)
+    try:
+        start = len(out)
+        sub.drop_next(1)
+        bad_batch = KVEventBatch(ts="yesterday", events=[BlockRemoved(block_hashes=[5], medium="GPU")])  # type: ignore[arg-type]
+        pub.vllm.publish(bad_batch)
+        bad = pub.count
+        pub.count += 1
+        collect(sub, out, lambda: len(sub.dropped) == 1)
+        good = pub.publish(1)[0]
+        collect(sub, out, seen(out, topic, good))
+        new = out[start:]
+        [live] = message_events(sub.dropped[0])
+        assert [e.schema for e in new] == ["kv_event_gap", "dead_letter", "kv_event_batch"]
+        assert (new[1].event_id, new[1].payload) == (live.event_id, live.payload)
+        assert live.payload.reason == "batch ts yesterday is not a unix time in 2000..2100"
+        [gap] = gaps(new)
+        assert (gap.first_seq, gap.last_seq, gap.replayed_batches, gap.recovered) == (bad, bad, 0, False)
     finally:
         sub.close()
         pub.close()
