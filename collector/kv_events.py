@@ -261,12 +261,14 @@ class KvEventSubscriber:
     pods without one have their gaps reported as lost. ``checkpoints``: where :meth:`poll`'s ack stores each
     stream's last delivered position (``{"seq": int, "batch_ts": float}``, key :func:`checkpoint_key`); a new
     subscriber compares each stream's first batch with it. ``replay_timeout_seconds`` bounds the time spent per
-    gap. Raises ``zmq.ZMQError`` when ``endpoint`` cannot be bound (e.g. already bound by another socket).
+    gap; a replay endpoint that failed is not asked again for ``replay_backoff_seconds``, doubling per failure in
+    a row up to 60 s (:class:`collector.kv_replay.ReplayClient`): its gaps meanwhile are lost at once. Raises
+    ``zmq.ZMQError`` when ``endpoint`` cannot be bound (e.g. already bound by another socket).
     """
 
     def __init__(self, endpoint: str, topic_pods: dict[str, str] | None = None, max_messages: int = 1000,
                  *, checkpoints: CheckpointStore | None = None, replay_endpoints: dict[str, str] | None = None,
-                 replay_timeout_seconds: float = 2.0) -> None:
+                 replay_timeout_seconds: float = 2.0, replay_backoff_seconds: float = 5.0) -> None:
         self.endpoint = endpoint
         self.topic_pods = topic_pods or {}
         self.max_messages = max_messages
@@ -280,7 +282,8 @@ class KvEventSubscriber:
         self._polls = 0
         self._acked: dict[tuple[str, int | None], int] = {}  # stream → number of the last poll acked
         self._ack_lock = threading.Lock()
-        self._replay = ReplayClient(self.replay_endpoints, lambda frames: message_events(frames, self.topic_pods))
+        self._replay = ReplayClient(self.replay_endpoints, lambda frames: message_events(frames, self.topic_pods),
+                                    backoff_seconds=replay_backoff_seconds)
         self.chains = BlockChains()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)

@@ -106,14 +106,18 @@ class ReplayClient:
     """Replays for many pods: ``endpoints`` maps pod → rank-0 replay endpoint (read at each call, so the caller
     may change it); ``decode`` turns a live-format message into envelopes, the batch first
     (``kv_events.message_events``).
-    Keeps which endpoints are failing, to log one WARNING per outage."""
+    Keeps which endpoints are failing, to log one WARNING per outage and to stop asking one that failed: after
+    its n-th failure in a row an endpoint is not asked for ``backoff_seconds`` · 2^(n-1) seconds (at most 60),
+    so an endpoint that never answers costs one timeout per backoff, not one per gap (each gap would hold the
+    subscriber's loop, every pod's live events, for the whole timeout)."""
 
     def __init__(self, endpoints: dict[str, str], decode: Callable[[list[bytes]], list[Envelope]],
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, backoff_seconds: float = 5.0) -> None:
         self.endpoints = endpoints
         self.decode = decode
         self.ctx = ctx or zmq.Context.instance()
-        self._failing: set[str] = set()
+        self.backoff_seconds = backoff_seconds
+        self._failing: dict[str, tuple[int, float]] = {}  # url → (failures in a row, monotonic time to ask again)
 
     def batches(self, pod: str, topic: str, dp_rank: int | None, first: int, last: int,
                 deadline: float) -> dict[int, list[Envelope]]:
@@ -121,25 +125,29 @@ class ReplayClient:
         bad events, of stream (topic, dp_rank) for ``first..last`` that ``pod``'s replay socket still holds, asked
         until ``deadline`` (``time.monotonic``); for a message of ``topic`` that does not decode (the live one was
         missed), its ``DeadLetter`` envelope alone (the same one the live message would have made).
-        {} when the pod has no replay endpoint or the replay fails (counted in
-        ``kvscope_collector_kv_replay_failures_total``). Messages of another stream are skipped with a WARNING.
-        Never raises for an unreachable, slow or malformed endpoint."""
+        {} when the pod has no replay endpoint, or the replay fails or is not asked because the endpoint failed
+        before and is backing off (both counted in ``kvscope_collector_kv_replay_failures_total``). Messages of
+        another stream are skipped with a WARNING. Never raises for an unreachable, slow or malformed endpoint."""
         base = self.endpoints.get(pod)
         if base is None or last < first:
             return {}
         url = base
         try:
             url = replay_endpoint(base, dp_rank)
+            failures, retry_at = self._failing.get(url, (0, 0.0))
+            if time.monotonic() < retry_at:
+                raise ReplayError(f"backing off after {failures} failed replays")
             answer = fetch_replay(url, first, last, deadline - time.monotonic(), self.ctx)
         except (ReplayError, ValueError) as exc:
             REPLAY_FAILURES.labels(pod).inc()
             if url not in self._failing:
-                self._failing.add(url)
                 log.warning("KV-event replay failed; missing batches are lost until it answers. pod=%s "
                             "endpoint=%s error=%s", pod, url, exc)
+            if time.monotonic() >= self._failing.get(url, (0, 0.0))[1]:  # asked (not skipped): back off longer
+                n = self._failing.get(url, (0, 0.0))[0] + 1
+                self._failing[url] = (n, time.monotonic() + min(60.0, self.backoff_seconds * 2 ** min(n - 1, 16)))
             return {}
-        if url in self._failing:
-            self._failing.discard(url)
+        if self._failing.pop(url, None) is not None:
             log.info("KV-event replay answers again. pod=%s endpoint=%s", pod, url)
         got: dict[int, list[Envelope]] = {}
         for frames in answer:

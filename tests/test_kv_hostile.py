@@ -12,8 +12,9 @@ import time
 import uuid
 from typing import Any
 
+import zmq
 from test_kv_bad_events import dead_letters
-from test_kv_event_gaps import Pub, batches, collect, gaps, seen, subscriber, tcp, warm_up
+from test_kv_event_gaps import Pub, batches, collect, delta, gap_metrics, gaps, seen, subscriber, tcp, warm_up
 from test_kv_residency import ingest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 
@@ -203,3 +204,42 @@ def test_a_missed_message_that_does_not_decode_is_dead_lettered_from_the_replay(
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_replay_socket_that_never_answers_is_not_asked_at_every_gap() -> None:
+    """A replay endpoint that takes requests and never answers (a stuck publisher thread, a port taken by
+    something else) held the subscriber's loop, and with it every pod's live events, for the whole replay
+    timeout at every gap. After a failure it is now left alone for a backoff (the gaps meanwhile are lost at
+    once and counted as replay failures) and asked again after it."""
+    topic, endpoint, replay = f"pod-{uuid.uuid4().hex[:8]}", tcp(), tcp()
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes replay requests, answers none
+    silent.bind(replay)
+    sub = subscriber(endpoint, replay_endpoints={topic: replay}, replay_timeout_seconds=0.3,
+                     replay_backoff_seconds=1.0)
+    pub = Pub(endpoint, topic)
+    pub.topic = topic  # type: ignore[attr-defined]
+    requests: list[list[bytes]] = []
+
+    def gap() -> None:
+        n = len(sub.dropped)
+        sub.drop_next(1)
+        pub.publish(1)
+        collect(sub, out, lambda: len(sub.dropped) > n)
+        collect(sub, out, seen(out, topic, pub.publish(1)[0]))
+        while silent.poll(100):
+            requests.append(silent.recv_multipart())
+
+    try:
+        out = warm_up(sub, pub, topic)
+        before = gap_metrics(topic)
+        for _ in range(3):
+            gap()
+        assert len(requests) == 1 and [g.recovered for g in gaps(out)] == [False] * 3
+        assert delta(before, gap_metrics(topic)) == {"missed/lost": 3, "lost": 3, "replay_failures": 3}
+        time.sleep(1.1)  # the backoff is over: asked again
+        gap()
+        assert len(requests) == 2
+    finally:
+        sub.close()
+        pub.close()
+        silent.close(linger=0)
