@@ -155,6 +155,12 @@ def _unknown_type(name: str) -> str:
             f"{', '.join(KV_EVENT_TYPES)})")
 
 
+MAX_AHEAD_SECONDS = 3600
+"""How far past the collector's clock a batch's ts (the pod's ``time.time()``) may be. vLLM stamps every batch
+with its wall clock, and kvscope orders a pod's events by it: a BlockRemoved stamped in 2099 would keep its
+block resident until 2099 (``kv_block_residency``), so a batch from further ahead is a dead letter."""
+
+
 class DecodedBatch(NamedTuple):
     """A decoded batch payload: ``ts`` (float unix seconds, vLLM's batch time), ``events`` (the events that
     decoded, in batch order, each with its ``idx`` in the batch), ``dp_rank`` (int | None), ``bad`` (one
@@ -169,8 +175,9 @@ class DecodedBatch(NamedTuple):
 def decode_batch_payload(payload: bytes) -> DecodedBatch:
     """msgpack ``[ts, [events], dp_rank]`` → :class:`DecodedBatch`, event by event: a malformed or unknown event
     costs only itself (it goes to ``bad`` with its reason). Raises :class:`BadKvMessage` when the payload itself
-    is not such an array (not msgpack, no events list, ts not a unix time in 2000..2100, dp_rank neither absent,
-    None nor an integer 0..65535: vLLM's rank, whose replay port is the configured one + rank)."""
+    is not such an array (not msgpack, no events list, ts not a unix time in 2000..2100 or more than
+    :data:`MAX_AHEAD_SECONDS` past this host's clock, dp_rank neither absent, None nor an integer 0..65535: vLLM's
+    rank, whose replay port is the configured one + rank)."""
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -180,6 +187,9 @@ def decode_batch_payload(payload: bytes) -> DecodedBatch:
     ts = obj[0]
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not 946684800 <= ts < 4102444800:
         raise BadKvMessage(f"batch ts {str(ts)[:40]} is not a unix time in 2000..2100")
+    if ts > time.time() + MAX_AHEAD_SECONDS:
+        raise BadKvMessage(f"batch ts {ts} is {ts - time.time():.0f} s ahead of the collector's clock (the pod's clock "
+                           f"is wrong; at most {MAX_AHEAD_SECONDS} s ahead is read)")
     dp_rank = obj[2] if len(obj) > 2 else None
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or not 0 <= dp_rank < 2**16):
         raise BadKvMessage(f"data_parallel_rank {str(dp_rank)[:40]!r} is not a rank (an integer 0..65535)")

@@ -243,3 +243,29 @@ def test_a_replay_socket_that_never_answers_is_not_asked_at_every_gap() -> None:
         sub.close()
         pub.close()
         silent.close(linger=0)
+
+
+def test_a_batch_from_a_pod_clock_far_ahead_is_a_dead_letter(store: Store) -> None:
+    """vLLM stamps each batch with the pod's wall clock. A batch stamped years or days ahead (a pod clock gone
+    wrong) was stored at that time: its BlockRemoved kept the block resident until then. It is now one dead
+    letter with its reason; a batch within the allowed skew is read."""
+    topic = f"pod-{uuid.uuid4().hex[:8]}"
+    sub, pub, out = link(topic)
+    try:
+        start, h = len(out), random.getrandbits(60)
+        for seconds in (10 * 365 * 86400, 2 * 86400, 60):
+            events: list[KVCacheEvent] = [BlockRemoved(block_hashes=[h], medium="GPU")]
+            pub.vllm.publish(KVEventBatch(ts=time.time() + seconds, events=events))
+            pub.count += 1
+        good = pub.publish(1)[0]
+        collect(sub, out, seen(out, topic, good))
+        new = out[start:]
+        dead = {e.event_id: e.payload.reason for e in new if e.schema == "dead_letter"}  # live, then replayed
+        assert len(dead) == 2 and all("s ahead of the collector's clock" in r for r in dead.values())
+        assert [b.seq for b in batches(new, topic)] == [good - 1, good]
+        assert ingest(store, new) == {"kv_block_events": 3, "dead_letters": 2, "kv_event_gaps": 1}
+        assert store.query_rows("SELECT count() FROM kv_block_events WHERE pod = {p:String} AND ts > now64() + "
+                                "INTERVAL 1 HOUR", {"p": topic}) == [(0,)]
+    finally:
+        sub.close()
+        pub.close()
