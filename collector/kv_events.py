@@ -44,6 +44,7 @@ from collector.kv_chains import BlockChains
 from collector.kv_replay import (
     BATCHES_LOST,
     BATCHES_REPLAYED,
+    CONFLICTS,
     DUPLICATES,
     GAPS,
     ReplayClient,
@@ -154,6 +155,9 @@ def _unknown_type(name: str) -> str:
     return (f"unknown KV event type {name[:100]!r} (a newer vLLM may publish it; this kvscope reads "
             f"{', '.join(KV_EVENT_TYPES)})")
 
+
+RECENT_SEQS = 1024
+"""Seqs per stream whose batch_ts the subscriber keeps, to tell a duplicate from another batch under that seq."""
 
 MAX_AHEAD_SECONDS = 3600
 """How far past the collector's clock a batch's ts (the pod's ``time.time()``) may be. vLLM stamps every batch
@@ -289,6 +293,7 @@ class KvEventSubscriber:
         self._drop_left = 0
         self._drop_topic: bytes | None = None
         self._streams: dict[tuple[str, int | None], _Stream] = {}
+        self._delivered: dict[tuple[str, int | None], dict[int, float]] = {}  # stream → seq → batch_ts, recent
         self._polls = 0
         self._acked: dict[tuple[str, int | None], int] = {}  # stream → number of the last poll acked
         self._ack_lock = threading.Lock()
@@ -334,7 +339,7 @@ class KvEventSubscriber:
                     continue
                 envs = message_events(frames, self.topic_pods)
                 try:
-                    admitted = self._admit(envs, touched)
+                    admitted = self._admit(envs, touched, frames)
                 except Exception:  # a bug in gap tracking must not lose the batch or stop the loop
                     log.exception("KV-event gap tracking failed; batch delivered as is. pod=%s", envs[0].pod)
                     admitted = envs
@@ -356,9 +361,12 @@ class KvEventSubscriber:
     def close(self) -> None:
         self._sock.close(linger=0)
 
-    def _admit(self, envs: list[Envelope], touched: set[tuple[str, int | None]]) -> list[Envelope]:
-        """The envelopes one received message yields (``envs``: :func:`message_events`' answer): [] for a
-        duplicate batch, [gap, replayed..., *envs] after a gap, else ``envs``."""
+    def _admit(self, envs: list[Envelope], touched: set[tuple[str, int | None]],
+               frames: list[bytes]) -> list[Envelope]:
+        """The envelopes one received message (``frames``) yields (``envs``: :func:`message_events`' answer): []
+        for a duplicate batch, [gap, replayed..., *envs] after a gap, one dead letter for a batch under a seq
+        that the stream delivered with another batch among its last :data:`RECENT_SEQS` (a duplicate is the
+        same batch: vLLM re-sends only through replay, the same bytes), else ``envs``."""
         env = envs[0]
         b = env.payload
         if not isinstance(b, KvEventBatch):
@@ -372,14 +380,41 @@ class KvEventSubscriber:
             out = self._recover(env.pod, b, st.seq + 1, "collector_restart" if st.restored else "missed",
                                 st if st.batch_ts is not None else None)
         elif st.batch_ts is not None and b.batch_ts <= st.batch_ts:  # an older batch of the same publisher
+            delivered_ts = self._delivered.get(key, {}).get(b.seq)
+            if delivered_ts is not None and delivered_ts != b.batch_ts:
+                return [self._conflict(env, frames, delivered_ts)]
             DUPLICATES.labels(env.pod).inc()
             return []
-        elif b.seq > 0:  # seq went back and the batch is newer: vLLM restarted and we missed its first batches
-            out = self._recover(env.pod, b, 0, "publisher_restart", None)
+        else:  # seq went back and the batch is newer: vLLM restarted (and we missed its first batches if seq > 0)
+            self._delivered.pop(key, None)
+            if b.seq > 0:
+                out = self._recover(env.pod, b, 0, "publisher_restart", None)
         self._streams[key] = _Stream(b.seq, b.batch_ts)
         touched.add(key)
         out.extend(envs)
+        delivered = self._delivered.setdefault(key, {})
+        for p in (e.payload for e in out):
+            if isinstance(p, KvEventBatch):
+                delivered.pop(p.seq, None)
+                delivered[p.seq] = p.batch_ts
+        while len(delivered) > RECENT_SEQS:
+            del delivered[next(iter(delivered))]
         return out
+
+    def _conflict(self, env: Envelope, frames: list[bytes], delivered_ts: float) -> Envelope:
+        """The dead letter of a batch whose seq this stream already delivered with another batch (another ts)."""
+        b = env.payload
+        assert isinstance(b, KvEventBatch)
+        CONFLICTS.labels(env.pod).inc()
+        log.warning("KV-event batch under a seq already delivered with another batch; dead-lettered. pod=%s topic=%s "
+                    "dp_rank=%s seq=%d", env.pod, b.topic, b.dp_rank, b.seq)
+        reason = (f"seq {b.seq} was already delivered with another batch (ts {delivered_ts}, this one {b.batch_ts}): "
+                  f"two vLLM processes publish on topic {b.topic[:100]!r} (each needs its own), or one restarted "
+                  f"with its clock behind; not read")
+        dl = DeadLetter(source="kv_events", reason=reason, raw=base64.b64encode(b"".join(frames))[:65536].decode(),
+                        location=f"zmq:{b.topic}:{env.engine}:seq {b.seq}")
+        return envelope(dl, pod=env.pod, natural_key=(b.topic, b.dp_rank, b.seq, b.batch_ts, "conflict"),
+                        observed_at_ms=env.observed_at_ms, engine=env.engine)
 
     def _restore(self, key: tuple[str, int | None]) -> _Stream | None:
         value = self.checkpoints.get(checkpoint_key(*key)) if self.checkpoints is not None else None

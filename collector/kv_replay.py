@@ -33,6 +33,9 @@ BATCHES_REPLAYED = Counter("kvscope_collector_kv_batches_replayed_total",
                            "Missing KV-event batches recovered from vLLM's replay socket", ["pod"])
 REPLAY_FAILURES = Counter("kvscope_collector_kv_replay_failures_total",
                           "Replay requests that failed (unreachable socket, timeout, bad endpoint)", ["pod"])
+CONFLICTS = Counter("kvscope_collector_kv_seq_conflicts_total",
+                    "KV-event batches dead-lettered because their seq was already delivered with another batch "
+                    "(two vLLM processes on one topic)", ["pod"])
 DUPLICATES = Counter("kvscope_collector_kv_duplicates_total",
                      "KV-event batches dropped because their seq was already delivered", ["pod"])
 

@@ -14,7 +14,19 @@ from typing import Any
 
 import zmq
 from test_kv_bad_events import dead_letters
-from test_kv_event_gaps import Pub, batches, collect, delta, gap_metrics, gaps, seen, subscriber, tcp, warm_up
+from test_kv_event_gaps import (
+    Pub,
+    batches,
+    collect,
+    delta,
+    gap_metrics,
+    gaps,
+    idle,
+    seen,
+    subscriber,
+    tcp,
+    warm_up,
+)
 from test_kv_residency import ingest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 
@@ -43,7 +55,7 @@ def link(topic: str):  # type: ignore[no-untyped-def]
     endpoint, replay = tcp(), tcp()
     sub = subscriber(endpoint, replay_endpoints={topic: replay})
     pub = Pub(endpoint, topic, replay)
-    pub.topic = topic  # type: ignore[attr-defined]
+    pub.topic, pub.endpoint = topic, endpoint  # type: ignore[attr-defined]
     return sub, pub, warm_up(sub, pub, topic)
 
 
@@ -269,3 +281,41 @@ def test_a_batch_from_a_pod_clock_far_ahead_is_a_dead_letter(store: Store) -> No
     finally:
         sub.close()
         pub.close()
+
+
+def test_another_batch_under_a_delivered_seq_is_a_dead_letter_not_a_duplicate(store: Store) -> None:
+    """Two vLLM processes publishing on one topic (a fleet configured with one topic for all pods), the second
+    one's clock a few seconds behind: its batches repeat seqs the first already delivered, with other content
+    and an older ts. They were dropped as duplicates (counted as such, their events lost without a trace); a
+    duplicate is the same batch (vLLM re-sends only through replay, the same bytes), so each is now a dead letter
+    saying why, and the first publisher's stream goes on undisturbed."""
+    topic = f"pod-{uuid.uuid4().hex[:8]}"
+    sub, pub, out = link(topic)
+    other = Pub(pub.endpoint, topic)  # the second vLLM, connecting to the same collector socket
+    try:
+        collect(sub, out, seen(out, topic, pub.publish(40)[-1]))
+        delivered = {b.seq for b in batches(out, topic)}
+        start, before = len(out), gap_metrics(topic)
+        behind = time.time() - 5
+        while other.count < pub.count and len([e for e in out[start:] if e.schema == "dead_letter"]) < 3:
+            other.vllm.publish(KVEventBatch(ts=behind + other.count / 1000,
+                                            events=[BlockRemoved(block_hashes=[other.count], medium="GPU")]))
+            other.count += 1
+            idle(sub, out, 0.05)  # the second PUB gets the subscription only while the SUB is used
+        idle(sub, out, 0.2)
+        last = pub.publish(1)[0]
+        collect(sub, out, seen(out, topic, last))
+        new = out[start:]
+        dead = [e.payload for e in new if e.schema == "dead_letter"]
+        assert dead, "no dead letter for the second publisher's batches"
+        seqs = [int(d.location.rsplit(" ", 1)[1]) for d in dead]
+        assert set(seqs) <= delivered and len(set(seqs)) == len(seqs)
+        assert all(d.reason.startswith(f"seq {s} was already delivered with another batch") for s, d in
+                   zip(seqs, dead, strict=True))
+        assert [b.seq for b in batches(new, topic)] == [last]
+        assert set(delta(before, gap_metrics(topic))) <= {"duplicates"}  # only seqs the first never delivered
+        assert ingest(store, new)["dead_letters"] == len(dead)
+    finally:
+        sub.close()
+        pub.close()
+        other.close()
