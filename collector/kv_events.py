@@ -48,6 +48,7 @@ from collector.kv_replay import (
     DUPLICATES,
     GAPS,
     ReplayClient,
+    rank_endpoint,
 )
 
 log = logging.getLogger("kvscope.collector")
@@ -276,13 +277,17 @@ class KvEventSubscriber:
     stream's last delivered position (``{"seq": int, "batch_ts": float}``, key :func:`checkpoint_key`); a new
     subscriber compares each stream's first batch with it. ``replay_timeout_seconds`` bounds the time spent per
     gap; a replay endpoint that failed is not asked again for ``replay_backoff_seconds``, doubling per failure in
-    a row up to 60 s (:class:`collector.kv_replay.ReplayClient`): its gaps meanwhile are lost at once. Raises
-    ``zmq.ZMQError`` when ``endpoint`` cannot be bound (e.g. already bound by another socket).
+    a row up to 60 s (:class:`collector.kv_replay.ReplayClient`): its gaps meanwhile are lost at once.
+    ``dp_ranks``: data-parallel ranks per pod; vLLM offsets a rank's endpoint by its rank even when it connects
+    (``ZmqEventPublisher.offset_endpoint_port``), so the socket binds ``endpoint`` and the next ``dp_ranks - 1``
+    ports (:func:`collector.kv_replay.rank_endpoint`). Raises ``zmq.ZMQError`` when one cannot be bound (e.g.
+    already bound by another socket).
     """
 
     def __init__(self, endpoint: str, topic_pods: dict[str, str] | None = None, max_messages: int = 1000,
                  *, checkpoints: CheckpointStore | None = None, replay_endpoints: dict[str, str] | None = None,
-                 replay_timeout_seconds: float = 2.0, replay_backoff_seconds: float = 5.0) -> None:
+                 replay_timeout_seconds: float = 2.0, replay_backoff_seconds: float = 5.0,
+                 dp_ranks: int = 1) -> None:
         self.endpoint = endpoint
         self.topic_pods = topic_pods or {}
         self.max_messages = max_messages
@@ -305,7 +310,12 @@ class KvEventSubscriber:
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        try:
+            for rank in range(dp_ranks):  # vLLM's rank r connects to (or binds) the configured port + r
+                self._sock.bind(rank_endpoint(endpoint, rank))
+        except (zmq.ZMQError, ValueError):
+            self._sock.close(linger=0)
+            raise
 
     def drop_next(self, n: int, topic: str | None = None) -> None:
         """TEST HOOK (never used by the collector): discard the next ``n`` messages received, only those of

@@ -6,7 +6,7 @@ DEALER sends ``[b"", start_seq]`` (8-byte big-endian) and receives ``[b"", topic
 buffered batch with ``seq >= start_seq``, in seq order, then the end marker ``[b"", b"", seq -1 (8 bytes,
 signed), b""]``. vLLM serves replays from its publisher thread between batches (at least every 0.1 s).
 With data parallelism each rank has its own publisher; rank ``r`` binds the configured port + ``r``
-(``ZmqEventPublisher.offset_endpoint_port``), as :func:`replay_endpoint` computes.
+(``ZmqEventPublisher.offset_endpoint_port``), as :func:`rank_endpoint` computes.
 
 This module also holds the collector's self-metrics about gaps (prometheus_client, default registry).
 """
@@ -46,8 +46,8 @@ class ReplayError(RuntimeError):
     """A replay request got no complete answer: bad endpoint, unreachable socket, or no end marker in time."""
 
 
-def replay_endpoint(endpoint: str, dp_rank: int | None) -> str:
-    """The replay endpoint of data-parallel rank ``dp_rank`` given rank 0's ``endpoint``: for ``tcp://host:port``
+def rank_endpoint(endpoint: str, dp_rank: int | None) -> str:
+    """The endpoint (publisher or replay) of data-parallel rank ``dp_rank`` given rank 0's ``endpoint``: for ``tcp://host:port``
     the port + rank (port 0 stays 0), for ``inproc://name`` ``name_dp<rank>`` (as vLLM's
     ``offset_endpoint_port``); rank None or 0 → ``endpoint`` unchanged. Raises ``ValueError`` on a tcp endpoint
     without a numeric port."""
@@ -136,7 +136,7 @@ class ReplayClient:
             return {}
         url = base
         try:
-            url = replay_endpoint(base, dp_rank)
+            url = rank_endpoint(base, dp_rank)
             failures, retry_at = self._failing.get(url, (0, 0.0))
             if time.monotonic() < retry_at:
                 raise ReplayError(f"backing off after {failures} failed replays")

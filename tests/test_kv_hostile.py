@@ -12,7 +12,9 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 import zmq
+from conftest import free_port
 from test_kv_bad_events import dead_letters
 from test_kv_event_gaps import (
     Pub,
@@ -34,6 +36,7 @@ from collector.events import Envelope
 from collector.kv_events import message_events
 from ingest.store import Store
 from kvscope.block_hash import block_digests, chain_hashes, external
+from kvscope.config import ConfigError, build_config
 
 
 def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **extra: object) -> BlockStored:
@@ -319,3 +322,44 @@ def test_another_batch_under_a_delivered_seq_is_a_dead_letter_not_a_duplicate(st
         sub.close()
         pub.close()
         other.close()
+
+
+def consecutive_ports() -> int:
+    """A free port whose next port is free too (vLLM's rank 1 uses port + 1)."""
+    while True:
+        port = free_port()
+        probe = zmq.Context.instance().socket(zmq.SUB)
+        try:
+            probe.bind(f"tcp://127.0.0.1:{port + 1}")
+            return port
+        except zmq.ZMQError:
+            continue
+        finally:
+            probe.close(linger=0)
+
+
+def test_every_data_parallel_rank_of_a_pod_reaches_the_collector() -> None:
+    """vLLM offsets the kv-events endpoint by the rank even when it connects (``offset_endpoint_port``): with
+    ``--data-parallel-size 2`` and the collector's address as endpoint, rank 1 connects to the collector's port
+    + 1, where nothing listened, so rank 1's events were never received (and, never seen, never reported as a
+    gap). The collector now binds one port per rank (``KVSCOPE_KV_EVENTS_DP_RANKS``)."""
+    topic, port = f"pod-{uuid.uuid4().hex[:8]}", consecutive_ports()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    sub = subscriber(endpoint, dp_ranks=2)
+    rank0, rank1 = Pub(endpoint, topic, dp_rank=0), Pub(endpoint, topic, dp_rank=1)  # the same configured endpoint
+    try:
+        out = warm_up(sub, rank0, topic)
+        out += warm_up(sub, rank1, topic, dp_rank=1)
+        assert {e.engine for e in out if e.schema == "kv_event_batch"} == {"0", "1"}
+        assert rank1.vllm._endpoint == f"tcp://127.0.0.1:{port + 1}"  # where vLLM's rank 1 sent them
+    finally:
+        sub.close()
+        rank0.close()
+        rank1.close()
+
+
+def test_the_number_of_data_parallel_ranks_is_checked_at_start() -> None:
+    assert build_config(environ={"KVSCOPE_KV_EVENTS_DP_RANKS": "4"}).kv_events_dp_ranks == 4
+    for bad in ("0", "257"):
+        with pytest.raises(ConfigError, match="KVSCOPE_KV_EVENTS_DP_RANKS"):
+            build_config(environ={"KVSCOPE_KV_EVENTS_DP_RANKS": bad})
