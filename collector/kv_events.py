@@ -157,6 +157,11 @@ def _unknown_type(name: str) -> str:
             f"{', '.join(KV_EVENT_TYPES)})")
 
 
+MAX_TOPIC_BYTES = 256
+"""The longest topic read: the topic names the pod (``pod`` of every row, a metric label, the Kafka key), so a
+message whose first frame is longer (not a vLLM topic: another program's one-frame message, say) is a dead letter
+under its first 256 bytes."""
+
 RECENT_SEQS = 1024
 """Seqs per stream whose batch_ts the subscriber keeps, to tell a duplicate from another batch under that seq."""
 
@@ -219,8 +224,8 @@ def _raw_event(raw: Any) -> str:
 
 def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None) -> list[Envelope]:
     """One multipart ZMQ message → ``[KvEventBatch envelope, DeadLetter envelope per bad event...]``, or
-    ``[DeadLetter envelope]`` when the message itself is malformed (not 3 frames, seq not 8 bytes, payload not
-    ``[ts, [events], dp_rank]``).
+    ``[DeadLetter envelope]`` when the message itself is malformed (not 3 frames, a topic over
+    :data:`MAX_TOPIC_BYTES`, seq not 8 bytes, payload not ``[ts, [events], dp_rank]``).
 
     The batch keeps the events that decoded with their position in vLLM's batch (``KvBlockEvent.idx``, stored as
     ``kv_block_events.idx``), so its seq still advances and its rows are the same on every re-send. Each bad
@@ -228,11 +233,13 @@ def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None
     seq <seq>:event <idx>``, raw its msgpack in base64, event id from (topic, dp_rank, seq, ts, idx), so a
     re-sent or replayed batch dead-letters it under the same id (stored once)."""
     now_ms = int(time.time() * 1000)
-    topic = frames[0].decode("utf-8", "replace").encode("utf-8", "replace").decode() if frames else ""
+    topic = frames[0][:MAX_TOPIC_BYTES].decode("utf-8", "replace").encode("utf-8", "replace").decode() if frames else ""
     pod = (topic_pods or {}).get(topic, topic or "unknown")
     try:
         if len(frames) != 3:
             raise BadKvMessage(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+        if len(frames[0]) > MAX_TOPIC_BYTES:  # the topic names the pod: it is in every row and label
+            raise BadKvMessage(f"topic of {len(frames[0])} bytes (a pod's topic has at most {MAX_TOPIC_BYTES})")
         if len(frames[1]) != 8:
             raise BadKvMessage(f"seq frame has {len(frames[1])} bytes, expected 8")
         seq = int.from_bytes(frames[1], "big")

@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from conftest import free_port
@@ -363,3 +364,29 @@ def test_the_number_of_data_parallel_ranks_is_checked_at_start() -> None:
     for bad in ("0", "257"):
         with pytest.raises(ConfigError, match="KVSCOPE_KV_EVENTS_DP_RANKS"):
             build_config(environ={"KVSCOPE_KV_EVENTS_DP_RANKS": bad})
+
+
+def test_a_first_frame_too_long_for_a_topic_names_no_pod(store: Store) -> None:
+    """The topic names the pod: the ``pod`` of every row, a metric label, the Kafka key. A one-frame message of
+    100 kB from another program on the collector's port, or a 3-frame batch under a 1 kB topic, made that frame
+    the pod's name. Both are now dead letters filed under the frame's first 256 bytes."""
+    endpoint = tcp()
+    sub = subscriber(endpoint)
+    plain = zmq.Context.instance().socket(zmq.PUB)  # another program speaking ZMQ to the collector's port
+    plain.connect(endpoint)
+    out: list[Envelope] = []
+    try:
+        long_topic = b"t" * 1000
+        payload = msgspec.msgpack.encode([time.time(), [{"type": "AllBlocksCleared"}], 0])
+        while len(out) < 2:  # a connecting PUB drops what it sends before the subscription reaches it
+            plain.send_multipart([b"x" * 100_000])
+            plain.send_multipart([long_topic, (1).to_bytes(8, "big"), payload])
+            out.extend(sub.poll(100)[0])
+        assert {e.schema for e in out} == {"dead_letter"} and max(len(e.pod) for e in out) <= 256
+        assert {e.payload.reason for e in out} == {"expected 3 frames [topic, seq, payload], got 1",
+                                                   "topic of 1000 bytes (a pod's topic has at most 256)"}
+        assert ingest(store, out)["dead_letters"] >= 2
+        assert store.query_rows("SELECT max(length(pod)), max(length(location)) FROM dead_letters") == [(256, 260)]
+    finally:
+        sub.close()
+        plain.close(linger=0)
