@@ -11,8 +11,10 @@ and ``topic_pods`` maps other topics).
 Gaps: ``seq`` counts batches per publisher (one per pod and data-parallel rank, from 0 at each vLLM start), so
 :class:`KvEventSubscriber` tracks each stream (topic, dp_rank). A seq past the last one + 1 is a gap
 (``missed``; ``collector_restart`` for the first batch after a start, compared with the checkpoint); a seq at
-or below the last one is a duplicate when its batch is not newer (batch_ts), else a restarted vLLM
-(``publisher_restart``, a gap when its first seq seen is not 0). Gaps are fetched back from the pod's replay
+or below the last one is a duplicate when its batch is not newer (batch_ts) and its seq was delivered with that
+batch_ts, a dead letter when that seq was delivered with another batch or when the batch is newer by less than
+:data:`MIN_RESTART_SECONDS` (two vLLM processes on one topic), else a restarted vLLM (``publisher_restart``, a gap
+when its first seq seen is not 0). Gaps are fetched back from the pod's replay
 socket (``collector/kv_replay.py``) and reported as ``KvEventGap`` events either way.
 
 Bad input costs only itself: a message that is not ``[topic, seq, payload]`` with payload ``[ts, [events],
@@ -161,6 +163,11 @@ MAX_TOPIC_BYTES = 256
 """The longest topic read: the topic names the pod (``pod`` of every row, a metric label, the Kafka key), so a
 message whose first frame is longer (not a vLLM topic: another program's one-frame message, say) is a dead letter
 under its first 256 bytes."""
+
+MIN_RESTART_SECONDS = 2.0
+"""A seq that goes back is a vLLM restart only when its batch is at least this much newer than the stream's last
+one: a restart loads the model before the scheduler creates its publisher (``vllm/v1/core/sched/scheduler.py``),
+which takes longer. Sooner, two vLLM processes publish on one topic, and the batch is dead-lettered."""
 
 RECENT_SEQS = 1024
 """Seqs per stream whose batch_ts the subscriber keeps, to tell a duplicate from another batch under that seq."""
@@ -399,9 +406,13 @@ class KvEventSubscriber:
         elif st.batch_ts is not None and b.batch_ts <= st.batch_ts:  # an older batch of the same publisher
             delivered_ts = self._delivered.get(key, {}).get(b.seq)
             if delivered_ts is not None and delivered_ts != b.batch_ts:
-                return [self._conflict(env, frames, delivered_ts)]
+                return [self._conflict(env, frames, f"seq {b.seq} was already delivered with another batch (ts "
+                                                    f"{delivered_ts}, this one {b.batch_ts})")]
             DUPLICATES.labels(env.pod).inc()
             return []
+        elif st.batch_ts is not None and b.batch_ts - st.batch_ts < MIN_RESTART_SECONDS:  # too soon for a restart
+            return [self._conflict(env, frames, f"seq went back from {st.seq} to {b.seq} "
+                                                f"{b.batch_ts - st.batch_ts:.3f} s after the stream's last batch")]
         else:  # seq went back and the batch is newer: vLLM restarted (and we missed its first batches if seq > 0)
             self._delivered.pop(key, None)
             if b.seq > 0:
@@ -418,16 +429,16 @@ class KvEventSubscriber:
             del delivered[next(iter(delivered))]
         return out
 
-    def _conflict(self, env: Envelope, frames: list[bytes], delivered_ts: float) -> Envelope:
-        """The dead letter of a batch whose seq this stream already delivered with another batch (another ts)."""
+    def _conflict(self, env: Envelope, frames: list[bytes], what: str) -> Envelope:
+        """The dead letter of a batch that cannot be the stream's next (``what`` says why): under a seq the stream
+        already delivered with another batch, or a seq that went back too soon for a vLLM restart."""
         b = env.payload
         assert isinstance(b, KvEventBatch)
         CONFLICTS.labels(env.pod).inc()
-        log.warning("KV-event batch under a seq already delivered with another batch; dead-lettered. pod=%s topic=%s "
-                    "dp_rank=%s seq=%d", env.pod, b.topic, b.dp_rank, b.seq)
-        reason = (f"seq {b.seq} was already delivered with another batch (ts {delivered_ts}, this one {b.batch_ts}): "
-                  f"two vLLM processes publish on topic {b.topic[:100]!r} (each needs its own), or one restarted "
-                  f"with its clock behind; not read")
+        log.warning("KV-event batch that cannot follow its stream; dead-lettered. pod=%s topic=%s dp_rank=%s seq=%d "
+                    "why=%s", env.pod, b.topic, b.dp_rank, b.seq, what)
+        reason = (f"{what}: two vLLM processes publish on topic {b.topic[:100]!r} (each needs its own), or one "
+                  f"restarted with its clock behind; not read")
         dl = DeadLetter(source="kv_events", reason=reason, raw=base64.b64encode(b"".join(frames))[:65536].decode(),
                         location=f"zmq:{b.topic}:{env.engine}:seq {b.seq}")
         return envelope(dl, pod=env.pod, natural_key=(b.topic, b.dp_rank, b.seq, b.batch_ts, "conflict"),

@@ -390,3 +390,37 @@ def test_a_first_frame_too_long_for_a_topic_names_no_pod(store: Store) -> None:
     finally:
         sub.close()
         plain.close(linger=0)
+
+
+def test_two_vllm_processes_on_one_topic_are_dead_lettered_not_taken_for_restarts() -> None:
+    """vLLM's default topic is "" and a fleet may well share one: two processes then publish on one stream. Each
+    time it switched from one to the other the seq went back (taken for a vLLM restart: a publisher_restart gap
+    and a replay of everything since seq 0) or jumped ahead (a missed gap of the other's seqs, counted lost):
+    20 batches made 20 false gaps and 280 batches counted lost. A seq that goes back within
+    MIN_RESTART_SECONDS of the stream's last batch cannot be a restart (vLLM loads the model before it creates
+    its publisher): it is now a dead letter naming the cause, so after one gap the stream follows one process
+    and the other's batches are dead letters."""
+    topic, endpoint = f"pod-{uuid.uuid4().hex[:8]}", tcp()
+    sub = subscriber(endpoint, replay_timeout_seconds=0.2)
+    first, second = Pub(endpoint, topic), Pub(endpoint, topic)
+    try:
+        out = warm_up(sub, first, topic)
+        for _ in range(30):  # the second has published longer: its seq is ahead
+            second.publish(1)
+            idle(sub, out, 0.02)
+        start = len(out)
+        for _ in range(10):
+            first.publish(1)
+            idle(sub, out, 0.05)
+            second.publish(1)
+            idle(sub, out, 0.05)
+        idle(sub, out, 0.5)
+        new = out[start:]
+        assert len(gaps(new)) <= 1 and not [g for g in gaps(new) if g.reason == "publisher_restart"]
+        dead = [e.payload for e in new if e.schema == "dead_letter"]
+        assert len(dead) >= 9 and all("two vLLM processes publish on topic" in d.reason for d in dead)
+        assert len(batches(new, topic)) + len(dead) == 20
+    finally:
+        sub.close()
+        first.close()
+        second.close()
