@@ -108,7 +108,7 @@ def fetch_replay(endpoint: str, first_seq: int, last_seq: int, timeout_seconds: 
 class ReplayClient:
     """Replays for many pods: ``endpoints`` maps pod → rank-0 replay endpoint (read at each call, so the caller
     may change it); ``decode`` turns a live-format message into envelopes, the batch first
-    (``kv_events.message_events``).
+    (``kv_decode.message_events``).
     Keeps which endpoints are failing, to log one WARNING per outage and to stop asking one that failed: after
     its n-th failure in a row an endpoint is not asked for ``backoff_seconds`` · 2^(n-1) seconds (at most 60),
     so an endpoint that never answers costs one timeout per backoff, not one per gap (each gap would hold the

@@ -23,7 +23,7 @@ import pytest
 
 from collector.events import KvBlockEvent
 from collector.kv_chains import BlockChains
-from collector.kv_events import message_events
+from collector.kv_decode import message_events
 from kvscope.block_hash import DEFAULT_SEED, block_digests, chain_hashes, external, hash_function, none_hash
 
 CAPTURE = Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_kv_events.json"

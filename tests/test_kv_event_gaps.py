@@ -30,7 +30,8 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, 
 
 from collector.checkpoint import CheckpointStore
 from collector.events import Envelope, KvEventBatch, KvEventGap
-from collector.kv_events import MIN_RESTART_SECONDS, KvEventSubscriber, checkpoint_key, message_events
+from collector.kv_decode import message_events
+from collector.kv_events import MIN_RESTART_SECONDS, KvEventSubscriber, checkpoint_key
 from kvscope.block_hash import chain_hashes
 
 

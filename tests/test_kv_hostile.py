@@ -34,7 +34,7 @@ from test_kv_residency import ingest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 
 from collector.events import Envelope
-from collector.kv_events import message_events
+from collector.kv_decode import message_events
 from ingest.store import Store
 from kvscope.block_hash import block_digests, chain_hashes, external
 from kvscope.config import ConfigError, build_config
