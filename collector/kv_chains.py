@@ -88,7 +88,10 @@ class BlockChains:
         (BlockStored with token ids); other events, and events already converted, are returned with their
         ``extra_keys`` dropped. ``chain_hashes`` has one entry per ``block_hashes`` entry: 0 when the parent is
         unknown, when the token ids do not fill the blocks, when ``block_size`` is 0, when ``extra_keys`` has not
-        one entry per block, and from the first block whose keys :func:`block_keys` cannot tag on."""
+        one entry per block, and from the first block whose keys :func:`block_keys` cannot tag on; 0 for every block
+        when the token ids are not exactly ``block_size`` per block hash (vLLM publishes the token range of every
+        block it cached but no hash for a null or masked-out block, ``vllm/v1/core/block_pool.py``
+        ``cache_full_blocks``: which tokens each hash covers is then unknown)."""
         if e.type != "BlockStored" or (not e.token_ids and e.token_count is not None):
             return msgspec.structs.replace(e, extra_keys=None) if e.extra_keys else e
         chains = self._chains(e)
@@ -103,7 +106,7 @@ class BlockChains:
             if parent is None:
                 return [0] * n
             self._touch(e.parent_block_hash, parent)
-        if e.block_size <= 0 or len(e.token_ids) < n * e.block_size:
+        if e.block_size <= 0 or len(e.token_ids) != n * e.block_size:
             return [0] * n
         keys: list[Any] = [None] * n
         if e.extra_keys is not None:

@@ -101,6 +101,7 @@ class Collector:
     gateway_logs: list[str] = field(default_factory=list)
     kv_events_endpoint: str | None = None
     kv_events_replay: dict[str, str] = field(default_factory=dict)
+    kv_events_dp_ranks: int = 1
     checkpoints: CheckpointStore = field(default_factory=lambda: CheckpointStore(None))
     #: the scrape journal's own file (its state is large at many pods and rewritten every round); None = the
     #: sources' file
@@ -301,7 +302,7 @@ class Collector:
             loops.append((f"tail:{path}", lambda src=source: self._log_loop(src)))
         if self.kv_events_endpoint:
             sub = KvEventSubscriber(self.kv_events_endpoint, checkpoints=self.checkpoints,
-                                    replay_endpoints=self.kv_events_replay)
+                                    replay_endpoints=self.kv_events_replay, dp_ranks=self.kv_events_dp_ranks)
             loops.append(("kv_events", lambda: self._kv_loop(sub)))
         for name, fn in loops:
             th = threading.Thread(target=fn, name=f"collector-{name}", daemon=True)

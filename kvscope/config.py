@@ -47,6 +47,9 @@ SETTINGS: list[Setting] = [
             "each name and each URL once"),
     Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
+    Setting("kv_events_dp_ranks", 1, "Data-parallel ranks per vLLM pod (its --data-parallel-size): vLLM's rank r "
+            "publishes to the kv-events endpoint's port + r, so the collector binds that many consecutive ports from "
+            "KVSCOPE_KV_EVENTS_ENDPOINT's (1 to 256)", int),
     Setting("kv_events_replay", "", "Comma-separated POD=tcp://host:port of each pod's vLLM KV-event replay socket "
             "(its kv-events-config replay_endpoint); missed batches are fetched from there"),
     Setting("state_dir", "", "Where the collector keeps its checkpoints (log offsets, KV-event sequence numbers); "
@@ -121,6 +124,7 @@ class Config:
     vllm: str
     gateway_log: str
     kv_events_endpoint: str
+    kv_events_dp_ranks: int
     kv_events_replay: str
     state_dir: str
     queue_max_bytes: int
@@ -197,6 +201,8 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
         if not 1 <= days <= MAX_RETENTION_DAYS:
             raise ConfigError(f"{BY_NAME[name].env}={days}: expected whole days from 1 to {MAX_RETENTION_DAYS} "
                               "(fewer expires every row; more passes the end of ClickHouse's DateTime range, 2106)")
+    if not 1 <= cfg.kv_events_dp_ranks <= 256:
+        raise ConfigError(f"KVSCOPE_KV_EVENTS_DP_RANKS={cfg.kv_events_dp_ranks}: expected 1 to 256 ranks")
     if cfg.gateway_block_size < 0:
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
     return cfg

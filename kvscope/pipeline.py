@@ -151,6 +151,7 @@ class Pipeline:
             self.collector = Collector(
                 publisher=publisher, targets=[parse_target(t) for t in self.cfg.list("vllm")],
                 gateway_logs=self.cfg.list("gateway_log"), kv_events_endpoint=self.cfg.kv_events_endpoint or None,
+                kv_events_dp_ranks=self.cfg.kv_events_dp_ranks,
                 kv_events_replay=parse_replay(self.cfg.list("kv_events_replay")),
                 checkpoints=CheckpointStore(checkpoint_path(self.cfg)),
                 scrape_checkpoints=CheckpointStore(checkpoint_path(self.cfg).with_suffix(".scrapes.json")),

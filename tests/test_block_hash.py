@@ -24,7 +24,7 @@ import pytest
 
 from collector.events import KvBlockEvent
 from collector.kv_chains import BlockChains
-from collector.kv_events import message_events
+from collector.kv_decode import message_events
 from kvscope.block_hash import (
     DEFAULT_SEED,
     block_digests,
@@ -251,7 +251,8 @@ def test_the_collector_chains_salted_blocks_as_vllm_and_the_gateway_do(monkeypat
     assert got == wire == chain_hashes(tokens, 16, cache_salt=secret) != chain_hashes(tokens, 16)
 
     lora_hashes, lora_keys = vllm_request_hashes(v, tokens, 16, cache_salt=secret, lora=("ad-1", "/models/ad-1"))
-    lora_event = {"block_hashes": [external(h) for h in lora_hashes], "parent_block_hash": None, "token_ids": tokens,
+    lora_event = {"block_hashes": [external(h) for h in lora_hashes], "parent_block_hash": None,
+                  "token_ids": tokens[:96],
                   "block_size": 16, "lora_name": "ad-1", "extra_keys": v["to_event_extra_keys"](lora_keys)}
     assert lora_event["extra_keys"][:2] == [("ad-1", secret), ("ad-1",)]
     (env,) = message_events(stored_frames([lora_event], 0, "pod-1"))

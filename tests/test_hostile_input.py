@@ -12,7 +12,7 @@ import pytest
 from collector.checkpoint import CheckpointStore
 from collector.events import GatewayRequest, envelope
 from collector.gateway_log import GatewayLogSource, read_file
-from collector.kv_events import message_events
+from collector.kv_decode import message_events
 from collector.publish import MemoryQueue, QueuePublisher
 from ingest.ingester import Ingester
 from ingest.source import QueueSource

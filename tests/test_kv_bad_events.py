@@ -19,7 +19,7 @@ from test_kv_residency import ingest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from collector.events import Envelope
-from collector.kv_events import message_events
+from collector.kv_decode import message_events
 from collector.kv_replay import fetch_replay
 from ingest.store import Store
 from kvscope.block_hash import chain_hashes

@@ -30,7 +30,8 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, 
 
 from collector.checkpoint import CheckpointStore
 from collector.events import Envelope, KvEventBatch, KvEventGap
-from collector.kv_events import KvEventSubscriber, checkpoint_key, message_events
+from collector.kv_decode import message_events
+from collector.kv_events import MIN_RESTART_SECONDS, KvEventSubscriber, checkpoint_key
 from kvscope.block_hash import chain_hashes
 
 
@@ -324,7 +325,7 @@ def test_publisher_restart_at_seq_0_is_no_gap_and_its_missed_first_batches_are_r
         pub.close()
         before = gap_metrics(topic)
         pub = Pub(endpoint, topic, replay)  # vLLM restarted: seq starts at 0 again
-        idle(sub, out, 1.0)  # let the link come up before vLLM publishes seq 0
+        idle(sub, out, MIN_RESTART_SECONDS)  # the link comes up; a restart takes at least this long
         start = len(out)
         pub.publish(3)
         collect(sub, out, lambda: sum(1 for b in batches(out[start:], topic)) == 3)
@@ -333,7 +334,7 @@ def test_publisher_restart_at_seq_0_is_no_gap_and_its_missed_first_batches_are_r
 
         pub.close()
         pub = Pub(endpoint, topic, replay)  # restarted again; this time its first two batches are lost
-        idle(sub, out, 1.0)
+        idle(sub, out, MIN_RESTART_SECONDS)
         start = len(out)
         sub.drop_next(2)
         pub.publish(4)

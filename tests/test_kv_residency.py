@@ -20,7 +20,7 @@ import pytest
 
 from collector.events import Envelope, KvEventGap, envelope
 from collector.kv_chains import BlockChains
-from collector.kv_events import message_events
+from collector.kv_decode import message_events
 from collector.publish import MemoryQueue, QueuePublisher
 from ingest.ingester import Ingester
 from ingest.source import QueueSource
