@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -23,23 +24,26 @@ import msgspec
 from collector.events import DeadLetter, envelope
 from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
-from ingest.dedup import absent_rows
+from ingest.dedup import absent_rows, conflict_reason
 from ingest.errors import RejectedRows, TooManyPartitions
 from ingest.retention import Retention, Retentions
 from ingest.rows import COLUMNS, GATEWAY_HASH_LISTS, dead_letter_row
 from ingest.store import Store
-from kvscope.importer import import_events
+from kvscope.importer import ingest_events
 
 
 @dataclass
 class LoadStats:
     """What a load did: ``lines`` read, ``rows`` inserted into gateway_requests, ``duplicates`` dropped (the
-    store held them), ``expired`` not loaded because they are older than gateway_requests' retention
-    (:mod:`ingest.retention`; one dead letter per chunk names them), ``dead_letters`` written."""
+    store held them, or an earlier line of the file, with the same values), ``conflicts`` not loaded because
+    the store holds their (request_id, ts) with other values (one dead letter each, the stored row kept),
+    ``expired`` not loaded because they are older than gateway_requests' retention (:mod:`ingest.retention`;
+    one dead letter per chunk names them), ``dead_letters`` written."""
 
     lines: int = 0
     rows: int = 0
     duplicates: int = 0
+    conflicts: int = 0
     expired: int = 0
     dead_letters: int = 0
 
@@ -90,10 +94,27 @@ _NORMALIZED = {
 }
 
 
+#: The columns a conflict is judged on: every column the line sets (ingest.dedup: the live path compares the same).
+_CONTENT = [c for c in COLUMNS["gateway_requests"] if c not in ("request_id", "ts")]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """What :meth:`_JsonStage.insert_absent` did with a chunk's lines: ``inserted`` (rows), ``expired`` (the
+    request ids of the lines older than the retention, in order) and ``conflicts`` (index of the line in the
+    chunk's lines, its (request_id, ts), the columns that differ from the stored row), in line order."""
+
+    inserted: int
+    expired: list[str]
+    conflicts: list[tuple[int, tuple[str, datetime], tuple[str, ...]]]
+
+
 class _JsonStage:
-    """A Memory table with gateway_requests' columns (and the usage fields) that ClickHouse fills from the
-    validated lines' JSON (its parser, not Python's, builds the columns), then moves into gateway_requests
-    minus what it holds, token counts normalized (:data:`_NORMALIZED`)."""
+    """A Memory table with gateway_requests' columns (and the usage fields, and each line's number) that
+    ClickHouse fills from the validated lines' JSON (its parser, not Python's, builds the columns), then moves
+    into gateway_requests minus what it holds, token counts normalized (:data:`_NORMALIZED`); a line whose
+    (request_id, ts) is stored, or taken by an earlier line, with other values is a conflict (found in
+    ClickHouse too)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -102,31 +123,51 @@ class _JsonStage:
         store.command(f"CREATE TABLE {self.name} ENGINE = Memory AS SELECT {cols} FROM gateway_requests WHERE 0")
         store.command(f"ALTER TABLE {self.name} ADD COLUMN usage_convention Nullable(String), "
                       "ADD COLUMN cache_read_input_tokens Nullable(UInt32), "
-                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), "
+                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), ADD COLUMN line_no UInt32, "
                       + ", ".join(f"MODIFY COLUMN {c} Array(String)" for c in GATEWAY_HASH_LISTS))
 
-    def insert_absent(self, lines: list[bytes], retention: Retention | None) -> tuple[int, list[str]]:
-        """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold and that are not
-        older than ``retention`` (:mod:`ingest.retention`); returns (how many were inserted, the request ids
-        of the expired lines, in order). Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a
-        line the decoder accepted (the caller then loads that chunk line by line), or what the store raises."""
+    def insert_absent(self, lines: list[bytes], retention: Retention | None) -> _Chunk:
+        """Insert the rows of ``lines`` (records encoded as JSON objects) that the store does not hold and that are
+        not older than ``retention`` (:mod:`ingest.retention`); of lines sharing a (request_id, ts), the first.
+        A line whose (request_id, ts) the store then holds with other values in any column the line sets is a
+        conflict (:data:`_CONTENT`, compared in ClickHouse, NULL equal to NULL); looked for only when some line
+        was not inserted. Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder
+        accepted (the caller then loads that chunk line by line), or what the store raises."""
         cols = ", ".join(COLUMNS["gateway_requests"])
-        exprs = ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
         self.store.command(f"TRUNCATE TABLE {self.name}")
-        self.store.insert_raw(self.name, b"\n".join(lines), "JSONEachRow", _JSON_SETTINGS)
+        numbered = b"\n".join(b'{"line_no":%d,%s' % (i, line[1:]) for i, line in enumerate(lines))
+        self.store.insert_raw(self.name, numbered, "JSONEachRow", _JSON_SETTINGS)
         expired: list[str] = []
         live, params = "1", {}
         if retention is not None:  # as Retention.expired: the TTL's whole seconds at or before the cutoff
             live, params = "toDateTime(ts) > {cutoff:DateTime('UTC')}", {"cutoff": retention.cutoff}
             expired = [str(r[0]) for r in self.store.query_rows(
                 f"SELECT request_id FROM {self.name} WHERE NOT ({live}) ORDER BY ts, request_id", params)]
+        stored = (f"SELECT request_id, ts{{}} FROM gateway_requests WHERE ts >= (SELECT min(ts) FROM {self.name}) "
+                  f"AND ts <= (SELECT max(ts) FROM {self.name}) AND (request_id, ts) IN "
+                  f"(SELECT request_id, ts FROM {self.name})")
         before = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0]
         self.store.command(
-            f"INSERT INTO gateway_requests ({cols}) SELECT {exprs} FROM {self.name} WHERE {live} "
-            f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests "
-            f"WHERE ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})) "
-            "LIMIT 1 BY request_id, ts", params)
-        return self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before, expired
+            f"INSERT INTO gateway_requests ({cols}) SELECT {self._exprs()} FROM {self.name} WHERE {live} "
+            f"AND (request_id, ts) NOT IN ({stored.format('')}) ORDER BY line_no LIMIT 1 BY request_id, ts", params)
+        inserted = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before
+        conflicts: list[tuple[int, tuple[str, datetime], tuple[str, ...]]] = []
+        if inserted < len(lines) - len(expired):  # some line was a copy: of what is stored, or not?
+            differ = ", ".join(f"if(isNotDistinctFrom(s.{c}, g.{c}), '', '{c}')" for c in _CONTENT)
+            conflicts = [(int(r[0]), (r[1], r[2]), tuple(r[3])) for r in self.store.query_rows(
+                "SELECT line_no, any(request_id), any(ts), argMin(differ, length(differ)) AS d FROM ("
+                f"SELECT s.line_no AS line_no, s.request_id AS request_id, s.ts AS ts, "
+                f"arrayFilter(x -> x != '', [{differ}]) AS differ "
+                f"FROM (SELECT line_no, {self._exprs()} FROM {self.name} WHERE {live}) AS s "
+                f"INNER JOIN ({stored.format(', ' + ', '.join(_CONTENT))}) AS g "
+                "ON s.request_id = g.request_id AND s.ts = g.ts) "
+                "GROUP BY line_no HAVING length(d) > 0 ORDER BY line_no", params)]
+        return _Chunk(inserted, expired, conflicts)
+
+    @staticmethod
+    def _exprs() -> str:
+        """gateway_requests' columns as the stage's SELECT computes them (:data:`_NORMALIZED`)."""
+        return ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
 
     def drop(self) -> None:
         self.store.command(f"DROP TABLE IF EXISTS {self.name}")
@@ -141,6 +182,17 @@ def _expired_letter(path: Path, chunk: list[tuple[int, bytes]], expired: list[st
     raw = "\n".join(expired)[:MAX_RAW]
     dl = DeadLetter(source="gateway_log", reason=reason, raw=raw, location=f"{path}:{first}-{last}")
     ev = envelope(dl, pod=pod, natural_key=(str(path), first, last, "expired"), observed_at_ms=now_ms)
+    return dead_letter_row(ev, dl)
+
+
+def _conflict_letter(path: Path, offset: int, line: bytes, key: tuple[str, datetime], differ: tuple[str, ...],
+                     pod: str, now_ms: int) -> tuple:
+    """The dead letter of a line whose (request_id, ts) the store holds with other values: its place, the reason
+    (:func:`ingest.dedup.conflict_reason`) and the line; keyed by its place and text (a re-import adds none)."""
+    text = line[:MAX_RAW].decode("utf-8", "replace")
+    dl = DeadLetter(source="gateway_log", reason=conflict_reason("gateway_requests", key, differ), raw=text,
+                    location=f"{path}:{offset}")
+    ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256], "conflict"), observed_at_ms=now_ms)
     return dead_letter_row(ev, dl)
 
 
@@ -164,12 +216,14 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     try:
         for chunk in _chunks(path, lines_per_chunk):
             good: list[bytes] = []
+            good_at: list[tuple[int, bytes]] = []  # (offset, line) of each good line
             dead = []
             for offset, line in chunk:
                 try:
                     if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
                         raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
                     good.append(_encode(decode_record(line)))
+                    good_at.append((offset, line))
                 except BadRecord as exc:
                     text = line[:MAX_RAW].decode("utf-8", "replace")
                     dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW],
@@ -178,19 +232,23 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                     dead.append(dead_letter_row(ev, dl))
             stats.lines += len(chunk)
             if good:
-                expired: list[str] = []
                 try:
-                    inserted, expired = json_stage.insert_absent(good, retentions.get("gateway_requests"))
+                    done = json_stage.insert_absent(good, retentions.get("gateway_requests"))
+                    inserted, expired, conflicts = done.inserted, done.expired, len(done.conflicts)
+                    dead.extend(_conflict_letter(path, *good_at[i], key, differ, pod, now_ms)
+                                for i, key, differ in done.conflicts)
                 except (RejectedRows, TooManyPartitions):  # ClickHouse refused a line the decoder accepted, or
                     # the chunk spans more partitions than the server lets this user write at once: this chunk
-                    # through the live path (rows in halves until they fit; a refused row becomes a dead letter
-                    # with the store's reason)
+                    # through the live path (rows in halves until they fit; a refused or conflicting row becomes
+                    # a dead letter with its reason)
                     events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]
-                    written = import_events(store, [e for e in events if e.schema == "gateway_request"])
-                    inserted = written.get("gateway_requests", 0)
-                    stats.dead_letters += written.get("dead_letters", 0)
+                    ingester = ingest_events(store, [e for e in events if e.schema == "gateway_request"])
+                    inserted, expired = ingester.rows_written.get("gateway_requests", 0), []
+                    conflicts = ingester.rows_conflicting.get("gateway_requests", 0)
+                    stats.dead_letters += ingester.rows_written.get("dead_letters", 0)
                 stats.rows += inserted
-                stats.duplicates += len(good) - len(expired) - inserted
+                stats.conflicts += conflicts
+                stats.duplicates += len(good) - len(expired) - inserted - conflicts
                 if expired:  # one dead letter per chunk: its count, reason and request ids
                     stats.expired += len(expired)
                     dead.append(_expired_letter(path, chunk, expired, retentions.get("gateway_requests"), pod,

@@ -30,7 +30,7 @@ from prometheus_client import Counter, Gauge
 from collector.events import ContractError, decode_batch, encode_batch
 from collector.gateway_record import LATEST
 from collector.publish import Message
-from ingest.dedup import absent_rows
+from ingest.dedup import IDENTITY, check_rows, conflict_reason
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
 from ingest.retention import Retentions
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
@@ -44,6 +44,8 @@ ROWS_DUPLICATE = Counter("kvscope_ingest_rows_duplicate", "Rows dropped because 
                          "(redelivery, a collector re-send, a re-import)", ["table"])
 DEAD_LETTERS = Counter("kvscope_dead_letters", "Inputs dead-lettered, by source", ["source"])
 INGEST_ERRORS = Counter("kvscope_ingest_errors", "Ingest failures by kind", ["kind"])
+ROWS_CONFLICTING = Counter("kvscope_ingest_rows_conflicting", "Rows not inserted because the store (or an earlier "
+                           "row of the batch) holds their identity with other values; dead-lettered", ["table"])
 ROWS_EXPIRED = Counter("kvscope_ingest_rows_expired", "Rows not inserted because they are already older than their "
                        "table's retention (ClickHouse would drop them at insert); dead-lettered", ["table"])
 RETRIES = Counter("kvscope_ingest_retries", "Batches retried after a failure that may pass, by reason", ["reason"])
@@ -99,7 +101,8 @@ class Ingester:
 
     ``handle(messages)`` writes one batch (retrying until it lands or ``stop`` is set) and commits it;
     ``run_once`` polls and handles one batch; ``run`` loops until ``stop`` is set. Bad data never raises.
-    ``rows_written`` counts rows this ingester inserted, per table.
+    ``rows_written`` counts rows this ingester inserted, per table; ``rows_conflicting`` the rows it
+    dead-lettered because the store held their identity with other values (:func:`ingest.dedup.check_rows`).
     """
 
     def __init__(self, store: Store, source: Source, *, max_messages: int = 500, poll_timeout_ms: int = 500,
@@ -111,6 +114,7 @@ class Ingester:
         self.max_backoff_seconds = max_backoff_seconds
         self.messages_handled = 0
         self.rows_written: dict[str, int] = defaultdict(int)
+        self.rows_conflicting: dict[str, int] = defaultdict(int)
         self.retentions = Retentions(store)
 
     # -- writing one table ------------------------------------------------------------------------------
@@ -118,10 +122,12 @@ class Ingester:
         """Insert the rows the store does not hold yet; isolate and dead-letter rows it refuses as data."""
         columns = COLUMNS[table]
         rows = self._set_aside_expired(table, rows)
-        keep = absent_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
-        if len(keep) < len(rows):
-            ROWS_DUPLICATE.labels(table).inc(len(rows) - len(keep))
-        todo = [rows[i] for i in keep]
+        verdict = check_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
+        if len(verdict.keep) + len(verdict.conflicts) < len(rows):
+            ROWS_DUPLICATE.labels(table).inc(len(rows) - len(verdict.keep) - len(verdict.conflicts))
+        if verdict.conflicts:
+            self._dead_letter_conflicts(table, [(rows[i], differ) for i, differ in verdict.conflicts.items()])
+        todo = [rows[i] for i in verdict.keep]
         if not todo:
             return
         try:
@@ -172,6 +178,23 @@ class Ingester:
                                                              else "")
             self._write("dead_letters", [(contract_dead_letter(reason, origin.location, raw, origin.pod), origin)])
         return [rows[i] for i in keep]
+
+    def _dead_letter_conflicts(self, table: str, items: list[tuple[tuple[tuple[Any, ...], Origin], tuple[str, ...]]]
+                               ) -> None:
+        """One dead letter per conflicting row (:func:`ingest.dedup.check_rows`): the reason names its identity and
+        the columns that differ, ``raw`` is the row as JSON. Its id comes from the table and the row, not from
+        where it was read, so the same conflicting line read again adds no second dead letter."""
+        ROWS_CONFLICTING.labels(table).inc(len(items))
+        self.rows_conflicting[table] += len(items)
+        letters = []
+        for (row, origin), differ in items:
+            values = dict(zip(COLUMNS[table], row, strict=False))
+            raw = json.dumps(values, default=str, ensure_ascii=False)
+            reason = conflict_reason(table, [values[c] for c in IDENTITY[table].columns], differ)
+            log.error("%s; dead-lettered. location=%s", reason, origin.location)
+            letters.append((contract_dead_letter(reason, origin.location, raw, origin.pod,
+                                                 natural_key=f"conflict:{table}:{raw}"), origin))
+        self._write("dead_letters", letters)
 
     def _dead_letter_refused(self, table: str, item: tuple[tuple[Any, ...], Origin], exc: RejectedRows) -> None:
         row, origin = item
