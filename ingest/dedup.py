@@ -25,6 +25,7 @@ when a revoked member finishes a batch its successor already re-polled); docs/re
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -60,8 +61,8 @@ class Verdict:
 
 IDENTITY: dict[str, Identity] = {
     "gateway_requests": Identity(("request_id", "ts"), "ts", content=True),
-    "vllm_metrics": Identity(("pod", "ts"), "ts"),
-    "vllm_cache_config": Identity(("pod", "ts"), "ts"),
+    "vllm_metrics": Identity(("pod", "ts"), "ts", content=True),
+    "vllm_cache_config": Identity(("pod", "ts"), "ts", content=True),
     "kv_block_events": Identity(("event_id",), "ts"),
     "kv_event_gaps": Identity(("event_id",), None),
     "dead_letters": Identity(("event_id",), None),
@@ -70,12 +71,16 @@ IDENTITY: dict[str, Identity] = {
 
 
 def _normal(value: Any) -> Any:
-    """Identity values as comparable keys: datetimes as naive UTC with millisecond precision (what a
-    DateTime64(3, 'UTC') column holds, whichever way the client hands it back)."""
+    """Values as comparable, hashable keys: datetimes as naive UTC with millisecond precision (what a
+    DateTime64(3, 'UTC') column holds, whichever way the client hands it back), arrays and maps as tuples."""
     if isinstance(value, datetime):
         if value.tzinfo is not None:
             value = value.astimezone(UTC).replace(tzinfo=None)
         return value.replace(microsecond=value.microsecond // 1000 * 1000)
+    if isinstance(value, list | tuple):
+        return tuple(_normal(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _normal(v)) for k, v in value.items()))
     return value
 
 
@@ -91,12 +96,13 @@ def check_rows(store: Store, table: str, rows: Sequence[tuple[Any, ...]], column
     """Which of ``rows`` (tuples in ``columns`` order) ``table`` does not hold yet, and which conflict with it.
 
     ``groups``: the envelope each row came from (rows of one envelope share its identity when the identity
-    is the envelope's event id: a scrape's 447 samples). When a batch carries one identity in several
-    envelopes (a message delivered twice), only the first envelope's rows are kept. Default: every row its
-    own envelope. Tables without an :data:`IDENTITY` entry keep every row. For a table whose identity has
-    ``content``, a row whose identity is stored (or taken by an earlier envelope of the batch) with other
-    values in any of ``columns`` is a conflict (:class:`Verdict`); equal to any stored row with its identity,
-    it is a redelivery. Raises what :meth:`Store.query_rows` raises (StoreUnavailable: retry the batch).
+    is the envelope's event id or a scrape's (pod, ts): a scrape's 447 samples). When a batch carries one
+    identity in several envelopes (a message delivered twice), only the first envelope's rows are kept. Default:
+    every row its own envelope. Tables without an :data:`IDENTITY` entry keep every row. For a table whose
+    identity has ``content``, an envelope's rows whose identity is stored (or taken by an earlier envelope of
+    the batch) are a redelivery when each of them is among the stored rows (or the earlier envelope's) with
+    that identity, equal in every one of ``columns``; otherwise they are all a conflict (:class:`Verdict`).
+    Raises what :meth:`Store.query_rows` raises (StoreUnavailable: retry the batch).
     """
     ident = IDENTITY.get(table)
     if ident is None or not rows:
@@ -104,43 +110,42 @@ def check_rows(store: Store, table: str, rows: Sequence[tuple[Any, ...]], column
     groups = groups if groups is not None else range(len(rows))
     pos = [columns.index(c) for c in ident.columns]
     keys = [tuple(_normal(row[p]) for p in pos) for row in rows]
+    members: dict[tuple[tuple[Any, ...], int], list[int]] = {}  # (identity, envelope) → its rows, in order
+    for i, (key, group) in enumerate(zip(keys, groups, strict=True)):
+        members.setdefault((key, group), []).append(i)
     present = _present(store, table, ident, rows, columns, keys)
+    if ident.content and present:
+        present = _stored_rows(store, table, ident, columns, present)
     keep: list[int] = []
     conflicts: dict[int, tuple[str, ...]] = {}
-    owner: dict[tuple[Any, ...], tuple[int, int]] = {}  # identity → (group, index) of the batch's first row
-    for i, (key, group) in enumerate(zip(keys, groups, strict=True)):
-        first = owner.setdefault(key, (group, i))
-        if key in present:
-            earlier = present[key]
-        elif first[0] == group:
-            keep.append(i)
-            continue
-        else:
-            earlier = [rows[first[1]]]
-        if ident.content:
-            differ = _differ(columns, rows[i], earlier)
-            if differ:
-                conflicts[i] = differ
-    return Verdict(keep, conflicts)
+    owner: dict[tuple[Any, ...], int] = {}  # identity → the batch's first envelope with it
+    for (key, group), mine in members.items():
+        first = owner.setdefault(key, group)
+        if key not in present and first == group:
+            keep.extend(mine)
+        elif ident.content:
+            earlier = present.get(key) or [rows[i] for i in members[(key, first)]]
+            differ = _differ(columns, [rows[i] for i in mine], earlier, ident.columns)
+            conflicts.update(dict.fromkeys(mine, differ) if differ else {})
+    return Verdict(sorted(keep), conflicts)
 
 
-def _differ(columns: Sequence[str], row: tuple[Any, ...], earlier: list[tuple[Any, ...]]) -> tuple[str, ...]:
-    """() when ``row`` equals one of ``earlier`` (rows in ``columns`` order) in every column, else the columns in
-    which it differs from the first of them."""
-    mine = [_normal(v) for v in row]
-    found = ()
-    for other in earlier:
-        differ = tuple(c for c, a, b in zip(columns, mine, other, strict=True) if a != _normal(b))
-        if not differ:
-            return ()
-        found = found or differ
-    return found
+def _differ(columns: Sequence[str], mine: list[tuple[Any, ...]], earlier: list[tuple[Any, ...]],
+            identity: Sequence[str]) -> tuple[str, ...]:
+    """() when every row of ``mine`` is among ``earlier`` (rows in ``columns`` order; a multiset), else the
+    columns in which the rows that are not hold a value no row of ``earlier`` holds (all but the identity's when
+    each value is found but not together)."""
+    theirs = Counter(tuple(_normal(v) for v in r) for r in earlier)
+    extra = list((Counter(tuple(_normal(v) for v in r) for r in mine) - theirs).elements())
+    if not extra:
+        return ()
+    differ = tuple(c for j, c in enumerate(columns) if {r[j] for r in extra} - {r[j] for r in theirs})
+    return differ or tuple(c for c in columns if c not in identity)
 
 
 def _present(store: Store, table: str, ident: Identity, rows: Sequence[tuple[Any, ...]], columns: Sequence[str],
              keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], list[tuple[Any, ...]]]:
-    """The identities of ``keys`` that ``table`` holds → their stored rows in ``columns`` order (when the
-    identity has ``content``; else [])."""
+    """The identities of ``keys`` that ``table`` holds (→ [], filled by :func:`_stored_rows`)."""
     first = sorted({k[0] for k in keys})
     where = f"{ident.columns[0]} IN {{ids:Array(String)}}"
     params: dict[str, Any] = {"ids": first}
@@ -150,26 +155,41 @@ def _present(store: Store, table: str, ident: Identity, rows: Sequence[tuple[Any
         where += (f" AND {ident.ts_column} >= {{lo:DateTime64(3, 'UTC')}}"
                   f" AND {ident.ts_column} <= {{hi:DateTime64(3, 'UTC')}}")
         params.update(lo=min(stamps), hi=max(stamps))
-    n = len(ident.columns)
-    if not ident.content:
-        found = store.query_rows(f"SELECT DISTINCT {', '.join(ident.columns)} FROM {table} WHERE {where}", params)
-        return {tuple(_normal(v) for v in r): [] for r in found}
-    out: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
-    for r in store.query_rows(f"SELECT {', '.join((*ident.columns, *columns))} FROM {table} WHERE {where}", params):
-        out.setdefault(tuple(_normal(v) for v in r[:n]), []).append(tuple(r[n:]))
+    cols = ", ".join(ident.columns)
+    found = store.query_rows(f"SELECT DISTINCT {cols} FROM {table} WHERE {where}", params)
+    wanted = set(keys)
+    return {k: [] for k in (tuple(_normal(v) for v in r) for r in found) if k in wanted}
+
+
+def _stored_rows(store: Store, table: str, ident: Identity, columns: Sequence[str],
+                 present: dict[tuple[Any, ...], list[tuple[Any, ...]]]) -> dict[tuple[Any, ...], list[tuple[Any, ...]]]:
+    """``present`` with the stored rows (in ``columns`` order) of each identity: one more query, read only when a
+    batch holds identities the table has (a redelivery or a conflict). Identities of (String, DateTime64) only."""
+    first, second = ident.columns
+    found = store.query_rows(
+        f"SELECT {first}, {second}, {', '.join(columns)} FROM {table} WHERE {first} IN {{ids:Array(String)}} "
+        f"AND {second} IN {{stamps:Array(DateTime64(3, 'UTC'))}}",
+        {"ids": sorted({k[0] for k in present}), "stamps": sorted({k[1] for k in present})})
+    out: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {k: [] for k in present}
+    for r in found:
+        key = (_normal(r[0]), _normal(r[1]))
+        if key in out:
+            out[key].append(tuple(r[2:]))
     return out
 
 
-def conflict_reason(table: str, identity: Sequence[Any], differ: Sequence[str]) -> str:
+def conflict_reason(table: str, identity: Sequence[Any], differ: Sequence[str], rows: int = 1) -> str:
     """A conflict's dead-letter reason: its ``identity`` (values of ``IDENTITY[table].columns``; times as ISO 8601
-    UTC with milliseconds) and the columns that differ."""
+    UTC with milliseconds), the columns that differ, and how many ``rows`` the conflicting envelope has."""
     def text(v: Any) -> str:
         if isinstance(v, datetime):
             return _normal(v).isoformat(timespec="milliseconds") + "Z"
         return str(v)
 
     key = ", ".join(f"{c}={text(v)}" for c, v in zip(IDENTITY[table].columns, identity, strict=True))
-    return f"conflicts with the row {table} holds for {key}: {', '.join(differ)} differ (the stored row is kept)"
+    held, what = ("the row", "the stored row is kept") if rows == 1 else ("the rows", f"{rows} rows; the stored "
+                                                                              "rows are kept")
+    return f"conflicts with {held} {table} holds for {key}: {', '.join(differ)} differ ({what})"
 
 
 def stage_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:

@@ -126,7 +126,7 @@ class Ingester:
         if len(verdict.keep) + len(verdict.conflicts) < len(rows):
             ROWS_DUPLICATE.labels(table).inc(len(rows) - len(verdict.keep) - len(verdict.conflicts))
         if verdict.conflicts:
-            self._dead_letter_conflicts(table, [(rows[i], differ) for i, differ in verdict.conflicts.items()])
+            self._dead_letter_conflicts(table, rows, verdict.conflicts)
         todo = [rows[i] for i in verdict.keep]
         if not todo:
             return
@@ -179,18 +179,24 @@ class Ingester:
             self._write("dead_letters", [(contract_dead_letter(reason, origin.location, raw, origin.pod), origin)])
         return [rows[i] for i in keep]
 
-    def _dead_letter_conflicts(self, table: str, items: list[tuple[tuple[tuple[Any, ...], Origin], tuple[str, ...]]]
-                               ) -> None:
-        """One dead letter per conflicting row (:func:`ingest.dedup.check_rows`): the reason names its identity and
-        the columns that differ, ``raw`` is the row as JSON. Its id comes from the table and the row, not from
-        where it was read, so the same conflicting line read again adds no second dead letter."""
-        ROWS_CONFLICTING.labels(table).inc(len(items))
-        self.rows_conflicting[table] += len(items)
+    def _dead_letter_conflicts(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]],
+                               conflicts: dict[int, tuple[str, ...]]) -> None:
+        """One dead letter per envelope whose rows conflict with the stored ones (:func:`ingest.dedup.check_rows`):
+        the reason names its identity and the columns that differ, ``raw`` holds its rows as JSON lines. Its id
+        comes from the table and the rows, not from where they were read, so the same conflicting line (or
+        scrape) read again adds no second dead letter."""
+        ROWS_CONFLICTING.labels(table).inc(len(conflicts))
+        self.rows_conflicting[table] += len(conflicts)
+        by_origin: dict[int, list[int]] = defaultdict(list)
+        for i in conflicts:
+            by_origin[rows[i][1].group].append(i)
         letters = []
-        for (row, origin), differ in items:
-            values = dict(zip(COLUMNS[table], row, strict=False))
-            raw = json.dumps(values, default=str, ensure_ascii=False)
-            reason = conflict_reason(table, [values[c] for c in IDENTITY[table].columns], differ)
+        for members in by_origin.values():
+            origin = rows[members[0]][1]
+            values = [dict(zip(COLUMNS[table], rows[i][0], strict=False)) for i in members]
+            raw = "\n".join(json.dumps(v, default=str, ensure_ascii=False) for v in values)
+            reason = conflict_reason(table, [values[0][c] for c in IDENTITY[table].columns], conflicts[members[0]],
+                                     len(members))
             log.error("%s; dead-lettered. location=%s", reason, origin.location)
             letters.append((contract_dead_letter(reason, origin.location, raw, origin.pod,
                                                  natural_key=f"conflict:{table}:{raw}"), origin))

@@ -159,3 +159,38 @@ def wait_for(check: Any, what: str, timeout: float = 60.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for: {what}")
+
+
+def test_a_second_scrape_of_a_pod_at_the_same_instant_with_other_values_is_a_conflict(store: Store) -> None:
+    """vLLM scrapes are identified by (pod, ts) too (a second collector watching the pod under the same name): a
+    re-sent scrape is a silent duplicate; another body at that instant is one dead letter
+    naming the columns that differ, and the stored scrape stays."""
+    from collector.vllm_metrics import scrape_events
+    from tests.clock import T0
+
+    body = (Path(__file__).parent / "samples" / "vllm_0.32.0_cpu_real_metrics_1.txt").read_text()
+    usage = 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} '
+    assert usage + "0.0\n" in body
+    at_ms = int(T0.timestamp() * 1000)
+    first = body.replace(usage + "0.0\n", usage + "0.25\n")
+    written = import_events(store, scrape_events("pod-a", "http://a/metrics", first, at_ms, 1.0))
+    assert written["vllm_metrics"] >= 2 and written["vllm_cache_config"] == 1  # a baseline: gauges and the config
+
+    def scrape() -> list[tuple[Any, ...]]:
+        return store.query_rows("SELECT name, label, engine, toString(value), increase FROM vllm_metrics "
+                                "ORDER BY name, label, engine")
+
+    kept = scrape()
+    assert ("vllm:kv_cache_usage_perc", "", "0", "0.25", 0.0) in kept
+    before = [metric("kvscope_ingest_rows_conflicting_total", table=t) for t in ("vllm_metrics", "vllm_cache_config")]
+    assert import_events(store, scrape_events("pod-a", "http://a/metrics", first, at_ms, 1.0)) == {}
+    other = body.replace(usage + "0.0\n", usage + "0.75\n")
+    assert import_events(store, scrape_events("pod-a", "http://a/metrics", other, at_ms, 1.0)) == {"dead_letters": 1}
+    assert scrape() == kept
+    [(reason, raw)] = letters(store)
+    assert reason.startswith("conflicts with the rows vllm_metrics holds for pod=pod-a, ts=")
+    assert ": value differ (" in reason and f"({len(kept)} rows; the stored rows are kept)" in reason
+    assert len(raw.split("\n")) == len(kept)
+    # the cache config of that body is the same as the stored one: a duplicate, not a conflict
+    after = [metric("kvscope_ingest_rows_conflicting_total", table=t) for t in ("vllm_metrics", "vllm_cache_config")]
+    assert [b - a for a, b in zip(before, after, strict=True)] == [len(kept), 0]
