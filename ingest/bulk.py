@@ -143,23 +143,24 @@ class _JsonStage:
             live, params = "toDateTime(ts) > {cutoff:DateTime('UTC')}", {"cutoff": retention.cutoff}
             expired = [str(r[0]) for r in self.store.query_rows(
                 f"SELECT request_id FROM {self.name} WHERE NOT ({live}) ORDER BY ts, request_id", params)]
-        stored = (f"SELECT request_id, ts{{}} FROM gateway_requests WHERE ts >= (SELECT min(ts) FROM {self.name}) "
-                  f"AND ts <= (SELECT max(ts) FROM {self.name}) AND (request_id, ts) IN "
-                  f"(SELECT request_id, ts FROM {self.name})")
+        in_range = f"ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})"
         before = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0]
-        self.store.command(
+        self.store.command(  # of lines sharing an identity, the first (line_no) is the one inserted
             f"INSERT INTO gateway_requests ({cols}) SELECT {self._exprs()} FROM {self.name} WHERE {live} "
-            f"AND (request_id, ts) NOT IN ({stored.format('')}) ORDER BY line_no LIMIT 1 BY request_id, ts", params)
+            f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests WHERE {in_range}) "
+            "ORDER BY line_no LIMIT 1 BY request_id, ts", params)
         inserted = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before
         conflicts: list[tuple[int, tuple[str, datetime], tuple[str, ...]]] = []
         if inserted < len(lines) - len(expired):  # some line was a copy: of what is stored, or not?
             differ = ", ".join(f"if(isNotDistinctFrom(s.{c}, g.{c}), '', '{c}')" for c in _CONTENT)
+            stored = (f"SELECT request_id, ts, {', '.join(_CONTENT)} FROM gateway_requests WHERE {in_range} "
+                      f"AND (request_id, ts) IN (SELECT request_id, ts FROM {self.name})")
             conflicts = [(int(r[0]), (r[1], r[2]), tuple(r[3])) for r in self.store.query_rows(
                 "SELECT line_no, any(request_id), any(ts), argMin(differ, length(differ)) AS d FROM ("
                 f"SELECT s.line_no AS line_no, s.request_id AS request_id, s.ts AS ts, "
                 f"arrayFilter(x -> x != '', [{differ}]) AS differ "
                 f"FROM (SELECT line_no, {self._exprs()} FROM {self.name} WHERE {live}) AS s "
-                f"INNER JOIN ({stored.format(', ' + ', '.join(_CONTENT))}) AS g "
+                f"INNER JOIN ({stored}) AS g "
                 "ON s.request_id = g.request_id AND s.ts = g.ts) "
                 "GROUP BY line_no HAVING length(d) > 0 ORDER BY line_no", params)]
         return _Chunk(inserted, expired, conflicts)
