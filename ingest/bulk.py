@@ -23,7 +23,7 @@ import msgspec
 
 from collector.events import DeadLetter, envelope
 from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
-from collector.gateway_record import BadRecord, decode_record
+from collector.gateway_record import BadRecord, GatewayRecord, decode_record, ts_ms
 from ingest.dedup import absent_rows, conflict_reason
 from ingest.errors import RejectedRows, TooManyPartitions
 from ingest.retention import Retention, Retentions
@@ -101,20 +101,19 @@ _CONTENT = [c for c in COLUMNS["gateway_requests"] if c not in ("request_id", "t
 @dataclass(frozen=True)
 class _Chunk:
     """What :meth:`_JsonStage.insert_absent` did with a chunk's lines: ``inserted`` (rows), ``expired`` (the
-    request ids of the lines older than the retention, in order) and ``conflicts`` (index of the line in the
-    chunk's lines, its (request_id, ts), the columns that differ from the stored row), in line order."""
+    request ids of the lines older than the retention, in order) and ``conflicts`` ((request_id, ts in unix ms)
+    of each line the store holds with other values → the columns that differ)."""
 
     inserted: int
     expired: list[str]
-    conflicts: list[tuple[int, tuple[str, datetime], tuple[str, ...]]]
+    conflicts: dict[tuple[str, int], tuple[str, ...]]
 
 
 class _JsonStage:
-    """A Memory table with gateway_requests' columns (and the usage fields, and each line's number) that
-    ClickHouse fills from the validated lines' JSON (its parser, not Python's, builds the columns), then moves
-    into gateway_requests minus what it holds, token counts normalized (:data:`_NORMALIZED`); a line whose
-    (request_id, ts) is stored, or taken by an earlier line, with other values is a conflict (found in
-    ClickHouse too)."""
+    """A Memory table with gateway_requests' columns (and the usage fields) that ClickHouse fills from the
+    validated lines' JSON (its parser, not Python's, builds the columns), then moves into gateway_requests
+    minus what it holds, token counts normalized (:data:`_NORMALIZED`); a line whose (request_id, ts) is stored
+    with other values is a conflict (found in ClickHouse too)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -123,20 +122,20 @@ class _JsonStage:
         store.command(f"CREATE TABLE {self.name} ENGINE = Memory AS SELECT {cols} FROM gateway_requests WHERE 0")
         store.command(f"ALTER TABLE {self.name} ADD COLUMN usage_convention Nullable(String), "
                       "ADD COLUMN cache_read_input_tokens Nullable(UInt32), "
-                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), ADD COLUMN line_no UInt32, "
+                      "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), "
                       + ", ".join(f"MODIFY COLUMN {c} Array(String)" for c in GATEWAY_HASH_LISTS))
 
     def insert_absent(self, lines: list[bytes], retention: Retention | None) -> _Chunk:
-        """Insert the rows of ``lines`` (records encoded as JSON objects) that the store does not hold and that are
-        not older than ``retention`` (:mod:`ingest.retention`); of lines sharing a (request_id, ts), the first.
-        A line whose (request_id, ts) the store then holds with other values in any column the line sets is a
-        conflict (:data:`_CONTENT`, compared in ClickHouse, NULL equal to NULL); looked for only when some line
-        was not inserted. Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder
-        accepted (the caller then loads that chunk line by line), or what the store raises."""
+        """Insert the rows of ``lines`` (records encoded as JSON, one per (request_id, ts)) that the store does not
+        hold and that are not older than ``retention`` (:mod:`ingest.retention`). A line whose (request_id, ts)
+        the store holds with other values in any column the line sets is a conflict (:data:`_CONTENT`, compared
+        in ClickHouse, NULL equal to NULL), looked for only when some line was not inserted. Raises
+        :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder accepted (the caller then
+        loads that chunk line by line), or what the store raises."""
         cols = ", ".join(COLUMNS["gateway_requests"])
+        exprs = ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
         self.store.command(f"TRUNCATE TABLE {self.name}")
-        numbered = b"\n".join(b'{"line_no":%d,%s' % (i, line[1:]) for i, line in enumerate(lines))
-        self.store.insert_raw(self.name, numbered, "JSONEachRow", _JSON_SETTINGS)
+        self.store.insert_raw(self.name, b"\n".join(lines), "JSONEachRow", _JSON_SETTINGS)
         expired: list[str] = []
         live, params = "1", {}
         if retention is not None:  # as Retention.expired: the TTL's whole seconds at or before the cutoff
@@ -145,30 +144,23 @@ class _JsonStage:
                 f"SELECT request_id FROM {self.name} WHERE NOT ({live}) ORDER BY ts, request_id", params)]
         in_range = f"ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})"
         before = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0]
-        self.store.command(  # of lines sharing an identity, the first (line_no) is the one inserted
-            f"INSERT INTO gateway_requests ({cols}) SELECT {self._exprs()} FROM {self.name} WHERE {live} "
+        self.store.command(
+            f"INSERT INTO gateway_requests ({cols}) SELECT {exprs} FROM {self.name} WHERE {live} "
             f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests WHERE {in_range}) "
-            "ORDER BY line_no LIMIT 1 BY request_id, ts", params)
+            "LIMIT 1 BY request_id, ts", params)
         inserted = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before
-        conflicts: list[tuple[int, tuple[str, datetime], tuple[str, ...]]] = []
+        conflicts: dict[tuple[str, int], tuple[str, ...]] = {}
         if inserted < len(lines) - len(expired):  # some line was a copy: of what is stored, or not?
             differ = ", ".join(f"if(isNotDistinctFrom(s.{c}, g.{c}), '', '{c}')" for c in _CONTENT)
             stored = (f"SELECT request_id, ts, {', '.join(_CONTENT)} FROM gateway_requests WHERE {in_range} "
                       f"AND (request_id, ts) IN (SELECT request_id, ts FROM {self.name})")
-            conflicts = [(int(r[0]), (r[1], r[2]), tuple(r[3])) for r in self.store.query_rows(
-                "SELECT line_no, any(request_id), any(ts), argMin(differ, length(differ)) AS d FROM ("
-                f"SELECT s.line_no AS line_no, s.request_id AS request_id, s.ts AS ts, "
-                f"arrayFilter(x -> x != '', [{differ}]) AS differ "
-                f"FROM (SELECT line_no, {self._exprs()} FROM {self.name} WHERE {live}) AS s "
-                f"INNER JOIN ({stored}) AS g "
-                "ON s.request_id = g.request_id AND s.ts = g.ts) "
-                "GROUP BY line_no HAVING length(d) > 0 ORDER BY line_no", params)]
+            conflicts = {(str(r[0]), int(r[1])): tuple(r[2]) for r in self.store.query_rows(
+                "SELECT request_id, toUnixTimestamp64Milli(ts), argMin(differ, length(differ)) AS d FROM ("
+                f"SELECT s.request_id AS request_id, s.ts AS ts, arrayFilter(x -> x != '', [{differ}]) AS differ "
+                f"FROM (SELECT {exprs} FROM {self.name} WHERE {live}) AS s INNER JOIN ({stored}) AS g "
+                "ON s.request_id = g.request_id AND s.ts = g.ts) GROUP BY request_id, ts HAVING length(d) > 0",
+                params)}
         return _Chunk(inserted, expired, conflicts)
-
-    @staticmethod
-    def _exprs() -> str:
-        """gateway_requests' columns as the stage's SELECT computes them (:data:`_NORMALIZED`)."""
-        return ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
 
     def drop(self) -> None:
         self.store.command(f"DROP TABLE IF EXISTS {self.name}")
@@ -186,15 +178,42 @@ def _expired_letter(path: Path, chunk: list[tuple[int, bytes]], expired: list[st
     return dead_letter_row(ev, dl)
 
 
-def _conflict_letter(path: Path, offset: int, line: bytes, key: tuple[str, datetime], differ: tuple[str, ...],
-                     pod: str, now_ms: int) -> tuple:
-    """The dead letter of a line whose (request_id, ts) the store holds with other values: its place, the reason
+def _conflict_letters(path: Path, at: list[tuple[int, bytes]], records: list[GatewayRecord],
+                      conflicts: dict[tuple[str, int], tuple[str, ...]], pod: str, now_ms: int) -> list[tuple]:
+    """The dead letters of the lines (``at``: offset and line; ``records``: theirs) whose (request_id, ts) the
+    store holds with other values (``conflicts``: :class:`_Chunk`): each with its place, the reason
     (:func:`ingest.dedup.conflict_reason`) and the line; keyed by its place and text (a re-import adds none)."""
-    text = line[:MAX_RAW].decode("utf-8", "replace")
-    dl = DeadLetter(source="gateway_log", reason=conflict_reason("gateway_requests", key, differ), raw=text,
-                    location=f"{path}:{offset}")
-    ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256], "conflict"), observed_at_ms=now_ms)
-    return dead_letter_row(ev, dl)
+    out = []
+    for (offset, line), rec in zip(at, records, strict=True):
+        differ = conflicts.get((rec.request_id, ts_ms(rec)))
+        if differ is None:
+            continue
+        text = line[:MAX_RAW].decode("utf-8", "replace")
+        reason = conflict_reason("gateway_requests", (rec.request_id, datetime.fromisoformat(rec.ts)), differ)
+        dl = DeadLetter(source="gateway_log", reason=reason, raw=text, location=f"{path}:{offset}")
+        ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256], "conflict"), observed_at_ms=now_ms)
+        out.append(dead_letter_row(ev, dl))
+    return out
+
+
+def _rounds(records: list[GatewayRecord]) -> list[list[int] | None]:
+    """The chunk's lines in rounds, each with one line per (request_id, ts), so that of the lines sharing one the
+    first in the file is stored (and each later one judged against it): round k holds the indexes of the
+    (k+1)-th line of each identity, in order. ``[None]`` (every line, one round) when no identity repeats."""
+    seen: dict[tuple[str, str], int] = {}
+    for rec in records:
+        key = (rec.request_id, rec.ts)  # ts is canonical (UTC, milliseconds): one spelling per instant
+        seen[key] = seen.get(key, 0) + 1
+    if len(seen) == len(records):
+        return [None]
+    rounds: list[list[int] | None] = []
+    nth: dict[tuple[str, str], int] = {}
+    for i, rec in enumerate(records):
+        n = nth[rec.request_id, rec.ts] = nth.get((rec.request_id, rec.ts), -1) + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(i)  # type: ignore[union-attr]
+    return rounds
 
 
 class CompressedLog(ValueError):
@@ -217,14 +236,17 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     try:
         for chunk in _chunks(path, lines_per_chunk):
             good: list[bytes] = []
-            good_at: list[tuple[int, bytes]] = []  # (offset, line) of each good line
+            records: list[GatewayRecord] = []
+            at: list[tuple[int, bytes]] = []  # (offset, line) of each good line
             dead = []
             for offset, line in chunk:
                 try:
                     if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
                         raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
-                    good.append(_encode(decode_record(line)))
-                    good_at.append((offset, line))
+                    rec = decode_record(line)
+                    good.append(_encode(rec))
+                    records.append(rec)
+                    at.append((offset, line))
                 except BadRecord as exc:
                     text = line[:MAX_RAW].decode("utf-8", "replace")
                     dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW],
@@ -233,23 +255,30 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                     dead.append(dead_letter_row(ev, dl))
             stats.lines += len(chunk)
             if good:
+                rows, conflicts, expired, letters = 0, 0, [], []
                 try:
-                    done = json_stage.insert_absent(good, retentions.get("gateway_requests"))
-                    inserted, expired, conflicts = done.inserted, done.expired, len(done.conflicts)
-                    dead.extend(_conflict_letter(path, *good_at[i], key, differ, pod, now_ms)
-                                for i, key, differ in done.conflicts)
+                    for turn in _rounds(records):  # the first line of each identity, then the second, ...
+                        idx = range(len(good)) if turn is None else turn
+                        done = json_stage.insert_absent(good if turn is None else [good[i] for i in idx],
+                                                        retentions.get("gateway_requests"))
+                        rows, conflicts = rows + done.inserted, conflicts + len(done.conflicts)
+                        expired += done.expired
+                        if done.conflicts:
+                            letters += _conflict_letters(path, [at[i] for i in idx], [records[i] for i in idx],
+                                                         done.conflicts, pod, now_ms)
                 except (RejectedRows, TooManyPartitions):  # ClickHouse refused a line the decoder accepted, or
                     # the chunk spans more partitions than the server lets this user write at once: this chunk
                     # through the live path (rows in halves until they fit; a refused or conflicting row becomes
-                    # a dead letter with its reason)
+                    # a dead letter with its reason; the rows of a round already inserted are copies there)
                     events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]
                     ingester = ingest_events(store, [e for e in events if e.schema == "gateway_request"])
-                    inserted, expired = ingester.rows_written.get("gateway_requests", 0), []
-                    conflicts = ingester.rows_conflicting.get("gateway_requests", 0)
+                    rows += ingester.rows_written.get("gateway_requests", 0)
+                    conflicts, expired, letters = ingester.rows_conflicting.get("gateway_requests", 0), [], []
                     stats.dead_letters += ingester.rows_written.get("dead_letters", 0)
-                stats.rows += inserted
+                stats.rows += rows
                 stats.conflicts += conflicts
-                stats.duplicates += len(good) - len(expired) - inserted - conflicts
+                stats.duplicates += len(good) - len(expired) - rows - conflicts
+                dead += letters
                 if expired:  # one dead letter per chunk: its count, reason and request ids
                     stats.expired += len(expired)
                     dead.append(_expired_letter(path, chunk, expired, retentions.get("gateway_requests"), pod,

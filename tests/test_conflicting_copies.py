@@ -194,3 +194,33 @@ def test_a_second_scrape_of_a_pod_at_the_same_instant_with_other_values_is_a_con
     # the cache config of that body is the same as the stored one: a duplicate, not a conflict
     after = [metric("kvscope_ingest_rows_conflicting_total", table=t) for t in ("vllm_metrics", "vllm_cache_config")]
     assert [b - a for a, b in zip(before, after, strict=True)] == [len(kept), 0]
+
+
+def test_every_field_round_trips_so_a_copy_is_never_a_conflict_on_either_path(store: Store, tmp_path: Path) -> None:
+    """The comparison is on stored values: lines with every field (hash arrays past 2^63, structural arrays,
+    exclusive usage, NULLs) stored by one path and read again by either path are duplicates, none a conflict."""
+    from demo.history import gateway_records
+    from tests.clock import T0
+
+    records = list(gateway_records(120, seed=3, start=T0, id_prefix="rt"))
+    for i, rec in enumerate(records[::2]):
+        rec.update(prompt_block_hashes=["ffffffffffffffff", f"{i:016x}"], prompt_block_size=16,
+                   system_line_hashes=["8000000000000000", "0123456789abcdef", "00000000000000ff"],
+                   system_line_tokens=[5, 0, 7], suffix_chunk_hashes=["fedcba9876543210"], suffix_chunk_tokens=[9],
+                   stream=True, tool_latency_ms=12.5, error="x" * 3000, routing_reason="é ✓")
+    for rec in records[1::4]:
+        rec.update(usage_convention="exclusive", cached_tokens=None, cache_read_input_tokens=100,
+                   cache_creation_input_tokens=20)
+    whole = write(tmp_path / "whole.jsonl", records)
+    half = write(tmp_path / "half.jsonl", records[:60])
+    assert import_events(store, read_file(half))["gateway_requests"] == 60  # live first
+    stats = load_gateway_log(store, whole)  # then the import: the live path's rows are copies
+    assert (stats.rows, stats.duplicates, stats.conflicts, stats.dead_letters) == (60, 60, 0, 0)
+    before = metric("kvscope_ingest_rows_duplicate_total", table="gateway_requests")
+    assert import_events(store, read_file(whole)) == {}  # the import's rows are copies for the live path
+    assert metric("kvscope_ingest_rows_duplicate_total", table="gateway_requests") - before == 120
+    again = load_gateway_log(store, whole)
+    assert (again.rows, again.duplicates, again.conflicts) == (0, 120, 0)
+    assert store.query_rows("SELECT count(), countIf(length(prompt_block_hashes) = 2) FROM gateway_requests") == \
+        [(120, 60)]
+    assert letters(store) == []
