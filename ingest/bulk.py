@@ -16,14 +16,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 
 from collector.events import DeadLetter, envelope
 from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
-from collector.gateway_record import BadRecord, GatewayRecord, decode_record, ts_ms
+from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows, conflict_reason
 from ingest.errors import RejectedRows, TooManyPartitions
 from ingest.retention import Retention, Retentions
@@ -101,12 +101,12 @@ _CONTENT = [c for c in COLUMNS["gateway_requests"] if c not in ("request_id", "t
 @dataclass(frozen=True)
 class _Chunk:
     """What :meth:`_JsonStage.insert_absent` did with a chunk's lines: ``inserted`` (rows), ``expired`` (the
-    request ids of the lines older than the retention, in order) and ``conflicts`` ((request_id, ts in unix ms)
+    request ids of the lines older than the retention, in order) and ``conflicts`` (the identity (:func:`_key`)
     of each line the store holds with other values → the columns that differ)."""
 
     inserted: int
     expired: list[str]
-    conflicts: dict[tuple[str, int], tuple[str, ...]]
+    conflicts: dict[str, tuple[str, ...]]
 
 
 class _JsonStage:
@@ -149,12 +149,12 @@ class _JsonStage:
             f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests WHERE {in_range}) "
             "LIMIT 1 BY request_id, ts", params)
         inserted = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before
-        conflicts: dict[tuple[str, int], tuple[str, ...]] = {}
+        conflicts: dict[str, tuple[str, ...]] = {}
         if inserted < len(lines) - len(expired):  # some line was a copy: of what is stored, or not?
             differ = ", ".join(f"if(isNotDistinctFrom(s.{c}, g.{c}), '', '{c}')" for c in _CONTENT)
             stored = (f"SELECT request_id, ts, {', '.join(_CONTENT)} FROM gateway_requests WHERE {in_range} "
                       f"AND (request_id, ts) IN (SELECT request_id, ts FROM {self.name})")
-            conflicts = {(str(r[0]), int(r[1])): tuple(r[2]) for r in self.store.query_rows(
+            conflicts = {_key(int(r[1]), str(r[0])): tuple(r[2]) for r in self.store.query_rows(
                 "SELECT request_id, toUnixTimestamp64Milli(ts), argMin(differ, length(differ)) AS d FROM ("
                 f"SELECT s.request_id AS request_id, s.ts AS ts, arrayFilter(x -> x != '', [{differ}]) AS differ "
                 f"FROM (SELECT {exprs} FROM {self.name} WHERE {live}) AS s INNER JOIN ({stored}) AS g "
@@ -178,38 +178,35 @@ def _expired_letter(path: Path, chunk: list[tuple[int, bytes]], expired: list[st
     return dead_letter_row(ev, dl)
 
 
-def _conflict_letters(path: Path, at: list[tuple[int, bytes]], records: list[GatewayRecord],
-                      conflicts: dict[tuple[str, int], tuple[str, ...]], pod: str, now_ms: int) -> list[tuple]:
-    """The dead letters of the lines (``at``: offset and line; ``records``: theirs) whose (request_id, ts) the
-    store holds with other values (``conflicts``: :class:`_Chunk`): each with its place, the reason
-    (:func:`ingest.dedup.conflict_reason`) and the line; keyed by its place and text (a re-import adds none)."""
-    out = []
-    for (offset, line), rec in zip(at, records, strict=True):
-        differ = conflicts.get((rec.request_id, ts_ms(rec)))
-        if differ is None:
-            continue
-        text = line[:MAX_RAW].decode("utf-8", "replace")
-        reason = conflict_reason("gateway_requests", (rec.request_id, datetime.fromisoformat(rec.ts)), differ)
-        dl = DeadLetter(source="gateway_log", reason=reason, raw=text, location=f"{path}:{offset}")
-        ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256], "conflict"), observed_at_ms=now_ms)
-        out.append(dead_letter_row(ev, dl))
-    return out
+def _conflict_letter(path: Path, offset: int, line: bytes, differ: tuple[str, ...], pod: str, now_ms: int) -> tuple:
+    """The dead letter of a line whose (request_id, ts) the store holds with other values (``differ``: the
+    columns): its place, the reason (:func:`ingest.dedup.conflict_reason`) and the line; keyed by its place and
+    text (a re-import adds none)."""
+    text = line[:MAX_RAW].decode("utf-8", "replace")
+    dl = DeadLetter(source="gateway_log", reason=conflict_reason("gateway_requests", differ), raw=text,
+                    location=f"{path}:{offset}")
+    ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256], "conflict"), observed_at_ms=now_ms)
+    return dead_letter_row(ev, dl)
 
 
-def _rounds(records: list[GatewayRecord]) -> list[list[int] | None]:
-    """The chunk's lines in rounds, each with one line per (request_id, ts), so that of the lines sharing one the
-    first in the file is stored (and each later one judged against it): round k holds the indexes of the
-    (k+1)-th line of each identity, in order. ``[None]`` (every line, one round) when no identity repeats."""
-    seen: dict[tuple[str, str], int] = {}
-    for rec in records:
-        key = (rec.request_id, rec.ts)  # ts is canonical (UTC, milliseconds): one spelling per instant
-        seen[key] = seen.get(key, 0) + 1
-    if len(seen) == len(records):
+def _key(ts_ms: int, request_id: str) -> str:
+    """A line's identity as one string: its ts in the record's canonical form (UTC, milliseconds, 24 characters:
+    :func:`collector.gateway_record.decode_record`) followed by its request_id."""
+    at = datetime.fromtimestamp(ts_ms // 1000, UTC)
+    return f"{at:%Y-%m-%dT%H:%M:%S}.{ts_ms % 1000:03d}Z{request_id}"
+
+
+def _rounds(keys: list[str]) -> list[list[int] | None]:
+    """The chunk's lines (``keys``: their :func:`_key`) in rounds, each with one line per (request_id, ts), so
+    that of the lines sharing one the first in the file is stored (and each later one judged against it): round
+    k holds the indexes of the (k+1)-th line of each identity, in order. ``[None]`` (every line, one round) when
+    no identity repeats."""
+    if len(set(keys)) == len(keys):
         return [None]
     rounds: list[list[int] | None] = []
-    nth: dict[tuple[str, str], int] = {}
-    for i, rec in enumerate(records):
-        n = nth[rec.request_id, rec.ts] = nth.get((rec.request_id, rec.ts), -1) + 1
+    nth: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        n = nth[key] = nth.get(key, -1) + 1
         if n == len(rounds):
             rounds.append([])
         rounds[n].append(i)  # type: ignore[union-attr]
@@ -236,17 +233,17 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     try:
         for chunk in _chunks(path, lines_per_chunk):
             good: list[bytes] = []
-            records: list[GatewayRecord] = []
-            at: list[tuple[int, bytes]] = []  # (offset, line) of each good line
+            keys: list[str] = []  # each good line's identity (_key): strings, not records (less for the GC to walk)
+            at: list[int] = []  # each good line's index in the chunk
             dead = []
-            for offset, line in chunk:
+            for j, (offset, line) in enumerate(chunk):
                 try:
                     if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
                         raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
                     rec = decode_record(line)
                     good.append(_encode(rec))
-                    records.append(rec)
-                    at.append((offset, line))
+                    keys.append(rec.ts + rec.request_id)
+                    at.append(j)
                 except BadRecord as exc:
                     text = line[:MAX_RAW].decode("utf-8", "replace")
                     dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW],
@@ -257,15 +254,14 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
             if good:
                 rows, conflicts, expired, letters = 0, 0, [], []
                 try:
-                    for turn in _rounds(records):  # the first line of each identity, then the second, ...
+                    for turn in _rounds(keys):  # the first line of each identity, then the second, ...
                         idx = range(len(good)) if turn is None else turn
                         done = json_stage.insert_absent(good if turn is None else [good[i] for i in idx],
                                                         retentions.get("gateway_requests"))
                         rows, conflicts = rows + done.inserted, conflicts + len(done.conflicts)
                         expired += done.expired
-                        if done.conflicts:
-                            letters += _conflict_letters(path, [at[i] for i in idx], [records[i] for i in idx],
-                                                         done.conflicts, pod, now_ms)
+                        letters += [_conflict_letter(path, *chunk[at[i]], done.conflicts[keys[i]], pod, now_ms)
+                                    for i in idx if keys[i] in done.conflicts]
                 except (RejectedRows, TooManyPartitions):  # ClickHouse refused a line the decoder accepted, or
                     # the chunk spans more partitions than the server lets this user write at once: this chunk
                     # through the live path (rows in halves until they fit; a refused or conflicting row becomes

@@ -5,19 +5,21 @@ re-sends from its last acknowledged checkpoint, an insert that timed out may hav
 imported twice. Instead of collapsing the copies later (ReplacingMergeTree + FINAL on every read, and
 materialized rollups that would count them twice), the ingester asks the store which identities of a batch
 it holds and inserts only the others. One query per table and batch, bounded by the batch's time range so
-ClickHouse reads only those days' partitions and the granules of that time.
+ClickHouse reads only those days' partitions and the granules of that time (and a second one, for the stored
+rows, only when the batch holds identities the store has and the table compares content).
 
 Identity per table (:data:`IDENTITY`): gateway requests by (request_id, ts); vLLM scrapes by (pod, ts) (a
 scrape's rows land or are skipped together); workload labels by request_id (one label per request, whatever
 its ts); the rest by the envelope's ``event_id``.
 The identity's first column is matched with ``IN``; the rest are compared here.
 
-A copy is not always a redelivery. For gateway requests (:attr:`Identity.content`) the store's row is read too
-and compared column by column with the incoming one (every column the writer sets, as stored: the values
-:func:`ingest.rows.gateway_row` computes); so is a row against an earlier row of the same batch. Equal: a
-redelivery, dropped silently. Different (two gateways reusing request ids, a corrupted replay, a gateway whose
-clock stepped back): a *conflict*, returned with the columns that differ, never inserted (the stored row, or the
-batch's first, stays as it is); the caller dead-letters it (docs/reliability.md, "Conflicting copies").
+A copy is not always a redelivery. For gateway requests and vLLM scrapes (:attr:`Identity.content`) the stored
+rows are read too and compared, column by column, with the incoming ones (every column the writer sets, as
+stored: the values :mod:`ingest.rows` computes); so is an envelope against an earlier envelope of the batch
+with the same identity. Equal: a redelivery, dropped silently. Different (two gateways reusing request ids, a
+corrupted replay, a gateway whose clock stepped back, a second collector scraping a pod under the same name):
+a *conflict*, returned with the columns that differ, never inserted (the stored rows, or the batch's first,
+stay as they are); the caller dead-letters it (docs/reliability.md, "Conflicting copies").
 
 Not covered: two ingesters inserting the same identity at the same instant (only during a Kafka rebalance,
 when a revoked member finishes a batch its successor already re-polled); docs/reliability.md.
@@ -40,8 +42,8 @@ from ingest.store import Store
 class Identity:
     """How rows of one table are told apart: ``columns`` (the identity; ``columns[0]`` is a String looked up
     with IN), ``ts_column`` (a DateTime64 column that bounds the lookup; None = not bounded) and ``content``
-    (True: one row per identity, whose other columns are compared with the stored row's to tell a redelivery
-    from a conflict)."""
+    (True: the rows of an identity are compared with the stored ones to tell a redelivery from a conflict;
+    such an identity is (String, DateTime64))."""
 
     columns: tuple[str, ...]
     ts_column: str | None
@@ -51,9 +53,9 @@ class Identity:
 @dataclass(frozen=True)
 class Verdict:
     """What :func:`check_rows` decided for a batch: ``keep``, the indexes of the rows to insert (in order), and
-    ``conflicts``, index → the columns (names, in the caller's column order) in which that row differs from
-    the stored row with its identity, or from the batch's earlier row with it. Rows in neither are copies of
-    what is stored (redeliveries)."""
+    ``conflicts``, index → the columns (names, in the caller's column order) in which that row's envelope
+    differs from the stored rows with its identity, or from the batch's earlier envelope with it. Rows in
+    neither are copies (redeliveries)."""
 
     keep: list[int]
     conflicts: dict[int, tuple[str, ...]]
@@ -178,18 +180,12 @@ def _stored_rows(store: Store, table: str, ident: Identity, columns: Sequence[st
     return out
 
 
-def conflict_reason(table: str, identity: Sequence[Any], differ: Sequence[str], rows: int = 1) -> str:
-    """A conflict's dead-letter reason: its ``identity`` (values of ``IDENTITY[table].columns``; times as ISO 8601
-    UTC with milliseconds), the columns that differ, and how many ``rows`` the conflicting envelope has."""
-    def text(v: Any) -> str:
-        if isinstance(v, datetime):
-            return _normal(v).isoformat(timespec="milliseconds") + "Z"
-        return str(v)
-
-    key = ", ".join(f"{c}={text(v)}" for c, v in zip(IDENTITY[table].columns, identity, strict=True))
-    held, what = ("the row", "the stored row is kept") if rows == 1 else ("the rows", f"{rows} rows; the stored "
-                                                                              "rows are kept")
-    return f"conflicts with {held} {table} holds for {key}: {', '.join(differ)} differ ({what})"
+def conflict_reason(table: str, differ: Sequence[str]) -> str:
+    """A conflict's dead-letter reason: the table, its identity's columns and the columns that differ. The
+    identity's values are left to the dead letter's ``raw`` (the line or rows), so that the ``dead_letters``
+    query, which counts by reason, counts the conflicts of one kind together."""
+    return (f"conflicts with what {table} holds for its ({', '.join(IDENTITY[table].columns)}): "
+            f"{', '.join(differ)} differ (the stored one is kept)")
 
 
 def stage_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:

@@ -195,9 +195,9 @@ class Ingester:
             origin = rows[members[0]][1]
             values = [dict(zip(COLUMNS[table], rows[i][0], strict=False)) for i in members]
             raw = "\n".join(json.dumps(v, default=str, ensure_ascii=False) for v in values)
-            reason = conflict_reason(table, [values[0][c] for c in IDENTITY[table].columns], conflicts[members[0]],
-                                     len(members))
-            log.error("%s; dead-lettered. location=%s", reason, origin.location)
+            reason = conflict_reason(table, conflicts[members[0]])
+            key = ", ".join(f"{c}={values[0][c]}" for c in IDENTITY[table].columns)
+            log.error("%s; dead-lettered. %s rows=%d location=%s", reason, key, len(members), origin.location)
             letters.append((contract_dead_letter(reason, origin.location, raw, origin.pod,
                                                  natural_key=f"conflict:{table}:{raw}"), origin))
         self._write("dead_letters", letters)
