@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -23,23 +24,26 @@ import msgspec
 from collector.events import DeadLetter, envelope
 from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
-from ingest.dedup import absent_rows
+from ingest.dedup import absent_rows, conflict_reason
 from ingest.errors import RejectedRows, TooManyPartitions
 from ingest.retention import Retention, Retentions
 from ingest.rows import COLUMNS, GATEWAY_HASH_LISTS, dead_letter_row
 from ingest.store import Store
-from kvscope.importer import import_events
+from kvscope.importer import ingest_events
 
 
 @dataclass
 class LoadStats:
     """What a load did: ``lines`` read, ``rows`` inserted into gateway_requests, ``duplicates`` dropped (the
-    store held them), ``expired`` not loaded because they are older than gateway_requests' retention
-    (:mod:`ingest.retention`; one dead letter per chunk names them), ``dead_letters`` written."""
+    store held them, or an earlier line of the file, with the same values), ``conflicts`` not loaded because
+    the store holds their (request_id, ts) with other values (one dead letter each, the stored row kept),
+    ``expired`` not loaded because they are older than gateway_requests' retention (:mod:`ingest.retention`;
+    one dead letter per chunk names them), ``dead_letters`` written."""
 
     lines: int = 0
     rows: int = 0
     duplicates: int = 0
+    conflicts: int = 0
     expired: int = 0
     dead_letters: int = 0
 
@@ -90,10 +94,26 @@ _NORMALIZED = {
 }
 
 
+#: The columns a conflict is judged on: every column the line sets (ingest.dedup: the live path compares the same).
+_CONTENT = [c for c in COLUMNS["gateway_requests"] if c not in ("request_id", "ts")]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """What :meth:`_JsonStage.insert_absent` did with a chunk's lines: ``inserted`` (rows), ``expired`` (the
+    request ids of the lines older than the retention, in order) and ``conflicts`` (the identity (:func:`_key`)
+    of each line the store holds with other values → the columns that differ)."""
+
+    inserted: int
+    expired: list[str]
+    conflicts: dict[str, tuple[str, ...]]
+
+
 class _JsonStage:
     """A Memory table with gateway_requests' columns (and the usage fields) that ClickHouse fills from the
     validated lines' JSON (its parser, not Python's, builds the columns), then moves into gateway_requests
-    minus what it holds, token counts normalized (:data:`_NORMALIZED`)."""
+    minus what it holds, token counts normalized (:data:`_NORMALIZED`); a line whose (request_id, ts) is stored
+    with other values is a conflict (found in ClickHouse too)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -105,11 +125,13 @@ class _JsonStage:
                       "ADD COLUMN cache_creation_input_tokens Nullable(UInt32), "
                       + ", ".join(f"MODIFY COLUMN {c} Array(String)" for c in GATEWAY_HASH_LISTS))
 
-    def insert_absent(self, lines: list[bytes], retention: Retention | None) -> tuple[int, list[str]]:
-        """Insert the rows of ``lines`` (records encoded as JSON) that the store does not hold and that are not
-        older than ``retention`` (:mod:`ingest.retention`); returns (how many were inserted, the request ids
-        of the expired lines, in order). Raises :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a
-        line the decoder accepted (the caller then loads that chunk line by line), or what the store raises."""
+    def insert_absent(self, lines: list[bytes], retention: Retention | None) -> _Chunk:
+        """Insert the rows of ``lines`` (records encoded as JSON, one per (request_id, ts)) that the store does not
+        hold and that are not older than ``retention`` (:mod:`ingest.retention`). A line whose (request_id, ts)
+        the store holds with other values in any column the line sets is a conflict (:data:`_CONTENT`, compared
+        in ClickHouse, NULL equal to NULL), looked for only when some line was not inserted. Raises
+        :class:`~ingest.errors.RejectedRows` when ClickHouse refuses a line the decoder accepted (the caller then
+        loads that chunk line by line), or what the store raises."""
         cols = ", ".join(COLUMNS["gateway_requests"])
         exprs = ", ".join(f"{_NORMALIZED[c]} AS {c}" if c in _NORMALIZED else c for c in COLUMNS["gateway_requests"])
         self.store.command(f"TRUNCATE TABLE {self.name}")
@@ -120,13 +142,25 @@ class _JsonStage:
             live, params = "toDateTime(ts) > {cutoff:DateTime('UTC')}", {"cutoff": retention.cutoff}
             expired = [str(r[0]) for r in self.store.query_rows(
                 f"SELECT request_id FROM {self.name} WHERE NOT ({live}) ORDER BY ts, request_id", params)]
+        in_range = f"ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})"
         before = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0]
         self.store.command(
             f"INSERT INTO gateway_requests ({cols}) SELECT {exprs} FROM {self.name} WHERE {live} "
-            f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests "
-            f"WHERE ts >= (SELECT min(ts) FROM {self.name}) AND ts <= (SELECT max(ts) FROM {self.name})) "
+            f"AND (request_id, ts) NOT IN (SELECT request_id, ts FROM gateway_requests WHERE {in_range}) "
             "LIMIT 1 BY request_id, ts", params)
-        return self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before, expired
+        inserted = self.store.query_rows("SELECT count() FROM gateway_requests")[0][0] - before
+        conflicts: dict[str, tuple[str, ...]] = {}
+        if inserted < len(lines) - len(expired):  # some line was a copy: of what is stored, or not?
+            differ = ", ".join(f"if(isNotDistinctFrom(s.{c}, g.{c}), '', '{c}')" for c in _CONTENT)
+            stored = (f"SELECT request_id, ts, {', '.join(_CONTENT)} FROM gateway_requests WHERE {in_range} "
+                      f"AND (request_id, ts) IN (SELECT request_id, ts FROM {self.name})")
+            conflicts = {_key(int(r[1]), str(r[0])): tuple(r[2]) for r in self.store.query_rows(
+                "SELECT request_id, toUnixTimestamp64Milli(ts), argMin(differ, length(differ)) AS d FROM ("
+                f"SELECT s.request_id AS request_id, s.ts AS ts, arrayFilter(x -> x != '', [{differ}]) AS differ "
+                f"FROM (SELECT {exprs} FROM {self.name} WHERE {live}) AS s INNER JOIN ({stored}) AS g "
+                "ON s.request_id = g.request_id AND s.ts = g.ts) GROUP BY request_id, ts HAVING length(d) > 0",
+                params)}
+        return _Chunk(inserted, expired, conflicts)
 
     def drop(self) -> None:
         self.store.command(f"DROP TABLE IF EXISTS {self.name}")
@@ -142,6 +176,41 @@ def _expired_letter(path: Path, chunk: list[tuple[int, bytes]], expired: list[st
     dl = DeadLetter(source="gateway_log", reason=reason, raw=raw, location=f"{path}:{first}-{last}")
     ev = envelope(dl, pod=pod, natural_key=(str(path), first, last, "expired"), observed_at_ms=now_ms)
     return dead_letter_row(ev, dl)
+
+
+def _conflict_letter(path: Path, offset: int, line: bytes, differ: tuple[str, ...], pod: str, now_ms: int) -> tuple:
+    """The dead letter of a line whose (request_id, ts) the store holds with other values (``differ``: the
+    columns): its place, the reason (:func:`ingest.dedup.conflict_reason`) and the line; keyed by its place and
+    text (a re-import adds none)."""
+    text = line[:MAX_RAW].decode("utf-8", "replace")
+    dl = DeadLetter(source="gateway_log", reason=conflict_reason("gateway_requests", differ), raw=text,
+                    location=f"{path}:{offset}")
+    ev = envelope(dl, pod=pod, natural_key=(str(path), offset, text[:256], "conflict"), observed_at_ms=now_ms)
+    return dead_letter_row(ev, dl)
+
+
+def _key(ts_ms: int, request_id: str) -> str:
+    """A line's identity as one string: its ts in the record's canonical form (UTC, milliseconds, 24 characters:
+    :func:`collector.gateway_record.decode_record`) followed by its request_id."""
+    at = datetime.fromtimestamp(ts_ms // 1000, UTC)
+    return f"{at:%Y-%m-%dT%H:%M:%S}.{ts_ms % 1000:03d}Z{request_id}"
+
+
+def _rounds(keys: list[str]) -> list[list[int] | None]:
+    """The chunk's lines (``keys``: their :func:`_key`) in rounds, each with one line per (request_id, ts), so
+    that of the lines sharing one the first in the file is stored (and each later one judged against it): round
+    k holds the indexes of the (k+1)-th line of each identity, in order. ``[None]`` (every line, one round) when
+    no identity repeats."""
+    if len(set(keys)) == len(keys):
+        return [None]
+    rounds: list[list[int] | None] = []
+    nth: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        n = nth[key] = nth.get(key, -1) + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(i)  # type: ignore[union-attr]
+    return rounds
 
 
 class CompressedLog(ValueError):
@@ -164,12 +233,17 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
     try:
         for chunk in _chunks(path, lines_per_chunk):
             good: list[bytes] = []
+            keys: list[str] = []  # each good line's identity (_key): strings, not records (less for the GC to walk)
+            at: list[int] = []  # each good line's index in the chunk
             dead = []
-            for offset, line in chunk:
+            for j, (offset, line) in enumerate(chunk):
                 try:
                     if len(line) >= MAX_LINE_BYTES:  # as the live path: GatewayLogSource's reason, by its head
                         raise BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
-                    good.append(_encode(decode_record(line)))
+                    rec = decode_record(line)
+                    good.append(_encode(rec))
+                    keys.append(rec.ts + rec.request_id)
+                    at.append(j)
                 except BadRecord as exc:
                     text = line[:MAX_RAW].decode("utf-8", "replace")
                     dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW],
@@ -178,19 +252,29 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                     dead.append(dead_letter_row(ev, dl))
             stats.lines += len(chunk)
             if good:
-                expired: list[str] = []
+                rows, conflicts, expired, letters = 0, 0, [], []
                 try:
-                    inserted, expired = json_stage.insert_absent(good, retentions.get("gateway_requests"))
+                    for turn in _rounds(keys):  # the first line of each identity, then the second, ...
+                        idx = range(len(good)) if turn is None else turn
+                        done = json_stage.insert_absent(good if turn is None else [good[i] for i in idx],
+                                                        retentions.get("gateway_requests"))
+                        rows, conflicts = rows + done.inserted, conflicts + len(done.conflicts)
+                        expired += done.expired
+                        letters += [_conflict_letter(path, *chunk[at[i]], done.conflicts[keys[i]], pod, now_ms)
+                                    for i in idx if keys[i] in done.conflicts]
                 except (RejectedRows, TooManyPartitions):  # ClickHouse refused a line the decoder accepted, or
                     # the chunk spans more partitions than the server lets this user write at once: this chunk
-                    # through the live path (rows in halves until they fit; a refused row becomes a dead letter
-                    # with the store's reason)
+                    # through the live path (rows in halves until they fit; a refused or conflicting row becomes
+                    # a dead letter with its reason; the rows of a round already inserted are copies there)
                     events = [line_event(line, pod=pod, source_file=str(path), offset=off) for off, line in chunk]
-                    written = import_events(store, [e for e in events if e.schema == "gateway_request"])
-                    inserted = written.get("gateway_requests", 0)
-                    stats.dead_letters += written.get("dead_letters", 0)
-                stats.rows += inserted
-                stats.duplicates += len(good) - len(expired) - inserted
+                    ingester = ingest_events(store, [e for e in events if e.schema == "gateway_request"])
+                    rows += ingester.rows_written.get("gateway_requests", 0)
+                    conflicts, expired, letters = ingester.rows_conflicting.get("gateway_requests", 0), [], []
+                    stats.dead_letters += ingester.rows_written.get("dead_letters", 0)
+                stats.rows += rows
+                stats.conflicts += conflicts
+                stats.duplicates += len(good) - len(expired) - rows - conflicts
+                dead += letters
                 if expired:  # one dead letter per chunk: its count, reason and request ids
                     stats.expired += len(expired)
                     dead.append(_expired_letter(path, chunk, expired, retentions.get("gateway_requests"), pod,

@@ -30,7 +30,7 @@ from prometheus_client import Counter, Gauge
 from collector.events import ContractError, decode_batch, encode_batch
 from collector.gateway_record import LATEST
 from collector.publish import Message
-from ingest.dedup import absent_rows
+from ingest.dedup import IDENTITY, check_rows, conflict_reason
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
 from ingest.retention import Retentions
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
@@ -44,6 +44,8 @@ ROWS_DUPLICATE = Counter("kvscope_ingest_rows_duplicate", "Rows dropped because 
                          "(redelivery, a collector re-send, a re-import)", ["table"])
 DEAD_LETTERS = Counter("kvscope_dead_letters", "Inputs dead-lettered, by source", ["source"])
 INGEST_ERRORS = Counter("kvscope_ingest_errors", "Ingest failures by kind", ["kind"])
+ROWS_CONFLICTING = Counter("kvscope_ingest_rows_conflicting", "Rows not inserted because the store (or an earlier "
+                           "row of the batch) holds their identity with other values; dead-lettered", ["table"])
 ROWS_EXPIRED = Counter("kvscope_ingest_rows_expired", "Rows not inserted because they are already older than their "
                        "table's retention (ClickHouse would drop them at insert); dead-lettered", ["table"])
 RETRIES = Counter("kvscope_ingest_retries", "Batches retried after a failure that may pass, by reason", ["reason"])
@@ -99,7 +101,8 @@ class Ingester:
 
     ``handle(messages)`` writes one batch (retrying until it lands or ``stop`` is set) and commits it;
     ``run_once`` polls and handles one batch; ``run`` loops until ``stop`` is set. Bad data never raises.
-    ``rows_written`` counts rows this ingester inserted, per table.
+    ``rows_written`` counts rows this ingester inserted, per table; ``rows_conflicting`` the rows it
+    dead-lettered because the store held their identity with other values (:func:`ingest.dedup.check_rows`).
     """
 
     def __init__(self, store: Store, source: Source, *, max_messages: int = 500, poll_timeout_ms: int = 500,
@@ -111,6 +114,7 @@ class Ingester:
         self.max_backoff_seconds = max_backoff_seconds
         self.messages_handled = 0
         self.rows_written: dict[str, int] = defaultdict(int)
+        self.rows_conflicting: dict[str, int] = defaultdict(int)
         self.retentions = Retentions(store)
 
     # -- writing one table ------------------------------------------------------------------------------
@@ -118,10 +122,12 @@ class Ingester:
         """Insert the rows the store does not hold yet; isolate and dead-letter rows it refuses as data."""
         columns = COLUMNS[table]
         rows = self._set_aside_expired(table, rows)
-        keep = absent_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
-        if len(keep) < len(rows):
-            ROWS_DUPLICATE.labels(table).inc(len(rows) - len(keep))
-        self._insert_isolating(table, [rows[i] for i in keep])
+        verdict = check_rows(self.store, table, [r for r, _ in rows], columns, [o.group for _, o in rows])
+        if len(verdict.keep) + len(verdict.conflicts) < len(rows):
+            ROWS_DUPLICATE.labels(table).inc(len(rows) - len(verdict.keep) - len(verdict.conflicts))
+        if verdict.conflicts:
+            self._dead_letter_conflicts(table, rows, verdict.conflicts)
+        self._insert_isolating(table, [rows[i] for i in verdict.keep])
 
     def _insert_isolating(self, table: str, todo: list[tuple[tuple[Any, ...], Origin]]) -> None:
         """Insert ``todo`` (rows the store did not hold); when the store refuses them as data, insert each half
@@ -179,6 +185,29 @@ class Ingester:
                                                              else "")
             self._write("dead_letters", [(contract_dead_letter(reason, origin.location, raw, origin.pod), origin)])
         return [rows[i] for i in keep]
+
+    def _dead_letter_conflicts(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]],
+                               conflicts: dict[int, tuple[str, ...]]) -> None:
+        """One dead letter per envelope whose rows conflict with the stored ones (:func:`ingest.dedup.check_rows`):
+        the reason names its identity and the columns that differ, ``raw`` holds its rows as JSON lines. Its id
+        comes from the table and the rows, not from where they were read, so the same conflicting line (or
+        scrape) read again adds no second dead letter."""
+        ROWS_CONFLICTING.labels(table).inc(len(conflicts))
+        self.rows_conflicting[table] += len(conflicts)
+        by_origin: dict[int, list[int]] = defaultdict(list)
+        for i in conflicts:
+            by_origin[rows[i][1].group].append(i)
+        letters = []
+        for members in by_origin.values():
+            origin = rows[members[0]][1]
+            values = [dict(zip(COLUMNS[table], rows[i][0], strict=False)) for i in members]
+            raw = "\n".join(json.dumps(v, default=str, ensure_ascii=False) for v in values)
+            reason = conflict_reason(table, conflicts[members[0]])
+            key = ", ".join(f"{c}={values[0][c]}" for c in IDENTITY[table].columns)
+            log.error("%s; dead-lettered. %s rows=%d location=%s", reason, key, len(members), origin.location)
+            letters.append((contract_dead_letter(reason, origin.location, raw, origin.pod,
+                                                 natural_key=f"conflict:{table}:{raw}"), origin))
+        self._write("dead_letters", letters)
 
     def _dead_letter_refused(self, table: str, item: tuple[tuple[Any, ...], Origin], exc: RejectedRows) -> None:
         row, origin = item

@@ -111,11 +111,15 @@ def rows_for(ev: Envelope) -> list[tuple[str, list[tuple[Any, ...]]]]:
     raise ContractViolation(f"no row mapping for kind {ev.schema}")
 
 
-def contract_dead_letter(reason: str, location: str, raw: bytes | str, pod: str = "") -> tuple[Any, ...]:
-    """A ``dead_letters`` row for a message the ingester could not decode or the store refused."""
+def contract_dead_letter(reason: str, location: str, raw: bytes | str, pod: str = "",
+                         natural_key: str | None = None) -> tuple[Any, ...]:
+    """A ``dead_letters`` row for a message the ingester could not decode, the store refused, or that conflicts
+    with a stored row. Its ``event_id`` comes from ``location`` and the start of ``raw``, or from ``natural_key``
+    when given (a dead letter that must be stored once wherever its input was read from)."""
     from collector.events import make_event_id
 
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     now = datetime.now(UTC)
-    return (make_event_id("dead_letter", "ingest", location, text[:512]), now, "ingest", pod, reason, location,
-            text[:65536])
+    ident = make_event_id("dead_letter", "ingest", location, text[:512]) if natural_key is None else \
+        make_event_id("dead_letter", "ingest", natural_key)
+    return (ident, now, "ingest", pod, reason, location, text[:65536])

@@ -425,6 +425,9 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
             if stats.expired:
                 click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, "
                            "which ClickHouse would drop at insert (kvscope query dead_letters names them)", err=True)
+            if stats.conflicts:
+                click.echo(f"  {stats.conflicts} lines not loaded: the store holds their (request_id, ts) with other "
+                           "values (the stored rows are kept; kvscope query dead_letters names the columns)", err=True)
         answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
     except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
         raise _store_error(exc) from exc

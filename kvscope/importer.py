@@ -32,11 +32,17 @@ class _NoSource:
         pass
 
 
-def import_events(store: Store, events: list[Envelope]) -> dict[str, int]:
-    """Insert envelopes as the ingester would; returns the rows actually written per table."""
+def ingest_events(store: Store, events: list[Envelope]) -> Ingester:
+    """Insert envelopes as the ingester would; returns the ingester (its ``rows_written`` and
+    ``rows_conflicting`` per table tell what it did)."""
     ingester = Ingester(store, _NoSource())
     ingester.handle(to_messages(events))
-    return dict(ingester.rows_written)
+    return ingester
+
+
+def import_events(store: Store, events: list[Envelope]) -> dict[str, int]:
+    """Insert envelopes as the ingester would; returns the rows actually written per table."""
+    return dict(ingest_events(store, events).rows_written)
 
 
 @dataclass(frozen=True)
