@@ -215,15 +215,51 @@ _WANTED = """
     )"""
 
 
+_BLOCK_COLUMNS_SQL = """
+    CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, CAST(medium AS String) AS medium, block_hash,
+    if(kind = 'stored', multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
+                                block_hash IN (SELECT h FROM wanted), block_hash, 0), 0) AS chain,
+    toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, CAST(kind AS String) AS kind_name"""
+_BLOCK_ORDER = "ORDER BY pod, engine, medium, block_hash, ts, seq, idx, pos, kind"
+
+
 def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
     """The kv_block_log rows (:data:`ingest.kv_tracks.BLOCK_COLUMNS`, ts in unix ms) of every block that a missed
     block of the staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback
     in ms) names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
     lookback to ``until`` (the chunk's last request's end): its stores and its removals (paired by vLLM hash).
-    ``chain``: the wanted hash a stored row names (its chain hash, else its vLLM hash), 0 on other rows. One
-    query, no FINAL and no join: the log is read only where its hash columns are in the wanted set (PREWHERE),
-    in the order of its sorting key (a row written twice comes twice, adjacent: :mod:`ingest.kv_tracks` counts
-    it once, as FINAL would)."""
+    ``chain``: the wanted hash a stored row names (its chain hash, else its vLLM hash), 0 on other rows. No FINAL
+    and no join: the log is read only where its hash columns are in the wanted set (PREWHERE), in the order of
+    its sorting key (a row written twice comes twice, adjacent: :mod:`ingest.kv_tracks` counts it once, as FINAL
+    would).
+
+    One pass over the log when every stored block named by its chain hash also carries a wanted vLLM hash (pods
+    with vLLM's default hashing: the two hashes are equal): its removals then carry a wanted hash too. Rows of
+    blocks that never had a store in the window may come along; :mod:`ingest.kv_tracks` keeps only blocks with
+    a store. When some pod hashes its blocks its own way (a stored block named only by its chain hash), its
+    removals carry only its vLLM hash, so the log is read again by the vLLM hashes of the blocks the wanted
+    chain hashes name (two passes, as in :func:`_fetch_blocks_by_name`)."""
+    frame = store.query_df(
+        f"""
+        WITH {_WANTED.format(in_set=in_set)}
+        SELECT {_BLOCK_COLUMNS_SQL}, block_hash IN (SELECT h FROM wanted) AS by_block_hash
+        FROM kv_block_log
+        PREWHERE block_hash IN (SELECT h FROM wanted) OR (kind = 'stored' AND chain_hash IN (SELECT h FROM wanted))
+        WHERE kind IN ('stored', 'removed') AND {_FROM}
+        {_BLOCK_ORDER}
+        """, dict(params)).rename({"ts_ms": "ts", "kind_name": "kind"})
+    if frame.is_empty():
+        return _no_blocks()
+    own_hashing = frame.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0) & ~pl.col("by_block_hash")
+                               .cast(pl.Boolean))
+    if not own_hashing.is_empty():
+        return _fetch_blocks_by_name(store, params, in_set)
+    return frame.drop("by_block_hash")
+
+
+def _fetch_blocks_by_name(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
+    """:func:`fetch_blocks` in two passes: the vLLM hashes of the blocks whose stores name a wanted hash (by
+    chain hash or vLLM hash), then every store and removal of those vLLM hashes."""
     frame = store.query_df(
         f"""
         WITH {_WANTED.format(in_set=in_set)},
@@ -233,21 +269,19 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.
             PREWHERE chain_hash IN (SELECT h FROM wanted) OR block_hash IN (SELECT h FROM wanted)
             WHERE kind = 'stored' AND {_FROM}
         )
-        SELECT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, CAST(medium AS String) AS medium,
-               block_hash,
-               if(kind = 'stored', multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
-                                           block_hash IN (SELECT h FROM wanted), block_hash, 0), 0) AS chain,
-               toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, CAST(kind AS String) AS kind_name
+        SELECT {_BLOCK_COLUMNS_SQL}
         FROM kv_block_log
         PREWHERE block_hash IN (SELECT block_hash FROM named)
         WHERE kind IN ('stored', 'removed') AND {_FROM}
-        ORDER BY pod, engine, medium, block_hash, ts, seq, idx, pos, kind
+        {_BLOCK_ORDER}
         """, dict(params)).rename({"ts_ms": "ts", "kind_name": "kind"})
-    if frame.is_empty():
-        return pl.DataFrame(schema={"pod": pl.String, "engine": pl.String, "medium": pl.String,
-                                    "block_hash": pl.UInt64, "chain": pl.UInt64, "ts": pl.Int64, "seq": pl.UInt64,
-                                    "idx": pl.UInt32, "pos": pl.UInt32, "kind": pl.String})
-    return frame
+    return _no_blocks() if frame.is_empty() else frame
+
+
+def _no_blocks() -> pl.DataFrame:
+    return pl.DataFrame(schema={"pod": pl.String, "engine": pl.String, "medium": pl.String, "block_hash": pl.UInt64,
+                                "chain": pl.UInt64, "ts": pl.Int64, "seq": pl.UInt64, "idx": pl.UInt32,
+                                "pos": pl.UInt32, "kind": pl.String})
 
 
 def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:

@@ -36,11 +36,27 @@ def tokens(scenario: int, n: int, part: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
+#: How the scenarios' pods hash their blocks: "own" (vLLM hashes vh0, vh0 + 1, ... that differ from kvscope's chain
+#: hashes, so removals are paired with their stores by vLLM hash) or "default" (vLLM's default hashing: the
+#: published hashes are the chain hashes, so one read of the log by the wanted hashes finds every row).
+HASHING = {"mode": "own"}
+_PUBLISHED: dict[int, int] = {}  # vh0 + j → the hash the pod published for that block
+
+
 def stored(toks: list[int], b: int, vh0: int) -> dict[str, Any]:
-    """BlockStored of the full blocks of ``toks`` (block size ``b``), vLLM hashes vh0, vh0 + 1, ..."""
+    """BlockStored of the full blocks of ``toks`` (block size ``b``), vLLM hashes vh0, vh0 + 1, ... (or, under
+    the default hashing, the chain hashes of those blocks; :func:`vllm_removed` names them by vh0 + j either way)."""
     n = len(toks) // b
-    return {"type": "BlockStored", "block_hashes": [vh0 + j for j in range(n)], "parent_block_hash": None,
+    names = [vh0 + j for j in range(n)]
+    hashes = chain_hashes(toks[: n * b], b) if HASHING["mode"] == "default" else names
+    _PUBLISHED.update(zip(names, hashes, strict=True))
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
             "token_ids": toks[: n * b], "block_size": b, "lora_id": None, "medium": "GPU"}
+
+
+def vllm_removed(names: list[int]) -> dict[str, Any]:
+    """BlockRemoved of the blocks :func:`stored` named vh0 + j, by the hashes their pod published."""
+    return removed([_PUBLISHED[n] for n in names])
 
 
 def gw(rid: str, scenario: int, *, t: float, pod: str, prompt_ids: list[int] | None, b: int, prompt: int,
@@ -86,8 +102,8 @@ def build(store: Store, b: int) -> None:
              gw("s1", 1, t=5, pod="1-a", prompt_ids=sys_ids[1] + tokens(1, 10, 1), b=b, prompt=N * b + 10,
                 system_tokens=N * b, suffix_tokens=10)]
     # 2: evicted by BlockRemoved: blocks 5-7 removed at 3 s, 3-4 at 4 s; the next turn hit blocks 0-2.
-    msgs += [frames("2-a", 0, 1, stored(sys_ids[2], b, 2000)), frames("2-a", 1, 3, removed([2005, 2006, 2007])),
-             frames("2-a", 2, 4, removed([2003, 2004]))]
+    msgs += [frames("2-a", 0, 1, stored(sys_ids[2], b, 2000)), frames("2-a", 1, 3, vllm_removed([2005, 2006, 2007])),
+             frames("2-a", 2, 4, vllm_removed([2003, 2004]))]
     rows += [turn("p2", 2, b, t=0.5, pod="2-a", prompt_ids=None, suffix="q1", suffix_tokens=5),
              turn("s2", 2, b, t=10, pod="2-a", prompt_ids=sys_ids[2] + tokens(2, 20, 1), suffix="q2",
                   suffix_tokens=20, cached=3 * b)]
@@ -103,7 +119,7 @@ def build(store: Store, b: int) -> None:
              turn("s4", 4, b, t=10, pod="4-a", prompt_ids=sys_ids[4] + tokens(4, 20, 1), suffix="q2",
                   suffix_tokens=20)]
     # 5: LRU took the tail block (7) at 3 s; the next turn hit blocks 0-6.
-    msgs += [frames("5-a", 0, 1, stored(sys_ids[5], b, 5000)), frames("5-a", 1, 3, removed([5007]))]
+    msgs += [frames("5-a", 0, 1, stored(sys_ids[5], b, 5000)), frames("5-a", 1, 3, vllm_removed([5007]))]
     rows += [turn("p5", 5, b, t=0.5, pod="5-a", prompt_ids=None, suffix="q1", suffix_tokens=5),
              turn("s5", 5, b, t=10, pod="5-a", prompt_ids=sys_ids[5] + tokens(5, 20, 1), suffix="q2",
                   suffix_tokens=20, cached=7 * b)]
@@ -132,7 +148,7 @@ def build(store: Store, b: int) -> None:
                   suffix_tokens=20)]
     # 9: no precise mode: 9-a sends no KV events; 9-b's request logged its chain at another block size.
     msgs += [frames("9-b", 0, 1, stored(sys_ids[9], b, 9000)),
-             frames("9-b", 1, 3, removed([9000 + j for j in range(N)]))]
+             frames("9-b", 1, 3, vllm_removed([9000 + j for j in range(N)]))]
     rows += [turn("p9", 9, b, t=0.5, pod="9-a", prompt_ids=None, suffix="q1", suffix_tokens=5),
              turn("s9", 9, b, t=10, pod="9-a", prompt_ids=sys_ids[9] + tokens(9, 20, 1), suffix="q2",
                   suffix_tokens=20),
@@ -140,7 +156,7 @@ def build(store: Store, b: int) -> None:
                 tenant="t9b", system_tokens=N * b, suffix_tokens=20, chain_block_size=2 * b)]
     # 10: resident on 10-a at arrival (10 s), evicted at 11 s while the request waited (it ended at 12 s).
     msgs += [frames("10-a", 0, 1, stored(sys_ids[10], b, 10_000)),
-             frames("10-a", 1, 11, removed([10_000 + j for j in range(2, N)]))]
+             frames("10-a", 1, 11, vllm_removed([10_000 + j for j in range(2, N)]))]
     rows += [turn("p10", 10, b, t=0.5, pod="10-a", prompt_ids=None, suffix="q1", suffix_tokens=5),
              {**turn("s10", 10, b, t=10, pod="10-a", prompt_ids=sys_ids[10] + tokens(10, 20, 1), suffix="q2",
                      suffix_tokens=20, cached=2 * b), "e2e_ms": 2000.0}]
@@ -168,16 +184,21 @@ def answers(store: Store) -> dict[str, tuple[Any, ...]]:
                    r[6].replace(tzinfo=UTC) if r[6] else None) for r in rows}
 
 
-@pytest.fixture(scope="module", params=[32, 64])
+@pytest.fixture(scope="module", params=[(32, "own"), (64, "own"), (32, "default")],
+                ids=["32", "64", "32-default-hashing"])
 def results(request: pytest.FixtureRequest, chdb_dir: Any) -> tuple[int, dict[str, Any], dict[str, Any], dict]:
     """(B, answers with KV evidence, answers of the same store attributed again without it, the named query
-    request_detail's evidence for s1 and s2 in each mode: {"precise": ..., "inferred": ...})."""
+    request_detail's evidence for s1 and s2 in each mode: {"precise": ..., "inferred": ...}); pods hash their
+    blocks their own way (B = 32, 64) or as vLLM does by default (:data:`HASHING`: the other read of the log)."""
     import uuid
 
-    b = request.param
+    b, HASHING["mode"] = request.param
     store = Store.open(data_dir=chdb_dir, database=f"t_{uuid.uuid4().hex[:12]}")
     store.migrate()
-    build(store, b)
+    try:
+        build(store, b)
+    finally:
+        HASHING["mode"] = "own"
     attribution_job.run_attribution(store, default_block_size=b)
     precise = answers(store)
     details = {"precise": detail(store)}
