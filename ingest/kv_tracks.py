@@ -154,6 +154,26 @@ def _first_at_or_after(keys: np.ndarray, owner: np.ndarray, want_owner: np.ndarr
     return np.where(ok, k, -1)
 
 
+def _may_matter(cand: pl.DataFrame, seg: pl.DataFrame, inits: pl.DataFrame) -> pl.DataFrame:
+    """``cand`` (ask × track rows with columns track and t) less the rows whose track can say nothing about its
+    ask: no event before t and no copies stored before the evidence (init 0 in every segment). Such a track is
+    not resident just before t (no event, and the init of the segment of t is 0) and has no departure before t
+    (a removal is an event; a reset ends a segment only after its events); a departure after t counts only for a
+    track resident at t. So the answer is the same without them; typically they are the blocks the request
+    itself stored after its arrival. ``seg``: events in track then event order (:func:`_segments`)."""
+    if cand.is_empty() or seg.is_empty():
+        return cand
+    ev_track, ev_ts = _np(seg, "track"), _np(seg, "ts")
+    size = int(max(ev_track.max(), _np(cand, "track").max())) + 1
+    starts = np.flatnonzero(np.r_[True, ev_track[1:] != ev_track[:-1]])
+    first = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
+    first[ev_track[starts]] = ev_ts[starts]  # a track's events are in event order: its first has the least ts
+    unseen = np.zeros(size, dtype=bool)
+    unseen[_np(inits.filter(pl.col("init") > 0), "track")] = True
+    track, t = _np(cand, "track"), _np(cand, "t")
+    return cand.filter(pl.Series((first[track] < t) | unseen[track]))
+
+
 #: Departure kinds in name order: a tie of departures at the same ms goes to the greater (ts, kind).
 _KINDS = ("cleared", "removed", "restart")
 _STATES = (NOWHERE, RESIDENT_HERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE)
@@ -184,6 +204,7 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     cand = (asks.select(pl.int_range(pl.len(), dtype=pl.Int64).alias("ask"), pl.col("chain").cast(pl.UInt64),
                         "pod", "model", "t", "end")
             .join(tracks.rename({"pod": "tpod"}), on="chain", how="inner"))
+    cand = _may_matter(cand, seg, inits)
     n = len(asks)
     state = np.zeros(n, dtype=np.int64)  # index into _STATES
     holder = np.full(n, -1, dtype=np.int64)
