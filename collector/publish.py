@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 from prometheus_client import Counter
 
 from collector.events import (
@@ -117,6 +118,13 @@ def oversized_dead_letter(ev: Envelope, size: int, reason: str, max_message_byte
         head = head[: len(head) // 2]
 
 
+def cut_dead_letter(ev: Envelope, raw_chars: int) -> Envelope:
+    """Dead letter ``ev`` with its ``raw`` cut to its first ``raw_chars`` characters (id, reason and location
+    kept: it is the same dead letter, showing less of its input), to fit a Kafka message."""
+    assert isinstance(ev.payload, DeadLetter)
+    return msgspec.structs.replace(ev, payload=msgspec.structs.replace(ev.payload, raw=ev.payload.raw[:raw_chars]))
+
+
 def plan_messages(events: list[Envelope], *, max_events_per_message: int = 2000, namespace: str = "kvscope",
                   max_message_bytes: int | None = None) -> tuple[list[Message], list[Oversized]]:
     """Group envelopes into messages per (kind, pod), in order, at most ``max_events_per_message`` each and, when
@@ -126,12 +134,19 @@ def plan_messages(events: list[Envelope], *, max_events_per_message: int = 2000,
     An envelope that alone encodes larger than ``max_message_bytes`` is replaced by a dead letter
     (:func:`oversized_dead_letter`, on the ``dead_letter`` topic under its pod) naming its size and the setting;
     those are returned as :class:`Oversized` (``why="setting"``) beside the messages, which carry their dead
-    letters. ``max_message_bytes=None``: no byte cap (the in-process queue, imports)."""
+    letters. A dead letter larger than the cap is sent with its ``raw`` cut to fit (:func:`cut_dead_letter`).
+    ``max_message_bytes=None``: no byte cap (the in-process queue, imports)."""
     groups: dict[tuple[str, str], list[bytes]] = {}
     oversized: list[Oversized] = []
     for ev in events:
         enc = encode_event(ev)
-        if max_message_bytes is not None and len(enc) + 2 > max_message_bytes:
+        if max_message_bytes is None or len(enc) + 2 <= max_message_bytes:
+            pass
+        elif isinstance(ev.payload, DeadLetter):  # already a dead letter: show less of its input
+            while len(enc) + 2 > max_message_bytes and isinstance(ev.payload, DeadLetter) and ev.payload.raw:
+                ev = cut_dead_letter(ev, len(ev.payload.raw) // 2)
+                enc = encode_event(ev)
+        else:
             reason = (f"{ev.schema} event of {len(enc) + 2} bytes encoded is larger than a Kafka message may be "
                       f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data. Raise the setting "
                       "(and the broker's message.max.bytes / the topic's max.message.bytes) to carry events this large")
@@ -340,11 +355,13 @@ class KafkaPublisher:
         return sorted(refused, key=lambda r: order[id(r[0])])
 
     def _refused_alone(self, ev: Envelope, m: Message, exc: Exception, oversized: list[Oversized]) -> Message:
-        """The message of the dead letter standing for ``ev``, alone in message ``m`` that Kafka refused as too
-        large (recorded in ``oversized``). Raises ``exc`` when ``ev`` is already such a dead letter reduced to
-        nothing (the broker's limit is below any message: only lowering its limit's gap helps)."""
-        if isinstance(ev.payload, DeadLetter) and not ev.payload.raw:
-            raise exc
+        """What to send for ``ev``, alone in message ``m`` that Kafka refused as too large: the dead letter
+        standing for it (recorded in ``oversized``), or, when ``ev`` is a dead letter, itself with half its
+        ``raw``. Raises ``exc`` for a dead letter with no ``raw`` left (the broker takes no message that small)."""
+        if isinstance(ev.payload, DeadLetter):
+            if not ev.payload.raw:
+                raise exc
+            return to_messages([cut_dead_letter(ev, len(ev.payload.raw) // 2)], namespace=self.namespace)[0]
         size = len(m.value)
         reason = (f"{ev.schema} event of {size} bytes encoded was refused by Kafka as too large "
                   f"({type(exc).__name__}): the broker's message.max.bytes or the topic's max.message.bytes is "

@@ -133,6 +133,19 @@ def test_an_envelope_larger_than_the_cap_alone_becomes_a_dead_letter_and_the_res
     assert plan_messages(events, max_message_bytes=cap)[1][0].dead_letter.event_id == dead.event_id
 
 
+def test_a_dead_letter_larger_than_the_cap_keeps_its_id_and_reason_and_shows_less_of_its_input() -> None:
+    dl = envelope(DeadLetter(source="gateway_log", reason="not JSON", raw="x" * 65_536, location="/gw.jsonl:0"),
+                  pod="gateway", natural_key=("/gw.jsonl", 0), observed_at_ms=1_800_000_000_000)
+    messages, oversized = plan_messages([dl], max_message_bytes=20_000)
+    assert oversized == []
+    [m] = messages
+    assert len(m.value) <= 20_000
+    [sent] = decode_batch(m.value)
+    assert isinstance(sent.payload, DeadLetter)
+    assert (sent.event_id, sent.payload.reason, sent.payload.location) == (dl.event_id, "not JSON", "/gw.jsonl:0")
+    assert 0 < len(sent.payload.raw) < 20_000 and dl.payload.raw.startswith(sent.payload.raw)
+
+
 def test_the_setting_is_checked_at_start() -> None:
     assert build_config({}, environ={}).kafka_max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES
     assert build_config({}, environ={"KVSCOPE_KAFKA_MAX_MESSAGE_BYTES": "500000"}).kafka_max_message_bytes == 500_000
