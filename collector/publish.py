@@ -26,6 +26,7 @@ from collector.events import (
     KvEventBatch,
     VllmScrape,
     decode_batch,
+    encode_batch,
     encode_event,
     envelope,
     topic_for,
@@ -102,12 +103,13 @@ def _location(ev: Envelope) -> str:
     return ""
 
 
-def oversized_dead_letter(ev: Envelope, size: int, reason: str, max_message_bytes: int) -> Envelope:
-    """The dead letter that stands for envelope ``ev`` (``size`` bytes encoded) which cannot travel as one Kafka
-    message: ``reason`` (one sentence), ``raw`` the head of ``ev``'s JSON (at most :data:`MAX_RAW` and a quarter
-    of ``max_message_bytes``, so the dead letter itself fits), ``location`` where ``ev`` was read, ``source``
-    the source of its kind. Its id derives from ``ev``'s, so a re-sent copy is stored once."""
-    source = ev.payload.source if isinstance(ev.payload, DeadLetter) else SOURCE_OF_KIND.get(ev.schema, ev.schema)
+def oversized_dead_letter(ev: Envelope, reason: str, max_message_bytes: int) -> Envelope:
+    """The dead letter that stands for envelope ``ev`` (not itself a dead letter), which cannot travel as one
+    Kafka message: ``reason`` (one sentence, naming its size), ``raw`` the head of ``ev``'s JSON (at most
+    :data:`MAX_RAW` and a quarter of ``max_message_bytes``, so the dead letter itself fits), ``location`` where
+    ``ev`` was read, ``source`` the source of its kind. Its id derives from ``ev``'s, so a re-sent copy is stored
+    once."""
+    source = SOURCE_OF_KIND.get(ev.schema, ev.schema)
     head = encode_event(ev)[: min(MAX_RAW, max_message_bytes // 4)].decode("utf-8", "ignore")
     while True:
         dl = DeadLetter(source=source, reason=reason, raw=head, location=_location(ev))
@@ -136,37 +138,74 @@ def plan_messages(events: list[Envelope], *, max_events_per_message: int = 2000,
     those are returned as :class:`Oversized` (``why="setting"``) beside the messages, which carry their dead
     letters. A dead letter larger than the cap is sent with its ``raw`` cut to fit (:func:`cut_dead_letter`).
     ``max_message_bytes=None``: no byte cap (the in-process queue, imports)."""
-    groups: dict[tuple[str, str], list[bytes]] = {}
-    oversized: list[Oversized] = []
+    groups: dict[tuple[str, str], list[Envelope]] = {}
     for ev in events:
-        enc = encode_event(ev)
-        if max_message_bytes is None or len(enc) + 2 <= max_message_bytes:
-            pass
-        elif isinstance(ev.payload, DeadLetter):  # already a dead letter: show less of its input
-            while len(enc) + 2 > max_message_bytes and isinstance(ev.payload, DeadLetter) and ev.payload.raw:
-                ev = cut_dead_letter(ev, len(ev.payload.raw) // 2)
-                enc = encode_event(ev)
-        else:
-            reason = (f"{ev.schema} event of {len(enc) + 2} bytes encoded is larger than a Kafka message may be "
-                      f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data. Raise the setting "
-                      "(and the broker's message.max.bytes / the topic's max.message.bytes) to carry events this large")
-            dl = oversized_dead_letter(ev, len(enc) + 2, reason, max_message_bytes)
-            oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, len(enc) + 2, "setting", dl))
-            ev, enc = dl, encode_event(dl)
-        groups.setdefault((ev.schema, ev.pod), []).append(enc)
-    out = []
-    for (kind, pod), parts in groups.items():
-        topic, key = topic_for(kind, namespace), pod.encode()
-        start, size = 0, 2  # the array's brackets
-        for i, part in enumerate(parts):
-            grown = size + len(part) + (1 if i > start else 0)  # a comma before every element but the first
-            full = i - start >= max_events_per_message or (max_message_bytes is not None and grown > max_message_bytes)
-            if i > start and full:
-                out.append(Message(topic, key, b"[" + b",".join(parts[start:i]) + b"]"))
-                start, grown = i, 2 + len(part)
-            size = grown
-        out.append(Message(topic, key, b"[" + b",".join(parts[start:]) + b"]"))
+        groups.setdefault((ev.schema, ev.pod), []).append(ev)
+    out: list[Message] = []
+    oversized: list[Oversized] = []
+    data = [k for k in groups if k[0] != "dead_letter"]
+    for kind, pod in data:
+        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized)
+    # then the dead letters, with those standing for the oversized envelopes just met
+    for kind, pod in [k for k in groups if k[0] == "dead_letter"]:
+        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized)
     return out, oversized
+
+
+def _group_messages(kind: str, pod: str, groups: dict[tuple[str, str], list[Envelope]], max_events_per_message: int,
+                    namespace: str, max_message_bytes: int | None, oversized: list[Oversized]) -> list[Message]:
+    """The messages of one (kind, pod) group of :func:`plan_messages`: one encode per chunk of
+    ``max_events_per_message`` that fits the cap; a chunk that does not is encoded event by event
+    (:func:`_fitted`) and packed by bytes (:func:`_pack`)."""
+    topic, key, evs = topic_for(kind, namespace), pod.encode(), groups[(kind, pod)]
+    out = []
+    for i in range(0, len(evs), max_events_per_message):
+        chunk = evs[i : i + max_events_per_message]
+        value = encode_batch(chunk)
+        if max_message_bytes is None or len(value) <= max_message_bytes:  # the common case
+            out.append(Message(topic, key, value))
+            continue
+        parts = [enc for ev in chunk if (enc := _fitted(ev, max_message_bytes, groups, oversized))]
+        out.extend(Message(topic, key, v) for v in _pack(parts, max_message_bytes))
+    return out
+
+
+def _fitted(ev: Envelope, max_message_bytes: int, groups: dict[tuple[str, str], list[Envelope]],
+            oversized: list[Oversized]) -> bytes | None:
+    """``ev`` encoded, when it fits a message alone; a dead letter with its ``raw`` cut until it does; else
+    None: the dead letter standing for it is appended to ``groups`` (its pod's dead letters) and recorded in
+    ``oversized``."""
+    enc = encode_event(ev)
+    if isinstance(ev.payload, DeadLetter):  # already a dead letter: show less of its input
+        while len(enc) + 2 > max_message_bytes and isinstance(ev.payload, DeadLetter) and ev.payload.raw:
+            ev = cut_dead_letter(ev, len(ev.payload.raw) // 2)
+            enc = encode_event(ev)
+        return enc
+    if len(enc) + 2 <= max_message_bytes:
+        return enc
+    reason = (f"{ev.schema} event of {len(enc) + 2} bytes encoded is larger than a Kafka message may be "
+              f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data. Raise the setting "
+              "(and the broker's message.max.bytes / the topic's max.message.bytes) to carry events this large")
+    dl = oversized_dead_letter(ev, reason, max_message_bytes)
+    oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, len(enc) + 2, "setting", dl))
+    groups.setdefault((dl.schema, dl.pod), []).append(dl)
+    return None
+
+
+def _pack(parts: list[bytes], max_message_bytes: int) -> list[bytes]:
+    """Encoded envelopes, in order, packed greedily into JSON arrays of at most ``max_message_bytes`` each (one
+    larger element, which only a dead letter with nothing left to cut can be, is an array of its own)."""
+    out = []
+    start, size = 0, 2  # the array's brackets
+    for i, part in enumerate(parts):
+        grown = size + len(part) + (1 if i > start else 0)  # a comma before every element but the first
+        if i > start and grown > max_message_bytes:
+            out.append(b"[" + b",".join(parts[start:i]) + b"]")
+            start, grown = i, 2 + len(part)
+        size = grown
+    if parts:
+        out.append(b"[" + b",".join(parts[start:]) + b"]")
+    return out
 
 
 def to_messages(events: list[Envelope], max_events_per_message: int = 2000, namespace: str = "kvscope",
@@ -367,7 +406,7 @@ class KafkaPublisher:
                   f"({type(exc).__name__}): the broker's message.max.bytes or the topic's max.message.bytes is "
                   f"lower than KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={self.max_message_bytes}; lower the setting below "
                   "the broker's limit (or raise the broker's)")
-        dl = oversized_dead_letter(ev, size, reason, min(self.max_message_bytes, max(1024, size // 2)))
+        dl = oversized_dead_letter(ev, reason, min(self.max_message_bytes, max(1024, size // 2)))
         oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, size, "broker", dl))
         return to_messages([dl], namespace=self.namespace)[0]
 
