@@ -238,9 +238,12 @@ def test_a_broker_limit_below_the_setting_splits_messages_and_dead_letters_what_
     before = metric("kvscope_collector_oversized_events_total", kind="gateway_request", why="broker")
     small = [request_event(i, blocks=250) for i in range(60)]  # ~5 kB each, 300 kB in all
     big = request_event(60, blocks=5000)  # ~95 kB: under the setting, over the broker's limit
+    # a dead letter of a bad line with 64 KiB of it: the broker refuses it too; it is sent with less of the line
+    bad = envelope(DeadLetter(source="gateway_log", reason="not JSON", raw="x" * 65_536, location="/gw.jsonl:0"),
+                   pod="gateway", natural_key=("/gw.jsonl", 0), observed_at_ms=1_800_000_000_000)
     acked = []
     try:
-        pub.publish(small[:30] + [big] + small[30:], on_ack=lambda: acked.append(True))
+        pub.publish(small[:30] + [big, bad] + small[30:], on_ack=lambda: acked.append(True))
     finally:
         pub.close()
     assert acked == [True]
@@ -248,8 +251,14 @@ def test_a_broker_limit_below_the_setting_splits_messages_and_dead_letters_what_
     assert max(len(r.value) for r in data) <= 60_000
     got = [e.event_id for r in data for e in decode_batch(r.value)]
     assert sorted(got) == sorted(e.event_id for e in small)  # each once
-    [dead_record] = consume(kafka_bootstrap, [topic_for("dead_letter", ns)], 1)
-    [dead] = decode_batch(dead_record.value)
+    dead_letters = {e.pod: e for r in consume(kafka_bootstrap, [topic_for("dead_letter", ns)], 2)
+                    for e in decode_batch(r.value)}
+    assert sorted(dead_letters) == ["gateway", "pod-0"]
+    cut = dead_letters["gateway"]
+    assert isinstance(cut.payload, DeadLetter)
+    assert (cut.event_id, cut.payload.reason, cut.payload.location) == (bad.event_id, "not JSON", "/gw.jsonl:0")
+    assert 0 < len(cut.payload.raw) < 60_000
+    dead = dead_letters["pod-0"]
     assert isinstance(dead.payload, DeadLetter) and dead.payload.source == "gateway_log"
     assert "refused by Kafka as too large (MessageSizeTooLargeError)" in dead.payload.reason
     assert "KVSCOPE_KAFKA_MAX_MESSAGE_BYTES=200000; lower the setting" in dead.payload.reason
