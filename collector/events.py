@@ -236,6 +236,12 @@ def encode_batch(events: list[Envelope]) -> bytes:
     return _encoder.encode(events)
 
 
+def encode_event(event: Envelope) -> bytes:
+    """Encode one envelope as JSON: an element of :func:`encode_batch`'s array, which is exactly
+    ``b"[" + b",".join(encode_event(e) for e in events) + b"]"`` (so a batch's size is known before it is built)."""
+    return _encoder.encode(event)
+
+
 def decode_batch(data: bytes) -> list[Envelope]:
     """Decode one Kafka message value.
 

@@ -1,19 +1,60 @@
 """The collector's sink: publishes envelopes to Kafka (distributed) or to an in-process queue (embedded).
 
-Envelopes are grouped per (kind, pod) and each group goes out as one message (``encode_batch``) on topic
-``kvscope.<kind>.v1`` keyed by pod, so one pod's events stay ordered in one partition.
+Envelopes are grouped per (kind, pod), in order, and each group goes out as messages (``encode_batch``) on topic
+``kvscope.<kind>.v1`` keyed by pod, so one pod's events stay ordered in one partition. For Kafka a message's
+value is capped in bytes (``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``, under the broker's ``message.max.bytes``): an
+envelope that alone encodes larger is sent as a dead letter instead, and a message the broker still refuses as
+too large is split, down to dead-lettering the one envelope it cannot take (docs/reliability.md, "Message size").
 Only this module sees kafka-python exceptions; they become :class:`PublishError`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from collector.events import Envelope, encode_batch, topic_for, topics
+import msgspec
+from prometheus_client import Counter
+
+from collector.events import (
+    DeadLetter,
+    Envelope,
+    GatewayRequest,
+    KvEventBatch,
+    VllmScrape,
+    decode_batch,
+    encode_batch,
+    encode_event,
+    envelope,
+    topic_for,
+    topics,
+)
+
+#: Default cap (bytes) of one Kafka message's value, the encoded JSON batch before compression:
+#: ``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``. Apache Kafka refuses a record batch larger than the broker's
+#: ``message.max.bytes`` / the topic's ``max.message.bytes`` (default 1,048,588 bytes; source:
+#: https://kafka.apache.org/documentation/#brokerconfigs_message.max.bytes); 900,000 leaves room for the key
+#: and the record framing even when a broker takes the value uncompressed.
+DEFAULT_MAX_MESSAGE_BYTES = 900_000
+#: The smallest cap the setting accepts: a dead letter (reason, location, the head of the refused event) fits.
+MIN_MAX_MESSAGE_BYTES = 16_384
+#: What the producer's ``max_request_size`` allows beyond the value cap: the key (pod name), record and batch
+#: headers. kafka-python refuses a record larger than ``max_request_size`` before sending it.
+REQUEST_OVERHEAD_BYTES = 64 << 10
+#: A dead letter keeps at most this much of the head of the event it stands for (``DeadLetter.raw``).
+MAX_RAW = 64 * 1024
+
+OVERSIZED = Counter("kvscope_collector_oversized_events", "Envelopes not sent to Kafka as data because they alone "
+                    "encode larger than a message may be (why=setting: over KVSCOPE_KAFKA_MAX_MESSAGE_BYTES; "
+                    "why=broker: refused by the broker as too large); each was sent as a dead letter instead",
+                    ["kind", "why"])
+
+#: The dead-letter ``source`` of each kind the collector publishes (a dead letter keeps its own source).
+SOURCE_OF_KIND = {"vllm_scrape": "vllm_metrics", "gateway_request": "gateway_log", "kv_event_batch": "kv_events",
+                  "kv_event_gap": "kv_events"}
 
 
 class PublishError(Exception):
@@ -34,20 +75,146 @@ class Message:
     on_commit: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
-def to_messages(
-    events: list[Envelope], max_events_per_message: int = 2000, namespace: str = "kvscope"
-) -> list[Message]:
-    """Group envelopes into messages per (kind, pod), at most ``max_events_per_message`` each."""
-    groups: dict[tuple[str, str], list[Envelope]] = defaultdict(list)
+@dataclass(frozen=True)
+class Oversized:
+    """An envelope sent as a dead letter instead of as data: its ``kind``, ``pod`` and ``event_id``, its
+    encoded ``size`` (bytes), ``why`` (``setting``: over the cap; ``broker``: the broker refused it as too
+    large) and ``dead_letter``, the envelope sent in its place."""
+
+    kind: str
+    pod: str
+    event_id: str
+    size: int
+    why: str
+    dead_letter: Envelope
+
+
+def _location(ev: Envelope) -> str:
+    """Where an event was read, as its kind's dead letters say it (file:offset, URL, zmq:topic:seq)."""
+    p = ev.payload
+    if isinstance(p, GatewayRequest):
+        return f"{p.source_file}:{p.line_offset}"
+    if isinstance(p, VllmScrape):
+        return p.target
+    if isinstance(p, KvEventBatch):
+        return f"zmq:{p.topic}:{p.seq}"
+    if isinstance(p, DeadLetter):
+        return p.location
+    return ""
+
+
+def oversized_dead_letter(ev: Envelope, reason: str, max_message_bytes: int) -> Envelope:
+    """The dead letter that stands for envelope ``ev`` (not itself a dead letter), which cannot travel as one
+    Kafka message: ``reason`` (one sentence, naming its size), ``raw`` the head of ``ev``'s JSON (at most
+    :data:`MAX_RAW` and a quarter of ``max_message_bytes``, so the dead letter itself fits), ``location`` where
+    ``ev`` was read, ``source`` the source of its kind. Its id derives from ``ev``'s, so a re-sent copy is stored
+    once."""
+    source = SOURCE_OF_KIND.get(ev.schema, ev.schema)
+    head = encode_event(ev)[: min(MAX_RAW, max_message_bytes // 4)].decode("utf-8", "ignore")
+    while True:
+        dl = DeadLetter(source=source, reason=reason, raw=head, location=_location(ev))
+        out = envelope(dl, pod=ev.pod, engine=ev.engine, observed_at_ms=ev.observed_at_ms,
+                       natural_key=("too_large", ev.event_id))
+        if not head or len(encode_event(out)) + 2 <= max_message_bytes:
+            return out
+        head = head[: len(head) // 2]
+
+
+def cut_dead_letter(ev: Envelope, raw_chars: int) -> Envelope:
+    """Dead letter ``ev`` with its ``raw`` cut to its first ``raw_chars`` characters (id, reason and location
+    kept: it is the same dead letter, showing less of its input), to fit a Kafka message."""
+    assert isinstance(ev.payload, DeadLetter)
+    return msgspec.structs.replace(ev, payload=msgspec.structs.replace(ev.payload, raw=ev.payload.raw[:raw_chars]))
+
+
+def plan_messages(events: list[Envelope], *, max_events_per_message: int = 2000, namespace: str = "kvscope",
+                  max_message_bytes: int | None = None) -> tuple[list[Message], list[Oversized]]:
+    """Group envelopes into messages per (kind, pod), in order, at most ``max_events_per_message`` each and, when
+    ``max_message_bytes`` is set, at most that many bytes of value each (the encoded JSON array, exactly as
+    :func:`collector.events.encode_batch` writes it).
+
+    An envelope that alone encodes larger than ``max_message_bytes`` is replaced by a dead letter
+    (:func:`oversized_dead_letter`, on the ``dead_letter`` topic under its pod) naming its size and the setting;
+    those are returned as :class:`Oversized` (``why="setting"``) beside the messages, which carry their dead
+    letters. A dead letter larger than the cap is sent with its ``raw`` cut to fit (:func:`cut_dead_letter`).
+    ``max_message_bytes=None``: no byte cap (the in-process queue, imports)."""
+    groups: dict[tuple[str, str], list[Envelope]] = {}
     for ev in events:
-        groups[(ev.schema, ev.pod)].append(ev)
+        groups.setdefault((ev.schema, ev.pod), []).append(ev)
+    out: list[Message] = []
+    oversized: list[Oversized] = []
+    data = [k for k in groups if k[0] != "dead_letter"]
+    for kind, pod in data:
+        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized)
+    # then the dead letters, with those standing for the oversized envelopes just met
+    for kind, pod in [k for k in groups if k[0] == "dead_letter"]:
+        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized)
+    return out, oversized
+
+
+def _group_messages(kind: str, pod: str, groups: dict[tuple[str, str], list[Envelope]], max_events_per_message: int,
+                    namespace: str, max_message_bytes: int | None, oversized: list[Oversized]) -> list[Message]:
+    """The messages of one (kind, pod) group of :func:`plan_messages`: one encode per chunk of
+    ``max_events_per_message`` that fits the cap; a chunk that does not is encoded event by event
+    (:func:`_fitted`) and packed by bytes (:func:`_pack`)."""
+    topic, key, evs = topic_for(kind, namespace), pod.encode(), groups[(kind, pod)]
     out = []
-    for (kind, pod), evs in groups.items():
-        for i in range(0, len(evs), max_events_per_message):
-            out.append(
-                Message(topic_for(kind, namespace), pod.encode(), encode_batch(evs[i : i + max_events_per_message]))
-            )
+    for i in range(0, len(evs), max_events_per_message):
+        chunk = evs[i : i + max_events_per_message]
+        value = encode_batch(chunk)
+        if max_message_bytes is None or len(value) <= max_message_bytes:  # the common case
+            out.append(Message(topic, key, value))
+            continue
+        parts = [enc for ev in chunk if (enc := _fitted(ev, max_message_bytes, groups, oversized))]
+        out.extend(Message(topic, key, v) for v in _pack(parts, max_message_bytes))
     return out
+
+
+def _fitted(ev: Envelope, max_message_bytes: int, groups: dict[tuple[str, str], list[Envelope]],
+            oversized: list[Oversized]) -> bytes | None:
+    """``ev`` encoded, when it fits a message alone; a dead letter with its ``raw`` cut until it does; else
+    None: the dead letter standing for it is appended to ``groups`` (its pod's dead letters) and recorded in
+    ``oversized``."""
+    enc = encode_event(ev)
+    if isinstance(ev.payload, DeadLetter):  # already a dead letter: show less of its input
+        while len(enc) + 2 > max_message_bytes and isinstance(ev.payload, DeadLetter) and ev.payload.raw:
+            ev = cut_dead_letter(ev, len(ev.payload.raw) // 2)
+            enc = encode_event(ev)
+        return enc
+    if len(enc) + 2 <= max_message_bytes:
+        return enc
+    reason = (f"{ev.schema} event of {len(enc) + 2} bytes encoded is larger than a Kafka message may be "
+              f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data. Raise the setting "
+              "(and the broker's message.max.bytes / the topic's max.message.bytes) to carry events this large")
+    dl = oversized_dead_letter(ev, reason, max_message_bytes)
+    oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, len(enc) + 2, "setting", dl))
+    groups.setdefault((dl.schema, dl.pod), []).append(dl)
+    return None
+
+
+def _pack(parts: list[bytes], max_message_bytes: int) -> list[bytes]:
+    """Encoded envelopes, in order, packed greedily into JSON arrays of at most ``max_message_bytes`` each (one
+    larger element, which only a dead letter with nothing left to cut can be, is an array of its own)."""
+    out = []
+    start, size = 0, 2  # the array's brackets
+    for i, part in enumerate(parts):
+        grown = size + len(part) + (1 if i > start else 0)  # a comma before every element but the first
+        if i > start and grown > max_message_bytes:
+            out.append(b"[" + b",".join(parts[start:i]) + b"]")
+            start, grown = i, 2 + len(part)
+        size = grown
+    if parts:
+        out.append(b"[" + b",".join(parts[start:]) + b"]")
+    return out
+
+
+def to_messages(events: list[Envelope], max_events_per_message: int = 2000, namespace: str = "kvscope",
+                max_message_bytes: int | None = None) -> list[Message]:
+    """The messages of :func:`plan_messages` (envelopes grouped per (kind, pod) in order, at most
+    ``max_events_per_message`` and ``max_message_bytes`` of value each; an envelope larger than the cap is
+    sent as a dead letter)."""
+    return plan_messages(events, max_events_per_message=max_events_per_message, namespace=namespace,
+                         max_message_bytes=max_message_bytes)[0]
 
 
 Ack = Callable[[], None]
@@ -142,17 +309,29 @@ class KafkaPublisher:
     """Distributed mode: kafka-python producer with ``acks="all"``; :meth:`publish` returns once the broker
     acknowledged every message (so the collector may then advance its own checkpoints).
 
-    Raises :class:`PublishError` when the broker cannot be reached or refuses a message.
+    ``max_message_bytes`` caps each message's value (:func:`plan_messages`; ``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``,
+    at least :data:`MIN_MAX_MESSAGE_BYTES`); the producer's ``max_request_size`` is that plus
+    :data:`REQUEST_OVERHEAD_BYTES` unless given (a lower one stands for a broker whose limit is below the
+    setting: the producer then refuses records with the error such a broker returns). A message refused as too
+    large (``MessageSizeTooLargeError``, ``RecordListTooLargeError``) is split in halves and re-sent until it
+    fits; a lone envelope refused is sent as a dead letter naming the setting to lower. Raises
+    :class:`PublishError` when the broker cannot be reached or refuses a message for any other reason (the
+    caller retries), or ValueError for a cap below the minimum.
     """
 
     def __init__(
-        self, bootstrap: str, *, namespace: str = "kvscope", create_topics: bool = True, partitions: int = 3
+        self, bootstrap: str, *, namespace: str = "kvscope", create_topics: bool = True, partitions: int = 3,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_size: int | None = None,
     ) -> None:
         from kafka import KafkaProducer
-        from kafka.errors import KafkaError
+        from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
+        if max_message_bytes < MIN_MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes={max_message_bytes}: expected at least {MIN_MAX_MESSAGE_BYTES}")
         self._kafka_error = KafkaError
+        self._too_large = (MessageSizeTooLargeError, RecordListTooLargeError)
         self.namespace = namespace
+        self.max_message_bytes = max_message_bytes
         try:
             if create_topics:
                 ensure_topics(bootstrap, topics(namespace), partitions)
@@ -161,25 +340,75 @@ class KafkaPublisher:
                 acks="all",
                 linger_ms=20,
                 compression_type="gzip",
-                max_request_size=16 << 20,
+                max_request_size=max_request_size or max_message_bytes + REQUEST_OVERHEAD_BYTES,
                 retries=5,
             )
         except KafkaError as exc:
             raise PublishError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
 
     def publish(self, events: list[Envelope], on_ack: Ack | None = None) -> None:
+        """Send every envelope (:func:`plan_messages`), wait for the broker's acknowledgement, count the
+        envelopes sent as dead letters (``kvscope_collector_oversized_events_total{kind,why}``), then call
+        ``on_ack``. Raises :class:`PublishError` (nothing counted, ``on_ack`` not called; the caller re-sends
+        everything and the store drops what already landed)."""
+        messages, oversized = plan_messages(events, namespace=self.namespace, max_message_bytes=self.max_message_bytes)
         try:
-            futures = [
-                self._producer.send(m.topic, key=m.key, value=m.value)
-                for m in to_messages(events, namespace=self.namespace)
-            ]
-            self._producer.flush()
-            for f in futures:
-                f.get(timeout=30)
+            while messages:
+                refused = self._send(messages)
+                messages = []
+                for m, exc in refused:
+                    parts = decode_batch(m.value)
+                    if len(parts) > 1:
+                        half = len(parts) // 2
+                        messages += to_messages(parts[:half], namespace=self.namespace,
+                                                max_message_bytes=self.max_message_bytes)
+                        messages += to_messages(parts[half:], namespace=self.namespace,
+                                                max_message_bytes=self.max_message_bytes)
+                        continue
+                    messages.append(self._refused_alone(parts[0], m, exc, oversized))
         except self._kafka_error as exc:
             raise PublishError(f"Kafka refused a batch: {exc!r}") from exc
+        for o in oversized:
+            OVERSIZED.labels(o.kind, o.why).inc()
         if on_ack is not None:
             on_ack()
+
+    def _send(self, messages: list[Message]) -> list[tuple[Message, Exception]]:
+        """Send ``messages`` and wait for every acknowledgement; return those refused as too large (by
+        kafka-python's own ``max_request_size`` check or by the broker), in order. Raises KafkaError for
+        anything else."""
+        refused: list[tuple[Message, Exception]] = []
+        futures = []
+        for m in messages:
+            try:
+                futures.append((m, self._producer.send(m.topic, key=m.key, value=m.value)))
+            except self._too_large as exc:
+                refused.append((m, exc))
+        self._producer.flush()
+        for m, f in futures:
+            try:
+                f.get(timeout=30)
+            except self._too_large as exc:
+                refused.append((m, exc))
+        order = {id(m): i for i, m in enumerate(messages)}
+        return sorted(refused, key=lambda r: order[id(r[0])])
+
+    def _refused_alone(self, ev: Envelope, m: Message, exc: Exception, oversized: list[Oversized]) -> Message:
+        """What to send for ``ev``, alone in message ``m`` that Kafka refused as too large: the dead letter
+        standing for it (recorded in ``oversized``), or, when ``ev`` is a dead letter, itself with half its
+        ``raw``. Raises ``exc`` for a dead letter with no ``raw`` left (the broker takes no message that small)."""
+        if isinstance(ev.payload, DeadLetter):
+            if not ev.payload.raw:
+                raise exc
+            return to_messages([cut_dead_letter(ev, len(ev.payload.raw) // 2)], namespace=self.namespace)[0]
+        size = len(m.value)
+        reason = (f"{ev.schema} event of {size} bytes encoded was refused by Kafka as too large "
+                  f"({type(exc).__name__}): the broker's message.max.bytes or the topic's max.message.bytes is "
+                  f"lower than KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={self.max_message_bytes}; lower the setting below "
+                  "the broker's limit (or raise the broker's)")
+        dl = oversized_dead_letter(ev, reason, min(self.max_message_bytes, max(1024, size // 2)))
+        oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, size, "broker", dl))
+        return to_messages([dl], namespace=self.namespace)[0]
 
     def close(self) -> None:
         self._producer.close(timeout=10)

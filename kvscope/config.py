@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from collector.publish import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES
 from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
 from sql import DATABASE_NAME
 
@@ -41,6 +42,10 @@ SETTINGS: list[Setting] = [
     Setting("adhoc_max_memory_bytes", ADHOC_MAX_MEMORY_BYTES, "Memory one ad hoc query (kvscope sql, the "
             "dashboard's SQL page) may use (ClickHouse max_memory_usage); over it the query fails", int),
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
+    Setting("kafka_max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "Bytes of value (the JSON batch before "
+            "compression) one Kafka message may carry, at least 16384; keep it under the broker's message.max.bytes "
+            "and the topics' max.message.bytes (Kafka's default: 1048588). An event larger than this alone is sent "
+            "as a dead letter (docs/reliability.md, \"Message size\")", int),
     Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
     Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port (name = host:port); "
@@ -119,6 +124,7 @@ class Config:
     rollup_retention_days: int
     adhoc_max_memory_bytes: int
     kafka_bootstrap: str
+    kafka_max_message_bytes: int
     consumer_group: str
     topic_namespace: str
     vllm: str
@@ -203,6 +209,9 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
                               "(fewer expires every row; more passes the end of ClickHouse's DateTime range, 2106)")
     if not 1 <= cfg.kv_events_dp_ranks <= 256:
         raise ConfigError(f"KVSCOPE_KV_EVENTS_DP_RANKS={cfg.kv_events_dp_ranks}: expected 1 to 256 ranks")
+    if cfg.kafka_max_message_bytes < MIN_MAX_MESSAGE_BYTES:
+        raise ConfigError(f"KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={cfg.kafka_max_message_bytes}: expected at least "
+                          f"{MIN_MAX_MESSAGE_BYTES} bytes (a dead letter must fit in one message)")
     if cfg.gateway_block_size < 0:
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
     return cfg

@@ -117,7 +117,8 @@ class Pipeline:
     def _transport(self) -> tuple[Publisher | None, Source | None]:
         if self.cfg.kafka_bootstrap:
             ns = self.cfg.topic_namespace
-            pub = KafkaPublisher(self.cfg.kafka_bootstrap, namespace=ns) if self.collect else None
+            pub = KafkaPublisher(self.cfg.kafka_bootstrap, namespace=ns,
+                                 max_message_bytes=self.cfg.kafka_max_message_bytes) if self.collect else None
             src = KafkaSource(self.cfg.kafka_bootstrap, self.cfg.consumer_group, namespace=ns) if self.ingest else None
             return pub, src
         self._queue = MemoryQueue(max_bytes=self.cfg.queue_max_bytes)
