@@ -505,13 +505,17 @@ def _not_blank(option: str, value: str, fix: str = "give a name") -> str:
 
 
 def _params(pairs: tuple[str, ...]) -> dict[str, str]:
-    """``--param key=value`` items as a dict. A usage error for an item without ``=`` or with a blank value
-    (``pod=``, ``tenant=" "``): a parameter left out takes its default ('' = all for the filters)."""
-    out = {}
+    """``--param key=value`` items as a dict. A usage error for an item without ``=``, with a blank value
+    (``pod=``, ``tenant=" "``: a parameter left out takes its default, '' = all for the filters), or a key given
+    twice (``pod=a --param pod=b`` ran for pod b alone, silently)."""
+    out: dict[str, str] = {}
     for p in pairs:
         k, sep, v = p.partition("=")
         if not sep:
             raise click.BadParameter(f"{p!r}: expected key=value", param_hint="--param")
+        if k in out:
+            raise click.BadParameter(f"{k} is given twice ({out[k]!r} and {v!r}); a query takes one value of each "
+                                     "parameter", param_hint=f"--param {k}")
         out[k] = _not_blank(f"--param {k}", v, f"leave --param {k} out for its default (pod, tenant, model ...: all)")
     return out
 
@@ -534,6 +538,8 @@ def query(name: str | None, params: tuple[str, ...], fmt: str, list_: bool, show
             click.echo(sqlfiles.load_query(name).sql)
         except KeyError as exc:
             raise click.UsageError(str(exc.args[0])) from exc
+        except sqlfiles.HeaderError as exc:
+            raise click.ClickException(str(exc)) from exc
         return
 
     if list_ or not name:

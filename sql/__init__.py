@@ -113,6 +113,9 @@ TIME_FORMS = ("YYYY-MM-DD, YYYY-MM-DD HH:MM[:SS[.fff]] or YYYY-MM-DDTHH:MM[:SS[.
               "Z or an offset ±HH:MM")
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[Tt ]\d{2}(?::\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _INTEGER = re.compile(r"(U?)Int(8|16|32|64)")
+_INTEGER_ARRAY = re.compile(r"Array\(((U?)Int(8|16|32|64))\)")
+#: A named query's name: a file stem in sql/queries/ (no path: ``../parts/x`` named a file that is no query).
+QUERY_NAME = re.compile(r"\w+")
 #: Date and Date32 ranges (ClickHouse docs, "Date", "Date32"); a date beyond them is held to them.
 _DATE_RANGES = {"Date": ("1970-01-01", "2149-06-06"), "Date32": ("1900-01-01", "2299-12-31")}
 
@@ -124,8 +127,10 @@ def check_value(param: Param, value: str) -> str:
     DateTime and DateTime64: one of :data:`TIME_FORMS`, a real calendar date and time (ClickHouse reads
     ``2026-13-01`` and ``2026-11-31`` leniently, as other days), as UTC text within [:data:`TIME_MIN`,
     :data:`TIME_MAX`]. Date, Date32: ``YYYY-MM-DD``, a real date, within the type's range. (U)Int8..64: a
-    whole number within the type (ClickHouse wraps a larger one). :data:`BUCKET_PARAM`: also a positive
-    multiple of 60 (whole minutes, the rollups' grain). Other types go to ClickHouse as given.
+    whole number within the type (ClickHouse wraps a larger one). Array((U)Int8..64): ``[`` whole numbers
+    within the element type, comma-separated ``]`` (ClickHouse wraps an element too: ``[300]`` as Array(UInt8) is
+    ``[44]``, ``[2^64]`` as Array(UInt64) is ``[0]``). :data:`BUCKET_PARAM`: also a positive multiple of 60
+    (whole minutes, the rollups' grain). Other types go to ClickHouse as given.
     """
     kind = param.type.split("(", 1)[0]
     if kind in ("DateTime", "DateTime64"):
@@ -135,15 +140,52 @@ def check_value(param: Param, value: str) -> str:
     elif m := _INTEGER.fullmatch(param.type):
         bits = int(m.group(2))
         low, high = (0, 2**bits - 1) if m.group(1) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-        text = value.strip()
-        if not re.fullmatch(r"[+-]?\d+", text) or not low <= int(text) <= high:
-            raise ParamError(f"parameter {param.name}: {value!r} is not a {param.type} (a whole number "
+        number = _whole(value, low, high)
+        if number is None:
+            raise ParamError(f"parameter {param.name}: {_cut(value)!r} is not a {param.type} (a whole number "
                              f"{low:,}..{high:,})")
-        value = str(int(text))
+        value = str(number)
+    elif m := _INTEGER_ARRAY.fullmatch(param.type):
+        value = _integer_array(param.name, value, m.group(1), unsigned=bool(m.group(2)), bits=int(m.group(3)))
     if param.name == BUCKET_PARAM and not (0 < int(value) <= BUCKET_MAX_SECONDS and int(value) % 60 == 0):
         raise ParamError(f"parameter {param.name}: {value} is refused: the rollups hold whole minutes, so a bucket "
                          f"is a positive multiple of 60 seconds, at most {BUCKET_MAX_SECONDS:,}")
     return value
+
+
+def _integer_array(name: str, value: str, element: str, *, unsigned: bool, bits: int) -> str:
+    """``[1, 2, 3]`` (spaces anywhere, ``[]`` empty) as ClickHouse's text of an Array(``element``), each element a
+    whole number within the element type. Raises :class:`ParamError` naming parameter ``name`` otherwise."""
+    low, high = (0, 2**bits - 1) if unsigned else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    text = value.strip()
+    inner = text[1:-1].strip() if text.startswith("[") and text.endswith("]") else None
+    items = [] if inner == "" else None if inner is None else [x.strip() for x in inner.split(",")]
+    if items is None or not all(_INTEGER_TEXT.fullmatch(x) for x in items):
+        raise ParamError(f"parameter {name}: {_cut(value)!r} is not an Array({element}): give [n, n, ...], whole "
+                         f"numbers {low:,}..{high:,}")
+    numbers = [_whole(x, low, high) for x in items]
+    if None in numbers:
+        bad = items[numbers.index(None)]
+        raise ParamError(f"parameter {name}: element {_cut(bad)} is not a {element} (a whole number {low:,}..{high:,})")
+    return "[" + ",".join(map(str, numbers)) + "]"
+
+
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def _whole(text: str, low: int, high: int) -> int | None:
+    """``text`` (ASCII digits, a sign, spaces around) as an integer within [``low``, ``high``], else None (a
+    number of thousands of digits too: Python refuses to convert those, so they are judged by their length)."""
+    text = text.strip()
+    if not _INTEGER_TEXT.fullmatch(text) or len(text.lstrip("+-").lstrip("0")) > 40:
+        return None
+    number = int(text)
+    return number if low <= number <= high else None
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    """``text``, or its first ``limit`` characters and ``…`` (an error line quotes a value, not a megabyte)."""
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _clickhouse_time(name: str, value: str) -> str:
@@ -241,7 +283,7 @@ def load_query(name: str) -> NamedQuery:
     """Load ``sql/queries/<name>.sql`` with its ``-- include:`` lines expanded (:func:`expand_includes`).
     Raises :class:`KeyError` if there is no such query, :class:`HeaderError` for a bad header or include."""
     path = QUERIES_DIR / f"{name}.sql"
-    if not path.is_file():
+    if not QUERY_NAME.fullmatch(name) or not path.is_file():
         raise KeyError(f"no named query {name!r}; known: {', '.join(query_names())}")
     q = parse_query(expand_includes(path.read_text(), str(path)), str(path))
     if q.name != name:
