@@ -7,6 +7,7 @@ a vLLM target list with two targets of one name or one URL under two names.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -212,9 +213,40 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
     if cfg.kafka_max_message_bytes < MIN_MAX_MESSAGE_BYTES:
         raise ConfigError(f"KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={cfg.kafka_max_message_bytes}: expected at least "
                           f"{MIN_MAX_MESSAGE_BYTES} bytes (a dead letter must fit in one message)")
+    _check_floats(cfg)
     if cfg.gateway_block_size < 0:
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
     return cfg
+
+
+#: The longest duration (seconds) a ``*_seconds`` setting may have: ten years, as :data:`MAX_RETENTION_DAYS`
+#: (``--every inf`` stopped the alert loop's thread with an OverflowError, leaving the command waiting forever).
+MAX_SECONDS = MAX_RETENTION_DAYS * 86400
+#: The settings that are the time between two runs of a loop: 0, negative or NaN made the loop run without
+#: pause (``threading.Event.wait`` returns at once), evaluating the alerts or scraping the pods flat out.
+INTERVALS = ("scrape_interval_seconds", "attribution_interval_seconds", "alert_every_seconds")
+#: The options a float setting is also given by, named in its error.
+_FLAGS = {"alert_every_seconds": "--every"}
+
+
+def _check_floats(cfg: Config) -> None:
+    """Every float setting finite and not negative (a price, a byte count, a duration); a ``*_seconds`` one at most
+    :data:`MAX_SECONDS`; an interval (:data:`INTERVALS`) above 0. Raises :class:`ConfigError` naming the variable
+    (and its option)."""
+    for s in SETTINGS:
+        if s.type is not float:
+            continue
+        value = getattr(cfg, s.name)
+        high = MAX_SECONDS if s.name.endswith("_seconds") else math.inf
+        positive = s.name in INTERVALS
+        if math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= high:
+            continue
+        flag = f" / {_FLAGS[s.name]}" if s.name in _FLAGS else ""
+        if high == math.inf:
+            what = "a finite number, 0 or more"
+        else:
+            what = f"seconds {'above 0' if positive else '0 or more'}, at most {MAX_SECONDS:,} (ten years)"
+        raise ConfigError(f"{s.env}{flag}={value!r}: expected {what}")
 
 
 def _check_targets(cfg: Config) -> None:
