@@ -12,12 +12,14 @@ holds, in one INSERT SELECT (``make bench`` prints the rate beside the store's o
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -29,7 +31,7 @@ from ingest.errors import RejectedRows, TooManyPartitions
 from ingest.retention import Retention, Retentions
 from ingest.rows import COLUMNS, GATEWAY_HASH_LISTS, dead_letter_row
 from ingest.store import Store
-from kvscope.importer import ingest_events
+from kvscope.importer import CompressedFile, ingest_events, refuse_gzip, source_path
 
 
 @dataclass
@@ -38,7 +40,8 @@ class LoadStats:
     store held them, or an earlier line of the file, with the same values), ``conflicts`` not loaded because
     the store holds their (request_id, ts) with other values (one dead letter each, the stored row kept),
     ``expired`` not loaded because they are older than gateway_requests' retention (:mod:`ingest.retention`;
-    one dead letter per chunk names them), ``dead_letters`` written."""
+    one dead letter per chunk names them), ``dead_letters`` written, ``interrupted``: the load was stopped before
+    the end of the file (every line counted was loaded whole)."""
 
     lines: int = 0
     rows: int = 0
@@ -46,31 +49,31 @@ class LoadStats:
     conflicts: int = 0
     expired: int = 0
     dead_letters: int = 0
+    interrupted: bool = False
 
 
-def _chunks(path: Path, lines_per_chunk: int) -> Iterator[list[tuple[int, bytes]]]:
-    """(byte offset, line) of every non-blank line, ``lines_per_chunk`` at a time, read in 16 MiB blocks;
-    the last line needs no newline."""
+def _chunks(fh: BinaryIO, lines_per_chunk: int) -> Iterator[list[tuple[int, bytes]]]:
+    """(byte offset, line) of every non-blank line of the open file ``fh`` (read once, from its start, so a pipe
+    works too), ``lines_per_chunk`` at a time, read in 16 MiB blocks; the last line needs no newline."""
     chunk: list[tuple[int, bytes]] = []
     base = 0
     rest = b""
-    with path.open("rb") as fh:
-        while True:
-            block = fh.read(16 << 20)
-            data = rest + block
-            lines = data.split(b"\n")
-            rest = lines.pop() if block else b""
-            offset = base
-            for line in lines:
-                if line.strip():
-                    chunk.append((offset, line.rstrip(b"\r")))
-                offset += len(line) + 1
-            base = offset
-            while len(chunk) >= lines_per_chunk:
-                yield chunk[:lines_per_chunk]
-                chunk = chunk[lines_per_chunk:]
-            if not block:
-                break
+    while True:
+        block = fh.read(16 << 20)
+        data = rest + block
+        lines = data.split(b"\n")
+        rest = lines.pop() if block else b""
+        offset = base
+        for line in lines:
+            if line.strip():
+                chunk.append((offset, line.rstrip(b"\r")))
+            offset += len(line) + 1
+        base = offset
+        while len(chunk) >= lines_per_chunk:
+            yield chunk[:lines_per_chunk]
+            chunk = chunk[lines_per_chunk:]
+        if not block:
+            break
     if chunk:
         yield chunk
 
@@ -213,25 +216,43 @@ def _rounds(keys: list[str]) -> list[list[int] | None]:
     return rounds
 
 
-class CompressedLog(ValueError):
+class CompressedLog(CompressedFile):
     """A gateway log file that is gzip-compressed (rotated logs often are): refused whole, nothing written."""
 
 
-def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
-                     lines_per_chunk: int = 50_000) -> LoadStats:
-    """Load a finished gateway log into ``store``; returns :class:`LoadStats`. Raises :class:`CompressedLog` for
-    a gzip file (nothing written), what the store raises (``StoreUnavailable``: the load may be repeated; rows
-    already loaded are skipped) and ``OSError``. The stage table is dropped whatever happens."""
-    path = Path(path).resolve()  # one spelling per file: dead letters are keyed by it (a re-import adds none)
+def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway", lines_per_chunk: int = 50_000,
+                     stop: threading.Event | None = None,
+                     progress: Callable[[LoadStats], None] | None = None) -> LoadStats:
+    """Load a finished gateway log (a file, or a pipe: ``<(zcat log.gz)``, read once) into ``store``; returns
+    :class:`LoadStats`. ``stop``: when it is set (Ctrl-C), the load ends after the chunk it is in, whose rows and
+    dead letters are then all written, and the stats say ``interrupted`` (loading the file again loads the rest:
+    what is stored is skipped). ``progress``: called with the stats after each full chunk of ``lines_per_chunk``
+    lines. Raises :class:`CompressedLog` for a gzip file (nothing written), what the store raises
+    (``StoreUnavailable``: the load may be repeated; rows already loaded are skipped) and ``OSError``. The stage
+    table is dropped whatever happens."""
+    path = Path(path)
     with path.open("rb") as fh:
-        if fh.read(2) == b"\x1f\x8b":
-            raise CompressedLog(f"{path}: gzip-compressed bytes, not a gateway log: decompress it first (gunzip)")
+        head = fh.peek(2)[:2]
+        path = source_path(path)  # one spelling per file: dead letters are keyed by it (a re-import adds none)
+        try:
+            refuse_gzip(head, path, "a gateway log")
+        except CompressedFile as exc:
+            raise CompressedLog(str(exc)) from None
+        return _load(store, fh, path, pod, lines_per_chunk, stop, progress)
+
+
+def _load(store: Store, fh: BinaryIO, path: Path, pod: str, lines_per_chunk: int, stop: threading.Event | None,
+          progress: Callable[[LoadStats], None] | None) -> LoadStats:
+    """:func:`load_gateway_log` of the open file ``fh`` (keyed by ``path``)."""
     stats = LoadStats()
     json_stage = _JsonStage(store)
     retentions = Retentions(store)
     now_ms = int(time.time() * 1000)
     try:
-        for chunk in _chunks(path, lines_per_chunk):
+        for chunk in _chunks(fh, lines_per_chunk):
+            if stop is not None and stop.is_set():
+                stats.interrupted = True
+                break
             good: list[bytes] = []
             keys: list[str] = []  # each good line's identity (_key): strings, not records (less for the GC to walk)
             at: list[int] = []  # each good line's index in the chunk
@@ -283,6 +304,8 @@ def load_gateway_log(store: Store, path: str | Path, *, pod: str = "gateway",
                 keep = absent_rows(store, "dead_letters", dead, COLUMNS["dead_letters"])
                 store.insert("dead_letters", [dead[i] for i in keep], COLUMNS["dead_letters"])
                 stats.dead_letters += len(keep)
+            if progress is not None and len(chunk) == lines_per_chunk:
+                progress(stats)
     finally:
         json_stage.drop()
     return stats

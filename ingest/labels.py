@@ -34,6 +34,7 @@ from ingest.retention import Retentions
 from ingest.rows import COLUMNS as ROW_COLUMNS
 from ingest.rows import dead_letter_row
 from ingest.store import Store
+from kvscope.importer import refuse_gzip, source_path
 
 SOURCE = "workload_labels"
 #: The intended cause of a request built to miss nothing avoidable (only new content, the last token).
@@ -157,6 +158,8 @@ def parse_label(line: bytes | str, *, run_id: str = "") -> dict[str, Any]:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadLabel(f"not JSON ({exc})") from exc
+    except RecursionError:  # arrays or objects nested thousands deep: Python's parser recurses per level
+        raise BadLabel("not JSON kvscope reads: nested too deep (a label is a flat object)") from None
     if not isinstance(obj, dict):
         raise BadLabel(f"line is JSON {type(obj).__name__}, not an object")
     cause, sub = _intended(obj)
@@ -174,8 +177,11 @@ def _lines(path: Path, start: int, partial_last_line: bool) -> tuple[list[tuple[
     """(offset, line) of the non-blank lines from byte ``start``, and the offset after the last one read; a last
     line without its newline is read only when ``partial_last_line`` (a writer may be in the middle of it)."""
     with path.open("rb") as fh:
-        fh.seek(start)
+        if start:  # a pipe cannot seek, and is read from its start
+            fh.seek(start)
         data = fh.read()
+    if not start:
+        refuse_gzip(data, path, "workload labels (JSON lines)")
     end = len(data) if partial_last_line else data.rfind(b"\n") + 1
     out, offset = [], start
     for line in data[:end].split(b"\n"):
@@ -214,9 +220,12 @@ def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int 
     without ts takes the gateway's arrival ts of its request, so such lines need the gateway log loaded first
     (else they are dead letters saying so). A label older than workload_labels' retention is a dead letter with
     that reason (:mod:`ingest.retention`: ClickHouse would drop it at insert). Returns :class:`LabelLoad`.
-    Raises ``OSError`` and what the store raises (``StoreUnavailable``: load again; nothing is written twice)."""
-    path = Path(path).resolve()  # one spelling per file: dead letters are keyed by it (a re-import adds none)
+    A pipe (``<(zcat labels.gz)``) is read once, from its start. Raises :class:`~kvscope.importer.CompressedFile`
+    for a gzip file (nothing written), ``OSError`` and what the store raises (``StoreUnavailable``: load again;
+    nothing is written twice)."""
+    path = Path(path)
     lines, end = _lines(path, start, partial_last_line)
+    path = source_path(path)  # one spelling per file: dead letters are keyed by it (a re-import adds none)
     stats = LabelLoad(lines=len(lines), end_offset=end)
     good: list[dict[str, Any]] = []
     bad: list[tuple[int, bytes, str]] = []

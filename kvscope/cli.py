@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 from collections import Counter
-from datetime import datetime
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -404,35 +406,85 @@ def import_() -> None:
     """Load files into the store (gateway logs, /metrics snapshots, workload labels)."""
 
 
+#: Exit code of an import stopped by Ctrl-C (SIGINT) or SIGTERM: 128 + SIGINT, as a shell reports it.
+INTERRUPTED_EXIT = 130
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[threading.Event]:
+    """An event Ctrl-C (SIGINT) and SIGTERM set while the block runs, for a command that stops between units of
+    work it writes whole (an import's chunks or files). Enter it after the store is open (chDB replaces the
+    SIGINT handler when it starts: Ctrl-C was swallowed and the import ran to its end). The handlers are restored
+    after."""
+    import signal
+
+    stop = threading.Event()
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before = [signal.getsignal(sig) for sig in sigs]
+    for sig in sigs:
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        for sig, handler in zip(sigs, before, strict=True):
+            signal.signal(sig, handler)
+
+
+def _interrupted(done: str) -> NoReturn:
+    """Report an import stopped by a signal (``done``: what it wrote) and exit with :data:`INTERRUPTED_EXIT`."""
+    click.echo(f"kvscope: interrupted: {done}; run the same import again to load the rest (what is stored is "
+               "skipped, nothing is counted twice)", err=True)
+    sys.exit(INTERRUPTED_EXIT)
+
+
+def _unreadable(file: str, exc: OSError) -> click.ClickException:
+    """A file that passed click's checks but cannot be read (removed since, a permission, a device) as one line."""
+    return click.ClickException(f"{file}: cannot be read: {(exc.strerror or str(exc)).lower()}")
+
+
 @import_.command("gateway-log")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @store_options
 def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
-    """Load gateway fingerprint log JSONL files (streamed, any size); bad lines go to dead_letters with their
-    reason; lines already in the store are skipped."""
+    """Load gateway fingerprint log JSONL files (streamed, any size; a pipe such as <(zcat log.gz) too); bad
+    lines go to dead_letters with their reason; lines already in the store are skipped. Ctrl-C stops after the
+    chunk being written (exit code 130): run the same import again to load the rest."""
     from ingest.attribution_job import run_attribution
-    from ingest.bulk import CompressedLog, load_gateway_log
+    from ingest.bulk import load_gateway_log
     from ingest.errors import KvscopeError
+    from kvscope.importer import CompressedFile
     from kvscope.pipeline import attribution_kwargs
 
     cfg = _config(**opts)
     store = _store(cfg, writer=True)
-    try:
-        for f in files:
-            stats = load_gateway_log(store, f)
-            click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, "
-                       f"{stats.dead_letters} dead letters")
-            if stats.expired:
-                click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, "
-                           "which ClickHouse would drop at insert (kvscope query dead_letters names them)", err=True)
-            if stats.conflicts:
-                click.echo(f"  {stats.conflicts} lines not loaded: the store holds their (request_id, ts) with other "
-                           "values (the stored rows are kept; kvscope query dead_letters names the columns)", err=True)
-        answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
-    except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
-        raise _store_error(exc) from exc
-    except CompressedLog as exc:
-        raise click.ClickException(str(exc)) from exc
+
+    def progress(f: str):  # type: ignore[no-untyped-def]
+        return lambda stats: click.echo(f"  {f}: {stats.lines:,} lines read, {stats.rows:,} requests loaded", err=True)
+
+    with _interruptible() as stop:
+        try:
+            for f in files:
+                try:
+                    stats = load_gateway_log(store, f, stop=stop, progress=progress(f))
+                except OSError as exc:
+                    raise _unreadable(f, exc) from exc
+                click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, "
+                           f"{stats.dead_letters} dead letters")
+                if stats.expired:
+                    click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, "
+                               "which ClickHouse would drop at insert (kvscope query dead_letters names them)",
+                               err=True)
+                if stats.conflicts:
+                    click.echo(f"  {stats.conflicts} lines not loaded: the store holds their (request_id, ts) with "
+                               "other values (the stored rows are kept; kvscope query dead_letters names the "
+                               "columns)", err=True)
+                if stats.interrupted:
+                    _interrupted(f"{f} loaded up to line {stats.lines:,}, the attribution not run")
+            answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
+        except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
+            raise _store_error(exc) from exc
+        except CompressedFile as exc:
+            raise click.ClickException(str(exc)) from exc
     click.echo(f"attribution: {answers.arrivals} new answers, {answers.changed} changed")
 
 
@@ -445,23 +497,31 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
     """Load workload label JSONL files (the ground truth of a labelled run, e.g. .kvscope/demo/labels-*.jsonl)
     into workload_labels, each request once (a label already stored is skipped); bad lines go to dead_letters
     with their reason. Compare with attribution: `kvscope query attribution_agreement`. Exits 1 when no line of
-    any file could be used."""
+    any file could be used; Ctrl-C stops after the file being written (exit code 130)."""
     from ingest.errors import KvscopeError
     from ingest.labels import load_labels
+    from kvscope.importer import CompressedFile
 
     cfg = _config(**opts)
     store = _store(cfg, writer=True)
     usable = 0
-    for f in files:
-        try:
-            stats = load_labels(store, f, run_id=run_id or Path(f).stem)
-        except KvscopeError as exc:
-            raise _store_error(exc) from exc
-        usable += stats.rows + stats.duplicates
-        click.echo(f"{f}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad lines "
-                   f"({stats.dead_letters} new dead letters)")
-        for reason, count in Counter(stats.reasons).most_common(5):
-            click.echo(f"  {count} × {reason}", err=True)
+    with _interruptible() as stop:
+        for i, f in enumerate(files):
+            if stop.is_set():
+                _interrupted(f"{i} of {len(files)} files loaded, from {f} on not read")
+            try:
+                stats = load_labels(store, f, run_id=run_id or Path(f).stem)
+            except KvscopeError as exc:
+                raise _store_error(exc) from exc
+            except CompressedFile as exc:
+                raise click.ClickException(str(exc)) from exc
+            except OSError as exc:
+                raise _unreadable(f, exc) from exc
+            usable += stats.rows + stats.duplicates
+            click.echo(f"{f}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad "
+                       f"lines ({stats.dead_letters} new dead letters)")
+            for reason, count in Counter(stats.reasons).most_common(5):
+                click.echo(f"  {count} × {reason}", err=True)
     if not usable:
         raise click.ClickException("no label loaded: every line was refused (reasons above; kvscope query "
                                    "dead_letters)")
@@ -484,9 +544,17 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
         raise click.BadParameter(f"{at!r} is not ISO 8601", param_hint="--at") from exc
     if ts.tzinfo is None:
         raise click.BadParameter("give a time zone (e.g. Z)", param_hint="--at")
+    try:
+        at_ms = int(ts.astimezone(UTC).timestamp() * 1000)
+    except (OverflowError, ValueError) as exc:  # an offset that moves year 1 or 9999 out of the calendar
+        raise click.BadParameter(f"{at!r} is outside the years 1..9999 in UTC", param_hint="--at") from exc
     cfg = _config(**opts)
     store = _store(cfg, writer=True)
-    result = load(store, pod, Path(file), Path(file).read_bytes(), int(ts.timestamp() * 1000))
+    try:
+        raw = Path(file).read_bytes()
+    except OSError as exc:
+        raise _unreadable(file, exc) from exc
+    result = load(store, pod, Path(file), raw, at_ms)
     if not result.loaded:
         why = "; ".join(dict.fromkeys(result.reasons)) or (
             "the body holds only counters, and a lone snapshot's counters are a baseline (no previous scrape)")

@@ -3,6 +3,7 @@ path's isolation: a refused envelope is dead-lettered with its reason and the re
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,6 +15,30 @@ from collector.vllm_metrics import MAX_RAW, dead_letter_event, scrape_events
 from ingest.ingester import Ingester
 from ingest.retention import Retentions
 from ingest.store import Store
+
+#: The first two bytes of a gzip file (RFC 1952, 2.3.1).
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class CompressedFile(ValueError):
+    """A file to import that is gzip-compressed (rotated logs often are): refused whole, nothing written."""
+
+
+def source_path(path: str | Path) -> Path:
+    """The one spelling of an imported file that its dead letters are keyed by (so a re-import adds none): the
+    path resolved, symbolic links followed; a pipe given as a path (``<(zcat log.gz)``, /dev/stdin) resolves to
+    no file (``/proc/PID/fd/pipe:[N]``), so it is kept as given, made absolute."""
+    path = Path(path)
+    resolved = path.resolve()
+    return resolved if resolved.exists() else Path(os.path.abspath(path))
+
+
+def refuse_gzip(head: bytes, path: Path, what: str) -> None:
+    """Raise :class:`CompressedFile` (one line naming ``path`` and ``what`` the file should be) when ``head``, the
+    file's first bytes, are gzip's."""
+    if head[:2] == GZIP_MAGIC:
+        raise CompressedFile(f"{path}: gzip-compressed bytes, not {what}: decompress it first (gunzip), or "
+                             "import <(zcat FILE)")
 
 
 class _NoSource:
@@ -71,9 +96,9 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
     instant, so a query's "latest value" has one answer). Every other bad input is dead-lettered as the live
     collector does. Raises what :meth:`Store.query_rows` raises.
     """
-    url = f"file://{path.resolve()}"
+    url = f"file://{source_path(path)}"
     problem, body = "", ""
-    if raw[:2] == b"\x1f\x8b":
+    if raw[:2] == GZIP_MAGIC:
         problem = "gzip-compressed bytes, not Prometheus text: decompress the file first (gunzip)"
     else:
         try:
