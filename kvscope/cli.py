@@ -439,7 +439,9 @@ def _interrupted(done: str) -> NoReturn:
 
 def _unreadable(file: str, exc: OSError) -> click.ClickException:
     """A file that passed click's checks but cannot be read (removed since, a permission, a device) as one line."""
-    return click.ClickException(f"{file}: cannot be read: {(exc.strerror or str(exc)).lower()}")
+    from kvscope.importer import utf8_text
+
+    return click.ClickException(f"{utf8_text(file)}: cannot be read: {(exc.strerror or str(exc)).lower()}")
 
 
 @import_.command("gateway-log")
@@ -452,23 +454,25 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
     from ingest.attribution_job import run_attribution
     from ingest.bulk import load_gateway_log
     from ingest.errors import KvscopeError
-    from kvscope.importer import CompressedFile
+    from kvscope.importer import CompressedFile, utf8_text
     from kvscope.pipeline import attribution_kwargs
 
     cfg = _config(**opts)
     store = _store(cfg, writer=True)
 
-    def progress(f: str):  # type: ignore[no-untyped-def]
-        return lambda stats: click.echo(f"  {f}: {stats.lines:,} lines read, {stats.rows:,} requests loaded", err=True)
+    def progress(name: str):  # type: ignore[no-untyped-def]
+        return lambda stats: click.echo(f"  {name}: {stats.lines:,} lines read, {stats.rows:,} requests loaded",
+                                        err=True)
 
     with _interruptible() as stop:
         try:
             for f in files:
+                name = utf8_text(f)  # a file name is bytes: not all of them print
                 try:
-                    stats = load_gateway_log(store, f, stop=stop, progress=progress(f))
+                    stats = load_gateway_log(store, f, stop=stop, progress=progress(name))
                 except OSError as exc:
                     raise _unreadable(f, exc) from exc
-                click.echo(f"{f}: {stats.rows} requests, {stats.duplicates} already stored, "
+                click.echo(f"{name}: {stats.rows} requests, {stats.duplicates} already stored, "
                            f"{stats.dead_letters} dead letters")
                 if stats.expired:
                     click.echo(f"  {stats.expired} lines not loaded: older than the retention of gateway_requests, "
@@ -479,7 +483,7 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
                                "other values (the stored rows are kept; kvscope query dead_letters names the "
                                "columns)", err=True)
                 if stats.interrupted:
-                    _interrupted(f"{f} loaded up to line {stats.lines:,}, the attribution not run")
+                    _interrupted(f"{name} loaded up to line {stats.lines:,}, the attribution not run")
             answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
         except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
             raise _store_error(exc) from exc
@@ -491,6 +495,7 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
 @import_.command("labels")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--run-id", default=None,
+              callback=lambda _ctx, _param, v: None if v is None else _name_option("--run-id", v),
               help="Run id of the lines that carry none (default: the file's name without its extension).")
 @store_options
 def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> None:
@@ -500,17 +505,18 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
     any file could be used; Ctrl-C stops after the file being written (exit code 130)."""
     from ingest.errors import KvscopeError
     from ingest.labels import load_labels
-    from kvscope.importer import CompressedFile
+    from kvscope.importer import CompressedFile, utf8_text
 
     cfg = _config(**opts)
     store = _store(cfg, writer=True)
     usable = 0
     with _interruptible() as stop:
         for i, f in enumerate(files):
+            name = utf8_text(f)
             if stop.is_set():
-                _interrupted(f"{i} of {len(files)} files loaded, from {f} on not read")
+                _interrupted(f"{i} of {len(files)} files loaded, from {name} on not read")
             try:
-                stats = load_labels(store, f, run_id=run_id or Path(f).stem)
+                stats = load_labels(store, f, run_id=run_id or utf8_text(Path(f).stem))
             except KvscopeError as exc:
                 raise _store_error(exc) from exc
             except CompressedFile as exc:
@@ -518,7 +524,7 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
             except OSError as exc:
                 raise _unreadable(f, exc) from exc
             usable += stats.rows + stats.duplicates
-            click.echo(f"{f}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad "
+            click.echo(f"{name}: {stats.rows} labels, {stats.duplicates} already stored, {len(stats.reasons)} bad "
                        f"lines ({stats.dead_letters} new dead letters)")
             for reason, count in Counter(stats.reasons).most_common(5):
                 click.echo(f"  {count} × {reason}", err=True)
@@ -537,6 +543,7 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
     """Load one /metrics snapshot (Prometheus text) as a scrape of POD at time AT. Exits 1 when nothing was
     loaded (empty, HTML, gzip or non-vLLM body; a scrape of POD at AT already stored): see dead_letters."""
     from kvscope.importer import import_metrics as load
+    from kvscope.importer import utf8_text
 
     try:
         ts = datetime.fromisoformat(at.replace("Z", "+00:00"))
@@ -555,11 +562,12 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
     except OSError as exc:
         raise _unreadable(file, exc) from exc
     result = load(store, pod, Path(file), raw, at_ms)
+    name = utf8_text(file)  # a file name is bytes: not all of them print
     if not result.loaded:
         why = "; ".join(dict.fromkeys(result.reasons)) or (
             "the body holds only counters, and a lone snapshot's counters are a baseline (no previous scrape)")
-        raise click.ClickException(f"{file}: nothing loaded: {why} ({len(result.reasons)} dead letters)")
-    click.echo(f"{file}: {result.series} series, {result.configs} cache configs (a lone snapshot is a baseline: "
+        raise click.ClickException(f"{name}: nothing loaded: {why} ({len(result.reasons)} dead letters)")
+    click.echo(f"{name}: {result.series} series, {result.configs} cache configs (a lone snapshot is a baseline: "
                f"gauges and the cache config; counters need a previous scrape), {len(result.reasons)} dead letters")
 
 
@@ -569,6 +577,22 @@ def _not_blank(option: str, value: str, fix: str = "give a name") -> str:
     nothing the user can name."""
     if not value.strip():
         raise click.BadParameter(f"{value!r} is blank; {fix}", param_hint=option)
+    return value
+
+
+def _name_option(option: str, value: str) -> str:
+    """``value`` of an option that is stored as a name (a run id): not blank (:func:`_not_blank`), at most
+    :data:`ingest.labels.NAME_MAX_CHARS` characters and valid UTF-8, as the names a file's lines give; else
+    click's usage error."""
+    from ingest.labels import NAME_MAX_CHARS
+
+    _not_blank(option, value)
+    if len(value) > NAME_MAX_CHARS:
+        raise click.BadParameter(f"longer than {NAME_MAX_CHARS} characters", param_hint=option)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise click.BadParameter(f"not UTF-8 (byte {exc.start} of the argument)", param_hint=option) from None
     return value
 
 
@@ -737,7 +761,12 @@ def digest(length: str, since: str | None, until: str | None, to: tuple[str, ...
         check_addresses(recipients, "--to" if to else "KVSCOPE_DIGEST_TO")
         msg = digest_message(_store(cfg, must_exist=True), cfg, *window, recipients)
         if dry_run:
-            click.echo(f"digest written to {write_eml(msg, dry_run)} (nothing sent): {msg['Subject']}")
+            try:
+                written = write_eml(msg, dry_run)
+            except OSError as exc:  # a directory that cannot be made, a permission, a full disk
+                why = (exc.strerror or str(exc)).lower()
+                raise click.ClickException(f"--dry-run {dry_run}: the message cannot be written: {why}") from exc
+            click.echo(f"digest written to {written} (nothing sent): {msg['Subject']}")
             return
         send(msg, MailSettings.from_config(cfg))
     except MailError as exc:

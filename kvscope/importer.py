@@ -25,12 +25,20 @@ class CompressedFile(ValueError):
 
 
 def source_path(path: str | Path) -> Path:
-    """The one spelling of an imported file that its dead letters are keyed by (so a re-import adds none): the
-    path resolved, symbolic links followed; a pipe given as a path (``<(zcat log.gz)``, /dev/stdin) resolves to
-    no file (``/proc/PID/fd/pipe:[N]``), so it is kept as given, made absolute."""
+    """The one spelling of an imported file that its dead letters are keyed by (so a re-import adds none), as text
+    the store can hold: the path resolved, symbolic links followed; a pipe given as a path (``<(zcat log.gz)``,
+    /dev/stdin) resolves to no file (``/proc/PID/fd/pipe:[N]``), so it is kept as given, made absolute. Bytes of
+    the name that are not UTF-8 are written ``\\xff`` (:func:`utf8_text`): a name is bytes on Linux, and such a
+    name failed every insert of the file's dead letters. A key, not a path to open."""
     path = Path(path)
     resolved = path.resolve()
-    return resolved if resolved.exists() else Path(os.path.abspath(path))
+    return Path(utf8_text(str(resolved if resolved.exists() else Path(os.path.abspath(path)))))
+
+
+def utf8_text(name: str) -> str:
+    """``name`` (a file name or argument, whose bytes that are not UTF-8 Python holds as lone surrogates) as valid
+    UTF-8 text, those bytes written ``\\xff``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def refuse_gzip(head: bytes, path: Path, what: str) -> None:

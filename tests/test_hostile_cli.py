@@ -204,6 +204,46 @@ def test_a_pipe_imports_once_and_again_without_doubles(store: Store) -> None:
     assert count(store, "SELECT count() FROM vllm_cache_config WHERE pod = 'pod-a'") == 1
 
 
+def test_a_file_name_that_is_not_utf8_imports_and_keys_its_dead_letters(store: Store, tmp_path: Path) -> None:
+    """A Linux file name is bytes: ``labels-\\xff.jsonl`` failed the insert of its dead letters (and its default
+    run id) with a UnicodeEncodeError traceback. Such bytes are now written \\xff in the keys and locations."""
+    name = os.fsdecode(b"run-\xff")
+    log, labels = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.labels.jsonl"
+    log.write_text(gateway_line("nu-1") + "\nnot json\n")
+    labels.write_text(label_line("nu-1") + "\nnot json\n")
+    for _ in range(2):  # a re-import adds nothing
+        for command, path in (("gateway-log", log), ("labels", labels)):
+            result = cli(store, "import", command, str(path))
+            assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert sorted(r[0] for r in store.query_rows("SELECT location FROM dead_letters")) == [
+        f"{tmp_path}/run-\\xff.jsonl:{len(gateway_line('nu-1')) + 1}",
+        f"{tmp_path}/run-\\xff.labels.jsonl:{len(label_line('nu-1')) + 1}"]
+    assert store.query_rows("SELECT run_id FROM workload_labels") == [("run-\\xff.labels",)]
+    assert count(store, "SELECT count() FROM gateway_requests") == 1
+
+
+@pytest.mark.parametrize(("run_id", "error"), [
+    (" ", "Error: Invalid value for --run-id: ' ' is blank; give a name"),
+    ("r" * 513, "Error: Invalid value for --run-id: longer than 512 characters"),
+    (os.fsdecode(b"\xff"), "Error: Invalid value for --run-id: not UTF-8 (byte 0 of the argument)"),
+])
+def test_a_run_id_the_store_cannot_name_is_a_usage_error(store: Store, tmp_path: Path, run_id: str,
+                                                         error: str) -> None:
+    """``--run-id " "`` was stored, and attribution_agreement refuses a blank run_id filter: the run could not be
+    asked for by name; a run id in a label line is held to 512 characters and UTF-8, the option was not."""
+    path = tmp_path / "labels.jsonl"
+    path.write_text(label_line("r-1") + "\n")
+    assert one_line_error(cli(store, "import", "labels", str(path), "--run-id", run_id), 2) == error
+    assert count(store, "SELECT count() FROM workload_labels") == 0
+
+
+@pytest.mark.parametrize("target", ["/dev/full", "/proc/no/such.eml"])
+def test_a_digest_file_that_cannot_be_written_is_one_line(fx: Store, target: str) -> None:
+    """``kvscope digest --dry-run /dev/full`` (a full disk) or a directory that cannot be made was a traceback."""
+    last = one_line_error(cli(fx, "digest", "--dry-run", target), 1)
+    assert last.startswith(f"Error: --dry-run {target}: the message cannot be written: "), last
+
+
 @pytest.mark.parametrize("at", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"])
 def test_a_scrape_time_outside_the_calendar_in_utc_is_a_usage_error(store: Store, at: str) -> None:
     """An offset that moves the time out of years 1..9999 in UTC was a ValueError traceback."""
