@@ -466,7 +466,7 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
 
     with _interruptible() as stop:
         try:
-            for f in files:
+            for i, f in enumerate(files):
                 name = utf8_text(f)  # a file name is bytes: not all of them print
                 try:
                     stats = load_gateway_log(store, f, stop=stop, progress=progress(name))
@@ -483,7 +483,9 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
                                "other values (the stored rows are kept; kvscope query dead_letters names the "
                                "columns)", err=True)
                 if stats.interrupted:
-                    _interrupted(f"{name} loaded up to line {stats.lines:,}, the attribution not run")
+                    later = len(files) - i - 1
+                    _interrupted(f"{name} loaded up to line {stats.lines:,}" + (
+                        f", {later} files after it not read" if later else "") + ", the attribution not run")
             answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
         except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
             raise _store_error(exc) from exc
@@ -535,7 +537,7 @@ def import_labels(files: tuple[str, ...], run_id: str | None, **opts: Any) -> No
 
 @import_.command("metrics")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--pod", required=True, callback=lambda _ctx, _param, v: _not_blank("--pod", v),
+@click.option("--pod", required=True, callback=lambda _ctx, _param, v: _name_option("--pod", v),
               help="Pod name the snapshot came from.")
 @click.option("--at", "at", required=True, help="When it was scraped, ISO 8601 (e.g. 2026-11-29T12:00:00Z).")
 @store_options
@@ -581,7 +583,7 @@ def _not_blank(option: str, value: str, fix: str = "give a name") -> str:
 
 
 def _name_option(option: str, value: str) -> str:
-    """``value`` of an option that is stored as a name (a run id): not blank (:func:`_not_blank`), at most
+    """``value`` of an option that is stored as a name (a run id, a pod): not blank (:func:`_not_blank`), at most
     :data:`ingest.labels.NAME_MAX_CHARS` characters and valid UTF-8, as the names a file's lines give; else
     click's usage error."""
     from ingest.labels import NAME_MAX_CHARS

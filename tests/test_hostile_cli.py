@@ -227,7 +227,7 @@ def test_a_file_name_that_is_not_utf8_imports_and_keys_its_dead_letters(store: S
     ("r" * 513, "Error: Invalid value for --run-id: longer than 512 characters"),
     (os.fsdecode(b"\xff"), "Error: Invalid value for --run-id: not UTF-8 (byte 0 of the argument)"),
 ])
-def test_a_run_id_the_store_cannot_name_is_a_usage_error(store: Store, tmp_path: Path, run_id: str,
+def test_a_run_id_or_pod_the_store_cannot_name_is_a_usage_error(store: Store, tmp_path: Path, run_id: str,
                                                          error: str) -> None:
     """``--run-id " "`` was stored, and attribution_agreement refuses a blank run_id filter: the run could not be
     asked for by name; a run id in a label line is held to 512 characters and UTF-8, the option was not."""
@@ -235,6 +235,9 @@ def test_a_run_id_the_store_cannot_name_is_a_usage_error(store: Store, tmp_path:
     path.write_text(label_line("r-1") + "\n")
     assert one_line_error(cli(store, "import", "labels", str(path), "--run-id", run_id), 2) == error
     assert count(store, "SELECT count() FROM workload_labels") == 0
+    result = cli(store, "import", "metrics", str(SAMPLE), "--pod", run_id, "--at", NOW.isoformat())
+    assert one_line_error(result, 2) == error.replace("--run-id", "--pod")  # a pod name as the gateway log's
+    assert count(store, "SELECT count() FROM vllm_cache_config") == 0
 
 
 @pytest.mark.parametrize("target", ["/dev/full", "/proc/no/such.eml"])
