@@ -52,23 +52,40 @@ class LoadStats:
     interrupted: bool = False
 
 
-def _chunks(fh: BinaryIO, lines_per_chunk: int) -> Iterator[list[tuple[int, bytes]]]:
+def _chunks(fh: BinaryIO, lines_per_chunk: int, max_line: int = MAX_LINE_BYTES) -> Iterator[list[tuple[int, bytes]]]:
     """(byte offset, line) of every non-blank line of the open file ``fh`` (read once, from its start, so a pipe
-    works too), ``lines_per_chunk`` at a time, read in 16 MiB blocks; the last line needs no newline."""
+    works too), ``lines_per_chunk`` at a time, read in 16 MiB blocks; the last line needs no newline. A line
+    longer than ``max_line`` bytes comes as its first ``max_line`` bytes (the loader dead-letters it as too long)
+    and the rest of it is skipped unread: memory stays bounded by the block and ``max_line`` whatever the file
+    holds (a file of gigabytes without a newline was read whole into memory)."""
     chunk: list[tuple[int, bytes]] = []
-    base = 0
-    rest = b""
+    base = 0  # file offset of the line being read (rest)
+    rest = b""  # the line being read: at most its first max_line bytes
+    dropped = 0  # bytes of that line after its first max_line, skipped
     while True:
         block = fh.read(16 << 20)
+        if dropped and block:  # inside an overlong line: skip to its end
+            nl = block.find(b"\n")
+            if nl < 0:
+                dropped += len(block)
+                continue
+            dropped += nl
+            block = block[nl:]
         data = rest + block
         lines = data.split(b"\n")
         rest = lines.pop() if block else b""
         offset = base
-        for line in lines:
-            if line.strip():
+        for k, line in enumerate(lines):
+            if dropped and k == 0:  # the head of an overlong line, as read (it must stay too long)
+                chunk.append((offset, line))
+                offset += dropped
+                dropped = 0
+            elif line.strip():
                 chunk.append((offset, line.rstrip(b"\r")))
             offset += len(line) + 1
         base = offset
+        if len(rest) > max_line:
+            dropped, rest = len(rest) - max_line, rest[:max_line]
         while len(chunk) >= lines_per_chunk:
             yield chunk[:lines_per_chunk]
             chunk = chunk[lines_per_chunk:]

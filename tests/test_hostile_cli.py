@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -27,6 +28,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import sql as sqlfiles
+from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW
 from ingest.errors import QueryError
 from ingest.store import Store
 from kvscope.cli import main
@@ -353,3 +355,45 @@ def test_ctrl_c_mid_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(
                            "FROM gateway_requests) AS distinct_rows, (SELECT count() FROM dead_letters) AS dead, "
                            "(SELECT uniqExact(location) FROM dead_letters) AS places")
     assert stored == [{"rows": 99_900, "distinct_rows": 99_900, "dead": 100, "places": 100}]
+
+
+# -- a line with no end -----------------------------------------------------------------------------------------
+def test_a_line_of_gigabytes_costs_bounded_memory_and_only_itself(store: Store, tmp_path: Path) -> None:
+    """A file without a newline (a binary file imported by mistake, a log whose writer never ended its line) was
+    read whole into memory before its line was refused as too long. The line's head is now kept and the rest
+    skipped unread: Python's allocations while reading 256 MiB without a newline stay under 64 MiB (they were
+    over 256 MiB), and the line is one dead letter, the lines after it loaded at their offsets."""
+    from ingest.bulk import _chunks
+
+    piece = b"a" * (1 << 20)
+    after = (gateway_line("after-1") + "\n").encode()
+    read_fd, write_fd = os.pipe()
+
+    def feed() -> None:
+        with contextlib.suppress(BrokenPipeError), os.fdopen(write_fd, "wb") as fh:
+            for _ in range(256):
+                fh.write(piece)
+            fh.write(b"\n" + after)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    tracemalloc.start()
+    try:
+        with os.fdopen(read_fd, "rb") as fh:
+            lines = [line for chunk in _chunks(fh, 50_000) for line in chunk]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        thread.join(10)
+    assert peak < 64 << 20, f"{peak:,} bytes"
+    assert [(offset, len(line)) for offset, line in lines] == [(0, MAX_LINE_BYTES), ((256 << 20) + 1, len(after) - 1)]
+
+    path = tmp_path / "endless.jsonl"
+    with path.open("wb") as fh:
+        for _ in range(20):
+            fh.write(piece)
+        fh.write(b"\n" + after)
+    result = cli(store, "import", "gateway-log", str(path))
+    assert result.exit_code == 0 and f"{path}: 1 requests, 0 already stored, 1 dead letters" in result.output
+    assert store.query_rows("SELECT reason, location, length(raw) FROM dead_letters") == [
+        (f"line longer than {MAX_LINE_BYTES} bytes", f"{path}:0", MAX_RAW)]
