@@ -193,12 +193,13 @@ def iso(t: datetime) -> str:
 
 def parse_time(text: str) -> datetime | None:
     """An ISO 8601 time (``2026-11-29T12:00:00Z``, ``+01:00`` offsets; no offset = UTC) as a UTC datetime, or
-    None when ``text`` is empty or not such a time."""
+    None when ``text`` is empty or not such a time, or when its offset moves it out of the years 1..9999 in UTC
+    (``9999-12-31T23:59:59-01:00`` in a shared link's ``to`` was an OverflowError: the page broke)."""
     try:
         t = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
+        return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    except (ValueError, OverflowError):
         return None
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
 def current_filters() -> Filters:

@@ -269,11 +269,16 @@ def period(length: timedelta = DEFAULT_PERIOD, *, since: datetime | None = None,
 def parse_time(text: str) -> datetime:
     """An ISO 8601 time (``2026-11-30T08:00:00Z``, ``+01:00``; naive = UTC) → aware UTC datetime.
 
-    Raises ValueError when it does not parse."""
+    Raises ValueError when it does not parse, or when its offset moves it out of the years 1..9999 in UTC
+    (``9999-12-31T23:59:59-01:00``: an OverflowError traceback before)."""
     try:
-        return _utc(datetime.fromisoformat(text.strip().replace("Z", "+00:00")))
+        parsed = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError as exc:
         raise ValueError(f"{text!r} is not an ISO 8601 time (e.g. 2026-11-30T08:00:00Z)") from exc
+    try:
+        return _utc(parsed)
+    except OverflowError as exc:
+        raise ValueError(f"{text!r} is outside the years 1..9999 in UTC") from exc
 
 
 # -- gathering --------------------------------------------------------------------------------------------------

@@ -242,6 +242,26 @@ def test_a_run_id_or_pod_the_store_cannot_name_is_a_usage_error(store: Store, tm
     assert count(store, "SELECT count() FROM vllm_cache_config") == 0
 
 
+@pytest.mark.parametrize("option", ["--since", "--until"])
+@pytest.mark.parametrize("at", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"])
+def test_a_digest_time_outside_the_calendar_in_utc_is_a_usage_error(fx: Store, option: str, at: str) -> None:
+    """As import metrics --at: an offset moving the time out of years 1..9999 in UTC was an OverflowError
+    traceback."""
+    last = one_line_error(cli(fx, "digest", option, at, "--dry-run", "/dev/null"), 2)
+    assert last == f"Error: Invalid value: '{at}' is outside the years 1..9999 in UTC"
+
+
+def test_a_dashboard_link_with_a_time_outside_the_calendar_falls_back() -> None:
+    """The same time in a shared dashboard link's ``from``/``to`` raised OverflowError: the page broke, where a
+    value that does not parse falls back to the default range."""
+    from dashboard.data import Filters, parse_time
+
+    for at in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"):
+        assert parse_time(at) is None
+        f = Filters.from_query({"from": "2026-11-29T12:00:00Z", "to": at})
+        assert f.start is None and f.end is None and f == Filters.from_query({})
+
+
 @pytest.mark.parametrize("target", ["/dev/full", "/proc/no/such.eml"])
 def test_a_digest_file_that_cannot_be_written_is_one_line(fx: Store, target: str) -> None:
     """``kvscope digest --dry-run /dev/full`` (a full disk) or a directory that cannot be made was a traceback."""
