@@ -430,10 +430,11 @@ def _interruptible() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
-def _interrupted(done: str) -> NoReturn:
-    """Report an import stopped by a signal (``done``: what it wrote) and exit with :data:`INTERRUPTED_EXIT`."""
-    click.echo(f"kvscope: interrupted: {done}; run the same import again to load the rest (what is stored is "
-               "skipped, nothing is counted twice)", err=True)
+def _interrupted(done: str, then: str = "run the same import again to load the rest (what is stored is skipped, "
+                                        "nothing is counted twice)") -> NoReturn:
+    """Report an import stopped by a signal (``done``: what it wrote; ``then``: what finishes it) and exit with
+    :data:`INTERRUPTED_EXIT`."""
+    click.echo(f"kvscope: interrupted: {done}; {then}", err=True)
     sys.exit(INTERRUPTED_EXIT)
 
 
@@ -486,7 +487,10 @@ def import_gateway_log(files: tuple[str, ...], **opts: Any) -> None:
                     later = len(files) - i - 1
                     _interrupted(f"{name} loaded up to line {stats.lines:,}" + (
                         f", {later} files after it not read" if later else "") + ", the attribution not run")
-            answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0})
+            answers = run_attribution(store, **{**attribution_kwargs(cfg), "settle_seconds": 0.0}, stop=stop)
+            if stop.is_set():  # the run stops between its chunks, leaving its watermark: a later run resumes
+                _interrupted(f"every file loaded, the attribution interrupted after {answers.arrivals} new answers",
+                             "kvscope attribute --once (or the next import) answers any left")
         except KvscopeError as exc:  # lines already loaded stay; a rerun skips them
             raise _store_error(exc) from exc
         except CompressedFile as exc:

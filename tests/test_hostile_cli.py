@@ -377,6 +377,36 @@ def test_ctrl_c_mid_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(
     assert stored == [{"rows": 99_900, "distinct_rows": 99_900, "dead": 100, "places": 100}]
 
 
+def test_ctrl_c_during_the_attribution_after_an_import_says_so_and_loses_nothing(tmp_path: Path) -> None:
+    """Once the lines are in, the import runs the attribution: Ctrl-C there stops it between its chunks (it
+    leaves its watermark, so a later run answers the rest) and the import says so and exits 130, rather than
+    going on and exiting 0. The file is one full chunk: its progress line comes once it is written, then the
+    file ends and the attribution starts."""
+    path = tmp_path / "gateway.jsonl"
+    path.write_text("".join(gateway_line(f"a-{i}", i) + "\n" for i in range(50_000)))
+    data_dir = tmp_path / "data"
+    proc = kvscope(data_dir, "import", "gateway-log", str(path), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stderr is not None
+    watchdog = threading.Timer(600, proc.kill)  # a safety net, not a measure
+    watchdog.start()
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if "lines read" in line:
+            break
+    watchdog.cancel()
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (out, "".join(err) + rest)
+    assert f"{path}: 50000 requests, 0 already stored, 0 dead letters" in out
+    assert "kvscope: interrupted: every file loaded, the attribution interrupted after " in rest
+    assert rest.rstrip().endswith("kvscope attribute --once (or the next import) answers any left")
+    attribute = kvscope(data_dir, "attribute", "--once", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert attribute.wait(300) == 0
+    assert sql(data_dir, "SELECT count() AS answered FROM (SELECT request_id, ts FROM request_attribution "
+                         "GROUP BY request_id, ts HAVING sum(sign) = 1)") == [{"answered": 50_000}]
+
+
 # -- a line with no end -----------------------------------------------------------------------------------------
 def test_a_line_of_gigabytes_costs_bounded_memory_and_only_itself(store: Store, tmp_path: Path) -> None:
     """A file without a newline (a binary file imported by mistake, a log whose writer never ended its line) was
