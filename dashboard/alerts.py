@@ -111,9 +111,9 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
     and the digest put first). With ``cause`` (and ``sub_cause``): that cause. Keys: ``cause``, ``sub_cause``,
     ``share_percent`` (of the tenant's missed tokens), ``missed_tokens``, the example request (``request_id``,
     ``request_ts``, ``pod``, ``predecessor_request_id``, ``predecessor_pod``, ``gap_ms``: the largest miss of
-    that cause, from ``miss_requests``), ``changed_segment`` (prefix_drift: system, tools, retrieval or
-    history), ``gpu_seconds`` (what re-computing the missed tokens cost, None without a prefill measurement) and
-    ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
+    that cause, from ``miss_requests``), ``changed_segment`` (prefix_drift: system, tools, retrieval,
+    history or cache_salt), ``gpu_seconds`` (what re-computing the missed tokens cost, None without a prefill
+    measurement) and ``fix`` in plain words (:func:`dashboard.causes.fix_for`; '' when no fix removes the cause).
     {} when nothing matches."""
     if not cause:
         top = findings.fix_first(store, since, until, tenant=tenant, limit=1)

@@ -125,11 +125,13 @@ def span(d: Digest) -> str:
 
 def subject(d: Digest) -> str:
     """E.g. "kvscope digest 2026-11-30: hit rate 56.2 % (−3.1 pp), 1.2M missed tokens" (the date the period ends
-    in, UTC; the headline hit rate is vLLM's counters when present, else the gateway's)."""
+    in, UTC; the headline hit rate is vLLM's counters when present, else the gateway's); without traffic, "kvscope
+    digest 2026-11-30: no traffic in the period (1 d)" (not "the last", which a --since/--until period in the
+    past is not)."""
     day = (d.until - timedelta(milliseconds=1)).strftime("%Y-%m-%d")
     h = d.headline
     if h is None and not d.missed_tokens:
-        return f"kvscope digest {day}: no traffic in the last {span(d)}"
+        return f"kvscope digest {day}: no traffic in the period ({span(d)})"
     rate = f"hit rate {pct(h.rate if h else None)}"
     if h is not None and h.change_pp is not None:
         rate += f" ({pp(h.change_pp)})"

@@ -39,7 +39,8 @@ CORPUS_BYTES = 4_000_000
 
 
 def default_model_dir() -> Path:
-    """Where the demo model lives: `$KVSCOPE_DEMO_MODEL_DIR`, else `~/.cache/kvscope/tiny-llama`."""
+    """Where the demo model lives: `$KVSCOPE_DEMO_MODEL_DIR` (the setting ``demo_model_dir``, kvscope/config.py),
+    else `~/.cache/kvscope/tiny-llama`."""
     env = os.environ.get("KVSCOPE_DEMO_MODEL_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvscope" / "tiny-llama"
 

@@ -247,7 +247,8 @@ def _check_digest_schedule(cfg) -> None:  # type: ignore[no-untyped-def]
 @main.command()
 @click.option("--pods", type=int, default=2, show_default=True, help="vLLM CPU servers to start.")
 @click.option("--scale", type=float, default=1.0, show_default=True, help="Workload size multiplier per round.")
-@click.option("--routing-policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None)
+@click.option("--routing-policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None,
+              help="How the demo's gateway picks a pod [KVSCOPE_ROUTING_POLICY].")
 @click.option(
     "--workdir",
     type=click.Path(path_type=Path),
@@ -257,7 +258,7 @@ def _check_digest_schedule(cfg) -> None:  # type: ignore[no-untyped-def]
 )
 @store_options
 @click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
-@click.option("--address", "dashboard_address", default=None, help="Dashboard address.")
+@click.option("--address", "dashboard_address", default=None, help="Dashboard address [KVSCOPE_DASHBOARD_ADDRESS].")
 @click.option("--rounds", type=int, default=0,
               help="Send the workload this many times (new conversations each), then keep serving; 0 = until Ctrl-C.")
 def demo(pods: int, scale: float, workdir: Path, rounds: int, **opts: Any) -> None:
@@ -362,8 +363,8 @@ def attribute(once: bool, kv_evidence: bool, **opts: Any) -> None:
 
 @main.command()
 @store_options
-@click.option("--port", "dashboard_port", type=int, default=None)
-@click.option("--address", "dashboard_address", default=None)
+@click.option("--port", "dashboard_port", type=int, default=None, help="Dashboard port [KVSCOPE_DASHBOARD_PORT].")
+@click.option("--address", "dashboard_address", default=None, help="Dashboard address [KVSCOPE_DASHBOARD_ADDRESS].")
 def dashboard(**opts: Any) -> None:
     """Serve the dashboard alone (reads a ClickHouse server, or a chDB directory no other process holds)."""
     from kvscope.pipeline import run_dashboard_inprocess
@@ -375,14 +376,15 @@ def dashboard(**opts: Any) -> None:
 @main.command()
 @click.option("--pod", "pods", multiple=True, required=True, help="NAME=http://host:port of a vLLM pod (repeat).")
 @click.option("--log", "log_path", type=click.Path(path_type=Path), required=True, help="Fingerprint log to append to.")
-@click.option("--policy", "routing_policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None)
+@click.option("--policy", "routing_policy", type=click.Choice(["round_robin", "prefix_affinity"]), default=None,
+              help="Routing policy [KVSCOPE_ROUTING_POLICY].")
 @click.option("--tokenizer", default=None, help="HF tokenizer.json for segment token counts [KVSCOPE_TOKENIZER].")
 @click.option("--port", "gateway_port", type=int, default=None, help="Listen port [KVSCOPE_GATEWAY_PORT].")
 @click.option("--block-chain", "gateway_block_chain", type=click.Choice(["auto", "off"]), default=None,
               help="Log each prompt's KV block chain (precise mode) [KVSCOPE_GATEWAY_BLOCK_CHAIN].")
 @click.option("--block-size", "gateway_block_size", type=int, default=None,
               help="KV block size for the chains; 0 = each pod's /metrics [KVSCOPE_GATEWAY_BLOCK_SIZE].")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 def gateway(pods: tuple[str, ...], log_path: Path, host: str, **opts: Any) -> None:
     """The reference gateway: OpenAI-compatible proxy that routes and writes the fingerprint log."""
     from gateway.proxy import make_app, serve

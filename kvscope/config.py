@@ -82,6 +82,8 @@ SETTINGS: list[Setting] = [
             "(token ids from the serving pod's /tokenize, asked after it answered; pods without /tokenize get none)"),
     Setting("gateway_block_size", 0, "KV block size (tokens) the gateway hashes prompt chains with; 0 = each pod's "
             "vllm:cache_config_info block_size from its /metrics", int),
+    Setting("demo_model_dir", "", "Where `kvscope demo` builds and keeps its tiny model (demo/model.py); "
+            "'' = ~/.cache/kvscope/tiny-llama"),
     Setting("log_level", "INFO", "Python log level"),
     Setting("metrics_port", 0, "Port serving kvscope's own Prometheus metrics (/metrics); 0 = off", int),
     Setting("gpu_hour_price", 0.0, "Price of one GPU-hour, for the money a miss costs (GPU-seconds x price / 3600); "
@@ -149,6 +151,7 @@ class Config:
     tokenizer: str
     gateway_block_chain: str
     gateway_block_size: int
+    demo_model_dir: str
     log_level: str
     metrics_port: int
     gpu_hour_price: float

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from collector.publish import MemoryQueue, QueuePublisher
 from collector.service import Collector, Target, parse_targets
 from kvscope.cli import main
-from kvscope.config import SETTINGS, ConfigError, build_config
+from kvscope.config import SETTINGS, ConfigError, build_config, settings_table
 
 
 def test_every_setting_has_help_and_is_in_the_readme() -> None:
@@ -20,6 +20,28 @@ def test_every_setting_has_help_and_is_in_the_readme() -> None:
     for s in SETTINGS:
         assert s.help and len(s.help) > 10, s.name
         assert f"`{s.env}`" in readme, f"{s.env} is not documented in README.md"
+
+
+def test_readme_settings_table_is_the_settings_table() -> None:
+    """README's Settings table is `kvscope settings` as printed: defaults and meanings, not only the names."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert settings_table() in readme
+
+
+#: Where a product process reads an environment variable by name (bench/ and tests/ are tools, not the product).
+ENV_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](KVSCOPE_[A-Z0-9_]+)["']""")
+
+
+def test_every_kvscope_variable_the_product_reads_is_a_setting() -> None:
+    """A KVSCOPE_ variable read anywhere in the product must be a setting: build_config refuses any other as
+    unknown, so setting it (e.g. KVSCOPE_DEMO_MODEL_DIR for `kvscope demo`) stopped every command at start."""
+    root = Path(__file__).parents[1]
+    read = {m.group(1) for d in ("collector", "ingest", "kvscope", "gateway", "dashboard", "demo", "sql")
+            for f in (root / d).rglob("*.py") for m in ENV_READ.finditer(f.read_text())}
+    assert "KVSCOPE_DEMO_MODEL_DIR" in read  # the scan sees demo/model.py
+    assert read <= {s.env for s in SETTINGS}, sorted(read - {s.env for s in SETTINGS})
+    cfg = build_config({}, environ={"KVSCOPE_DEMO_MODEL_DIR": "/tmp/kvscope-model"})
+    assert cfg.demo_model_dir == "/tmp/kvscope-model"
 
 
 def test_precedence_flags_over_env_over_default() -> None:
@@ -69,3 +91,25 @@ def test_the_cli_refuses_two_targets_with_one_name() -> None:
     result = CliRunner().invoke(main, ["collect", "--kafka-bootstrap", "localhost:1", "--vllm", "a=http://h:1",
                                        "--vllm", "a=http://h:2"], env={})
     assert result.exit_code == 2 and "two vLLM targets are named 'a'" in result.output
+
+
+def test_every_command_option_has_help() -> None:
+    """`kvscope CMD --help` explains every option (dashboard's --port/--address, the gateway's --policy/--host and
+    the demo's --routing-policy printed bare), and names the setting an option overrides when there is one."""
+    import click
+
+    bare: list[str] = []
+
+    def walk(cmd: click.Command, path: str) -> None:
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                walk(sub, f"{path} {name}")
+            return
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not (p.help or "").strip():
+                bare.append(f"{path} {p.opts[0]}")
+
+    walk(main, "kvscope")
+    assert bare == []
+    result = CliRunner().invoke(main, ["dashboard", "--help"])
+    assert "[KVSCOPE_DASHBOARD_PORT]" in result.output and "[KVSCOPE_DASHBOARD_ADDRESS]" in result.output

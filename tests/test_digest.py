@@ -176,7 +176,8 @@ def test_an_empty_period_gathers_and_renders(two: Store) -> None:
     d = gather(two, datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC))
     assert (d.hit_rates, d.causes, d.tenants, d.ttl, d.missed_tokens) == ((), (), (), None, 0)
     msg = render(d)
-    assert msg["Subject"] == "kvscope digest 2026-01-01: no traffic in the last 1 d"
+    # a period in the past (given with --since/--until) is not "the last 1 d"
+    assert msg["Subject"] == "kvscope digest 2026-01-01: no traffic in the period (1 d)"
     assert not [p for p in msg.walk() if p.get_content_type() == "image/png"]
 
 

@@ -492,3 +492,22 @@ def test_a_gzip_log_is_refused_whole_with_the_reason(store, tmp_path: Path) -> N
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
     assert "gzip-compressed bytes, not a gateway log: decompress it first (gunzip)" in result.stderr
     assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 0
+
+
+def test_docs_field_table_lists_every_field_of_the_contract() -> None:
+    """docs/gateway-log.md's Fields table (what a gateway author reads) names every field of the schema and of
+    GatewayRecord, and the docs' example lines are accepted: usage_convention and the cache read/creation counts
+    were missing from it."""
+    from collector.gateway_record import GatewayRecord
+
+    doc = (Path(__file__).parents[1] / "docs" / "gateway-log.md").read_text()
+    table = doc[doc.index("## Fields"):doc.index("Other rules:")]
+    fields = set(json.loads(SCHEMA_PATH.read_text())["properties"]) | set(GatewayRecord.__struct_fields__)
+    segment_counts = {f"{seg}_tokens" for seg in ("system", "tools", "retrieval", "history", "suffix")}
+    assert "`*_tokens` of the segments" in table  # how the table names segment_counts
+    assert {f for f in fields - segment_counts if f"`{f}`" not in table} == set()
+    example = doc[doc.index("```json") + len("```json"):doc.index("```", doc.index("```json") + 7)]
+    lines = [ln for ln in example.strip().splitlines() if ln]
+    assert len(lines) == 2
+    for ln in lines:
+        decode_record(ln.encode())  # raises BadRecord if the documented example broke the contract

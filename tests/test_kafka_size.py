@@ -35,6 +35,7 @@ from collector.publish import (
 from kvscope.config import ConfigError, build_config
 from kvscope.pipeline import Pipeline
 from tests.clock import DAY
+from tests.test_bad_input import wait_rows
 
 
 def hashes(n: int, seed: int) -> list[str]:
@@ -168,24 +169,13 @@ def pipeline(store, kafka_bootstrap: str, tmp_path: Path, lines: list[dict]) -> 
     return pipe
 
 
-def wait_count(store, sql: str, n: int, timeout: float = 120.0) -> int:  # type: ignore[no-untyped-def]
-    deadline = time.time() + timeout
-    got = 0
-    while time.time() < deadline:
-        got = store.query_rows(sql)[0][0]
-        if got >= n:
-            return got
-        time.sleep(0.3)
-    return got
-
-
 @pytest.mark.broker
 def test_a_burst_of_several_megabytes_arrives_complete_and_once_in_messages_under_the_cap(
         store, kafka_bootstrap: str, tmp_path: Path) -> None:
     n = 150  # long prompts in precise mode: 2,000 blocks (32k tokens) each, ~38 kB a line, ~5.7 MB in all
     pipe = pipeline(store, kafka_bootstrap, tmp_path, [record(i, blocks=2000) for i in range(n)])
     try:
-        assert wait_count(store, "SELECT count() FROM gateway_requests", n) == n
+        assert wait_rows(store, "SELECT count() FROM gateway_requests", n, timeout=120) == n
         cap = pipe.cfg.kafka_max_message_bytes
         records = consume(kafka_bootstrap, [topic_for("gateway_request", pipe.cfg.topic_namespace)], 7)
     finally:
@@ -209,8 +199,8 @@ def test_one_event_larger_than_a_message_is_dead_lettered_with_its_reason_and_th
             [record(i, blocks=10) for i in range(41, 80)]
     pipe = pipeline(store, kafka_bootstrap, tmp_path, lines)
     try:
-        assert wait_count(store, "SELECT count() FROM gateway_requests", 79) == 79
-        assert wait_count(store, "SELECT count() FROM dead_letters", 1) == 1
+        assert wait_rows(store, "SELECT count() FROM gateway_requests", 79) == 79
+        assert wait_rows(store, "SELECT count() FROM dead_letters", 1) == 1
         cap = pipe.cfg.kafka_max_message_bytes
     finally:
         pipe.close()
