@@ -114,6 +114,7 @@ TIME_FORMS = ("YYYY-MM-DD, YYYY-MM-DD HH:MM[:SS[.fff]] or YYYY-MM-DDTHH:MM[:SS[.
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[Tt ]\d{2}(?::\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _INTEGER = re.compile(r"(U?)Int(8|16|32|64)")
 _INTEGER_ARRAY = re.compile(r"Array\(((U?)Int(8|16|32|64))\)")
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
 #: A named query's name: a file stem in sql/queries/ (no path: ``../parts/x`` named a file that is no query).
 QUERY_NAME = re.compile(r"\w+")
 #: Date and Date32 ranges (ClickHouse docs, "Date", "Date32"); a date beyond them is held to them.
@@ -138,8 +139,7 @@ def check_value(param: Param, value: str) -> str:
     elif kind in _DATE_RANGES:
         value = _clickhouse_date(param.name, value, *_DATE_RANGES[kind])
     elif m := _INTEGER.fullmatch(param.type):
-        bits = int(m.group(2))
-        low, high = (0, 2**bits - 1) if m.group(1) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        low, high = _bounds(unsigned=bool(m.group(1)), bits=int(m.group(2)))
         number = _whole(value, low, high)
         if number is None:
             raise ParamError(f"parameter {param.name}: {_cut(value)!r} is not a {param.type} (a whole number "
@@ -156,7 +156,7 @@ def check_value(param: Param, value: str) -> str:
 def _integer_array(name: str, value: str, element: str, *, unsigned: bool, bits: int) -> str:
     """``[1, 2, 3]`` (spaces anywhere, ``[]`` empty) as ClickHouse's text of an Array(``element``), each element a
     whole number within the element type. Raises :class:`ParamError` naming parameter ``name`` otherwise."""
-    low, high = (0, 2**bits - 1) if unsigned else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    low, high = _bounds(unsigned=unsigned, bits=bits)
     text = value.strip()
     inner = text[1:-1].strip() if text.startswith("[") and text.endswith("]") else None
     items = [] if inner == "" else None if inner is None else [x.strip() for x in inner.split(",")]
@@ -170,7 +170,9 @@ def _integer_array(name: str, value: str, element: str, *, unsigned: bool, bits:
     return "[" + ",".join(map(str, numbers)) + "]"
 
 
-_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+def _bounds(*, unsigned: bool, bits: int) -> tuple[int, int]:
+    """The least and greatest value of ClickHouse's (U)Int``bits``."""
+    return (0, 2**bits - 1) if unsigned else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
 
 
 def _whole(text: str, low: int, high: int) -> int | None:
