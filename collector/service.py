@@ -26,7 +26,7 @@ from collector.events import Envelope
 from collector.gateway_log import GatewayLogSource
 from collector.kv_events import KvEventSubscriber
 from collector.publish import Ack, Publisher, PublishError
-from collector.vllm_metrics import ScrapeError, ScrapeJournal, ScrapeState, advance, fetch
+from collector.vllm_metrics import DEFAULT_LIMITS, LabelLimits, ScrapeError, ScrapeJournal, ScrapeState, advance, fetch
 
 log = logging.getLogger("kvscope.collector")
 
@@ -93,8 +93,9 @@ def check_targets(targets: list[Target]) -> None:
 
 @dataclass
 class Collector:
-    """Runs the sources until ``stop`` is set. ``targets``: pods to scrape every ``scrape_interval_seconds``;
-    ``gateway_logs``: JSONL files to tail; ``kv_events_endpoint``: ZMQ endpoint to bind (None = off)."""
+    """Runs the sources until ``stop`` is set. ``targets``: pods to scrape every ``scrape_interval_seconds``
+    (a sample over ``label_limits`` is a dead letter); ``gateway_logs``: JSONL files to tail;
+    ``kv_events_endpoint``: ZMQ endpoint to bind (None = off)."""
 
     publisher: Publisher
     targets: list[Target] = field(default_factory=list)
@@ -107,6 +108,7 @@ class Collector:
     #: sources' file
     scrape_checkpoints: CheckpointStore | None = None
     scrape_interval_seconds: float = 5.0
+    label_limits: LabelLimits = DEFAULT_LIMITS
     log_poll_seconds: float = 0.5
     stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -160,7 +162,8 @@ class Collector:
     def _scrape_one(self, client: httpx.Client, journal: ScrapeJournal, t: Target
                     ) -> tuple[list[Envelope], ScrapeState]:
         body, scraped_at_ms, duration_ms = fetch(client, t.pod, t.metrics_url)
-        return advance(journal.state(t.pod), t.pod, t.metrics_url, body, scraped_at_ms, duration_ms)
+        return advance(journal.state(t.pod), t.pod, t.metrics_url, body, scraped_at_ms, duration_ms,
+                       self.label_limits)
 
     def scrape_all(self, client: httpx.Client, wait_seconds: float | None = None) -> int:
         """One scrape round; returns envelopes published.

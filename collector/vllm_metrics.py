@@ -35,6 +35,10 @@ docs/reliability.md, "vLLM /metrics bodies":
   *counter*'s increases are computed per label set and then summed on (name, engine, model_name, label):
   every query reads counters as sums of increases, so the sum is what they mean. ``vllm:cache_config_info``
   is one per engine: a second one of an engine in a body is a dead letter naming the labels that differ.
+- **Bounded labels** (:class:`LabelLimits`, Prometheus' ``label_limit``, ``label_name_length_limit`` and
+  ``label_value_length_limit``): a sample with more labels, a longer label name or a longer label value than
+  the limits is a dead letter naming the label and the setting; the rest of the body is loaded. Prometheus
+  fails the whole scrape instead.
 """
 
 from __future__ import annotations
@@ -58,6 +62,54 @@ from collector.prom_text import Sample, parse
 MAX_RAW = 64 * 1024
 #: The reason of each later sample of a series already in the scrape (the exposition rules, module docstring).
 DUPLICATE = "the same series twice in one scrape: the first is kept (Prometheus rejects the later ones)"
+
+
+@dataclass(frozen=True)
+class LabelLimits:
+    """Bounds on one sample's labels, each 0 = none; a sample over one is a dead letter (:func:`advance`).
+
+    After Prometheus' scrape config ``label_limit``, ``label_name_length_limit`` and ``label_value_length_limit``
+    (https://prometheus.io/docs/prometheus/latest/configuration/configuration/#scrape_config; lengths in
+    UTF-8 bytes, as Go's ``len``), with two differences: a sample over a limit costs only itself (Prometheus
+    fails the whole scrape), and ``labels`` counts the labels as exposed, every one written (also one with an
+    empty value), the metric name not counted (Prometheus counts ``__name__`` and the target's ``job`` and
+    ``instance`` too, and not a label with an empty value). Settings ``KVSCOPE_VLLM_LABEL_LIMIT``,
+    ``KVSCOPE_VLLM_LABEL_NAME_LENGTH_LIMIT``, ``KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT`` (kvscope/config.py).
+    The default count leaves room for vLLM's ``vllm:cache_config_info``: 37 labels in vLLM 0.32.
+    """
+
+    labels: int = 64
+    name_bytes: int = 128
+    value_bytes: int = 1024
+
+    def problem(self, labels: Mapping[str, str]) -> str:
+        """Why a sample with ``labels`` (name → value, as parsed) breaks a limit (the dead letter's reason, one
+        sentence naming the label, at most 50 characters of its name, and the setting), or "" when it does not."""
+        if not labels:
+            return ""
+        if self.labels and len(labels) > self.labels:
+            return (f"more labels than KVSCOPE_VLLM_LABEL_LIMIT={self.labels} (Prometheus' label_limit): the "
+                    "sample is not stored")
+        # a character is at most 4 UTF-8 bytes: most samples pass on their lengths in characters, counted in C
+        if ((not self.name_bytes or 4 * max(map(len, labels)) <= self.name_bytes)
+                and (not self.value_bytes or 4 * max(map(len, labels.values())) <= self.value_bytes)):
+            return ""
+        for k, v in labels.items():
+            shown = k if len(k) <= 50 else k[:50] + "..."
+            if self.name_bytes and _utf8_len(k) > self.name_bytes:
+                return (f"label name {shown!r} is longer than "
+                        f"KVSCOPE_VLLM_LABEL_NAME_LENGTH_LIMIT={self.name_bytes} bytes (Prometheus' "
+                        "label_name_length_limit): the sample is not stored")
+            if self.value_bytes and _utf8_len(v) > self.value_bytes:
+                return (f"the value of label {shown!r} is longer than KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT="
+                        f"{self.value_bytes} bytes (Prometheus' label_value_length_limit): the sample is not stored")
+        return ""
+
+
+def _utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (a lone surrogate counted as its 3 bytes, never an error)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
 
 SCRAPE_ANOMALIES = Counter("kvscope_collector_scrape_anomalies", "Counter series and scrapes that break a counter "
                            "rule (also in a dead letter): decrease_without_restart (series that went down while "
@@ -215,16 +267,21 @@ def _label_text(pairs: Iterable[tuple[str, str]]) -> str:
     return ",".join(f'{k}="{v.translate(_ESCAPES)}"' for k, v in pairs)
 
 
+#: The limits :func:`advance` applies when given none (the settings' defaults).
+DEFAULT_LIMITS = LabelLimits()
+
+
 def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: int,
-            duration_ms: float) -> tuple[list[Envelope], ScrapeState]:
+            duration_ms: float, limits: LabelLimits = DEFAULT_LIMITS) -> tuple[list[Envelope], ScrapeState]:
     """Events for one scrape of ``pod`` and the state after it (``state`` itself is left as it was).
 
     Events: one ``VllmScrape`` when the body holds any kept series (every gauge; every counter, bucket, sum
     and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
     changes; ``restarts``), and one ``DeadLetter`` per bad line, per line after ``# EOF``, per non-finite kept
     value (the JSON contract carries finite floats), per repeated series (and second ``cache_config_info`` of
-    an engine), and one listing the counters that went down without a restart; a body without any kept
-    series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter. The exposition
+    an engine), per sample over one of ``limits`` (:class:`LabelLimits`; not stored, the other series as if it
+    were not in the body), and one listing the counters that went down without a restart; a body without any
+    kept series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter. The exposition
     rules (module docstring) decide duplicates and labels kvscope does not read.
     Counter rules (docs/reliability.md, "vLLM targets and counters"):
 
@@ -264,6 +321,10 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     isfinite = math.isfinite
     samples = _drop_superseded(parsed.samples) if "vllm:gpu_" in body else parsed.samples
     for name, labels, value in samples:
+        problem = limits.problem(labels)
+        if problem:
+            bad.append((_render(name, labels, value), problem))
+            continue
         kind, family, lname, created_has_label = SPECS[name]
         engine = labels.get("engine")
         model = labels.get("model_name")
@@ -408,11 +469,11 @@ def _render(name: str, labels: Mapping[str, str], value: float) -> str:
 
 
 def scrape_events(pod: str, url: str, body: str, scraped_at_ms: int, duration_ms: float,
-                  state: ScrapeState | None = None) -> list[Envelope]:
+                  state: ScrapeState | None = None, limits: LabelLimits = DEFAULT_LIMITS) -> list[Envelope]:
     """:func:`advance` for callers without a journal (``kvscope import metrics``, tests). Without ``state`` the
     body is a baseline (increases 0: counters not sent; gauges and cache_config kept); with one, the state is
     advanced in place (see :meth:`ScrapeJournal.state` for the collector's way)."""
-    events, new = advance(state or ScrapeState(), pod, url, body, scraped_at_ms, duration_ms)
+    events, new = advance(state or ScrapeState(), pod, url, body, scraped_at_ms, duration_ms, limits)
     if state is not None:
         for f in ("scraped_at_ms", "watching_since_ms", "values", "created", "cache_config", "config_sent"):
             object.__setattr__(state, f, getattr(new, f))

@@ -552,6 +552,7 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
     loaded (empty, HTML, gzip or non-vLLM body; a scrape of POD at AT already stored): see dead_letters."""
     from kvscope.importer import import_metrics as load
     from kvscope.importer import utf8_text
+    from kvscope.pipeline import label_limits
 
     try:
         ts = datetime.fromisoformat(at.replace("Z", "+00:00"))
@@ -569,7 +570,7 @@ def import_metrics(file: str, pod: str, at: str, **opts: Any) -> None:
         raw = Path(file).read_bytes()
     except OSError as exc:
         raise _unreadable(file, exc) from exc
-    result = load(store, pod, Path(file), raw, at_ms)
+    result = load(store, pod, Path(file), raw, at_ms, label_limits(cfg))
     name = utf8_text(file)  # a file name is bytes: not all of them print
     if not result.loaded:
         why = "; ".join(dict.fromkeys(result.reasons)) or (

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.publish import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES
+from collector.vllm_metrics import DEFAULT_LIMITS
 from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
 from sql import DATABASE_NAME
 
@@ -51,6 +52,15 @@ SETTINGS: list[Setting] = [
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
     Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port (name = host:port); "
             "each name and each URL once"),
+    Setting("vllm_label_limit", DEFAULT_LIMITS.labels, "Labels one vLLM /metrics sample may have (Prometheus' "
+            "label_limit; vLLM 0.32's cache_config_info has 37); a sample with more is a dead letter, the rest of the "
+            "scrape is kept (docs/reliability.md); 0 = no limit", int),
+    Setting("vllm_label_name_length_limit", DEFAULT_LIMITS.name_bytes, "Bytes (UTF-8) a label name of a vLLM "
+            "/metrics sample may have (Prometheus' label_name_length_limit); longer: the sample is a dead letter; "
+            "0 = no limit", int),
+    Setting("vllm_label_value_length_limit", DEFAULT_LIMITS.value_bytes, "Bytes (UTF-8) a label value of a vLLM "
+            "/metrics sample may have (Prometheus' label_value_length_limit; a model_name or a proxy's instance "
+            "label of megabytes); longer: the sample is a dead letter; 0 = no limit", int),
     Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
     Setting("kv_events_dp_ranks", 1, "Data-parallel ranks per vLLM pod (its --data-parallel-size): vLLM's rank r "
@@ -131,6 +141,9 @@ class Config:
     consumer_group: str
     topic_namespace: str
     vllm: str
+    vllm_label_limit: int
+    vllm_label_name_length_limit: int
+    vllm_label_value_length_limit: int
     gateway_log: str
     kv_events_endpoint: str
     kv_events_dp_ranks: int
@@ -217,6 +230,9 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
         raise ConfigError(f"KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={cfg.kafka_max_message_bytes}: expected at least "
                           f"{MIN_MAX_MESSAGE_BYTES} bytes (a dead letter must fit in one message)")
     _check_floats(cfg)
+    for name in ("vllm_label_limit", "vllm_label_name_length_limit", "vllm_label_value_length_limit"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{BY_NAME[name].env}={getattr(cfg, name)}: expected 0 (no limit) or a positive limit")
     if cfg.gateway_block_size < 0:
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
     return cfg

@@ -11,7 +11,7 @@ from pathlib import Path
 from collector.events import DeadLetter, Envelope
 from collector.gateway_record import EARLIEST, LATEST
 from collector.publish import Message, to_messages
-from collector.vllm_metrics import MAX_RAW, dead_letter_event, scrape_events
+from collector.vllm_metrics import DEFAULT_LIMITS, MAX_RAW, LabelLimits, dead_letter_event, scrape_events
 from ingest.ingester import Ingester
 from ingest.retention import Retentions
 from ingest.store import Store
@@ -93,7 +93,8 @@ class MetricsImport:
         return self.series + self.configs > 0
 
 
-def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -> MetricsImport:
+def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int,
+                   limits: LabelLimits = DEFAULT_LIMITS) -> MetricsImport:
     """Load one ``/metrics`` body (``raw``, the file's bytes) as a scrape of ``pod`` at ``at_ms`` (unix ms).
 
     A lone snapshot is a baseline (:func:`collector.vllm_metrics.scrape_events`: gauges and the cache config;
@@ -102,7 +103,8 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
     vllm_metrics' retention (ClickHouse would drop the rows at insert; :mod:`ingest.retention`), and a second
     scrape of ``pod`` at ``at_ms`` when the store holds one (the first is kept: one scrape per pod and
     instant, so a query's "latest value" has one answer). Every other bad input is dead-lettered as the live
-    collector does. Raises what :meth:`Store.query_rows` raises.
+    collector does, a sample over ``limits`` too (:class:`collector.vllm_metrics.LabelLimits`). Raises what
+    :meth:`Store.query_rows` raises.
     """
     url = f"file://{source_path(path)}"
     problem, body = "", ""
@@ -127,7 +129,7 @@ def import_metrics(store: Store, pod: str, path: Path, raw: bytes, at_ms: int) -
         text = raw[:MAX_RAW].decode("utf-8", "backslashreplace")
         events = [dead_letter_event(pod, url, at_ms, text, problem)]
     else:
-        events = scrape_events(pod, url, body, at_ms, 0.0)
+        events = scrape_events(pod, url, body, at_ms, 0.0, limits=limits)
     written = import_events(store, events)
     reasons = [e.payload.reason for e in events if isinstance(e.payload, DeadLetter)]
     return MetricsImport(written.get("vllm_metrics", 0), written.get("vllm_cache_config", 0), reasons)

@@ -16,6 +16,7 @@ from pathlib import Path
 from collector.checkpoint import CheckpointStore
 from collector.publish import KafkaPublisher, MemoryQueue, Publisher, QueuePublisher
 from collector.service import Collector, parse_target
+from collector.vllm_metrics import LabelLimits
 from ingest.attribution_job import attribution_loop, run_attribution
 from ingest.errors import KvscopeError
 from ingest.ingester import Ingester
@@ -93,6 +94,11 @@ def attribution_kwargs(cfg: Config) -> dict[str, float | int]:
             "lookback_seconds": cfg.attribution_lookback_seconds, "default_block_size": cfg.default_block_size}
 
 
+def label_limits(cfg: Config) -> LabelLimits:
+    """The bounds on a vLLM /metrics sample's labels (``KVSCOPE_VLLM_LABEL_*``), for the scrape and the import."""
+    return LabelLimits(cfg.vllm_label_limit, cfg.vllm_label_name_length_limit, cfg.vllm_label_value_length_limit)
+
+
 @dataclass
 class Pipeline:
     """Collector, ingester and attribution threads over one store. ``start()`` returns once all run."""
@@ -156,7 +162,8 @@ class Pipeline:
                 kv_events_replay=parse_replay(self.cfg.list("kv_events_replay")),
                 checkpoints=CheckpointStore(checkpoint_path(self.cfg)),
                 scrape_checkpoints=CheckpointStore(checkpoint_path(self.cfg).with_suffix(".scrapes.json")),
-                scrape_interval_seconds=self.cfg.scrape_interval_seconds, stop=self.stop)
+                scrape_interval_seconds=self.cfg.scrape_interval_seconds, label_limits=label_limits(self.cfg),
+                stop=self.stop)
             self.collector.start()
         if self.digest and self.cfg.digest_every and self.store is not None:
             self._start_digest(self.store)

@@ -113,3 +113,18 @@ def test_every_command_option_has_help() -> None:
     assert bare == []
     result = CliRunner().invoke(main, ["dashboard", "--help"])
     assert "[KVSCOPE_DASHBOARD_PORT]" in result.output and "[KVSCOPE_DASHBOARD_ADDRESS]" in result.output
+
+
+def test_the_label_limits_are_settings_and_a_negative_one_stops_startup() -> None:
+    """The bounds on a vLLM sample's labels (collector/vllm_metrics.py LabelLimits) come from the settings the
+    collector and `kvscope import metrics` are given; 0 is no limit; a negative one is refused, named."""
+    from collector.vllm_metrics import LabelLimits
+    from kvscope.pipeline import label_limits
+
+    assert label_limits(build_config(environ={})) == LabelLimits(64, 128, 1024)
+    env = {"KVSCOPE_VLLM_LABEL_LIMIT": "0", "KVSCOPE_VLLM_LABEL_NAME_LENGTH_LIMIT": "7",
+           "KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT": "9"}
+    assert label_limits(build_config(environ=env)) == LabelLimits(0, 7, 9)
+    assert LabelLimits(0, 0, 0).problem({f"l{i}": "v" * 10_000 for i in range(100)}) == ""
+    with pytest.raises(ConfigError, match="KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT=-1"):
+        build_config(environ={"KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT": "-1"})

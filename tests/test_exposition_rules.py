@@ -240,3 +240,81 @@ def test_a_checkpoint_from_before_the_escaped_keys_continues_its_counters() -> N
     [scrape] = [e.payload for e in scrape_events("pod-a", "u", proxied(BODY2, replica="a"), 2_000, 1.0, restored)
                 if isinstance(e.payload, VllmScrape)]
     assert {s.name: s.increase for s in scrape.samples}["vllm:prompt_tokens_total"] == 12909.0 - 9818.0
+
+
+# --- bounded labels ----------------------------------------------------------------------------------------
+
+VALUE_REASON = ("the value of label {!r} is longer than KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT=1024 bytes "
+                "(Prometheus' label_value_length_limit): the sample is not stored")
+COUNT_REASON = ("more labels than KVSCOPE_VLLM_LABEL_LIMIT=64 (Prometheus' label_limit): the sample is not stored")
+NAME_REASON = ("label name {!r} is longer than KVSCOPE_VLLM_LABEL_NAME_LENGTH_LIMIT=128 bytes (Prometheus' "
+               "label_name_length_limit): the sample is not stored")
+MANY = ",".join(f'l{i:05}="{"v" * 100}{i}"' for i in range(10_000))  # 10,000 distinct long labels, 1 MB
+OVER_LIMITS = [  # (sample line, its dead letter's reason): each a new series beside BODY1's, over one bound
+    (f'vllm:num_requests_running{{engine="0",model_name="tiny",instance="{"i" * 50_000_000}"}} 5.0',
+     VALUE_REASON.format("instance")),
+    (f'vllm:kv_cache_usage_perc{{engine="0",model_name="{"m" * 1025}"}} 0.5', VALUE_REASON.format("model_name")),
+    (f'vllm:num_requests_waiting{{engine="{"€" * 342}",model_name="tiny"}} 2.0',  # 342 characters, 1,026 bytes
+     VALUE_REASON.format("engine")),
+    (f'vllm:prompt_tokens_total{{engine="0",model_name="tiny",{MANY}}} 7.0', COUNT_REASON),
+    (f'vllm:num_requests_running{{engine="0",model_name="tiny",{"n" * 129}="x"}} 1.0',
+     NAME_REASON.format("n" * 50 + "...")),
+]
+WITHIN_LIMITS = [  # at the bounds: stored
+    f'vllm:num_requests_running{{engine="0",model_name="tiny",instance="{"€" * 341}"}} 3.0',  # 1,023 bytes
+    f'vllm:num_requests_running{{engine="0",model_name="tiny",{"n" * 128}="{"x" * 1024}"}} 4.0',
+]
+
+
+def test_a_sample_over_a_label_bound_costs_only_itself_live_and_imported(store: Store, tmp_path: Path) -> None:
+    """A 50 MB `instance`, a long `model_name`, an `engine` of 1,026 UTF-8 bytes in 342 characters, a sample with
+    10,000 long labels, a 129-byte label name: each is one dead letter naming the label and the setting, the same
+    from the live scrape (a real HTTP server, the real Collector) and from `kvscope import metrics` (real chDB);
+    everything else of the body is stored as without them, samples at the bounds too. Before: each was stored
+    as a series of its own (the 50 MB value in vllm_metrics.label, in the Kafka message, in every GROUP BY)."""
+    body = BODY1 + "\n".join([line for line, _ in OVER_LIMITS] + WITHIN_LIMITS) + "\n"
+    counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) or 0.0
+    result = import_metrics(store, "pod-a", tmp_path / "m.txt", body.encode(), MINUTE_MS)
+    rows, config, dead = loaded(live(body, tmp_path))
+    assert stored(store) == (rows, config, dead)
+    assert result.reasons == [reason for _, reason in OVER_LIMITS]
+    assert sorted(reason for _, reason in dead) == sorted(reason for _, reason in OVER_LIMITS)
+    assert sorted(raw for raw, _ in dead) == sorted(line[:64 * 1024] for line, _ in OVER_LIMITS)
+    base_rows, base_config, _ = loaded(scrape_events("pod-a", "u", BODY1, 1_000, 1.0))
+    at_bounds = [("vllm:num_requests_running", "0", f'instance="{"€" * 341}"', 3.0),
+                 ("vllm:num_requests_running", "0", f'{"n" * 128}="{"x" * 1024}"', 4.0)]
+    assert (rows, config) == (sorted(base_rows + at_bounds), base_config)
+    assert max(len(label) for _, _, label, _ in rows) < 2000
+    counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) - counted
+    assert counted == len(dead)  # each one in kvscope's own metrics too
+
+
+def test_a_counter_over_a_label_bound_leaves_every_other_counter_as_it_was(tmp_path: Path) -> None:
+    """Two live scrapes (real HTTP server, the Collector's checkpointed journal between them) of the real
+    captures with counters over a bound added: a huge `model_name`, a huge proxy `instance` on a counter the
+    body has (it was summed into that counter's increase), a `_created` with a long label. The increases and
+    the journal's state are those of the captures alone; each such sample is a dead letter in each scrape."""
+    def hostile(body: str, value: float) -> str:
+        big = "x" * 2_000_000
+        return body + "\n".join([
+            f'vllm:prompt_tokens_total{{engine="0",model_name="{big}"}} {value}',
+            f'vllm:prompt_tokens_total{{engine="0",model_name="tiny",instance="{big}"}} {value}',
+            f'vllm:generation_tokens_created{{engine="0",model_name="tiny",{"n" * 200}="a"}} 1.9e+09',
+        ]) + "\n"
+
+    def scrapes(body1: str, body2: str, path: Path) -> tuple[list[tuple[str, str, str, float, float]], int, dict]:
+        path.mkdir()
+        live(body1, path)
+        events = live(body2, path)
+        scrape = max((e.payload for e in events if isinstance(e.payload, VllmScrape)), key=lambda s: s.scraped_at_ms)
+        state = CheckpointStore(path / "c.json").get("vllm_metrics")["pods"]["pod-a"]
+        del state["at"], state["since"]
+        return (sorted((s.name, s.engine, s.label, s.value, s.increase) for s in scrape.samples),
+                sum(isinstance(e.payload, DeadLetter) and e.observed_at_ms == scrape.scraped_at_ms for e in events),
+                state)
+
+    plain, no_dead, plain_state = scrapes(BODY1, BODY2, tmp_path / "plain")
+    got, dead, got_state = scrapes(hostile(BODY1, 5.0), hostile(BODY2, 1e6), tmp_path / "hostile")
+    assert got == plain and got_state == plain_state
+    assert no_dead == 0 and dead == 3
+    assert ("vllm:prompt_tokens_total", "0", "", 12909.0, 12909.0 - 9818.0) in got

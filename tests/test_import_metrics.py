@@ -73,8 +73,8 @@ def test_a_second_scrape_of_one_pod_at_one_instant_is_refused_and_queries_agree(
     assert import_metrics(store, "pod-b", tmp_path / "b.txt", with_usage(0.75), NOW_MS).loaded
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}
+def run_cli(*args: str, **settings: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")} | settings
     return subprocess.run([sys.executable, "-m", "kvscope.cli", *args], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).parents[1], timeout=300)
 
@@ -105,3 +105,17 @@ def test_a_scrape_time_outside_what_the_store_holds_is_refused(store: Store, tmp
     assert store.query_rows("SELECT count() FROM vllm_metrics")[0][0] == 0
     assert store.query_rows("SELECT count() FROM vllm_1m")[0][0] == 0
     assert [r[0] for r in store.query_rows("SELECT reason FROM dead_letters")] == [reason]
+
+
+def test_the_command_applies_the_label_length_limit_setting(tmp_path: Path) -> None:
+    """`KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT` reaches the import: a 100-byte model_name is stored under the
+    default (1,024 bytes) and is a dead letter naming the setting under 64; the rest of the body loads."""
+    at = datetime.fromtimestamp(NOW_MS / 1000, UTC).isoformat()
+    line = f'vllm:num_requests_waiting{{engine="1",model_name="{"m" * 100}"}} 2.0\n'
+    (tmp_path / "m.txt").write_bytes(with_usage(0.25) + line.encode())
+    for limit, series, dead in [("1024", 4, 0), ("64", 3, 1)]:
+        data = ["--data-dir", str(tmp_path / f"data-{limit}")]
+        r = run_cli("import", "metrics", str(tmp_path / "m.txt"), "--pod", "p", "--at", at, *data,
+                    KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT=limit)
+        assert r.returncode == 0, r.stderr
+        assert f"{series} series, 1 cache configs" in r.stdout and f"{dead} dead letters" in r.stdout

@@ -284,3 +284,16 @@ def test_nothing_after_eof_is_loaded() -> None:
             wanted = [line for line in o.split("\n") if line.strip() and not line.startswith("#")
                       and (keep is None or line.strip() == "<html>" or re.split(r"[{ ]", line)[0] in keep)]
             assert r.bad_lines == [(line, AFTER_EOF) for line in wanted] and len(wanted) > 100
+
+
+def test_a_huge_label_value_is_parsed_as_prometheus_client_does_and_not_kept_in_the_cache() -> None:
+    """A 5 MB label value (with escapes) is one sample, the same as prometheus_client's; its label block is not
+    kept in the parser's cache (a 50 MB value stayed alive there, twice, after the scrape)."""
+    from collector import prom_text
+
+    value = "x" * 5_000_000 + '\\"' + "y" * 10
+    line = f'vllm:num_requests_running{{engine="0",instance="{value}"}} 1.0\n'
+    [(name, labels, v)] = mine(line, KEPT_NAMES)
+    assert same([(name, labels, v)], theirs(line))
+    assert labels["instance"] == "x" * 5_000_000 + '"' + "y" * 10
+    assert max(map(len, prom_text._label_cache), default=0) <= 4096
