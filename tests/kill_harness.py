@@ -144,6 +144,14 @@ class UpProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def watching(self) -> bool:
+        """Whether kvscope has recorded where it watches the gateway log from (the first thing `kvscope up` does,
+        :func:`kvscope.pipeline.watch_logs`): from then on nothing written to the log, rotated or not, may be
+        lost. Before it, a process killed while still importing has not seen the log at all."""
+        state = Path(self.env["KVSCOPE_STATE_DIR"])
+        return any("gateway_log:" in f.read_text() for f in state.glob("checkpoints-*.json")) if state.is_dir() \
+            else False
+
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """The process's own Prometheus samples: {(name, sorted labels): value}; {} while it is not up."""
         try:

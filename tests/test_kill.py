@@ -77,11 +77,16 @@ def check_exact(result: dict[str, Any], n: int) -> None:
 
 def run_with_kills(up: UpProcess, writer: LogWriter, kills: int, rnd: random.Random,
                    during: Any = None) -> int:
-    """Start ``up``, SIGKILL it ``kills`` times at random points (1.5–5 s after each start) while the writer
-    writes; ``during(i)`` runs right before kill i. Returns the kills done."""
-    writer.start()
+    """Start ``up``, SIGKILL it ``kills`` times at random points (1.5–5 s after each start, the first once it
+    watches the log: on a loaded machine a process can be killed before it has even imported kvscope) while the
+    writer writes; ``during(i)`` runs right before kill i. Returns the kills done."""
     done = 0
+    writer.start()
+    wait_until(writer.path.exists, 60, "the first log line")
+    writer.pause.set()  # held while kvscope starts (the writer catches up after)
     up.start()
+    wait_until(up.watching, 300, "kvscope up to record where it watches the log from")
+    writer.pause.clear()
     while done < kills or not writer.done.is_set():
         time.sleep(rnd.uniform(1.5, 5.0))
         if done < kills:
@@ -123,6 +128,8 @@ def test_rotation_both_ways_under_load_with_sigkills(tmp_path: Path) -> None:
     writer = LogWriter(log, lines, RATE)
 
     def rotate(i: int) -> None:
+        if not log.exists():  # the writer finished before this rotation and after the last one: nothing to rotate
+            return
         if i % 2 == 0:  # logrotate's default: rename, the writer reopens the path
             log.rename(tmp_path / f"gateway.jsonl.{i}")
         else:  # copytruncate: pause the writer (logrotate's own copy→truncate window loses lines otherwise)
