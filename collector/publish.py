@@ -74,6 +74,17 @@ class Message:
     offset: int = -1
     on_commit: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
+    @classmethod
+    def ack_only(cls, on_commit: Callable[[], None]) -> Message:
+        """In-process queue only: no data, just ``on_commit``, to run once every message queued before it is
+        committed (a source's position moved without lines, e.g. a log file switch)."""
+        return cls("", b"", b"", on_commit=on_commit)
+
+    @property
+    def is_ack_only(self) -> bool:
+        """True for a :meth:`ack_only` marker (the ingester never sees one)."""
+        return not self.topic
+
 
 @dataclass(frozen=True)
 class Oversized:
@@ -283,7 +294,10 @@ class MemoryQueue:
 class QueuePublisher:
     """Embedded mode: messages go to a :class:`MemoryQueue` that :class:`ingest.source.QueueSource` drains;
     ``on_ack`` rides on the last message and runs when the ingester commits it (FIFO: the earlier ones are
-    committed by then). Raises :class:`PublishError` when the queue stays full for ``put_timeout_seconds``."""
+    committed by then). With nothing to send, ``on_ack`` is queued alone (:meth:`Message.ack_only`) and
+    runs once everything published before it is committed: run at once, it would checkpoint a position
+    past lines still in the queue, and a crash then would lose them. Raises :class:`PublishError` when the
+    queue stays full for ``put_timeout_seconds``."""
 
     def __init__(self, q: MemoryQueue, put_timeout_seconds: float = 1.0) -> None:
         self.queue = q
@@ -292,8 +306,8 @@ class QueuePublisher:
     def publish(self, events: list[Envelope], on_ack: Ack | None = None) -> None:
         messages = to_messages(events)
         if not messages:
-            if on_ack:
-                on_ack()
+            if on_ack is not None:
+                self.queue.put_all([Message.ack_only(on_ack)], self.put_timeout_seconds)  # no bytes: always fits
             return
         if on_ack is not None:
             last = messages[-1]

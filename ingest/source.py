@@ -38,7 +38,9 @@ class QueueSource:
 
     A polled batch stays *in flight* until committed: until then every poll returns the same batch again, so
     a batch the ingester could not write is never dropped. ``commit`` frees the queue's bytes and runs each
-    message's ``on_commit`` (the collector's checkpoint advances: its rows are in the store).
+    message's ``on_commit`` (the collector's checkpoint advances: its rows are in the store), in queue order.
+    Acknowledgement-only markers (:meth:`collector.publish.Message.ack_only`) are never returned: each runs
+    once every message queued before it is committed.
     """
 
     def __init__(self, q: MemoryQueue) -> None:
@@ -48,17 +50,26 @@ class QueueSource:
     def poll(self, timeout_ms: int = 500, max_messages: int = 500) -> list[Message]:
         if not self._inflight:
             self._inflight = self.queue.take(max_messages, timeout_ms / 1000)
+        self._settle(0)  # markers with nothing uncommitted before them
         QUEUE_BYTES.set(self.queue.bytes_used)
-        return list(self._inflight)
+        return [m for m in self._inflight if not m.is_ack_only]
 
     def commit(self, messages: list[Message]) -> None:
-        done = self._inflight[: len(messages)]
-        self._inflight = self._inflight[len(messages):]
+        self._settle(len(messages))
+        QUEUE_BYTES.set(self.queue.bytes_used)
+
+    def _settle(self, n: int) -> None:
+        """Commit the first ``n`` data messages in flight and every marker before or right after them."""
+        done: list[Message] = []
+        while self._inflight and (n > 0 or self._inflight[0].is_ack_only):
+            m = self._inflight.pop(0)
+            n -= not m.is_ack_only
+            done.append(m)
         for m in done:
             if m.on_commit is not None:
                 m.on_commit()
-        self.queue.release(done)
-        QUEUE_BYTES.set(self.queue.bytes_used)
+        if done:
+            self.queue.release(done)
 
     def rewind(self, messages: list[Message]) -> None:
         pass  # still in flight: the next poll returns them
