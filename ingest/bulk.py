@@ -52,18 +52,28 @@ class LoadStats:
     interrupted: bool = False
 
 
-def _chunks(fh: BinaryIO, lines_per_chunk: int, max_line: int = MAX_LINE_BYTES) -> Iterator[list[tuple[int, bytes]]]:
-    """(byte offset, line) of every non-blank line of the open file ``fh`` (read once, from its start, so a pipe
-    works too), ``lines_per_chunk`` at a time, read in 16 MiB blocks; the last line needs no newline. A line
-    longer than ``max_line`` bytes comes as its first ``max_line`` bytes (the loader dead-letters it as too long)
-    and the rest of it is skipped unread: memory stays bounded by the block and ``max_line`` whatever the file
-    holds (a file of gigabytes without a newline was read whole into memory)."""
+def line_chunks(fh: BinaryIO, lines_per_chunk: int, *, start: int = 0, max_line: int = MAX_LINE_BYTES,
+                block_bytes: int = 16 << 20, partial_last_line: bool = True,
+                ) -> Iterator[tuple[list[tuple[int, bytes]], int]]:
+    """(chunk, end) pairs over the open file ``fh``, read once from where it stands (so a pipe works too) in
+    blocks of ``block_bytes``: ``chunk`` is the (byte offset, line) of up to ``lines_per_chunk`` non-blank lines
+    (offsets count from ``start``, the file offset ``fh`` stands at; a line's ``\\r\\n`` end is cut), ``end`` the
+    offset after the last line the chunk holds, blank lines before it included: where a later read resumes. The
+    last pair comes at the end of the file, its chunk possibly empty, its ``end`` past every line read. The last
+    line needs no newline; with ``partial_last_line`` False such a line is left unread (a writer may be in the
+    middle of it) and the last ``end`` stops before it. A line longer than ``max_line`` bytes comes as its first
+    ``max_line`` bytes (the caller dead-letters it as too long) and the rest of it is skipped unread: memory stays
+    bounded by the block, the chunk and ``max_line`` whatever the file holds (a file of gigabytes without a
+    newline was read whole into memory)."""
     chunk: list[tuple[int, bytes]] = []
-    base = 0  # file offset of the line being read (rest)
+    ends: list[int] = []  # the offset after each line of chunk
+    base = start  # file offset of the line being read (rest)
     rest = b""  # the line being read: at most its first max_line bytes
     dropped = 0  # bytes of that line after its first max_line, skipped
+    read = start  # file offset after the bytes read
     while True:
-        block = fh.read(16 << 20)
+        block = fh.read(block_bytes)
+        read += len(block)
         if dropped and block:  # inside an overlong line: skip to its end
             nl = block.find(b"\n")
             if nl < 0:
@@ -73,26 +83,34 @@ def _chunks(fh: BinaryIO, lines_per_chunk: int, max_line: int = MAX_LINE_BYTES) 
             block = block[nl:]
         data = rest + block
         lines = data.split(b"\n")
-        rest = lines.pop() if block else b""
+        rest = lines.pop() if block or not partial_last_line else b""
         offset = base
         for k, line in enumerate(lines):
             if dropped and k == 0:  # the head of an overlong line, as read (it must stay too long)
                 chunk.append((offset, line))
                 offset += dropped
                 dropped = 0
+                ends.append(offset + len(line) + 1)
             elif line.strip():
                 chunk.append((offset, line.rstrip(b"\r")))
+                ends.append(offset + len(line) + 1)
             offset += len(line) + 1
         base = offset
         if len(rest) > max_line:
             dropped, rest = len(rest) - max_line, rest[:max_line]
         while len(chunk) >= lines_per_chunk:
-            yield chunk[:lines_per_chunk]
-            chunk = chunk[lines_per_chunk:]
+            yield chunk[:lines_per_chunk], min(ends[lines_per_chunk - 1], read)
+            chunk, ends = chunk[lines_per_chunk:], ends[lines_per_chunk:]
         if not block:
             break
-    if chunk:
-        yield chunk
+    yield chunk, min(base, read)  # a last line without its newline ends at the end of the file
+
+
+def _chunks(fh: BinaryIO, lines_per_chunk: int, max_line: int = MAX_LINE_BYTES) -> Iterator[list[tuple[int, bytes]]]:
+    """The non-empty chunks of :func:`line_chunks` from the start of ``fh``, without their end offsets."""
+    for chunk, _ in line_chunks(fh, lines_per_chunk, max_line=max_line):
+        if chunk:
+            yield chunk
 
 
 _encode = msgspec.json.Encoder().encode

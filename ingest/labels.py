@@ -21,16 +21,20 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from collector.events import DeadLetter, envelope
+from collector.gateway_log import MAX_LINE_BYTES
 from collector.gateway_record import EARLIEST, LATEST
 from ingest import attribution as a
+from ingest.bulk import line_chunks
 from ingest.dedup import absent_rows
-from ingest.retention import Retentions
+from ingest.retention import Retention, Retentions
 from ingest.rows import COLUMNS as ROW_COLUMNS
 from ingest.rows import dead_letter_row
 from ingest.store import Store
@@ -54,6 +58,11 @@ COLUMNS = ("request_id", "ts", "tenant_id", "run_id", "scenario", "cause", "sub_
            "expected_sub_causes", "expected_tokens", "location")
 NAME_MAX_CHARS = 512
 MAX_RAW = 64 * 1024
+#: Lines parsed and written at a time (`kvscope import labels`): memory is bounded by a chunk, as for the gateway
+#: log (ingest/bulk.py).
+LINES_PER_CHUNK = 50_000
+#: Bytes read at a time: labels are short lines, and what a read holds waits in memory beside the chunk.
+READ_BYTES = 256 << 10
 
 
 class BadLabel(ValueError):
@@ -63,15 +72,19 @@ class BadLabel(ValueError):
 @dataclass
 class LabelLoad:
     """What a load did: ``lines`` read, ``rows`` inserted, ``duplicates`` skipped (the store held the request's
-    label, or the file repeats it), ``dead_letters`` written (new ones), ``reasons`` (each bad line's reason,
-    in file order, re-reads included), ``end_offset`` (byte offset after the last line read)."""
+    label, or the file repeats it), ``dead_letters`` written (new ones), ``reasons`` (the bad lines' reasons,
+    each with its count of lines, in the order first met, re-reads included: a count, not a list, so that a file
+    of millions of bad lines holds no string per line), ``end_offset`` (byte offset after the last line loaded:
+    where a later load resumes), ``interrupted``: the load was stopped before the end of the file (every line
+    counted was loaded whole)."""
 
     lines: int = 0
     rows: int = 0
     duplicates: int = 0
     dead_letters: int = 0
-    reasons: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
     end_offset: int = 0
+    interrupted: bool = False
 
 
 def _name(obj: dict[str, Any], key: str, *, required: bool = False) -> str:
@@ -173,24 +186,6 @@ def parse_label(line: bytes | str, *, run_id: str = "") -> dict[str, Any]:
     }
 
 
-def _lines(path: Path, start: int, partial_last_line: bool) -> tuple[list[tuple[int, bytes]], int]:
-    """(offset, line) of the non-blank lines from byte ``start``, and the offset after the last one read; a last
-    line without its newline is read only when ``partial_last_line`` (a writer may be in the middle of it)."""
-    with path.open("rb") as fh:
-        if start:  # a pipe cannot seek, and is read from its start
-            fh.seek(start)
-        data = fh.read()
-    if not start:
-        refuse_gzip(data, path, "workload labels (JSON lines)")
-    end = len(data) if partial_last_line else data.rfind(b"\n") + 1
-    out, offset = [], start
-    for line in data[:end].split(b"\n"):
-        if line.strip():
-            out.append((offset, line.rstrip(b"\r")))
-        offset += len(line) + 1
-    return out, start + end
-
-
 def _fill_from_gateway(store: Store, rows: list[dict[str, Any]]) -> None:
     """Give rows without ts (or tenant) the gateway's arrival ts (tenant) of the same request_id."""
     ids = sorted({r["request_id"] for r in rows if r["ts"] is None or not r["tenant_id"]})
@@ -214,23 +209,57 @@ def _dead_letter(path: Path, offset: int, line: bytes, reason: str, now_ms: int)
 
 
 def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int = 0,
-                partial_last_line: bool = True) -> LabelLoad:
+                partial_last_line: bool = True, lines_per_chunk: int = LINES_PER_CHUNK,
+                stop: threading.Event | None = None,
+                progress: Callable[[LabelLoad], None] | None = None) -> LabelLoad:
     """Load the label lines of ``path`` from byte ``start`` into workload_labels, each request once (a label the
     store holds is skipped, so a file may be loaded again, or tailed); bad lines become dead letters. A line
     without ts takes the gateway's arrival ts of its request, so such lines need the gateway log loaded first
     (else they are dead letters saying so). A label older than workload_labels' retention is a dead letter with
     that reason (:mod:`ingest.retention`: ClickHouse would drop it at insert). Returns :class:`LabelLoad`.
-    A pipe (``<(zcat labels.gz)``) is read once, from its start. Raises :class:`~kvscope.importer.CompressedFile`
-    for a gzip file (nothing written), ``OSError`` and what the store raises (``StoreUnavailable``: load again;
-    nothing is written twice)."""
+
+    The file is streamed (:func:`ingest.bulk.line_chunks`): ``lines_per_chunk`` lines at a time are parsed and
+    written, labels and dead letters, before the next are read, so memory is bounded by the chunk whatever the
+    file's size; a line of :data:`~collector.gateway_log.MAX_LINE_BYTES` or more is a dead letter (its rest is
+    skipped unread). ``stop``: when it is set (Ctrl-C), the load ends after the chunk it is in, whose rows and
+    dead letters are then all written, and the stats say ``interrupted`` (loading the file again loads the rest:
+    what is stored is skipped). ``progress``: called with the stats after each full chunk. A pipe
+    (``<(zcat labels.gz)``) is read once, from its start. Raises :class:`~kvscope.importer.CompressedFile` for a
+    gzip file (nothing written), ``OSError`` and what the store raises (``StoreUnavailable``: load again; nothing
+    is written twice)."""
     path = Path(path)
-    lines, end = _lines(path, start, partial_last_line)
-    path = source_path(path)  # one spelling per file: dead letters are keyed by it (a re-import adds none)
-    stats = LabelLoad(lines=len(lines), end_offset=end)
+    stats = LabelLoad(end_offset=start)
+    with path.open("rb") as fh:
+        if start:  # a pipe cannot seek, and is read from its start
+            fh.seek(start)
+        else:
+            refuse_gzip(fh.peek(2)[:2], path, "workload labels (JSON lines)")
+        path = source_path(path)  # one spelling per file: dead letters are keyed by it (a re-import adds none)
+        retention = Retentions(store).get("workload_labels")
+        for chunk, end in line_chunks(fh, lines_per_chunk, start=start, block_bytes=READ_BYTES,
+                                      partial_last_line=partial_last_line):
+            if chunk and stop is not None and stop.is_set():
+                stats.interrupted = True
+                break
+            if chunk:
+                _load_chunk(store, path, chunk, run_id, retention, stats)
+            stats.end_offset = end
+            if progress is not None and len(chunk) == lines_per_chunk:
+                progress(stats)
+    return stats
+
+
+def _load_chunk(store: Store, path: Path, chunk: list[tuple[int, bytes]], run_id: str, retention: Retention | None,
+                stats: LabelLoad) -> None:
+    """Write one chunk's (offset, line) pairs of ``path``: its labels the store does not hold, and a dead letter
+    for each bad line; add what it did to ``stats``."""
+    stats.lines += len(chunk)
     good: list[dict[str, Any]] = []
     bad: list[tuple[int, bytes, str]] = []
-    for offset, line in lines:
+    for offset, line in chunk:
         try:
+            if len(line) >= MAX_LINE_BYTES:  # its head: line_chunks skipped the rest
+                raise BadLabel(f"line longer than {MAX_LINE_BYTES} bytes")
             row = parse_label(line, run_id=run_id)
         except BadLabel as exc:
             bad.append((offset, line, str(exc)))
@@ -241,22 +270,21 @@ def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int 
         bad.append((r["_offset"], r["_line"], "no ts, and the store holds no gateway request with this request_id: "
                                               "import the gateway log first, or give ts"))
         good.remove(r)
-    retention = Retentions(store).get("workload_labels")
     for r in [r for r in good if retention is not None and retention.expired(r["ts"])]:
         bad.append((r["_offset"], r["_line"], retention.reason(r["ts"])))
         good.remove(r)
     rows = [tuple(r[c] for c in COLUMNS) for r in good]
     keep = absent_rows(store, "workload_labels", rows, COLUMNS)
     store.insert("workload_labels", [rows[i] for i in keep], COLUMNS)
-    stats.rows, stats.duplicates = len(keep), len(rows) - len(keep)
+    stats.rows += len(keep)
+    stats.duplicates += len(rows) - len(keep)
     bad.sort()
-    stats.reasons = [reason for _, _, reason in bad]
+    stats.reasons.update(reason for _, _, reason in bad)
     now_ms = int(time.time() * 1000)
     dead = [_dead_letter(path, offset, line, reason, now_ms) for offset, line, reason in bad]
     keep_dead = absent_rows(store, "dead_letters", dead, ROW_COLUMNS["dead_letters"])
     store.insert("dead_letters", [dead[i] for i in keep_dead], ROW_COLUMNS["dead_letters"])
-    stats.dead_letters = len(keep_dead)
-    return stats
+    stats.dead_letters += len(keep_dead)
 
 
 class LabelTail:

@@ -377,6 +377,66 @@ def test_ctrl_c_mid_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(
     assert stored == [{"rows": 99_900, "distinct_rows": 99_900, "dead": 100, "places": 100}]
 
 
+
+def test_ctrl_c_mid_label_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(tmp_path: Path) -> None:
+    """`kvscope import labels` read each file whole and Ctrl-C stopped it only between files. It now streams
+    50,000 lines at a time as the gateway log import does: Ctrl-C stops it after the chunk being written (exit
+    130, saying how far it got) and the same import again loads the rest, every label once, every bad line's dead
+    letter once. Deterministic as the gateway log's: the file is a FIFO the test writes, 60,000 lines first, the
+    rest only once the first chunk is reported and SIGINT sent."""
+    lines = [label_line(f"l-{i}") if i % 1000 else f"bad line {i}" for i in range(100_000)]
+    data = ("\n".join(lines) + "\n").encode()
+    first = sum(len(line) + 1 for line in lines[:60_000])
+    fifo = tmp_path / "labels.jsonl"
+    os.mkfifo(fifo)
+    data_dir = tmp_path / "data"
+    signalled = threading.Event()
+
+    def feed(split: bool) -> None:
+        with contextlib.suppress(BrokenPipeError), fifo.open("wb") as fh:
+            fh.write(data[:first] if split else data)
+            if split:
+                fh.flush()
+                signalled.wait(300)
+                fh.write(data[first:])
+
+    writer = threading.Thread(target=feed, args=(True,), daemon=True)
+    writer.start()
+    proc = kvscope(data_dir, "import", "labels", str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stderr is not None
+    watchdog = threading.Timer(600, proc.kill)  # a safety net, not a measure: a broken import fails, never hangs
+    watchdog.start()
+    err = []
+    for line in proc.stderr:  # until the first chunk is written
+        err.append(line)
+        if "lines read" in line:
+            break
+    watchdog.cancel()
+    assert err and "  " + str(fifo) + ": 50,000 lines read, 49,950 labels loaded" in err[-1], "".join(err)
+    proc.send_signal(signal.SIGINT)
+    signalled.set()
+    out, rest = proc.communicate(timeout=300)
+    writer.join(60)
+    assert proc.returncode == 130, (out, "".join(err) + rest)
+    assert f"{fifo}: 49950 labels, 0 already stored, 50 bad lines (50 new dead letters)" in out
+    assert "kvscope: interrupted: " + str(fifo) + " loaded up to line 50,000; run the same import again" in rest
+    assert "Traceback" not in rest
+    stored = sql(data_dir, "SELECT (SELECT count() FROM workload_labels) AS rows, "
+                           "(SELECT count() FROM dead_letters) AS dead")
+    assert stored == [{"rows": 49_950, "dead": 50}]
+
+    writer = threading.Thread(target=feed, args=(False,), daemon=True)
+    writer.start()
+    proc = kvscope(data_dir, "import", "labels", str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    out, err2 = proc.communicate(timeout=300)
+    writer.join(60)
+    assert proc.returncode == 0, err2
+    assert f"{fifo}: 49950 labels, 49950 already stored, 100 bad lines (50 new dead letters)" in out
+    stored = sql(data_dir, "SELECT (SELECT count() FROM workload_labels) AS rows, (SELECT uniqExact(request_id) "
+                           "FROM workload_labels) AS distinct_rows, (SELECT count() FROM dead_letters) AS dead, "
+                           "(SELECT uniqExact(location) FROM dead_letters) AS places")
+    assert stored == [{"rows": 99_900, "distinct_rows": 99_900, "dead": 100, "places": 100}]
+
 def test_ctrl_c_during_the_attribution_after_an_import_says_so_and_loses_nothing(tmp_path: Path) -> None:
     """Once the lines are in, the import runs the attribution: Ctrl-C there stops it between its chunks (it
     leaves its watermark, so a later run answers the rest) and the import says so and exits 130, rather than

@@ -255,10 +255,75 @@ def test_a_tail_loads_complete_lines_as_they_are_written(store: Store, tmp_path:
     with path.open("a") as fh:
         fh.write(line.replace("t1", "t2")[20:] + "\n")
     stats = tail.poll()
-    assert (stats.rows, stats.reasons, tail.rows) == (1, [], 2)
+    assert (stats.rows, stats.reasons, tail.rows) == (1, {}, 2)
     assert tail.poll().lines == 0
     assert [r[:2] for r in stored(store)] == [("t1", "0101"), ("t2", "0101")]
 
+
+
+def test_a_large_label_file_streams_in_bounded_memory_and_a_rerun_loads_each_line_once(store: Store,
+                                                                                      tmp_path: Path) -> None:
+    """`kvscope import labels` read each file whole, then held a parsed row per line: Python's allocations were
+    many times the file's size. The file is now read in blocks and loaded a chunk at a time: a load stopped after
+    three chunks (Ctrl-C: ``stop``) wrote exactly those, and the load again of the 20 MB file, under tracemalloc,
+    allocates at its peak a small fraction of the file (a chunk of 1,000 lines, a read block), not a multiple of
+    it; across the two runs every good line is stored once and every bad line is one dead letter."""
+    import threading
+    import tracemalloc
+
+    n, per_chunk, pad = 100_000, 1_000, "x" * 120
+    lines = [json.dumps({"request_id": f"big-{i}", "tenant_id": "acme", "pathology": "none", "note": pad,
+                         "ts": f"{DAY}T12:{i // 60_000 % 60:02d}:{i // 1000 % 60:02d}.{i % 1000:03d}Z"})
+             if i % 997 else f"not json {i}" for i in range(n)]
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    size = path.stat().st_size
+    bad = sum(1 for line in lines if line.startswith("not json"))
+    assert size > 20_000_000 and bad == 101
+
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def progress(stats: Any) -> None:
+        seen.append(stats.lines)
+        if len(seen) == 3:
+            stop.set()  # as Ctrl-C does, while the third chunk's rows are written
+
+    first = load_labels(store, path, lines_per_chunk=per_chunk, stop=stop, progress=progress)
+    assert first.interrupted and seen == [1_000, 2_000, 3_000] and first.lines == 3_000
+    bad_first = sum(1 for line in lines[:3_000] if line.startswith("not json"))
+    assert (first.rows, first.reasons.total(), first.dead_letters) == (3_000 - bad_first, bad_first, bad_first)
+    assert first.end_offset == sum(len(line) + 1 for line in lines[:3_000])
+    assert store.query_rows("SELECT count() FROM workload_labels")[0][0] == 3_000 - bad_first
+
+    tracemalloc.start()
+    try:
+        again = load_labels(store, path, lines_per_chunk=per_chunk)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size * 0.25, f"peak {peak:,} bytes for a file of {size:,}"
+    assert not again.interrupted and again.lines == n and again.end_offset == size
+    assert (again.rows, again.duplicates) == (n - bad - first.rows, first.rows)
+    assert (again.reasons.total(), again.dead_letters) == (bad, bad - bad_first)
+    assert store.query_rows("SELECT count(), uniqExact(request_id) FROM workload_labels") == [(n - bad, n - bad)]
+    assert store.query_rows("SELECT count(), uniqExact(location) FROM dead_letters "
+                            "WHERE source = 'workload_labels'") == [(bad, bad)]
+
+
+def test_a_label_line_of_8_mib_or_more_is_a_dead_letter_and_costs_only_itself(store: Store, tmp_path: Path) -> None:
+    """The streamed reader keeps a line's first MAX_LINE_BYTES and skips the rest unread (as for a gateway log):
+    such a line is one dead letter saying so, and the lines after it load at their offsets."""
+    from collector.gateway_log import MAX_LINE_BYTES
+
+    ok = json.dumps({"request_id": "after-long", "pathology": "none", "ts": f"{DAY}T12:00:00Z"})
+    long = '{"request_id": "long", "pathology": "none", "note": "' + "x" * MAX_LINE_BYTES + '"}'
+    path = tmp_path / "long.jsonl"
+    path.write_text(long + "\n" + ok + "\n")
+    stats = load_labels(store, path)
+    assert (stats.rows, dict(stats.reasons)) == (1, {f"line longer than {MAX_LINE_BYTES} bytes": 1})
+    assert [r[0] for r in stored(store)] == ["after-long"]
+    assert store.query_rows("SELECT location, length(raw) FROM dead_letters") == [(f"{path}:0", 64 * 1024)]
 
 def test_lines_the_store_could_not_hold_are_bad_lines_not_a_traceback(store: Store, tmp_path: Path) -> None:
     """Expected tokens that add up past UInt32 and a lone surrogate (JSON's \\ud800) used to reach the store and

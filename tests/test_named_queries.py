@@ -410,6 +410,73 @@ def test_the_sql_examples_in_the_docs_run(fx: Store) -> None:
                 pytest.fail(f"{name}: {statement.strip()[:80]}...: {exc}")
 
 
+
+DOCS = [Path(__file__).parents[1] / "README.md", *sorted((Path(__file__).parents[1] / "docs").glob("*.md"))]
+
+
+def doc_sections() -> list[tuple[str, str, str]]:
+    """(file name, heading line, text) of each section of README.md and docs/*.md: a section runs from a
+    Markdown heading to the next (fenced code blocks are text, their # lines no headings)."""
+    out = []
+    for f in DOCS:
+        heading, text, fenced = "", [], False
+        for line in f.read_text().splitlines():
+            fenced ^= line.startswith("```")
+            if line.startswith("#") and not fenced:
+                out.append((f.name, heading, "\n".join(text)))
+                heading, text = line, []
+            else:
+                text.append(line)
+        out.append((f.name, heading, "\n".join(text)))
+    return out
+
+
+def test_every_named_query_is_described_in_the_docs() -> None:
+    """`kvscope query --list` listed queries no page described (data_extent, dimensions, tenant_pod_matrix,
+    latency, tokens; hit_rate and pods only named in passing), and no test compared sql/queries/ with the docs.
+    Each query is named (`name`, `kvscope query name ...`) in a section of README.md or docs/*.md that speaks of
+    named queries; a query with a heading of its own (### `name`) names there every parameter and every column
+    it returns, and shows a `kvscope query name` example."""
+    sections = doc_sections()
+    about_queries = [heading + "\n" + text for _, heading, text in sections
+                     if re.search(r"named quer|kvscope query", heading + text, re.I)]
+    missing = [name for name in QUERIES
+               if not any(re.search(rf"`(kvscope query )?{name}\b[^`]*`", s) for s in about_queries)]
+    assert not missing, f"named queries no doc describes: {missing} (docs/dashboard.md lists where each is)"
+    own = {m.group(1): (f, text) for f, heading, text in sections if (m := re.fullmatch(r"#+ `(\w+)`", heading))}
+    assert {"data_extent", "dimensions", "tenant_pod_matrix", "latency", "tokens", "pods", "hit_rate"} <= set(own)
+    for name, (f, text) in own.items():
+        assert name in QUERIES, f"{f}: ### `{name}` is no named query"
+        q = sqlfiles.load_query(name)
+        spans = set(re.findall(r"`([^`]+)`", text))
+        unnamed = [x.name for x in (*q.params, *q.returns) if x.name not in spans]
+        assert not unnamed, f"{f}, ### `{name}`: parameters or columns not described: {unnamed}"
+        assert f"kvscope query {name}" in text, f"{f}, ### `{name}`: no example"
+
+
+def test_the_query_commands_in_the_docs_run(fx: Store) -> None:
+    """Every `kvscope query NAME --param k=v ...` in a ```bash block of README.md and docs/*.md names a query
+    and parameters it has, with values it takes, and runs (on the fixture; its dates may differ)."""
+    import shlex
+
+    commands = []
+    for f in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", f.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                rest = words[words.index("query") + 1:] if "query" in words else []
+                if words and words[0].endswith("kvscope") and rest and rest[0] != "--list":
+                    commands.append((f.name, rest))
+    assert len(commands) >= 10
+    for f, words in commands:
+        name, params = words[0], {}
+        for flag, value in zip(words, words[1:], strict=False):
+            if flag == "--param":
+                key, _, params[key] = value.partition("=")
+        declared = {p.name for p in sqlfiles.load_query(name).params}
+        assert set(params) <= declared, f"{f}: kvscope query {name}: unknown parameters {set(params) - declared}"
+        fx.named(name, params)
+
 # -- miss causes ---------------------------------------------------------------------------------------------
 def test_miss_causes(fx: Store) -> None:
     r = rows(fx, "miss_causes")
