@@ -315,6 +315,60 @@ def sql(data_dir: Path, statement: str) -> list[dict[str, Any]]:
     return json.loads(out)
 
 
+def _feed(fifo: Path, data: bytes, first: int | None, go_on: threading.Event) -> threading.Thread:
+    """A thread writing ``data`` into the FIFO: all of it, or (``first``) its first bytes, then the rest once
+    ``go_on`` is set."""
+    def feed() -> None:
+        with contextlib.suppress(BrokenPipeError), fifo.open("wb") as fh:
+            fh.write(data if first is None else data[:first])
+            if first is not None:
+                fh.flush()
+                go_on.wait(300)
+                fh.write(data[first:])
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    return writer
+
+
+def import_interrupted_after_first_chunk(data_dir: Path, what: str, fifo: Path, data: bytes, first: int,
+                                         progress: str) -> tuple[str, str]:
+    """`kvscope import WHAT FIFO` fed ``data[:first]``; once its stderr reports the first chunk (``progress``),
+    SIGINT, then the rest of the data. Asserts exit 130 and no traceback; returns (stdout, stderr after the
+    progress line)."""
+    os.mkfifo(fifo)
+    signalled = threading.Event()
+    writer = _feed(fifo, data, first, signalled)
+    proc = kvscope(data_dir, "import", what, str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stderr is not None
+    watchdog = threading.Timer(600, proc.kill)  # a safety net, not a measure: a broken import fails, never hangs
+    watchdog.start()
+    err = []
+    for line in proc.stderr:  # until the first chunk is written
+        err.append(line)
+        if "lines read" in line:
+            break
+    watchdog.cancel()
+    assert err and f"  {fifo}: {progress}" in err[-1], "".join(err)
+    proc.send_signal(signal.SIGINT)
+    signalled.set()
+    out, rest = proc.communicate(timeout=300)
+    writer.join(60)
+    assert proc.returncode == 130, (out, "".join(err) + rest)
+    assert "Traceback" not in rest
+    return out, rest
+
+
+def import_again(data_dir: Path, what: str, fifo: Path, data: bytes) -> str:
+    """The same import again, the FIFO fed the whole data; asserts exit 0 and returns its stdout."""
+    writer = _feed(fifo, data, None, threading.Event())
+    proc = kvscope(data_dir, "import", what, str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    out, err = proc.communicate(timeout=300)
+    writer.join(60)
+    assert proc.returncode == 0, err
+    return out
+
+
 def test_ctrl_c_mid_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(tmp_path: Path) -> None:
     """chDB takes SIGINT when it opens: Ctrl-C during `kvscope import gateway-log` did nothing, and the import ran
     to its end. Now it stops after the chunk being written (exit 130, saying so) and the same import again loads
@@ -328,54 +382,20 @@ def test_ctrl_c_mid_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(
     first = data.index(b"\n", 17 << 20) + 1  # the first read (16 MiB) holds more than one chunk
     assert data[:first].count(b"\n") > 50_000 + 1000 and len(data) < 32 << 20
     fifo = tmp_path / "gateway.jsonl"
-    os.mkfifo(fifo)
     data_dir = tmp_path / "data"
-    signalled = threading.Event()
-
-    def feed(split: bool) -> None:
-        with contextlib.suppress(BrokenPipeError), fifo.open("wb") as fh:
-            fh.write(data[:first] if split else data)
-            if split:
-                fh.flush()
-                signalled.wait(300)
-                fh.write(data[first:])
-
-    writer = threading.Thread(target=feed, args=(True,), daemon=True)
-    writer.start()
-    proc = kvscope(data_dir, "import", "gateway-log", str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert proc.stderr is not None
-    watchdog = threading.Timer(600, proc.kill)  # a safety net, not a measure: a broken import fails, never hangs
-    watchdog.start()
-    err = []
-    for line in proc.stderr:  # until the first chunk is written
-        err.append(line)
-        if "lines read" in line:
-            break
-    watchdog.cancel()
-    assert err and "  " + str(fifo) + ": 50,000 lines read, 49,950 requests loaded" in err[-1], "".join(err)
-    proc.send_signal(signal.SIGINT)
-    signalled.set()
-    out, rest = proc.communicate(timeout=300)
-    writer.join(60)
-    assert proc.returncode == 130, (out, "".join(err) + rest)
+    out, rest = import_interrupted_after_first_chunk(data_dir, "gateway-log", fifo, data, first,
+                                                     "50,000 lines read, 49,950 requests loaded")
     assert "kvscope: interrupted: " + str(fifo) + " loaded up to line 50,000, the attribution not run" in rest
-    assert "Traceback" not in rest
     stored = sql(data_dir, "SELECT (SELECT count() FROM gateway_requests) AS rows, "
                            "(SELECT count() FROM dead_letters) AS dead")
     assert stored == [{"rows": 49_950, "dead": 50}]
 
-    writer = threading.Thread(target=feed, args=(False,), daemon=True)
-    writer.start()
-    proc = kvscope(data_dir, "import", "gateway-log", str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
-    out, err2 = proc.communicate(timeout=300)
-    writer.join(60)
-    assert proc.returncode == 0, err2
+    out = import_again(data_dir, "gateway-log", fifo, data)
     assert f"{fifo}: 49950 requests, 49950 already stored, 50 dead letters" in out
     stored = sql(data_dir, "SELECT (SELECT count() FROM gateway_requests) AS rows, (SELECT uniqExact(request_id, ts) "
                            "FROM gateway_requests) AS distinct_rows, (SELECT count() FROM dead_letters) AS dead, "
                            "(SELECT uniqExact(location) FROM dead_letters) AS places")
     assert stored == [{"rows": 99_900, "distinct_rows": 99_900, "dead": 100, "places": 100}]
-
 
 
 def test_ctrl_c_mid_label_import_stops_between_chunks_and_a_rerun_loads_the_rest_once(tmp_path: Path) -> None:
@@ -388,54 +408,22 @@ def test_ctrl_c_mid_label_import_stops_between_chunks_and_a_rerun_loads_the_rest
     data = ("\n".join(lines) + "\n").encode()
     first = sum(len(line) + 1 for line in lines[:60_000])
     fifo = tmp_path / "labels.jsonl"
-    os.mkfifo(fifo)
     data_dir = tmp_path / "data"
-    signalled = threading.Event()
-
-    def feed(split: bool) -> None:
-        with contextlib.suppress(BrokenPipeError), fifo.open("wb") as fh:
-            fh.write(data[:first] if split else data)
-            if split:
-                fh.flush()
-                signalled.wait(300)
-                fh.write(data[first:])
-
-    writer = threading.Thread(target=feed, args=(True,), daemon=True)
-    writer.start()
-    proc = kvscope(data_dir, "import", "labels", str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert proc.stderr is not None
-    watchdog = threading.Timer(600, proc.kill)  # a safety net, not a measure: a broken import fails, never hangs
-    watchdog.start()
-    err = []
-    for line in proc.stderr:  # until the first chunk is written
-        err.append(line)
-        if "lines read" in line:
-            break
-    watchdog.cancel()
-    assert err and "  " + str(fifo) + ": 50,000 lines read, 49,950 labels loaded" in err[-1], "".join(err)
-    proc.send_signal(signal.SIGINT)
-    signalled.set()
-    out, rest = proc.communicate(timeout=300)
-    writer.join(60)
-    assert proc.returncode == 130, (out, "".join(err) + rest)
+    out, rest = import_interrupted_after_first_chunk(data_dir, "labels", fifo, data, first,
+                                                     "50,000 lines read, 49,950 labels loaded")
     assert f"{fifo}: 49950 labels, 0 already stored, 50 bad lines (50 new dead letters)" in out
     assert "kvscope: interrupted: " + str(fifo) + " loaded up to line 50,000; run the same import again" in rest
-    assert "Traceback" not in rest
     stored = sql(data_dir, "SELECT (SELECT count() FROM workload_labels) AS rows, "
                            "(SELECT count() FROM dead_letters) AS dead")
     assert stored == [{"rows": 49_950, "dead": 50}]
 
-    writer = threading.Thread(target=feed, args=(False,), daemon=True)
-    writer.start()
-    proc = kvscope(data_dir, "import", "labels", str(fifo), stderr=subprocess.PIPE, stdout=subprocess.PIPE)
-    out, err2 = proc.communicate(timeout=300)
-    writer.join(60)
-    assert proc.returncode == 0, err2
+    out = import_again(data_dir, "labels", fifo, data)
     assert f"{fifo}: 49950 labels, 49950 already stored, 100 bad lines (50 new dead letters)" in out
     stored = sql(data_dir, "SELECT (SELECT count() FROM workload_labels) AS rows, (SELECT uniqExact(request_id) "
                            "FROM workload_labels) AS distinct_rows, (SELECT count() FROM dead_letters) AS dead, "
                            "(SELECT uniqExact(location) FROM dead_letters) AS places")
     assert stored == [{"rows": 99_900, "distinct_rows": 99_900, "dead": 100, "places": 100}]
+
 
 def test_ctrl_c_during_the_attribution_after_an_import_says_so_and_loses_nothing(tmp_path: Path) -> None:
     """Once the lines are in, the import runs the attribution: Ctrl-C there stops it between its chunks (it
