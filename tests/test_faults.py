@@ -268,3 +268,47 @@ def test_a_refused_event_of_a_kv_batch_costs_only_itself(store: Store) -> None:
         (4, "BlockRemoved", [marker - 3])]
     [(reason, raw)] = store.query_rows("SELECT reason, raw FROM dead_letters WHERE pod = {p:String}", {"p": pod})
     assert reason.startswith("store refused a row of kv_block_events") and str(marker) in raw
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("kind", ["expired", "contract", "refused"])
+def test_an_envelope_sent_twice_through_kafka_is_one_dead_letter(kind: str, store: Store,
+                                                                 kafka_bootstrap: str) -> None:
+    """A collector re-sends what it cannot prove was stored (a publish that failed after the broker took part of
+    it, a kill between the broker's ack and the checkpoint, the scrape outbox at start); the copy lands at
+    another offset. The dead letters the ingester makes (rows older than the retention, an envelope that maps
+    to no row, a row the store refuses as data) must not count twice for it: their ids used to come from the
+    message's partition and offset."""
+    from collector.events import GatewayRequest, envelope
+    from collector.publish import KafkaPublisher, to_messages
+    from ingest.ingester import Ingester
+    from ingest.source import KafkaSource
+
+    ns = f"twice{uuid.uuid4().hex[:8]}"
+    ts = datetime.now(UTC) - timedelta(days=40 if kind == "expired" else 1)
+    record = {"log_version": 1, "request_id": f"{kind}-1", "ts": ts.isoformat().replace("+00:00", "Z"),
+              "tenant_id": "acme", "pod": "pod-0", "prompt_tokens": 100, "cached_tokens": 64,
+              "status": 70000 if kind == "contract" else 200, "ttft_ms": 5.0, "e2e_ms": 9.0}
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    good = {**record, "request_id": "good", "status": 200, "ts": now}
+    events = [envelope(GatewayRequest(record=r), pod="pod-0", natural_key=(r["request_id"],), observed_at_ms=1)
+              for r in (record, good)]
+    if kind == "refused":
+        store.client = RowRefusingClient(store.client, "gateway_requests", f"{kind}-1")
+    publisher = KafkaPublisher(kafka_bootstrap, namespace=ns)
+    source = KafkaSource(kafka_bootstrap, f"{ns}-g", namespace=ns)
+    try:
+        ingester, per_copy = Ingester(store, source), len(to_messages(events, namespace=ns))
+        for copy in (1, 2):  # the second: the re-send, once the first is stored
+            publisher.publish(events)
+            wait_until(lambda n=copy * per_copy: ingester.run_once() >= 0 and ingester.messages_handled >= n, 60,
+                       f"copy {copy} ingested")
+    finally:
+        publisher.close()
+        source.close()
+        if kind == "refused":
+            store.client = store.client._client
+    assert store.query_rows("SELECT request_id FROM gateway_requests") == [("good",)]
+    letters = store.query_rows("SELECT reason, location FROM dead_letters")
+    assert len(letters) == 1, letters
+
