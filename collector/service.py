@@ -282,12 +282,23 @@ class Collector:
         finally:
             source.close()
 
+    #: At stop, at most this many polls of the KV socket (each up to ``max_messages`` batches) are still published.
+    KV_FINAL_POLLS = 100
+
     def _kv_loop(self, sub: KvEventSubscriber) -> None:
+        """Poll and publish KV events until ``stop``; then publish the batches already waiting in the socket
+        (``final``): received, they are ours to deliver (a replay at the next start cannot bring them back when
+        vLLM stopped too). A publish that fails at the stop ends the loop at once: a later poll's ack would move
+        the checkpoint past the batches it dropped."""
         try:
             while not self.stop.is_set():
                 events, ack = sub.poll(200)
-                if events or ack:
-                    self._publish("kv_events", events, ack)
+                if (events or ack) and not self._publish("kv_events", events, ack):
+                    return
+            for _ in range(self.KV_FINAL_POLLS):
+                events, ack = sub.poll(0)
+                if not (events or ack) or not self._publish("kv_events", events, ack, final=True):
+                    return
         finally:
             sub.close()
 

@@ -312,3 +312,44 @@ def test_an_envelope_sent_twice_through_kafka_is_one_dead_letter(kind: str, stor
     letters = store.query_rows("SELECT reason, location FROM dead_letters")
     assert len(letters) == 1, letters
 
+
+def test_kv_batches_received_before_a_stop_are_published_at_the_stop(store: Store, tmp_path: Path) -> None:
+    """``kvscope up`` stopped (SIGTERM, Ctrl-C) while KV-event batches wait in the collector's socket: they were
+    received, so they are published and stored and the checkpoint moves past them (the gateway log's lines are
+    drained the same way). Before, the KV loop ended at once and dropped them: only a replay at the next start
+    could bring them back, and none when vLLM stopped too (its next start numbers its batches from 0 again).
+    Real ZMQ over inproc, where a sent message is in the subscriber's socket when the send returns."""
+    import zmq
+    from test_kv_residency import frames, stored
+
+    from collector.checkpoint import CheckpointStore
+    from collector.kv_events import KvEventSubscriber, checkpoint_key
+    from collector.publish import MemoryQueue, QueuePublisher
+    from collector.service import Collector
+    from ingest.ingester import Ingester
+    from ingest.source import QueueSource
+
+    pod, endpoint = f"pod-{uuid.uuid4().hex[:8]}", f"inproc://kv-stop-{uuid.uuid4().hex[:8]}"
+    queue, checkpoints = MemoryQueue(), CheckpointStore(tmp_path / "checkpoints.json")
+    collector = Collector(publisher=QueuePublisher(queue), checkpoints=checkpoints)
+    sub = KvEventSubscriber(endpoint, checkpoints=checkpoints)
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(endpoint)
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.poll(10)[0]:  # until the subscription reached the PUB: a probe arrives (a dead letter)
+            assert time.monotonic() < deadline, "the subscription never reached the publisher"
+            pub.send_multipart([b"probe", b"not a KV-event batch"])
+        for seq in range(5):
+            pub.send_multipart(frames(pod, seq, seq, stored([1_000 + seq])))
+        collector.stop.set()  # the stop arrives with the five batches in the socket
+        collector._kv_loop(sub)  # what the collector's KV thread runs, from the stop on
+    finally:
+        pub.close()
+    ingester = Ingester(store, QueueSource(queue))
+    while ingester.run_once():
+        pass
+    got = store.query_rows("SELECT seq FROM kv_block_events WHERE pod = {p:String} ORDER BY seq", {"p": pod})
+    assert [s for (s,) in got] == [0, 1, 2, 3, 4]
+    assert checkpoints.get(checkpoint_key(pod, 0))["seq"] == 4
