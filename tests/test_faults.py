@@ -353,3 +353,39 @@ def test_kv_batches_received_before_a_stop_are_published_at_the_stop(store: Stor
     got = store.query_rows("SELECT seq FROM kv_block_events WHERE pod = {p:String} ORDER BY seq", {"p": pod})
     assert [s for (s,) in got] == [0, 1, 2, 3, 4]
     assert checkpoints.get(checkpoint_key(pod, 0))["seq"] == 4
+
+
+def test_a_checkpoint_that_cannot_be_written_costs_neither_the_queue_nor_the_source(store: Store,
+                                                                                   tmp_path: Path) -> None:
+    """Embedded mode: the state directory cannot be written for a while (disk full, a vanished mount: here a
+    file where the directory was). An acknowledgement that cannot write its checkpoint must not stop the
+    others or keep its messages' bytes in the in-process queue: before, the ingester's commit raised, the
+    queue never gave those bytes back (a longer outage filled it for good: every publish then failed) and a
+    stop waited its whole timeout on it. The lines are stored; the checkpoint moves once it can be written again."""
+    from collector.checkpoint import CheckpointStore
+    from collector.gateway_log import GatewayLogSource
+    from collector.publish import MemoryQueue, QueuePublisher
+    from collector.service import Collector
+    from ingest.ingester import Ingester
+    from ingest.source import QueueSource
+
+    log_path, state = tmp_path / "gw.jsonl", tmp_path / "state"
+    checkpoints = CheckpointStore(state / "checkpoints.json")
+    lines = list(gateway_lines(20, seed=31, id_prefix="ckpt"))
+    append(log_path, lines[:10])
+    queue = MemoryQueue()
+    collector = Collector(publisher=QueuePublisher(queue), checkpoints=checkpoints)
+    source, ingester = GatewayLogSource(log_path, checkpoints), Ingester(store, QueueSource(queue))
+    state.write_text("not a directory")  # the state dir cannot be made
+    events, ack = source.poll()
+    assert collector._publish("gateway_log", events, ack)
+    assert ingester.run_once() and queue.empty() and queue.bytes_used == 0
+    assert count(store) == (10, 10) and state.is_file()
+    state.unlink()  # writable again
+    append(log_path, lines[10:])
+    events, ack = source.poll()
+    assert collector._publish("gateway_log", events, ack)
+    assert ingester.run_once() and queue.empty()
+    assert count(store) == (20, 20)
+    restarted = GatewayLogSource(log_path, CheckpointStore(state / "checkpoints.json"))
+    assert restarted.poll() == ([], None)  # the checkpoint is past every line
