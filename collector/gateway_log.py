@@ -4,8 +4,9 @@ events, one per line, and a ``DeadLetter`` for every line that is not a valid re
 :class:`GatewayLogSource` follows the file through rotations from a checkpoint that advances only when the
 caller acknowledges (``collector/file_tail.py``) and only ever consumes complete lines (a line still being
 written is left for the next poll). Re-reading lines after a restart is safe: a record's ``event_id`` comes
-from its ``request_id`` and ``ts``, so the store collapses the repeat. :func:`read_file` reads a finished file
-once (``kvscope import gateway-log``).
+from its ``request_id`` and ``ts``, and a bad line's from the file's fingerprint and the line's offset and head
+(:func:`file_key`), the same under the rotated file's name, so the store collapses the repeat. :func:`read_file`
+reads a finished file once (``kvscope import gateway-log``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ MAX_RAW = 64 * 1024
 MAX_LINE_BYTES = 8 << 20
 
 
-def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int) -> Envelope:
+def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int, file_key: str | None = None
+               ) -> Envelope:
     """One log line → a ``GatewayRequest`` envelope (its record as decoded by
-    :func:`collector.gateway_record.decode_record`), or a ``DeadLetter`` envelope with the reason."""
+    :func:`collector.gateway_record.decode_record`), or a ``DeadLetter`` envelope with the reason.
+
+    ``source_file`` (the name the line was read under) and ``offset`` (bytes) locate the line; a dead letter's id
+    comes from ``file_key`` (default ``source_file``), ``offset`` and the line's head. The live follower passes a
+    key that stays the same when the file is renamed or copied (:func:`file_key`), so a line read again after a
+    restart from the rotated file, under another name, is the same dead letter."""
     try:
         rec = decode_record(line)
     except BadRecord as exc:
@@ -37,7 +44,7 @@ def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int) ->
         raw = line if isinstance(line, bytes) else line.encode("utf-8", "replace")
         text = raw.decode("utf-8", "replace")
         dl = DeadLetter(source="gateway_log", reason=str(exc), raw=text[:MAX_RAW], location=f"{source_file}:{offset}")
-        return envelope(dl, pod=pod, natural_key=(source_file, offset, text[:256]),
+        return envelope(dl, pod=pod, natural_key=(file_key or source_file, offset, text[:256]),
                         observed_at_ms=int(time.time() * 1000))
     record = msgspec.to_builtins(rec)
     ev = GatewayRequest(record=record, source_file=source_file, line_offset=offset)
@@ -62,6 +69,13 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]],
             out.append((start_offset + pos, raw.rstrip(b"\r")))
         pos = nl + 1
     return out, pos
+
+
+def file_key(path: str | Path, pos: Position, name: str) -> str:
+    """What names one file of the log at ``path`` in its dead letters' ids, whatever it is called now: the log's
+    path and the file's fingerprint (its first line, :func:`collector.file_tail.fingerprint`), which a rename
+    or a copy (rotation) keeps; ``name``, the name it was read under, only while it has no fingerprint."""
+    return f"{path}#{pos.fingerprint}" if pos.fingerprint else name
 
 
 def checkpoint_key(path: str | Path) -> str:
@@ -115,7 +129,9 @@ class GatewayLogSource:
             events = [self._long_line(chunk)]
         else:
             lines, _ = read_lines(chunk.data, chunk.start)
-            events = [line_event(text, pod=self.pod, source_file=chunk.name, offset=off) for off, text in lines]
+            key = file_key(self.path, chunk.end, chunk.name)
+            events = [line_event(text, pod=self.pod, source_file=chunk.name, offset=off, file_key=key)
+                      for off, text in lines]
         value = chunk.end.to_json()
         return events, lambda: self._checkpoints.put(self.key, value)
 
@@ -135,9 +151,9 @@ class GatewayLogSource:
             raw=head[:MAX_RAW].decode("utf-8", "replace"),
             location=f"{chunk.name}:{chunk.start}",
         )
-        return envelope(
-            dl, pod=self.pod, natural_key=(chunk.name, chunk.start, "long"), observed_at_ms=int(time.time() * 1000)
-        )
+        key = file_key(self.path, chunk.end, chunk.name)
+        return envelope(dl, pod=self.pod, natural_key=(key, chunk.start, "long"),
+                        observed_at_ms=int(time.time() * 1000))
 
 
 def read_file(path: str | Path, *, pod: str = "gateway") -> list[Envelope]:

@@ -37,6 +37,10 @@ SCRAPE_FAILURES = Counter("kvscope_collector_scrape_failures", "Failed or skippe
                           ["pod", "reason"])
 PUBLISH_FAILURES = Counter("kvscope_collector_publish_failures", "Publish attempts that failed and were retried",
                            ["source"])
+CHECKPOINT_FAILURES = Counter("kvscope_collector_checkpoint_failures", "Acknowledgements whose checkpoint could not "
+                              "be written (disk full, state directory gone); the data is stored, and the next "
+                              "checkpoint written covers it (a restart before then re-reads it, the store drops the "
+                              "copies)", ["source"])
 UNPUBLISHED_AT_STOP = Counter("kvscope_collector_unpublished_at_stop", "Envelopes still unpublished when the "
                               "collector stopped (re-read from the checkpoint at the next start)", ["source"])
 
@@ -120,6 +124,7 @@ class Collector:
     _scrape_pool: ThreadPoolExecutor | None = None
     _inflight: dict[str, Future[tuple[list[Envelope], ScrapeState]]] = field(default_factory=dict)
     _backlogged: bool = False
+    _checkpoint_failing: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         check_targets(self.targets)
@@ -130,6 +135,7 @@ class Collector:
         durable downstream. Returns False (events not published, checkpoint not advanced) only if ``stop``
         is set before it works; ``final`` (the drain at stop) tries a few more times first."""
         attempt = 0
+        on_ack = self._guarded(source, on_ack)
         while True:
             try:
                 with self._publish_lock:
@@ -150,6 +156,31 @@ class Collector:
                     return False
                 if final:
                     time.sleep(min(wait, 1.0))
+
+    def _guarded(self, source: str, on_ack: Ack | None) -> Ack | None:
+        """``on_ack`` that never raises: a checkpoint it cannot write (``OSError``, or a bug) is logged once per
+        outage and counted (``kvscope_collector_checkpoint_failures_total{source}``). It runs on the ingester's
+        thread (embedded: an exception there kept the committed messages' bytes in the queue and skipped the
+        acks after it) or the source's (Kafka: the source's thread ended); either way the data it covers is
+        already stored, and the source's next checkpoint covers it."""
+        if on_ack is None:
+            return None
+
+        def ack() -> None:
+            try:
+                on_ack()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                CHECKPOINT_FAILURES.labels(source).inc()
+                if source not in self._checkpoint_failing:
+                    self._checkpoint_failing.add(source)
+                    log.error("cannot write the checkpoint; going on (what it covers is stored, a restart before "
+                              "the next checkpoint re-reads it). source=%s error=%r", source, exc)
+                return
+            if source in self._checkpoint_failing:
+                self._checkpoint_failing.discard(source)
+                log.info("checkpoint written again. source=%s", source)
+
+        return ack
 
     def _scrape_journal(self) -> ScrapeJournal:
         """The scrape journal, loaded at first use (:meth:`start`: a foreign checkpoint stops start-up).
@@ -285,12 +316,23 @@ class Collector:
         finally:
             source.close()
 
+    #: At stop, at most this many polls of the KV socket (each up to ``max_messages`` batches) are still published.
+    KV_FINAL_POLLS = 100
+
     def _kv_loop(self, sub: KvEventSubscriber) -> None:
+        """Poll and publish KV events until ``stop``; then publish the batches already waiting in the socket
+        (``final``): received, they are ours to deliver (a replay at the next start cannot bring them back when
+        vLLM stopped too). A publish that fails at the stop ends the loop at once: a later poll's ack would move
+        the checkpoint past the batches it dropped."""
         try:
             while not self.stop.is_set():
                 events, ack = sub.poll(200)
-                if events or ack:
-                    self._publish("kv_events", events, ack)
+                if (events or ack) and not self._publish("kv_events", events, ack):
+                    return
+            for _ in range(self.KV_FINAL_POLLS):
+                events, ack = sub.poll(0)
+                if not (events or ack) or not self._publish("kv_events", events, ack, final=True):
+                    return
         finally:
             sub.close()
 

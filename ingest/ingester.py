@@ -11,6 +11,9 @@ At-least-once delivery, exactly-once rows (docs/reliability.md):
 - Only data errors (:data:`ingest.store.DATA_ERROR_CODES`, values the client cannot serialise) are permanent:
   the refused table's rows are halved until the refused row is alone; it goes to ``dead_letters`` with the
   store's reason, and everything else of the batch lands. Tables that already landed are not re-inserted.
+- The dead letters the ingester makes for an envelope (it maps to no row, its rows are older than the
+  retention, the store refuses one as data) take their ids from what they hold, never from the message's
+  partition and offset: a collector's re-send of the envelope lands at another offset and must add none.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ def _rows_of(messages: list[Message]) -> dict[str, list[tuple[tuple[Any, ...], O
                 mapped = rows_for(ev)
             except ContractViolation as exc:
                 raw = encode_batch([ev])
-                tables["dead_letters"].append((contract_dead_letter(exc.reason, location, raw, ev.pod), origin))
+                key = f"contract:{m.topic}:{raw.decode('utf-8', 'replace')}"  # not the offset: a re-send repeats it
+                tables["dead_letters"].append((contract_dead_letter(exc.reason, location, raw, ev.pod,
+                                                                    natural_key=key), origin))
                 continue
             for table, rows in mapped:
                 tables[table].extend((r, origin) for r in rows)
@@ -183,7 +188,8 @@ class Ingester:
                             for r in group_rows)
             reason = retention.reason(group_rows[0][at]) + (f" ({len(group_rows)} rows)" if len(group_rows) > 1
                                                              else "")
-            self._write("dead_letters", [(contract_dead_letter(reason, origin.location, raw, origin.pod), origin)])
+            self._write("dead_letters", [(contract_dead_letter(reason, origin.location, raw, origin.pod,
+                                                               natural_key=f"expired:{table}:{raw}"), origin)])
         return [rows[i] for i in keep]
 
     def _dead_letter_conflicts(self, table: str, rows: list[tuple[tuple[Any, ...], Origin]],
@@ -215,7 +221,7 @@ class Ingester:
         log.error("store refused a row; dead-lettered. table=%s location=%s reason=%s", table, origin.location, exc)
         raw = json.dumps(dict(zip(COLUMNS[table], row, strict=False)), default=str, ensure_ascii=False)
         dead = contract_dead_letter(f"store refused a row of {table}: {exc}"[:2000], origin.location, raw,
-                                    origin.pod)
+                                    origin.pod, natural_key=f"refused:{table}:{raw}")
         if table != "dead_letters":
             self._write("dead_letters", [(dead, origin)])
             return

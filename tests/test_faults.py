@@ -268,3 +268,124 @@ def test_a_refused_event_of_a_kv_batch_costs_only_itself(store: Store) -> None:
         (4, "BlockRemoved", [marker - 3])]
     [(reason, raw)] = store.query_rows("SELECT reason, raw FROM dead_letters WHERE pod = {p:String}", {"p": pod})
     assert reason.startswith("store refused a row of kv_block_events") and str(marker) in raw
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("kind", ["expired", "contract", "refused"])
+def test_an_envelope_sent_twice_through_kafka_is_one_dead_letter(kind: str, store: Store,
+                                                                 kafka_bootstrap: str) -> None:
+    """A collector re-sends what it cannot prove was stored (a publish that failed after the broker took part of
+    it, a kill between the broker's ack and the checkpoint, the scrape outbox at start); the copy lands at
+    another offset. The dead letters the ingester makes (rows older than the retention, an envelope that maps
+    to no row, a row the store refuses as data) must not count twice for it: their ids used to come from the
+    message's partition and offset."""
+    from collector.events import GatewayRequest, envelope
+    from collector.publish import KafkaPublisher, to_messages
+    from ingest.ingester import Ingester
+    from ingest.source import KafkaSource
+
+    ns = f"twice{uuid.uuid4().hex[:8]}"
+    ts = datetime.now(UTC) - timedelta(days=40 if kind == "expired" else 1)
+    record = {"log_version": 1, "request_id": f"{kind}-1", "ts": ts.isoformat().replace("+00:00", "Z"),
+              "tenant_id": "acme", "pod": "pod-0", "prompt_tokens": 100, "cached_tokens": 64,
+              "status": 70000 if kind == "contract" else 200, "ttft_ms": 5.0, "e2e_ms": 9.0}
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    good = {**record, "request_id": "good", "status": 200, "ts": now}
+    events = [envelope(GatewayRequest(record=r), pod="pod-0", natural_key=(r["request_id"],), observed_at_ms=1)
+              for r in (record, good)]
+    if kind == "refused":
+        store.client = RowRefusingClient(store.client, "gateway_requests", f"{kind}-1")
+    publisher = KafkaPublisher(kafka_bootstrap, namespace=ns)
+    source = KafkaSource(kafka_bootstrap, f"{ns}-g", namespace=ns)
+    try:
+        ingester, per_copy = Ingester(store, source), len(to_messages(events, namespace=ns))
+        for copy in (1, 2):  # the second: the re-send, once the first is stored
+            publisher.publish(events)
+            wait_until(lambda n=copy * per_copy: ingester.run_once() >= 0 and ingester.messages_handled >= n, 60,
+                       f"copy {copy} ingested")
+    finally:
+        publisher.close()
+        source.close()
+        if kind == "refused":
+            store.client = store.client._client
+    assert store.query_rows("SELECT request_id FROM gateway_requests") == [("good",)]
+    letters = store.query_rows("SELECT reason, location FROM dead_letters")
+    assert len(letters) == 1, letters
+
+
+def test_kv_batches_received_before_a_stop_are_published_at_the_stop(store: Store, tmp_path: Path) -> None:
+    """``kvscope up`` stopped (SIGTERM, Ctrl-C) while KV-event batches wait in the collector's socket: they were
+    received, so they are published and stored and the checkpoint moves past them (the gateway log's lines are
+    drained the same way). Before, the KV loop ended at once and dropped them: only a replay at the next start
+    could bring them back, and none when vLLM stopped too (its next start numbers its batches from 0 again).
+    Real ZMQ over inproc, where a sent message is in the subscriber's socket when the send returns."""
+    import zmq
+    from test_kv_residency import frames, stored
+
+    from collector.checkpoint import CheckpointStore
+    from collector.kv_events import KvEventSubscriber, checkpoint_key
+    from collector.publish import MemoryQueue, QueuePublisher
+    from collector.service import Collector
+    from ingest.ingester import Ingester
+    from ingest.source import QueueSource
+
+    pod, endpoint = f"pod-{uuid.uuid4().hex[:8]}", f"inproc://kv-stop-{uuid.uuid4().hex[:8]}"
+    queue, checkpoints = MemoryQueue(), CheckpointStore(tmp_path / "checkpoints.json")
+    collector = Collector(publisher=QueuePublisher(queue), checkpoints=checkpoints)
+    sub = KvEventSubscriber(endpoint, checkpoints=checkpoints)
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(endpoint)
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.poll(10)[0]:  # until the subscription reached the PUB: a probe arrives (a dead letter)
+            assert time.monotonic() < deadline, "the subscription never reached the publisher"
+            pub.send_multipart([b"probe", b"not a KV-event batch"])
+        for seq in range(5):
+            pub.send_multipart(frames(pod, seq, seq, stored([1_000 + seq])))
+        collector.stop.set()  # the stop arrives with the five batches in the socket
+        collector._kv_loop(sub)  # what the collector's KV thread runs, from the stop on
+    finally:
+        pub.close()
+    ingester = Ingester(store, QueueSource(queue))
+    while ingester.run_once():
+        pass
+    got = store.query_rows("SELECT seq FROM kv_block_events WHERE pod = {p:String} ORDER BY seq", {"p": pod})
+    assert [s for (s,) in got] == [0, 1, 2, 3, 4]
+    assert checkpoints.get(checkpoint_key(pod, 0))["seq"] == 4
+
+
+def test_a_checkpoint_that_cannot_be_written_costs_neither_the_queue_nor_the_source(store: Store,
+                                                                                   tmp_path: Path) -> None:
+    """Embedded mode: the state directory cannot be written for a while (disk full, a vanished mount: here a
+    file where the directory was). An acknowledgement that cannot write its checkpoint must not stop the
+    others or keep its messages' bytes in the in-process queue: before, the ingester's commit raised, the
+    queue never gave those bytes back (a longer outage filled it for good: every publish then failed) and a
+    stop waited its whole timeout on it. The lines are stored; the checkpoint moves once it can be written again."""
+    from collector.checkpoint import CheckpointStore
+    from collector.gateway_log import GatewayLogSource
+    from collector.publish import MemoryQueue, QueuePublisher
+    from collector.service import Collector
+    from ingest.ingester import Ingester
+    from ingest.source import QueueSource
+
+    log_path, state = tmp_path / "gw.jsonl", tmp_path / "state"
+    checkpoints = CheckpointStore(state / "checkpoints.json")
+    lines = list(gateway_lines(20, seed=31, id_prefix="ckpt"))
+    append(log_path, lines[:10])
+    queue = MemoryQueue()
+    collector = Collector(publisher=QueuePublisher(queue), checkpoints=checkpoints)
+    source, ingester = GatewayLogSource(log_path, checkpoints), Ingester(store, QueueSource(queue))
+    state.write_text("not a directory")  # the state dir cannot be made
+    events, ack = source.poll()
+    assert collector._publish("gateway_log", events, ack)
+    assert ingester.run_once() and queue.empty() and queue.bytes_used == 0
+    assert count(store) == (10, 10) and state.is_file()
+    state.unlink()  # writable again
+    append(log_path, lines[10:])
+    events, ack = source.poll()
+    assert collector._publish("gateway_log", events, ack)
+    assert ingester.run_once() and queue.empty()
+    assert count(store) == (20, 20)
+    restarted = GatewayLogSource(log_path, CheckpointStore(state / "checkpoints.json"))
+    assert restarted.poll() == ([], None)  # the checkpoint is past every line

@@ -387,6 +387,62 @@ def test_ack_only_markers_run_in_queue_order() -> None:
     assert ran == ["first", "data", "after data", "data 2"] and queue.empty()
 
 
+@pytest.mark.parametrize("rotation", ["rename", "copytruncate"])
+def test_a_bad_line_read_again_from_the_rotated_file_after_a_crash_is_one_dead_letter(rotation: str, store,
+                                                                                     tmp_path: Path) -> None:
+    """A bad line and a too-long line stored (dead-lettered) by the ingester, then the collector killed before
+    the acknowledgement checkpointed them; the log rotates; the restarted collector reads them again from the
+    rotated file, under its other name. They must stay one dead letter each (their ids used to name the file
+    they were read under: the rotated name made new ones, counted twice), as the good lines stay one row each."""
+    from collector.publish import MemoryQueue, QueuePublisher
+    from ingest.ingester import Ingester
+    from ingest.source import QueueSource
+
+    path, ckpt = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json"
+    w = GatewayLogWriter(path)
+    w.write(record(0))
+    w.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"request_id": "broken\n')  # not a record: a dead letter
+        fh.write(GatewayLogWriter.encode(record(1, error="x" * 5000)).encode() + b"\n")  # longer than max_bytes
+    write(path, range(2, 4))
+    assert watch(path, CheckpointStore(ckpt))
+
+    def run(src: GatewayLogSource, commit: bool) -> None:
+        """Publish every poll to a fresh in-process queue and store it; ``commit=False``: the process dies
+        after the insert, before the commit that runs the acks (the checkpoint does not move)."""
+        queue = MemoryQueue()
+        publisher, consumer = QueuePublisher(queue), QueueSource(queue)
+        ingester = Ingester(store, consumer)
+        t_quiet, t_end = time.monotonic() + 5 * WAIT, time.monotonic() + 10
+        while src.lag_bytes() or time.monotonic() < t_quiet:  # past the rotated file's idle wait
+            assert time.monotonic() < t_end, "log not drained"
+            events, ack = src.poll()
+            if events or ack:
+                publisher.publish(events, ack)
+            time.sleep(0.01)
+        while polled := consumer.poll(timeout_ms=10):
+            if commit:
+                ingester.handle(polled)
+            else:
+                ingester.write_batch(polled)
+                break
+        src.close()
+
+    run(source(path, CheckpointStore(ckpt), max_bytes=2048), commit=False)
+    if rotation == "copytruncate":
+        shutil.copyfile(path, tmp_path / "gw.jsonl.1")
+        os.truncate(path, 0)
+    else:
+        os.rename(path, tmp_path / "gw.jsonl.1")
+    write(path, range(4, 6))
+    run(source(path, CheckpointStore(ckpt), max_bytes=2048), commit=True)
+
+    assert store.query_rows("SELECT count(), uniqExact(request_id) FROM gateway_requests") == [(5, 5)]
+    dead = store.query_rows("SELECT reason, count() FROM dead_letters GROUP BY reason ORDER BY reason")
+    assert [n for _, n in dead] == [1, 1], dead
+
+
 def down_then_rotated(tmp_path: Path, rotate: Callable[[Path], object]) -> tuple[Path, Sink]:
     """10 lines read and acked, 5 written unread, the collector stops, ``rotate()`` runs, 5 more lines are
     written to the path, a new collector starts from the checkpoint file."""
