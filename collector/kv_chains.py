@@ -13,11 +13,13 @@ hashes them tagged: the LoRA name (when ``lora_name`` is set), ``(mm_identifier,
 string (the request's first block only), prompt-embeds digests (bytes). :func:`block_keys` turns an entry back into
 the keys kvscope's chain hash uses (:func:`kvscope.block_hash.chain_hashes`: only the salt's,
 ``("cache_salt", salt)``), so a salted block's chain hash is the gateway's for the salted prompt and, on a default
-pod, vLLM's own. The LoRA name is left out, as the gateway's chain leaves it out (vLLM's tagged LoRA key also holds
-the adapter path, which events do not carry: a LoRA pod's hashes are not reproducible, its chain hashes still name
-the token prefix). A block whose keys kvscope cannot tag for sure (multimodal items, prompt embeddings, a string
-that is not a first block's salt, a malformed entry) gets chain hash 0, unknown, and so does every block after it
-in its event and every later event chained from it (their parent is unknown).
+pod, vLLM's own. The LoRA name is not a key of kvscope's chain: a prompt served by a LoRA adapter is rooted at
+the adapter instead (:func:`kvscope.block_hash.chain_root` of the event's ``lora_name``, as the gateway roots it),
+so its blocks never share chain hashes with the base model's blocks of the same tokens, which vLLM never shares
+with them either (vLLM's tagged LoRA key also holds the adapter path, which events do not carry: an adapter's
+blocks cannot get vLLM's own hash). A block whose keys kvscope cannot tag for sure (multimodal items, prompt
+embeddings, a string that is not a first block's salt, a malformed entry) gets chain hash 0, unknown, and so does
+every block after it in its event and every later event chained from it (their parent is unknown).
 
 The token ids and the extra keys then leave the event: the collector publishes ``token_count`` and
 ``chain_hashes`` instead (``collector/events.py`` ``KvBlockEvent``), so a 1,000-token prefix no longer travels as
@@ -31,7 +33,7 @@ from typing import Any
 import msgspec
 
 from collector.events import Envelope, KvBlockEvent, KvEventBatch
-from kvscope.block_hash import block_digests, external, salt_keys
+from kvscope.block_hash import block_digests, chain_root, external, salt_keys
 
 UNTAGGABLE = object()
 """What :func:`block_keys` answers for keys kvscope cannot tag for sure (the block's chain hash is then 0)."""
@@ -100,7 +102,7 @@ class BlockChains:
 
     def _chains(self, e: KvBlockEvent) -> list[int]:
         n = len(e.block_hashes)
-        parent = None
+        parent = chain_root(e.lora_name)  # a prompt's first block: rooted at its LoRA adapter, if any
         if e.parent_block_hash is not None:
             parent = self._digests.get(e.parent_block_hash)
             if parent is None:

@@ -46,7 +46,7 @@ import msgspec
 from prometheus_client import Counter
 
 from gateway.upstream import UpstreamClient, UpstreamError, pod_url
-from kvscope.block_hash import MAX_PROMPT_BLOCKS, block_digests, external, none_hash, salt_keys
+from kvscope.block_hash import MAX_PROMPT_BLOCKS, block_digests, chain_root, external, none_hash, salt_keys
 
 log = logging.getLogger("kvscope.gateway.block_chain")
 
@@ -61,6 +61,9 @@ SLICE_BLOCKS = 16
 """Blocks chained between two yields to the event loop (~5 µs a new block, ~1 µs a remembered one): a request
 arriving meanwhile waits at most one slice, not a whole long prompt's hashing (a worker thread would hold the GIL
 for up to its 5 ms switch interval instead)."""
+MODELS_REFRESH_SECONDS = 5.0
+"""A pod's /v1/models is read again at most this often for a model name it did not list (LoRA adapters load at run
+time)."""
 MEMO_BLOCKS = 65_536
 """Block digests remembered by (parent digest, token ids) (:class:`DigestMemo`; ≤ ~450 bytes each, ≤ ~30 MB):
 prompts mostly repeat blocks seen before (shared system prompts, conversation history), which then cost a dict
@@ -71,7 +74,8 @@ FAILURES = Counter(
     "Requests logged without their prompt block chain, by reason (tokenize_unavailable: the pod has no /tokenize; "
     "tokenize_failed / block_size_unknown: the pod's /tokenize or /metrics failed or answered nonsense; "
     "count_mismatch: /tokenize gave another token count than the pod's usage.prompt_tokens; unsupported_body: "
-    "a prompt /tokenize cannot reproduce; busy: too many chains in flight)",
+    "a prompt /tokenize cannot reproduce; model_unknown: a model the pod's /v1/models does not list yet, so "
+    "whether a LoRA adapter served it is unknown; busy: too many chains in flight)",
     ["reason"],
 )
 CHAINS = Counter("kvscope_gateway_block_chains_total", "Requests logged with their prompt block chain")
@@ -87,6 +91,17 @@ class _TokenizeAnswer(msgspec.Struct):
 
 
 _TOKENIZE_ANSWER = msgspec.json.Decoder(_TokenizeAnswer)
+
+
+class _Model(msgspec.Struct):
+    """One entry of an OpenAI-style ``GET /v1/models`` answer, as far as read here (vLLM's ``ModelCard``)."""
+
+    id: str
+    parent: str | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_Model]
 
 
 def count(hashes: list[str], size: int, reason: str) -> tuple[list[str], int]:
@@ -161,6 +176,9 @@ class _Pod:
     tokenize_ok: bool = False  # /tokenize answered with token ids (until it is found missing)
     probing: asyncio.Event | None = None  # set when the probe of a pod not yet known to answer ends
     lock: asyncio.Lock | None = None
+    models: frozenset[str] = frozenset()  # every name its /v1/models lists
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters among them (a "parent" model)
+    models_retry_at: float = 0.0  # time.monotonic(): no /v1/models read before
 
 
 class BlockChainer:
@@ -218,7 +236,8 @@ class BlockChainer:
                 raise ChainFailure("count_mismatch")
             size = await self._block_size(client, pod)
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            hashes = await _chain_hashes(ids[: MAX_PROMPT_BLOCKS * size], size, self.memo, salt)
+            lora = await self._lora_name(client, pod, body.get("model"))
+            hashes = await _chain_hashes(ids[: MAX_PROMPT_BLOCKS * size], size, self.memo, salt, lora)
         except ChainFailure as exc:
             return [], 0, exc.reason
         except Exception:  # a bug here must cost only the chain
@@ -297,6 +316,41 @@ class BlockChainer:
         return p.block_size
 
 
+    async def _lora_name(self, client: UpstreamClient, pod: str, model: Any) -> str | None:
+        """``model`` when ``pod`` serves it as a LoRA adapter, None for its base model. The pod's
+        ``GET /v1/models`` (vLLM: every served name, an adapter with its base model as ``parent``,
+        ``vllm/entrypoints/openai/models/serving.py``) is read when a request names a model it did not list
+        (adapters load at run time), at most once per :data:`MODELS_REFRESH_SECONDS`, after a failure once per
+        :data:`RETRY_SECONDS`. A pod that never listed its models (not vLLM) serves no adapters. Raises
+        ChainFailure("model_unknown") for a name the pod's list still lacks: which chain it has is not known."""
+        if not isinstance(model, str) or not model:
+            return None
+        p = self.pods[pod]
+        if model not in p.models and time.monotonic() >= p.models_retry_at:
+            if p.lock is None:
+                p.lock = asyncio.Lock()
+            async with p.lock:
+                if model not in p.models and time.monotonic() >= p.models_retry_at:
+                    await self._read_models(client, pod)
+        if p.models and model not in p.models:
+            raise ChainFailure("model_unknown")
+        return model if model in p.adapters else None
+
+    async def _read_models(self, client: UpstreamClient, pod: str) -> None:
+        p = self.pods[pod]
+        p.models_retry_at = time.monotonic() + MODELS_REFRESH_SECONDS
+        try:
+            status, content = await _call(client, "GET", p.root + "/v1/models")
+            listed = msgspec.json.decode(content, type=_ModelList).data if status == 200 else None
+        except (ChainFailure, msgspec.DecodeError, msgspec.ValidationError):
+            listed = None
+        if listed is None:  # keep the last list read, if any
+            p.models_retry_at = time.monotonic() + RETRY_SECONDS
+            return
+        p.models = frozenset(m.id for m in listed)
+        p.adapters = frozenset(m.id for m in listed if m.parent)
+
+
 class DigestMemo:
     """Block digests (:func:`kvscope.block_hash.block_digests`) and their chain hash as logged (16 hex characters)
     by (parent digest, the block's token ids), at most ``max_entries``, the oldest eighth dropped when full. Not
@@ -333,17 +387,18 @@ class DigestMemo:
 
 
 async def _chain_hashes(token_ids: list[int], block_size: int, memo: DigestMemo | None = None,
-                        cache_salt: str | None = None) -> list[str]:
+                        cache_salt: str | None = None, lora_name: str | None = None) -> list[str]:
     """:func:`kvscope.block_hash.chain_hashes` of ``token_ids`` (ints ≥ 0) with ``cache_salt`` (None or "" = no
-    salt) as 16-hex-character strings, computed :data:`SLICE_BLOCKS` blocks at a time with a yield to the event
-    loop after each slice, through ``memo`` (a fresh one when None; a salted first block is hashed outside it,
-    the blocks after it are remembered under their salted parent)."""
+    salt) and ``lora_name`` (the LoRA adapter that served it, None = the base model) as 16-hex-character strings,
+    computed :data:`SLICE_BLOCKS` blocks at a time with a yield to the event loop after each slice, through
+    ``memo`` (a fresh one when None; a salted first block is hashed outside it, the blocks after it are remembered
+    under their salted parent; an adapter's blocks under its root, :func:`kvscope.block_hash.chain_root`)."""
     memo = memo if memo is not None else DigestMemo()
     out: list[str] = []
-    parent = memo.root
+    parent = chain_root(lora_name) if lora_name else memo.root
     first = 0
     if cache_salt and len(token_ids) >= block_size:
-        parent = block_digests(token_ids[:block_size], block_size, extra_keys=[salt_keys(cache_salt)])[0]
+        parent = block_digests(token_ids[:block_size], block_size, parent, extra_keys=[salt_keys(cache_salt)])[0]
         out.append(f"{external(parent):016x}")
         first = block_size
     step = SLICE_BLOCKS * block_size

@@ -20,11 +20,14 @@ vLLM's defaults it equals the block hash in the pod's KV events (checked on a re
 ``hash_block_tokens`` + ``generate_block_hash_extra_keys``, tests/test_block_hash.py), and on any other pod it
 still names the same (salted) token prefix, so the gateway (which knows a prompt's token ids from vLLM's
 ``/tokenize`` and its salt from the body) and the collector (which reads them from ``BlockStored``) compute the
-same value. docs/kv-events.md says when vLLM's own hash is reproducible.
+same value. A prompt served by a LoRA adapter is chained from the adapter's root (:func:`chain_root`) instead of
+``NONE_HASH``: kvscope's own hash, apart from the base model's. docs/kv-events.md says when vLLM's own hash is
+reproducible.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 from collections.abc import Callable, Sequence
@@ -107,19 +110,35 @@ def salt_keys(cache_salt: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("cache_salt", cache_salt),) if cache_salt else None
 
 
+@functools.lru_cache(maxsize=4096)
+def chain_root(lora_name: str | None = None) -> bytes:
+    """The parent digest of a prompt's first block in kvscope's chain: vLLM's ``NONE_HASH`` (:func:`none_hash`,
+    sha256 default seed) for the base model; for a LoRA adapter (``lora_name``, vLLM's ``lora_name``: the name it
+    is served under) ``sha256(pickle((NONE_HASH, ("lora", lora_name))))``, kvscope's own. vLLM keys the adapter's
+    name *and path* into every block (``("lora", name, path)``, ``generate_block_hash_extra_keys``) and
+    ``BlockStored`` carries no path, so an adapter's blocks cannot get vLLM's hash; rooting their chain at the
+    adapter keeps them apart from the base model's blocks of the same tokens (which vLLM never shares with
+    them), and equal between the gateway and the collector. None or "" = the base model."""
+    root = none_hash()
+    return hash_function("sha256")((root, ("lora", lora_name))) if lora_name else root
+
+
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None,
-                 cache_salt: str | None = None) -> list[int]:
+                 cache_salt: str | None = None, lora_name: str | None = None) -> list[int]:
     """kvscope's chain hash of each full block of ``token_ids``: vLLM's default block hash (sha256, seed
     ``vllm-none-hash``, extra keys only the salt's, :func:`salt_keys`), low 64 bits, as list[int] in block
-    order. ``parent``: full digest of the block before ``token_ids[0]`` (None = the prompt's start);
-    ``cache_salt``: the request's ``cache_salt`` (None or "" = none), keyed into the prompt's first block only,
-    so it applies only with ``parent`` None (ValueError otherwise). The gateway computes a prompt's chain with
-    this function; the collector computes each ``BlockStored`` block's with it (collector/kv_chains.py)."""
-    if cache_salt and parent:
-        raise ValueError("cache_salt keys the prompt's first block only: pass it without a parent")
+    order. ``parent``: full digest of the block before ``token_ids[0]`` (None = the prompt's start, i.e.
+    :func:`chain_root` of ``lora_name``); ``cache_salt``: the request's ``cache_salt`` (None or "" = none), keyed
+    into the prompt's first block only, so it applies only with ``parent`` None (ValueError otherwise);
+    ``lora_name``: the LoRA adapter that served the prompt (None = the base model; only with ``parent`` None,
+    ValueError otherwise: the parent's digest already holds it). The gateway computes a prompt's chain with this
+    function; the collector computes each ``BlockStored`` block's with it (collector/kv_chains.py)."""
+    if (cache_salt or lora_name) and parent:
+        raise ValueError("cache_salt and lora_name key the prompt's start only: pass them without a parent")
     first = salt_keys(cache_salt)
     keys = [first] + [None] * (len(token_ids) // max(block_size, 1) - 1) if first else None  # one per full block
-    return [external(d) for d in block_digests(token_ids, block_size, parent, extra_keys=keys)]
+    start = parent if parent else chain_root(lora_name)
+    return [external(d) for d in block_digests(token_ids, block_size, start, extra_keys=keys)]
 
 
 MAX_PROMPT_BLOCKS = 65_536

@@ -436,3 +436,32 @@ def test_blocks_stored_under_one_cache_salt_are_not_resident_for_another(store: 
     assert got["c-2"][0] == [("prefix_drift", "cache_salt_changed", N * b), ("unavoidable", "", 20)]
     assert got["x-b"][0] == [("cold", "", N * b), ("unavoidable", "", 20)]
     assert got["c-2"][1] == got["x-b"][1] == "kv_events"
+
+
+def test_blocks_of_the_base_model_are_not_resident_for_a_lora_adapter(store: Store) -> None:
+    """vLLM keys a LoRA adapter into every block's hash: an adapter never reuses the base model's blocks of the same
+    tokens, nor the base model the adapter's. Pod l-a stored a prompt's 8 blocks for the base model (m21): the same
+    prompt sent to adapter ad-1 on that pod is cold (its chain is rooted at the adapter, as the collector roots the
+    adapter's own BlockStored blocks), not unknown / resident_at_arrival as when chains ignored the adapter. Once
+    the pod stored the prompt for ad-1 (lora_name on the event), a later ad-1 request that missed finds them (a
+    race: resident_at_arrival), and a base-model request still does not see ad-1's blocks as anything but its own."""
+    b, scenario = 32, 21
+    ids = tokens(scenario, N * b)
+    suffix = tokens(scenario, 20, 1)
+    base_event = stored(ids, b, 21_000)
+    lora_event = {**stored(ids, b, 22_000), "lora_name": "ad-1", "lora_id": 1, "extra_keys": [["ad-1"]] * N}
+    ingest(store, collect([frames("l-a", 0, 1, base_event), frames("l-a", 1, 15, lora_event)]))
+
+    def row(rid: str, model: str, *, t: float) -> dict[str, Any]:
+        r = gw(rid, scenario, t=t, pod="l-a", prompt_ids=None, b=b, prompt=N * b + 20, tenant=f"t-{rid}",
+               system_tokens=N * b, suffix=rid, suffix_tokens=20)
+        lora = None if model == "m21" else model
+        return {**r, "model": model, "prompt_block_hashes": chain_hashes(ids + suffix, b, lora_name=lora),
+                "prompt_block_size": b}
+
+    insert_requests(store, [row("lora-1", "ad-1", t=10), row("lora-2", "ad-1", t=20), row("base-1", "m21", t=21)])
+    attribution_job.run_attribution(store, default_block_size=b)
+    got = answers(store)
+    assert got["lora-1"][0] == [("cold", "", N * b), ("unavoidable", "", 20)] and got["lora-1"][1] == "kv_events"
+    assert got["lora-2"][0][0] == ("unknown", "resident_at_arrival", N * b) and got["lora-2"][1] == "kv_events"
+    assert got["base-1"][0][0] == ("unknown", "resident_at_arrival", N * b)  # its own blocks, stored at t=1

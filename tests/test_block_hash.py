@@ -208,8 +208,10 @@ def test_a_salted_prompt_chain_equals_vllms_salted_block_hashes(monkeypatch: pyt
     assert all(a != b and a != c for a, b, c in zip(salted, other, plain, strict=True))
     assert chain_hashes(tokens, 16, cache_salt="") == plain == [external(d) for d in vllm_request_hashes(
         v, tokens, 16)[0]]
-    with pytest.raises(ValueError, match="first block"):
+    with pytest.raises(ValueError, match="prompt's start only"):
         chain_hashes(tokens, 16, parent=none_hash(), cache_salt="tenant-a")
+    with pytest.raises(ValueError, match="prompt's start only"):
+        chain_hashes(tokens, 16, parent=none_hash(), lora_name="ad-1")
 
 
 def stored_frames(events: list[dict[str, Any]], seq: int, topic: str = "pod-0") -> list[bytes]:
@@ -223,8 +225,9 @@ def stored_frames(events: list[dict[str, Any]], seq: int, topic: str = "pod-0") 
 def test_the_collector_chains_salted_blocks_as_vllm_and_the_gateway_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """BlockStored events whose blocks and extra_keys come from vLLM's own hashing code (generate_block_hash_extra_keys,
     to_event_extra_keys, hash_block_tokens): a salted prompt and its continuation get chain hashes equal to vLLM's
-    published hashes and to the gateway's salted chain; the salt is nowhere in what the collector publishes. With a
-    LoRA adapter the name is left out (the gateway's chain); a multimodal block and everything after it is unknown."""
+    published hashes and to the gateway's salted chain; the salt is nowhere in what the collector publishes. A LoRA
+    adapter's blocks chain from the adapter's root (the gateway's chain for it); a multimodal block and everything
+    after it is unknown."""
     import msgspec
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
@@ -256,7 +259,17 @@ def test_the_collector_chains_salted_blocks_as_vllm_and_the_gateway_do(monkeypat
                   "block_size": 16, "lora_name": "ad-1", "extra_keys": v["to_event_extra_keys"](lora_keys)}
     assert lora_event["extra_keys"][:2] == [("ad-1", secret), ("ad-1",)]
     (env,) = message_events(stored_frames([lora_event], 0, "pod-1"))
-    assert chains.envelope(env).payload.events[0].chain_hashes == chain_hashes(tokens, 16, cache_salt=secret)
+    lora_chain = chains.envelope(env).payload.events[0].chain_hashes
+    # rooted at the adapter, as the gateway roots a prompt the pod served with it: apart from the base model's
+    # blocks of the same tokens (vLLM never shares them), and not vLLM's own (it keys the adapter's path too)
+    assert lora_chain == chain_hashes(tokens, 16, cache_salt=secret, lora_name="ad-1")
+    assert not set(lora_chain) & set(got) and not set(lora_chain) & set(lora_event["block_hashes"])
+    assert 0 not in lora_chain and lora_chain != chain_hashes(tokens, 16, cache_salt=secret, lora_name="ad-2")
+    lora_more = {"block_hashes": [91, 92], "parent_block_hash": lora_event["block_hashes"][-1],
+                 "token_ids": list(range(5000, 5032)), "block_size": 16, "lora_name": "ad-1"}
+    (env,) = message_events(stored_frames([lora_more], 1, "pod-1"))
+    assert chains.envelope(env).payload.events[0].chain_hashes == chain_hashes(
+        tokens[:96] + lora_more["token_ids"], 16, cache_salt=secret, lora_name="ad-1")[6:]
 
     mm_hashes, mm_keys = vllm_request_hashes(v, tokens, 16, mm=[("img-7", 20, 30)])  # tokens 20..49: blocks 1-3
     mm_wire = [external(h) for h in mm_hashes]
@@ -289,5 +302,6 @@ def test_extra_keys_kvscope_cannot_tag_make_the_chain_unknown() -> None:
         e = KvBlockEvent(type="BlockStored", block_hashes=[11, 12, 13, 14], parent_block_hash=parent, token_ids=tokens,
                          block_size=16, lora_name=lora, extra_keys=keys)
         got = BlockChains().event(e)
-        assert got.chain_hashes == plain[:known] + [0] * (4 - known), keys
+        expected = chain_hashes(tokens, 16, lora_name=lora) if lora else plain
+        assert got.chain_hashes == expected[:known] + [0] * (4 - known), keys
         assert got.extra_keys is None

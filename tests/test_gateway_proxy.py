@@ -137,6 +137,8 @@ class FakePod:
         self.tokenize_delay = 0.0
         self.tokenize_requests: list[dict] = []
         self.metrics_reads = 0
+        self.models: list[dict] | None = [{"id": "tiny", "object": "model", "parent": None}]  # None: 404
+        self.models_reads = 0
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -159,7 +161,12 @@ class FakePod:
                     self.end_headers()
                     self.wfile.write(data)
                     return
-                self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                if self.path == "/v1/models":
+                    pod.models_reads += 1
+                    if pod.models is None:
+                        return self._send(404, {"detail": "Not Found"})
+                    return self._send(200, {"object": "list", "data": pod.models})
+                self._send(404, {"detail": "Not Found"})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["content-length"]))
@@ -932,6 +939,42 @@ def test_client_disconnect_mid_stream_still_logs(vllm_fleet, gateway):
     # ceil(chars / 4) per message; "What now?" is 9 characters) and an unknown cached count
     system = body["messages"][0]["content"]
     assert (rec["prompt_tokens"], rec["cached_tokens"]) == (math.ceil(len(system) / 4) + 3, None)
+
+
+def test_a_lora_adapters_chain_is_rooted_at_the_adapter(gateway, fake_pod):
+    """vLLM never shares KV blocks between a LoRA adapter and its base model (it keys the adapter into every block).
+    A request the pod served with an adapter (its /v1/models lists it with a parent) gets the chain rooted at the
+    adapter (kvscope.block_hash.chain_root, as the collector roots the adapter's BlockStored blocks); the base model
+    keeps vLLM's chain. An adapter loaded later is found by reading /v1/models again; a name the list still lacks
+    gets no chain (model_unknown); a pod without /v1/models serves no adapters."""
+    from kvscope.block_hash import chain_hashes
+
+    pod = fake_pod()
+    pod.token_ids = [101, 2023, 7, 99, 5, 6, 1]  # the pod's 7 prompt tokens: one full block of 4
+    pod.models = [{"id": "tiny", "parent": None}, {"id": "ad-1", "parent": "tiny", "root": "/adapters/ad-1"}]
+    client, log_path = gateway([("pod-0", pod.url)])
+
+    def chain_of(rid: str, model: str) -> list[str]:
+        assert client.post("/v1/chat/completions", json={**CHAT, "model": model},
+                           headers={"X-Request-Id": rid}).status_code == 200
+        return log_line(log_path, rid)["prompt_block_hashes"]
+
+    def hexes(lora: str | None) -> list[str]:
+        return [f"{h:016x}" for h in chain_hashes(pod.token_ids, 4, lora_name=lora)]
+
+    assert chain_of("base-1", "tiny") == _vllm_chain_hex(pod.token_ids, 4) == hexes(None)
+    assert chain_of("lora-1", "ad-1") == hexes("ad-1") != hexes(None)
+    assert pod.models_reads == 1
+    pod.models.append({"id": "ad-2", "parent": "tiny"})  # loaded at run time
+    assert chain_of("lora-2", "ad-2") in ([], hexes("ad-2"))  # [] while the list read last is too recent
+    assert len({tuple(hexes(x)) for x in (None, "ad-1", "ad-2")}) == 3
+
+    other = fake_pod()
+    other.token_ids, other.models = pod.token_ids, None  # not vLLM: no /v1/models
+    client2, log2 = gateway([("pod-1", other.url)])
+    assert client2.post("/v1/chat/completions", json={**CHAT, "model": "ad-1"},
+                        headers={"X-Request-Id": "plain-1"}).status_code == 200
+    assert log_line(log2, "plain-1")["prompt_block_hashes"] == hexes(None)
 
 
 def test_a_cache_salt_is_forwarded_logged_only_as_its_hash_and_salts_the_chain(gateway, fake_pod):

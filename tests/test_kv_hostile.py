@@ -75,8 +75,9 @@ def test_blocks_whose_vllm_hash_kvscope_cannot_reproduce_get_no_chain_hash(store
     from the token ids alone names other blocks (the same tokens without the image, or tokens shifted by a skipped
     block), so precise attribution would credit a pod with blocks it never held. Such blocks, and blocks stored on
     top of them, get chain hash 0 (unknown). A cache_salt kvscope keys in as vLLM does: the salted blocks, and
-    those on top of them, get the salted chain. A LoRA adapter's name is left out, as the gateway's chain leaves
-    it out (vLLM also hashes the adapter's path, which no event carries): docs/kv-events.md."""
+    those on top of them, get the salted chain. A LoRA adapter's blocks chain from the adapter's root, as the
+    gateway chains a prompt the adapter served (vLLM also hashes the adapter's path, which no event carries):
+    docs/kv-events.md."""
     topic = f"pod-{uuid.uuid4().hex[:8]}"
     sub, pub, out = link(topic)
     try:
@@ -97,8 +98,10 @@ def test_blocks_whose_vllm_hash_kvscope_cannot_reproduce_get_no_chain_hash(store
         salted_top = external(block_digests(range(108, 112), 4, block_digests(
             toks, 4, extra_keys=[salt_keys("tenant-salt"), None])[-1])[0])
         assert salted != plain and salted_top != top
+        adapter = chain_hashes(toks, 4, lora_name="adapter-a")
+        assert not set(adapter) & set(plain)
         assert log_chains(store, topic, [h + i for i in range(9)]) == {
-            h: plain[0], h + 1: plain[1], h + 2: salted[0], h + 3: salted[1], h + 4: salted_top, h + 5: 0,
+            h: adapter[0], h + 1: adapter[1], h + 2: salted[0], h + 3: salted[1], h + 4: salted_top, h + 5: 0,
             h + 6: plain[0], h + 7: plain[1], h + 8: top}
         assert store.query_rows("SELECT block_hashes, token_count FROM kv_block_events WHERE pod = {p:String} AND "
                                 "has(block_hashes, {h:UInt64})", {"p": topic, "h": h}) == [([h, h + 1], 8)]
