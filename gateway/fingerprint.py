@@ -219,8 +219,10 @@ class PromptFingerprint:
     def to_log_fields(self) -> dict[str, str | int | list]:
         """The 21 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
         JSON lists; ``cache_salt_hash`` included)."""
-        return {name: list(v) if isinstance(v, tuple) else v for name in _FIELD_NAMES
-                for v in (getattr(self, name),)}
+        fields = {name: getattr(self, name) for name in _FIELD_NAMES}
+        for name in _TUPLE_FIELDS:
+            fields[name] = list(fields[name])
+        return fields
 
     @classmethod
     def empty(cls, method: Literal["tokenizer", "estimate"]) -> PromptFingerprint:
@@ -229,6 +231,7 @@ class PromptFingerprint:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PromptFingerprint))
+_TUPLE_FIELDS = tuple(f.name for f in dataclasses.fields(PromptFingerprint) if f.type.startswith("tuple"))
 
 
 def _fingerprint(system_hash: str, tools_hash: str, pack_hash: str, history_hash: str, salt_hash: str = "") -> str:

@@ -95,6 +95,10 @@ _DROP_REQUEST_HEADERS = frozenset(
         "x-request-id",
     }
 )
+# Request headers that name the log's ids, by field
+_ID_HEADERS = {name: "x-" + name.replace("_", "-") for name in ("tenant_id", "conversation_id", "agent_run_id")}
+# json.dumps(body, ensure_ascii=False) without building an encoder per request
+_encode_body = json.JSONEncoder(ensure_ascii=False).encode
 # Generations can queue for minutes under load; connecting should be quick (a refused connect is retried).
 UPSTREAM_TIMEOUT = Timeouts(connect=5.0, read=600.0)
 TURN_MAP_SIZE = 100_000
@@ -304,6 +308,7 @@ class Gateway:
             policy, [name for name, _ in pods], max_inflight_per_pod=max_inflight_per_pod
         )
         self.counter = TokenCounter(tokenizer_path)
+        self._empty_fingerprint = PromptFingerprint.empty(self.counter.method)  # frozen: one for every request
         self.cache = SegmentCache(segment_cache_entries, segment_cache_bytes)
         self.log = BackgroundLogWriter(log_path, max_queue=log_queue_size)
         self.turns = TurnGaps()
@@ -336,14 +341,18 @@ class Gateway:
 
     async def completion(self, request: Request, endpoint: Endpoint) -> Response:
         arrival, arrival_wall = time.monotonic(), time.time()
-        headers = request.headers
+        header_items = request.headers.items()  # decoded once; `first` as Headers.get answers: the first one
+        first: dict[str, str] = {}
+        for name, value in header_items:
+            if name not in first:
+                first[name] = value
         ex = _Exchange(
-            request_id=headers.get("x-request-id") or "",
+            request_id=first.get("x-request-id") or "",
             arrival_wall=arrival_wall,
             arrival=arrival,
             endpoint=endpoint,
             routing_policy=self.router.policy,
-            fingerprint=PromptFingerprint.empty(self.counter.method),
+            fingerprint=self._empty_fingerprint,
         )
         try:
             raw_body = await request.body()
@@ -356,7 +365,7 @@ class Gateway:
 
         metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
         for name in ("tenant_id", "conversation_id", "agent_run_id"):
-            value = headers.get("x-" + name.replace("_", "-")) or metadata.get(name) or ""
+            value = first.get(_ID_HEADERS[name]) or metadata.get(name) or ""
             setattr(ex, name, str(value))
         if not ex.request_id and isinstance(body.get("request_id"), str) and body["request_id"]:
             ex.request_id = body["request_id"]
@@ -381,7 +390,7 @@ class Gateway:
         ex.turn_key = TurnGaps.key(ex.agent_run_id, ex.conversation_id)
         ex.tool_latency_ms = self.turns.arrive(ex.turn_key, arrival)
         try:
-            return await self._forward(ex, body, raw_body, headers)
+            return await self._forward(ex, body, raw_body, header_items)
         except BaseException as exc:  # incl. cancellation at shutdown: still one line, pod released
             if not ex.logged:
                 ex.status = ex.status if ex.status >= 400 else 500
@@ -391,14 +400,14 @@ class Gateway:
             raise
 
     async def _forward(
-        self, ex: _Exchange, body: dict[str, Any], raw_body: bytes, headers: Mapping[str, str]
+        self, ex: _Exchange, body: dict[str, Any], raw_body: bytes, headers: list[tuple[str, str]]
     ) -> Response:
         """Send the request to a pod (retrying another pod on a refused connection) and build the
         response that relays the answer and writes the log line when done."""
         changed, client_wants_usage = _prepare_body(body, ex.stream)
-        upstream_headers = [(k, v) for k, v in headers.items() if k not in _DROP_REQUEST_HEADERS]
+        upstream_headers = [(k, v) for k, v in headers if k not in _DROP_REQUEST_HEADERS]
         upstream_headers += [("x-request-id", ex.request_id), ("accept-encoding", "identity")]
-        payload = json.dumps(body, ensure_ascii=False).encode("utf-8") if changed else raw_body
+        payload = _encode_body(body).encode("utf-8") if changed else raw_body
         path = "/chat/completions" if ex.endpoint == "chat.completions" else "/completions"
         keys = (ex.fingerprint.prompt_fingerprint, ex.fingerprint.parent_fingerprint)
 
@@ -701,6 +710,7 @@ def make_app(
     )
     app.state.gateway = gateway
     return app
+
 
 
 def serve(app: Starlette, host: str = "127.0.0.1", port: int = 8000) -> None:
