@@ -313,6 +313,15 @@ def test_a_restart_resumes_at_the_last_acked_poll_and_repeats_only_unacked_lines
     assert sink.got == ids(range(25)) + ids(range(10, 20))
 
 
+def rotate(rotation: str, path: Path) -> None:
+    """Rotate ``path`` to ``<path>.1`` by ``rotation``: "copytruncate" (copy, then truncate in place) or "rename"."""
+    if rotation == "copytruncate":
+        shutil.copyfile(path, path.with_name(path.name + ".1"))
+        os.truncate(path, 0)
+    else:
+        os.rename(path, path.with_name(path.name + ".1"))
+
+
 @pytest.mark.parametrize("rotation", ["copytruncate", "rename"])
 def test_a_file_switch_is_not_checkpointed_before_the_lines_queued_ahead_of_it(rotation: str,
                                                                                tmp_path: Path) -> None:
@@ -331,11 +340,7 @@ def test_a_file_switch_is_not_checkpointed_before_the_lines_queued_ahead_of_it(r
     events, ack = src.poll()
     assert len(events) == 10 and ack is not None
     publisher.publish(events, ack)  # queued; the ingester has not stored them yet
-    if rotation == "copytruncate":
-        shutil.copyfile(path, tmp_path / "gw.jsonl.1")
-        os.truncate(path, 0)
-    else:
-        os.rename(path, tmp_path / "gw.jsonl.1")
+    rotate(rotation, path)
     write(path, range(10, 12))
     moves = 0
     t_end = time.monotonic() + 10
@@ -430,11 +435,7 @@ def test_a_bad_line_read_again_from_the_rotated_file_after_a_crash_is_one_dead_l
         src.close()
 
     run(source(path, CheckpointStore(ckpt), max_bytes=2048), commit=False)
-    if rotation == "copytruncate":
-        shutil.copyfile(path, tmp_path / "gw.jsonl.1")
-        os.truncate(path, 0)
-    else:
-        os.rename(path, tmp_path / "gw.jsonl.1")
+    rotate(rotation, path)
     write(path, range(4, 6))
     run(source(path, CheckpointStore(ckpt), max_bytes=2048), commit=True)
 
