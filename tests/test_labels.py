@@ -302,7 +302,9 @@ def test_a_large_label_file_streams_in_bounded_memory_and_a_rerun_loads_each_lin
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < size * 0.25, f"peak {peak:,} bytes for a file of {size:,}"
+    # reading the file whole costs at least its size (the old code: ~8.8 times); the chunked load a few MB
+    # (3.3 MB alone, 8.8 MB in CI's process, where tracemalloc also sees other threads' allocations)
+    assert peak < size * 0.75, f"peak {peak:,} bytes for a file of {size:,}"
     assert not again.interrupted and again.lines == n and again.end_offset == size
     assert (again.rows, again.duplicates) == (n - bad - first.rows, first.rows)
     assert (again.reasons.total(), again.dead_letters) == (bad, bad - bad_first)
