@@ -305,14 +305,12 @@ class QueuePublisher:
 
     def publish(self, events: list[Envelope], on_ack: Ack | None = None) -> None:
         messages = to_messages(events)
-        if not messages:
-            if on_ack is not None:
-                self.queue.put_all([Message.ack_only(on_ack)], self.put_timeout_seconds)  # no bytes: always fits
-            return
-        if on_ack is not None:
+        if on_ack is not None and messages:
             last = messages[-1]
             messages[-1] = Message(last.topic, last.key, last.value, on_commit=on_ack)
-        if not self.queue.put_all(messages, self.put_timeout_seconds):
+        elif on_ack is not None:
+            messages = [Message.ack_only(on_ack)]
+        if messages and not self.queue.put_all(messages, self.put_timeout_seconds):
             raise PublishError(f"in-process queue full ({self.queue.bytes_used} of {self.queue.max_bytes} bytes)")
 
     def close(self) -> None:
