@@ -243,19 +243,20 @@ class Store:
                 return
             raise _insert_error(table, exc) from exc
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None:
+    def insert_arrow(self, table: str, data: pa.Table, settings: dict[str, Any] | None = None) -> None:
         """Insert an Arrow table (columns named as the table's): the fast path for column-wise writers (the
-        attribution job, bulk import). Errors as :meth:`insert`."""
+        attribution job, bulk import). ``settings``: ClickHouse settings for this INSERT only (on top of the
+        session's). Errors as :meth:`insert`."""
         if data.num_rows == 0:
             return
         try:
             with self._lock:
-                self.client.insert_arrow(table, data)
+                self.client.insert_arrow(table, data, settings=settings)
         except ch_exc.Error as exc:
             if _halves(exc, data.num_rows):
                 mid = data.num_rows // 2
-                self.insert_arrow(table, data.slice(0, mid))
-                self.insert_arrow(table, data.slice(mid))
+                self.insert_arrow(table, data.slice(0, mid), settings)
+                self.insert_arrow(table, data.slice(mid), settings)
                 return
             raise _insert_error(table, exc) from exc
         except (*_SERIALISE_ERRORS, pa.ArrowException) as exc:

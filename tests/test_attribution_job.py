@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 import pytest
 from test_attribution import random_structure
 
@@ -419,3 +420,23 @@ def test_a_cache_salt_isolates_prefixes_in_attribution(store):
     assert set(causes["d2"]) == {("evicted", "evicted_before_next_turn"), ("unavoidable", "")}  # no salt: as before
     stored = dict(store.query_rows("SELECT request_id, cache_salt_hash FROM gateway_requests"))
     assert stored["a1"] == stored["c1"] != stored["b1"] != "" and stored["d1"] == ""
+
+
+def test_first_answers_skip_the_collapsing_pass_at_insert_and_still_collapse_at_merge(store):
+    """First answers are inserted with FIRST_ANSWER_SETTINGS (no collapsing pass at insert: it cost most of the
+    INSERT's CPU and has nothing to collapse in rows of sign +1). Shown with a +1/-1 pair: kept as written at
+    insert under those settings, cancelled by the default, and cancelled by a merge either way."""
+    rows = [("r1", T0, "acme", "pod-a", "tiny", 100, 0, "", "", "", None, 16, [], [], [], "fingerprints", "",
+             None, T0, sign, 1) for sign in (1, -1)]
+    pair = pa.Table.from_pylist([dict(zip(attribution_job.WRITE_COLUMNS, r, strict=True)) for r in rows],
+                                schema=attribution_job._ARROW)
+
+    def stored() -> int:
+        return store.query_rows("SELECT count() FROM request_attribution")[0][0]
+
+    store.insert_arrow("request_attribution", pair, attribution_job.FIRST_ANSWER_SETTINGS)
+    assert stored() == 2
+    store.command("OPTIMIZE TABLE request_attribution FINAL")
+    assert stored() == 0
+    store.insert_arrow("request_attribution", pair)
+    assert stored() == 0
