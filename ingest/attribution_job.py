@@ -141,37 +141,41 @@ _WINDOW = "ingested_at > {since:DateTime64(3, 'UTC')} AND ingested_at <= {upto:D
 
 def _chunk_bounds(store: Store, since: datetime, upto: datetime, chunk_size: int) -> list[int]:
     """order_key boundaries splitting the requests ingested in (since, upto] into chunks of about
-    ``chunk_size``: [b0, b1, ...] with chunk i = (b_i, b_i+1] (b0 below every key). One query, whatever the
-    window: the chunks are then read by key range, not by sorting the window again for each."""
+    ``chunk_size``: [b0, b1, ...] with chunk i = (b_i, b_i+1] (b0 = the lowest key − 1; every other bound is
+    a key of the window, so a chunk's rows lie in the milliseconds [(b_i + 1) >> 20, b_i+1 >> 20]). One query,
+    whatever the window: the chunks are then read by key range, not by sorting the window again for each."""
     n = store.query_rows(f"SELECT count() FROM gateway_requests WHERE {_WINDOW}", {"since": since, "upto": upto})[0][0]
     if not n:
         return []
     k = max(1, -(-n // chunk_size))
     levels = ", ".join(f"{i / k:.9f}" for i in range(1, k))
-    top = store.query_rows(f"SELECT max(order_key) FROM gateway_requests WHERE {_WINDOW}",
-                           {"since": since, "upto": upto})[0][0]
+    bottom, top = store.query_rows(f"SELECT min(order_key), max(order_key) FROM gateway_requests WHERE {_WINDOW}",
+                                   {"since": since, "upto": upto})[0]
     inner = []
     if levels:
         inner = store.query_rows(f"SELECT quantilesExactLow({levels})(order_key) FROM gateway_requests "
                                  f"WHERE {_WINDOW}", {"since": since, "upto": upto})[0][0]
-    return [-1, *sorted(set(int(b) for b in inner)), int(top)]
+    return [int(bottom) - 1, *sorted(set(int(b) for b in inner)), int(top)]
+
+
+#: A chunk's rows (:func:`_chunk_bounds`): ingested in (since, upto], order_key in (lo, hi].
+_CHUNK = f"{_WINDOW} AND order_key > {{lo:Int64}} AND order_key <= {{hi:UInt64}}"
+#: The milliseconds a chunk's rows lie in (order_key = ts in ms << 20 | 20 bits of the request id's MD5,
+#: sql/migrations/0008): bounds request_attribution's side of the anti-join to the chunk's partitions.
+_CHUNK_TS = ("ts >= fromUnixTimestamp64Milli(intDiv({lo:Int64} + 1, 1048576), 'UTC') "
+             "AND ts <= fromUnixTimestamp64Milli(toInt64(intDiv({hi:UInt64}, 1048576)), 'UTC')")
 
 
 def _arrivals(store: Store, since: datetime, upto: datetime, lo: int, hi: int) -> pl.DataFrame:
-    """The requests ingested in (since, upto] with order_key in (lo, hi] that have no answer yet."""
-    frame = store.query_df(
-        f"SELECT {_SELECT} FROM gateway_requests WHERE {_WINDOW} "
-        "AND order_key > {lo:Int64} AND order_key <= {hi:UInt64} ORDER BY order_key",
+    """The requests ingested in (since, upto] with order_key in (lo, hi] that have no answer yet (no row of
+    request_attribution with their (request_id, ts), whatever its sign), in no particular order. The answered
+    ones are left out in the store: the overlap window re-reads mostly answered requests, and only their keys
+    are read for that, not their fields."""
+    return store.query_df(
+        f"SELECT {_SELECT} FROM gateway_requests WHERE {_CHUNK} AND (request_id, ts) NOT IN "
+        f"(SELECT request_id, ts FROM request_attribution WHERE {_CHUNK_TS} "
+        f"AND (request_id, ts) IN (SELECT request_id, ts FROM gateway_requests WHERE {_CHUNK}))",
         {"since": since, "upto": upto, "lo": lo, "hi": hi})
-    if frame.is_empty():
-        return frame
-    answered = store.query_df(
-        f"SELECT request_id, ts FROM request_attribution WHERE {_IN_SET} AND {_BETWEEN}",
-        _stage(store, "chunk", frame))
-    if answered.is_empty():
-        return frame
-    return frame.join(answered.with_columns(pl.col("ts").dt.cast_time_unit("ms")), on=["request_id", "ts"],
-                      how="anti")
 
 
 def _requests(store: Store, keys: pl.DataFrame) -> pl.DataFrame:
