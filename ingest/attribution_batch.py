@@ -4,10 +4,10 @@
 checks that both give the same answer for every request of random traffic.
 
 Input: one polars DataFrame, a row per target request with its own :data:`ingest.attribution.REQUEST_FIELDS`
-and its chosen predecessor's fields prefixed ``p_`` (null when it has none), ``predecessor_kind`` ("" when
-none; the plain kind), optionally ``beyond_horizon`` (true when the predecessor was found beyond the horizon;
-absent or null = false) and ``block_size`` (tokens per KV block of its pod). Output: :func:`judge_frame`
-returns the verdict columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
+and its chosen predecessor's fields prefixed ``p_`` (null when it has none; those of :data:`PREDECESSOR_FIELDS`
+suffice), ``predecessor_kind`` ("" when none; the plain kind), optionally ``beyond_horizon`` (true when the
+predecessor was found beyond the horizon; absent or null = false) and ``block_size`` (tokens per KV block of
+its pod). Output: :func:`judge_frame` returns the verdict columns (:data:`ingest.attribution.VERDICT_COLUMNS`).
 
 Precise mode (KV-event evidence, docs/miss-causes.md): the rows that have evidence (:class:`EvidenceFrames`,
 or a mapping request_id → :class:`ingest.attribution.KvEvidence`) are judged column-wise too: each missed block's
@@ -35,12 +35,14 @@ from ingest.attribution import (
     BEYOND_HORIZON_KIND_SUFFIX,
     CACHE_RESET,
     CACHE_SALT_CHANGED,
+    CHUNK_HASHES,
     COLD,
     EVICTED,
     EVICTED_BEFORE_NEXT_TURN,
     EVIDENCE_FINGERPRINTS,
     EVIDENCE_INFERRED,
     EVIDENCE_KV_EVENTS,
+    LINE_HASHES,
     NOT_REPORTED,
     NOWHERE,
     PREFIX_DRIFT,
@@ -59,6 +61,13 @@ from ingest.attribution import (
 )
 
 _HASHES = [s.hash_field for s in STABLE_SEGMENTS]
+#: The predecessor's fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` reads, as its
+#: ``p_`` columns: a caller may give only these (the attribution job reads no others of a predecessor).
+PREDECESSOR_FIELDS = (
+    "request_id", "ts", "pod", "prompt_tokens", "e2e_ms",
+    *(f for s in STABLE_SEGMENTS for f in (s.hash_field, s.tokens_field, s.variant_field) if f),
+    "suffix_hash", "cache_salt_hash", LINE_HASHES, CHUNK_HASHES,
+)
 _TOKENS = [s.tokens_field for s in STABLE_SEGMENTS] + ["suffix_tokens"]
 HISTORY = 3
 

@@ -43,7 +43,7 @@ from ingest.attribution import (
     LINE_TOKENS,
     VERDICT_COLUMNS,
 )
-from ingest.attribution_batch import judge_frame
+from ingest.attribution_batch import PREDECESSOR_FIELDS, judge_frame
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
@@ -178,11 +178,11 @@ def _arrivals(store: Store, since: datetime, upto: datetime, lo: int, hi: int) -
         {"since": since, "upto": upto, "lo": lo, "hi": hi})
 
 
-def _requests(store: Store, keys: pl.DataFrame) -> pl.DataFrame:
-    """The gateway_requests rows of ``keys`` (columns request_id, ts)."""
+def _requests(store: Store, keys: pl.DataFrame, fields: tuple[str, ...] = _FIELDS) -> pl.DataFrame:
+    """The gateway_requests rows of ``keys`` (columns request_id, ts), their columns ``fields``."""
     if keys.is_empty():
         return pl.DataFrame()
-    return store.query_df(f"SELECT {_SELECT} FROM gateway_requests WHERE {_IN_SET} AND {_BETWEEN}",
+    return store.query_df(f"SELECT {', '.join(fields)} FROM gateway_requests WHERE {_IN_SET} AND {_BETWEEN}",
                           _stage(store, "requests", keys))
 
 
@@ -376,16 +376,18 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
     if chosen.is_empty():
         frame = frame.with_columns(pl.lit("").alias("predecessor_kind"), pl.lit(False).alias("beyond_horizon"),
-                                   *[pl.lit(None).alias(f"p_{c}") for c in attribution.REQUEST_FIELDS])
+                                   *[pl.lit(None).alias(f"p_{c}") for c in PREDECESSOR_FIELDS])
     else:
+        # only the predecessors' rows and the fields judge_frame reads of them are copied (not the whole
+        # chunks); the others are read from the store, those fields only
         wanted = chosen.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
-        have = pl.concat([targets, known]) if known is not None and not known.is_empty() else targets
-        have = have.select(*_FIELDS).unique(["request_id", "ts"])
-        missing = wanted.join(have, on=["request_id", "ts"], how="anti")
-        found = have.join(wanted, on=["request_id", "ts"], how="semi")
+        have = [targets, known] if known is not None and not known.is_empty() else [targets]
+        found = pl.concat([f.join(wanted, on=["request_id", "ts"], how="semi").select(PREDECESSOR_FIELDS)
+                           for f in have]).unique(["request_id", "ts"])
+        missing = wanted.join(found.select("request_id", "ts"), on=["request_id", "ts"], how="anti")
         if not missing.is_empty():
-            found = pl.concat([found, _requests(store, missing).select(found.columns)], how="vertical_relaxed")
-        preds = found.drop("order_key").rename({c: f"p_{c}" for c in attribution.REQUEST_FIELDS})
+            found = pl.concat([found, _requests(store, missing, PREDECESSOR_FIELDS)], how="vertical_relaxed")
+        preds = found.rename({c: f"p_{c}" for c in PREDECESSOR_FIELDS})
         frame = (frame.join(chosen, on=["request_id", "ts"], how="left")
                  .join(preds, on=["p_request_id", "p_ts"], how="left"))
     evidence = None

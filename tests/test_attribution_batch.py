@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_attribution import random_requests, random_structure, req
 
 from ingest import attribution as a
-from ingest.attribution_batch import EvidenceFrames, judge_frame
+from ingest.attribution_batch import PREDECESSOR_FIELDS, EvidenceFrames, judge_frame
 
 
 def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
@@ -34,7 +34,7 @@ def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
         rows.append({**{f: r.get(f) for f in a.REQUEST_FIELDS}, "block_size": size,
                      "predecessor_kind": pred.kind if pred else "",
                      "beyond_horizon": pred.beyond_horizon if pred else None,
-                     **{f"p_{f}": p.get(f) for f in a.REQUEST_FIELDS}})
+                     **{f"p_{f}": p.get(f) for f in PREDECESSOR_FIELDS}})  # all the job gives it
     got = judge_frame(pl.DataFrame(rows, infer_schema_length=None), frames if frames is not None else evidence)
     got = {c: v.to_pylist() if hasattr(v, "to_pylist") else v for c, v in got.items()}
     columns = a.VERDICT_COLUMNS
