@@ -3,7 +3,7 @@
 ~10^5 requests per second instead of ~10^4. :mod:`ingest.attribution` stays the readable reference; a test
 checks that both give the same answer for every request of random traffic.
 
-Input: one polars DataFrame, a row per target request with its own :data:`ingest.attribution.REQUEST_FIELDS`
+Input: one polars DataFrame, a row per target request with its own fields (:data:`TARGET_FIELDS` suffice)
 and its chosen predecessor's fields prefixed ``p_`` (null when it has none; those of :data:`PREDECESSOR_FIELDS`
 suffice), ``predecessor_kind`` ("" when none; the plain kind), optionally ``beyond_horizon`` (true when the
 predecessor was found beyond the horizon; absent or null = false) and ``block_size`` (tokens per KV block of
@@ -48,6 +48,7 @@ from ingest.attribution import (
     PREFIX_DRIFT,
     PREVIOUS_TURN,
     REMOVED_HERE,
+    REQUEST_FIELDS,
     RESET_HERE,
     RESIDENT_AT_ARRIVAL,
     RESIDENT_ELSEWHERE,
@@ -61,6 +62,10 @@ from ingest.attribution import (
 )
 
 _HASHES = [s.hash_field for s in STABLE_SEGMENTS]
+#: The target's own fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` and precise mode
+#: read: all but the ids and the fingerprint, which only make predecessor keys (computed in the store,
+#: gateway_requests.predecessor_keys; a caller may leave them out).
+TARGET_FIELDS = tuple(f for f in REQUEST_FIELDS if f not in ("conversation_id", "agent_run_id", "prompt_fingerprint"))
 #: The predecessor's fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` reads, as its
 #: ``p_`` columns: a caller may give only these (the attribution job reads no others of a predecessor).
 PREDECESSOR_FIELDS = (
@@ -387,10 +392,14 @@ def _merge(tok: np.ndarray, cause: np.ndarray, sub: np.ndarray) -> None:
     for k in range(1, tok.shape[1]):
         moved = np.zeros(len(tok), dtype=bool)
         for m in range(k):
-            same = ~moved & (tok[:, m] > 0) & (tok[:, k] > 0) & (cause[:, m] == cause[:, k]) & (sub[:, m] == sub[:, k])
-            tok[same, m] += tok[same, k]
-            tok[same, k] = 0
-            moved |= same
+            # the names (object arrays: slow to compare) only on the rows where both slots have tokens
+            rows = np.flatnonzero(~moved & (tok[:, m] > 0) & (tok[:, k] > 0))
+            if not rows.size:
+                continue
+            rows = rows[(cause[rows, m] == cause[rows, k]) & (sub[rows, m] == sub[rows, k])]
+            tok[rows, m] += tok[rows, k]
+            tok[rows, k] = 0
+            moved[rows] = True
 
 
 def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str, Any]:

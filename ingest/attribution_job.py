@@ -43,7 +43,7 @@ from ingest.attribution import (
     LINE_TOKENS,
     VERDICT_COLUMNS,
 )
-from ingest.attribution_batch import PREDECESSOR_FIELDS, judge_frame
+from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
@@ -53,7 +53,8 @@ from ingest.store import Store
 log = logging.getLogger("kvscope.attribution")
 
 JOB_NAME = "miss_causes"
-_FIELDS = (*attribution.REQUEST_FIELDS, "order_key")
+#: What the job reads of a request it judges (the columns judge_frame and precise mode read).
+_FIELDS = TARGET_FIELDS
 _SELECT = ", ".join(_FIELDS)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BETWEEN = "ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}"
@@ -324,9 +325,9 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame) -> 
     ts_type = band.schema["ts"]
     ours = targets.select("request_id", pl.col("ts").cast(ts_type), LINE_HASHES, LINE_TOKENS)
     keys = band.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
-    theirs = _requests(store, keys).select(pl.col("request_id").alias("p_request_id"),
-                                           pl.col("ts").cast(ts_type).alias("p_ts"),
-                                           pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
+    theirs = _requests(store, keys, ("request_id", "ts", LINE_HASHES)).select(
+        pl.col("request_id").alias("p_request_id"), pl.col("ts").cast(ts_type).alias("p_ts"),
+        pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
     frame = (band.join(ours, on=["request_id", "ts"], how="left")
              .join(theirs, on=["p_request_id", "p_ts"], how="left"))
     confirmed = frame.filter(pl.Series(structure_lines_match(frame))).select(found.columns)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_attribution import random_requests, random_structure, req
 
 from ingest import attribution as a
-from ingest.attribution_batch import PREDECESSOR_FIELDS, EvidenceFrames, judge_frame
+from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, EvidenceFrames, judge_frame
 
 
 def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
@@ -31,7 +31,7 @@ def check_equal(reqs: list[dict[str, Any]], sizes: dict[str, int],
         size = a.block_size_for(r, sizes, 16)
         expected.append(a.judge(r, pred, size, (evidence or {}).get(r["request_id"])).values())
         p = pred.request if pred else {}
-        rows.append({**{f: r.get(f) for f in a.REQUEST_FIELDS}, "block_size": size,
+        rows.append({**{f: r.get(f) for f in TARGET_FIELDS}, "block_size": size,
                      "predecessor_kind": pred.kind if pred else "",
                      "beyond_horizon": pred.beyond_horizon if pred else None,
                      **{f"p_{f}": p.get(f) for f in PREDECESSOR_FIELDS}})  # all the job gives it
