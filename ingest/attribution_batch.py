@@ -312,7 +312,7 @@ _STATE_ZONES = {REMOVED_HERE: (EVICTED, None), RESET_HERE: (EVICTED, CACHE_RESET
 class _Precise:
     """Per row of the frame: ``rows`` judged in precise mode, the predecessor's pod ``covered``, the evidence's
     end (tokens, ``start``), its zones as (n, 4) slots of tokens / causes / sub_causes in order of first
-    appearance, and the first block's pod and departure (unix ms, −1 = none)."""
+    appearance ((n, 0) without evidence), and the first block's pod and departure (unix ms, −1 = none)."""
 
     rows: np.ndarray
     covered: np.ndarray
@@ -328,11 +328,12 @@ def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndar
     ``cut``: per row, tokens beyond which no block is decided by the evidence (the fingerprints' drift,
     :func:`ingest.attribution.drift_first`)."""
     n = len(df)
-    slots = len(_STATE_ZONES)
+    none = frames is None or frames.requests.is_empty()
+    slots = 0 if none else len(_STATE_ZONES)  # no evidence: no slots (each would only be compared and dropped)
     out = _Precise(np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64),
                    (np.zeros((n, slots), dtype=np.int64), np.full((n, slots), "", dtype=object),
                     np.full((n, slots), "", dtype=object)), np.full(n, "", dtype=object), np.full(n, -1, np.int64))
-    if frames is None or frames.requests.is_empty():
+    if none:
         return out
     rows = (df.select("request_id", pl.col("p_pod").fill_null("").cast(pl.String)).with_row_index("row")
             .join(frames.requests, on="request_id", how="inner"))
@@ -381,9 +382,13 @@ def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndar
     return out
 
 
-def _text_column(df: pl.DataFrame, column: str) -> pa.Array:
-    """A string column of ``df`` as an Arrow string array (nulls as "", as the reference gives them)."""
-    return df[column].cast(pl.String).fill_null("").to_arrow().cast(pa.string())
+def _text_column(df: pl.DataFrame, column: str, where: np.ndarray | None = None) -> pa.Array:
+    """A string column of ``df`` as an Arrow string array (nulls as "", as the reference gives them); with
+    ``where`` (a bool per row), "" on the other rows. In polars and Arrow: no Python string per row."""
+    text = pl.col(column).cast(pl.String).fill_null("")
+    if where is not None:
+        text = pl.when(pl.Series(where)).then(text).otherwise(pl.lit(""))
+    return df.select(text).to_series().to_arrow().cast(pa.string())
 
 
 def _merge(tok: np.ndarray, cause: np.ndarray, sub: np.ndarray) -> None:
@@ -446,8 +451,8 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
         "request_id": _text_column(df, "request_id"), "ts": df["ts"], "tenant_id": _text_column(df, "tenant_id"),
         "pod": _text_column(df, "pod"), "model": _text_column(df, "model"), "prompt_tokens": prompt,
         "cached_tokens": pa.array(cached, type=pa.uint32(), mask=unknown),
-        "predecessor_request_id": text(np.where(has_pred_out, df["p_request_id"].fill_null("").to_numpy(), "")),
-        "predecessor_pod": text(np.where(has_pred_out, df["p_pod"].fill_null("").to_numpy(), "")),
+        "predecessor_request_id": _text_column(df, "p_request_id", has_pred_out),
+        "predecessor_pod": _text_column(df, "p_pod", has_pred_out),
         "predecessor_kind": text(np.where(has_pred_out, stored_kind, "")),
         "gap_ms": pa.array(np.where(np.isnan(gap), 0.0, gap), type=pa.float64(), mask=np.isnan(gap)),
         "block_size": _i(df, "block_size"), "causes": causes, "sub_causes": subs, "missed_tokens": tokens,
