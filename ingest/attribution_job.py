@@ -383,7 +383,7 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         # chunks); the others are read from the store, those fields only
         wanted = chosen.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
         have = [targets, known] if known is not None and not known.is_empty() else [targets]
-        found = pl.concat([f.join(wanted, on=["request_id", "ts"], how="semi").select(PREDECESSOR_FIELDS)
+        found = pl.concat([f.select(PREDECESSOR_FIELDS).join(wanted, on=["request_id", "ts"], how="semi")
                            for f in have]).unique(["request_id", "ts"])
         missing = wanted.join(found.select("request_id", "ts"), on=["request_id", "ts"], how="anti")
         if not missing.is_empty():
