@@ -102,21 +102,26 @@ def _insert_error(table: str, exc: BaseException) -> Exception:
     return StoreUnavailable(f"insert into {table}: {exc}")
 
 
-def insert_settings(client: Any) -> dict[str, Any]:
-    """:data:`INSERT_SETTINGS` when a session of ``client``'s store accepts them, else ``{}``: a server whose
-    settings profile makes this user's ``max_partitions_per_insert_block`` read-only or constrains it (the client
-    refuses a read-only setting; the server answers a constrained one with an error) gets a warning, and
-    :meth:`Store.insert` then splits what the server refuses. Probed with ``SELECT 1`` under the settings;
-    a network failure raises (clickhouse-connect's OperationalError)."""
+def accepted_settings(client: Any, settings: dict[str, Any], instead: str) -> dict[str, Any]:
+    """``settings`` when a session of ``client``'s store accepts them, else ``{}`` with a warning saying what
+    happens ``instead``: a server whose settings profile makes one of them read-only or constrains it (the client
+    refuses a read-only setting; the server answers a constrained one with an error). Probed with ``SELECT 1``
+    under the settings; a network failure raises (clickhouse-connect's OperationalError)."""
     try:
-        client.query("SELECT 1", settings=INSERT_SETTINGS)
+        client.query("SELECT 1", settings=settings)
     except ch_exc.OperationalError:
         raise
     except ch_exc.Error as exc:
-        log.warning("the store does not let this user set %s; inserts refused for spanning too many partitions "
-                    "are split. error=%s", INSERT_SETTINGS, error_line(str(exc)))
+        log.warning("the store does not let this user set %s; %s. error=%s", settings, instead,
+                    error_line(str(exc)))
         return {}
-    return dict(INSERT_SETTINGS)
+    return dict(settings)
+
+
+def insert_settings(client: Any) -> dict[str, Any]:
+    """:data:`INSERT_SETTINGS` when the store accepts them (:func:`accepted_settings`), else ``{}``: then
+    :meth:`Store.insert` splits what the server refuses for spanning too many partitions."""
+    return accepted_settings(client, INSERT_SETTINGS, "inserts refused for spanning too many partitions are split")
 
 
 class Store:
@@ -140,6 +145,7 @@ class Store:
         self._adhoc_lock = threading.Lock()
         self._adhoc_client: Any = None
         self._table_functions: frozenset[str] | None = None  # ingest.adhoc.READONLY_TABLE_FUNCTIONS, read once
+        self._insert_settings: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}  # insert_arrow's, probed once
 
     @classmethod
     def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
@@ -246,9 +252,16 @@ class Store:
     def insert_arrow(self, table: str, data: pa.Table, settings: dict[str, Any] | None = None) -> None:
         """Insert an Arrow table (columns named as the table's): the fast path for column-wise writers (the
         attribution job, bulk import). ``settings``: ClickHouse settings for this INSERT only (on top of the
-        session's). Errors as :meth:`insert`."""
+        session's), optimisations a store may forbid: probed once per set (:func:`accepted_settings`), and left
+        out with a warning where the store refuses them. Errors as :meth:`insert`."""
         if data.num_rows == 0:
             return
+        if settings:
+            key = tuple(sorted(settings.items()))
+            if key not in self._insert_settings:
+                with self._lock, self._translate("insert settings"):
+                    self._insert_settings[key] = accepted_settings(self.client, settings, "inserts run without them")
+            settings = self._insert_settings[key]
         try:
             with self._lock:
                 self.client.insert_arrow(table, data, settings=settings)
