@@ -216,10 +216,23 @@ _WANTED = """
 
 
 _BLOCK_COLUMNS_SQL = """
-    CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, CAST(medium AS String) AS medium, block_hash,
+    pod, engine, medium, block_hash,
     if(kind = 'stored', multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
                                 block_hash IN (SELECT h FROM wanted), block_hash, 0), 0) AS chain,
-    toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, CAST(kind AS String) AS kind_name"""
+    toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, kind AS kind_name"""
+#: fetch_blocks' columns: a row it reads whose chain hash is 0 or its vLLM hash was read for that hash (it is
+#: wanted), so only the other rows (a pod hashing its own way) look their hashes up in the wanted set again
+#: (ClickHouse's ``if`` evaluates only the branch it takes).
+_WANTED_BLOCK_COLUMNS_SQL = """
+    pod, engine, medium, block_hash,
+    if(kind = 'stored', if(chain_hash = block_hash OR chain_hash = 0, block_hash,
+                           multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
+                                   block_hash IN (SELECT h FROM wanted), block_hash, 0)), 0) AS chain,
+    toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, kind AS kind_name,
+    if(kind != 'stored' OR chain_hash = block_hash OR chain_hash = 0, 1, block_hash IN (SELECT h FROM wanted))
+        AS by_block_hash"""
+#: Name columns (LowCardinality) come as Arrow dictionaries, polars categoricals, where the store allows it.
+_DICTIONARIES = {"output_format_arrow_low_cardinality_as_dictionary": 1}
 _BLOCK_ORDER = "ORDER BY pod, engine, medium, block_hash, ts, seq, idx, pos, kind"
 
 
@@ -238,16 +251,19 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.
     blocks that never had a store in the window may come along; :mod:`ingest.kv_tracks` keeps only blocks with
     a store. When some pod hashes its blocks its own way (a stored block named only by its chain hash), its
     removals carry only its vLLM hash, so the log is read again by the vLLM hashes of the blocks the wanted
-    chain hashes name (two passes, as in :func:`_fetch_blocks_by_name`)."""
+    chain hashes name (two passes, as in :func:`_fetch_blocks_by_name`). pod, engine, medium and kind come as
+    polars categoricals where the store lets the query read LowCardinality columns as Arrow dictionaries, else
+    as strings (:func:`ingest.kv_tracks.block_statuses` takes both)."""
     frame = store.query_df(
         f"""
         WITH {_WANTED.format(in_set=in_set)}
-        SELECT {_BLOCK_COLUMNS_SQL}, block_hash IN (SELECT h FROM wanted) AS by_block_hash
+        SELECT {_WANTED_BLOCK_COLUMNS_SQL}
         FROM kv_block_log
-        PREWHERE block_hash IN (SELECT h FROM wanted) OR (kind = 'stored' AND chain_hash IN (SELECT h FROM wanted))
+        PREWHERE block_hash IN (SELECT h FROM wanted)
+                 OR (kind = 'stored' AND chain_hash != block_hash AND chain_hash IN (SELECT h FROM wanted))
         WHERE kind IN ('stored', 'removed') AND {_FROM}
         {_BLOCK_ORDER}
-        """, dict(params)).rename({"ts_ms": "ts", "kind_name": "kind"})
+        """, dict(params), preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
     if frame.is_empty():
         return _no_blocks()
     own_hashing = frame.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0) & ~pl.col("by_block_hash")
@@ -274,7 +290,7 @@ def _fetch_blocks_by_name(store: Store, params: Mapping[str, object], in_set: st
         PREWHERE block_hash IN (SELECT block_hash FROM named)
         WHERE kind IN ('stored', 'removed') AND {_FROM}
         {_BLOCK_ORDER}
-        """, dict(params)).rename({"ts_ms": "ts", "kind_name": "kind"})
+        """, dict(params), preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
     return _no_blocks() if frame.is_empty() else frame
 
 
@@ -366,7 +382,7 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
                         pl.col("chain").list.slice(k0, count).alias("chain"))
             .explode("i", "chain").drop_nulls("i")
             .select("rid", "i", "chain", "pod", "model", "t", "end"))
-    statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods)
+    statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods, first_nowhere=True)
     pods = (rows.select("rid", "t").join(first.select(pl.col("pod").alias("covered"), "first"), how="cross")
             .filter(pl.col("first") <= pl.col("t")).group_by("rid").agg(pl.col("covered").sort()))
     requests = (rows.select("rid", "request_id", pl.col("chain_block_size").alias("block_size"))

@@ -44,17 +44,35 @@ def _changed(columns: list[str]) -> pl.Expr:
 def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(tracks: track, chain, pod, engine; events: track, pod, engine, ts, seq, idx, pos, delta ±1, in track then
     event order). ``blocks`` sorted by kv_block_log's identity (:data:`_IDENTITY`: a track's rows are contiguous,
-    in event order, a removal before a store of the same position); a row equal to the one before (written
-    twice) counts once. A track's chain is that of its last stored row with a chain, as in the reference."""
-    rows = (blocks.filter(_changed(_IDENTITY))
-            .with_columns((_changed(_KEY).cum_sum() - 1).cast(pl.UInt32).alias("track")))
-    named = (rows.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0))
-             .unique("track", keep="last", maintain_order=True)
-             .select("track", pl.col("chain").cast(pl.UInt64), "pod", "engine"))
-    events = (rows.filter(pl.col("track").is_in(named["track"].implode()))
-              .select("track", "pod", "engine", pl.col("ts").cast(pl.Int64), pl.col("seq").cast(pl.Int64),
-                      pl.col("idx").cast(pl.Int64), pl.col("pos").cast(pl.Int64),
-                      pl.when(pl.col("kind") == "stored").then(1).otherwise(-1).cast(pl.Int64).alias("delta")))
+    in event order, a removal before a store of the same position), names (pod, engine, medium) as integer
+    codes; a row equal to the one before (written twice) counts once. A track's chain is that of its last stored
+    row with a chain, as in the reference. Column-wise in numpy: rows are compared with the row before, a
+    track's last named row is the last of its run."""
+    n = len(blocks)
+    stored = (blocks["kind"] == "stored").to_numpy()
+    columns = {c: blocks[c].to_numpy() for c in (*_IDENTITY, "chain") if c != "kind"}
+    same_key = np.ones(max(n - 1, 0), dtype=bool)
+    for c in _KEY:
+        same_key &= columns[c][1:] == columns[c][:-1]
+    same_row = same_key & (stored[1:] == stored[:-1])
+    for c in ("ts", "seq", "idx", "pos"):
+        same_row &= columns[c][1:] == columns[c][:-1]
+    keep = np.flatnonzero(np.r_[True, ~same_row]) if n else np.zeros(0, dtype=np.int64)
+    track = (np.cumsum(np.r_[True, ~same_key]) - 1)[keep] if n else np.zeros(0, dtype=np.int64)
+    chain = columns["chain"][keep] if n else np.zeros(0, dtype=np.uint64)
+    stored = stored[keep]
+    named_rows = np.flatnonzero(stored & (chain != 0))
+    last = named_rows[np.r_[track[named_rows][1:] != track[named_rows][:-1], True]] if len(named_rows) else named_rows
+    has_name = np.zeros(int(track[-1]) + 1 if len(track) else 0, dtype=bool)
+    has_name[track[last]] = True
+    rows = keep[has_name[track]]
+    ev_track = track[has_name[track]]
+    named = pl.DataFrame({"track": track[last].astype(np.uint32), "chain": chain[last].astype(np.uint64),
+                          "pod": columns["pod"][keep[last]], "engine": columns["engine"][keep[last]]})
+    events = pl.DataFrame({"track": ev_track.astype(np.uint32), "pod": columns["pod"][rows],
+                           "engine": columns["engine"][rows],
+                           **{c: columns[c][rows].astype(np.int64) for c in ("ts", "seq", "idx", "pos")},
+                           "delta": np.where(stored[has_name[track]], 1, -1).astype(np.int64)})
     return named, events
 
 
@@ -134,8 +152,20 @@ def _asof(left: pl.DataFrame, right: pl.DataFrame, by: list[str], strategy: str,
     return out.drop("ts", strict=False) if "ts" not in left.columns else out
 
 
+def _ranks(names: pl.Series, rank: dict[str, int]) -> pl.Series:
+    """``names`` (String, Categorical or Enum) as their Int64 ``rank``; a categorical column (kv_block_log's
+    LowCardinality columns read as Arrow dictionaries) through its few categories, not row by row."""
+    if isinstance(names.dtype, (pl.Categorical, pl.Enum)):
+        words = names.unique().drop_nulls()
+        physical = words.to_physical().to_numpy().astype(np.int64)
+        lut = np.zeros(int(physical.max()) + 1 if len(physical) else 1, dtype=np.int64)
+        lut[physical] = [rank[w] for w in words.cast(pl.String).to_list()]
+        return pl.Series(names.name, lut[names.to_physical().to_numpy().astype(np.int64)])
+    return names.cast(pl.String).cast(pl.Enum(list(rank))).to_physical().cast(pl.Int64)
+
+
 def _np(frame: pl.DataFrame, column: str) -> np.ndarray:
-    return frame[column].to_numpy().astype(np.int64)
+    return frame[column].to_numpy().astype(np.int64, copy=False)
 
 
 def _last_at_or_before(keys: np.ndarray, owner: np.ndarray, want_owner: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -174,13 +204,30 @@ def _may_matter(cand: pl.DataFrame, seg: pl.DataFrame, inits: pl.DataFrame) -> p
     return cand.filter(pl.Series((first[track] < t) | unseen[track]))
 
 
+def _before_certain_nowhere(asks: pl.DataFrame, cand: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(asks, cand) without each request's asks after its first ask that has no candidate track left (its
+    status is nowhere: nothing can make it resident, departed or held elsewhere), ``cand``'s ask numbers
+    renumbered to the asks kept."""
+    answerable = np.zeros(len(asks), dtype=bool)
+    answerable[_np(cand, "ask")] = True
+    stop = pl.when(~pl.col("answerable")).then(pl.col("i")).otherwise(None).min().over("rid")
+    keep = (asks.select("rid", "i").with_columns(pl.Series("answerable", answerable))
+            .select(stop.is_null() | (pl.col("i") <= stop)).to_series().to_numpy())
+    if keep.all():
+        return asks, cand
+    renumber = np.cumsum(keep) - 1
+    ask = _np(cand, "ask")
+    cand = cand.filter(pl.Series(keep[ask])).with_columns(pl.Series("ask", renumber[ask[keep[ask]]]))
+    return asks.filter(pl.Series(keep)), cand
+
+
 #: Departure kinds in name order: a tie of departures at the same ms goes to the greater (ts, kind).
 _KINDS = ("cleared", "removed", "restart")
 _STATES = (NOWHERE, RESIDENT_HERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE)
 
 
-def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataFrame
-                   ) -> pl.DataFrame:
+def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataFrame,
+                   first_nowhere: bool = False) -> pl.DataFrame:
     """The status of each asked block, as :meth:`ingest.kv_evidence.KvTimeline.status` gives it.
 
     ``blocks``: :data:`BLOCK_COLUMNS` rows sorted by kv_block_log's identity (:data:`_IDENTITY`, its ORDER BY);
@@ -188,16 +235,17 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     blocks), chain, pod, model, t (arrival, unix ms), end (its end, unix ms); ``model_pods``: (model, pod) pairs,
     the pods whose holdings count as elsewhere for that model. Returns asks' rid and i with state
     (:data:`ingest.attribution.BLOCK_STATES`), holder pod and removed_at (unix ms or null), one row per ask in
-    its order. Names (pods, engines, media, models) are replaced by their rank among all names first (cheaper to
+    its order; with ``first_nowhere``, only each request's asks up to its first one that no track can answer
+    (a certain nowhere: :func:`until_nowhere` would drop the rest, so they are not computed). Names (pods,
+    engines, media, models) are replaced by their rank among all names first (cheaper to
     sort, group and join on; a pod's rank orders holders by name); the as-of lookups are binary searches over
     (track, ts) keys, the per-block answers numpy reductions over its candidate tracks."""
     named = ((blocks, ("pod", "engine", "medium")), (resets, ("pod", "engine")), (asks, ("pod", "model")),
              (model_pods, ("pod", "model")))
-    words = sorted(set().union(*(frame[c].cast(pl.String).unique().to_list() for frame, cols in named for c in cols)))
-    code = pl.Enum(words)
-    blocks, resets, asks, model_pods = (
-        frame.with_columns(pl.col(c).cast(pl.String).cast(code).to_physical().cast(pl.Int64) for c in cols)
-        for frame, cols in named)
+    words = sorted(set().union(*(frame[c].unique().cast(pl.String).to_list() for frame, cols in named for c in cols)))
+    rank = {w: i for i, w in enumerate(words)}
+    blocks, resets, asks, model_pods = (frame.with_columns(_ranks(frame[c], rank) for c in cols)
+                                        for frame, cols in named)
     tracks, events = _tracks(blocks)
     numbered = _resets(resets)
     seg, inits, departures = _segments(events, numbered)
@@ -205,6 +253,8 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
                         "pod", "model", "t", "end")
             .join(tracks.rename({"pod": "tpod"}), on="chain", how="inner"))
     cand = _may_matter(cand, seg, inits)
+    if first_nowhere:
+        asks, cand = _before_certain_nowhere(asks, cand)
     n = len(asks)
     state = np.zeros(n, dtype=np.int64)  # index into _STATES
     holder = np.full(n, -1, dtype=np.int64)

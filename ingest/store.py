@@ -145,7 +145,7 @@ class Store:
         self._adhoc_lock = threading.Lock()
         self._adhoc_client: Any = None
         self._table_functions: frozenset[str] | None = None  # ingest.adhoc.READONLY_TABLE_FUNCTIONS, read once
-        self._insert_settings: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}  # insert_arrow's, probed once
+        self._accepted: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}  # per-call settings, probed once
 
     @classmethod
     def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
@@ -256,12 +256,7 @@ class Store:
         out with a warning where the store refuses them. Errors as :meth:`insert`."""
         if data.num_rows == 0:
             return
-        if settings:
-            key = tuple(sorted(settings.items()))
-            if key not in self._insert_settings:
-                with self._lock, self._translate("insert settings"):
-                    self._insert_settings[key] = accepted_settings(self.client, settings, "inserts run without them")
-            settings = self._insert_settings[key]
+        settings = self._if_accepted(settings, "inserts run without them")
         try:
             with self._lock:
                 self.client.insert_arrow(table, data, settings=settings)
@@ -275,12 +270,27 @@ class Store:
         except (*_SERIALISE_ERRORS, pa.ArrowException) as exc:
             raise RejectedRows(table, f"client could not serialise rows: {exc!r}") from exc
 
+    def _if_accepted(self, settings: dict[str, Any] | None, instead: str) -> dict[str, Any] | None:
+        """``settings`` when this store lets its user set them, else ``{}`` (one warning, :func:`accepted_settings`);
+        probed once per set of settings."""
+        if not settings:
+            return settings
+        key = tuple(sorted(settings.items()))
+        if key not in self._accepted:
+            with self._lock, self._translate("settings"):
+                self._accepted[key] = accepted_settings(self.client, settings, instead)
+        return self._accepted[key]
+
     # -- reads --------------------------------------------------------------------------------------------
     def query_df(self, statement: str, parameters: dict[str, Any] | None = None,
-                 settings: dict[str, Any] | None = None) -> pl.DataFrame:
-        """Run a SELECT and return a polars DataFrame (through Arrow; DateTime64 columns stay datetimes)."""
+                 settings: dict[str, Any] | None = None, preferred: dict[str, Any] | None = None) -> pl.DataFrame:
+        """Run a SELECT and return a polars DataFrame (through Arrow; DateTime64 columns stay datetimes).
+        ``preferred``: settings used only where the store lets its user set them (probed once, as for
+        :meth:`insert_arrow`), e.g. ``output_format_arrow_low_cardinality_as_dictionary``: the answer is the
+        same without them, only its types or speed differ."""
+        settings = {**(settings or {}), **(self._if_accepted(preferred, "queries run without them") or {})}
         with self._translate("query"):
-            table = self.client.query_arrow(statement, parameters=parameters, settings=settings)
+            table = self.client.query_arrow(statement, parameters=parameters, settings=settings or None)
         return pl.from_arrow(table)  # type: ignore[return-value]
 
     def query_rows(self, statement: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:

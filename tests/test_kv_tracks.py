@@ -116,17 +116,19 @@ def reference(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], rese
 
 
 def columnwise(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], resets: list[kv_evidence.ResetRow],
-               chains: dict[str, tuple[list[int], int]], sizes: dict[str, int]) -> EvidenceFrames:
-    """frame_evidence over the same rows, as chunk_evidence would read them."""
+               chains: dict[str, tuple[list[int], int]], sizes: dict[str, int], names: pl.DataType = pl.String
+               ) -> EvidenceFrames:
+    """frame_evidence over the same rows, as chunk_evidence would read them (the block rows' names as ``names``:
+    strings, or categoricals as the store's LowCardinality columns read as Arrow dictionaries)."""
     frame = pl.DataFrame([{**r, "block_size": sizes[r["pod"]]} for r in reqs], infer_schema_length=None).with_columns(
         pl.col("ts").dt.cast_time_unit("ms"))
     blocks = pl.DataFrame(rows, schema=list(zip(
         ("pod", "engine", "medium", "block_hash", "chain", "ts", "seq", "idx", "pos", "kind"),
         (pl.String, pl.String, pl.String, pl.UInt64, pl.UInt64, pl.Int64, pl.UInt64, pl.UInt32, pl.UInt32, pl.String),
-        strict=True)), orient="row")
+        strict=True)), orient="row").with_columns(pl.col("pod", "engine", "medium", "kind").cast(names))
     reset_frame = pl.DataFrame(resets, schema=list(zip(("pod", "engine", "ts", "seq", "idx", "kind"), (
         pl.String, pl.String, pl.Int64, pl.UInt64, pl.UInt32, pl.String), strict=True)), orient="row")
-    first = (pl.concat([blocks.select("pod", "ts"), reset_frame.select("pod", "ts")])
+    first = (pl.concat([blocks.select(pl.col("pod").cast(pl.String), "ts"), reset_frame.select("pod", "ts")])
              .group_by("pod").agg(pl.col("ts").min().alias("first")))
     chain_frame = pl.DataFrame([(rid, c, s) for rid, (c, s) in chains.items()], orient="row", schema={
         "request_id": pl.String, "chain": pl.List(pl.UInt64), "chain_block_size": pl.Int64})
@@ -137,14 +139,15 @@ def columnwise(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], res
     return frames
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_column_wise_evidence_and_verdicts_equal_the_reference(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "names"), [(seed, pl.String) for seed in range(6)]
+                         + [(seed, pl.Categorical) for seed in range(2)])
+def test_column_wise_evidence_and_verdicts_equal_the_reference(seed: int, names: pl.DataType) -> None:
     reqs = traffic(seed)
     rows, resets, chains = history(seed, reqs)
     sizes = SIZES
     want = reference(reqs, rows, resets, chains, sizes)
     twice = sorted(rows + rows[::97], key=lambda row: (*row[:4], *row[5:]))  # rows written twice count once
-    frames = columnwise(reqs, twice, resets, chains, sizes)
+    frames = columnwise(reqs, twice, resets, chains, sizes, names)
     got = frames.to_mapping()
     assert set(got) == set(want)
     for rid, evidence in want.items():

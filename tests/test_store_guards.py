@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import clickhouse_connect
+import polars as pl
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner, Result
@@ -162,6 +163,19 @@ def test_a_session_that_may_not_change_the_limit_is_opened_without_it(store: Sto
     held = clickhouse_connect.get_client(dsn=store.dsn, database=store.database)
     held.command("SET readonly = 1")
     assert insert_settings(held) == {}
+
+
+def test_a_preferred_query_setting_the_store_refuses_is_left_out(store: Store) -> None:
+    """Store.query_df(preferred=...): the settings are used where the user may set them and left out (same
+    answer, other types) where a settings profile forbids them (a read-only user stands in for it)."""
+    sql = "SELECT toLowCardinality(toString(number % 3)) AS name FROM numbers(6)"
+    dictionaries = {"output_format_arrow_low_cardinality_as_dictionary": 1}
+    free = store.query_df(sql, preferred=dictionaries)
+    held_client = clickhouse_connect.get_client(dsn=store.dsn, database=store.database)
+    held_client.command("SET readonly = 1")
+    held = Store(held_client, store.database, store.dsn).query_df(sql, preferred=dictionaries)
+    assert free.schema["name"] == pl.Categorical and held.schema["name"] == pl.String
+    assert free["name"].cast(pl.String).to_list() == held["name"].to_list() == ["0", "1", "2", "0", "1", "2"]
 
 
 def stage_tables(store: Store) -> list[str]:
