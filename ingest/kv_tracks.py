@@ -43,8 +43,8 @@ def _changed(columns: list[str]) -> pl.Expr:
 
 def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(tracks: track, chain, pod, engine; events: track, pod, engine, ts, seq, idx, pos, delta ±1, in track then
-    event order). ``blocks`` sorted by kv_block_log's identity (:data:`_IDENTITY`: a track's rows are contiguous,
-    in event order, a removal before a store of the same position), names (pod, engine, medium) as integer
+    event order). ``blocks``: a track's rows contiguous, in kv_block_log's order (:data:`_IDENTITY`: event order,
+    a removal before a store of the same position), tracks in any order, names (pod, engine, medium) as integer
     codes; a row equal to the one before (written twice) counts once. A track's chain is that of its last stored
     row with a chain, as in the reference. Column-wise in numpy: rows are compared with the row before, a
     track's last named row is the last of its run."""
@@ -230,7 +230,8 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
                    first_nowhere: bool = False) -> pl.DataFrame:
     """The status of each asked block, as :meth:`ingest.kv_evidence.KvTimeline.status` gives it.
 
-    ``blocks``: :data:`BLOCK_COLUMNS` rows sorted by kv_block_log's identity (:data:`_IDENTITY`, its ORDER BY);
+    ``blocks``: :data:`BLOCK_COLUMNS` rows, each track's contiguous and in kv_block_log's order (:data:`_IDENTITY`
+    after the track: its ORDER BY; tracks in any order, e.g. :func:`ingest.kv_evidence.fetch_blocks`);
     ``resets``: :data:`RESET_COLUMNS` rows; ``asks``: columns rid (request), i (position among its missed
     blocks), chain, pod, model, t (arrival, unix ms), end (its end, unix ms); ``model_pods``: (model, pod) pairs,
     the pods whose holdings count as elsewhere for that model. Returns asks' rid and i with state

@@ -126,6 +126,7 @@ def columnwise(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], res
         ("pod", "engine", "medium", "block_hash", "chain", "ts", "seq", "idx", "pos", "kind"),
         (pl.String, pl.String, pl.String, pl.UInt64, pl.UInt64, pl.Int64, pl.UInt64, pl.UInt32, pl.UInt32, pl.String),
         strict=True)), orient="row").with_columns(pl.col("pod", "engine", "medium", "kind").cast(names))
+    blocks = kv_evidence.in_log_order(blocks)  # by block hash first, as fetch_blocks sorts them
     reset_frame = pl.DataFrame(resets, schema=list(zip(("pod", "engine", "ts", "seq", "idx", "kind"), (
         pl.String, pl.String, pl.Int64, pl.UInt64, pl.UInt32, pl.String), strict=True)), orient="row")
     first = (pl.concat([blocks.select(pl.col("pod").cast(pl.String), "ts"), reset_frame.select("pod", "ts")])
