@@ -9,8 +9,8 @@ the row the whole batch would have given (kv_block_events → kv_block_log, sql/
 - a piece of an event cut by blocks keeps ``idx`` and says where its first block was in vLLM's event
   (``KvBlockEvent.first_pos``: kv_block_log's ``pos`` of each block is ``first_pos`` + its place in the piece);
   a BlockStored piece's ``parent_block_hash`` is the block before it in the event (the event's parent for the
-  first piece), as kv_block_log chains a block to the one before it; ``chain_hashes``, ``token_ids`` and ``extra_keys`` are cut
-  with the blocks, ``token_count`` in proportion (the pieces add up to the event's);
+  first piece), as kv_block_log chains a block to the one before it; ``chain_hashes``, ``token_ids`` and
+  ``extra_keys`` are cut with the blocks, ``token_count`` in proportion (the pieces add up to the event's);
 - every part but the first is ``continued`` (``KvEventBatch.continued``): only the first marks a vLLM start
   (the restart row of a seq-0 batch, once per batch);
 - a part's event id comes from the batch's (or the part's being split again) and the range of events and blocks
@@ -50,10 +50,11 @@ class Split(NamedTuple):
 def piece(e: KvBlockEvent, a: int, b: int) -> KvBlockEvent:
     """Blocks ``a..b-1`` of event ``e`` (``0 <= a < b <= len(e.block_hashes)``) as an event of their own: same
     ``type``, ``idx``, ``medium``, ``block_size``, ``lora_name``; ``first_pos`` moved by ``a``; a BlockStored's
-    parent the block before ``a`` (``e``'s parent when ``a`` is 0; other types keep theirs); per-block lists (``chain_hashes``, ``extra_keys``) cut when
-    parallel to the blocks (else ``chain_hashes`` [] = unknown, ``extra_keys`` None); ``token_ids`` and the token
-    count cut in proportion, ``floor(T·b/n) − floor(T·a/n)`` of the event's ``T`` tokens (exactly
-    ``(b − a) · block_size`` when ``T`` is ``n`` full blocks), so the pieces of an event add up to it."""
+    parent the block before ``a`` (``e``'s parent when ``a`` is 0; other types keep theirs); per-block lists
+    (``chain_hashes``, ``extra_keys``) cut when parallel to the blocks (else ``chain_hashes`` [] = unknown,
+    ``extra_keys`` None); ``token_ids`` and the token count cut in proportion, ``floor(T·b/n) − floor(T·a/n)`` of
+    the event's ``T`` tokens (exactly ``(b − a) · block_size`` when ``T`` is ``n`` full blocks), so the pieces of
+    an event add up to it."""
     n = len(e.block_hashes)
     if a == 0 and b == n:
         return e
