@@ -64,14 +64,14 @@ def snapshot(store: Store) -> dict[str, Any]:
     log = store.query_rows("SELECT pod, engine, medium, block_hash, ts, seq, idx, pos, kind, parent_block_hash, "
                            "chain_hash, block_size FROM kv_block_log")
     events = store.query_rows(
-        "SELECT count(), countIf(first_pos = 0), uniqExact(seq, idx), sum(length(block_hashes)), sum(token_count), "
+        "SELECT count(), uniqExact(seq, idx), sum(length(block_hashes)), sum(token_count), "
         "groupUniqArray(event_type) FROM kv_block_events")
     final = store.query_rows("SELECT count() FROM kv_block_events FINAL")[0][0]
     return {
         "kv_block_log": Counter(log),
         "resets": sorted(store.query_rows("SELECT pod, engine, ts, seq, idx, kind FROM kv_cache_resets")),
         "dead_letters": sorted(store.query_rows("SELECT event_id, source, reason, location FROM dead_letters")),
-        "events": [(*events[0][1:5], sorted(events[0][5]))],
+        "events": [(*events[0][1:4], sorted(events[0][4]))],
         "no_row_collapses": events[0][0] == final,  # (pieces of one event differ in their sorting key)
         "kv_evictions": store.named("kv_evictions", {}).to_dicts(),
         "kv_resident_at": store.named("kv_resident_at", {}).to_dicts(),
