@@ -252,9 +252,11 @@ def split_kv_batch(ev: Envelope, max_message_bytes: int, size: int,
     splits.append(SplitBatch(ev.pod, ev.event_id, size, len(cut.parts), "setting"))
     oversized = []
     for alone, alone_size in cut.too_large:
-        e = alone.payload.events[0]  # type: ignore[union-attr]
-        what = (f"block {e.first_pos} of KV event {e.idx} ({e.type}) of batch seq {alone.payload.seq}"  # type: ignore[union-attr]
-                if e.block_hashes else f"KV event {e.idx} ({e.type}, no blocks) of batch seq {alone.payload.seq}")  # type: ignore[union-attr]
+        b = alone.payload
+        assert isinstance(b, KvEventBatch)
+        e = b.events[0]
+        what = (f"block {e.first_pos} of KV event {e.idx} ({e.type}) of batch seq {b.seq}" if e.block_hashes
+                else f"KV event {e.idx} ({e.type}, no blocks) of batch seq {b.seq}")
         reason = (f"{what} alone encodes {alone_size} bytes, larger than a Kafka message may be "
                   f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data (the batch's other "
                   "blocks and events were, in parts). Raise the setting (and the broker's message.max.bytes / "
@@ -422,9 +424,10 @@ class KafkaPublisher:
 
     def publish(self, events: list[Envelope], on_ack: Ack | None = None) -> None:
         """Send every envelope (:func:`plan_messages`), wait for the broker's acknowledgement, count the
-        envelopes sent as dead letters (``kvscope_collector_oversized_events_total{kind,why}``), then call
-        ``on_ack``. Raises :class:`PublishError` (nothing counted, ``on_ack`` not called; the caller re-sends
-        everything and the store drops what already landed)."""
+        envelopes sent as dead letters (``kvscope_collector_oversized_events_total{kind,why}``) and the KV-event
+        batches sent in parts (``kvscope_collector_kv_batches_split_total{why}``), then call ``on_ack``. Raises
+        :class:`PublishError` (nothing counted, ``on_ack`` not called; the caller re-sends everything and the
+        store drops what already landed)."""
         splits: list[SplitBatch] = []
         messages, oversized = plan_messages(events, namespace=self.namespace, max_message_bytes=self.max_message_bytes,
                                             splits=splits)
