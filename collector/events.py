@@ -97,7 +97,9 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     which a batch keeps when events before it were dead-lettered; None = its position in ``events``, as an
     older collector published it), ``extra_keys`` (BlockStored as vLLM published it: per block None or the
     untagged keys, LoRA name, ``(mm_identifier, offset)`` pairs, the cache_salt string, prompt-embeds digests;
-    read only to compute ``chain_hashes`` and emptied with the token ids, so a salt never leaves the collector).
+    read only to compute ``chain_hashes`` and emptied with the token ids, so a salt never leaves the collector),
+    ``first_pos`` (int, the position of its first block in vLLM's event: 0, unless the event is a piece of one
+    cut between blocks to fit a Kafka message, ``collector/kv_split.py``; kv_block_log's ``pos``).
     """
 
     type: str
@@ -111,6 +113,7 @@ class KvBlockEvent(msgspec.Struct, frozen=True):
     chain_hashes: list[int] = []
     idx: int | None = None
     extra_keys: list[Any] | None = None
+    first_pos: int = 0
 
 
 class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
@@ -119,7 +122,10 @@ class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
     Fields: ``topic`` (str, the ZMQ topic), ``seq`` (int, vLLM's per-publisher sequence number),
     ``batch_ts`` (float, unix seconds set by vLLM), ``dp_rank`` (int | None, data-parallel rank = engine),
     ``events`` (list[KvBlockEvent]: the events that decoded, each with its ``idx`` in vLLM's batch; each one
-    that did not is a separate ``DeadLetter``). Natural key: (pod, topic, seq, batch_ts).
+    that did not is a separate ``DeadLetter``), ``replayed`` (bool, fetched from vLLM's replay socket),
+    ``continued`` (bool: a part of a batch too large for one Kafka message other than its first,
+    ``collector/kv_split.py``; such a part does not mark a vLLM start). Natural key: (pod, topic, seq, batch_ts);
+    a part's: the batch's id and the range of events and blocks it holds.
     """
 
     topic: str
@@ -128,6 +134,7 @@ class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
     dp_rank: int | None
     events: list[KvBlockEvent]
     replayed: bool = False
+    continued: bool = False
 
 
 class KvEventGap(msgspec.Struct, frozen=True, tag="kv_event_gap"):

@@ -2,9 +2,11 @@
 
 Envelopes are grouped per (kind, pod), in order, and each group goes out as messages (``encode_batch``) on topic
 ``kvscope.<kind>.v1`` keyed by pod, so one pod's events stay ordered in one partition. For Kafka a message's
-value is capped in bytes (``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``, under the broker's ``message.max.bytes``): an
-envelope that alone encodes larger is sent as a dead letter instead, and a message the broker still refuses as
-too large is split, down to dead-lettering the one envelope it cannot take (docs/reliability.md, "Message size").
+value is capped in bytes (``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``, under the broker's ``message.max.bytes``): a
+KV-event batch that alone encodes larger is sent in parts that each fit (``collector/kv_split.py``), any other
+envelope that large is sent as a dead letter instead, and a message the broker still refuses as too large is
+split, down to dead-lettering the one envelope (or the one block of a KV event) it cannot take
+(docs/reliability.md, "Message size").
 Only this module sees kafka-python exceptions; they become :class:`PublishError`.
 """
 
@@ -32,6 +34,7 @@ from collector.events import (
     topic_for,
     topics,
 )
+from collector.kv_split import split_batch, units
 
 #: Default cap (bytes) of one Kafka message's value, the encoded JSON batch before compression:
 #: ``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``. Apache Kafka refuses a record batch larger than the broker's
@@ -49,8 +52,12 @@ MAX_RAW = 64 * 1024
 
 OVERSIZED = Counter("kvscope_collector_oversized_events", "Envelopes not sent to Kafka as data because they alone "
                     "encode larger than a message may be (why=setting: over KVSCOPE_KAFKA_MAX_MESSAGE_BYTES; "
-                    "why=broker: refused by the broker as too large); each was sent as a dead letter instead",
-                    ["kind", "why"])
+                    "why=broker: refused by the broker as too large); each was sent as a dead letter instead. "
+                    "kind=kv_event_batch: one block of a KV event (or an event without blocks) that alone does not "
+                    "fit; the rest of its batch was sent in parts", ["kind", "why"])
+KV_SPLITS = Counter("kvscope_collector_kv_batches_split", "KV-event batches too large for one Kafka message, sent in "
+                    "parts that each fit (why=setting: over KVSCOPE_KAFKA_MAX_MESSAGE_BYTES; why=broker: refused "
+                    "by the broker as too large)", ["why"])
 
 #: The dead-letter ``source`` of each kind the collector publishes (a dead letter keeps its own source).
 SOURCE_OF_KIND = {"vllm_scrape": "vllm_metrics", "gateway_request": "gateway_log", "kv_event_batch": "kv_events",
@@ -90,7 +97,8 @@ class Message:
 class Oversized:
     """An envelope sent as a dead letter instead of as data: its ``kind``, ``pod`` and ``event_id``, its
     encoded ``size`` (bytes), ``why`` (``setting``: over the cap; ``broker``: the broker refused it as too
-    large) and ``dead_letter``, the envelope sent in its place."""
+    large) and ``dead_letter``, the envelope sent in its place. For a KV-event batch it is one part holding
+    the one block (or event without blocks) that alone does not fit; the batch's other parts were sent."""
 
     kind: str
     pod: str
@@ -98,6 +106,19 @@ class Oversized:
     size: int
     why: str
     dead_letter: Envelope
+
+
+@dataclass(frozen=True)
+class SplitBatch:
+    """A KV-event batch envelope sent in parts (:func:`collector.kv_split.split_batch`): its ``pod`` and
+    ``event_id``, its encoded ``size`` (bytes), how many ``parts`` went out as data, and ``why`` it was split
+    (``setting`` or ``broker``, as :class:`Oversized`)."""
+
+    pod: str
+    event_id: str
+    size: int
+    parts: int
+    why: str
 
 
 def _location(ev: Envelope) -> str:
@@ -108,6 +129,9 @@ def _location(ev: Envelope) -> str:
     if isinstance(p, VllmScrape):
         return p.target
     if isinstance(p, KvEventBatch):
+        if len(p.events) == 1 and p.events[0].idx is not None:
+            e = p.events[0]  # e.g. the one piece of a split batch that does not fit
+            return f"zmq:{p.topic}:{p.seq}:event {e.idx}" + (f":block {e.first_pos}" if e.block_hashes else "")
         return f"zmq:{p.topic}:{p.seq}"
     if isinstance(p, DeadLetter):
         return p.location
@@ -139,32 +163,39 @@ def cut_dead_letter(ev: Envelope, raw_chars: int) -> Envelope:
 
 
 def plan_messages(events: list[Envelope], *, max_events_per_message: int = 2000, namespace: str = "kvscope",
-                  max_message_bytes: int | None = None) -> tuple[list[Message], list[Oversized]]:
+                  max_message_bytes: int | None = None,
+                  splits: list[SplitBatch] | None = None) -> tuple[list[Message], list[Oversized]]:
     """Group envelopes into messages per (kind, pod), in order, at most ``max_events_per_message`` each and, when
     ``max_message_bytes`` is set, at most that many bytes of value each (the encoded JSON array, exactly as
     :func:`collector.events.encode_batch` writes it).
 
-    An envelope that alone encodes larger than ``max_message_bytes`` is replaced by a dead letter
-    (:func:`oversized_dead_letter`, on the ``dead_letter`` topic under its pod) naming its size and the setting;
-    those are returned as :class:`Oversized` (``why="setting"``) beside the messages, which carry their dead
-    letters. A dead letter larger than the cap is sent with its ``raw`` cut to fit (:func:`cut_dead_letter`).
-    ``max_message_bytes=None``: no byte cap (the in-process queue, imports)."""
+    A KV-event batch that alone encodes larger than ``max_message_bytes`` is sent in parts that each fit, in its
+    place (:func:`split_kv_batch`; recorded in ``splits`` when given); a single block of it that alone does not
+    fit, and any other envelope that alone does not, is replaced by a dead letter (:func:`oversized_dead_letter`,
+    on the ``dead_letter`` topic under its pod) naming its size and the setting; those are returned as
+    :class:`Oversized` (``why="setting"``) beside the messages, which carry their dead letters. A dead letter
+    larger than the cap is sent with its ``raw`` cut to fit (:func:`cut_dead_letter`). ``max_message_bytes=None``:
+    no byte cap (the in-process queue, imports)."""
     groups: dict[tuple[str, str], list[Envelope]] = {}
     for ev in events:
         groups.setdefault((ev.schema, ev.pod), []).append(ev)
     out: list[Message] = []
     oversized: list[Oversized] = []
+    splits = [] if splits is None else splits
     data = [k for k in groups if k[0] != "dead_letter"]
     for kind, pod in data:
-        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized)
+        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized,
+                               splits)
     # then the dead letters, with those standing for the oversized envelopes just met
     for kind, pod in [k for k in groups if k[0] == "dead_letter"]:
-        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized)
+        out += _group_messages(kind, pod, groups, max_events_per_message, namespace, max_message_bytes, oversized,
+                               splits)
     return out, oversized
 
 
 def _group_messages(kind: str, pod: str, groups: dict[tuple[str, str], list[Envelope]], max_events_per_message: int,
-                    namespace: str, max_message_bytes: int | None, oversized: list[Oversized]) -> list[Message]:
+                    namespace: str, max_message_bytes: int | None, oversized: list[Oversized],
+                    splits: list[SplitBatch]) -> list[Message]:
     """The messages of one (kind, pod) group of :func:`plan_messages`: one encode per chunk of
     ``max_events_per_message`` that fits the cap; a chunk that does not is encoded event by event
     (:func:`_fitted`) and packed by bytes (:func:`_pack`)."""
@@ -176,31 +207,63 @@ def _group_messages(kind: str, pod: str, groups: dict[tuple[str, str], list[Enve
         if max_message_bytes is None or len(value) <= max_message_bytes:  # the common case
             out.append(Message(topic, key, value))
             continue
-        parts = [enc for ev in chunk if (enc := _fitted(ev, max_message_bytes, groups, oversized))]
+        parts = [enc for ev in chunk for enc in _fitted(ev, max_message_bytes, groups, oversized, splits)]
         out.extend(Message(topic, key, v) for v in _pack(parts, max_message_bytes))
     return out
 
 
 def _fitted(ev: Envelope, max_message_bytes: int, groups: dict[tuple[str, str], list[Envelope]],
-            oversized: list[Oversized]) -> bytes | None:
-    """``ev`` encoded, when it fits a message alone; a dead letter with its ``raw`` cut until it does; else
-    None: the dead letter standing for it is appended to ``groups`` (its pod's dead letters) and recorded in
-    ``oversized``."""
+            oversized: list[Oversized], splits: list[SplitBatch]) -> list[bytes]:
+    """``[ev encoded]``, when it fits a message alone; a dead letter with its ``raw`` cut until it does; a KV-event
+    batch's parts (:func:`split_kv_batch`, recorded in ``splits``), each encoded; else []: the dead letter standing
+    for ``ev`` (or for each block of a KV batch that alone does not fit) is appended to ``groups`` (its pod's dead
+    letters) and recorded in ``oversized``."""
     enc = encode_event(ev)
     if isinstance(ev.payload, DeadLetter):  # already a dead letter: show less of its input
         while len(enc) + 2 > max_message_bytes and isinstance(ev.payload, DeadLetter) and ev.payload.raw:
             ev = cut_dead_letter(ev, len(ev.payload.raw) // 2)
             enc = encode_event(ev)
-        return enc
+        return [enc]
     if len(enc) + 2 <= max_message_bytes:
-        return enc
+        return [enc]
+    if isinstance(ev.payload, KvEventBatch):
+        parts, too_large = split_kv_batch(ev, max_message_bytes, len(enc) + 2, splits)
+        for o in too_large:
+            oversized.append(o)
+            groups.setdefault((o.dead_letter.schema, o.dead_letter.pod), []).append(o.dead_letter)
+        return [encode_event(p) for p in parts]
     reason = (f"{ev.schema} event of {len(enc) + 2} bytes encoded is larger than a Kafka message may be "
               f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data. Raise the setting "
               "(and the broker's message.max.bytes / the topic's max.message.bytes) to carry events this large")
     dl = oversized_dead_letter(ev, reason, max_message_bytes)
     oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, len(enc) + 2, "setting", dl))
     groups.setdefault((dl.schema, dl.pod), []).append(dl)
-    return None
+    return []
+
+
+def split_kv_batch(ev: Envelope, max_message_bytes: int, size: int,
+                   splits: list[SplitBatch]) -> tuple[list[Envelope], list[Oversized]]:
+    """KV-event batch envelope ``ev`` (``size`` bytes encoded as a message, over ``max_message_bytes``, which is
+    ``KVSCOPE_KAFKA_MAX_MESSAGE_BYTES``) cut into parts of at most ``max_message_bytes`` each
+    (:func:`collector.kv_split.split_batch`): → (the parts, in order; an :class:`Oversized` (``why="setting"``)
+    with its dead letter per single block, or event without blocks, that alone does not fit). The split is
+    appended to ``splits``. Raises ValueError for a cap that leaves no room for an event."""
+    cut = split_batch(ev, max_message_bytes)
+    splits.append(SplitBatch(ev.pod, ev.event_id, size, len(cut.parts), "setting"))
+    oversized = []
+    for alone, alone_size in cut.too_large:
+        b = alone.payload
+        assert isinstance(b, KvEventBatch)
+        e = b.events[0]
+        what = (f"block {e.first_pos} of KV event {e.idx} ({e.type}) of batch seq {b.seq}" if e.block_hashes
+                else f"KV event {e.idx} ({e.type}, no blocks) of batch seq {b.seq}")
+        reason = (f"{what} alone encodes {alone_size} bytes, larger than a Kafka message may be "
+                  f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data (the batch's other "
+                  "blocks and events were, in parts). Raise the setting (and the broker's message.max.bytes / "
+                  "the topic's max.message.bytes) to carry blocks this large")
+        dl = oversized_dead_letter(alone, reason, max_message_bytes)
+        oversized.append(Oversized(ev.schema, ev.pod, alone.event_id, alone_size, "setting", dl))
+    return cut.parts, oversized
 
 
 def _pack(parts: list[bytes], max_message_bytes: int) -> list[bytes]:
@@ -326,7 +389,8 @@ class KafkaPublisher:
     :data:`REQUEST_OVERHEAD_BYTES` unless given (a lower one stands for a broker whose limit is below the
     setting: the producer then refuses records with the error such a broker returns). A message refused as too
     large (``MessageSizeTooLargeError``, ``RecordListTooLargeError``) is split in halves and re-sent until it
-    fits; a lone envelope refused is sent as a dead letter naming the setting to lower. Raises
+    fits; a lone KV-event batch refused is cut in parts of half its size (down to dead-lettering the one block
+    that does not fit), any other lone envelope refused is sent as a dead letter naming the setting to lower. Raises
     :class:`PublishError` when the broker cannot be reached or refuses a message for any other reason (the
     caller retries), or ValueError for a cap below the minimum.
     """
@@ -360,10 +424,13 @@ class KafkaPublisher:
 
     def publish(self, events: list[Envelope], on_ack: Ack | None = None) -> None:
         """Send every envelope (:func:`plan_messages`), wait for the broker's acknowledgement, count the
-        envelopes sent as dead letters (``kvscope_collector_oversized_events_total{kind,why}``), then call
-        ``on_ack``. Raises :class:`PublishError` (nothing counted, ``on_ack`` not called; the caller re-sends
-        everything and the store drops what already landed)."""
-        messages, oversized = plan_messages(events, namespace=self.namespace, max_message_bytes=self.max_message_bytes)
+        envelopes sent as dead letters (``kvscope_collector_oversized_events_total{kind,why}``) and the KV-event
+        batches sent in parts (``kvscope_collector_kv_batches_split_total{why}``), then call ``on_ack``. Raises
+        :class:`PublishError` (nothing counted, ``on_ack`` not called; the caller re-sends everything and the
+        store drops what already landed)."""
+        splits: list[SplitBatch] = []
+        messages, oversized = plan_messages(events, namespace=self.namespace, max_message_bytes=self.max_message_bytes,
+                                            splits=splits)
         try:
             while messages:
                 refused = self._send(messages)
@@ -377,11 +444,13 @@ class KafkaPublisher:
                         messages += to_messages(parts[half:], namespace=self.namespace,
                                                 max_message_bytes=self.max_message_bytes)
                         continue
-                    messages.append(self._refused_alone(parts[0], m, exc, oversized))
+                    messages += self._refused_alone(parts[0], m, exc, oversized, splits)
         except self._kafka_error as exc:
             raise PublishError(f"Kafka refused a batch: {exc!r}") from exc
         for o in oversized:
             OVERSIZED.labels(o.kind, o.why).inc()
+        for s in splits:
+            KV_SPLITS.labels(s.why).inc()
         if on_ack is not None:
             on_ack()
 
@@ -405,22 +474,34 @@ class KafkaPublisher:
         order = {id(m): i for i, m in enumerate(messages)}
         return sorted(refused, key=lambda r: order[id(r[0])])
 
-    def _refused_alone(self, ev: Envelope, m: Message, exc: Exception, oversized: list[Oversized]) -> Message:
-        """What to send for ``ev``, alone in message ``m`` that Kafka refused as too large: the dead letter
-        standing for it (recorded in ``oversized``), or, when ``ev`` is a dead letter, itself with half its
-        ``raw``. Raises ``exc`` for a dead letter with no ``raw`` left (the broker takes no message that small)."""
+    def _refused_alone(self, ev: Envelope, m: Message, exc: Exception, oversized: list[Oversized],
+                       splits: list[SplitBatch]) -> list[Message]:
+        """What to send for ``ev``, alone in message ``m`` that Kafka refused as too large: a KV-event batch of
+        more than one block or event in parts of at most half its size, a block larger than that in a part of its
+        own (:func:`collector.kv_split.split_batch`, recorded in ``splits``; a part refused again is cut again);
+        any other envelope, or a KV batch of one block, the dead letter standing for it (recorded in
+        ``oversized``); a dead letter, itself with half its ``raw``. Raises ``exc`` for a dead letter with no
+        ``raw`` left (the broker takes no message that small)."""
         if isinstance(ev.payload, DeadLetter):
             if not ev.payload.raw:
                 raise exc
-            return to_messages([cut_dead_letter(ev, len(ev.payload.raw) // 2)], namespace=self.namespace)[0]
+            return to_messages([cut_dead_letter(ev, len(ev.payload.raw) // 2)], namespace=self.namespace)
         size = len(m.value)
+        if isinstance(ev.payload, KvEventBatch) and units(ev.payload) > 1:
+            try:  # a piece larger than half is tried alone: the broker's limit is not known
+                parts = split_batch(ev, size // 2, keep_too_large=True).parts
+            except ValueError:  # half of it leaves no room for an event: dead-lettered whole, below
+                pass
+            else:
+                splits.append(SplitBatch(ev.pod, ev.event_id, size, len(parts), "broker"))
+                return [Message(m.topic, m.key, encode_batch([p])) for p in parts]  # each part alone
         reason = (f"{ev.schema} event of {size} bytes encoded was refused by Kafka as too large "
                   f"({type(exc).__name__}): the broker's message.max.bytes or the topic's max.message.bytes is "
                   f"lower than KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={self.max_message_bytes}; lower the setting below "
                   "the broker's limit (or raise the broker's)")
         dl = oversized_dead_letter(ev, reason, min(self.max_message_bytes, max(1024, size // 2)))
         oversized.append(Oversized(ev.schema, ev.pod, ev.event_id, size, "broker", dl))
-        return to_messages([dl], namespace=self.namespace)[0]
+        return to_messages([dl], namespace=self.namespace)
 
     def close(self) -> None:
         self._producer.close(timeout=10)

@@ -32,7 +32,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "vllm_metrics": ("ts", "pod", "engine", "model_name", "name", "label", "value", "increase"),
     "vllm_cache_config": ("ts", "pod", "engine", "labels"),
     "kv_block_events": ("event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
-                        "parent_block_hash", "token_count", "block_size", "medium", "chain_hashes"),
+                        "parent_block_hash", "token_count", "block_size", "medium", "chain_hashes", "first_pos",
+                        "continued"),
     "kv_event_gaps": ("event_id", "detected_at", "pod", "engine", "first_seq", "last_seq", "reason",
                       "replayed_batches", "recovered"),
     "dead_letters": ("event_id", "ts", "source", "pod", "reason", "location", "raw"),
@@ -73,12 +74,15 @@ def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
     """One ``kv_block_events`` row per event of the batch. ``idx``: the event's position in vLLM's batch
     (``KvBlockEvent.idx``), else in ``events`` (an older collector); ``token_count``: the collector's count,
     else the token ids carried (an older collector); ``chain_hashes``: one per block hash when the collector
-    computed them, else [] (unknown; collector/kv_chains.py)."""
+    computed them, else [] (unknown; collector/kv_chains.py); ``first_pos``: where the event's first block was
+    in vLLM's event (a piece of one cut between blocks, collector/kv_split.py); ``continued``: 1 for a part of a
+    split batch other than its first (it marks no vLLM start, sql/migrations/0029)."""
     ts = _dt(p.batch_ts * 1000)
     engine = "" if p.dp_rank is None else str(p.dp_rank)
     return [(ev.event_id, ts, ev.pod, engine, p.seq, i if e.idx is None else e.idx, e.type, e.block_hashes,
              e.parent_block_hash, len(e.token_ids) if e.token_count is None else e.token_count, e.block_size,
-             e.medium or "", e.chain_hashes if len(e.chain_hashes) == len(e.block_hashes) else [])
+             e.medium or "", e.chain_hashes if len(e.chain_hashes) == len(e.block_hashes) else [], e.first_pos,
+             int(p.continued))
             for i, e in enumerate(p.events)]
 
 

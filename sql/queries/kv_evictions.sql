@@ -17,7 +17,8 @@
 -- returns: removed_before_reuse UInt64 | evicted blocks with no sign of reuse while resident: stored once, and no block stored on top of them (a BlockStored naming them as parent) in a later batch
 --
 -- Reads kv_block_events, kv_block_log, kv_cache_resets and kv_block_residency (sql/migrations/0017;
--- docs/kv-events.md). vLLM publishes no event for a cache hit (unless a request asks for
+-- docs/kv-events.md). An event sent in pieces (cut between blocks to fit a Kafka message, sql/migrations/0029)
+-- counts once: by its piece with first_pos 0. vLLM publishes no event for a cache hit (unless a request asks for
 -- kv_cache_report_mode "full"), so reuse is seen only when a later request stores more blocks on top of a block,
 -- or stores it again; a decode step filling a block after a prompt's last one counts as on top of it too.
 WITH
@@ -37,9 +38,9 @@ WITH
     ),
     events AS
     (
-        SELECT CAST(pod AS String) AS pod_name, CAST(engine AS String) AS engine_name, count() AS n,
+        SELECT CAST(pod AS String) AS pod_name, CAST(engine AS String) AS engine_name, countIf(first_pos = 0) AS n,
                sumIf(length(block_hashes), event_type = 'BlockStored') AS stored,
-               countIf(event_type = 'BlockRemoved') AS removed_events,
+               countIf(event_type = 'BlockRemoved' AND first_pos = 0) AS removed_events,
                sumIf(length(block_hashes), event_type = 'BlockRemoved') AS removed,
                countIf(event_type = 'AllBlocksCleared') AS cleared
         FROM kv_block_events

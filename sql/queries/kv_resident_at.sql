@@ -19,7 +19,8 @@
 -- Reads kv_block_residency (sql/migrations/0017: residency intervals from kv_block_log, one row per block of each
 -- KV event; docs/kv-events.md). A chain hash matches a block by its vLLM hash or by its kvscope chain hash (equal
 -- on pods with vLLM's default hashing). Leading blocks: counted from the chain's first block to the first one
--- not resident, as vLLM's prefix cache hits only a prefix.
+-- not resident, as vLLM's prefix cache hits only a prefix. An event sent in pieces (cut between blocks to fit a
+-- Kafka message, sql/migrations/0029) counts once in kv_events: by its piece with first_pos 0.
 WITH
     pods AS
     (
@@ -35,7 +36,8 @@ WITH
     ),
     events AS
     (
-        SELECT CAST(pod AS String) AS pod_name, CAST(engine AS String) AS engine_name, count() AS n, min(ts) AS first_ts
+        SELECT CAST(pod AS String) AS pod_name, CAST(engine AS String) AS engine_name, countIf(first_pos = 0) AS n,
+               min(ts) AS first_ts
         FROM kv_block_events
         WHERE ts < {until:DateTime64(3, 'UTC')} AND ({pod:String} = '' OR pod = {pod:String})
         GROUP BY pod_name, engine_name
