@@ -49,30 +49,42 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     row with a chain, as in the reference. Column-wise in numpy: rows are compared with the row before, a
     track's last named row is the last of its run."""
     n = len(blocks)
+    if not n:
+        return (pl.DataFrame(schema={"track": pl.UInt32, "chain": pl.UInt64, "pod": pl.Int64, "engine": pl.Int64}),
+                pl.DataFrame(schema={c: pl.UInt32 if c == "track" else pl.Int64 for c in (
+                    "track", "pod", "engine", "ts", "seq", "idx", "pos", "delta")}))
     stored = (blocks["kind"] == "stored").to_numpy()
     columns = {c: blocks[c].to_numpy() for c in (*_IDENTITY, "chain") if c != "kind"}
-    same_key = np.ones(max(n - 1, 0), dtype=bool)
+    same_key = np.ones(n - 1, dtype=bool)
     for c in _KEY:
         same_key &= columns[c][1:] == columns[c][:-1]
+    track = np.cumsum(np.r_[True, ~same_key]) - 1
     same_row = same_key & (stored[1:] == stored[:-1])
     for c in ("ts", "seq", "idx", "pos"):
         same_row &= columns[c][1:] == columns[c][:-1]
-    keep = np.flatnonzero(np.r_[True, ~same_row]) if n else np.zeros(0, dtype=np.int64)
-    track = (np.cumsum(np.r_[True, ~same_key]) - 1)[keep] if n else np.zeros(0, dtype=np.int64)
-    chain = columns["chain"][keep] if n else np.zeros(0, dtype=np.uint64)
-    stored = stored[keep]
-    named_rows = np.flatnonzero(stored & (chain != 0))
-    last = named_rows[np.r_[track[named_rows][1:] != track[named_rows][:-1], True]] if len(named_rows) else named_rows
-    has_name = np.zeros(int(track[-1]) + 1 if len(track) else 0, dtype=bool)
-    has_name[track[last]] = True
-    rows = keep[has_name[track]]
-    ev_track = track[has_name[track]]
-    named = pl.DataFrame({"track": track[last].astype(np.uint32), "chain": chain[last].astype(np.uint64),
-                          "pod": columns["pod"][keep[last]], "engine": columns["engine"][keep[last]]})
-    events = pl.DataFrame({"track": ev_track.astype(np.uint32), "pod": columns["pod"][rows],
-                           "engine": columns["engine"][rows],
-                           **{c: columns[c][rows].astype(np.int64) for c in ("ts", "seq", "idx", "pos")},
-                           "delta": np.where(stored[has_name[track]], 1, -1).astype(np.int64)})
+    sel = np.flatnonzero(np.r_[True, ~same_row]) if same_row.any() else None  # None: every row, no copies
+    chain = columns["chain"] if sel is None else columns["chain"][sel]
+    track, stored = (track, stored) if sel is None else (track[sel], stored[sel])
+    naming = stored & (chain != 0)
+    has_name = np.zeros(int(track[-1]) + 1, dtype=bool)
+    has_name[track[naming]] = True
+    if not has_name.all():  # rows of tracks without a named store go
+        keep = has_name[track]
+        sel = np.flatnonzero(keep) if sel is None else sel[keep]
+        track, stored, chain, naming = track[keep], stored[keep], chain[keep], naming[keep]
+
+    def pick(column: np.ndarray) -> np.ndarray:
+        return column if sel is None else column[sel]
+
+    named_rows = np.flatnonzero(naming)
+    runs = track[named_rows]
+    last = named_rows[np.r_[runs[1:] != runs[:-1], True]]
+    pod, engine = pick(columns["pod"]), pick(columns["engine"])
+    named = pl.DataFrame({"track": track[last].astype(np.uint32), "chain": chain[last].astype(np.uint64, copy=False),
+                          "pod": pod[last], "engine": engine[last]})
+    events = pl.DataFrame({"track": track.astype(np.uint32), "pod": pod, "engine": engine,
+                           **{c: pick(columns[c]).astype(np.int64, copy=False) for c in ("ts", "seq", "idx", "pos")},
+                           "delta": np.where(stored, 1, -1)})
     return named, events
 
 
