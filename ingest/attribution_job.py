@@ -57,6 +57,8 @@ JOB_NAME = "miss_causes"
 #: What the job reads of a request it judges (the columns judge_frame and precise mode read).
 _FIELDS = TARGET_FIELDS
 _SELECT = ", ".join(_FIELDS)
+#: A request's identity (its row of gateway_requests).
+_ID = ["request_id", "ts"]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BETWEEN = "ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}"
 #: The rows of a staged set (ingest.dedup.stage_keys): binding 10^5 ids as a parameter costs seconds of Python.
@@ -173,9 +175,9 @@ def _arrivals(store: Store, since: datetime, upto: datetime, lo: int, hi: int,
     """The requests ingested in (since, upto] with order_key in (lo, hi] that have no answer yet (no row of
     request_attribution with their (request_id, ts), whatever its sign), in no particular order, with their
     order_key. The answered ones are left out in the store: the overlap window re-reads mostly answered
-    requests, and only their keys are read for that, not their fields. ``answered_through``: the latest ts with
-    an answer (None: none); a chunk whose every millisecond is later has none answered, and is read without
-    that anti-join (a backlog's chunks, after the overlap window)."""
+    requests, and only their keys are read for that, not their fields. ``answered_through``: a ts no answer is
+    later than (None: no answer); a chunk whose every millisecond is later has none answered, and is read
+    without that anti-join (a backlog's chunks, after the overlap window)."""
     params = {"since": since, "upto": upto, "lo": lo, "hi": hi}
     first = _EPOCH + timedelta(milliseconds=(lo + 1) // 1048576)
     if answered_through is None or first > answered_through:
@@ -239,29 +241,49 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
         """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms})
 
 
-_TARGET_KEYS = f"""
+def _target_keys(by: list[str]) -> str:
+    """The CTE of the targets' predecessor keys, each target named by the columns ``by`` (:func:`_identity`)."""
+    return f"""
     target_keys AS
     (
-        SELECT request_id, ts, intDiv(order_key, 1048576) * 1048576 AS first_of_ms, k.kind AS kind, k.key AS key
+        SELECT {", ".join(dict.fromkeys([*by, "ts"]))}, intDiv(order_key, 1048576) * 1048576 AS first_of_ms,
+               k.kind AS kind, k.key AS key
         FROM gateway_requests ARRAY JOIN predecessor_keys AS k
         WHERE {_IN_SET} AND {_BETWEEN}
     )"""
-_FOUND = """
-    SELECT t.request_id AS request_id, t.ts AS ts, t.kind AS kind, p.request_id AS p_request_id, p.ts AS p_ts,
+
+
+def _found(by: list[str]) -> str:
+    """The candidates' columns: the target (``by``), the key's kind, the candidate's request_id, ts, order_key."""
+    return f"""
+    SELECT {", ".join(f"t.{c} AS {c}" for c in by)}, t.kind AS kind, p.request_id AS p_request_id, p.ts AS p_ts,
            p.order_key AS p_order_key
     FROM target_keys AS t"""
 
 
+def _identity(targets: pl.DataFrame) -> list[str]:
+    """The columns that name a target in the predecessor queries: its order_key alone when every target has a
+    distinct one (one integer to read back, group and join on, not a string), else (request_id, ts). Equal
+    ids give equal order_keys, so distinct order_keys name the same targets as the ids."""
+    if "order_key" in targets.columns:
+        keys = targets["order_key"]
+        if keys.null_count() == 0 and keys.n_unique() == len(keys):
+            return ["order_key"]
+    return _ID
+
+
 def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int = 0) -> pl.DataFrame:
-    """Per target (request_id, ts): the chosen predecessor's key kind, (request_id, ts) and whether it lies
-    beyond the horizon. On each key the latest request of an earlier millisecond within the horizon (ASOF
-    JOIN); then by priority: conversation, agent run, fingerprint, else the latest of the variant matches
+    """Per target (named by :func:`_identity`: its order_key, or its request_id and ts): the chosen
+    predecessor's key kind, request_id, ts and order_key, and whether it lies beyond the horizon. On each key
+    the latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority:
+    conversation, agent run, fingerprint, else the latest of the variant matches
     (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
     (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does."""
+    by = _identity(targets)
     found = store.query_df(
         f"""
-        WITH {_TARGET_KEYS}
-        {_FOUND}
+        WITH {_target_keys(by)}
+        {_found(by)}
         ASOF INNER JOIN
         (
             SELECT key, order_key, request_id, ts FROM request_keys
@@ -272,28 +294,28 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
         """, {**_stage(store, "targets", targets), "horizon": horizon_ms})
     ts_type = targets.schema["ts"]
-    chosen = _choose(_confirm_bands(store, found, targets), False, ts_type)
+    chosen = _choose(_confirm_bands(store, found, targets, by), False, ts_type, by)
     if lookback_ms > horizon_ms:
-        rest = targets.select("request_id", "ts").join(chosen.select("request_id", "ts"), on=["request_id", "ts"],
-                                                       how="anti")
+        rest = targets.select(*dict.fromkeys([*_ID, *by])).join(chosen.select(by), on=by, how="anti")
         if not rest.is_empty():
-            beyond = _choose(_confirm_bands(store, _beyond_horizon(store, rest, horizon_ms, lookback_ms), targets),
-                             True, ts_type)
+            beyond = _choose(_confirm_bands(store, _beyond_horizon(store, rest, horizon_ms, lookback_ms, by),
+                                            targets, by), True, ts_type, by)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
 
 
-def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int) -> pl.DataFrame:
+def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int,
+                    by: list[str] = _ID) -> pl.DataFrame:
     """Candidates beyond the horizon, for targets with none within it: on each key the latest request more than
     ``horizon_ms`` and at most ``lookback_ms`` before the target. Such a target has no request of an earlier
     millisecond within the horizon on any of its keys, so that latest request is the latest before its
     arrival − horizon: it lies in [lo − horizon, hi − horizon) or is the key's latest before lo − horizon. The
     ASOF JOIN's right side holds only those rows (one per key for the second part), so memory follows the
-    targets' time span, not the lookback."""
+    targets' time span, not the lookback. ``by``: the columns naming a target (:func:`_identity`)."""
     return store.query_df(
         f"""
-        WITH {_TARGET_KEYS}
-        {_FOUND}
+        WITH {_target_keys(by)}
+        {_found(by)}
         ASOF INNER JOIN
         (
             SELECT key, order_key, request_id, ts FROM request_keys
@@ -317,46 +339,50 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
         """, {**_stage(store, "beyond", targets), "horizon": horizon_ms, "lookback": lookback_ms})
 
 
-def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame) -> pl.DataFrame:
+def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by: list[str] = _ID
+                   ) -> pl.DataFrame:
     """``found`` without the candidates on a banded system-lines key (kinds 7, 8) that their lines do not confirm
     (ingest.attribution.lines_match, as PredecessorIndex.candidates drops them). A target that has a candidate
     of a higher rank (conversation, agent run, fingerprint) never picks a banded one, so only the others are
-    checked; the candidates' lines are read from gateway_requests."""
+    checked; the candidates' lines are read from gateway_requests. ``by``: the columns naming a target."""
     band = found.filter(pl.col("kind").is_in(BAND_KEYS))
     if band.is_empty():
         return found
-    ranked = found.filter(pl.col("kind") <= KEY_FINGERPRINT).select("request_id", "ts").unique()
-    band = band.join(ranked, on=["request_id", "ts"], how="anti")
+    ranked = found.filter(pl.col("kind") <= KEY_FINGERPRINT).select(by).unique()
+    band = band.join(ranked, on=by, how="anti")
     if band.is_empty():
         return found.filter(~pl.col("kind").is_in(BAND_KEYS))
     ts_type = band.schema["ts"]
-    ours = targets.select("request_id", pl.col("ts").cast(ts_type), LINE_HASHES, LINE_TOKENS)
+    ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), LINE_HASHES, LINE_TOKENS)
     keys = band.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
     theirs = _requests(store, keys, ("request_id", "ts", LINE_HASHES)).select(
         pl.col("request_id").alias("p_request_id"), pl.col("ts").cast(ts_type).alias("p_ts"),
         pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
-    frame = (band.join(ours, on=["request_id", "ts"], how="left")
+    frame = (band.join(ours, on=by, how="left")
              .join(theirs, on=["p_request_id", "p_ts"], how="left"))
     confirmed = frame.filter(pl.Series(structure_lines_match(frame))).select(found.columns)
     return pl.concat([found.filter(~pl.col("kind").is_in(BAND_KEYS)), confirmed], how="vertical_relaxed")
 
 
-def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType) -> pl.DataFrame:
-    """One predecessor per target among ``found`` (a row per key with a candidate): the lowest key rank
-    (conversation, agent run, fingerprint, then any variant), the latest on a tie. Columns request_id, ts,
-    predecessor_kind, beyond_horizon, p_request_id, p_ts (timestamps of ``ts_type``), p_order_key.
+def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by: list[str] = _ID) -> pl.DataFrame:
+    """One predecessor per target among ``found`` (a row per key with a candidate; a target named by the columns
+    ``by``): the lowest key rank (conversation, agent run, fingerprint, then any variant), the latest on a tie.
+    Columns ``by``, predecessor_kind, beyond_horizon, p_request_id, p_ts (timestamps of ``ts_type``),
+    p_order_key.
 
     The best row of each target is picked within its group (a numeric sort of its few candidates), not by
-    sorting all candidates by target: the strings are hashed once, never compared in a sort."""
+    sorting all candidates by target."""
+    ids = [pl.col(c).cast(ts_type) if c == "ts" else pl.col(c) for c in by]
     if found.is_empty():
-        return pl.DataFrame(schema={"request_id": pl.String, "ts": ts_type, "predecessor_kind": pl.String,
+        schema = {"request_id": pl.String, "ts": ts_type, "order_key": pl.UInt64}
+        return pl.DataFrame(schema={**{c: schema[c] for c in by}, "predecessor_kind": pl.String,
                                     "beyond_horizon": pl.Boolean, "p_request_id": pl.String, "p_ts": ts_type,
                                     "p_order_key": pl.UInt64})
     rank = pl.when(pl.col("kind") <= KEY_FINGERPRINT).then(pl.col("kind")).otherwise(4)
-    best = (found.with_row_index("row").group_by("request_id", "ts")
+    best = (found.with_row_index("row").group_by(by)
             .agg(pl.col("row").sort_by([rank, pl.col("p_order_key")], descending=[False, True]).first()))["row"]
     return found[best].select(
-        "request_id", pl.col("ts").cast(ts_type),
+        *ids,
         pl.col("kind").replace_strict(_KIND_NAMES, default=attribution.VARIANT, return_dtype=pl.String)
         .alias("predecessor_kind"),
         pl.lit(beyond_horizon).alias("beyond_horizon"), "p_request_id", pl.col("p_ts").cast(ts_type),
@@ -374,8 +400,6 @@ def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tup
     return {(str(r[0]), _utc(r[1])): (int(r[2]), (r[0], _utc(r[1]), *r[3:])) for r in rows}
 
 
-#: A request's identity (its row of gateway_requests).
-_ID = ["request_id", "ts"]
 #: What the job keeps of a request that may be a predecessor: the fields judge_frame reads of one and its
 #: order_key (ts in ms << 20 | 20 bits of the id's MD5: one integer that (request_id, ts) determine).
 _KNOWN = (*PREDECESSOR_FIELDS, "order_key")
@@ -466,7 +490,8 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         wanted = chosen.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts"),
                                pl.col("p_order_key").alias("order_key"))
         have = [targets, *(f for f in known if not f.is_empty())]
-        frame = _with_predecessors(store, frame.join(chosen, on=_ID, how="left"), wanted, have)
+        by = _ID if "request_id" in chosen.columns else ["order_key"]
+        frame = _with_predecessors(store, frame.join(chosen, on=by, how="left"), wanted, have)
     evidence = None
     if kv_evidence:
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
@@ -610,12 +635,15 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
     sizes = block_sizes(store)
     answered_through = _answered_through(store)
+    # Every answer of a request of a later chunk predates this run: a chunk's arrivals are answered only by
+    # their own chunk, and a successor re-answered already had an answer.
+    answered_before = answered_through
     stats = RunStats()
     bounds = _chunk_bounds(store, since, upto, chunk_size) if upto > since else []
     recent: list[pl.DataFrame] = []  # the predecessor fields of the last chunks' arrivals
     known_rows = KNOWN_CHUNKS * chunk_size
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        arrivals = _arrivals(store, since, upto, lo, hi, answered_through)
+        arrivals = _arrivals(store, since, upto, lo, hi, answered_before)
         if arrivals.is_empty():
             continue
         # Only an arrival older than some answered request can have an answered successor (its successors

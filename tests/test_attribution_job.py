@@ -459,10 +459,12 @@ def colliding_ids() -> tuple[str, str]:
 
 @pytest.mark.parametrize("chunk_size", [2, 100])
 def test_predecessors_sharing_an_order_key_are_told_apart(store, chunk_size):
-    """The job matches a predecessor's fields on its order_key when that is exact: two predecessors of one
-    millisecond whose order_keys collide must each give their own fields (in the chunk, or in a chunk before)."""
+    """The job names targets and matches predecessors on their order_key when that is exact: two requests of one
+    millisecond whose order_keys collide must each find their own predecessor and give their own fields to
+    their successors (in the chunk, or in a chunk before)."""
     a, b = colliding_ids()
-    reqs = [gw(a, at=0, conv="c1"), gw(b, at=0, conv="c2", pod="pod-b", prompt=900, suffix="other"),
+    reqs = [gw("a0", at=-2, conv="c1", prompt=700, suffix="p"), gw("b0", at=-1, conv="c2", pod="pod-b", suffix="o"),
+            gw(a, at=0, conv="c1"), gw(b, at=0, conv="c2", pod="pod-b", prompt=900, suffix="other"),
             gw("a2", at=3, conv="c1", pod="pod-b", prompt=830, history="q1|reply1", history_tokens=50, suffix="q2",
                suffix_tokens=20),
             gw("b2", at=4, conv="c2", pod="pod-b", prompt=960, history="other|reply", history_tokens=40,
@@ -473,7 +475,7 @@ def test_predecessors_sharing_an_order_key_are_told_apart(store, chunk_size):
     run(store, chunk_size=chunk_size)
     expected = sorted((r.request_id, r.cause, r.sub_cause, r.tokens, r.predecessor_request_id, r.predecessor_pod)
                       for r in attribution.attribute(reqs, block_size_by_pod={}, default_block_size=32))
-    assert {(e[0], e[4]) for e in expected} >= {("a2", a), ("b2", b)}
+    assert {(e[0], e[4]) for e in expected} >= {(a, "a0"), (b, "b0"), ("a2", a), ("b2", b)}
     assert sorted(r[:6] for r in attributed(store)) == expected
 
 
