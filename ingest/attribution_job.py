@@ -352,7 +352,7 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
     band = band.join(ranked, on=by, how="anti")
     if band.is_empty():
         return found.filter(~pl.col("kind").is_in(BAND_KEYS))
-    ts_type = band.schema["ts"]
+    ts_type = band.schema["p_ts"]  # the store's, as the targets' ts in ``found``
     ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), LINE_HASHES, LINE_TOKENS)
     keys = band.select(pl.col("p_request_id").alias("request_id"), pl.col("p_ts").alias("ts")).unique()
     theirs = _requests(store, keys, ("request_id", "ts", LINE_HASHES)).select(
