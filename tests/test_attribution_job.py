@@ -493,3 +493,16 @@ def test_the_rows_kept_for_predecessors_are_bounded():
     assert kept[0].columns == list(attribution_job._KNOWN)
     kept = attribution_job._keep_recent(kept, chunk(9, 9), cap=7)
     assert [len(f) for f in kept] == [9]
+
+
+def test_a_chunk_sharing_the_latest_answers_millisecond_leaves_them_out(store):
+    """A chunk is read without the anti-join against request_attribution only when all its milliseconds are
+    later than every answer: a new request of the same millisecond as the latest answered one is answered,
+    the answered one is not answered twice."""
+    first = gw("x", at=5, conv="c1")
+    insert_requests(store, [first])
+    assert run(store).arrivals == 1
+    insert_requests(store, [{**gw("y", at=5, conv="c2"), "ingested_at": INGESTED + timedelta(seconds=1)}])
+    assert run(store).arrivals == 1
+    assert store.query_rows("SELECT request_id, sum(sign) FROM request_attribution GROUP BY request_id "
+                            "ORDER BY request_id") == [("x", 1), ("y", 1)]
