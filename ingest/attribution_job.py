@@ -454,9 +454,10 @@ def _with_predecessors(store: Store, frame: pl.DataFrame, wanted: pl.DataFrame, 
 
 
 #: How many chunks' worth of arrivals the job keeps the predecessor fields of (KNOWN_CHUNKS × chunk_size rows
-#: at most), so that a predecessor among them is not read from the store again: with chunks of ~200 s of
-#: traffic, ~95% of predecessors lie in this chunk or the last four (a conversation's next turn comes seconds
-#: to minutes later), against ~65% in this chunk or the last one. Costs about 0.5 KB per kept row.
+#: at most), so that a predecessor among them is not read from the store again: on 10^6 requests of generated
+#: history (chunks of ~200 s of traffic; a conversation's next turn comes seconds to minutes later) 98.3% of
+#: predecessors lie in this chunk or the last six, against 64.7% in this chunk or the last one (four: 92.5%).
+#: A kept row costs its predecessor fields: ~0.14 KB there, more with long system-line or chunk hash lists.
 KNOWN_CHUNKS = 6
 
 
