@@ -4,6 +4,8 @@ Uses the ``store`` fixture of tests/conftest.py (one chDB directory per process,
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
 import sys
 import threading
@@ -440,3 +442,67 @@ def test_first_answers_skip_the_collapsing_pass_at_insert_and_still_collapse_at_
     assert stored() == 0
     store.insert_arrow("request_attribution", pair)
     assert stored() == 0
+
+
+def colliding_ids() -> tuple[str, str]:
+    """Two request ids whose order_keys (sql/migrations/0008: 20 bits of the id's MD5 below the millisecond)
+    are equal when they share a millisecond."""
+    seen: dict[int, str] = {}
+    for i in itertools.count():
+        rid = f"k{i}"
+        bits = int.from_bytes(hashlib.md5(rid.encode()).digest()[:4], "little") >> 12
+        if bits in seen:
+            return seen[bits], rid
+        seen[bits] = rid
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("chunk_size", [2, 100])
+def test_predecessors_sharing_an_order_key_are_told_apart(store, chunk_size):
+    """The job names targets and matches predecessors on their order_key when that is exact: two requests of one
+    millisecond whose order_keys collide must each find their own predecessor and give their own fields to
+    their successors (in the chunk, or in a chunk before)."""
+    a, b = colliding_ids()
+    reqs = [gw("a0", at=-2, conv="c1", prompt=700, suffix="p"), gw("b0", at=-1, conv="c2", pod="pod-b", suffix="o"),
+            gw(a, at=0, conv="c1"), gw(b, at=0, conv="c2", pod="pod-b", prompt=900, suffix="other"),
+            gw("a2", at=3, conv="c1", pod="pod-b", prompt=830, history="q1|reply1", history_tokens=50, suffix="q2",
+               suffix_tokens=20),
+            gw("b2", at=4, conv="c2", pod="pod-b", prompt=960, history="other|reply", history_tokens=40,
+               suffix="q3", suffix_tokens=30)]
+    insert_requests(store, reqs)
+    keys = store.query_rows(f"SELECT DISTINCT order_key FROM gateway_requests WHERE request_id IN ('{a}', '{b}')")
+    assert len(keys) == 1  # the two predecessors share an order_key
+    run(store, chunk_size=chunk_size)
+    expected = sorted((r.request_id, r.cause, r.sub_cause, r.tokens, r.predecessor_request_id, r.predecessor_pod)
+                      for r in attribution.attribute(reqs, block_size_by_pod={}, default_block_size=32))
+    assert {(e[0], e[4]) for e in expected} >= {(a, "a0"), (b, "b0"), ("a2", a), ("b2", b)}
+    assert sorted(r[:6] for r in attributed(store)) == expected
+
+
+def test_the_rows_kept_for_predecessors_are_bounded():
+    """The job keeps the predecessor fields of its last chunks up to a row cap, dropping the oldest chunk first
+    (the newest is kept whatever its size)."""
+    def chunk(n: int, first: int) -> pl.DataFrame:
+        reqs = [{**gw(f"r{first + i}", at=first + i), "order_key": first + i} for i in range(n)]
+        return pl.DataFrame(reqs).with_columns(**{c: pl.lit(None) for c in attribution_job._KNOWN if c not in reqs[0]})
+
+    kept: list[pl.DataFrame] = []
+    for first in (0, 3, 6):
+        kept = attribution_job._keep_recent(kept, chunk(3, first), cap=7)
+    assert [f["request_id"].to_list() for f in kept] == [["r3", "r4", "r5"], ["r6", "r7", "r8"]]
+    assert kept[0].columns == list(attribution_job._KNOWN)
+    kept = attribution_job._keep_recent(kept, chunk(9, 9), cap=7)
+    assert [len(f) for f in kept] == [9]
+
+
+def test_a_chunk_sharing_the_latest_answers_millisecond_leaves_them_out(store):
+    """A chunk is read without the anti-join against request_attribution only when all its milliseconds are
+    later than every answer: a new request of the same millisecond as the latest answered one is answered,
+    the answered one is not answered twice."""
+    first = gw("x", at=5, conv="c1")
+    insert_requests(store, [first])
+    assert run(store).arrivals == 1
+    insert_requests(store, [{**gw("y", at=5, conv="c2"), "ingested_at": INGESTED + timedelta(seconds=1)}])
+    assert run(store).arrivals == 1
+    assert store.query_rows("SELECT request_id, sum(sign) FROM request_attribution GROUP BY request_id "
+                            "ORDER BY request_id") == [("x", 1), ("y", 1)]
