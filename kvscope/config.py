@@ -46,8 +46,9 @@ SETTINGS: list[Setting] = [
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("kafka_max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "Bytes of value (the JSON batch before "
             "compression) one Kafka message may carry, at least 16384; keep it under the broker's message.max.bytes "
-            "and the topics' max.message.bytes (Kafka's default: 1048588). An event larger than this alone is sent "
-            "as a dead letter (docs/reliability.md, \"Message size\")", int),
+            "and the topics' max.message.bytes (Kafka's default: 1048588). A vLLM KV-event batch larger than this "
+            "alone is sent in parts; any other event that large is sent as a dead letter (docs/reliability.md, "
+            "\"Message size\")", int),
     Setting("consumer_group", "kvscope-ingest", "Kafka consumer group of the ingesters"),
     Setting("topic_namespace", "kvscope", "Topic prefix: topics are <namespace>.<kind>.v1"),
     Setting("vllm", "", "Comma-separated vLLM targets: NAME=http://host:port or http://host:port (name = host:port); "
