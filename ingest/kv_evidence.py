@@ -215,20 +215,19 @@ _WANTED = """
     )"""
 
 
-_BLOCK_COLUMNS_SQL = """
-    pod, engine, medium, block_hash,
-    if(kind = 'stored', multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
-                                block_hash IN (SELECT h FROM wanted), block_hash, 0), 0) AS chain,
-    toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, kind AS kind_name"""
+_NAMES_SQL = "pod, engine, medium, block_hash"
+_EVENT_SQL = "toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, kind AS kind_name"
+_NAMED_CHAIN_SQL = """multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
+                               block_hash IN (SELECT h FROM wanted), block_hash, 0)"""
+_BLOCK_COLUMNS_SQL = f"""
+    {_NAMES_SQL}, if(kind = 'stored', {_NAMED_CHAIN_SQL}, 0) AS chain, {_EVENT_SQL}"""
 #: fetch_blocks' columns: a row it reads whose chain hash is 0 or its vLLM hash was read for that hash (it is
 #: wanted), so only the other rows (a pod hashing its own way) look their hashes up in the wanted set again
 #: (ClickHouse's ``if`` evaluates only the branch it takes).
-_WANTED_BLOCK_COLUMNS_SQL = """
-    pod, engine, medium, block_hash,
-    if(kind = 'stored', if(chain_hash = block_hash OR chain_hash = 0, block_hash,
-                           multiIf(chain_hash IN (SELECT h FROM wanted), chain_hash,
-                                   block_hash IN (SELECT h FROM wanted), block_hash, 0)), 0) AS chain,
-    toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, pos, kind AS kind_name,
+_WANTED_BLOCK_COLUMNS_SQL = f"""
+    {_NAMES_SQL},
+    if(kind = 'stored', if(chain_hash = block_hash OR chain_hash = 0, block_hash, {_NAMED_CHAIN_SQL}), 0) AS chain,
+    {_EVENT_SQL},
     if(kind != 'stored' OR chain_hash = block_hash OR chain_hash = 0, 1, block_hash IN (SELECT h FROM wanted))
         AS by_block_hash"""
 #: Name columns (LowCardinality) come as Arrow dictionaries, polars categoricals, where the store allows it.
@@ -244,7 +243,6 @@ def in_log_order(frame: pl.DataFrame) -> pl.DataFrame:
         return pl.col(c).to_physical() if isinstance(frame.schema[c], (pl.Categorical, pl.Enum)) else pl.col(c)
     return frame.sort(["block_hash", code("pod"), code("engine"), code("medium"), "ts", "seq", "idx", "pos",
                        pl.col("kind") == "stored"])
-
 
 
 def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
