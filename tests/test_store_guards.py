@@ -178,6 +178,19 @@ def test_a_preferred_query_setting_the_store_refuses_is_left_out(store: Store) -
     assert free["name"].cast(pl.String).to_list() == held["name"].to_list() == ["0", "1", "2", "0", "1", "2"]
 
 
+
+def test_an_embedded_store_hands_its_answers_over_uncompressed(store: Store) -> None:
+    """chDB answers in the same process: its Arrow results are not LZ4-compressed only to be decompressed again
+    (ClickHouse's default compresses them), on the writers' session and on the ad hoc one; the answer is the
+    same. 10^5 zeros are 800,000 bytes as they are and a few kilobytes compressed."""
+    raw = store.client.raw_query("SELECT toUInt64(0) AS z FROM numbers(100000)", fmt="Arrow")
+    assert len(raw) >= 800_000
+    assert pa.ipc.open_file(raw).read_all()["z"].to_pylist() == [0] * 100_000
+    assert store.query_df("SELECT sum(number) AS s FROM numbers(100000)")["s"].item() == 4_999_950_000
+    setting = "SELECT getSetting('output_format_arrow_compression_method') AS m"
+    assert store.query_rows(setting) == [("none",)]
+    assert store.adhoc(setting)["m"].to_list() == ["none"]
+
 def stage_tables(store: Store) -> list[str]:
     return [r[0] for r in store.query_rows("SELECT name FROM system.tables WHERE database = currentDatabase() "
                                            "AND startsWith(name, 'load_')")]
