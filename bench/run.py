@@ -153,6 +153,15 @@ def load_kv_history(store: Any, n: int) -> tuple[int, int]:
     return n, events
 
 
+def _rows_read() -> float:
+    """kvscope_attribution_kv_log_rows_read_total in this process (ingest.kv_evidence.KV_ROWS_READ)."""
+    from prometheus_client import REGISTRY
+
+    import ingest.kv_evidence  # noqa: F401  (registers the counter)
+
+    return REGISTRY.get_sample_value("kvscope_attribution_kv_log_rows_read_total") or 0.0
+
+
 def bench_attribution_kv(store_factory: Callable[[str], Any], n: int) -> None:
     """Attribution with KV-event evidence (precise mode) on its own store, then the same store attributed again
     with the evidence off: each rate (wall and per CPU second: chDB's queries run in this process too) and its
@@ -168,10 +177,15 @@ def bench_attribution_kv(store_factory: Callable[[str], Any], n: int) -> None:
         if not evidence:
             store.command("TRUNCATE TABLE request_attribution")
             store.command("TRUNCATE TABLE attribution_watermark")
+        read_before = _rows_read()
         with PeakRss() as mem:
             t, c = time.perf_counter(), time.process_time()
             stats = run_attribution(store, settle_seconds=-60, kv_evidence=evidence)
             wall, cpu = time.perf_counter() - t, time.process_time() - c
+        if evidence and stats.arrivals:
+            read = (_rows_read() - read_before) / stats.arrivals
+            report(f"attribution with KV evidence, {n:,} requests: kv_block_log rows read per request", f"{read:,.1f}",
+                   f"the log holds {log_rows / n:,.1f} per request (each row read once: linear in requests)")
         mode = "with KV evidence" if evidence else "KV evidence off"
         share = store.query_rows("SELECT countIf(evidence = 'kv_events') / count() FROM request_attribution "
                                  "WHERE length(causes) > 0")[0][0]

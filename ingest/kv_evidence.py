@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import polars as pl
+from prometheus_client import Counter
 
 from ingest import kv_tracks
 from ingest.attribution import (
@@ -200,6 +201,11 @@ def covered(first_event_ms: Mapping[str, int], ts_ms: int) -> frozenset[str]:
 #: The evidence window: from the lookback before the chunk's first arrival to the chunk's last request's end.
 _FROM = ("ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
          "AND ts <= {until:DateTime64(3, 'UTC')}")
+#: Precise mode's read cost: each chunk reads every kv_block_log row of the blocks its requests missed within the
+#: lookback, so a block stored and evicted all day is read again by every chunk that misses it. Divided by the
+#: requests judged (``kvscope_attribution_requests_total``) it is the rows read per request; the log's own rows
+#: per request are the least a reader that read each row once would need (``make bench`` prints both).
+KV_ROWS_READ = Counter("kvscope_attribution_kv_log_rows_read", "kv_block_log rows read as precise-mode evidence")
 #: The longest wait for a request's prefill that the evidence window reaches past the chunk's last arrival.
 MAX_END_MS = 600_000
 _WANTED = """
@@ -359,8 +365,10 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
     last_end = frame.select(end.max()).item()
     params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
-    return frame_evidence(frame, chains, fetch_first_events(store, params), fetch_blocks(store, params, in_set),
-                          fetch_resets(store, params), fetch_model_pods(store, params))
+    blocks = fetch_blocks(store, params, in_set)
+    KV_ROWS_READ.inc(len(blocks))
+    return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, fetch_resets(store, params),
+                          fetch_model_pods(store, params))
 
 
 def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFrame, blocks: pl.DataFrame,

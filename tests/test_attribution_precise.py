@@ -465,3 +465,41 @@ def test_blocks_of_the_base_model_are_not_resident_for_a_lora_adapter(store: Sto
     assert got["lora-1"][0] == [("cold", "", N * b), ("unavoidable", "", 20)] and got["lora-1"][1] == "kv_events"
     assert got["lora-2"][0][0] == ("unknown", "resident_at_arrival", N * b) and got["lora-2"][1] == "kv_events"
     assert got["base-1"][0][0] == ("unknown", "resident_at_arrival", N * b)  # its own blocks, stored at t=1
+
+
+def test_the_rows_read_counter_counts_each_chunks_read_of_the_log(store: Store) -> None:
+    """kvscope_attribution_kv_log_rows_read_total: every kv_block_log row (stored or removed) of the blocks the
+    requests missed, counted once per chunk that reads it: derived here from the store's own rows (pods hashing
+    as vLLM does, so a block's chain hash is its vLLM hash), once with one chunk and once with a chunk per
+    request, where a block missed by two chunks is read, and counted, twice."""
+    from prometheus_client import REGISTRY
+
+    def read() -> float:
+        return REGISTRY.get_sample_value("kvscope_attribution_kv_log_rows_read_total") or 0.0
+
+    HASHING["mode"] = "default"
+    try:
+        build(store, 32)
+    finally:
+        HASHING["mode"] = "own"
+    # s1's prompt again, later and on the same pod: the same missed blocks, in another chunk when chunks are small
+    insert_requests(store, [gw("s1-again", 1, t=7, pod="1-a", prompt_ids=tokens(1, N * 32) + tokens(1, 10, 1), b=32,
+                               prompt=N * 32 + 10, system_tokens=N * 32, suffix_tokens=10)])
+    missed = ("arraySlice(prompt_block_hashes, intDiv(ifNull(cached_tokens, 0), prompt_block_size) + 1, "
+              "greatest(0, intDiv(toInt64(prompt_tokens) - 1, prompt_block_size) "
+              "- intDiv(ifNull(cached_tokens, 0), prompt_block_size)))")
+    rows_of = ("SELECT count() FROM kv_block_log WHERE kind IN ('stored', 'removed') AND block_hash IN "
+               f"(SELECT arrayJoin({missed}) FROM gateway_requests WHERE prompt_block_size > 0 {{where}})")
+    whole = store.query_rows(rows_of.format(where=""))[0][0]
+    per_request = sum(store.query_rows(rows_of.format(where="AND request_id = {r:String}"), {"r": r})[0][0]
+                      for (r,) in store.query_rows("SELECT request_id FROM gateway_requests"))
+    assert 0 < whole < per_request  # some missed blocks are missed by several requests
+    n = store.query_rows("SELECT count() FROM gateway_requests")[0][0]
+    before = read()
+    attribution_job.run_attribution(store, default_block_size=32, chunk_size=n)
+    assert read() - before == whole
+    store.command("TRUNCATE TABLE request_attribution")
+    store.command("TRUNCATE TABLE attribution_watermark")
+    before = read()
+    attribution_job.run_attribution(store, default_block_size=32, chunk_size=1)
+    assert read() - before == per_request

@@ -25,6 +25,7 @@ def test_bench_runs_and_prints_every_figure() -> None:
                    "attribution KV evidence off, 20,000 requests: rate (requests/s, wall)",
                    "attribution KV evidence off, 20,000 requests: rate (requests per CPU second)",
                    "attribution KV evidence off, 20,000 requests: peak memory grown (MB)",
+                   "attribution with KV evidence, 20,000 requests: kv_block_log rows read per request",
                    "query kv_evictions over", "query kv_resident_at over"):
         assert figure in out.stdout, f"`{figure}` missing from the bench output"
     assert "FAILED" not in out.stdout and "ERRORS" not in out.stdout
