@@ -87,6 +87,8 @@ WITH
             FROM kv_block_events
             WHERE (pod, engine) IN (SELECT pod, engine FROM gaps WHERE lo IS NOT NULL)
               AND ts > (SELECT min(lo) FROM gaps) AND ts <= (SELECT max(hi) FROM gaps)
+              AND (CAST(pod AS String), CAST(engine AS String), seq) IN
+                  (SELECT pod, engine, arrayJoin(range(first_seq, last_seq + 2)) FROM gaps WHERE lo IS NOT NULL)
         ) AS b ON b.pod = g.pod AND b.engine = g.engine AND b.seq = g.seq
         WHERE b.ts > g.lo AND b.ts <= g.hi
         GROUP BY g.gap_id
