@@ -146,7 +146,12 @@ class KvEventGap(msgspec.Struct, frozen=True, tag="kv_event_gap"):
     ``reason`` (``missed`` = a later seq arrived first; ``collector_restart`` = the checkpointed seq and the
     first seq after a restart are apart; ``publisher_restart`` = vLLM restarted and its first batch seen was
     not seq 0), ``replayed_batches`` (int, batches recovered from vLLM's replay socket), ``recovered``
-    (bool, every missing batch was replayed). Natural key: (pod, topic, dp_rank, first_seq, last_seq).
+    (bool, every missing batch was replayed), ``prev_batch_ts`` (float | None, unix seconds: vLLM's ts of the
+    stream's last batch the collector delivered before the gap, None when unknown, e.g. restored from a checkpoint
+    written without it) and ``next_batch_ts`` (float | None: the ts of the batch that revealed the gap; None from
+    a collector older than these fields). The missing batches were published between the two, so a reader can
+    tell which of them the store already holds (the ``kv_gaps`` view, sql/migrations/0030). Natural key: (pod,
+    topic, dp_rank, first_seq, last_seq).
     """
 
     topic: str
@@ -157,6 +162,8 @@ class KvEventGap(msgspec.Struct, frozen=True, tag="kv_event_gap"):
     reason: str
     replayed_batches: int = 0
     recovered: bool = False
+    prev_batch_ts: float | None = None
+    next_batch_ts: float | None = None
 
 
 class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):

@@ -190,7 +190,7 @@ class KvEventSubscriber:
             pass
         elif b.seq > st.seq + 1:
             out = self._recover(env.pod, b, st.seq + 1, "collector_restart" if st.restored else "missed",
-                                st if st.batch_ts is not None else None)
+                                st if st.batch_ts is not None else None, st.batch_ts)
         elif st.batch_ts is not None and b.batch_ts <= st.batch_ts:  # an older batch of the same publisher
             delivered_ts = self._delivered.get(key, {}).get(b.seq)
             if delivered_ts is not None and delivered_ts != b.batch_ts:
@@ -204,7 +204,7 @@ class KvEventSubscriber:
         else:  # seq went back and the batch is newer: vLLM restarted (and we missed its first batches if seq > 0)
             self._delivered.pop(key, None)
             if b.seq > 0:
-                out = self._recover(env.pod, b, 0, "publisher_restart", None)
+                out = self._recover(env.pod, b, 0, "publisher_restart", None, st.batch_ts)
         self._streams[key] = _Stream(b.seq, b.batch_ts)
         touched.add(key)
         out.extend(envs)
@@ -244,7 +244,8 @@ class KvEventSubscriber:
             return _Stream(value, ts, restored=True)
         return None
 
-    def _recover(self, pod: str, b: KvEventBatch, first: int, reason: str, verify: _Stream | None) -> list[Envelope]:
+    def _recover(self, pod: str, b: KvEventBatch, first: int, reason: str, verify: _Stream | None,
+                 prev_batch_ts: float | None) -> list[Envelope]:
         """Replay ``first..b.seq-1`` of ``b``'s stream; → [KvEventGap envelope, replayed batches (each followed by
         the dead letters of its bad events) and the dead letter of each replayed message that does not decode,
         in seq order...]. Only decoded batches count as replayed.
@@ -252,6 +253,10 @@ class KvEventSubscriber:
         ``verify`` (the stream's last position, with its batch_ts): also fetch the last delivered batch; if vLLM
         now holds a different batch under that seq, vLLM restarted unseen (e.g. while the collector was down) and
         its seq already passed ours, so the gap is the new publisher's [0, b.seq-1] (``publisher_restart``).
+        ``prev_batch_ts``: the ts of the stream's last delivered batch (None: unknown), reported with ``b.batch_ts``
+        so that readers can tell which missing batches the store holds anyway (a previous run stored them and
+        died before its checkpoint; ``kv_gaps``, sql/migrations/0030): this collector cannot know, so its
+        metrics count what it did not receive and could not replay.
         Replay takes at most ``replay_timeout_seconds`` in all; failures leave the gap lost, never raise."""
         now_ms = int(time.time() * 1000)
         deadline = time.monotonic() + self.replay_timeout_seconds
@@ -272,7 +277,8 @@ class KvEventSubscriber:
                 "KV-event gap. pod=%s topic=%s dp_rank=%s seqs=%d..%d reason=%s replayed=%d/%d",
                 pod, b.topic, b.dp_rank, first, last, reason, n, missing)
         gap = KvEventGap(topic=b.topic, dp_rank=b.dp_rank, first_seq=first, last_seq=last, detected_at_ms=now_ms,
-                         reason=reason, replayed_batches=n, recovered=n == missing)
+                         reason=reason, replayed_batches=n, recovered=n == missing, prev_batch_ts=prev_batch_ts,
+                         next_batch_ts=b.batch_ts)
         gap_env = envelope(gap, pod=pod, natural_key=(b.topic, b.dp_rank, first, last), observed_at_ms=now_ms,
                            engine="" if b.dp_rank is None else str(b.dp_rank))
         return [gap_env, *(e for s in seqs for e in got[s])]

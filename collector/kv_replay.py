@@ -28,7 +28,9 @@ log = logging.getLogger("kvscope.collector")
 GAPS = Counter("kvscope_collector_kv_gaps_total", "Runs of missing KV-event batches (seq gaps) found",
                ["pod", "reason", "outcome"])
 BATCHES_LOST = Counter("kvscope_collector_kv_batches_lost_total",
-                       "Missing KV-event batches that replay did not bring back", ["pod"])
+                       "KV-event batches this collector did not receive live and replay did not bring back (after a "
+                       "crash between store and checkpoint, also batches a previous run stored; the store's count "
+                       "is kv_gaps.lost_batches)", ["pod"])
 BATCHES_REPLAYED = Counter("kvscope_collector_kv_batches_replayed_total",
                            "Missing KV-event batches recovered from vLLM's replay socket", ["pod"])
 REPLAY_FAILURES = Counter("kvscope_collector_kv_replay_failures_total",

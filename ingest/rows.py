@@ -35,7 +35,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                         "parent_block_hash", "token_count", "block_size", "medium", "chain_hashes", "first_pos",
                         "continued"),
     "kv_event_gaps": ("event_id", "detected_at", "pod", "engine", "first_seq", "last_seq", "reason",
-                      "replayed_batches", "recovered"),
+                      "replayed_batches", "recovered", "prev_batch_ts", "next_batch_ts"),
     "dead_letters": ("event_id", "ts", "source", "pod", "reason", "location", "raw"),
 }
 
@@ -87,8 +87,12 @@ def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
 
 
 def kv_gap_row(ev: Envelope, p: KvEventGap) -> tuple[Any, ...]:
+    """The ``kv_event_gaps`` row of a gap report; ``prev_batch_ts``/``next_batch_ts`` as the batches' own ts are
+    stored (:func:`kv_rows`: milliseconds, UTC), None when the collector did not know them."""
     return (ev.event_id, _dt(p.detected_at_ms), ev.pod, "" if p.dp_rank is None else str(p.dp_rank), p.first_seq,
-            p.last_seq, p.reason, p.replayed_batches, p.recovered)
+            p.last_seq, p.reason, p.replayed_batches, p.recovered,
+            None if p.prev_batch_ts is None else _dt(p.prev_batch_ts * 1000),
+            None if p.next_batch_ts is None else _dt(p.next_batch_ts * 1000))
 
 
 def dead_letter_row(ev: Envelope, p: DeadLetter) -> tuple[Any, ...]:

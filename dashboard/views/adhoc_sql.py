@@ -24,7 +24,8 @@ st.caption(
     f"returns at most {ADHOC_MAX_ROWS:,} rows and {ADHOC_MAX_RESULT_BYTES >> 20} MiB. Tables: gateway_requests, "
     "request_attribution (weight by sign), miss_attribution (one row per request and cause), vllm_metrics (kept "
     "vLLM series; counters as increases), vllm_cache_config, kv_block_events, kv_block_log, kv_block_residency "
-    "and kv_cache_resets (block residency, docs/kv-events.md), kv_event_gaps, dead_letters; "
+    "and kv_cache_resets (block residency, docs/kv-events.md), kv_gaps (one row per KV-event gap, lost batches "
+    "counted against the store; kv_event_gaps holds the collectors' reports), dead_letters; "
     "rollups requests_1m/1h, misses_1m/1h, affinity_1m/1h, vllm_1m/1h (docs/scale.md)."
 )
 

@@ -11,7 +11,7 @@
 -- returns: blocks_removed UInt64 | blocks in those BlockRemoved events, blocks (one per copy removed)
 -- returns: evicted_blocks UInt64 | block hashes that left the pod and engine through a BlockRemoved (their last copy removed): residency intervals of kv_block_residency ended by block_removed in the window
 -- returns: caches_cleared UInt64 | AllBlocksCleared events (vLLM's reset_prefix_cache)
--- returns: restarts UInt64 | vLLM starts seen (kv_cache_resets kind restart): a publisher's first batch, or the first batch received after an unrecovered publisher_restart gap
+-- returns: restarts UInt64 | vLLM starts seen (kv_cache_resets kind restart): a publisher's first batch, or the first batch stored after a publisher_restart gap that lost batches (kv_gaps)
 -- returns: blocks_reset UInt64 | block hashes emptied by those clears and restarts, blocks
 -- returns: mean_residency_seconds Nullable(Float64) | mean of removed_at − stored_at over the evicted blocks whose store is in the events, seconds (NULL when none)
 -- returns: removed_before_reuse UInt64 | evicted blocks with no sign of reuse while resident: stored once, and no block stored on top of them (a BlockStored naming them as parent) in a later batch
