@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from collector.events import Envelope, decode_batch, topic_for, topics
 from collector.kv_decode import message_events
 from collector.publish import KafkaPublisher, ensure_topics, plan_messages
 from ingest.ingester import Ingester
+from ingest.kv_pieces import trim_kv_rows
+from ingest.rows import COLUMNS
 from ingest.source import KafkaSource
 from ingest.store import Store
 from tests.test_kafka_size import consume, metric
@@ -265,3 +268,30 @@ def test_a_batch_resent_with_another_message_size_limit_stores_every_block_once(
     for cap in (97_000, 900_000, CAP):
         drain(store, kafka_bootstrap, *sends[cap])
         assert snapshot(store) == want, cap
+
+
+def test_the_ingester_keeps_of_each_row_only_the_blocks_its_event_does_not_hold(store: Store) -> None:
+    # trim_kv_rows against the store and the rows before it: event (seq 0, idx 0) of 10 blocks of 32 tokens
+    # holds blocks 2..4 and 7..9 (pieces stored earlier); a whole copy of the event brings 0..1 and 5..6, chained
+    # to the blocks before them, with their share of the tokens; a second copy in the same insert brings nothing;
+    # an AllBlocksCleared (idx 1) already stored is not stored again, one not yet stored (idx 2) is, once; the
+    # batch's start is marked (a row of it not continued is stored), so the new rows are continued.
+    columns = COLUMNS["kv_block_events"]
+    ts = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+    def row(eid: str, idx: int, kind: str, first: int, hashes: list[int], continued: int) -> tuple[Any, ...]:
+        return (eid, ts, "pod-t", "0", 0, idx, kind, hashes, first - 1 if first and hashes else None,
+                32 * len(hashes), 32, "GPU", [h + 1000 for h in hashes], first, continued)
+
+    store.insert("kv_block_events", [row("a", 0, "BlockStored", 2, [2, 3, 4], 0),
+                                     row("a", 1, "AllBlocksCleared", 0, [], 0),
+                                     row("b", 0, "BlockStored", 7, [7, 8, 9], 1)], columns)
+    whole = row("c", 0, "BlockStored", 0, list(range(10)), 0)
+    incoming = [whole, row("c", 1, "AllBlocksCleared", 0, [], 0), row("c", 2, "AllBlocksCleared", 0, [], 0),
+                whole, row("d", 2, "AllBlocksCleared", 0, [], 0)]
+    out = trim_kv_rows(store, incoming, columns, [1, 1, 1, 2, 2])
+    assert [i for i, _ in out] == [0, 0, 2]
+    got = [dict(zip(columns, r, strict=True)) for _, r in out]
+    assert [(r["idx"], r["first_pos"], r["block_hashes"], r["parent_block_hash"], r["chain_hashes"],
+             r["token_count"], r["continued"]) for r in got] == [
+        (0, 0, [0, 1], None, [1000, 1001], 64, 1), (0, 5, [5, 6], 4, [1005, 1006], 64, 1), (2, 0, [], None, [], 0, 1)]
