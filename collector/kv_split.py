@@ -14,7 +14,9 @@ the row the whole batch would have given (kv_block_events → kv_block_log, sql/
 - every part but the first is ``continued`` (``KvEventBatch.continued``): only the first marks a vLLM start
   (the restart row of a seq-0 batch, once per batch);
 - a part's event id comes from the batch's (or the part's being split again) and the range of events and blocks
-  it holds, so a re-send or a replay of the batch, split again the same way, stores each part once.
+  it holds, so a re-send or a replay of the batch, split again the same way, stores each part once; split
+  another way (another limit), its parts have other ids, and the ingester stores only the blocks not yet held
+  (ingest/kv_pieces.py).
 
 A single block that alone does not fit (hostile input: a block of a million tokens) cannot be cut further; it is
 returned on its own (``too_large``) for the caller to dead-letter, and every other block and event is sent.

@@ -56,8 +56,9 @@ OVERSIZED = Counter("kvscope_collector_oversized_events", "Envelopes not sent to
                     "kind=kv_event_batch: one block of a KV event (or an event without blocks) that alone does not "
                     "fit; the rest of its batch was sent in parts", ["kind", "why"])
 KV_SPLITS = Counter("kvscope_collector_kv_batches_split", "KV-event batches too large for one Kafka message, sent in "
-                    "parts that each fit (why=setting: over KVSCOPE_KAFKA_MAX_MESSAGE_BYTES; why=broker: refused "
-                    "by the broker as too large)", ["why"])
+                    "parts that each fit: each batch once per publish that sends it in parts, however often its "
+                    "parts are cut again (why=broker: the broker refused the batch or one of its parts as too "
+                    "large; why=setting: only KVSCOPE_KAFKA_MAX_MESSAGE_BYTES split it)", ["why"])
 
 #: The dead-letter ``source`` of each kind the collector publishes (a dead letter keeps its own source).
 SOURCE_OF_KIND = {"vllm_scrape": "vllm_metrics", "gateway_request": "gateway_log", "kv_event_batch": "kv_events",
@@ -110,15 +111,39 @@ class Oversized:
 
 @dataclass(frozen=True)
 class SplitBatch:
-    """A KV-event batch envelope sent in parts (:func:`collector.kv_split.split_batch`): its ``pod`` and
-    ``event_id``, its encoded ``size`` (bytes), how many ``parts`` went out as data, and ``why`` it was split
-    (``setting`` or ``broker``, as :class:`Oversized`)."""
+    """One cut of a KV-event batch envelope into parts (:func:`collector.kv_split.split_batch`): its ``pod`` and
+    ``event_id`` (the envelope cut: the batch, or one of its parts cut again), its encoded ``size`` (bytes), the
+    ``part_ids`` (event ids of the parts it became, in order) and ``why`` it was cut (``setting`` or ``broker``,
+    as :class:`Oversized`). A batch whose parts are cut again has one record per cut: :func:`batches_split`
+    says which batches were split, once each."""
 
     pod: str
     event_id: str
     size: int
-    parts: int
+    part_ids: tuple[str, ...]
     why: str
+
+    @property
+    def parts(self) -> int:
+        """How many parts this cut made."""
+        return len(self.part_ids)
+
+
+def batches_split(splits: list[SplitBatch]) -> dict[str, str]:
+    """The KV-event batches that ``splits`` (the cuts of one publish, in the order made) sent in parts: the
+    batch's event id → ``why``, one entry per batch however many times its parts were cut again (a part's cut is
+    the batch's: the part's id leads back to it through the cut that made it). ``why`` is ``broker`` when the
+    broker refused the batch or any of its parts as too large (its parts were then cut to the broker's limit,
+    below the setting), else ``setting``. This is what ``kvscope_collector_kv_batches_split_total{why}``
+    counts, per publish."""
+    root: dict[str, str] = {}  # a part's event id → the batch's
+    out: dict[str, str] = {}
+    for s in splits:
+        batch = root.get(s.event_id, s.event_id)
+        for pid in s.part_ids:
+            root[pid] = batch
+        out[batch] = "broker" if s.why == "broker" or out.get(batch) == "broker" else "setting"
+    return out
 
 
 def _location(ev: Envelope) -> str:
@@ -249,7 +274,7 @@ def split_kv_batch(ev: Envelope, max_message_bytes: int, size: int,
     with its dead letter per single block, or event without blocks, that alone does not fit). The split is
     appended to ``splits``. Raises ValueError for a cap that leaves no room for an event."""
     cut = split_batch(ev, max_message_bytes)
-    splits.append(SplitBatch(ev.pod, ev.event_id, size, len(cut.parts), "setting"))
+    splits.append(SplitBatch(ev.pod, ev.event_id, size, tuple(p.event_id for p in cut.parts), "setting"))
     oversized = []
     for alone, alone_size in cut.too_large:
         b = alone.payload
@@ -425,7 +450,8 @@ class KafkaPublisher:
     def publish(self, events: list[Envelope], on_ack: Ack | None = None) -> None:
         """Send every envelope (:func:`plan_messages`), wait for the broker's acknowledgement, count the
         envelopes sent as dead letters (``kvscope_collector_oversized_events_total{kind,why}``) and the KV-event
-        batches sent in parts (``kvscope_collector_kv_batches_split_total{why}``), then call ``on_ack``. Raises
+        batches sent in parts (``kvscope_collector_kv_batches_split_total{why}``: each batch once,
+        :func:`batches_split`), then call ``on_ack``. Raises
         :class:`PublishError` (nothing counted, ``on_ack`` not called; the caller re-sends everything and the
         store drops what already landed)."""
         splits: list[SplitBatch] = []
@@ -449,8 +475,8 @@ class KafkaPublisher:
             raise PublishError(f"Kafka refused a batch: {exc!r}") from exc
         for o in oversized:
             OVERSIZED.labels(o.kind, o.why).inc()
-        for s in splits:
-            KV_SPLITS.labels(s.why).inc()
+        for why in batches_split(splits).values():
+            KV_SPLITS.labels(why).inc()
         if on_ack is not None:
             on_ack()
 
@@ -493,7 +519,7 @@ class KafkaPublisher:
             except ValueError:  # half of it leaves no room for an event: dead-lettered whole, below
                 pass
             else:
-                splits.append(SplitBatch(ev.pod, ev.event_id, size, len(parts), "broker"))
+                splits.append(SplitBatch(ev.pod, ev.event_id, size, tuple(p.event_id for p in parts), "broker"))
                 return [Message(m.topic, m.key, encode_batch([p])) for p in parts]  # each part alone
         reason = (f"{ev.schema} event of {size} bytes encoded was refused by Kafka as too large "
                   f"({type(exc).__name__}): the broker's message.max.bytes or the topic's max.message.bytes is "

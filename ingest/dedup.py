@@ -10,7 +10,8 @@ rows, only when the batch holds identities the store has and the table compares 
 
 Identity per table (:data:`IDENTITY`): gateway requests by (request_id, ts); vLLM scrapes by (pod, ts) (a
 scrape's rows land or are skipped together); workload labels by request_id (one label per request, whatever
-its ts); the rest by the envelope's ``event_id``.
+its ts); the rest by the envelope's ``event_id``. KV events are also checked block by block
+(:mod:`ingest.kv_pieces`): a batch sent again in parts cut elsewhere carries other event ids.
 The identity's first column is matched with ``IN``; the rest are compared here.
 
 A copy is not always a redelivery. For gateway requests and vLLM scrapes (:attr:`Identity.content`) the stored

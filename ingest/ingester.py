@@ -35,6 +35,7 @@ from collector.gateway_record import LATEST
 from collector.publish import Message
 from ingest.dedup import IDENTITY, check_rows, conflict_reason
 from ingest.errors import ContractViolation, RejectedRows, RetryableError
+from ingest.kv_pieces import trim_kv_rows
 from ingest.retention import Retentions
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
 from ingest.source import Source
@@ -132,7 +133,14 @@ class Ingester:
             ROWS_DUPLICATE.labels(table).inc(len(rows) - len(verdict.keep) - len(verdict.conflicts))
         if verdict.conflicts:
             self._dead_letter_conflicts(table, rows, verdict.conflicts)
-        self._insert_isolating(table, [rows[i] for i in verdict.keep])
+        todo = [rows[i] for i in verdict.keep]
+        if table == "kv_block_events":  # blocks already held under other part ids (another message size limit)
+            trimmed = trim_kv_rows(self.store, [r for r, _ in todo], columns, [o.group for _, o in todo])
+            dropped = len(todo) - len({i for i, _ in trimmed})
+            if dropped:
+                ROWS_DUPLICATE.labels(table).inc(dropped)
+            todo = [(row, todo[i][1]) for i, row in trimmed]
+        self._insert_isolating(table, todo)
 
     def _insert_isolating(self, table: str, todo: list[tuple[tuple[Any, ...], Origin]]) -> None:
         """Insert ``todo`` (rows the store did not hold); when the store refuses them as data, insert each half

@@ -19,15 +19,19 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kafka import KafkaProducer
 
-from collector.events import Envelope, decode_batch, topic_for
+from collector.events import Envelope, decode_batch, topic_for, topics
 from collector.kv_decode import message_events
-from collector.publish import KafkaPublisher, plan_messages
+from collector.publish import KafkaPublisher, ensure_topics, plan_messages
 from ingest.ingester import Ingester
+from ingest.kv_pieces import trim_kv_rows
+from ingest.rows import COLUMNS
 from ingest.source import KafkaSource
 from ingest.store import Store
 from tests.test_kafka_size import consume, metric
@@ -59,8 +63,9 @@ def big_batch() -> list[list[bytes]]:
 
 def snapshot(store: Store) -> dict[str, Any]:
     """What the store says about the KV events: kv_block_log rows as written (no FINAL: a row written twice shows
-    twice), the resets, the dead letters, the per-event sums of kv_block_events (an event in pieces is more than
-    one row there, each its own under FINAL) and the named queries' counts."""
+    twice) and per kind under FINAL, the resets, the dead letters, the per-event sums of kv_block_events (an event
+    in pieces is more than one row there, each its own under FINAL) and the named queries' counts (kv_evictions,
+    kv_resident_at, freshness's and data_extent's KV events)."""
     log = store.query_rows("SELECT pod, engine, medium, block_hash, ts, seq, idx, pos, kind, parent_block_hash, "
                            "chain_hash, block_size FROM kv_block_log")
     events = store.query_rows(
@@ -75,6 +80,10 @@ def snapshot(store: Store) -> dict[str, Any]:
         "no_row_collapses": events[0][0] == final,  # (pieces of one event differ in their sorting key)
         "kv_evictions": store.named("kv_evictions", {}).to_dicts(),
         "kv_resident_at": store.named("kv_resident_at", {}).to_dicts(),
+        "freshness": store.named("freshness", {}).filter(source="kv_events").select("pod", "rows").to_dicts(),
+        "data_extent": store.named("data_extent", {}).filter(table="kv_block_events").select("rows").to_dicts(),
+        "block_log_final": store.query_rows("SELECT kind, count() FROM kv_block_log FINAL GROUP BY kind "
+                                            "ORDER BY kind"),
     }
 
 
@@ -192,3 +201,97 @@ def test_only_a_single_block_that_alone_exceeds_the_limit_is_dead_lettered_and_c
     assert int(reason.split("alone encodes ")[1].split(" bytes")[0]) > CAP
     assert '"block_hashes":[77]' in raw
     assert metric("kvscope_dead_letters_total", source="kv_events") - dead_before == 1
+
+
+@pytest.mark.broker
+def test_a_batch_whose_parts_the_broker_cuts_again_counts_once(kafka_bootstrap: str) -> None:
+    # kvscope_collector_kv_batches_split_total counts batches sent in parts, not cuts: the big batch (~660 kB) is
+    # refused by a 100 kB "broker", cut in halves, and its halves refused and cut again (three rounds); with a
+    # 300 kB setting it is first split by the setting, then each part is cut by the broker. Each publish sends
+    # one batch in parts: +1, under why="broker" (the broker's limit shaped its parts), nothing under "setting".
+    envs = collect(big_batch())
+    for setting in (900_000, 300_000):
+        before = {why: metric("kvscope_collector_kv_batches_split_total", why=why) for why in ("setting", "broker")}
+        ns = f"kvrecut{uuid.uuid4().hex[:8]}"
+        pub = KafkaPublisher(kafka_bootstrap, namespace=ns, max_message_bytes=setting, max_request_size=100_000)
+        try:
+            pub.publish(envs)
+        finally:
+            pub.close()
+        records = consume(kafka_bootstrap, [topic_for("kv_event_batch", ns)], 8)
+        parts = [e for r in records for e in decode_batch(r.value) if e.payload.seq == 0]  # (seq 1: not cut)
+        assert len(parts) >= 8 and max(len(r.value) for r in records) <= 100_000  # cut in three rounds at least
+        after = {why: metric("kvscope_collector_kv_batches_split_total", why=why) for why in ("setting", "broker")}
+        assert (after["broker"] - before["broker"], after["setting"] - before["setting"]) == (1, 0), setting
+
+
+@pytest.mark.broker
+def test_a_batch_resent_with_another_message_size_limit_stores_every_block_once(
+        store: Store, chdb_dir: Path, kafka_bootstrap: str) -> None:
+    # a collector whose publish failed after some of its messages were taken, restarted with another
+    # KVSCOPE_KAFKA_MAX_MESSAGE_BYTES, replays from its checkpoint: the batch comes again in parts cut elsewhere,
+    # under other ids (60 kB, then 97 kB: the 6,000-block and 8,000-block events in pieces that overlap those of
+    # the first send), then whole (900 kB: one message), then the first send is redelivered whole. Every reader
+    # counts every block and event once: kv_block_events' sums, kv_block_log as written, the restart mark, the
+    # named queries (the reference: the batch sent whole once).
+    envs = collect(big_batch())
+    want = reference(chdb_dir, envs)
+    for table in ("kv_block_events", "kv_block_log"):  # a copy must not hide in a background merge
+        store.command(f"SYSTEM STOP MERGES {table}")
+    sends: dict[int, tuple[str, int]] = {}
+    ids: dict[int, set[str]] = {}
+    for cap in (CAP, 97_000, 900_000):
+        ns = f"kvlimit{cap}x{uuid.uuid4().hex[:8]}"
+        pub = KafkaPublisher(kafka_bootstrap, namespace=ns, max_message_bytes=cap)
+        try:
+            pub.publish(envs)
+        finally:
+            pub.close()
+        messages = plan_messages(envs, max_message_bytes=cap)[0]
+        sends[cap] = (ns, len(messages))
+        ids[cap] = {e.event_id for m in messages for e in decode_batch(m.value)
+                    if e.schema == "kv_event_batch" and e.payload.seq == 0}
+    assert len(ids[CAP]) > 10 and len(ids[97_000]) > 5 and not ids[CAP] & ids[97_000]  # other parts, other ids
+    # the first send's publish failed after its first message (the batch's first part) was taken
+    cut_short = f"kvshort{uuid.uuid4().hex[:8]}"
+    first = plan_messages(envs, max_message_bytes=CAP, namespace=cut_short)[0][0]
+    assert [e.payload.continued for e in decode_batch(first.value)] == [False]
+    ensure_topics(kafka_bootstrap, topics(cut_short), 1)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    try:
+        producer.send(first.topic, key=first.key, value=first.value).get(timeout=30)
+    finally:
+        producer.close()
+    drain(store, kafka_bootstrap, cut_short, 1)
+    partial = snapshot(store)
+    assert 0 < rows_of(partial) < rows_of(want) and "restart" in [r[-1] for r in partial["resets"]]
+    for cap in (97_000, 900_000, CAP):
+        drain(store, kafka_bootstrap, *sends[cap])
+        assert snapshot(store) == want, cap
+
+
+def test_the_ingester_keeps_of_each_row_only_the_blocks_its_event_does_not_hold(store: Store) -> None:
+    # trim_kv_rows against the store and the rows before it: event (seq 0, idx 0) of 10 blocks of 32 tokens
+    # holds blocks 2..4 and 7..9 (pieces stored earlier); a whole copy of the event brings 0..1 and 5..6, chained
+    # to the blocks before them, with their share of the tokens; a second copy in the same insert brings nothing;
+    # an AllBlocksCleared (idx 1) already stored is not stored again, one not yet stored (idx 2) is, once; the
+    # batch's start is marked (a row of it not continued is stored), so the new rows are continued.
+    columns = COLUMNS["kv_block_events"]
+    ts = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+    def row(eid: str, idx: int, kind: str, first: int, hashes: list[int], continued: int) -> tuple[Any, ...]:
+        return (eid, ts, "pod-t", "0", 0, idx, kind, hashes, first - 1 if first and hashes else None,
+                32 * len(hashes), 32, "GPU", [h + 1000 for h in hashes], first, continued)
+
+    store.insert("kv_block_events", [row("a", 0, "BlockStored", 2, [2, 3, 4], 0),
+                                     row("a", 1, "AllBlocksCleared", 0, [], 0),
+                                     row("b", 0, "BlockStored", 7, [7, 8, 9], 1)], columns)
+    whole = row("c", 0, "BlockStored", 0, list(range(10)), 0)
+    incoming = [whole, row("c", 1, "AllBlocksCleared", 0, [], 0), row("c", 2, "AllBlocksCleared", 0, [], 0),
+                whole, row("d", 2, "AllBlocksCleared", 0, [], 0)]
+    out = trim_kv_rows(store, incoming, columns, [1, 1, 1, 2, 2])
+    assert [i for i, _ in out] == [0, 0, 2]
+    got = [dict(zip(columns, r, strict=True)) for _, r in out]
+    assert [(r["idx"], r["first_pos"], r["block_hashes"], r["parent_block_hash"], r["chain_hashes"],
+             r["token_count"], r["continued"]) for r in got] == [
+        (0, 0, [0, 1], None, [1000, 1001], 64, 1), (0, 5, [5, 6], 4, [1005, 1006], 64, 1), (2, 0, [], None, [], 0, 1)]

@@ -671,18 +671,20 @@ def test_request_detail_without_predecessor_and_defaults(fx: Store) -> None:
 def test_request_detail_kv_events(chdb_dir: Path) -> None:
     """KV events of the predecessor's pod (pod-a) after cap-3-tools-reordered arrived (12:01:00) up to
     cap-4-timestamp-first's arrival (12:01:10): a BlockStored of 2 blocks (sent twice: counted once) and a
-    BlockRemoved of 3; the ones at 12:01:00 itself, after 12:01:10 or on pod-b are not counted."""
+    BlockRemoved of 3 (sent in two pieces, collector/kv_split.py: counted once); the ones at 12:01:00 itself,
+    after 12:01:10 or on pod-b are not counted."""
     s = Store.open(data_dir=chdb_dir, database=f"nq_kv_{uuid.uuid4().hex[:12]}")
     s.migrate()
     load_fixture(s)
     cols = ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes", "token_count",
-            "block_size", "medium"]
+            "block_size", "medium", "first_pos", "continued"]
     events = [
-        ("e1", at(60), "pod-a", "0", 1, 0, "BlockStored", [1], 32, 32, "GPU"),  # with the predecessor: before
-        ("e2", at(62), "pod-a", "0", 2, 0, "BlockStored", [2, 3], 64, 32, "GPU"),
-        ("e3", at(65), "pod-a", "0", 3, 0, "BlockRemoved", [4, 5, 6], 0, 32, "GPU"),
-        ("e4", at(66), "pod-b", "0", 1, 0, "AllBlocksCleared", [], 0, 32, ""),
-        ("e5", at(75), "pod-a", "0", 4, 0, "AllBlocksCleared", [], 0, 32, ""),
+        ("e1", at(60), "pod-a", "0", 1, 0, "BlockStored", [1], 32, 32, "GPU", 0, 0),  # with the predecessor: before
+        ("e2", at(62), "pod-a", "0", 2, 0, "BlockStored", [2, 3], 64, 32, "GPU", 0, 0),
+        ("e3", at(65), "pod-a", "0", 3, 0, "BlockRemoved", [4, 5], 0, 32, "GPU", 0, 0),
+        ("e3b", at(65), "pod-a", "0", 3, 0, "BlockRemoved", [6], 0, 32, "GPU", 2, 1),
+        ("e4", at(66), "pod-b", "0", 1, 0, "AllBlocksCleared", [], 0, 32, "", 0, 0),
+        ("e5", at(75), "pod-a", "0", 4, 0, "AllBlocksCleared", [], 0, 32, "", 0, 0),
     ]
     s.insert("kv_block_events", events, cols)
     s.insert("kv_block_events", [events[1]], cols)  # a re-sent batch

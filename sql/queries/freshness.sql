@@ -7,7 +7,7 @@
 -- returns: pod String | the pod (gateway_log: the pod that served the request; '' when the gateway logged none, e.g. a refused request)
 -- returns: last_ts DateTime64(3, 'UTC') | the source's latest row for the pod in the window, UTC (the scrape, request, event or answer time)
 -- returns: age_seconds Float64 | seconds from last_ts to the store's clock now (negative when the row's clock is ahead)
--- returns: rows UInt64 | what the source delivered for the pod in the window: vllm_scrape scrapes (distinct scrape times), gateway_log lines (requests), kv_events events, attribution requests with a current answer (sign-weighted)
+-- returns: rows UInt64 | what the source delivered for the pod in the window: vllm_scrape scrapes (distinct scrape times), gateway_log lines (requests), kv_events events (an event sent in pieces once: by its piece with first_pos 0, sql/migrations/0029), attribution requests with a current answer (sign-weighted)
 --
 -- vllm_scrape reads vLLM's num_requests_running and num_requests_waiting gauges only: every scrape carries them
 -- (gauges are sent each scrape, counters only when they moved), and the table is sorted by name first. Every
@@ -30,7 +30,7 @@ FROM
       AND ({pod:String} = '' OR g.pod = {pod:String})
     GROUP BY pod
     UNION ALL
-    SELECT 'kv_events' AS source, CAST(k.pod AS String) AS pod, max(k.ts) AS last_ts, count() AS rows
+    SELECT 'kv_events' AS source, CAST(k.pod AS String) AS pod, max(k.ts) AS last_ts, countIf(k.first_pos = 0) AS rows
     FROM kv_block_events AS k
     WHERE k.ts >= {since:DateTime64(3, 'UTC')} AND k.ts < {until:DateTime64(3, 'UTC')}
       AND ({pod:String} = '' OR k.pod = {pod:String})

@@ -49,8 +49,8 @@
 -- cancels (sql/migrations/0009). The request's and predecessor's gateway rows give the per-segment hashes and
 -- token counts: the same comparison ingest/attribution.py shared_prefix() walks (docs/miss-causes.md). Segment
 -- boundaries: cumulative segment counts × prompt_tokens / Σ segment counts, floored (attribution
--- segment_offsets()). KV events are read from kv_block_events FINAL (a re-sent ZMQ batch counted once), on
--- the predecessor's pod, from the predecessor's arrival (else its end, arrival - gap_ms) to this arrival. Lines
+-- segment_offsets()). KV events are read from kv_block_events FINAL (a re-sent ZMQ batch counted once; an
+-- event sent in pieces, sql/migrations/0029, counted once: by its piece with first_pos 0), on the predecessor's pod, from the predecessor's arrival (else its end, arrival - gap_ms) to this arrival. Lines
 -- and chunks are compared position by position, as ingest/attribution.py first_changed_line_tokens() and
 -- suffix_chunk_drift() walk them (sql/migrations/0020). GPU-seconds: the part sql/parts/prefill_cost.sql.
 WITH
@@ -145,7 +145,7 @@ WITH
     ),
     kv AS
     (
-        SELECT count() AS kv_events,
+        SELECT countIf(first_pos = 0) AS kv_events,
                sumIf(length(block_hashes), event_type = 'BlockStored') AS kv_blocks_stored,
                sumIf(length(block_hashes), event_type = 'BlockRemoved') AS kv_blocks_removed,
                countIf(event_type = 'AllBlocksCleared') AS kv_caches_cleared
