@@ -201,3 +201,17 @@ def test_a_restart_gap_whose_batches_were_stored_marks_no_second_restart(store: 
     assert restarts(store, "pod-s") == [(naive(0), 0, 0), (naive(4), 0, 0)]
     got = [(h, r.replace(tzinfo=None) if r else None, by) for h, _, _, r, by, _, _ in residency(store, "pod-s")]
     assert got == [(1, naive(4), "pod_restart"), (5, None, None), (6, None, None), (7, None, None), (8, None, None)]
+
+
+def test_a_gap_of_a_huge_seq_jump_is_read_without_listing_its_seqs(store: Store) -> None:
+    """A publisher whose seq jumps by 10^12 (hostile, or a bug) leaves a gap of 10^12 batches: the view counts the
+    batches the store holds in it without listing every seq (which would stop kv_cache_resets, and with it every
+    precise-mode run) and still counts the batch it holds; a small gap beside it is counted exactly."""
+    msgs = [frames("pod-j", s, s, stored([700 + s])) for s in (0, 1, 3, 5)]  # 5: stored, inside the long gap
+    msgs.append(frames("pod-j", 10**12, 10, stored([800])))
+    envs = decode(msgs) + [gap_env("pod-j", 2, 2, 3.1, "missed", 0, 1, 3),
+                           gap_env("pod-j", 4, 10**12 - 1, 10.1, "missed", 0, 3, 10)]
+    ingest(store, envs)
+    assert [(g["first_seq"], g["last_seq"], g["stored_batches"], g["lost_batches"]) for g in kv_gaps(store, "pod-j")] \
+        == [(2, 2, 0, 1), (4, 10**12 - 1, 1, 10**12 - 5)]
+    assert restarts(store, "pod-j") == [(naive(0), 0, 0)]

@@ -72,26 +72,52 @@ WITH
     ),
     stored AS
     (
-        SELECT g.gap_id AS gap_id, uniqExactIf(b.seq, b.seq <= g.last_seq) AS stored_batches,
-               toNullable(argMin(b.ts, (b.seq, b.ts))) AS resumed_ts, toNullable(min(b.seq)) AS resumed_seq
+        -- a gap of at most 100,000 batches (every real outage of minutes to hours): its seqs listed and matched
+        -- with the store's by key; a longer one (a seq that jumped by billions: a bug, or hostile input) is
+        -- matched by range instead, against its stream's batches in its window, never listed
+        SELECT gap_id, uniqExactIf(seq, seq <= last_seq) AS stored_batches,
+               toNullable(argMin(ts, (seq, ts))) AS resumed_ts, toNullable(min(seq)) AS resumed_seq
         FROM
         (
-            SELECT gap_id, pod, engine, last_seq, assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi,
-                   arrayJoin(range(first_seq, last_seq + 2)) AS seq
-            FROM gaps
-            WHERE lo IS NOT NULL
-        ) AS g
-        INNER JOIN
-        (
-            SELECT DISTINCT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, seq, ts
-            FROM kv_block_events
-            WHERE (pod, engine) IN (SELECT pod, engine FROM gaps WHERE lo IS NOT NULL)
-              AND ts > (SELECT min(lo) FROM gaps) AND ts <= (SELECT max(hi) FROM gaps)
-              AND (CAST(pod AS String), CAST(engine AS String), seq) IN
-                  (SELECT pod, engine, arrayJoin(range(first_seq, last_seq + 2)) FROM gaps WHERE lo IS NOT NULL)
-        ) AS b ON b.pod = g.pod AND b.engine = g.engine AND b.seq = g.seq
-        WHERE b.ts > g.lo AND b.ts <= g.hi
-        GROUP BY g.gap_id
+            SELECT g.gap_id AS gap_id, g.last_seq AS last_seq, b.seq AS seq, b.ts AS ts
+            FROM
+            (
+                SELECT gap_id, pod, engine, last_seq, assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi,
+                       arrayJoin(range(first_seq, last_seq + 2)) AS seq
+                FROM gaps
+                WHERE lo IS NOT NULL AND last_seq - first_seq < 100000
+            ) AS g
+            INNER JOIN
+            (
+                SELECT DISTINCT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, seq, ts
+                FROM kv_block_events
+                WHERE (pod, engine) IN (SELECT pod, engine FROM gaps WHERE lo IS NOT NULL)
+                  AND ts > (SELECT min(lo) FROM gaps) AND ts <= (SELECT max(hi) FROM gaps)
+                  AND (CAST(pod AS String), CAST(engine AS String), seq) IN
+                      (SELECT pod, engine, arrayJoin(range(first_seq, last_seq + 2)) FROM gaps
+                       WHERE lo IS NOT NULL AND last_seq - first_seq < 100000)
+            ) AS b ON b.pod = g.pod AND b.engine = g.engine AND b.seq = g.seq
+            WHERE b.ts > g.lo AND b.ts <= g.hi
+            UNION ALL
+            SELECT g.gap_id, g.last_seq, b.seq, b.ts
+            FROM
+            (
+                SELECT gap_id, pod, engine, first_seq, last_seq, assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi
+                FROM gaps
+                WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000
+            ) AS g
+            INNER JOIN
+            (
+                SELECT DISTINCT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, seq, ts
+                FROM kv_block_events
+                WHERE (pod, engine) IN (SELECT pod, engine FROM gaps
+                                        WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
+                  AND ts > (SELECT min(lo) FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
+                  AND ts <= (SELECT max(hi) FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
+            ) AS b ON b.pod = g.pod AND b.engine = g.engine
+            WHERE b.seq >= g.first_seq AND b.seq <= g.last_seq + 1 AND b.ts > g.lo AND b.ts <= g.hi
+        )
+        GROUP BY gap_id
     )
 SELECT g.gap_id AS gap_id, g.pod AS pod, g.engine AS engine, g.first_seq AS first_seq, g.last_seq AS last_seq,
        g.last_seq - g.first_seq + 1 AS batches,
