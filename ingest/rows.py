@@ -6,11 +6,12 @@ the columns written. Timestamps are written as timezone-aware UTC datetimes.
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any
 
 from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, VllmScrape
-from collector.gateway_record import record_from_builtins, record_usage, ts_ms
+from collector.gateway_record import EARLIEST, LATEST, record_from_builtins, record_usage, ts_ms
 from ingest.errors import ContractViolation
 
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
@@ -86,13 +87,44 @@ def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
             for i, e in enumerate(p.events)]
 
 
+#: The last seq a gap can end at. The ``kv_gaps`` view counts a gap's batches as ``last_seq - first_seq + 1``,
+#: which ClickHouse computes as Int64 (UInt64 minus UInt64), so a run of 2^63 batches or more would read as a
+#: negative count; and the batch that reveals a gap follows it (``last_seq + 1``).
+MAX_GAP_SEQ = 2**63 - 2
+
+
+def _batch_ts(name: str, seconds: float | None) -> datetime | None:
+    """A gap report's batch ts (unix seconds) as stored, None when unknown; raises ValueError when it is not a
+    finite time within [EARLIEST, LATEST) (collector/gateway_record.py: 2000..2100 UTC)."""
+    if seconds is None:
+        return None
+    if not math.isfinite(seconds):
+        raise ValueError(f"{name} {seconds} is not a time")
+    dt = _dt(seconds * 1000)
+    if not EARLIEST <= dt < LATEST:
+        raise ValueError(f"{name} {dt.isoformat()} is outside 2000..2100 (UTC)")
+    return dt
+
+
 def kv_gap_row(ev: Envelope, p: KvEventGap) -> tuple[Any, ...]:
     """The ``kv_event_gaps`` row of a gap report; ``prev_batch_ts``/``next_batch_ts`` as the batches' own ts are
-    stored (:func:`kv_rows`: milliseconds, UTC), None when the collector did not know them."""
+    stored (:func:`kv_rows`: milliseconds, UTC), None when the collector did not know them.
+
+    Raises ValueError (a ContractViolation in :func:`rows_for`: the report is dead-lettered with the reason) for a
+    report no collector makes, which the ``kv_gaps`` view (sql/migrations/0030) would read as a negative or
+    wrapped-around count, or as a window that holds none of its batches: ``last_seq`` before ``first_seq``, a seq
+    outside ``0 .. MAX_GAP_SEQ``, ``replayed_batches`` outside ``0 .. last_seq - first_seq + 1``, a batch ts that is
+    not a finite time in 2000..2100 UTC, ``prev_batch_ts`` after ``next_batch_ts``."""
+    if not 0 <= p.first_seq <= p.last_seq <= MAX_GAP_SEQ:
+        raise ValueError(f"seqs {p.first_seq}..{p.last_seq} are not a run within 0..{MAX_GAP_SEQ}")
+    if not 0 <= p.replayed_batches <= p.last_seq - p.first_seq + 1:
+        raise ValueError(f"replayed_batches {p.replayed_batches} is not within 0..{p.last_seq - p.first_seq + 1} "
+                         "(the gap's batches)")
+    prev, nxt = _batch_ts("prev_batch_ts", p.prev_batch_ts), _batch_ts("next_batch_ts", p.next_batch_ts)
+    if prev is not None and nxt is not None and prev > nxt:
+        raise ValueError(f"prev_batch_ts {prev.isoformat()} is after next_batch_ts {nxt.isoformat()}")
     return (ev.event_id, _dt(p.detected_at_ms), ev.pod, "" if p.dp_rank is None else str(p.dp_rank), p.first_seq,
-            p.last_seq, p.reason, p.replayed_batches, p.recovered,
-            None if p.prev_batch_ts is None else _dt(p.prev_batch_ts * 1000),
-            None if p.next_batch_ts is None else _dt(p.next_batch_ts * 1000))
+            p.last_seq, p.reason, p.replayed_batches, p.recovered, prev, nxt)
 
 
 def dead_letter_row(ev: Envelope, p: DeadLetter) -> tuple[Any, ...]:

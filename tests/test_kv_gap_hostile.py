@@ -1,0 +1,78 @@
+"""Hostile and unusual KV-event gap reports: each is read once by ``kv_gaps`` (sql/migrations/0030, 0031), or, when no
+collector could have made it, dead-lettered with its reason while the rest of its batch lands; the view and
+``kv_cache_resets`` never error and count nothing negative, wrapped around or twice."""
+
+from __future__ import annotations
+
+import pytest
+from test_kv_gap_reads import kv_gaps
+from test_kv_residency import at, frames, ingest, stored
+from test_kv_residency import collect as decode
+
+from collector.events import Envelope, KvEventGap, envelope
+from ingest.store import Store
+
+
+def report(pod: str, first: int, last: int, prev: float | None, nxt: float | None, replayed: int = 0,
+           reason: str = "missed") -> Envelope:
+    """A gap report as any producer may send it: ``prev``/``nxt`` unix seconds as they are (None: unknown)."""
+    gap = KvEventGap(topic=pod, dp_rank=0, first_seq=first, last_seq=last, detected_at_ms=int(at(50).timestamp()
+                     * 1000), reason=reason, replayed_batches=replayed, recovered=False, prev_batch_ts=prev,
+                     next_batch_ts=nxt)
+    return envelope(gap, pod=pod, natural_key=(pod, 0, first, last, prev, nxt), observed_at_ms=gap.detected_at_ms,
+                    engine="0")
+
+
+def batches(pod: str) -> list[Envelope]:
+    """Batches 0, 1, 2, 4, 5 of ``pod`` at 0, 1, 2, 4, 5 s: seq 3 missing, seq 2 stored."""
+    return decode([frames(pod, s, s, stored([100 + s])) for s in (0, 1, 2, 4, 5)])
+
+
+def t(seconds: float) -> float:
+    return at(seconds).timestamp()
+
+
+@pytest.mark.parametrize(("prev", "nxt"), [(None, None), (None, 4.0), (1.0, None)])
+def test_a_report_without_both_batch_ts_is_one_gap_with_the_collectors_account(
+        store: Store, prev: float | None, nxt: float | None) -> None:
+    """A report of an older collector (no ts), or of one restored from a checkpoint without a ts (only the next
+    batch's): one gap, counted as the collector did (stored = replayed), not a second one read over a window from
+    1970 (0030 tested its alias `assumeNotNull(lo) AS lo` for NULL, always false)."""
+    ingest(store, batches("pod-n") + [report("pod-n", 2, 3, None if prev is None else t(prev),
+                                             None if nxt is None else t(nxt), replayed=1)])
+    assert [(g["first_seq"], g["last_seq"], g["stored_batches"], g["lost_batches"], g["reports"])
+            for g in kv_gaps(store, "pod-n")] == [(2, 3, 1, 1, 1)]
+
+
+def dead_letters(store: Store, pod: str) -> list[str]:
+    return [r for (r,) in store.query_rows("SELECT reason FROM dead_letters WHERE pod = {p:String}", {"p": pod})]
+
+
+@pytest.mark.parametrize(("first", "last", "prev", "nxt", "replayed", "why"), [
+    (5, 3, 1.0, 4.0, 0, "are not a run"),  # batches = -1 (lost -1)
+    (0, 2**64 - 1, 1.0, 4.0, 0, "are not a run"),  # batches wrapped to 0: read as recovered
+    (2**64 - 5, 2**64 - 1, 1.0, 4.0, 0, "are not a run"),  # no batch can follow 2^64-1 to reveal it
+    (3, 2**63 - 1, 2.5, 4.5, 0, "are not a run"),  # 2^63 - 3 batches: read as Int64, negative
+    (2, 3, 1.0, 4.0, 3, "replayed_batches 3"),  # more replayed than missing: 0022's first_new_seq wraps
+    (2, 3, 4.0, 1.0, 0, "is after next_batch_ts"),  # an empty window: the stored seq 2 read as lost
+    (2, 3, -5.0 - at(0).timestamp(), 4.0, 0, "outside 2000..2100"),  # 1969
+    (2, 3, 1.0, 10413792000.0 - at(0).timestamp(), 0, "outside 2000..2100"),  # 2300: past DateTime64(3)
+])
+def test_a_report_no_collector_makes_is_a_dead_letter_with_its_reason(
+        store: Store, first: int, last: int, prev: float, nxt: float, replayed: int, why: str) -> None:
+    """Seqs not a run (last before first, or up to 2^64-1, whose count wraps), more replayed than missing, a window
+    that ends before it starts or lies outside 2000..2100: dead-lettered with the reason, the batch's good envelopes
+    land, and kv_gaps and kv_cache_resets read on."""
+    written = ingest(store, batches("pod-x") + [report("pod-x", first, last, t(prev), t(nxt), replayed)])
+    assert written == {"kv_block_events": 5, "dead_letters": 1}
+    [reason] = dead_letters(store, "pod-x")
+    assert why in reason
+    assert kv_gaps(store, "pod-x") == []
+    assert store.query_rows("SELECT count() FROM kv_cache_resets WHERE pod = 'pod-x'") == [(1,)]  # seq 0
+
+
+def test_a_gap_ending_at_the_largest_seq_accepted_is_counted(store: Store) -> None:
+    """The longest run accepted (up to seq 2^63-2): counted without wrapping, the stored batch in its window found."""
+    ingest(store, batches("pod-m") + [report("pod-m", 3, 2**63 - 2, t(2.5), t(4.5))])
+    assert [(g["batches"], g["stored_batches"], g["lost_batches"]) for g in kv_gaps(store, "pod-m")] == [
+        (2**63 - 4, 1, 2**63 - 5)]  # seq 4 stored in the window
