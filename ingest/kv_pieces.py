@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from ingest.dedup import _normal
@@ -80,25 +81,44 @@ def cut_row(row: tuple[Any, ...], columns: Sequence[str], a: int, b: int) -> tup
     return tuple(out)
 
 
+#: Stamps of one insert further apart than this are read as separate ranges (:func:`_spans`).
+SPAN_GAP = timedelta(minutes=10)
+
+
+def _spans(stamps: Sequence[datetime]) -> list[tuple[datetime, datetime]]:
+    """Sorted ``stamps`` as ``[(first, last), ...]`` ranges, a new one wherever two stamps are more than
+    :data:`SPAN_GAP` apart: the store is read over the rows' own times, never over what lies between a row of 1970
+    and one of 2300 (every stored event of their pods)."""
+    spans: list[tuple[datetime, datetime]] = []
+    for t in stamps:
+        if spans and t - spans[-1][1] <= SPAN_GAP:
+            spans[-1] = (spans[-1][0], t)
+        else:
+            spans.append((t, t))
+    return spans
+
+
 def trim_kv_rows(store: Store, rows: Sequence[tuple[Any, ...]], columns: Sequence[str],
                  groups: Sequence[int]) -> list[tuple[int, tuple[Any, ...]]]:
     """The kv_block_events rows to insert of ``rows`` (tuples in ``columns`` order, the kv_block_events columns of
     ingest/rows.py; ``groups``: the envelope each came from), as ``(index of the row in rows, the row to insert)``
     in order: each row cut to the blocks its event holds neither in the store nor in an earlier row of ``rows``
     (module doc; a row may give several, or none), ``continued`` set when its batch's start is already marked.
-    One query, bounded by the rows' pods, seqs and time range. Raises what :meth:`Store.query_rows` raises
+    One query, bounded by the rows' pods, seqs and times (:func:`_spans`). Raises what :meth:`Store.query_rows` raises
     (StoreUnavailable: retry the batch)."""
     if not rows:
         return []
     c = {name: i for i, name in enumerate(columns)}
     key_of = [tuple(_normal(r[c[k]]) for k in EVENT_KEY) for r in rows]
-    stamps = [r[c["ts"]] for r in rows]
+    spans = _spans(sorted({r[c["ts"]] for r in rows}))
+    params: dict[str, Any] = {"pods": sorted({r[c["pod"]] for r in rows}), "seqs": sorted({r[c["seq"]] for r in rows})}
+    for k, (lo, hi) in enumerate(spans):
+        params[f"lo{k}"], params[f"hi{k}"] = lo, hi
+    within = " OR ".join(f"(ts >= {{lo{k}:DateTime64(3, 'UTC')}} AND ts <= {{hi{k}:DateTime64(3, 'UTC')}})"
+                         for k in range(len(spans)))
     found = store.query_rows(
         "SELECT pod, engine, ts, seq, idx, first_pos, length(block_hashes), continued FROM kv_block_events "
-        "WHERE pod IN {pods:Array(String)} AND seq IN {seqs:Array(UInt64)} "
-        "AND ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}",
-        {"pods": sorted({r[c["pod"]] for r in rows}), "seqs": sorted({r[c["seq"]] for r in rows}),
-         "lo": min(stamps), "hi": max(stamps)})
+        f"WHERE pod IN {{pods:Array(String)}} AND seq IN {{seqs:Array(UInt64)}} AND ({within})", params)
     held: dict[tuple[Any, ...], list[tuple[int, int]]] = defaultdict(list)  # event → [first, end) of its rows
     started: dict[tuple[Any, ...], int] = {}  # batch (pod, engine, ts, seq) → the envelope that marked its start
     for pod, engine, ts, seq, idx, first, n, continued in found:

@@ -10,7 +10,18 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from collector.events import DeadLetter, Envelope, GatewayRequest, KvEventBatch, KvEventGap, VllmScrape
+import msgspec
+
+from collector.events import (
+    DeadLetter,
+    Envelope,
+    GatewayRequest,
+    KvBlockEvent,
+    KvEventBatch,
+    KvEventGap,
+    VllmScrape,
+    make_event_id,
+)
 from collector.gateway_record import EARLIEST, LATEST, record_from_builtins, record_usage, ts_ms
 from ingest.errors import ContractViolation
 
@@ -84,7 +95,36 @@ def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
              e.parent_block_hash, len(e.token_ids) if e.token_count is None else e.token_count, e.block_size,
              e.medium or "", e.chain_hashes if len(e.chain_hashes) == len(e.block_hashes) else [], e.first_pos,
              int(p.continued))
-            for i, e in enumerate(p.events)]
+            for i, e in enumerate(p.events) if _misplaced(e) is None]
+
+
+#: kv_block_log's ``pos`` (a block's position in its vLLM event, ``first_pos`` + its place in the row) is UInt32.
+MAX_POS = 2**32 - 1
+
+
+def _misplaced(e: KvBlockEvent) -> str | None:
+    """Why event ``e``'s blocks cannot be placed in kv_block_log (a position past :data:`MAX_POS` would wrap to 0
+    and land on another block's), or None when they can."""
+    if e.first_pos < 0 or e.first_pos + max(len(e.block_hashes), 1) - 1 > MAX_POS:
+        return (f"first_pos {e.first_pos} with {len(e.block_hashes)} blocks puts a block outside the positions "
+                f"0..{MAX_POS} of a vLLM event")
+    return None
+
+
+def kv_dead_letter_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
+    """A ``dead_letters`` row for each event of the batch that :func:`kv_rows` leaves out (:func:`_misplaced`), with
+    the reason; its id from the envelope's and the event's place, so a re-send of the envelope adds none."""
+    engine = "" if p.dp_rank is None else str(p.dp_rank)
+    out = []
+    for i, e in enumerate(p.events):
+        reason = _misplaced(e)
+        if reason is None:
+            continue
+        idx = i if e.idx is None else e.idx
+        out.append((make_event_id("dead_letter", "ingest", ev.event_id, idx, e.first_pos), _dt(p.batch_ts * 1000),
+                    "ingest", ev.pod, f"event {idx} of the batch: {reason}",
+                    f"{p.topic}:{engine}:seq {p.seq}:event {idx}", msgspec.json.encode(e).decode()[:65536]))
+    return out
 
 
 #: The last seq a gap can end at. The ``kv_gaps`` view counts a gap's batches as ``last_seq - first_seq + 1``,
@@ -141,7 +181,8 @@ def rows_for(ev: Envelope) -> list[tuple[str, list[tuple[Any, ...]]]]:
         if isinstance(p, VllmScrape):
             return [("vllm_metrics", metric_rows(ev, p)), ("vllm_cache_config", cache_config_rows(ev, p))]
         if isinstance(p, KvEventBatch):
-            return [("kv_block_events", kv_rows(ev, p))]
+            dead = kv_dead_letter_rows(ev, p)
+            return [("kv_block_events", kv_rows(ev, p))] + ([("dead_letters", dead)] if dead else [])
         if isinstance(p, KvEventGap):
             return [("kv_event_gaps", [kv_gap_row(ev, p)])]
         if isinstance(p, DeadLetter):
