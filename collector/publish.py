@@ -134,11 +134,15 @@ def batches_split(splits: list[SplitBatch]) -> dict[str, str]:
     batch's event id → ``why``, one entry per batch however many times its parts were cut again (a part's cut is
     the batch's: the part's id leads back to it through the cut that made it). ``why`` is ``broker`` when the
     broker refused the batch or any of its parts as too large (its parts were then cut to the broker's limit,
-    below the setting), else ``setting``. This is what ``kvscope_collector_kv_batches_split_total{why}``
-    counts, per publish."""
+    below the setting), else ``setting``. A batch whose cut made no part (its one block, or event without blocks,
+    too large alone: sent only as its dead letter, counted in ``kvscope_collector_oversized_events_total``) was
+    not sent in parts and is not listed. This is what ``kvscope_collector_kv_batches_split_total{why}`` counts,
+    per publish."""
     root: dict[str, str] = {}  # a part's event id → the batch's
     out: dict[str, str] = {}
     for s in splits:
+        if not s.part_ids:
+            continue
         batch = root.get(s.event_id, s.event_id)
         for pid in s.part_ids:
             root[pid] = batch
