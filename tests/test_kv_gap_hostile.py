@@ -76,3 +76,23 @@ def test_a_gap_ending_at_the_largest_seq_accepted_is_counted(store: Store) -> No
     ingest(store, batches("pod-m") + [report("pod-m", 3, 2**63 - 2, t(2.5), t(4.5))])
     assert [(g["batches"], g["stored_batches"], g["lost_batches"]) for g in kv_gaps(store, "pod-m")] == [
         (2**63 - 4, 1, 2**63 - 5)]  # seq 4 stored in the window
+
+
+def test_overlapping_reports_count_no_seq_twice(store: Store) -> None:
+    """Reports 2..3, 5..6 and 1..10 of one stream, windows overlapping (in that order of start): one gap 1..10, its
+    seqs lost once (0030 read two gaps, 1..10 and 2..3, seqs 2..3 lost twice); a report beside them whose window
+    lies apart stays a gap of its own though its seqs are the same."""
+    envs = decode([frames("pod-o", s, s, stored([100 + s])) for s in (0, 11, 12)])
+    envs += [report("pod-o", 2, 3, t(0.5), t(11)), report("pod-o", 5, 6, t(0.6), t(11)),
+             report("pod-o", 1, 10, t(0.7), t(11)), report("pod-o", 2, 3, t(30), t(31))]
+    ingest(store, envs)
+    assert [(g["first_seq"], g["last_seq"], g["lost_batches"], g["reports"]) for g in kv_gaps(store, "pod-o")] == [
+        (1, 10, 10, 3), (2, 3, 2, 1)]
+
+
+def test_a_gap_within_one_millisecond_finds_its_stored_batch(store: Store) -> None:
+    """Batches 2, 3 and 4 stamped in one ms; the collector stored 3 and, restarted from its checkpoint at 2, reports
+    3..3 with prev_batch_ts = next_batch_ts: the stored batch is in the window (0030's (prev, next] was empty)."""
+    envs = decode([frames("pod-ms", s, 1.0 if s >= 2 else s * 0.1, stored([100 + s])) for s in range(5)])
+    ingest(store, envs + [report("pod-ms", 3, 3, t(1.0), t(1.0), reason="collector_restart")])
+    assert [(g["stored_batches"], g["lost_batches"]) for g in kv_gaps(store, "pod-ms")] == [(1, 0)]
