@@ -96,3 +96,34 @@ def test_a_gap_within_one_millisecond_finds_its_stored_batch(store: Store) -> No
     envs = decode([frames("pod-ms", s, 1.0 if s >= 2 else s * 0.1, stored([100 + s])) for s in range(5)])
     ingest(store, envs + [report("pod-ms", 3, 3, t(1.0), t(1.0), reason="collector_restart")])
     assert [(g["stored_batches"], g["lost_batches"]) for g in kv_gaps(store, "pod-ms")] == [(1, 0)]
+
+
+def test_precise_attribution_runs_on_beside_hostile_gap_reports(chdb_dir) -> None:  # type: ignore[no-untyped-def]
+    """The precise-mode scenarios of tests/test_attribution_precise.py with, on their pods, gap reports of every
+    hostile kind above, reports without ts and overlapping ones (all `missed`: they mark no restart): kv_gaps and
+    kv_cache_resets read, and every request gets the answer it gets without them."""
+    import uuid
+
+    from test_attribution_precise import answers, build
+
+    from ingest import attribution_job
+
+    got = []
+    for hostile in (False, True):
+        s = Store.open(data_dir=chdb_dir, database=f"t_{uuid.uuid4().hex[:12]}")
+        s.migrate()
+        build(s, 32)
+        if hostile:
+            envs = []
+            for pod in ("1-a", "2-a", "3-a"):
+                envs += [report(pod, 5, 3, t(1), t(4)), report(pod, 0, 2**64 - 1, t(1), t(4)),
+                         report(pod, 2, 3, t(4), t(1)), report(pod, 2, 3, t(1) + 1e10, t(4)),
+                         report(pod, 2, 3, None, t(4), replayed=1), report(pod, 2, 3, None, None),
+                         report(pod, 2, 3, t(0.5), t(11)), report(pod, 5, 6, t(0.6), t(11)),
+                         report(pod, 1, 10, t(0.7), t(11))]
+            ingest(s, envs)
+            assert len(kv_gaps(s, "1-a")) == 3
+            s.query_rows("SELECT count() FROM kv_cache_resets")
+        attribution_job.run_attribution(s, default_block_size=32)
+        got.append(answers(s))
+    assert got[0] and got[1] == got[0]
