@@ -1,4 +1,4 @@
-"""Hostile and unusual KV-event gap reports: each is read once by ``kv_gaps`` (sql/migrations/0030, 0031), or, when no
+"""Hostile and unusual KV-event gap reports: each is read once by ``kv_gaps`` (sql/migrations/0030), or, when no
 collector could have made it, dead-lettered with its reason while the rest of its batch lands; the view and
 ``kv_cache_resets`` never error and count nothing negative, wrapped around or twice."""
 

@@ -25,6 +25,15 @@ ALTER TABLE kv_event_gaps
 -- that revealed it; NULL when unknown).
 -- A batch whose every event was a dead letter adds no row to kv_block_events (docs/kv-events.md, "Bad events"):
 -- its seq reads as lost here, as its events are missing from the evidence.
+-- How it reads (each a pitfall met on the way):
+-- - reports of one stream whose windows overlap or touch are one time cluster, and within it reports whose seqs
+--   overlap are one gap (windows and seqs each merged as intervals): reports 2..3, 5..6 and 1..10 with overlapping
+--   windows are one gap 1..10, seqs 2..3 never lost twice;
+-- - the window is [prev_batch_ts, next_batch_ts]: vLLM stamps batches in ms, and batches of one ms (the one before
+--   the gap, those in it and the one after) must fall inside it. The batch before the gap is not counted: its seq
+--   is first_seq - 1;
+-- - reports without both ts are filtered in subqueries of their own: ClickHouse resolves a name in WHERE to the
+--   SELECT's alias first, so `WHERE lo IS NOT NULL` beside `assumeNotNull(lo) AS lo` would test the alias.
 CREATE OR REPLACE VIEW kv_gaps AS
 WITH
     reports AS
@@ -36,21 +45,42 @@ WITH
         FROM kv_event_gaps
         GROUP BY event_id
     ),
+    -- reports of one stream whose windows overlap or touch (transitively) are one time cluster t; within it,
+    -- reports whose seq ranges overlap (transitively) are one gap n. Gaps of one cluster hold disjoint seqs, gaps of
+    -- two clusters disjoint windows: no stored batch is counted by two gaps, no seq lost twice in one window.
     grouped AS
     (
-        SELECT *, sum(new) OVER (PARTITION BY pod, engine ORDER BY lo, first_seq, event_id ROWS UNBOUNDED PRECEDING) AS n
+        SELECT *, sum(new_s) OVER (PARTITION BY pod, engine, t ORDER BY first_seq, last_seq, event_id
+                                   ROWS UNBOUNDED PRECEDING) AS n
         FROM
         (
-            SELECT *, toUInt8(isNull(prev_hi) OR lo >= assumeNotNull(prev_hi) OR first_seq > prev_last) AS new
+            SELECT *, toUInt8(isNull(prev_last) OR first_seq > assumeNotNull(prev_last)) AS new_s
             FROM
             (
-                SELECT event_id, pod, engine, detected_at, first_seq, last_seq, reason, replayed_batches,
-                       assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi,
-                       max(toNullable(assumeNotNull(hi))) OVER w AS prev_hi, max(last_seq) OVER w AS prev_last
-                FROM reports
-                WHERE lo IS NOT NULL AND hi IS NOT NULL
-                WINDOW w AS (PARTITION BY pod, engine ORDER BY lo, first_seq, event_id
-                             ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+                SELECT *, max(toNullable(last_seq)) OVER (PARTITION BY pod, engine, t ORDER BY first_seq, last_seq,
+                          event_id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_last
+                FROM
+                (
+                    SELECT *, sum(new_t) OVER (PARTITION BY pod, engine ORDER BY lo, hi, event_id
+                                               ROWS UNBOUNDED PRECEDING) AS t
+                    FROM
+                    (
+                        SELECT *, toUInt8(isNull(prev_hi) OR lo > assumeNotNull(prev_hi)) AS new_t
+                        FROM
+                        (
+                            SELECT event_id, pod, engine, detected_at, first_seq, last_seq, reason, replayed_batches,
+                                   lo, hi,
+                                   max(toNullable(hi)) OVER (PARTITION BY pod, engine ORDER BY lo, hi, event_id
+                                       ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_hi
+                            FROM
+                            (
+                                SELECT event_id, pod, engine, detected_at, first_seq, last_seq, reason,
+                                       replayed_batches, assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi
+                                FROM (SELECT * FROM reports WHERE lo IS NOT NULL AND hi IS NOT NULL)
+                            )
+                        )
+                    )
+                )
             )
         )
     ),
@@ -60,9 +90,9 @@ WITH
                arraySort(groupUniqArray(r)) AS reasons, count() AS reports, min(d) AS detected_at,
                max(d) AS last_detected_at, max(k) AS replayed_batches, toNullable(min(a)) AS lo,
                toNullable(max(b)) AS hi
-        FROM (SELECT event_id AS e, pod, engine, n, first_seq AS f, last_seq AS l, reason AS r, detected_at AS d,
+        FROM (SELECT event_id AS e, pod, engine, t, n, first_seq AS f, last_seq AS l, reason AS r, detected_at AS d,
                      replayed_batches AS k, lo AS a, hi AS b FROM grouped)
-        GROUP BY pod, engine, n
+        GROUP BY pod, engine, t, n
         UNION ALL
         SELECT event_id, pod, engine, first_seq, last_seq, reason, [reason], toUInt64(1), detected_at, detected_at,
                replayed_batches, CAST(NULL AS Nullable(DateTime64(3, 'UTC'))),
@@ -84,27 +114,25 @@ WITH
             (
                 SELECT gap_id, pod, engine, last_seq, assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi,
                        arrayJoin(range(first_seq, last_seq + 2)) AS seq
-                FROM gaps
-                WHERE lo IS NOT NULL AND last_seq - first_seq < 100000
+                FROM (SELECT * FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq < 100000)
             ) AS g
             INNER JOIN
             (
                 SELECT DISTINCT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, seq, ts
                 FROM kv_block_events
                 WHERE (pod, engine) IN (SELECT pod, engine FROM gaps WHERE lo IS NOT NULL)
-                  AND ts > (SELECT min(lo) FROM gaps) AND ts <= (SELECT max(hi) FROM gaps)
+                  AND ts >= (SELECT min(lo) FROM gaps) AND ts <= (SELECT max(hi) FROM gaps)
                   AND (CAST(pod AS String), CAST(engine AS String), seq) IN
                       (SELECT pod, engine, arrayJoin(range(first_seq, last_seq + 2)) FROM gaps
                        WHERE lo IS NOT NULL AND last_seq - first_seq < 100000)
             ) AS b ON b.pod = g.pod AND b.engine = g.engine AND b.seq = g.seq
-            WHERE b.ts > g.lo AND b.ts <= g.hi
+            WHERE b.ts >= g.lo AND b.ts <= g.hi
             UNION ALL
             SELECT g.gap_id, g.last_seq, b.seq, b.ts
             FROM
             (
                 SELECT gap_id, pod, engine, first_seq, last_seq, assumeNotNull(lo) AS lo, assumeNotNull(hi) AS hi
-                FROM gaps
-                WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000
+                FROM (SELECT * FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
             ) AS g
             INNER JOIN
             (
@@ -112,10 +140,10 @@ WITH
                 FROM kv_block_events
                 WHERE (pod, engine) IN (SELECT pod, engine FROM gaps
                                         WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
-                  AND ts > (SELECT min(lo) FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
+                  AND ts >= (SELECT min(lo) FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
                   AND ts <= (SELECT max(hi) FROM gaps WHERE lo IS NOT NULL AND last_seq - first_seq >= 100000)
             ) AS b ON b.pod = g.pod AND b.engine = g.engine
-            WHERE b.seq >= g.first_seq AND b.seq <= g.last_seq + 1 AND b.ts > g.lo AND b.ts <= g.hi
+            WHERE b.seq >= g.first_seq AND b.seq <= g.last_seq + 1 AND b.ts >= g.lo AND b.ts <= g.hi
         )
         GROUP BY gap_id
     )
