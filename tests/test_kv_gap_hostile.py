@@ -37,7 +37,7 @@ def test_a_report_without_both_batch_ts_is_one_gap_with_the_collectors_account(
         store: Store, prev: float | None, nxt: float | None) -> None:
     """A report of an older collector (no ts), or of one restored from a checkpoint without a ts (only the next
     batch's): one gap, counted as the collector did (stored = replayed), not a second one read over a window from
-    1970 (a filter on `lo` beside `assumeNotNull(lo) AS lo` tests the alias, always non-null)."""
+    1970 (a filter on `lo` beside `assumeNotNull(lo) AS lo` tests the alias, never null)."""
     ingest(store, batches("pod-n") + [report("pod-n", 2, 3, None if prev is None else t(prev),
                                              None if nxt is None else t(nxt), replayed=1)])
     assert [(g["first_seq"], g["last_seq"], g["stored_batches"], g["lost_batches"], g["reports"])
@@ -80,8 +80,8 @@ def test_a_gap_ending_at_the_largest_seq_accepted_is_counted(store: Store) -> No
 
 def test_overlapping_reports_count_no_seq_twice(store: Store) -> None:
     """Reports 2..3, 5..6 and 1..10 of one stream, windows overlapping (in that order of start): one gap 1..10, its
-    seqs lost once (merged in one pass by window start they read as two gaps, 1..10 and 2..3, seqs 2..3 lost twice); a report beside them whose window
-    lies apart stays a gap of its own though its seqs are the same."""
+    seqs lost once (merged in one pass by window start they read as two gaps, 1..10 and 2..3, seqs 2..3 lost
+    twice); a report beside them whose window lies apart stays a gap of its own though its seqs are the same."""
     envs = decode([frames("pod-o", s, s, stored([100 + s])) for s in (0, 11, 12)])
     envs += [report("pod-o", 2, 3, t(0.5), t(11)), report("pod-o", 5, 6, t(0.6), t(11)),
              report("pod-o", 1, 10, t(0.7), t(11)), report("pod-o", 2, 3, t(30), t(31))]
@@ -92,7 +92,7 @@ def test_overlapping_reports_count_no_seq_twice(store: Store) -> None:
 
 def test_a_gap_within_one_millisecond_finds_its_stored_batch(store: Store) -> None:
     """Batches 2, 3 and 4 stamped in one ms; the collector stored 3 and, restarted from its checkpoint at 2, reports
-    3..3 with prev_batch_ts = next_batch_ts: the stored batch is in the window (a window (prev, next] would be empty)."""
+    3..3 with prev_batch_ts = next_batch_ts: the stored batch is in the window ((prev, next] would be empty)."""
     envs = decode([frames("pod-ms", s, 1.0 if s >= 2 else s * 0.1, stored([100 + s])) for s in range(5)])
     ingest(store, envs + [report("pod-ms", 3, 3, t(1.0), t(1.0), reason="collector_restart")])
     assert [(g["stored_batches"], g["lost_batches"]) for g in kv_gaps(store, "pod-ms")] == [(1, 0)]
