@@ -51,7 +51,7 @@ from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_fr
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
-from ingest.kv_evidence import chunk_evidence
+from ingest.kv_evidence import KvMemo, chunk_evidence
 from ingest.store import Store
 
 log = logging.getLogger("kvscope.attribution")
@@ -475,13 +475,14 @@ def _keep_recent(recent: list[pl.DataFrame], arrivals: pl.DataFrame, cap: int) -
 
 # -- compute and write ---------------------------------------------------------------------------------------
 def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: dict[str, int],
-              default_block_size: int, known: Sequence[pl.DataFrame] = (), kv_evidence: bool = True
-              ) -> dict[str, Any]:
+              default_block_size: int, known: Sequence[pl.DataFrame] = (), kv_evidence: bool = True,
+              memo: KvMemo | None = None) -> dict[str, Any]:
     """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``; ``reach``: (horizon, lookback)
     in ms. ``known``: request rows already read (:data:`_KNOWN` columns; the last chunks': most predecessors
     are recent), so only the others are fetched. ``kv_evidence``: judge the requests that logged a block chain
     against the pods' KV events (precise mode, :func:`ingest.kv_evidence.chunk_evidence`, events read back to
-    the lookback)."""
+    the lookback). ``memo``: the run's :class:`~ingest.kv_evidence.KvMemo` when ``targets`` are its next chunk of
+    arrivals (the KV evidence before the last chunk's arrivals, kept)."""
     chosen = _predecessors(store, targets, *reach)
     frame = targets.with_columns(
         pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
@@ -499,7 +500,7 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
     evidence = None
     if kv_evidence:
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
-        evidence = chunk_evidence(store, frame, params, _IN_SET)
+        evidence = chunk_evidence(store, frame, params, _IN_SET, memo)
     return judge_frame(frame, evidence)
 
 
@@ -665,6 +666,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     stats = RunStats()
     bounds = _chunk_bounds(store, since, upto, chunk_size) if upto > since else []
     recent: list[pl.DataFrame] = []  # the predecessor fields of the last chunks' arrivals
+    memo = KvMemo() if kv_evidence else None  # the KV evidence before the last chunk's arrivals, summarized
     known_rows = KNOWN_CHUNKS * chunk_size
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         arrivals = _arrivals(store, since, upto, lo, hi, answered_before)
@@ -678,7 +680,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             later = _successors(store, late, max(reach)).join(arrivals.select("request_id", "ts"),
                                                               on=["request_id", "ts"], how="anti")
         examined, changed = _reexamine(store, later, reach, sizes, default_block_size, kv_evidence, now)
-        verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, recent, kv_evidence)
+        verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, recent, kv_evidence, memo)
         store.insert_arrow("request_attribution", _table(verdicts, now), FIRST_ANSWER_SETTINGS)
         recent = _keep_recent(recent, arrivals, known_rows)
         latest = arrivals["ts"].max()

@@ -197,6 +197,103 @@ def covered(first_event_ms: Mapping[str, int], ts_ms: int) -> frozenset[str]:
     return frozenset(pod for pod, first in first_event_ms.items() if first <= ts_ms)
 
 
+# -- carried from chunk to chunk -----------------------------------------------------------------------------
+#: A block hash whose kv_block_log rows before the cut number at least this many is kept by :class:`KvMemo` (as at
+#: most 5 stand-in rows per track); one with fewer costs no more to read again.
+MEMO_MIN_ROWS = 8
+#: At most this many stand-in rows are kept (~0.1 KB each); past it the memo starts again empty.
+MEMO_MAX_ROWS = 2_000_000
+
+
+def _epoch_ms(value: object) -> int:
+    """Unix ms of an aware datetime (or of a naive one read as UTC)."""
+    if not isinstance(value, datetime):
+        raise TypeError(f"not a datetime: {value!r}")
+    return round((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp() * 1000)
+
+
+class KvMemo:
+    """Precise mode's evidence carried from one chunk of a run's arrivals to the next (each chunk's arrivals are
+    at or after the previous chunk's last): per *hot* block hash (one with :data:`MEMO_MIN_ROWS` or more log rows
+    before the cut), its tracks' rows before its cut as the stand-ins of :func:`ingest.kv_tracks.summarize` (at
+    most 5 rows per track, ``weight`` the copies each stands for). The next chunk then reads that hash's rows
+    from its cut only (:func:`fetch_blocks`), so a tenant's system prompt, stored and evicted all day, is read
+    once per run instead of its whole history by every chunk; the statuses, and so the answers, are the same
+    (tests/test_kv_memo.py runs the job both ways).
+
+    Each hash has its own cut: the last arrival of the latest chunk that read its rows. A hash a chunk did not
+    read keeps its cut (its rows since then are read when it is wanted again). The memo starts again empty when
+    the evidence window's start passes the earliest row it stands for (the lookback moved on: those rows would no
+    longer be read), when a chunk arrives before a cut (not the next chunk of the run), or past
+    :data:`MEMO_MAX_ROWS`. Only hashes whose stored rows are named by their own vLLM hash (vLLM's default
+    hashing) are kept: a pod hashing its own way is read in two passes (:func:`fetch_blocks`). A row stored with
+    a time before a cut after the chunk that passed it read the log is not seen by later chunks of the run; such a
+    row was ingested after the run started, more than the settle time after its own time, so the next run's late
+    KV evidence re-examines what it changes (ingest/attribution_job.py). Memory: the stand-ins, ≤ 5 rows per hot
+    track."""
+
+    def __init__(self) -> None:
+        self._stand_ins: pl.DataFrame | None = None  # BLOCK_COLUMNS + weight, names as strings
+        self._cuts = pl.DataFrame(schema={"block_hash": pl.UInt64, "cut": pl.Int64})
+        self._first = 0  # the earliest log row ts (unix ms) any stand-in stands for
+
+    def holds_any(self) -> bool:
+        """True when some hash is kept."""
+        return self._stand_ins is not None and not self._cuts.is_empty()
+
+    def parameters(self) -> dict[str, list[int]]:
+        """The query parameters of :func:`fetch_blocks`' skip: ``memo`` (hashes) and ``memo_cut`` (unix ms)."""
+        return {"memo": self._cuts["block_hash"].to_list(), "memo_cut": self._cuts["cut"].to_list()}
+
+    def stand_ins_like(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """The stand-in rows with ``frame``'s column types (names as its strings or categoricals)."""
+        assert self._stand_ins is not None
+        return self._stand_ins.with_columns(pl.col(c).cast(frame.schema[c]) for c in kv_tracks.BLOCK_COLUMNS)
+
+    def clear(self) -> None:
+        """Keep nothing: the next chunk reads every row."""
+        self.__init__()  # type: ignore[misc]
+
+    def check(self, window_lo_ms: int, first_arrival_ms: int) -> None:
+        """Before a chunk whose evidence window starts at ``window_lo_ms`` and whose first arrival is at
+        ``first_arrival_ms``: start again empty unless every kept row is still in the window and every cut is at or
+        before that arrival."""
+        if self.holds_any() and (self._first < window_lo_ms or first_arrival_ms < self._cuts["cut"].max()):
+            self.clear()
+
+    def move(self, blocks: pl.DataFrame, resets: pl.DataFrame, cut: int, kept: bool) -> None:
+        """After a chunk: ``blocks`` as :func:`fetch_blocks` returned them (``kept``: with the stand-ins, the skip
+        applied; else the memo starts again from these rows), ``resets`` the chunk's, ``cut`` its last arrival
+        (unix ms). A hash whose rows this chunk read (every row from its cut, or from the window's start) is
+        summarized at ``cut`` when it was kept or has :data:`MEMO_MIN_ROWS` rows before ``cut``; a kept hash this
+        chunk read nothing of keeps its stand-ins and cut."""
+        if not kept:
+            self.clear()
+        if blocks.is_empty():
+            return
+        read = pl.col("weight").is_null() if "weight" in blocks.columns else pl.lit(True)
+        counts = blocks.group_by("block_hash").agg(
+            read.any().alias("read"), (~read).any().alias("kept"), (pl.col("ts") < cut).sum().alias("rows"),
+            ((pl.col("kind") == "stored") & (pl.col("chain") != pl.col("block_hash"))).any().alias("own"),
+            pl.col("ts").filter(read).min().alias("first"))
+        hot = counts.filter(pl.col("read") & (pl.col("kept") | (pl.col("rows") >= MEMO_MIN_ROWS)) & ~pl.col("own"))
+        if hot.is_empty():
+            return
+        hashes = hot.select("block_hash")
+        summary = kv_tracks.summarize(blocks.join(hashes, on="block_hash", how="semi"), resets, cut)
+        parts = [summary] if self._stand_ins is None else [
+            self._stand_ins.join(hashes, on="block_hash", how="anti"), summary]
+        stand_ins = pl.concat(parts, how="diagonal_relaxed")
+        if len(stand_ins) > MEMO_MAX_ROWS:
+            self.clear()
+            return
+        first = int(hot["first"].min())  # type: ignore[arg-type]
+        first = min(first, self._first) if self.holds_any() else first
+        self._cuts = pl.concat([self._cuts.join(hashes, on="block_hash", how="anti"),
+                                hot.select(pl.col("block_hash").cast(pl.UInt64), pl.lit(cut, pl.Int64).alias("cut"))])
+        self._stand_ins, self._first = stand_ins, first
+
+
 # -- from the store ------------------------------------------------------------------------------------------
 #: The evidence window: from the lookback before the chunk's first arrival to the chunk's last request's end.
 _FROM = ("ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
@@ -251,7 +348,8 @@ def in_log_order(frame: pl.DataFrame) -> pl.DataFrame:
                        pl.col("kind") == "stored"])
 
 
-def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
+def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: KvMemo | None = None
+                 ) -> tuple[pl.DataFrame, bool]:
     """The kv_block_log rows (:data:`ingest.kv_tracks.BLOCK_COLUMNS`, ts in unix ms) of every block that a missed
     block of the staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback
     in ms) names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
@@ -268,7 +366,15 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.
     removals carry only its vLLM hash, so the log is read again by the vLLM hashes of the blocks the wanted
     chain hashes name (two passes, as in :func:`_fetch_blocks_by_name`). pod, engine, medium and kind come as
     polars categoricals where the store lets the query read LowCardinality columns as Arrow dictionaries, else
-    as strings (:func:`ingest.kv_tracks.block_statuses` takes both)."""
+    as strings (:func:`ingest.kv_tracks.block_statuses` takes both).
+
+    ``skip``: a :class:`KvMemo` whose stand-ins replace its hashes' rows before its cut: those rows are not read.
+    Returns (rows, whether ``skip`` was applied: not when a pod hashes its blocks its own way, whose rows are
+    then all read)."""
+    skipped = skip is not None and skip.holds_any()
+    extra = ("AND toUnixTimestamp64Milli(ts) >= transform(block_hash, {memo:Array(UInt64)}, {memo_cut:Array(Int64)}, "
+             "toInt64(0))" if skipped else "")
+    args = {**params, **skip.parameters()} if skipped and skip is not None else dict(params)
     frame = store.query_df(
         f"""
         WITH {_WANTED.format(in_set=in_set)}
@@ -276,15 +382,18 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str) -> pl.
         FROM kv_block_log
         PREWHERE block_hash IN (SELECT h FROM wanted)
                  OR (kind = 'stored' AND chain_hash != block_hash AND chain_hash IN (SELECT h FROM wanted))
-        WHERE kind IN ('stored', 'removed') AND {_FROM}
-        """, dict(params), preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
+        WHERE kind IN ('stored', 'removed') AND {_FROM} {extra}
+        """, args, preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
     if frame.is_empty():
-        return _no_blocks()
+        return _no_blocks(), skipped
     own_hashing = frame.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0) & ~pl.col("by_block_hash")
                                .cast(pl.Boolean))
     if not own_hashing.is_empty():
-        return _fetch_blocks_by_name(store, params, in_set)
-    return in_log_order(frame.drop("by_block_hash"))
+        return _fetch_blocks_by_name(store, params, in_set), False
+    frame = frame.drop("by_block_hash")
+    if skipped and skip is not None:
+        return in_log_order(pl.concat([frame, skip.stand_ins_like(frame)], how="diagonal_relaxed")), True
+    return in_log_order(frame), False
 
 
 def _fetch_blocks_by_name(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
@@ -348,8 +457,8 @@ def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> pl.
         dict(params))
 
 
-def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str
-                   ) -> EvidenceFrames | None:
+def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str,
+                   memo: KvMemo | None = None) -> EvidenceFrames | None:
     """Precise mode's evidence (:class:`ingest.attribution_batch.EvidenceFrames`) for the rows of ``frame``
     (columns request_id, ts, pod, model, prompt_tokens, cached_tokens, status, e2e_ms, block_size: the staged
     requests ``in_set`` selects; ``params``: set, lo, hi and lookback in ms) that are judged with KV evidence: a
@@ -358,16 +467,26 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     are read up to the latest request end (arrival + e2e_ms, at most :data:`MAX_END_MS` after it). The blocks'
     statuses are computed column-wise (:func:`ingest.kv_tracks.block_statuses`), the same as
     :func:`request_evidence` gives. Six queries per chunk whatever its size (seven when a pod hashes its blocks
-    its own way: :func:`fetch_blocks`)."""
+    its own way: :func:`fetch_blocks`).
+
+    ``memo``: the job's :class:`KvMemo` when ``frame`` is the next chunk of a run's arrivals (each chunk later
+    than the one before): its stand-ins replace the rows before its cut, and it is moved on to this chunk's last
+    arrival. The answers are the same with and without it."""
     chains = fetch_chains(store, params, in_set)
     if chains.is_empty():
         return None
     end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
     last_end = frame.select(end.max()).item()
     params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
-    blocks = fetch_blocks(store, params, in_set)
-    KV_ROWS_READ.inc(len(blocks))
-    return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, fetch_resets(store, params),
+    if memo is not None:
+        memo.check(_epoch_ms(params["lo"]) - int(params["lookback"]),  # type: ignore[call-overload]
+                   _epoch_ms(frame["ts"].min()))
+    blocks, skipped = fetch_blocks(store, params, in_set, memo)
+    KV_ROWS_READ.inc(blocks["weight"].null_count() if "weight" in blocks.columns else len(blocks))  # not stand-ins
+    resets = fetch_resets(store, params)
+    if memo is not None:
+        memo.move(blocks, resets, _epoch_ms(frame["ts"].max()), kept=skipped)
+    return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, resets,
                           fetch_model_pods(store, params))
 
 

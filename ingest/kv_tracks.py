@@ -27,8 +27,16 @@ import polars as pl
 
 from ingest.attribution import NOWHERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE, RESIDENT_HERE
 
-#: Columns of the block rows (kv_block_log rows, ts in unix ms; ``chain`` 0 on removed rows, ignored there).
+#: Columns of the block rows (kv_block_log rows, ts in unix ms; ``chain`` 0 on removed rows, ignored there). A frame
+#: of them may also carry ``weight``: the copies a row stores or removes (a stand-in of :func:`summarize`; a log
+#: row, or a null, is 1).
 BLOCK_COLUMNS = ("pod", "engine", "medium", "block_hash", "chain", "ts", "seq", "idx", "pos", "kind")
+
+
+def _delta(frame: pl.DataFrame) -> pl.Expr:
+    """+weight for a store, −weight for a removal (weight 1 without the column)."""
+    weight = pl.col("weight").fill_null(1).cast(pl.Int64) if "weight" in frame.columns else pl.lit(1, pl.Int64)
+    return pl.when(pl.col("kind") == "stored").then(weight).otherwise(-weight).alias("delta")
 #: Columns of the reset rows (kv_cache_resets, ts in unix ms; kind 'cleared' or anything else = a restart).
 RESET_COLUMNS = ("pod", "engine", "ts", "seq", "idx", "kind")
 _ORDER = ["ts", "seq", "idx", "flag", "pos"]  # a reset (flag 0) sorts before the blocks of its own batch
@@ -42,8 +50,8 @@ def _changed(columns: list[str]) -> pl.Expr:
 
 
 def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(tracks: track, chain, pod, engine; events: track, pod, engine, ts, seq, idx, pos, delta ±1, in track then
-    event order). ``blocks``: a track's rows contiguous, in kv_block_log's order (:data:`_IDENTITY`: event order,
+    """(tracks: track, chain, pod, engine; events: track, pod, engine, ts, seq, idx, pos, delta ±weight, in track
+    then event order). ``blocks``: a track's rows contiguous, in kv_block_log's order (:data:`_IDENTITY`: event order,
     a removal before a store of the same position), tracks in any order, names (pod, engine, medium) as integer
     codes; a row equal to the one before (written twice) counts once. A track's chain is that of its last stored
     row with a chain, as in the reference. Column-wise in numpy: rows are compared with the row before, a
@@ -54,6 +62,8 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
                 pl.DataFrame(schema={c: pl.UInt32 if c == "track" else pl.Int64 for c in (
                     "track", "pod", "engine", "ts", "seq", "idx", "pos", "delta")}))
     stored = (blocks["kind"] == "stored").to_numpy()
+    weight = (blocks["weight"].fill_null(1).cast(pl.Int64).to_numpy() if "weight" in blocks.columns
+              else np.ones(n, dtype=np.int64))
     columns = {c: blocks[c].to_numpy() for c in (*_IDENTITY, "chain") if c != "kind"}
     same_key = np.ones(n - 1, dtype=bool)
     for c in _KEY:
@@ -64,14 +74,14 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         same_row &= columns[c][1:] == columns[c][:-1]
     sel = np.flatnonzero(np.r_[True, ~same_row]) if same_row.any() else None  # None: every row, no copies
     chain = columns["chain"] if sel is None else columns["chain"][sel]
-    track, stored = (track, stored) if sel is None else (track[sel], stored[sel])
+    track, stored, weight = (track, stored, weight) if sel is None else (track[sel], stored[sel], weight[sel])
     naming = stored & (chain != 0)
     has_name = np.zeros(int(track[-1]) + 1, dtype=bool)
     has_name[track[naming]] = True
     if not has_name.all():  # rows of tracks without a named store go
         keep = has_name[track]
         sel = np.flatnonzero(keep) if sel is None else sel[keep]
-        track, stored, chain, naming = track[keep], stored[keep], chain[keep], naming[keep]
+        track, stored, chain, naming, weight = track[keep], stored[keep], chain[keep], naming[keep], weight[keep]
 
     def pick(column: np.ndarray) -> np.ndarray:
         return column if sel is None else column[sel]
@@ -84,7 +94,7 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
                           "pod": pod[last], "engine": engine[last]})
     events = pl.DataFrame({"track": track.astype(np.uint32), "pod": pod, "engine": engine,
                            **{c: pick(columns[c]).astype(np.int64, copy=False) for c in ("ts", "seq", "idx", "pos")},
-                           "delta": np.where(stored, 1, -1)})
+                           "delta": np.where(stored, weight, -weight)})
     return named, events
 
 
@@ -354,3 +364,99 @@ def until_nowhere(statuses: pl.DataFrame) -> pl.DataFrame:
     """``statuses`` (rid, i, ...) cut after each request's first nowhere block (the evidence ends there)."""
     stop = pl.when(pl.col("state") == NOWHERE).then(pl.col("i")).otherwise(None).min().over("rid")
     return statuses.filter(stop.is_null() | (pl.col("i") <= stop))
+
+
+# -- a track's past before a cut, in a few rows (ingest/kv_evidence.KvMemo) -----------------------------------
+def summarize(blocks: pl.DataFrame, resets: pl.DataFrame, cut: int) -> pl.DataFrame:
+    """A few stand-in rows per track for all its rows of ``blocks`` before ``cut`` (unix ms), such that
+    :func:`block_statuses` over the stand-ins plus the rows at or after ``cut`` (and every reset) gives the same
+    status as over all the rows, for every ask arriving at or after ``cut``; :data:`BLOCK_COLUMNS`, sorted like
+    kv_block_log, plus ``weight``.
+
+    ``blocks``: :data:`BLOCK_COLUMNS` rows (and maybe ``weight``) in any order (a row written twice counts once;
+    rows at or after ``cut`` are ignored); ``resets``: :data:`RESET_COLUMNS` rows (those at or after ``cut`` are
+    ignored). Stand-in rows may come from an earlier summary: ``summarize(summarize(rows < c1) + rows in [c1, c2),
+    resets, c2)`` stands for the rows before c2 (how :class:`ingest.kv_evidence.KvMemo` moves from chunk to chunk).
+
+    What an ask at t ≥ cut reads of a track's past (see :func:`block_statuses`): in the segment open at the cut
+    (after the last reset before it), the running sum S of its events and its lowest point m (≤ 0: the copies
+    stored before the evidence are −m, unless later events go lower) and the last removal that reached m (a
+    departure); before that segment, only the latest departure (a removal that took the copies to 0, or a reset
+    that ended a segment holding copies); and that the track had an event before t. The stand-ins reproduce
+    exactly these, at the identities of real events: for a departure D of the open segment, at D's batch a store
+    of one copy, then a removal of 1 − m (the walk reaches m at D), then a store of S − m; without one (then
+    m = 0 and S > 0), a store of S at the segment's first event; for the latest earlier departure when the open
+    segment has none, a store and a removal of one copy at a removal departure, or a store at the segment's last
+    event before a reset departure. Stores carry the track's chain hash (its last stored row's), removals 0. At
+    most 5 rows per track (``weight``: the copies a row stands for), however many times it was stored and
+    removed."""
+    columns = [*BLOCK_COLUMNS, "weight"] if "weight" in blocks.columns else list(BLOCK_COLUMNS)
+    pre = (blocks.filter(pl.col("ts") < cut).select(columns)
+           .with_columns(pl.col(c).cast(pl.String) for c in ("pod", "engine", "medium", "kind")))
+    if pre.is_empty():
+        return pre
+    rows = (pre.sort(_IDENTITY).filter(_changed(_IDENTITY))
+            .with_columns((_changed(_KEY).cum_sum() - 1).cast(pl.UInt32).alias("track")))
+    keys = rows.filter(_changed(["track"])).select("track", *_KEY)
+    chains = (rows.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0)).group_by("track")
+              .agg(pl.col("chain").last()))
+    keys = keys.join(chains, on="track", how="left").with_columns(pl.col("chain").fill_null(0).cast(pl.UInt64))
+    events = rows.select("track", "pod", "engine", pl.col("ts").cast(pl.Int64), pl.col("seq").cast(pl.Int64),
+                         pl.col("idx").cast(pl.Int64), pl.col("pos").cast(pl.Int64), _delta(rows))
+    numbered = _resets(resets.filter(pl.col("ts") < cut).select(RESET_COLUMNS)
+                       .with_columns(pl.col("pod").cast(pl.String), pl.col("engine").cast(pl.String)))
+    seg, inits, _ = _segments(events, numbered)
+    open_seg = numbered.group_by("pod", "engine").agg(pl.col("seg").max().alias("open"))
+    ev = (events.with_columns(seg["seg"], seg["copies"]).with_row_index("n")
+          .join(open_seg, on=["pod", "engine"], how="left").sort("n")
+          .with_columns(pl.col("open").fill_null(0))
+          .join(inits.select("track", "seg", "init"), on=["track", "seg"], how="left").sort("n"))
+    is_open = pl.col("seg") == pl.col("open")
+    departed = (pl.col("delta") < 0) & (pl.col("copies") == 0)
+    ident = ["ts", "seq", "idx"]
+    # the open segment: S − m = copies after its last event, 1 − m = 1 + init; its last departure D; first event F
+    opened = (ev.filter(is_open).group_by("track", maintain_order=True)
+              .agg(pl.col("copies").last().alias("end"), pl.col("init").first(),
+                   *[pl.col(c).first().alias(f"f_{c}") for c in ident],
+                   *[pl.col(c).filter(departed).last().alias(f"d_{c}") for c in ident]))
+    # earlier segments: the latest departure, a removal (in event order) or a reset ending a segment with copies
+    removed = (ev.filter(~is_open & departed)
+               .select("track", *ident, pl.lit(1, pl.Int8).alias("flag"), "pos", pl.lit(0).alias("a_ts"),
+                       pl.lit(0).alias("a_seq"), pl.lit(0).alias("a_idx"), pl.lit("removed").alias("how")))
+    last_in_seg = (ev.filter(~is_open).group_by("track", "seg", maintain_order=True)
+                   .agg(*[pl.col(c).last().alias(f"a_{c}") for c in ident], pl.col("copies").last().alias("end"),
+                        pl.col("pod").first(), pl.col("engine").first()))
+    ended = (last_in_seg.filter(pl.col("end") > 0).with_columns((pl.col("seg") + 1).alias("next"))
+             .join(numbered.select("pod", "engine", "seg", *ident), left_on=["pod", "engine", "next"],
+                   right_on=["pod", "engine", "seg"], how="inner")
+             .select("track", *ident, pl.lit(0, pl.Int8).alias("flag"), pl.lit(0, pl.Int64).alias("pos"),
+                     "a_ts", "a_seq", "a_idx", pl.lit("ended").alias("how")))
+    closed = (pl.concat([removed, ended], how="vertical_relaxed").sort(["track", *ident, "flag", "pos"])
+              .group_by("track", maintain_order=True).last()
+              .join(opened.filter(pl.col("d_ts").is_not_null()).select("track"), on="track", how="anti"))
+
+    def stand_in(frame: pl.DataFrame, prefix: str, weight: pl.Expr, pos: int, kind: str) -> pl.DataFrame:
+        """One ``kind`` row of ``weight`` copies per row of ``frame`` at its ``prefix`` identity and ``pos``."""
+        return (frame.select("track", *[pl.col(f"{prefix}{c}").alias(c) for c in ident],
+                             pl.lit(pos, pl.Int64).alias("pos"), weight.cast(pl.Int64).alias("weight"))
+                .filter(pl.col("weight") > 0).with_columns(pl.lit(kind).alias("kind")))
+
+    with_d = opened.filter(pl.col("d_ts").is_not_null())
+    without_d = opened.filter(pl.col("d_ts").is_null())
+    one = pl.lit(1, pl.Int64)
+    by_removal = closed.filter(pl.col("how") == "removed").rename({"ts": "r_ts", "seq": "r_seq", "idx": "r_idx"})
+    parts = [
+        stand_in(with_d, "d_", one, 0, "stored"),
+        stand_in(with_d, "d_", 1 + pl.col("init"), 1, "removed"),
+        stand_in(with_d, "d_", pl.col("end"), 2, "stored"),
+        stand_in(without_d, "f_", pl.col("end"), 0, "stored"),
+        stand_in(by_removal, "r_", one, 0, "stored"),
+        stand_in(by_removal, "r_", one, 1, "removed"),
+        stand_in(closed.filter(pl.col("how") == "ended"), "a_", one, 0, "stored"),
+    ]
+    out = (pl.concat(parts, how="vertical_relaxed").join(keys, on="track", how="inner")
+           .with_columns(pl.when(pl.col("kind") == "stored").then(pl.col("chain")).otherwise(0)
+                         .cast(pl.UInt64).alias("chain")))
+    schema = blocks.schema
+    return (out.select(*[pl.col(c).cast(schema[c]) for c in BLOCK_COLUMNS], pl.col("weight").cast(pl.UInt32))
+            .sort(_IDENTITY))

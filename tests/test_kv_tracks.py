@@ -17,7 +17,7 @@ from test_attribution import random_requests
 from test_attribution_batch import check_equal
 
 from ingest import attribution as a
-from ingest import kv_evidence
+from ingest import kv_evidence, kv_tracks
 from ingest.attribution_batch import EvidenceFrames
 
 PODS = ("pod-a", "pod-b", "pod-c", "pod-x")  # pod-x serves another model
@@ -160,3 +160,64 @@ def test_column_wise_evidence_and_verdicts_equal_the_reference(seed: int, names:
                for b, t in ((b, r["ts"].timestamp() * 1000) for b in e.blocks))  # left while it waited
     # the verdicts: the column-wise judge over the column-wise evidence, the reference judge over its own
     check_equal(reqs, sizes, want, frames=frames)
+
+
+def _frames(reqs: list[dict[str, Any]], blocks: pl.DataFrame, resets: pl.DataFrame, first: pl.DataFrame,
+            chains: dict[str, tuple[list[int], int]]) -> dict[str, a.KvEvidence]:
+    """frame_evidence's per-request evidence over these block rows (any order: sorted here as fetch_blocks
+    sorts them) and ``first``."""
+    frame = pl.DataFrame([{**r, "block_size": SIZES[r["pod"]]} for r in reqs], infer_schema_length=None).with_columns(
+        pl.col("ts").dt.cast_time_unit("ms"))
+    chain_frame = pl.DataFrame([(rid, c, s) for rid, (c, s) in chains.items()], orient="row", schema={
+        "request_id": pl.String, "chain": pl.List(pl.UInt64), "chain_block_size": pl.Int64})
+    model_pods = pl.DataFrame([(m, p) for m, pods in MODEL_PODS.items() for p in pods], orient="row",
+                              schema={"model": pl.String, "pod": pl.String})
+    frames = kv_evidence.frame_evidence(frame, chain_frame, first, kv_evidence.in_log_order(blocks), resets,
+                                        model_pods)
+    return {} if frames is None else frames.to_mapping()
+
+
+def _as_frames(rows: list[kv_evidence.BlockRow], resets: list[kv_evidence.ResetRow], names: pl.DataType = pl.String
+               ) -> tuple[pl.DataFrame, ...]:
+    blocks = pl.DataFrame(rows, schema=list(zip(kv_tracks.BLOCK_COLUMNS, (
+        pl.String, pl.String, pl.String, pl.UInt64, pl.UInt64, pl.Int64, pl.UInt64, pl.UInt32, pl.UInt32, pl.String),
+        strict=True)), orient="row").with_columns(pl.col("pod", "engine", "medium", "kind").cast(names))
+    reset_frame = pl.DataFrame(resets, schema=list(zip(kv_tracks.RESET_COLUMNS, (
+        pl.String, pl.String, pl.Int64, pl.UInt64, pl.UInt32, pl.String), strict=True)), orient="row")
+    first = (pl.concat([blocks.select(pl.col("pod").cast(pl.String), "ts"), reset_frame.select("pod", "ts")])
+             .group_by("pod").agg(pl.col("ts").min().alias("first")))
+    return blocks, reset_frame, first
+
+
+@pytest.mark.parametrize(("seed", "names"), [(seed, pl.String) for seed in range(8)]
+                         + [(seed, pl.Categorical) for seed in range(2)])
+def test_a_summary_of_the_rows_before_a_cut_gives_every_later_arrival_the_same_evidence(seed: int,
+                                                                                        names: pl.DataType) -> None:
+    """kv_tracks.summarize: stand-in rows for everything before a cut, then the real rows after it, give every
+    request arriving at or after the cut exactly the evidence of the whole log; and so does a summary of a
+    summary plus the rows between two cuts (how kv_evidence.KvMemo moves from chunk to chunk), and a summary of
+    rows written twice. Names as strings or as categoricals (the store's LowCardinality columns)."""
+    reqs = traffic(seed)
+    rows, resets, chains = history(seed, reqs)
+    blocks, reset_frame, first = _as_frames(rows + rows[::53], resets, names)
+    times = sorted(round(r["ts"].timestamp() * 1000) for r in reqs)
+    rnd = random.Random(seed)
+    c1 = times[len(times) // 4] - rnd.choice([0, 1, 700])
+    c2 = times[len(times) // 2] - rnd.choice([0, 1, 2500])
+    late = [r for r in reqs if round(r["ts"].timestamp() * 1000) >= c2]
+    want = _frames(late, blocks, reset_frame, first, chains)
+    assert len(want) > 20
+    states = {b.state for e in want.values() for b in e.blocks}
+    assert {a.RESIDENT_HERE, a.REMOVED_HERE, a.RESET_HERE, a.RESIDENT_ELSEWHERE} <= states, states
+
+    after = blocks.filter(pl.col("ts") >= c2)
+    once = kv_tracks.summarize(blocks, reset_frame, c2)
+    assert once.group_by(kv_tracks._KEY).len()["len"].max() <= 5  # however many copies a block had
+    got = _frames(late, pl.concat([once, after], how="diagonal_relaxed"), reset_frame, first, chains)
+    assert got == want
+
+    first_cut = kv_tracks.summarize(blocks, reset_frame, c1)
+    between = blocks.filter((pl.col("ts") >= c1) & (pl.col("ts") < c2))
+    twice = kv_tracks.summarize(pl.concat([first_cut, between], how="diagonal_relaxed"), reset_frame, c2)
+    got = _frames(late, pl.concat([twice, after], how="diagonal_relaxed"), reset_frame, first, chains)
+    assert got == want

@@ -1,0 +1,116 @@
+"""Precise mode's evidence carried from chunk to chunk (ingest/kv_evidence.py ``KvMemo``) on real chDB, KV events
+fed the production way (ZMQ frames → collector → queue → ingester → kv_block_log): a run in many chunks, each
+reading a hot block's rows only from the last chunk's cut and the rows before it as stand-ins, gives exactly the
+answers of reading every block's whole history for every chunk, and reads fewer rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import REGISTRY
+from test_attribution_job import insert_requests
+from test_attribution_precise import _PUBLISHED, HASHING, answers, gw, stored, tokens, vllm_removed
+from test_kv_residency import CLEARED, collect, frames, ingest
+
+from ingest import attribution_job, kv_evidence
+from ingest.store import Store
+
+B = 32
+N = 8
+
+
+def _rows_read() -> float:
+    return REGISTRY.get_sample_value("kvscope_attribution_kv_log_rows_read_total") or 0.0
+
+
+def _random_fleet(store: Store, seed: int) -> None:
+    """Three pods storing, removing and clearing the blocks of 4 prompt families over 100 s (vLLM's default
+    hashing: the blocks' vLLM hashes are their chain hashes); 160 requests over those pods and families with
+    partial hits, arriving while the blocks come and go."""
+    rnd = random.Random(seed)
+    scenario = 60 + seed
+    pods = ["mm-a", "mm-b", "mm-c"]
+    family = {f: tokens(scenario, N * B, f) for f in range(4)}
+    msgs = []
+    for p, pod in enumerate(pods):
+        events = []
+        for _ in range(80):
+            f = rnd.randrange(4)
+            names = [scenario * 100_000 + p * 10_000 + f * 100 + j for j in range(N)]
+            roll = rnd.random()
+            if roll < 0.55:
+                n = rnd.randint(1, N)
+                events.append((rnd.uniform(0, 100), stored(family[f][: n * B], B, names[0])))
+            elif roll < 0.96:
+                k = rnd.randint(0, N - 1)
+                events.append((rnd.uniform(0, 100), ("remove", names[k:])))
+            else:
+                events.append((rnd.uniform(0, 100), CLEARED))
+        events.sort(key=lambda e: e[0])
+        for seq, (t, event) in enumerate(events, start=1):
+            if isinstance(event, tuple):
+                event = vllm_removed([n for n in event[1] if n in _PUBLISHED])
+                if not event["block_hashes"]:
+                    continue
+            msgs.append(frames(pod, seq, t, event))
+    ingest(store, collect(msgs))
+    rows = []
+    for i in range(160):
+        f, pod = rnd.randrange(4), rnd.choice(pods)
+        rows.append(gw(f"mm{seed}-{i}", scenario, t=rnd.uniform(5, 100), pod=pod,
+                       prompt_ids=family[f] + tokens(scenario, 20, 10 + i), b=B, prompt=N * B + 20,
+                       cached=rnd.choice([0, 0, B, 3 * B]), tenant=f"t{i % 7}", system=f"fam{f}",
+                       system_tokens=N * B, suffix=f"q{i}", suffix_tokens=20))
+    insert_requests(store, rows)
+
+
+def _attribute(store: Store) -> tuple[dict, float]:
+    for table in ("request_attribution", "attribution_watermark"):
+        store.command(f"TRUNCATE TABLE {table}")
+    before = _rows_read()
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, chunk_size=16)
+    return answers(store), _rows_read() - before
+
+
+@pytest.mark.parametrize(("seed", "hot"), [(1, 1), (2, kv_evidence.MEMO_MIN_ROWS), (3, 3)])
+def test_a_run_in_chunks_gives_the_answers_of_reading_every_blocks_whole_history(
+        store: Store, seed: int, hot: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every hash kept from its first row (hot 1), from the default or from its third: the same answers as no
+    memo (no hash ever hot), in 10 chunks of 16 arrivals, and fewer kv_block_log rows read."""
+    monkeypatch.setitem(HASHING, "mode", "default")
+    _random_fleet(store, seed)
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", hot)
+    with_memo, read_with = _attribute(store)
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    without, read_without = _attribute(store)
+    assert with_memo == without
+    assert read_with < read_without * 0.8, (read_with, read_without)
+    judged = [v for v in without.values() if v[1] == "kv_events"]
+    assert len(judged) > 60
+    causes = {c for causes, evidence, *_ in judged for c, _, _ in causes}
+    assert {"evicted", "routed_away", "cold"} <= causes, causes
+
+
+def test_the_memo_starts_again_when_the_lookback_passes_its_rows() -> None:
+    """A chunk whose evidence window starts after the earliest row the stand-ins stand for, or that arrives
+    before a cut, gets no stand-ins: those rows would not be read without the memo."""
+    import polars as pl
+
+    memo = kv_evidence.KvMemo()
+    rows = pl.DataFrame({"pod": ["p"] * 10, "engine": ["e"] * 10, "medium": ["GPU"] * 10, "block_hash": [7] * 10,
+                         "chain": [7, 0] * 5, "ts": list(range(1000, 1010)), "seq": list(range(10)),
+                         "idx": [0] * 10, "pos": [0] * 10, "kind": ["stored", "removed"] * 5},
+                        schema_overrides={"block_hash": pl.UInt64, "chain": pl.UInt64, "seq": pl.UInt64,
+                                          "idx": pl.UInt32, "pos": pl.UInt32})
+    resets = pl.DataFrame(schema={"pod": pl.String, "engine": pl.String, "ts": pl.Int64, "seq": pl.UInt64,
+                                  "idx": pl.UInt32, "kind": pl.String})
+    memo.move(rows, resets, 2000, kept=False)
+    assert memo.holds_any() and memo.parameters() == {"memo": [7], "memo_cut": [2000]}
+    memo.check(window_lo_ms=1000, first_arrival_ms=2000)
+    assert memo.holds_any()
+    memo.check(window_lo_ms=1001, first_arrival_ms=2000)  # the lookback moved past the row at 1000
+    assert not memo.holds_any()
+    memo.move(rows, resets, 2000, kept=False)
+    memo.check(window_lo_ms=0, first_arrival_ms=1999)  # an arrival before the cut
+    assert not memo.holds_any()
