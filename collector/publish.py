@@ -99,7 +99,7 @@ class Oversized:
     """An envelope sent as a dead letter instead of as data: its ``kind``, ``pod`` and ``event_id``, its
     encoded ``size`` (bytes), ``why`` (``setting``: over the cap; ``broker``: the broker refused it as too
     large) and ``dead_letter``, the envelope sent in its place. For a KV-event batch it is one part holding
-    the one block (or event without blocks) that alone does not fit; the batch's other parts were sent."""
+    the one block (or event without blocks) that alone does not fit; the batch's other parts, if any, were sent."""
 
     kind: str
     pod: str
@@ -286,10 +286,12 @@ def split_kv_batch(ev: Envelope, max_message_bytes: int, size: int,
         e = b.events[0]
         what = (f"block {e.first_pos} of KV event {e.idx} ({e.type}) of batch seq {b.seq}" if e.block_hashes
                 else f"KV event {e.idx} ({e.type}, no blocks) of batch seq {b.seq}")
+        rest = (f"the batch's other blocks and events were, in {len(cut.parts)} part"
+                f"{'' if len(cut.parts) == 1 else 's'}" if cut.parts else "the batch held nothing else")
         reason = (f"{what} alone encodes {alone_size} bytes, larger than a Kafka message may be "
-                  f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data (the batch's other "
-                  "blocks and events were, in parts). Raise the setting (and the broker's message.max.bytes / "
-                  "the topic's max.message.bytes) to carry blocks this large")
+                  f"(KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={max_message_bytes}); not sent as data ({rest}). Raise the "
+                  "setting (and the broker's message.max.bytes / the topic's max.message.bytes) to carry blocks "
+                  "this large")
         dl = oversized_dead_letter(alone, reason, max_message_bytes)
         oversized.append(Oversized(ev.schema, ev.pod, alone.event_id, alone_size, "setting", dl))
     return cut.parts, oversized

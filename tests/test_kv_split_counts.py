@@ -24,6 +24,7 @@ def test_a_batch_of_one_block_too_large_alone_is_a_dead_letter_not_a_split() -> 
     assert [(o.why, o.kind) for o in oversized] == [("setting", "kv_event_batch")]
     assert len(messages) == 1  # the dead letter
     assert batches_split(splits) == {}
+    assert "(the batch held nothing else)" in oversized[0].dead_letter.payload.reason  # type: ignore[union-attr]  # no other parts were sent
 
 
 def test_a_batch_cut_into_a_part_and_a_dead_letter_counts_once() -> None:
@@ -33,6 +34,7 @@ def test_a_batch_cut_into_a_part_and_a_dead_letter_counts_once() -> None:
     messages, oversized = plan_messages([ev], max_message_bytes=2000, splits=splits)  # type: ignore[list-item]
     assert len(oversized) == 1 and len(messages) == 2
     assert batches_split(splits) == {ev.event_id: "setting"}  # type: ignore[attr-defined]
+    assert "(the batch's other blocks and events were, in 1 part)" in oversized[0].dead_letter.payload.reason  # type: ignore[union-attr]
 
 
 def test_a_part_cut_again_and_again_counts_its_batch_once() -> None:
