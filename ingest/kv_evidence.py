@@ -348,6 +348,13 @@ def in_log_order(frame: pl.DataFrame) -> pl.DataFrame:
                        pl.col("kind") == "stored"])
 
 
+def own_hashing_pods(store: Store) -> list[str]:
+    """The pods that published a stored block under a hash other than kvscope's chain hash of its tokens
+    (kv_pod_hashing, sql/migrations/0031: vLLM hashing its own way), sorted."""
+    return [str(r[0]) for r in store.query_rows(
+        "SELECT pod FROM kv_pod_hashing GROUP BY pod HAVING max(own_hashing) > 0 ORDER BY pod")]
+
+
 def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: KvMemo | None = None
                  ) -> tuple[pl.DataFrame, bool]:
     """The kv_block_log rows (:data:`ingest.kv_tracks.BLOCK_COLUMNS`, ts in unix ms) of every block that a missed
@@ -364,7 +371,9 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
     blocks that never had a store in the window may come along; :mod:`ingest.kv_tracks` keeps only blocks with
     a store. When some pod hashes its blocks its own way (a stored block named only by its chain hash), its
     removals carry only its vLLM hash, so the log is read again by the vLLM hashes of the blocks the wanted
-    chain hashes name (two passes, as in :func:`_fetch_blocks_by_name`). pod, engine, medium and kind come as
+    chain hashes name (two passes, as in :func:`_fetch_blocks_by_name`). The stored rows named only by their chain
+    hash are looked for on the pods that hash their own way (:func:`own_hashing_pods`) only: on the others the two
+    hashes are equal, and the lookup read two more columns of the whole log. pod, engine, medium and kind come as
     polars categoricals where the store lets the query read LowCardinality columns as Arrow dictionaries, else
     as strings (:func:`ingest.kv_tracks.block_statuses` takes both).
 
@@ -375,15 +384,17 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
     extra = ("AND toUnixTimestamp64Milli(ts) >= transform(block_hash, {memo:Array(UInt64)}, {memo_cut:Array(Int64)}, "
              "toInt64(0))" if skipped else "")
     args = {**params, **skip.parameters()} if skipped and skip is not None else dict(params)
+    own_pods = own_hashing_pods(store)
+    by_chain = ("OR (pod IN {own_pods:Array(String)} AND kind = 'stored' AND chain_hash != block_hash "
+                "AND chain_hash IN (SELECT h FROM wanted))" if own_pods else "")
     frame = store.query_df(
         f"""
         WITH {_WANTED.format(in_set=in_set)}
         SELECT {_WANTED_BLOCK_COLUMNS_SQL}
         FROM kv_block_log
-        PREWHERE block_hash IN (SELECT h FROM wanted)
-                 OR (kind = 'stored' AND chain_hash != block_hash AND chain_hash IN (SELECT h FROM wanted))
+        PREWHERE block_hash IN (SELECT h FROM wanted) {by_chain}
         WHERE kind IN ('stored', 'removed') AND {_FROM} {extra}
-        """, args, preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
+        """, {**args, "own_pods": own_pods}, preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
     if frame.is_empty():
         return _no_blocks(), skipped
     own_hashing = frame.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0) & ~pl.col("by_block_hash")

@@ -503,3 +503,33 @@ def test_the_rows_read_counter_counts_each_chunks_read_of_the_log(store: Store) 
     before = read()
     attribution_job.run_attribution(store, default_block_size=32, chunk_size=1)
     assert read() - before == per_request
+
+
+def test_a_pod_hashing_its_own_way_is_found_beside_pods_with_the_default_hashing(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod oh-d publishes vLLM's default hashes (equal to kvscope's chain hashes), pod oh-o its own: only oh-o is in
+    kv_pod_hashing as hashing its own way, so only its stored rows are looked up by chain hash. Both still hold
+    evidence: a request on oh-x missing oh-d's prompt is routed_away to oh-d, one missing oh-o's prompt routed_away
+    to oh-o."""
+    b, scenario = 32, 23
+    first, second, other = tokens(scenario, N * b, 1), tokens(scenario, N * b, 2), tokens(scenario, N * b, 3)
+    monkeypatch.setitem(HASHING, "mode", "default")
+    on_d = frames("oh-d", 1, 1, stored(first, b, 23_000))
+    monkeypatch.setitem(HASHING, "mode", "own")
+    on_o = frames("oh-o", 1, 1, stored(second, b, 23_100))
+    on_x = frames("oh-x", 1, 1, stored(other, b, 23_200))
+    ingest(store, collect([on_d, on_o, on_x]))
+    assert kv_evidence.own_hashing_pods(store) == ["oh-o", "oh-x"]
+    assert store.query_rows("SELECT pod, max(own_hashing) FROM kv_pod_hashing GROUP BY pod ORDER BY pod") == [
+        ("oh-d", 0), ("oh-o", 1), ("oh-x", 1)]
+
+    def row(rid: str, ids: list[int], pod: str, t: float) -> dict[str, Any]:
+        return gw(rid, scenario, t=t, pod=pod, prompt_ids=ids + tokens(scenario, 20, 9), b=b, prompt=N * b + 20,
+                  system=rid, system_tokens=N * b, suffix=rid, suffix_tokens=20, tenant=f"t-{rid}")
+
+    insert_requests(store, [row("d0", first, "oh-d", 0.5), row("o0", second, "oh-o", 0.5),
+                            row("x1", first, "oh-x", 10), row("x2", second, "oh-x", 11)])
+    attribution_job.run_attribution(store, default_block_size=b)
+    got = answers(store)
+    assert got["x1"] == ([("routed_away", "", N * b), ("unavoidable", "", 20)], "kv_events", "oh-d", None)
+    assert got["x2"] == ([("routed_away", "", N * b), ("unavoidable", "", 20)], "kv_events", "oh-o", None)
