@@ -384,8 +384,9 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
                  OR (kind = 'stored' AND chain_hash != block_hash AND chain_hash IN (SELECT h FROM wanted))
         WHERE kind IN ('stored', 'removed') AND {_FROM} {extra}
         """, args, preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
-    if frame.is_empty():
-        return _no_blocks(), skipped
+    if frame.is_empty():  # nothing new since the cuts: the stand-ins are then all the evidence
+        return (in_log_order(skip.stand_ins_like(_no_blocks())), True) if skipped and skip is not None else (
+            _no_blocks(), False)
     own_hashing = frame.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0) & ~pl.col("by_block_hash")
                                .cast(pl.Boolean))
     if not own_hashing.is_empty():
