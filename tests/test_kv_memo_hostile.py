@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 from test_attribution_job import insert_requests
 from test_attribution_precise import answers, at, gw, tokens
 from test_kv_residency import collect, ingest
@@ -56,17 +57,25 @@ def serving(scenario: int, pod: str, t: float = 0.1) -> dict[str, Any]:
               system=pod, system_tokens=40, suffix_tokens=10)
 
 
+def _rows_read() -> float:
+    return REGISTRY.get_sample_value("kvscope_attribution_kv_log_rows_read_total") or 0.0
+
+
 def both_ways(store: Store, monkeypatch: pytest.MonkeyPatch, hot: int = 1, chunk_size: int = 8, **job: Any
               ) -> tuple[dict, dict]:
     """(answers with the memo, every hash kept once it has ``hot`` rows; answers without it), the job run in
-    chunks of ``chunk_size`` arrivals each time from scratch."""
-    got = []
+    chunks of ``chunk_size`` arrivals each time from scratch. The memo must have saved some reading (else the case
+    did not test it)."""
+    got, read = [], []
     for min_rows in (hot, 10**9):
         monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", min_rows)
         for table in ("request_attribution", "attribution_watermark"):
             store.command(f"TRUNCATE TABLE {table}")
+        before = _rows_read()
         attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, chunk_size=chunk_size, **job)
+        read.append(_rows_read() - before)
         got.append(answers(store))
+    assert read[0] < read[1], read
     return got[0], got[1]
 
 
@@ -90,4 +99,45 @@ def test_a_chunk_that_reads_no_row_after_the_cut_still_sees_the_kept_blocks(stor
         request(f"q{i}", scenario, (10 if i < 8 else 20) + i * 0.01, "q-b", prompt) for i in range(16))])
     with_memo, without = both_ways(store, monkeypatch, hot=kv_evidence.MEMO_MIN_ROWS)
     assert {v[0][0][:2] for k, v in without.items() if k != "serving-q-a"} == {("routed_away", "")}, without
+    assert with_memo == without
+
+
+def _churn(pod: str, prompt: list[int], names: list[int], start: float, times: int, seq: int = 0,
+           rank: int | None = 0, medium: str = "GPU") -> list[list[bytes]]:
+    """``pod`` storing and evicting ``prompt`` ``times`` times from ``start`` (every 0.25 s), ending stored: each
+    block hash gets 2·times + 1 rows (hot)."""
+    msgs = []
+    for k in range(times):
+        msgs += [frames(pod, seq + 2 * k + 1, start + k * 0.5, store_event(prompt, names, medium), rank=rank),
+                 frames(pod, seq + 2 * k + 2, start + k * 0.5 + 0.25, remove_event(names, medium), rank=rank)]
+    msgs.append(frames(pod, seq + 2 * times + 1, start + times * 0.5, store_event(prompt, names, medium), rank=rank))
+    return msgs
+
+
+def test_resets_and_restarts_at_a_cut_and_between_chunks_on_several_engines_and_media(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod c-a's engine 0 (GPU) and engine 1 (CPU) and pod c-b each churned the prompt's blocks (hot); the first
+    chunk's last arrival is at 10.000 s, where c-a's engine 0 clears its cache (AllBlocksCleared at the cut's
+    millisecond: not yet happened for that chunk, happened for the next one's later arrivals); the next chunk
+    starts with requests in that same millisecond; c-b restarts (a batch with seq 0, storing another prompt)
+    between the second and third chunks and engine 1 of c-a evicts its CPU copies then. Requests on every pod and
+    on c-x (no copies): resident, reset, evicted and routed_away, the same with and without the memo."""
+    scenario = 81
+    prompt, other = tokens(scenario, N * B), tokens(scenario, N * B, 7)
+    names, other_names = chain_hashes(prompt, B), chain_hashes(other, B)
+    msgs = (_churn("c-a", prompt, names, 1, 4) + _churn("c-a", prompt, names, 1.1, 4, rank=1, medium="CPU")
+            + _churn("c-b", prompt, names, 1.2, 4)
+            + [frames("c-x", 1, 0.5, store_event(other, other_names)),
+               frames("c-a", 20, 10.0, CLEARED),
+               frames("c-b", 0, 15.0, store_event(other, other_names)),
+               frames("c-a", 20, 15.0, remove_event(names[2:], "CPU"), rank=1)])
+    ingest(store, collect(msgs))
+    pods = ["c-a", "c-b", "c-x"]
+    times = [9.3 + 0.1 * i for i in range(7)] + [10.0] * 5 + [10.5, 12, 14, 14.5, 15.0, 15.0, 16, 18, 19, 20, 30]
+    rows = [serving(scenario, p) for p in pods] + [
+        request(f"c{i}", scenario, t, pods[i % 3], prompt, cached=B * (i % 2)) for i, t in enumerate(times)]
+    insert_requests(store, rows)
+    with_memo, without = both_ways(store, monkeypatch)
+    causes = {c for causes, *_ in without.values() for c, _, _ in causes}
+    assert {"evicted", "routed_away"} <= causes, without
     assert with_memo == without
