@@ -141,3 +141,59 @@ def test_resets_and_restarts_at_a_cut_and_between_chunks_on_several_engines_and_
     causes = {c for causes, *_ in without.values() for c, _, _ in causes}
     assert {"evicted", "routed_away"} <= causes, without
     assert with_memo == without
+
+
+def test_removals_after_a_cut_of_copies_stored_before_the_evidence(store: Store,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod r-a churned the prompt (hot) and ends holding one copy of each block by its events; after the first
+    chunk's cut it removes blocks 1-5 three times (12 s, 13 s, 16 s): two removals more than it stored, so it held
+    copies stored before the evidence began, and every count before the cut is more than the one summarized said
+    (the lowest point moves below the one kept, and a departure before the cut is no longer one). Requests on r-a
+    and r-b before, between and after those removals. A removal on r-b of blocks it never stored in the window
+    (copies stored before the evidence) and rows written twice (batches delivered again) come along."""
+    scenario = 82
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    msgs = (_churn("r-a", prompt, names, 1, 4)
+            + [frames("r-b", 1, 0.5, remove_event(names[3:])),
+               frames("r-b", 2, 0.75, store_event(tokens(scenario, B, 9), chain_hashes(tokens(scenario, B, 9), B))),
+               frames("r-a", 20, 12.0, remove_event(names[1:])), frames("r-a", 21, 13.0, remove_event(names[1:])),
+               frames("r-a", 22, 16.0, remove_event(names[1:]))])
+    ingest(store, collect(msgs))
+    ingest(store, collect(msgs[2:5] + msgs[-2:]))  # delivered again: rows written twice
+    times = [9.5 + 0.05 * i for i in range(8)] + [10.0, 12.0, 12.0, 13.0, 14, 15, 16.0, 16.0, 17, 20, 21, 30]
+    rows = [serving(scenario, p) for p in ("r-a", "r-b")] + [
+        request(f"r{i}", scenario, t, ("r-a", "r-b")[i % 2], prompt) for i, t in enumerate(times)]
+    insert_requests(store, rows)
+    with_memo, without = both_ways(store, monkeypatch)
+    causes = {c for causes, *_ in without.values() for c, _, _ in causes}
+    assert {"evicted", "routed_away"} <= causes, without
+    assert with_memo == without
+
+
+def test_a_pod_hashing_its_own_way_and_a_short_lookback_in_the_same_run(store: Store,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods o-a and o-b hash as vLLM does by default; o-a churns the prompt (hot there) from 1 s to 5 s and again
+    from 36 s to 40 s, o-b stores it once at 2 s and drops it at 37 s (cold there: the same hashes). Pod o-c
+    hashes its own way (vLLM hashes 7 000 000 + j) and holds the prompt from 28 s to 29 s: the chunks whose evidence
+    window reaches those rows read the log in two passes, without the memo, and the memo starts again from what
+    they read, which the later ones, back to one pass, use. The evidence window is 20 s (lookback and horizon), so it
+    passes the first burst's rows within the run: the memo starts again empty there. Requests on all three pods
+    from 6 s to 60 s."""
+    scenario = 83
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    own = [7_000_000 + j for j in range(N)]
+    msgs = (_churn("o-a", prompt, names, 1, 8) + _churn("o-a", prompt, names, 36, 8, seq=100)
+            + [frames("o-b", 1, 2.0, store_event(prompt, names)), frames("o-b", 2, 37.0, remove_event(names[2:])),
+               frames("o-c", 1, 0.5, store_event(tokens(scenario, B, 9), [6_999_999])),
+               frames("o-c", 2, 28.0, store_event(prompt, own)), frames("o-c", 3, 29.0, remove_event(own[3:]))])
+    ingest(store, collect(msgs))
+    pods = ["o-a", "o-b", "o-c"]
+    rows = [serving(scenario, p) for p in pods] + [
+        request(f"o{i}", scenario, 6 + i * 1.125, pods[i % 3], prompt, cached=B * (i % 3 == 1)) for i in range(48)]
+    insert_requests(store, rows)
+    with_memo, without = both_ways(store, monkeypatch, lookback_seconds=20, horizon_seconds=20)
+    causes = {c for causes, *_ in without.values() for c, _, _ in causes}
+    assert {"evicted", "routed_away"} <= causes, without
+    assert with_memo == without
