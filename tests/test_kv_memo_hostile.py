@@ -9,6 +9,7 @@ hashes its blocks its own way beside pods with vLLM's default hashing, and a loo
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgspec
@@ -196,4 +197,80 @@ def test_a_pod_hashing_its_own_way_and_a_short_lookback_in_the_same_run(store: S
     with_memo, without = both_ways(store, monkeypatch, lookback_seconds=20, horizon_seconds=20)
     causes = {c for causes, *_ in without.values() for c, _, _ in causes}
     assert {"evicted", "routed_away"} <= causes, without
+    assert with_memo == without
+
+
+def _hostile_fleet(store: Store, seed: int, *, mixed: bool, busy: float) -> None:
+    """Pods h-a (engines 0 and 1), h-b (no data-parallel rank) and h-c (when ``mixed``: hashing its own way, a
+    few events of prompt 2 only, which only requests from 60 s on send: the chunks before read the log in one
+    pass, the later ones in two) storing, removing (also blocks they never stored),
+    clearing and restarting (a batch with seq 0) the blocks of 3 prompts on GPU and CPU over 100 s, on a 125 ms
+    grid so that events, resets and arrivals share milliseconds; ``busy``: the share of the span most events fall
+    in (a quiet tail: chunks that read little or nothing new). A tenth of the batches delivered twice. 120
+    requests: a quarter in the millisecond of another request, a quarter in that of an event; e2e from 0 to
+    900 s (the evidence read past the cut), some failed, some with cached_tokens not reported."""
+    rnd = random.Random(seed)
+    scenario = 90 + seed
+    prompts = {f: tokens(scenario, N * B, f) for f in range(3)}
+    chains = {f: chain_hashes(prompts[f], B) for f in range(3)}
+    pods = ["h-a", "h-b", "h-c"]
+    msgs, again, event_times = [], [], []
+    for p, pod in enumerate(pods):
+        own = mixed and pod == "h-c"
+        for rank in ([0, 1] if pod == "h-a" else [None]):
+            seq = 0
+            n = 6 if own else 60
+            times = sorted(round(rnd.uniform(0, 100 * busy if rnd.random() < 0.9 else 100) * 8) / 8
+                           for _ in range(n))
+            for t in times:
+                f, roll, medium = 2 if own else rnd.randrange(3), rnd.random(), rnd.choice(["GPU", "GPU", "CPU"])
+                names = [8_000_000 + p * 10_000 + f * 100 + j for j in range(N)] if own else chains[f]
+                if roll < 0.5 or roll >= 0.95:
+                    seq = 0 if roll >= 0.95 else seq + 1  # a restart: the publisher starts again at seq 0
+                    event = store_event(prompts[f], names[: rnd.randint(1, N)], medium)
+                elif roll < 0.9:
+                    seq += 1
+                    k = rnd.randint(0, N - 1)
+                    event = remove_event(names[k:rnd.randint(k + 1, N)], medium)
+                else:
+                    seq += 1
+                    event = CLEARED
+                msgs.append(frames(pod, seq, t, event, rank=rank))
+                event_times.append(t)
+                if rnd.random() < 0.1:
+                    again.append(msgs[-1])
+    ingest(store, collect(msgs))
+    ingest(store, collect(again))
+    rows, times = [serving(scenario, p) for p in pods], []
+    for i in range(120):
+        roll = rnd.random()
+        t = (rnd.choice(times) if times and roll < 0.25 else rnd.choice(event_times) if roll < 0.5
+             else round(rnd.uniform(2, 100) * 8) / 8)
+        times.append(t)
+        f = rnd.randrange(3 if t >= 60 or not mixed else 2)
+        rows.append(request(f"h{seed}-{i}", scenario, t, rnd.choice(pods), prompts[f],
+                            cached=rnd.choice([0, 0, B, 3 * B]) if rnd.random() > 0.05 else None,
+                            status=500 if rnd.random() < 0.05 else 200,
+                            e2e_ms=rnd.choice([100.0, 100.0, 2000.0, 30000.0, 900000.0, 0.0])))
+    insert_requests(store, rows)
+
+
+@pytest.mark.parametrize(("seed", "mixed", "busy", "job"), [
+    (11, True, 0.4, {}),
+    (13, False, 0.3, {"lookback_seconds": 40, "horizon_seconds": 20}),
+])
+def test_hostile_fleets_get_the_same_answers_with_and_without_the_memo(
+        store: Store, monkeypatch: pytest.MonkeyPatch, seed: int, mixed: bool, busy: float, job: dict) -> None:
+    """Generated hostile histories (:func:`_hostile_fleet`), the job in chunks of 8: identical answers with the
+    memo (every hash kept from its first row; in the second case from its third, with a 40 s evidence window
+    and at most 40 stand-in rows, so that the memo also starts again for the window and for its size) and
+    without it."""
+    _hostile_fleet(store, seed, mixed=mixed, busy=busy)
+    if not mixed:
+        monkeypatch.setattr(kv_evidence, "MEMO_MAX_ROWS", 40)
+    with_memo, without = both_ways(store, monkeypatch, hot=1 if mixed else 3, **job)
+    judged = [v for v in without.values() if v[1] == "kv_events"]
+    assert len(judged) > 80
+    causes = {c for causes, *_ in judged for c, _, _ in causes}
+    assert {"evicted", "routed_away", "cold"} <= causes, causes
     assert with_memo == without
