@@ -368,9 +368,9 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
     polars categoricals where the store lets the query read LowCardinality columns as Arrow dictionaries, else
     as strings (:func:`ingest.kv_tracks.block_statuses` takes both).
 
-    ``skip``: a :class:`KvMemo` whose stand-ins replace its hashes' rows before its cut: those rows are not read.
-    Returns (rows, whether ``skip`` was applied: not when a pod hashes its blocks its own way, whose rows are
-    then all read)."""
+    ``skip``: a :class:`KvMemo` whose stand-ins replace its hashes' rows before its cut: those rows are not read
+    (when no row is read from the cuts on, the stand-ins are all the rows). Returns (rows, whether ``skip`` was
+    applied: not when a pod hashes its blocks its own way, whose rows are then all read)."""
     skipped = skip is not None and skip.holds_any()
     extra = ("AND toUnixTimestamp64Milli(ts) >= transform(block_hash, {memo:Array(UInt64)}, {memo_cut:Array(Int64)}, "
              "toInt64(0))" if skipped else "")
