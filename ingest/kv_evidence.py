@@ -377,9 +377,9 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
     polars categoricals where the store lets the query read LowCardinality columns as Arrow dictionaries, else
     as strings (:func:`ingest.kv_tracks.block_statuses` takes both).
 
-    ``skip``: a :class:`KvMemo` whose stand-ins replace its hashes' rows before its cut: those rows are not read.
-    Returns (rows, whether ``skip`` was applied: not when a pod hashes its blocks its own way, whose rows are
-    then all read)."""
+    ``skip``: a :class:`KvMemo` whose stand-ins replace its hashes' rows before its cut: those rows are not read
+    (when no row is read from the cuts on, the stand-ins are all the rows). Returns (rows, whether ``skip`` was
+    applied: not when a pod hashes its blocks its own way, whose rows are then all read)."""
     skipped = skip is not None and skip.holds_any()
     extra = ("AND toUnixTimestamp64Milli(ts) >= transform(block_hash, {memo:Array(UInt64)}, {memo_cut:Array(Int64)}, "
              "toInt64(0))" if skipped else "")
@@ -395,8 +395,9 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
         PREWHERE block_hash IN (SELECT h FROM wanted) {by_chain}
         WHERE kind IN ('stored', 'removed') AND {_FROM} {extra}
         """, {**args, "own_pods": own_pods}, preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
-    if frame.is_empty():
-        return _no_blocks(), skipped
+    if frame.is_empty():  # nothing new since the cuts: the stand-ins are then all the evidence
+        return (in_log_order(skip.stand_ins_like(_no_blocks())), True) if skipped and skip is not None else (
+            _no_blocks(), False)
     own_hashing = frame.filter((pl.col("kind") == "stored") & (pl.col("chain") != 0) & ~pl.col("by_block_hash")
                                .cast(pl.Boolean))
     if not own_hashing.is_empty():
