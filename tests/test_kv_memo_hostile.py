@@ -80,6 +80,17 @@ def both_ways(store: Store, monkeypatch: pytest.MonkeyPatch, hot: int = 1, chunk
     return got[0], got[1]
 
 
+
+def same_answers_with_evictions_and_routing(store: Store, monkeypatch: pytest.MonkeyPatch,
+                                            rows: list[dict[str, Any]]) -> None:
+    """Insert ``rows`` and attribute them with and without the memo: the same answers, among which evictions and
+    requests routed away (so the history reaches the memo's hard cases)."""
+    insert_requests(store, rows)
+    with_memo, without = both_ways(store, monkeypatch)
+    causes = {c for causes, *_ in without.values() for c, _, _ in causes}
+    assert {"evicted", "routed_away"} <= causes, without
+    assert with_memo == without
+
 def test_a_chunk_that_reads_no_row_after_the_cut_still_sees_the_kept_blocks(store: Store,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Pod q-a stored and evicted a prompt's blocks five times in its first 5 s and then kept them (each block hash
@@ -137,11 +148,7 @@ def test_resets_and_restarts_at_a_cut_and_between_chunks_on_several_engines_and_
     times = [9.3 + 0.1 * i for i in range(7)] + [10.0] * 5 + [10.5, 12, 14, 14.5, 15.0, 15.0, 16, 18, 19, 20, 30]
     rows = [serving(scenario, p) for p in pods] + [
         request(f"c{i}", scenario, t, pods[i % 3], prompt, cached=B * (i % 2)) for i, t in enumerate(times)]
-    insert_requests(store, rows)
-    with_memo, without = both_ways(store, monkeypatch)
-    causes = {c for causes, *_ in without.values() for c, _, _ in causes}
-    assert {"evicted", "routed_away"} <= causes, without
-    assert with_memo == without
+    same_answers_with_evictions_and_routing(store, monkeypatch, rows)
 
 
 def test_removals_after_a_cut_of_copies_stored_before_the_evidence(store: Store,
@@ -165,11 +172,7 @@ def test_removals_after_a_cut_of_copies_stored_before_the_evidence(store: Store,
     times = [9.5 + 0.05 * i for i in range(8)] + [10.0, 12.0, 12.0, 13.0, 14, 15, 16.0, 16.0, 17, 20, 21, 30]
     rows = [serving(scenario, p) for p in ("r-a", "r-b")] + [
         request(f"r{i}", scenario, t, ("r-a", "r-b")[i % 2], prompt) for i, t in enumerate(times)]
-    insert_requests(store, rows)
-    with_memo, without = both_ways(store, monkeypatch)
-    causes = {c for causes, *_ in without.values() for c, _, _ in causes}
-    assert {"evicted", "routed_away"} <= causes, without
-    assert with_memo == without
+    same_answers_with_evictions_and_routing(store, monkeypatch, rows)
 
 
 def test_a_pod_hashing_its_own_way_and_a_short_lookback_in_the_same_run(store: Store,
