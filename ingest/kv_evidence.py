@@ -478,7 +478,7 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     events of their own pod at or before their arrival within the lookback (None when there are none). Events
     are read up to the latest request end (arrival + e2e_ms, at most :data:`MAX_END_MS` after it). The blocks'
     statuses are computed column-wise (:func:`ingest.kv_tracks.block_statuses`), the same as
-    :func:`request_evidence` gives. Six queries per chunk whatever its size (seven when a pod hashes its blocks
+    :func:`request_evidence` gives. Seven queries per chunk whatever its size (eight when a pod hashes its blocks
     its own way: :func:`fetch_blocks`).
 
     ``memo``: the job's :class:`KvMemo` when ``frame`` is the next chunk of a run's arrivals (each chunk later
