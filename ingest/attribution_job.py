@@ -668,7 +668,9 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     recent: list[pl.DataFrame] = []  # the predecessor fields of the last chunks' arrivals
     memo = KvMemo() if kv_evidence else None  # the KV evidence before the last chunk's arrivals, summarized
     known_rows = KNOWN_CHUNKS * chunk_size
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        if memo is not None and n == len(bounds) - 2:
+            memo.last_chunk()
         arrivals = _arrivals(store, since, upto, lo, hi, answered_before)
         if arrivals.is_empty():
             continue

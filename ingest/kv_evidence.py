@@ -236,6 +236,12 @@ class KvMemo:
         self._stand_ins: pl.DataFrame | None = None  # BLOCK_COLUMNS + weight, names as strings
         self._cuts = pl.DataFrame(schema={"block_hash": pl.UInt64, "cut": pl.Int64})
         self._first = 0  # the earliest log row ts (unix ms) any stand-in stands for
+        self._last = False  # no chunk follows: nothing to summarize for
+
+    def last_chunk(self) -> None:
+        """The next chunk is the run's last: :meth:`move` after it summarizes nothing (no chunk would read it; a run
+        of one chunk, the live job's usual run, pays nothing for the memo)."""
+        self._last = True
 
     def holds_any(self) -> bool:
         """True when some hash is kept."""
@@ -252,7 +258,9 @@ class KvMemo:
 
     def clear(self) -> None:
         """Keep nothing: the next chunk reads every row."""
+        last = self._last
         self.__init__()  # type: ignore[misc]
+        self._last = last
 
     def check(self, window_lo_ms: int, first_arrival_ms: int) -> None:
         """Before a chunk whose evidence window starts at ``window_lo_ms`` and whose first arrival is at
@@ -267,9 +275,9 @@ class KvMemo:
         (unix ms). A hash whose rows this chunk read (every row from its cut, or from the window's start) is
         summarized at ``cut`` when it was kept or has :data:`MEMO_MIN_ROWS` rows before ``cut``; a kept hash this
         chunk read nothing of keeps its stand-ins and cut."""
-        if not kept:
+        if not kept or self._last:
             self.clear()
-        if blocks.is_empty():
+        if blocks.is_empty() or self._last:
             return
         read = pl.col("weight").is_null() if "weight" in blocks.columns else pl.lit(True)
         counts = blocks.group_by("block_hash").agg(

@@ -114,3 +114,8 @@ def test_the_memo_starts_again_when_the_lookback_passes_its_rows() -> None:
     memo.move(rows, resets, 2000, kept=False)
     memo.check(window_lo_ms=0, first_arrival_ms=1999)  # an arrival before the cut
     assert not memo.holds_any()
+    memo.move(rows, resets, 2000, kept=False)
+    assert memo.holds_any()
+    memo.last_chunk()  # no chunk follows the next: it summarizes nothing (a live run of one chunk pays nothing)
+    memo.move(rows, resets, 3000, kept=True)
+    assert not memo.holds_any()
