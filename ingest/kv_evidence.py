@@ -8,10 +8,12 @@ with their stores by (pod, engine, medium, vLLM block hash)) and the cache reset
 :func:`ingest.attribution.judge` turns into block-exact routed_away / evicted zones.
 
 Residency follows kv_block_residency (sql/migrations/0017): vLLM does not deduplicate blocks
-(``vllm/v1/core/block_pool.py``), so a block hash is resident while its copies (stores − removals since the last
-reset of its pod and engine) are above 0; a removal with no copy to remove counts a copy stored before the
-evidence began; a reset ends every copy. An event at exactly the arrival time has not happened yet (as in the
-named query kv_resident_at). A block is resident on a pod when it is on any of its engines or media.
+(``vllm/v1/core/block_pool.py``), so a block hash is resident while its copies (stores − removals since the last reset
+of its pod and engine) are above 0; a removal with no copy to remove counts a copy stored before the evidence began; a
+reset ends every copy. A request is judged by the events up to its own end (arrival + e2e): the copies stored before the
+evidence are those the removals up to then prove, and a block hash is a chain's once a store up to then named it; so its
+answer does not depend on the chunk it is judged in. An event at exactly the arrival time has not happened yet (as in
+the named query kv_resident_at). A block is resident on a pod when it is on any of its engines or media.
 
 Rules (docs/miss-causes.md, "Precise mode"): a request is judged with KV evidence when its chain's block size
 equals the block size used for its pod and its pod has KV events at or before its arrival within the lookback.
@@ -126,30 +128,57 @@ class KvTimeline:
     stores by vLLM block hash); ``reset_rows``: :data:`ResetRow` tuples. Memory: one entry per row."""
 
     def __init__(self, block_rows: Iterable[BlockRow], reset_rows: Iterable[ResetRow] = ()) -> None:
-        resets: dict[tuple[str, str], list[tuple[tuple[int, ...], int, str]]] = defaultdict(list)
+        self._resets: dict[tuple[str, str], list[tuple[tuple[int, ...], int, str]]] = defaultdict(list)
         for pod, engine, ts, seq, idx, kind in reset_rows:
-            resets[(pod, engine)].append(((ts, seq, idx, 0, 0), ts, "cleared" if kind == "cleared" else "restart"))
+            kind = "cleared" if kind == "cleared" else "restart"
+            self._resets[(pod, engine)].append(((ts, seq, idx, 0, 0), ts, kind))
         events: dict[tuple[str, str, str, int], list[tuple[tuple[int, ...], int, int]]] = defaultdict(list)
         chains: dict[tuple[str, str, str, int], int] = {}
+        named: dict[tuple[str, str, str, int], int] = {}  # the first store with a chain hash: from then it names
         for pod, engine, medium, block_hash, chain, ts, seq, idx, pos, kind in block_rows:
             key = (pod, engine, medium, block_hash)
             events[key].append(((ts, seq, idx, pos, 1), ts, 1 if kind == "stored" else -1))
             if kind == "stored" and chain:
                 chains[key] = chain
-        self._tracks: dict[int, dict[str, list[_Track]]] = defaultdict(lambda: defaultdict(list))
+                named[key] = min(named.get(key, ts), ts)
+        #: chain hash → pod → the keys (pod, engine, medium, block hash) of its tracks, with their events
+        self._keys: dict[int, dict[str, list[tuple[tuple[str, str, str, int], list, int]]]] = defaultdict(
+            lambda: defaultdict(list))
         for key, evs in events.items():
             if key in chains:
-                track = _build_track(evs, resets.get((key[0], key[1]), []))
-                self._tracks[chains[key]][key[0]].append(track)
+                self._keys[chains[key]][key[0]].append((key, evs, named[key]))
+        self._built: dict[tuple[tuple[str, str, str, int], int | None], _Track] = {}
+
+    def _tracks_of(self, chain: int, end_ms: int | None) -> dict[str, list[_Track]]:
+        """Per pod, the tracks of block ``chain`` as the events up to ``end_ms`` show them (None: all events):
+        the copies stored before the evidence are those the removals up to then prove, and a track counts once a
+        store up to then named its chain."""
+        out: dict[str, list[_Track]] = {}
+        for pod, keyed in self._keys.get(chain, {}).items():
+            tracks = []
+            for key, evs, named_at in keyed:
+                if end_ms is not None and named_at > end_ms:
+                    continue  # no store had named this block by then
+                built = self._built.get((key, end_ms))
+                if built is None:
+                    seen = evs if end_ms is None else [e for e in evs if e[1] <= end_ms]
+                    resets = self._resets.get((key[0], key[1]), [])
+                    built = _build_track(seen, resets if end_ms is None else [r for r in resets if r[1] <= end_ms])
+                    self._built[(key, end_ms)] = built
+                tracks.append(built)
+            out[pod] = tracks
+        return out
 
     def status(self, chain: int, pod: str, t_ms: int, model_pods: Iterable[str] | None = None,
                end_ms: int | None = None) -> BlockStatus:
         """Where block ``chain`` was just before ``t_ms`` (unix ms) for a request served by ``pod``; holders
         elsewhere only among ``model_pods`` (None = any pod). Precedence as in the module docstring.
-        ``end_ms``: when the request ended (arrival + e2e): a block resident here at arrival whose last copy
-        left before then was evicted while the request waited (``removed_here`` / ``reset_here`` with that
-        time, after the arrival)."""
-        by_pod = self._tracks.get(chain, {})
+        ``end_ms``: when the request ended (arrival + e2e): a block resident here at arrival whose last copy left before
+        then was evicted while the request waited (``removed_here`` / ``reset_here`` with that time, after the arrival).
+        The copies stored before the evidence are those the events up to ``end_ms`` prove, and a block hash is that
+        chain's once a store up to then said so (None: all the events): an event after the request ended changes nothing
+        of its answer, so the answer does not depend on when, or in which chunk, it is computed."""
+        by_pod = self._tracks_of(chain, end_ms)
         latest: tuple[str, int] | None = None
         here = by_pod.get(pod, [])
         if any(track.at(t_ms)[0] for track in here):

@@ -7,7 +7,10 @@ Residency rules: see :mod:`ingest.kv_evidence` (sql/migrations/0017 kv_block_res
 its pod and engine (segment 0 before the first, segment k from the k-th, in (ts, seq, idx, pos) order, a reset
 before the blocks of its own batch). In a segment a track holds ``init + running sum`` copies, ``init`` being the
 copies stored before the evidence (minus the lowest running sum). A *departure* is the event after which its last
-copy is gone: a removal that takes the copies to 0, or a reset that ends a segment with copies > 0.
+copy is gone: a removal that takes the copies to 0, or a reset that ends a segment with copies > 0. A request
+sees the events up to its own end only: its segment's ``init`` is minus the lowest running sum up to then (fewer
+copies when a later removal proved more), with its departures counted from that ``init``
+(:func:`_departures_seen_by`), and a track counts for it once a store up to then named its chain.
 
 The state of a track just before ``t`` (events at ``t`` have not happened yet) is then three as-of lookups
 (binary searches over (track, ts) keys):
@@ -50,15 +53,17 @@ def _changed(columns: list[str]) -> pl.Expr:
 
 
 def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(tracks: track, chain, pod, engine; events: track, pod, engine, ts, seq, idx, pos, delta ±weight, in track
-    then event order). ``blocks``: a track's rows contiguous, in kv_block_log's order (:data:`_IDENTITY`: event order,
-    a removal before a store of the same position), tracks in any order, names (pod, engine, medium) as integer
-    codes; a row equal to the one before (written twice) counts once. A track's chain is that of its last stored
-    row with a chain, as in the reference. Column-wise in numpy: rows are compared with the row before, a
-    track's last named row is the last of its run."""
+    """(tracks: track, chain, pod, engine, named_at (unix ms of its first stored row with a chain); events: track, pod,
+    engine, ts, seq, idx, pos, delta ±weight, in track then event order). ``blocks``: a track's rows contiguous, in
+    kv_block_log's order (:data:`_IDENTITY`: event order, a removal before a store of the same position), tracks in any
+    order, names (pod, engine, medium) as integer codes; a row equal to the one before (written twice) counts once. A
+    track's chain is that of its last stored row with a chain, as in the reference. Column-wise in numpy: rows are
+    compared with the row before, a track's last named row is the last of its run."""
     n = len(blocks)
-    if not n:
-        return (pl.DataFrame(schema={"track": pl.UInt32, "chain": pl.UInt64, "pod": pl.Int64, "engine": pl.Int64}),
+    named_somewhere = (blocks["kind"] == "stored") & (blocks["chain"] != 0)
+    if not n or not named_somewhere.any():  # no track is named (only removals): nothing to say
+        return (pl.DataFrame(schema={"track": pl.UInt32, "chain": pl.UInt64, "pod": pl.Int64, "engine": pl.Int64,
+                                     "named_at": pl.Int64}),
                 pl.DataFrame(schema={c: pl.UInt32 if c == "track" else pl.Int64 for c in (
                     "track", "pod", "engine", "ts", "seq", "idx", "pos", "delta")}))
     stored = (blocks["kind"] == "stored").to_numpy()
@@ -89,9 +94,11 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     named_rows = np.flatnonzero(naming)
     runs = track[named_rows]
     last = named_rows[np.r_[runs[1:] != runs[:-1], True]]
+    first = named_rows[np.r_[True, runs[1:] != runs[:-1]]]
     pod, engine = pick(columns["pod"]), pick(columns["engine"])
     named = pl.DataFrame({"track": track[last].astype(np.uint32), "chain": chain[last].astype(np.uint64, copy=False),
-                          "pod": pod[last], "engine": engine[last]})
+                          "pod": pod[last], "engine": engine[last],
+                          "named_at": pick(columns["ts"])[first].astype(np.int64, copy=False)})
     events = pl.DataFrame({"track": track.astype(np.uint32), "pod": pod, "engine": engine,
                            **{c: pick(columns[c]).astype(np.int64, copy=False) for c in ("ts", "seq", "idx", "pos")},
                            "delta": np.where(stored, weight, -weight)})
@@ -135,9 +142,10 @@ def _segment_numbers(events: pl.DataFrame, resets: pl.DataFrame) -> np.ndarray:
 
 
 def _segments(events: pl.DataFrame, resets: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """(events with seg and copies after each, in track then event order; per (track, seg) its init copies;
-    departures: track, ts, kind, in order). ``events`` in track then event order (:func:`_tracks`), so each
-    (track, seg) is a contiguous run and the running sums are numpy segment sums."""
+    """(events with seg, copies after each (with the segment's init from all its events), delta, run (the running sum in
+    its segment) and low (the lowest run so far in the segment, ≤ 0), in track then event order; per (track, seg) its
+    init copies; departures: track, ts, kind, seg, in order). ``events`` in track then event order (:func:`_tracks`), so
+    each (track, seg) is a contiguous run and the running sums are numpy segment sums."""
     seg_no = _segment_numbers(events, resets)
     track = events["track"].to_numpy().astype(np.int64)
     delta = events["delta"].to_numpy()
@@ -149,20 +157,25 @@ def _segments(events: pl.DataFrame, resets: pl.DataFrame) -> tuple[pl.DataFrame,
     run = total - np.repeat(total[starts] - delta[starts], lengths)
     init = -np.minimum(np.minimum.reduceat(run, starts), 0) if n else np.zeros(0, dtype=np.int64)
     copies = run + np.repeat(init, lengths)
+    # the lowest running sum so far in its segment (≤ 0): a segmented running minimum, each segment shifted
+    # below every earlier one so the minimum starts again at its first event
+    shift = np.repeat(np.arange(len(starts), dtype=np.int64) * (2 * int(np.abs(run).max(initial=0)) + 1), lengths)
+    low = np.minimum(np.minimum.accumulate(run - shift) + shift, 0)
     seg = events.select("track", "ts", "seq", "idx", "pos").with_columns(
-        pl.Series("seg", seg_no), pl.Series("copies", copies), pl.Series("delta", delta))
+        pl.Series("seg", seg_no), pl.Series("copies", copies), pl.Series("delta", delta), pl.Series("run", run),
+        pl.Series("low", low))
     inits = pl.DataFrame({"track": track[starts].astype(np.uint32), "seg": seg_no[starts], "init": init,
                           "end": copies[np.r_[starts[1:], n] - 1] if n else init,
                           "pod": events["pod"].gather(starts), "engine": events["engine"].gather(starts)})
     removed = seg.filter((pl.col("delta") < 0) & (pl.col("copies") == 0)).select(
-        "track", "ts", "seq", "idx", "pos", pl.lit(1, pl.Int8).alias("flag"), pl.lit("removed").alias("kind"))
+        "track", "ts", "seq", "idx", "pos", pl.lit(1, pl.Int8).alias("flag"), pl.lit("removed").alias("kind"), "seg")
     ended = (inits.filter(pl.col("end") > 0).with_columns((pl.col("seg") + 1).alias("next"))
              .join(resets, left_on=["pod", "engine", "next"], right_on=["pod", "engine", "seg"], how="inner")
-             .select("track", "ts", "seq", "idx", "pos", "flag", "kind"))
+             .select("track", "ts", "seq", "idx", "pos", "flag", "kind", "seg"))
     departures = removed if ended.is_empty() else (
         pl.concat([removed, ended], how="vertical_relaxed").sort(["track", *_ORDER]))
-    return (seg.select("track", "ts", "seg", "copies"), inits.select("track", "seg", "init"),
-            departures.select("track", "ts", "kind"))
+    return (seg.select("track", "ts", "seg", "copies", "delta", "run", "low"), inits.select("track", "seg", "init"),
+            departures.select("track", "ts", "kind", "seg"))
 
 
 def _asof(left: pl.DataFrame, right: pl.DataFrame, by: list[str], strategy: str, left_on: str = "before"
@@ -243,6 +256,35 @@ def _before_certain_nowhere(asks: pl.DataFrame, cand: pl.DataFrame) -> tuple[pl.
     return asks.filter(pl.Series(keep)), cand
 
 
+def _departures_seen_by(seg: pl.DataFrame, departures: pl.DataFrame, d_code: np.ndarray, track: np.ndarray,
+                        seg_t: np.ndarray, init: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(last departure before t, first at or after t) as codes (ts × len(_KINDS) + kind rank, −1 for none) of
+    each ``track`` whose segment ``seg_t`` (the one of t) holds ``init`` copies stored before the evidence, fewer
+    than its events after the request's end prove (:func:`block_statuses`). In that segment a removal is a
+    departure when the running sum reaches −init; departures of earlier segments stand as computed (their
+    events all lie before t). The segment's reset departure lies after the request's end (else every event of
+    the segment would lie before it, proving all its copies), so it is none of these."""
+    asks = pl.DataFrame({"q": np.arange(len(track)), "track": track, "seg": seg_t, "run": -init, "t": t})
+    ints = [pl.col(c).cast(pl.Int64) for c in ("track", "seg")]
+    earlier = (departures.with_columns(*ints, pl.Series("code", d_code)).filter(pl.col("code") >= 0)
+               .join(asks.select("track", "seg").unique(), on="track", how="semi")
+               .group_by("track", "seg").agg(pl.col("code").max()).sort("seg"))
+    prev = (asks.sort("seg").join_asof(earlier.with_columns(pl.col("seg") + 1), on="seg", by="track",
+                                       strategy="backward", check_sortedness=False)
+            .sort("q")["code"].fill_null(-1).to_numpy())
+    removals = (seg.filter(pl.col("delta") < 0).select(*ints, pl.col("run").cast(pl.Int64), "ts")
+                .join(asks.select("track", "seg", "run").unique(), on=["track", "seg", "run"], how="semi")
+                .with_columns((pl.col("ts") * len(_KINDS) + _KINDS.index("removed")).alias("code")).sort("ts"))
+
+    def lookup(at: pl.Expr, strategy: str) -> np.ndarray:
+        found = (asks.with_columns(at.alias("ts")).sort("ts")
+                 .join_asof(removals.select("track", "seg", "run", "ts", "code"), on="ts",
+                            by=["track", "seg", "run"], strategy=strategy, check_sortedness=False))
+        return found.sort("q")["code"].fill_null(-1).to_numpy()
+
+    return np.maximum(prev, lookup(pl.col("t") - 1, "backward")), lookup(pl.col("t"), "forward")
+
+
 #: Departure kinds in name order: a tie of departures at the same ms goes to the greater (ts, kind).
 _KINDS = ("cleared", "removed", "restart")
 _STATES = (NOWHERE, RESIDENT_HERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE)
@@ -274,7 +316,8 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     seg, inits, departures = _segments(events, numbered)
     cand = (asks.select(pl.int_range(pl.len(), dtype=pl.Int64).alias("ask"), pl.col("chain").cast(pl.UInt64),
                         "pod", "model", "t", "end")
-            .join(tracks.rename({"pod": "tpod"}), on="chain", how="inner"))
+            .join(tracks.rename({"pod": "tpod"}), on="chain", how="inner")
+            .filter(pl.col("named_at") <= pl.col("end")))  # a track is that block's once a store said so
     cand = _may_matter(cand, seg, inits)
     if first_nowhere:
         asks, cand = _before_certain_nowhere(asks, cand)
@@ -285,7 +328,7 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     if not cand.is_empty():
         ask, pod, model, t, end, track, tpod, engine = (_np(cand, c) for c in (
             "ask", "pod", "model", "t", "end", "track", "tpod", "engine"))
-        times = [_np(seg, "ts"), _np(departures, "ts"), t]
+        times = [_np(seg, "ts"), _np(departures, "ts"), t, end]
         if not numbered.is_empty():
             times.append(_np(numbered, "ts"))
         base = min(int(x.min()) for x in times if len(x)) - 1
@@ -320,7 +363,13 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
         k = np.minimum(np.searchsorted(i_key, want), max(len(i_key) - 1, 0))
         init_t = np.where((len(i_key) > 0) & (i_key[k] == want), _np(inits, "init")[order][k], 0) if len(i_key) \
             else np.zeros(len(cand), dtype=np.int64)
-        resident = np.where(seg_e == seg_t, copies_e, init_t) > 0
+        # the copies stored before the evidence as the events up to the request's end prove them: the segment
+        # of t's init from its events up to then (all of them when a later event ≤ end lies past a reset)
+        k_end = _last_at_or_before(key(ev_track, _np(seg, "ts")), ev_track, track, key(track, end))
+        seg_end = np.where(k_end >= 0, _np(seg, "seg")[k_end], -1)
+        init_end = np.where(seg_end == seg_t, -_np(seg, "low")[np.maximum(k_end, 0)],
+                            np.where(seg_end > seg_t, init_t, 0))
+        resident = np.where(seg_e == seg_t, copies_e - init_t, 0) + init_end > 0
         # departures: the last before t, the first at or after t
         d_track, d_ts = _np(departures, "track"), _np(departures, "ts")
         d_rank = departures["kind"].replace_strict({k: i for i, k in enumerate(_KINDS)}, return_dtype=pl.Int64)
@@ -330,6 +379,10 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
         after = _first_at_or_after(d_key, d_track, track, key(track, t))
         before_code = np.where(before >= 0, d_code[before], -1) if len(d_ts) else np.full(len(cand), -1)
         after_code = np.where(after >= 0, d_code[after], -1) if len(d_ts) else np.full(len(cand), -1)
+        fewer = np.flatnonzero(init_end != init_t)  # fewer copies proved by then: the removals reach 0 elsewhere
+        if len(fewer):
+            before_code[fewer], after_code[fewer] = _departures_seen_by(
+                seg, departures, d_code, track[fewer], seg_t[fewer], init_end[fewer], t[fewer])
         own = tpod == pod
         here = own & resident
         gone = (after_code >= 0) & (after_code // len(_KINDS) <= end)
