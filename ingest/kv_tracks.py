@@ -344,7 +344,8 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
 
         # copies just before t: the track's last event before t if in the segment of t, else that segment's init
         ev_track = _np(seg, "track")
-        k = _last_at_or_before(key(ev_track, _np(seg, "ts")), ev_track, track, key(track, t - 1))
+        ev_key = key(ev_track, _np(seg, "ts"))
+        k = _last_at_or_before(ev_key, ev_track, track, key(track, t - 1))
         seg_e = np.where(k >= 0, _np(seg, "seg")[k], -1)
         copies_e = np.where(k >= 0, _np(seg, "copies")[k], 0)
         seg_t = np.zeros(len(cand), dtype=np.int64)
@@ -365,10 +366,13 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
             else np.zeros(len(cand), dtype=np.int64)
         # the copies stored before the evidence as the events up to the request's end prove them: the segment
         # of t's init from its events up to then (all of them when a later event ≤ end lies past a reset)
-        k_end = _last_at_or_before(key(ev_track, _np(seg, "ts")), ev_track, track, key(track, end))
-        seg_end = np.where(k_end >= 0, _np(seg, "seg")[k_end], -1)
-        init_end = np.where(seg_end == seg_t, -_np(seg, "low")[np.maximum(k_end, 0)],
-                            np.where(seg_end > seg_t, init_t, 0))
+        init_end = init_t.copy()
+        some = np.flatnonzero(init_t > 0)  # init 0 stays 0 whatever the end
+        if len(some):
+            k_end = _last_at_or_before(ev_key, ev_track, track[some], key(track[some], end[some]))
+            seg_end = np.where(k_end >= 0, _np(seg, "seg")[k_end], -1)
+            init_end[some] = np.where(seg_end == seg_t[some], -_np(seg, "low")[np.maximum(k_end, 0)],
+                                      np.where(seg_end > seg_t[some], init_t[some], 0))
         resident = np.where(seg_e == seg_t, copies_e - init_t, 0) + init_end > 0
         # departures: the last before t, the first at or after t
         d_track, d_ts = _np(departures, "track"), _np(departures, "ts")
