@@ -26,6 +26,7 @@ def test_bench_runs_and_prints_every_figure() -> None:
                    "attribution KV evidence off, 20,000 requests: rate (requests per CPU second)",
                    "attribution KV evidence off, 20,000 requests: peak memory grown (MB)",
                    "attribution with KV evidence, 20,000 requests: kv_block_log rows read per request",
-                   "query kv_evictions over", "query kv_resident_at over"):
+                   "query kv_evictions over", "query kv_resident_at over",
+                   "a live run after the backlog: 500 requests with KV evidence"):
         assert figure in out.stdout, f"`{figure}` missing from the bench output"
     assert "FAILED" not in out.stdout and "ERRORS" not in out.stdout
