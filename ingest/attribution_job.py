@@ -51,7 +51,7 @@ from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_fr
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
-from ingest.kv_evidence import KvMemo, chunk_evidence
+from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
 from ingest.store import Store
 
 log = logging.getLogger("kvscope.attribution")
@@ -585,7 +585,7 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                     horizon_seconds: float = attribution.DEFAULT_HORIZON_SECONDS,
                     lookback_seconds: float = attribution.DEFAULT_LOOKBACK_SECONDS,
                     default_block_size: int = attribution.DEFAULT_BLOCK_SIZE,
-                    chunk_size: int = 100_000, kv_evidence: bool = True) -> RunStats:
+                    chunk_size: int = 100_000, kv_evidence: bool = True, memo: KvMemo | None = None) -> RunStats:
     """One run: answer every request ingested up to (store clock − ``settle_seconds``) that has no answer,
     and re-answer their successors; then advance the watermark. Returns what it did.
 
@@ -599,13 +599,16 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
     False attributes from fingerprints alone (``evidence`` inferred / fingerprints), to compare. Raises
     :class:`~ingest.errors.StoreUnavailable` (retry later) or other :class:`~ingest.errors.KvscopeError`; a
     failed run leaves the watermark and is safe to repeat. ``stop``: checked between chunks (a run over a big
-    backlog stops early, leaving the watermark). Runs in one process are serialised (one writer).
+    backlog stops early, leaving the watermark). Runs in one process are serialised (one writer). ``memo``: a
+    :class:`~ingest.kv_evidence.KvMemo` kept across runs (made with ``across_runs_lag_ms``; :func:`attribution_loop`
+    keeps one), so that a live run reads its hot blocks' rows since the last run's cut instead of their whole
+    history; None: a memo for this run only.
     """
     _reuse_freed_memory()
     with _WRITER:  # one writer: a final run at shutdown waits for the loop's run, never races it
         reach = (int(horizon_seconds * 1000), int(lookback_seconds * 1000))
         return _run(store, settle_seconds, overlap_seconds, stop, reach, default_block_size, chunk_size,
-                    kv_evidence)
+                    kv_evidence, memo)
 
 
 #: A request that arrived this long before a late KV event may still have been waiting for its prefill then.
@@ -654,7 +657,8 @@ def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: 
 
 
 def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
-         reach: tuple[int, int], default_block_size: int, chunk_size: int, kv_evidence: bool = True) -> RunStats:
+         reach: tuple[int, int], default_block_size: int, chunk_size: int, kv_evidence: bool = True,
+         kept: KvMemo | None = None) -> RunStats:
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
@@ -666,7 +670,9 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     stats = RunStats()
     bounds = _chunk_bounds(store, since, upto, chunk_size) if upto > since else []
     recent: list[pl.DataFrame] = []  # the predecessor fields of the last chunks' arrivals
-    memo = KvMemo() if kv_evidence else None  # the KV evidence before the last chunk's arrivals, summarized
+    memo = (kept or KvMemo()) if kv_evidence else None  # the KV evidence before the last chunk's arrivals, summarized
+    if memo is not None and kept is not None:
+        memo.new_run(store, now)
     known_rows = KNOWN_CHUNKS * chunk_size
     for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if memo is not None and n == len(bounds) - 2:
@@ -714,11 +720,15 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
 def attribution_loop(store: Store, stop_event: threading.Event, interval_seconds: float = 5.0,
                      **job_kwargs: Any) -> None:
     """Run :func:`run_attribution` (with ``stop=stop_event``) every ``interval_seconds`` until ``stop_event`` is
-    set (a background thread in the embedded mode). ``job_kwargs`` are passed on.
+    set (a background thread in the embedded mode). ``job_kwargs`` are passed on. With KV evidence the loop keeps
+    one :class:`~ingest.kv_evidence.KvMemo` across its runs (cuts lagging each run's last arrival by
+    :data:`ingest.kv_evidence.MAX_END_MS`), so each run reads its hot blocks' rows since then, not their history.
 
     A store outage is logged as a warning and retried next interval; any other error is logged (ERROR: an
     operator must act) and the loop keeps going, so the thread never dies silently.
     """
+    if job_kwargs.get("kv_evidence", True) and "memo" not in job_kwargs:
+        job_kwargs = {**job_kwargs, "memo": KvMemo(across_runs_lag_ms=MAX_END_MS)}
     while not stop_event.is_set():
         try:
             run_attribution(store, stop=stop_event, **job_kwargs)

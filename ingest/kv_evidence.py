@@ -31,7 +31,7 @@ import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import polars as pl
 from prometheus_client import Counter
@@ -232,6 +232,12 @@ def covered(first_event_ms: Mapping[str, int], ts_ms: int) -> frozenset[str]:
 MEMO_MIN_ROWS = 8
 #: At most this many stand-in rows are kept (~0.1 KB each); past it the memo starts again empty.
 MEMO_MAX_ROWS = 2_000_000
+#: A memo kept across runs (:meth:`KvMemo.new_run`) looks again at the KV events ingested this long before the
+#: last run started: an insert stamped (``ingested_at``) before it may have become visible only after it. An
+#: insert still invisible this long after its stamp goes unseen by the memo (answers judged meanwhile keep the old
+#: stand-ins' view). Events stamped in that span long after their own time (a history just imported) start the
+#: memo again at each run for that long.
+ACROSS_RUNS_OVERLAP = timedelta(seconds=30)
 
 
 def _epoch_ms(value: object) -> int:
@@ -261,16 +267,37 @@ class KvMemo:
     KV evidence re-examines what it changes (ingest/attribution_job.py). Memory: the stand-ins, ≤ 5 rows per hot
     track."""
 
-    def __init__(self) -> None:
+    def __init__(self, across_runs_lag_ms: int | None = None) -> None:
         self._stand_ins: pl.DataFrame | None = None  # BLOCK_COLUMNS + weight, names as strings
         self._cuts = pl.DataFrame(schema={"block_hash": pl.UInt64, "cut": pl.Int64})
         self._first = 0  # the earliest log row ts (unix ms) any stand-in stands for
-        self._last = False  # no chunk follows: nothing to summarize for
+        self._last = False  # no chunk follows in this run
+        self._lag = across_runs_lag_ms  # None: the memo lives for one run
+        self._checked: datetime | None = None  # KV rows ingested up to then were seen (kept across runs)
 
     def last_chunk(self) -> None:
-        """The next chunk is the run's last: :meth:`move` after it summarizes nothing (no chunk would read it; a run
-        of one chunk, the live job's usual run, pays nothing for the memo)."""
+        """The next chunk is the run's last: :meth:`move` after it summarizes nothing when the memo lives for one run
+        (no chunk would read it; a run of one chunk pays nothing for the memo); a memo kept across runs summarizes
+        at the last arrival less its lag instead (:meth:`new_run`)."""
         self._last = True
+
+    def new_run(self, store: Store, now: datetime) -> None:
+        """Before each run of a memo kept across runs (``across_runs_lag_ms`` set; the live job's loop keeps one):
+        start again empty when a KV event ingested since the last run (from :data:`ACROSS_RUNS_OVERLAP` before its
+        start: an insert stamped before it may have become visible after) lies before a cut: the stand-ins no longer
+        stand for the log (a collector outage replayed, a late batch). Its cuts lag the run's last arrival by the
+        lag, so the next run's arrivals (requests logged when they end, up to the lag after they arrived) lie after
+        them; an arrival before a cut starts it again empty too (:meth:`check`). ``now``: the store's clock."""
+        self._last = False
+        if self._checked is not None and self.holds_any():
+            late = store.query_rows(
+                "SELECT count() FROM kv_block_events WHERE ingested_at > {since:DateTime64(3, 'UTC')} "
+                "AND ts < fromUnixTimestamp64Milli({cut:Int64}, 'UTC')",
+                {"since": self._checked - ACROSS_RUNS_OVERLAP,
+                 "cut": int(self._cuts["cut"].max())})  # type: ignore[arg-type]
+            if late[0][0]:
+                self.clear()
+        self._checked = now
 
     def holds_any(self) -> bool:
         """True when some hash is kept."""
@@ -287,9 +314,9 @@ class KvMemo:
 
     def clear(self) -> None:
         """Keep nothing: the next chunk reads every row."""
-        last = self._last
-        self.__init__()  # type: ignore[misc]
-        self._last = last
+        self._stand_ins = None
+        self._cuts = self._cuts.clear()
+        self._first = 0
 
     def check(self, window_lo_ms: int, first_arrival_ms: int) -> None:
         """Before a chunk whose evidence window starts at ``window_lo_ms`` and whose first arrival is at
@@ -304,10 +331,13 @@ class KvMemo:
         (unix ms). A hash whose rows this chunk read (every row from its cut, or from the window's start) is
         summarized at ``cut`` when it was kept or has :data:`MEMO_MIN_ROWS` rows before ``cut``; a kept hash this
         chunk read nothing of keeps its stand-ins and cut."""
-        if not kept or self._last:
+        ending = self._last and self._lag is None  # a memo for one run ends with it
+        if not kept or ending:
             self.clear()
-        if blocks.is_empty() or self._last:
+        if blocks.is_empty() or ending:
             return
+        if self._last:  # kept for the next run, whose arrivals lie after the last less the lag; cuts only move on
+            cut = max(cut - int(self._lag or 0), int(self._cuts["cut"].max() or 0) if not self._cuts.is_empty() else 0)
         read = pl.col("weight").is_null() if "weight" in blocks.columns else pl.lit(True)
         counts = blocks.group_by("block_hash").agg(
             read.any().alias("read"), (~read).any().alias("kept"), (pl.col("ts") < cut).sum().alias("rows"),

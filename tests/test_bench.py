@@ -27,6 +27,7 @@ def test_bench_runs_and_prints_every_figure() -> None:
                    "attribution KV evidence off, 20,000 requests: peak memory grown (MB)",
                    "attribution with KV evidence, 20,000 requests: kv_block_log rows read per request",
                    "query kv_evictions over", "query kv_resident_at over",
-                   "a live run after the backlog: 500 requests with KV evidence"):
+                   "live run after the backlog (first of the loop): 250 requests with KV evidence",
+                   "live run after the backlog (next of the loop): 250 requests with KV evidence"):
         assert figure in out.stdout, f"`{figure}` missing from the bench output"
     assert "FAILED" not in out.stdout and "ERRORS" not in out.stdout

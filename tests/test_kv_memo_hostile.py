@@ -45,11 +45,13 @@ def remove_event(names: list[int], medium: str = "GPU") -> dict[str, Any]:
 CLEARED = {"type": "AllBlocksCleared"}
 
 
-def request(rid: str, scenario: int, t: float, pod: str, prompt_ids: list[int], **fields: Any) -> dict[str, Any]:
-    """A gateway_requests row that missed its whole prompt (N blocks and 20 tokens) unless ``fields`` say."""
+def request(rid: str, scenario: int, t: float, pod: str, prompt_ids: list[int], cached: int | None = 0,
+            **fields: Any) -> dict[str, Any]:
+    """A gateway_requests row that missed its whole prompt (N blocks and 20 tokens) but ``cached`` tokens
+    (None: not reported) unless ``fields`` (columns) say otherwise."""
     row = gw(rid, scenario, t=t, pod=pod, prompt_ids=prompt_ids + tokens(scenario, 20, 50), b=B, prompt=N * B + 20,
              tenant=f"t-{rid}", system_tokens=N * B, suffix=rid, suffix_tokens=20)
-    return {**row, **fields}
+    return {**row, "cached_tokens": cached, **fields}
 
 
 def serving(scenario: int, pod: str, t: float = 0.1) -> dict[str, Any]:
