@@ -265,7 +265,11 @@ class KvMemo:
     a time before a cut after the chunk that passed it read the log is not seen by later chunks of the run; such a
     row was ingested after the run started, more than the settle time after its own time, so the next run's late
     KV evidence re-examines what it changes (ingest/attribution_job.py). Memory: the stand-ins, ≤ 5 rows per hot
-    track."""
+    track.
+
+    ``across_runs_lag_ms``: keep the memo across runs (the live job's loop): the run's last chunk is summarized at
+    its last arrival less this lag (not at all without it), and :meth:`new_run` before each run starts it again
+    empty when KV events arrived late."""
 
     def __init__(self, across_runs_lag_ms: int | None = None) -> None:
         self._stand_ins: pl.DataFrame | None = None  # BLOCK_COLUMNS + weight, names as strings
