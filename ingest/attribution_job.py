@@ -656,6 +656,20 @@ def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: 
     return len(requests), _write_changes(store, verdicts, current, now)
 
 
+def _by_memo(arrivals: pl.DataFrame, memo: KvMemo | None, across_runs: bool
+             ) -> list[tuple[pl.DataFrame, KvMemo | None]]:
+    """The chunk's arrivals with the memo to judge them with. A memo kept across runs stands for the log before its
+    cuts, so an arrival before its latest cut (a request logged longer after it arrived than the cuts lag) is
+    judged on its own without it (its blocks' whole history read) instead of starting it again empty; the others
+    with it. A memo for one run needs no split: each chunk's arrivals lie after the chunk before."""
+    cut = memo.latest_cut() if memo is not None and across_runs else None
+    if cut is None:
+        return [(arrivals, memo)]
+    early = pl.col("ts").dt.epoch("ms") < cut
+    parts = [(arrivals.filter(early), None), (arrivals.filter(~early), memo)]
+    return [(part, m) for part, m in parts if not part.is_empty()]
+
+
 def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
          reach: tuple[int, int], default_block_size: int, chunk_size: int, kv_evidence: bool = True,
          kept: KvMemo | None = None) -> RunStats:
@@ -688,8 +702,9 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             later = _successors(store, late, max(reach)).join(arrivals.select("request_id", "ts"),
                                                               on=["request_id", "ts"], how="anti")
         examined, changed = _reexamine(store, later, reach, sizes, default_block_size, kv_evidence, now)
-        verdicts = _verdicts(store, arrivals, reach, sizes, default_block_size, recent, kv_evidence, memo)
-        store.insert_arrow("request_attribution", _table(verdicts, now), FIRST_ANSWER_SETTINGS)
+        for part, part_memo in _by_memo(arrivals, memo, kept is not None):
+            verdicts = _verdicts(store, part, reach, sizes, default_block_size, recent, kv_evidence, part_memo)
+            store.insert_arrow("request_attribution", _table(verdicts, now), FIRST_ANSWER_SETTINGS)
         recent = _keep_recent(recent, arrivals, known_rows)
         latest = arrivals["ts"].max()
         answered_through = latest if answered_through is None else max(answered_through, latest)

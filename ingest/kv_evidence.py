@@ -303,6 +303,10 @@ class KvMemo:
                 self.clear()
         self._checked = now
 
+    def latest_cut(self) -> int | None:
+        """The latest cut (unix ms) of the hashes kept, None when none is kept."""
+        return int(self._cuts["cut"].max()) if self.holds_any() else None  # type: ignore[arg-type]
+
     def holds_any(self) -> bool:
         """True when some hash is kept."""
         return self._stand_ins is not None and not self._cuts.is_empty()

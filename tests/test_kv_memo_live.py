@@ -50,7 +50,8 @@ def live(store: Store, monkeypatch: pytest.MonkeyPatch, batches: list[list[dict[
     for i, batch in enumerate(batches):
         for msgs in (between or {}).get(i, []):
             ingest(store, collect(msgs))
-        insert_requests(store, batch)
+        stamp = attribution_job.server_now(store)  # as ingested now (the rows' import-time stamp may be minutes old)
+        insert_requests(store, [{**r, "ingested_at": stamp} for r in batch])
         before = _rows_read()
         attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, chunk_size=8, memo=memo)
         held.append(memo.holds_any())
