@@ -527,10 +527,11 @@ def seen_between(queries: pl.DataFrame, spans: pl.DataFrame, by: list[str], sinc
 
 
 def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
-    """request_id, chain (prompt_block_hashes), chain_block_size (prompt_block_size) of the staged requests that
-    logged a chain."""
+    """request_id, t (the arrival, unix ms: with request_id a request's identity), chain (prompt_block_hashes),
+    chain_block_size (prompt_block_size) of the staged requests that logged a chain."""
     return store.query_df(
-        "SELECT request_id, prompt_block_hashes AS chain, toInt64(prompt_block_size) AS chain_block_size "
+        "SELECT request_id, toUnixTimestamp64Milli(ts) AS t, prompt_block_hashes AS chain, "
+        "toInt64(prompt_block_size) AS chain_block_size "
         f"FROM gateway_requests WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} "
         "AND ts <= {hi:DateTime64(3, 'UTC')} AND prompt_block_size > 0 AND notEmpty(prompt_block_hashes)",
         dict(params))
@@ -595,7 +596,7 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
                     pl.col("prompt_tokens").cast(pl.Int64), pl.col("cached_tokens").cast(pl.Int64),
                     pl.col("block_size").cast(pl.Int64))
             .with_columns(since.alias("since"))
-            .join(chains, on="request_id", how="inner")
+            .join(chains, on=["request_id", "t"] if "t" in chains.columns else "request_id", how="inner")
             .filter(pl.col("chain_block_size") == pl.col("block_size")))
     rows = rows.filter(seen_between(rows, first, ["pod"], "since", "t")).with_row_index("rid")
     if rows.is_empty():
@@ -614,10 +615,10 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     pods = rows.select("rid", "t", "since").join(first.select(pl.col("pod").alias("covered")).unique(), how="cross")
     pods = (pods.filter(seen_between(pods.rename({"covered": "pod"}), first, ["pod"], "since", "t"))
             .group_by("rid").agg(pl.col("covered").sort()))
-    requests = (rows.select("rid", "request_id", pl.col("chain_block_size").alias("block_size"))
+    requests = (rows.select("rid", "request_id", "t", pl.col("chain_block_size").alias("block_size"))
                 .join(pods, on="rid", how="left"))
-    found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id"), on="rid")
-             .select("request_id", "i", "state", "pod", "removed_at"))
+    found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id", "t"), on="rid")
+             .select("request_id", "t", "i", "state", "pod", "removed_at"))
     return EvidenceFrames(requests.drop("rid"), found)
 
 
