@@ -6,6 +6,7 @@ inserted into gateway_requests."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -22,11 +23,13 @@ from kvscope.block_hash import chain_hashes
 
 def live_then_whole(store: Store, monkeypatch: pytest.MonkeyPatch, batches: list[list[dict[str, Any]]],
                     **job: Any) -> tuple[dict, dict]:
-    """(the answers of a live job: ``batches`` of gateway rows inserted one after the other, the job run after
-    each, settle 0; the answers of one run from scratch over all of them in one chunk)."""
+    """(the answers of a live job: ``batches`` of gateway rows inserted one after the other, each stamped as
+    ingested just then, the job run after each, settle 0; the answers of one run from scratch over all of them in
+    one chunk)."""
     monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
     for rows in batches:
-        insert_requests(store, rows)
+        now = attribution_job.server_now(store) - timedelta(milliseconds=1)
+        insert_requests(store, [{**row, "ingested_at": now} for row in rows])
         attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, **job)
     live = answers(store)
     return live, attribute(store, monkeypatch, 10**6, **job)
