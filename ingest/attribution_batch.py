@@ -264,7 +264,9 @@ class EvidenceFrames:
     """Precise mode's evidence for many requests, as two frames. ``requests``: request_id, block_size (of the
     chain, Int64), covered (list of the pods whose KV events cover the arrival); ``blocks``: request_id, i (0, 1,
     ... from block cached // block_size on), state (:data:`ingest.attribution.BLOCK_STATES`), pod, removed_at
-    (unix ms or null): :attr:`ingest.attribution.KvEvidence.blocks` row by row."""
+    (unix ms or null): :attr:`ingest.attribution.KvEvidence.blocks` row by row. Both may also carry ``t`` (the
+    arrival, unix ms): a request is then matched by (request_id, t), so two gateway rows of one request_id (a
+    retry logged under the same id) are two requests, as the job counts them."""
 
     requests: pl.DataFrame
     blocks: pl.DataFrame
@@ -335,14 +337,16 @@ def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndar
                     np.full((n, slots), "", dtype=object)), np.full(n, "", dtype=object), np.full(n, -1, np.int64))
     if none:
         return out
-    rows = (df.select("request_id", pl.col("p_pod").fill_null("").cast(pl.String)).with_row_index("row")
-            .join(frames.requests, on="request_id", how="inner"))
+    key = ["request_id", "t"] if "t" in frames.requests.columns else ["request_id"]
+    rows = (df.select("request_id", pl.col("ts").dt.epoch("ms").alias("t"), pl.col("p_pod").fill_null("")
+                      .cast(pl.String)).with_row_index("row")
+            .join(frames.requests, on=key, how="inner"))
     at = rows["row"].to_numpy().astype(np.int64)
     ok = (rows["block_size"].to_numpy() == _i(df, "block_size")[at]) & served_ok[at]
     at, rows = at[ok], rows.filter(pl.Series(ok))
     out.rows[at] = True
     out.covered[at] = rows.select(pl.col("covered").list.contains(pl.col("p_pod"))).to_series().to_numpy()
-    blocks = (rows.select("row", "request_id").join(frames.blocks, on="request_id", how="inner")
+    blocks = (rows.select("row", *key).join(frames.blocks, on=key, how="inner")
               .sort("row", "i"))
     if blocks.is_empty():
         return out

@@ -615,15 +615,16 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
 LATE_KV_SLACK = timedelta(minutes=10)
 
 
-def _late_kv_targets(store: Store, since: datetime, upto: datetime, settle_seconds: float, horizon_ms: int
-                     ) -> pl.DataFrame:
+def _late_kv_targets(store: Store, since: datetime, upto: datetime, settle_seconds: float, horizon_ms: int,
+                     lookback_ms: int = 0) -> pl.DataFrame:
     """Answered requests that KV events ingested late may change (columns request_id, ts).
 
     Late: ingested in (since, upto] more than ``settle_seconds`` after their own ts (a collector outage, a
     replayed gap), so a request arriving after them may have been answered before they were stored. Its
-    targets: the answered requests of every model those pods served, from LATE_KV_SLACK before the first late
-    event to ``horizon_ms`` after the last (a block resident there is evidence for any pod of the model: the
-    request's own, or a holder), answered before the events arrived."""
+    targets: the answered requests of every model those pods served (from ``lookback_ms`` before the window on: a pod
+    is a holder for a request when it served the model within the request's lookback), from LATE_KV_SLACK before
+    the first late event to ``horizon_ms`` after the last (a block resident there is evidence for any pod of the
+    model: the request's own, or a holder), answered before the events arrived."""
     late = store.query_rows(
         "SELECT pod, min(ts), max(ts), max(ingested_at) FROM kv_block_events "
         f"WHERE {_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:Int64}} GROUP BY pod",
@@ -633,11 +634,12 @@ def _late_kv_targets(store: Store, since: datetime, upto: datetime, settle_secon
     lo = min(_utc(r[1]) for r in late) - LATE_KV_SLACK
     hi = max(_utc(r[2]) for r in late) + timedelta(milliseconds=horizon_ms)
     arrived = max(_utc(r[3]) for r in late)
-    window = {"lo": lo, "hi": hi, "pods": [r[0] for r in late], "arrived": arrived}
+    window = {"lo": lo, "hi": hi, "pods": [r[0] for r in late], "arrived": arrived, "lookback": lookback_ms}
     return store.query_df(
         "SELECT request_id, ts FROM request_attribution "
         f"WHERE {_BETWEEN} AND model IN (SELECT DISTINCT model FROM gateway_requests "
-        f"WHERE {_BETWEEN} AND pod IN {{pods:Array(String)}}) "
+        "WHERE ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
+        "AND ts <= {hi:DateTime64(3, 'UTC')} AND pod IN {pods:Array(String)}) "
         "GROUP BY request_id, ts HAVING sum(sign) > 0 AND max(attributed_at) < {arrived:DateTime64(3, 'UTC')}",
         window)
 
@@ -717,7 +719,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             return stats
     if kv_evidence and upto > since:
         # KV events that arrived late re-answer what they change (after the arrivals: those already saw them).
-        targets = _late_kv_targets(store, since, upto, settle_seconds, reach[0])
+        targets = _late_kv_targets(store, since, upto, settle_seconds, reach[0], max(reach))
         for start in range(0, len(targets), chunk_size):
             examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes,
                                            default_block_size, kv_evidence, now)

@@ -518,30 +518,68 @@ def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
     ).rename({"ts_ms": "ts", "kind_name": "kind"})
 
 
+#: The spans of :func:`fetch_first_events` and :func:`fetch_model_pods`: per name and bucket of ``lookback`` ms
+#: (at least 1) of the event times, the first and last time in it. Whether a row lies in [t − lookback, b]
+#: (b ≥ t) is then exact (:func:`seen_between`): a bucket is never longer than that range.
+_SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(ts)) AS last",
+          "intDiv(toUnixTimestamp64Milli(ts), greatest(1, {lookback:Int64}))")
+
+
 def fetch_first_events(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
-    """Per pod (column pod) its first kv_block_log row (``first``, unix ms) from lo − lookback to until: the
-    start of its KV evidence."""
+    """Per pod (column pod) and bucket of ``lookback`` ms, its first and last kv_block_log row (``first``,
+    ``last``, unix ms) from lo − lookback to until: whether the pod's KV events cover an arrival at t (a row in
+    [t − lookback, t]: :func:`seen_between`)."""
     return store.query_df(
-        f"SELECT CAST(pod AS String) AS pod, toUnixTimestamp64Milli(min(ts)) AS first FROM kv_block_log "
-        f"WHERE {_FROM} GROUP BY pod", dict(params))
+        f"SELECT CAST(pod AS String) AS pod, {_SPANS[0]} FROM kv_block_log "
+        f"WHERE {_FROM} GROUP BY pod, {_SPANS[1]}", dict(params))
 
 
 def fetch_model_pods(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
-    """(model, pod): the pods that served each model (gateway_requests) from lo − lookback to until: a block
-    resident on a pod of another model is no evidence (the same token ids hash alike across models)."""
+    """(model, pod, first, last): the pods that served each model (gateway_requests) from lo − lookback to until,
+    per bucket of ``lookback`` ms the first and last request's time (unix ms): a block resident on a pod of
+    another model is no evidence (the same token ids hash alike across models), and a pod counts for a request
+    when it served the model within the request's lookback and by its end (:func:`seen_between`)."""
     return store.query_df(
-        "SELECT DISTINCT CAST(model AS String) AS model, CAST(pod AS String) AS pod FROM gateway_requests "
-        f"WHERE {_FROM}", dict(params))
+        f"SELECT CAST(model AS String) AS model, CAST(pod AS String) AS pod, {_SPANS[0]} FROM gateway_requests "
+        f"WHERE {_FROM} GROUP BY model, pod, {_SPANS[1]}", dict(params))
+
+
+def seen_between(queries: pl.DataFrame, spans: pl.DataFrame, by: list[str], since: str, until: str) -> pl.Series:
+    """Per row of ``queries`` (columns ``by``, ``since`` and ``until``, unix ms; ``since`` may be null: no
+    start): whether ``spans`` (columns ``by``, ``first`` and maybe ``last``, unix ms: rows of
+    :func:`fetch_first_events` / :func:`fetch_model_pods`, or one row per name with its first time) hold a time in
+    [since, until]. The last span of its name starting at or before ``until`` says it: its last time when that
+    is at or before ``until``, else its first (the span holds ``until``; exact when no span is longer than
+    until − since, as the store's buckets of the lookback are)."""
+    spans = spans.select(*by, pl.col("first").cast(pl.Int64),
+                         pl.col("last" if "last" in spans.columns else "first").cast(pl.Int64).alias("last"))
+    found = (queries.select(*by, pl.col(since).cast(pl.Int64).alias("_since"),
+                            pl.col(until).cast(pl.Int64).alias("_until"))
+             .with_row_index("_q").sort("_until")
+             .join_asof(spans.sort("first"), left_on="_until", right_on="first", by=by, strategy="backward",
+                        check_sortedness=False)
+             .sort("_q"))
+    seen = pl.when(pl.col("last") <= pl.col("_until")).then(pl.col("last")).otherwise(pl.col("first"))
+    return found.select((seen.is_not_null() & (pl.col("_since").is_null() | (seen >= pl.col("_since"))))
+                        .alias("seen")).to_series()
 
 
 def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
-    """request_id, chain (prompt_block_hashes), chain_block_size (prompt_block_size) of the staged requests that
-    logged a chain."""
+    """request_id, t (the arrival, unix ms: with request_id a request's identity), chain (prompt_block_hashes),
+    chain_block_size (prompt_block_size) of the staged requests that logged a chain."""
     return store.query_df(
-        "SELECT request_id, prompt_block_hashes AS chain, toInt64(prompt_block_size) AS chain_block_size "
+        "SELECT request_id, toUnixTimestamp64Milli(ts) AS t, prompt_block_hashes AS chain, "
+        "toInt64(prompt_block_size) AS chain_block_size "
         f"FROM gateway_requests WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} "
         "AND ts <= {hi:DateTime64(3, 'UTC')} AND prompt_block_size > 0 AND notEmpty(prompt_block_hashes)",
         dict(params))
+
+
+def _end() -> pl.Expr:
+    """A request's end (unix ms): its arrival plus e2e_ms, an unknown (null or NaN) or negative e2e read as 0, at
+    most :data:`MAX_END_MS`."""
+    return pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).fill_nan(0.0).clip(0, MAX_END_MS).cast(
+        pl.Int64)
 
 
 def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str,
@@ -562,7 +600,7 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     chains = fetch_chains(store, params, in_set)
     if chains.is_empty():
         return None
-    end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
+    end = _end()
     last_end = frame.select(end.max()).item()
     params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
     if memo is not None:
@@ -574,25 +612,31 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     if memo is not None:
         memo.move(blocks, resets, _epoch_ms(frame["ts"].max()), kept=skipped)
     return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, resets,
-                          fetch_model_pods(store, params))
+                          fetch_model_pods(store, params), int(params["lookback"]))  # type: ignore[call-overload]
 
 
 def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFrame, blocks: pl.DataFrame,
-                   resets: pl.DataFrame, model_pods: pl.DataFrame) -> EvidenceFrames | None:
+                   resets: pl.DataFrame, model_pods: pl.DataFrame, lookback_ms: int | None = None
+                   ) -> EvidenceFrames | None:
     """:func:`chunk_evidence` once its rows are read (pure): ``frame`` as there; ``chains``
     (:func:`fetch_chains`), ``first`` (:func:`fetch_first_events`), ``blocks`` (:func:`fetch_blocks`), ``resets``
-    (:func:`fetch_resets`), ``model_pods`` (:func:`fetch_model_pods`). The evidence of each request equals
-    :func:`request_evidence` over a :class:`KvTimeline` of the same rows."""
-    end = (pl.col("ts").dt.epoch("ms") + pl.col("e2e_ms").fill_null(0.0).clip(0, MAX_END_MS).cast(pl.Int64))
+    (:func:`fetch_resets`), ``model_pods`` (:func:`fetch_model_pods`; without columns first and last every pair
+    counts). ``lookback_ms``: a pod covers a request arriving at t when it has a KV event in [t − lookback, t], and
+    serves its model when it served it in [t − lookback, end] (None: no start), so neither depends on the other
+    requests read with it. The evidence of each request equals :func:`request_evidence` over a
+    :class:`KvTimeline` of the same rows, given those pods."""
+    end = _end()
+    since = pl.lit(None, pl.Int64) if lookback_ms is None else pl.col("t") - lookback_ms
     rows = (frame.filter(pl.col("cached_tokens").is_not_null() & (pl.col("status").fill_null(0) < 400)
                          & (pl.col("prompt_tokens") > pl.col("cached_tokens")))
             .select("request_id", pl.col("ts").dt.epoch("ms").alias("t"), end.alias("end"),
                     pl.col("pod").cast(pl.String), pl.col("model").cast(pl.String),
                     pl.col("prompt_tokens").cast(pl.Int64), pl.col("cached_tokens").cast(pl.Int64),
                     pl.col("block_size").cast(pl.Int64))
-            .join(chains, on="request_id", how="inner").join(first, on="pod", how="inner")
-            .filter((pl.col("chain_block_size") == pl.col("block_size")) & (pl.col("first") <= pl.col("t")))
-            .with_row_index("rid"))
+            .with_columns(since.alias("since"))
+            .join(chains, on=["request_id", "t"] if "t" in chains.columns else "request_id", how="inner")
+            .filter(pl.col("chain_block_size") == pl.col("block_size")))
+    rows = rows.filter(seen_between(rows, first, ["pod"], "since", "t")).with_row_index("rid")
     if rows.is_empty():
         return None
     b = pl.col("chain_block_size")
@@ -603,11 +647,30 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
                         pl.col("chain").list.slice(k0, count).alias("chain"))
             .explode("i", "chain").drop_nulls("i")
             .select("rid", "i", "chain", "pod", "model", "t", "end"))
+    if "first" in model_pods.columns:
+        asks, model_pods = _served_by_then(rows, asks, model_pods)
     statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods, first_nowhere=True)
-    pods = (rows.select("rid", "t").join(first.select(pl.col("pod").alias("covered"), "first"), how="cross")
-            .filter(pl.col("first") <= pl.col("t")).group_by("rid").agg(pl.col("covered").sort()))
-    requests = (rows.select("rid", "request_id", pl.col("chain_block_size").alias("block_size"))
+    pods = rows.select("rid", "t", "since").join(first.select(pl.col("pod").alias("covered")).unique(), how="cross")
+    pods = (pods.filter(seen_between(pods.rename({"covered": "pod"}), first, ["pod"], "since", "t"))
+            .group_by("rid").agg(pl.col("covered").sort()))
+    requests = (rows.select("rid", "request_id", "t", pl.col("chain_block_size").alias("block_size"))
                 .join(pods, on="rid", how="left"))
-    found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id"), on="rid")
-             .select("request_id", "i", "state", "pod", "removed_at"))
+    found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id", "t"), on="rid")
+             .select("request_id", "t", "i", "state", "pod", "removed_at"))
     return EvidenceFrames(requests.drop("rid"), found)
+
+
+def _served_by_then(rows: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataFrame
+                    ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(``asks`` with model replaced by a key of the pods that served the request's model within its lookback and
+    by its end, (key, pod) pairs of those pods): :func:`ingest.kv_tracks.block_statuses` then counts a holder
+    elsewhere only among them. Requests with the same pods share a key (model and pods, joined)."""
+    pairs = (rows.select("rid", "model", "since", "end")
+             .join(model_pods.select("model", "pod").unique(), on="model", how="inner"))
+    pairs = pairs.filter(seen_between(pairs, model_pods, ["model", "pod"], "since", "end"))
+    keys = (pairs.group_by("rid").agg(pl.col("model").first(), pl.col("pod").sort())
+            .select("rid", (pl.col("model") + "\x1f" + pl.col("pod").list.join("\x1f")).alias("key"), "pod"))
+    asks = (asks.join(keys.select("rid", "key"), on="rid", how="left", maintain_order="left")
+            .with_columns(pl.col("key").fill_null("\x1f").alias("model")).drop("key"))
+    served = keys.select(pl.col("key").alias("model"), "pod").unique("model").explode("pod")
+    return asks, served
