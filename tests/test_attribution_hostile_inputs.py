@@ -35,6 +35,16 @@ def live_then_whole(store: Store, monkeypatch: pytest.MonkeyPatch, batches: list
     return live, attribute(store, monkeypatch, 10**6, **job)
 
 
+def holder_and_own_pod(store: Store, scenario: int, holder: tuple[str, float], own: tuple[str, float]
+                       ) -> list[int]:
+    """Ingest a store of the scenario's prompt (N blocks) on pod ``holder`` and of another block on pod ``own`` (so
+    that it logs KV events), each at its time in s; returns the prompt's token ids."""
+    prompt, other = tokens(scenario, N * B), tokens(scenario, B, 9)
+    ingest(store, collect([frames(holder[0], 1, holder[1], store_event(prompt, chain_hashes(prompt, B))),
+                           frames(own[0], 1, own[1], store_event(other, chain_hashes(other, B)))]))
+    return prompt
+
+
 def test_a_pod_that_serves_the_model_only_after_a_request_ended_is_not_a_holder_for_it(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pod mp-b stored the prompt's blocks at 1 s; the first gateway row showing that it serves the model comes at
@@ -43,10 +53,7 @@ def test_a_pod_that_serves_the_model_only_after_a_request_ended_is_not_a_holder_
     r1 was routed_away to mp-b, alone in its chunk it was cold. The pods of a model are those that served it by the
     request's end: r1 is cold in every chunking."""
     scenario = 86
-    prompt = tokens(scenario, N * B)
-    other = tokens(scenario, B, 9)
-    ingest(store, collect([frames("mp-a", 1, 0.5, store_event(other, chain_hashes(other, B))),
-                           frames("mp-b", 1, 1.0, store_event(prompt, chain_hashes(prompt, B)))]))
+    prompt = holder_and_own_pod(store, scenario, ("mp-b", 1.0), ("mp-a", 0.5))
     live, whole = live_then_whole(store, monkeypatch, [
         [serving(scenario, "mp-a"), request("r1", scenario, 5.0, "mp-a", prompt, e2e_ms=100.0)],
         [serving(scenario, "mp-b", t=20.0)]])
@@ -67,10 +74,7 @@ def test_a_block_stored_before_the_requests_own_lookback_is_read_the_same_in_any
     lookback before its first arrival: with r1 in the chunk (from −10 s) the store at 1 s is read and r2 is
     routed_away to lb-b; alone (from 10 s) it is not and r2 is cold."""
     scenario = 87
-    prompt = tokens(scenario, N * B)
-    other = tokens(scenario, B, 9)
-    ingest(store, collect([frames("lb-b", 1, 1.0, store_event(prompt, chain_hashes(prompt, B))),
-                           frames("lb-a", 1, 15.0, store_event(other, chain_hashes(other, B)))]))
+    prompt = holder_and_own_pod(store, scenario, ("lb-b", 1.0), ("lb-a", 15.0))
     live, whole = live_then_whole(store, monkeypatch, [
         [serving(scenario, "lb-b", t=12.0), serving(scenario, "lb-a", t=12.5),
          request("r1", scenario, 10.0, "lb-a", prompt)],

@@ -84,7 +84,7 @@ def test_live_runs_with_a_memo_kept_across_them_answer_as_one_run_from_scratch(
 
 def test_kv_events_arriving_late_between_runs_start_the_memo_again(store: Store,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pod l-a stored and evicted a prompt's blocks from 1 s to 6 s and stored them again at 6.5 s (hot); pod l-b
+    """Pod l-a stored and evicted a prompt's blocks from 1 s to 3.25 s and stored them again at 3.5 s (hot); pod l-b
     logs KV events of its own. Run 1 judges requests on l-b at 10–11 s (routed_away: l-a held the prompt) and
     keeps the prompt's rows before its cut (~9 s). Then l-a's collector replays a batch it had lost: a removal at
     8 s, before the cut. Run 2 judges requests on l-b at 12 s: l-a no longer held the prompt, so they are cold,
@@ -94,12 +94,9 @@ def test_kv_events_arriving_late_between_runs_start_the_memo_again(store: Store,
     scenario = 86
     prompt = tokens(scenario, N * B)
     names = chain_hashes(prompt, B)
-    msgs = [frames("l-b", 1, 0.5, store_event(tokens(scenario, B, 9), chain_hashes(tokens(scenario, B, 9), B)))]
-    for k in range(5):
-        msgs += [frames("l-a", 2 * k + 1, 1 + k, store_event(prompt, names)),
-                 frames("l-a", 2 * k + 2, 1.5 + k, remove_event(names))]
-    msgs.append(frames("l-a", 11, 6.5, store_event(prompt, names)))
-    ingest(store, collect(msgs))
+    other = tokens(scenario, B, 9)
+    ingest(store, collect([frames("l-b", 1, 0.5, store_event(other, chain_hashes(other, B))),
+                           *hostile._churn("l-a", prompt, names, 1, 5)]))
     first = [serving(scenario, "l-a"), *(request(f"a{i}", scenario, 10 + i * 0.1, "l-b", prompt) for i in range(10))]
     second = [request(f"b{i}", scenario, 12 + i * 0.01, "l-b", prompt) for i in range(4)]
     third = [request(f"c{i}", scenario, 13 + i * 0.01, "l-b", prompt) for i in range(4)]
@@ -113,7 +110,7 @@ def test_kv_events_arriving_late_between_runs_start_the_memo_again(store: Store,
 
 def test_a_kept_memo_reads_a_churned_prompt_once_and_the_loop_keeps_one(store: Store,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pod k-a stored and evicted a prompt 20 times before the requests (41 rows per block); requests on k-b in
+    """Pod k-a stored and evicted a prompt 8 times before the requests (17 rows per block); requests on k-b in
     six runs a second apart. The first run reads the prompt's history; the later ones read none of it again (a memo
     per run would read it all every run), with the answers of one run from scratch. ``attribution_loop`` passes
     one memo kept across runs (lagging by MAX_END_MS) to every run (the real job, watched)."""
@@ -121,18 +118,15 @@ def test_a_kept_memo_reads_a_churned_prompt_once_and_the_loop_keeps_one(store: S
     rnd = random.Random(5)
     prompt = tokens(scenario, N * B)
     names = chain_hashes(prompt, B)
-    msgs = [frames("k-b", 1, 0.5, store_event(tokens(scenario, B, 9), chain_hashes(tokens(scenario, B, 9), B)))]
-    for k in range(20):
-        msgs += [frames("k-a", 2 * k + 1, 1 + k * 0.2, store_event(prompt, names)),
-                 frames("k-a", 2 * k + 2, 1.1 + k * 0.2, remove_event(names))]
-    msgs.append(frames("k-a", 41, 5.5, store_event(prompt, names)))
-    ingest(store, collect(msgs))
+    other = tokens(scenario, B, 9)
+    ingest(store, collect([frames("k-b", 1, 0.5, store_event(other, chain_hashes(other, B))),
+                           *hostile._churn("k-a", prompt, names, 1, 8)]))
     batches = [[serving(scenario, "k-a"), request("k-first", scenario, 9.0, "k-b", prompt)]] + [
         [request(f"k{j}-{i}", scenario, 10 + 3 * j + rnd.random() * 0.5, "k-b", prompt) for i in range(3)]
         for j in range(6)]
     got, held, read = live(store, monkeypatch, batches)
     assert all(held), held
-    assert read[0] >= N * 41 and all(r < N for r in read[1:]), read
+    assert read[0] >= N * 17 and all(r < N for r in read[1:]), read
     assert got == from_scratch(store, monkeypatch)
 
     memos: list[Any] = []
