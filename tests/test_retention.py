@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from collector.events import DeadLetter, envelope
@@ -27,6 +28,16 @@ NOW = datetime.now(UTC).replace(microsecond=0)
 OLD = NOW - timedelta(days=40)  # outside the 30-day retention of the raw tables
 EDGE = NOW - timedelta(days=29, hours=23)  # an hour inside it
 RECENT = NOW - timedelta(hours=3)
+
+
+@pytest.fixture(autouse=True)
+def _times_from_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOW, OLD, EDGE and RECENT from each test's own start: stamped once at import, EDGE left the retention in a
+    session that reached these tests more than an hour later (a loaded CI machine)."""
+    now = datetime.now(UTC).replace(microsecond=0)
+    for name, value in (("NOW", now), ("OLD", now - timedelta(days=40)),
+                        ("EDGE", now - timedelta(days=29, hours=23)), ("RECENT", now - timedelta(hours=3))):
+        monkeypatch.setitem(globals(), name, value)
 
 
 def line(request_id: str, ts: datetime) -> dict[str, Any]:
