@@ -291,14 +291,14 @@ class KvMemo:
         start: an insert stamped before it may have become visible after) lies before a cut: the stand-ins no longer
         stand for the log (a collector outage replayed, a late batch). Its cuts lag the run's last arrival by the
         lag, so the next run's arrivals (requests logged when they end, up to the lag after they arrived) lie after
-        them; an arrival before a cut starts it again empty too (:meth:`check`). ``now``: the store's clock."""
+        them; an arrival before a cut is judged without the memo (ingest/attribution_job.py ``_by_memo``).
+        ``now``: the store's clock."""
         self._last = False
         if self._checked is not None and self.holds_any():
             late = store.query_rows(
                 "SELECT count() FROM kv_block_events WHERE ingested_at > {since:DateTime64(3, 'UTC')} "
                 "AND ts < fromUnixTimestamp64Milli({cut:Int64}, 'UTC')",
-                {"since": self._checked - ACROSS_RUNS_OVERLAP,
-                 "cut": int(self._cuts["cut"].max())})  # type: ignore[arg-type]
+                {"since": self._checked - ACROSS_RUNS_OVERLAP, "cut": self.latest_cut()})
             if late[0][0]:
                 self.clear()
         self._checked = now
@@ -345,7 +345,7 @@ class KvMemo:
         if blocks.is_empty() or ending:
             return
         if self._last:  # kept for the next run, whose arrivals lie after the last less the lag; cuts only move on
-            cut = max(cut - int(self._lag or 0), int(self._cuts["cut"].max() or 0) if not self._cuts.is_empty() else 0)
+            cut = max(cut - int(self._lag or 0), self.latest_cut() or 0)
         read = pl.col("weight").is_null() if "weight" in blocks.columns else pl.lit(True)
         counts = blocks.group_by("block_hash").agg(
             read.any().alias("read"), (~read).any().alias("kept"), (pl.col("ts") < cut).sum().alias("rows"),
