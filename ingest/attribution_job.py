@@ -37,7 +37,7 @@ import polars as pl
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
 
-from ingest import attribution
+from ingest import attribution, block_sizes
 from ingest.attribution import (
     BAND_KEYS,
     KEY_AGENT_RUN,
@@ -112,20 +112,6 @@ def read_watermark(store: Store, job: str = JOB_NAME) -> datetime:
     if not rows or not rows[0][1]:
         return _EPOCH
     return _utc(rows[0][0])
-
-
-def block_sizes(store: Store) -> dict[str, int]:
-    """Tokens per KV block for each pod: the latest ``block_size`` of its ``vllm:cache_config_info`` (table
-    vllm_cache_config); for a pod without one, the block size its latest ``BlockStored`` KV event of the last
-    7 days declares (kv_block_events; vLLM's ``BlockStored.block_size``). Pods with neither are left out (the
-    caller falls back to its default)."""
-    rows = store.query_rows(
-        "SELECT pod, argMax(block_size, ts) AS b FROM vllm_cache_config GROUP BY pod HAVING b > 0 "
-        "UNION ALL "
-        "SELECT CAST(pod AS String), argMax(block_size, ts) AS b FROM kv_block_events "
-        "WHERE event_type = 'BlockStored' AND block_size > 0 AND ts > now64(3) - INTERVAL 7 DAY "
-        "AND pod NOT IN (SELECT pod FROM vllm_cache_config WHERE block_size > 0) GROUP BY pod HAVING b > 0")
-    return {str(pod): int(size) for pod, size in sorted(rows)}
 
 
 # -- reads ---------------------------------------------------------------------------------------------------
@@ -474,18 +460,19 @@ def _keep_recent(recent: list[pl.DataFrame], arrivals: pl.DataFrame, cap: int) -
 
 
 # -- compute and write ---------------------------------------------------------------------------------------
-def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: dict[str, int],
+def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: pl.DataFrame,
               default_block_size: int, known: Sequence[pl.DataFrame] = (), kv_evidence: bool = True,
               memo: KvMemo | None = None) -> dict[str, Any]:
     """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``; ``reach``: (horizon, lookback)
-    in ms. ``known``: request rows already read (:data:`_KNOWN` columns; the last chunks': most predecessors
-    are recent), so only the others are fetched. ``kv_evidence``: judge the requests that logged a block chain
-    against the pods' KV events (precise mode, :func:`ingest.kv_evidence.chunk_evidence`, events read back to
-    the lookback). ``memo``: the run's :class:`~ingest.kv_evidence.KvMemo` when ``targets`` are its next chunk of
-    arrivals (the KV evidence before the last chunk's arrivals, kept)."""
+    in ms; ``sizes``: the pods' block size changes (:func:`ingest.block_sizes.changes`), each target judged with
+    its pod's size at its arrival (``default_block_size`` for a pod without any). ``known``: request rows
+    already read (:data:`_KNOWN` columns; the last chunks': most predecessors are recent), so only the others are
+    fetched. ``kv_evidence``: judge the requests that logged a block chain against the pods' KV events (precise
+    mode, :func:`ingest.kv_evidence.chunk_evidence`, events read back to the lookback). ``memo``: the run's
+    :class:`~ingest.kv_evidence.KvMemo` when ``targets`` are its next chunk of arrivals (the KV evidence before the
+    last chunk's arrivals, kept)."""
     chosen = _predecessors(store, targets, *reach)
-    frame = targets.with_columns(
-        pl.col("pod").replace_strict(sizes, default=default_block_size, return_dtype=pl.Int64).alias("block_size"))
+    frame = targets.with_columns(block_sizes.at(targets, sizes, default_block_size))
     if chosen.is_empty():
         frame = frame.with_columns(pl.lit("").alias("predecessor_kind"), pl.lit(False).alias("beyond_horizon"),
                                    *[pl.lit(None).alias(f"p_{c}") for c in PREDECESSOR_FIELDS])
@@ -644,7 +631,7 @@ def _late_kv_targets(store: Store, since: datetime, upto: datetime, settle_secon
         window)
 
 
-def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: dict[str, int],
+def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: pl.DataFrame,
                default_block_size: int, kv_evidence: bool, now: datetime) -> tuple[int, int]:
     """Judge the answered requests ``keys`` (request_id, ts) again; write those whose answer changed.
     Returns (examined, changed)."""
@@ -678,7 +665,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
-    sizes = block_sizes(store)
+    sizes = block_sizes.changes(store)
     answered_through = _answered_through(store)
     # Every answer of a request of a later chunk predates this run: a chunk's arrivals are answered only by
     # their own chunk, and a successor re-answered already had an answer.

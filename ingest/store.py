@@ -470,6 +470,7 @@ RETENTION = (
     ("requests_1m", "minute", True), ("requests_1h", "minute", True), ("misses_1m", "minute", True),
     ("misses_1h", "minute", True), ("affinity_1m", "minute", True), ("affinity_1h", "minute", True),
     ("vllm_1m", "minute", True), ("vllm_1h", "minute", True), ("vllm_cache_config", "ts", True),
+    ("kv_block_sizes", "minute", True),
 )
 _MERGE_TREE = re.compile(
     r"\bENGINE\s*=\s*((?:Replacing|Aggregating|VersionedCollapsing|Collapsing|Summing)?MergeTree)\b")

@@ -172,16 +172,13 @@ def test_two_requests_under_one_request_id_are_judged_each_by_its_own_chain(
     assert runs[0] == runs[1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the job reads one block size per pod, its latest (vllm_cache_config, else its latest BlockStored within 7 "
-    "days of now): a request answered live with the size of its time is answered again with another once the pod "
-    "restarted with another --block-size; a block size per request as of its arrival is not a small change"))
 def test_a_pod_that_changes_its_block_size_later_keeps_its_earlier_answers(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pod bs-a runs with blocks of B tokens, stores the prompt at 1 s and evicts it at 3 s; r (5 s) logged its
     chain with B and is judged with KV evidence live: evicted. At 30 s bs-a restarts with blocks of B/2 (a
-    BlockStored of that size). A run over the whole history reads B/2 for bs-a, so r's chain no longer matches
-    and r falls back to the fingerprints."""
+    BlockStored of that size). A run over the whole history used to read B/2 for bs-a (its latest size), so r's
+    chain no longer matched and r fell back to the fingerprints; r is judged with B, its pod's size at its
+    arrival, in every run."""
     scenario = 94
     prompt = tokens(scenario, N * B)
     names = chain_hashes(prompt, B)

@@ -18,7 +18,8 @@ import pyarrow as pa
 import pytest
 from test_attribution import random_structure
 
-from ingest import attribution, attribution_job
+import sql
+from ingest import attribution, attribution_job, block_sizes
 from ingest.store import Store
 from tests.clock import T0
 
@@ -58,6 +59,11 @@ def gw(rid: str, *, at: float, ingested: datetime | None = None, conv: str = "",
 def insert_requests(store: Store, rows: list[dict[str, Any]]) -> None:
     cols = list(rows[0])
     store.insert("gateway_requests", [tuple(r[c] for c in cols) for r in rows], cols)
+
+
+def ms(at: datetime) -> int:
+    """``at`` in unix ms (as :func:`ingest.block_sizes.changes` gives times)."""
+    return int(at.timestamp() * 1000)
 
 
 def insert_block_size(store: Store, pod: str, size: int, at: datetime) -> None:
@@ -117,7 +123,8 @@ def test_job_answers_every_request_once_and_advances_the_watermark(store):
     insert_block_size(store, "pod-a", 32, T0)
     insert_block_size(store, "pod-b", 32, T0)
     insert_requests(store, traffic())
-    assert attribution_job.block_sizes(store) == {"pod-a": 32, "pod-b": 32}
+    assert block_sizes.changes(store).rows() == [("pod-a", ms(T0 - timedelta(hours=1)), 16), ("pod-a", ms(T0), 32),
+                                                 ("pod-b", ms(T0), 32)]
 
     assert run(store, default_block_size=16).arrivals == 4  # every request gets an answer, the failed one too
     assert attributed(store) == EXPECTED
@@ -359,14 +366,63 @@ def test_a_predecessor_beyond_the_horizon_is_named_and_shown(store):
 
 def test_a_pod_without_cache_config_takes_the_block_size_its_kv_events_declare(store):
     """vLLM's BlockStored carries block_size: a pod whose /metrics were never scraped (or lack
-    cache_config_info) is attributed at its real block size, not the default 16; cache_config_info wins."""
+    cache_config_info) is attributed at its real block size, not the default 16; cache_config_info wins. Each
+    change is kept (pod-c: 16, 64, then 16 again), from its first event; repeats (a re-sent batch) change
+    nothing."""
     insert_block_size(store, "pod-a", 32, T0)
     now = datetime.now(UTC)
-    rows = [(f"e{i}", now - timedelta(minutes=5 - i), pod, "0", i + 1, 0, "BlockStored", [i + 1], None, size, size,
-             "GPU") for i, (pod, size) in enumerate((("pod-c", 16), ("pod-c", 64), ("pod-a", 128)))]
-    store.insert("kv_block_events", rows, ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type",
-                                           "block_hashes", "parent_block_hash", "token_count", "block_size", "medium"])
-    assert attribution_job.block_sizes(store) == {"pod-a": 32, "pod-c": 64}
+    events = (("pod-c", 16, 0), ("pod-c", 16, 0.2), ("pod-c", 64, 1), ("pod-c", 64, 1.5), ("pod-c", 16, 3),
+              ("pod-a", 128, 4))
+    rows = [(f"e{i}", now - timedelta(minutes=5 - m), pod, "0", i + 1, 0, "BlockStored", [i + 1], None, size, size,
+             "GPU") for i, (pod, size, m) in enumerate(events)]
+    columns = ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes", "parent_block_hash",
+               "token_count", "block_size", "medium"]
+    store.insert("kv_block_events", rows, columns)
+    store.insert("kv_block_events", rows[:1], columns)
+    assert block_sizes.changes(store).rows() == [("pod-a", ms(T0), 32), ("pod-c", ms(now - timedelta(minutes=5)), 16),
+                                                 ("pod-c", ms(now - timedelta(minutes=4)), 64),
+                                                 ("pod-c", ms(now - timedelta(minutes=2)), 16)]
+
+
+def test_a_pod_restarted_with_another_block_size_keeps_its_earlier_answers_without_kv_evidence(store):
+    """Fingerprint mode. pod-a runs with blocks of 32 tokens: t1 (0 s) is answered live in blocks of 32. At 60 s
+    pod-a restarts with blocks of 1024 (a prompt of 762 tokens is then below one block): `after` (120 s) is
+    judged with 1024, and t0 (−1 s, logged late) makes t1 its successor, judged again: still with 32, the size of
+    its time. A run from scratch gives the same answers."""
+    insert_block_size(store, "pod-a", 32, T0 - timedelta(hours=1))
+    insert_requests(store, [gw("t1", at=0, conv="c1")])
+    run(store, settle_seconds=0, kv_evidence=False)
+    assert attributed(store) == [("t1", "cold", "", 736, "", "", None, 32),
+                                 ("t1", "unavoidable", "", 26, "", "", None, 32)]
+    insert_block_size(store, "pod-a", 1024, T0 + timedelta(seconds=60))
+    fresh = attribution_job.server_now(store) - timedelta(milliseconds=1)
+    insert_requests(store, [gw("t0", at=-1, conv="c1", ingested=fresh),
+                            gw("after", at=120, conv="c2", ingested=fresh)])
+    assert run(store, settle_seconds=0, kv_evidence=False).examined == 1
+    live = attributed(store)
+    assert live == [("t0", "cold", "", 736, "", "", None, 32), ("t0", "unavoidable", "", 26, "", "", None, 32),
+                    ("t1", "evicted", "evicted_before_next_turn", 736, "t0", "pod-a", 600.0, 32),
+                    ("t1", "unavoidable", "", 26, "t0", "pod-a", 600.0, 32),
+                    ("after", "below_block", "", 761, "t1", "pod-a", 119_600.0, 1024),
+                    ("after", "unavoidable", "", 1, "t1", "pod-a", 119_600.0, 1024)], live
+    for table in ("request_attribution", "attribution_watermark"):
+        store.command(f"TRUNCATE TABLE {table}")
+    run(store, settle_seconds=0, kv_evidence=False)
+    assert attributed(store) == live
+
+
+def test_the_block_size_of_a_request_is_its_pods_at_its_arrival():
+    """:func:`ingest.block_sizes.at`: the size in force at each row's time (a change at exactly that time
+    applies), the pod's first known size before it was first seen, the default for a pod never seen; rows keep
+    their order."""
+    sizes = pl.DataFrame({"pod": ["a", "a", "a", "b"], "since": [1_000, 5_000, 9_000, 3_000],
+                          "block_size": [16, 64, 16, 32]})
+    rows = pl.DataFrame({"pod": ["a", "a", "a", "a", "b", "c", "a"],
+                         "ts": [0, 1_000, 4_999, 5_000, 0, 7_000, 20_000]}).with_columns(
+        pl.from_epoch("ts", "ms").dt.replace_time_zone("UTC"))
+    assert block_sizes.at(rows, sizes, 8).to_list() == [16, 16, 16, 64, 32, 8, 16]
+    assert block_sizes.at(rows.clear(), sizes, 8).to_list() == []
+    assert block_sizes.at(rows, sizes.clear(), 8).to_list() == [8] * 7
 
 
 def fingerprinted(rid: str, body: dict[str, Any], *, at: float, conv: str = "", cached: int = 0) -> dict[str, Any]:
@@ -506,3 +562,18 @@ def test_a_chunk_sharing_the_latest_answers_millisecond_leaves_them_out(store):
     assert run(store).arrivals == 1
     assert store.query_rows("SELECT request_id, sum(sign) FROM request_attribution GROUP BY request_id "
                             "ORDER BY request_id") == [("x", 1), ("y", 1)]
+
+
+def test_the_block_sizes_of_kv_events_stored_before_the_migration_are_read(store):
+    """sql/migrations/0032 fills kv_block_sizes from the BlockStored events already stored, once."""
+    now = datetime.now(UTC)
+    store.command("DROP VIEW kv_block_sizes_mv")
+    store.insert("kv_block_events", [("e1", now, "pod-c", "0", 1, 0, "BlockStored", [1], None, 64, 64, "GPU")],
+                 ["event_id", "ts", "pod", "engine", "seq", "idx", "event_type", "block_hashes",
+                  "parent_block_hash", "token_count", "block_size", "medium"])
+    assert block_sizes.changes(store).is_empty()
+    text = dict(sql.migrations())["0032_kv_block_sizes"]
+    store.run_migration(text)
+    assert block_sizes.changes(store).rows() == [("pod-c", ms(now), 64)]
+    store.run_migration(text)  # rerun (a crash before its record): the guard skips the copy
+    assert store.query_rows("SELECT count() FROM kv_block_sizes")[0][0] == 1

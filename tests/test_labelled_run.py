@@ -27,7 +27,8 @@ from conftest import ARTIFACTS
 from conftest_vllm import fleet_fixture
 
 from gateway.proxy import GatewayServer, make_app
-from ingest.attribution_job import block_sizes, run_attribution
+from ingest import block_sizes
+from ingest.attribution_job import run_attribution
 from ingest.labels import load_labels
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
@@ -82,7 +83,8 @@ def run(small_fleet, tiny_model_dir, chdb_dir, tmp_path_factory):  # type: ignor
     try:
         pipe.start()
         try:
-            wait_for(lambda: len(block_sizes(store)) == len(pods), 60, "every pod's vllm:cache_config_info")
+            wait_for(lambda: block_sizes.changes(store)["pod"].n_unique() == len(pods), 60,
+                     "every pod's vllm:cache_config_info")
             with httpx.Client(timeout=120) as client:
                 traffic = Traffic({name: s.url for name, s in servers.items()}, client,
                                   {p.name: p.base_url for p in pods})

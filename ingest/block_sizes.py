@@ -1,0 +1,70 @@
+"""The block size (tokens per KV block) of a pod at a time: the attribution job judges each request with its pod's
+block size at the request's arrival, so an answer does not change when the pod later restarts with another
+``--block-size``.
+
+Sources, per pod: the ``block_size`` of its ``vllm:cache_config_info`` rows (table vllm_cache_config, sent on a
+collector's first scrape and whenever it changes); for a pod with none, the ``block_size`` its ``BlockStored`` KV
+events declare (vLLM's ``BlockStored.block_size``), read from kv_block_sizes (sql/migrations/0032: each size's first
+event per pod and minute). A size holds from the time it is first seen until another is. The first event of a size in
+a minute is exact; only a pod that went A → B → A within one minute (two vLLM restarts) has its second A seen from the
+next minute on.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from ingest.store import Store
+
+#: :func:`changes`' columns: pod, since (unix ms: the first time the size was seen), block_size (tokens).
+CHANGES_SCHEMA = {"pod": pl.String, "since": pl.Int64, "block_size": pl.Int64}
+
+# The BlockStored part keeps only the minutes where a pod's size differs from its size the minute before (in
+# ClickHouse), so a run reads a few rows per pod, not one per minute of its events.
+_CHANGES_SQL = """
+    SELECT CAST(pod AS String) AS pod, toUnixTimestamp64Milli(ts) AS since, toInt64(block_size) AS block_size
+    FROM vllm_cache_config WHERE block_size > 0
+    UNION ALL
+    SELECT pod, toUnixTimestamp64Milli(since) AS since, toInt64(block_size) AS block_size
+    FROM
+    (
+        SELECT pod, since, block_size,
+               lagInFrame(block_size, 1, 0) OVER (PARTITION BY pod ORDER BY since, block_size
+                                                  ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS before
+        FROM
+        (
+            SELECT CAST(pod AS String) AS pod, min(since) AS since, block_size
+            FROM kv_block_sizes
+            WHERE pod NOT IN (SELECT pod FROM vllm_cache_config WHERE block_size > 0)
+            GROUP BY pod, minute, block_size
+        )
+    )
+    WHERE block_size != before"""
+
+
+def changes(store: Store) -> pl.DataFrame:
+    """Each pod's block size change points (:data:`CHANGES_SCHEMA`), sorted by pod and since: one row per time a
+    pod's size differs from its size before (the first row of a pod is its first known size). Pods with neither
+    source are absent (the caller falls back to its default). Read once per attribution run: sizes change rarely,
+    so the frame is a few rows per pod. Raises what :meth:`ingest.store.Store.query_df` raises."""
+    rows = store.query_df(_CHANGES_SQL)
+    if rows.is_empty():
+        return pl.DataFrame(schema=CHANGES_SCHEMA)
+    rows = rows.select(*(pl.col(c).cast(t) for c, t in CHANGES_SCHEMA.items())).sort("pod", "since", "block_size")
+    return rows.filter(pl.col("block_size").ne_missing(pl.col("block_size").shift(1).over("pod")))
+
+
+def at(frame: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
+    """The block size (Int64, named block_size) of each row of ``frame`` (columns pod, ts: a datetime), in its
+    order: its pod's size as of ts in ``sizes`` (:func:`changes`; a change at exactly ts applies), for a time
+    before the pod's first known size that size (the pod ran with it before it was seen), ``default`` for a pod
+    without sizes. One as-of join per call, whatever the number of rows."""
+    keys = frame.select(pl.col("pod").cast(pl.String), pl.col("ts").dt.epoch("ms").alias("t")).with_row_index("_r")
+    first = sizes.group_by("pod").agg(pl.col("block_size").sort_by("since").first().alias("_first"))
+    found = (keys.sort("t")
+             .join_asof(sizes.sort("since"), left_on="t", right_on="since", by="pod", strategy="backward",
+                        check_sortedness=False)
+             .join(first, on="pod", how="left")
+             .sort("_r"))
+    return found.select(pl.coalesce("block_size", "_first", pl.lit(default, pl.Int64)).alias("block_size")
+                        ).to_series()
