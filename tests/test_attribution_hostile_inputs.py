@@ -62,23 +62,21 @@ def test_a_pod_that_serves_the_model_only_after_a_request_ended_is_not_a_holder_
     assert live == whole
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a chunk reads the KV log from a lookback before its first arrival, so a later request of a big chunk sees "
-    "blocks stored before its own lookback; judging each request by the events in [arrival - lookback, end] "
-    "needs per-request window starts in kv_tracks (copies stored before the evidence, departures) and a KvMemo "
-    "that keeps rows per request start: not a small change"))
 def test_a_block_stored_before_the_requests_own_lookback_is_read_the_same_in_any_chunk(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lookback 20 s. Pod lb-b stored the prompt's blocks at 1 s; lb-a (the request's pod) logs an event at 15 s.
     r2 arrives at 30 s on lb-a; r1 at 10 s only opens the chunk earlier. The evidence window of a chunk starts a
-    lookback before its first arrival: with r1 in the chunk (from −10 s) the store at 1 s is read and r2 is
-    routed_away to lb-b; alone (from 10 s) it is not and r2 is cold."""
+    lookback before its first arrival: with r1 in the chunk (from −10 s) the store at 1 s was read and r2 was
+    routed_away to lb-b; alone (from 10 s) it was not and r2 was cold. Each request is judged by the events from its
+    own lookback's start: r2 is cold in every chunking."""
     scenario = 87
     prompt = holder_and_own_pod(store, scenario, ("lb-b", 1.0), ("lb-a", 15.0))
     live, whole = live_then_whole(store, monkeypatch, [
         [serving(scenario, "lb-b", t=12.0), serving(scenario, "lb-a", t=12.5),
          request("r1", scenario, 10.0, "lb-a", prompt)],
         [request("r2", scenario, 30.0, "lb-a", prompt)]], lookback_seconds=20, horizon_seconds=20)
+    for got in (live["r2"], whole["r2"]):
+        assert (got[0][0][0], got[1]) == ("cold", "kv_events"), (live, whole)
     assert live == whole
 
 
