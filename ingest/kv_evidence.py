@@ -11,9 +11,11 @@ Residency follows kv_block_residency (sql/migrations/0017): vLLM does not dedupl
 (``vllm/v1/core/block_pool.py``), so a block hash is resident while its copies (stores − removals since the last reset
 of its pod and engine) are above 0; a removal with no copy to remove counts a copy stored before the evidence began; a
 reset ends every copy. A request is judged by the events up to its own end (arrival + e2e): the copies stored before the
-evidence are those the removals up to then prove, and a block hash is a chain's once a store up to then named it; so its
-answer does not depend on the chunk it is judged in. An event at exactly the arrival time has not happened yet (as in
-the named query kv_resident_at). A block is resident on a pod when it is on any of its engines or media.
+evidence are those the removals up to then prove, and a block hash is a chain's once a store up to then named it; and
+from its own lookback's start (arrival − lookback): the events and resets before it are not its evidence, whatever the
+chunk read; so its answer does not depend on the chunk it is judged in. An event at exactly the arrival time has not
+happened yet (as in the named query kv_resident_at). A block is resident on a pod when it is on any of its engines or
+media.
 
 Rules (docs/miss-causes.md, "Precise mode"): a request is judged with KV evidence when its chain's block size
 equals the block size used for its pod and its pod has KV events at or before its arrival within the lookback.
@@ -134,51 +136,55 @@ class KvTimeline:
             self._resets[(pod, engine)].append(((ts, seq, idx, 0, 0), ts, kind))
         events: dict[tuple[str, str, str, int], list[tuple[tuple[int, ...], int, int]]] = defaultdict(list)
         chains: dict[tuple[str, str, str, int], int] = {}
-        named: dict[tuple[str, str, str, int], int] = {}  # the first store with a chain hash: from then it names
+        named: dict[tuple[str, str, str, int], list[int]] = defaultdict(list)  # the times of stores with a chain
         for pod, engine, medium, block_hash, chain, ts, seq, idx, pos, kind in block_rows:
             key = (pod, engine, medium, block_hash)
             events[key].append(((ts, seq, idx, pos, 1), ts, 1 if kind == "stored" else -1))
             if kind == "stored" and chain:
                 chains[key] = chain
-                named[key] = min(named.get(key, ts), ts)
-        #: chain hash → pod → the keys (pod, engine, medium, block hash) of its tracks, with their events
-        self._keys: dict[int, dict[str, list[tuple[tuple[str, str, str, int], list, int]]]] = defaultdict(
+                named[key].append(ts)
+        #: chain hash → pod → the keys (pod, engine, medium, block hash) of its tracks, with their events and the
+        #: times of the stores that named its chain
+        self._keys: dict[int, dict[str, list[tuple[tuple[str, str, str, int], list, list[int]]]]] = defaultdict(
             lambda: defaultdict(list))
         for key, evs in events.items():
             if key in chains:
                 self._keys[chains[key]][key[0]].append((key, evs, named[key]))
-        self._built: dict[tuple[tuple[str, str, str, int], int | None], _Track] = {}
+        self._built: dict[tuple[tuple[str, str, str, int], int | None, int | None], _Track] = {}
 
-    def _tracks_of(self, chain: int, end_ms: int | None) -> dict[str, list[_Track]]:
-        """Per pod, the tracks of block ``chain`` as the events up to ``end_ms`` show them (None: all events):
-        the copies stored before the evidence are those the removals up to then prove, and a track counts once a
-        store up to then named its chain."""
+    def _tracks_of(self, chain: int, end_ms: int | None, since_ms: int | None = None) -> dict[str, list[_Track]]:
+        """Per pod, the tracks of block ``chain`` as the events from ``since_ms`` to ``end_ms`` show them (None: no
+        bound): the events and resets before ``since_ms`` are not seen (as if the collector had not sent them), the
+        copies stored before the evidence are those the removals in the window prove, and a track counts once a
+        store in the window named its chain."""
         out: dict[str, list[_Track]] = {}
+        lo, hi = _NEVER if since_ms is None else since_ms, -_NEVER if end_ms is None else end_ms
         for pod, keyed in self._keys.get(chain, {}).items():
             tracks = []
             for key, evs, named_at in keyed:
-                if end_ms is not None and named_at > end_ms:
-                    continue  # no store had named this block by then
-                built = self._built.get((key, end_ms))
+                if not any(lo <= ts <= hi for ts in named_at):
+                    continue  # no store in the window named this block
+                built = self._built.get((key, end_ms, since_ms))
                 if built is None:
-                    seen = evs if end_ms is None else [e for e in evs if e[1] <= end_ms]
                     resets = self._resets.get((key[0], key[1]), [])
-                    built = _build_track(seen, resets if end_ms is None else [r for r in resets if r[1] <= end_ms])
-                    self._built[(key, end_ms)] = built
+                    built = _build_track([e for e in evs if lo <= e[1] <= hi], [r for r in resets if lo <= r[1] <= hi])
+                    self._built[(key, end_ms, since_ms)] = built
                 tracks.append(built)
             out[pod] = tracks
         return out
 
     def status(self, chain: int, pod: str, t_ms: int, model_pods: Iterable[str] | None = None,
-               end_ms: int | None = None) -> BlockStatus:
+               end_ms: int | None = None, since_ms: int | None = None) -> BlockStatus:
         """Where block ``chain`` was just before ``t_ms`` (unix ms) for a request served by ``pod``; holders
         elsewhere only among ``model_pods`` (None = any pod). Precedence as in the module docstring.
         ``end_ms``: when the request ended (arrival + e2e): a block resident here at arrival whose last copy left before
         then was evicted while the request waited (``removed_here`` / ``reset_here`` with that time, after the arrival).
         The copies stored before the evidence are those the events up to ``end_ms`` prove, and a block hash is that
         chain's once a store up to then said so (None: all the events): an event after the request ended changes nothing
-        of its answer, so the answer does not depend on when, or in which chunk, it is computed."""
-        by_pod = self._tracks_of(chain, end_ms)
+        of its answer, so the answer does not depend on when, or in which chunk, it is computed. ``since_ms``: the
+        start of the request's lookback (arrival − lookback): the events and resets before it are not its evidence
+        (None: all of them), whatever else was read with it."""
+        by_pod = self._tracks_of(chain, end_ms, since_ms)
         latest: tuple[str, int] | None = None
         here = by_pod.get(pod, [])
         if any(track.at(t_ms)[0] for track in here):
@@ -204,16 +210,18 @@ class KvTimeline:
 
 def request_evidence(timeline: KvTimeline, *, pod: str, ts_ms: int, chain: Sequence[int], chain_block_size: int,
                      prompt_tokens: int, cached_tokens: int, model_pods: Iterable[str] | None = None,
-                     covered_pods: frozenset[str] = frozenset(), end_ms: int | None = None) -> KvEvidence:
+                     covered_pods: frozenset[str] = frozenset(), end_ms: int | None = None,
+                     since_ms: int | None = None) -> KvEvidence:
     """The :class:`KvEvidence` of one request: the status of its blocks k0 = cached // B … up to the last
     hittable one (L / B, L = floor((P − 1)/B)·B) and within ``chain``, stopping after the first ``nowhere``.
-    ``end_ms``: the request's end (arrival + e2e_ms), see :meth:`KvTimeline.status`."""
+    ``end_ms``: the request's end (arrival + e2e_ms), ``since_ms`` the start of its lookback (arrival − lookback),
+    see :meth:`KvTimeline.status`."""
     b = max(1, chain_block_size)
     last = min(len(chain), max(0, prompt_tokens - 1) // b)
     statuses: list[BlockStatus] = []
     pods = None if model_pods is None else list(model_pods)
     for j in range(max(0, cached_tokens) // b, last):
-        status = timeline.status(int(chain[j]), pod, ts_ms, pods, end_ms)
+        status = timeline.status(int(chain[j]), pod, ts_ms, pods, end_ms, since_ms)
         statuses.append(status)
         if status.state == NOWHERE:
             break
@@ -257,9 +265,11 @@ class KvMemo:
     (tests/test_kv_memo.py runs the job both ways).
 
     Each hash has its own cut: the last arrival of the latest chunk that read its rows. A hash a chunk did not
-    read keeps its cut (its rows since then are read when it is wanted again). The memo starts again empty when
-    the evidence window's start passes the earliest row it stands for (the lookback moved on: those rows would no
-    longer be read), when a chunk arrives before a cut (not the next chunk of the run), or past
+    read keeps its cut (its rows since then are read when it is wanted again). A hash is forgotten when the lookback
+    start of a chunk's last arrival passes the earliest row it stands for (that request does not see those rows: the
+    stand-ins cannot leave them out), and not kept while it has a row before its cut less the lookback (a hash with
+    events older than the lookback is read whole by every chunk). The memo starts again empty when a chunk arrives
+    before a cut (not the next chunk of the run), or past
     :data:`MEMO_MAX_ROWS`. Only hashes whose stored rows are named by their own vLLM hash (vLLM's default
     hashing) are kept: a pod hashing its own way is read in two passes (:func:`fetch_blocks`). A row stored with
     a time before a cut after the chunk that passed it read the log is not seen by later chunks of the run; such a
@@ -273,8 +283,8 @@ class KvMemo:
 
     def __init__(self, across_runs_lag_ms: int | None = None) -> None:
         self._stand_ins: pl.DataFrame | None = None  # BLOCK_COLUMNS + weight, names as strings
-        self._cuts = pl.DataFrame(schema={"block_hash": pl.UInt64, "cut": pl.Int64})
-        self._first = 0  # the earliest log row ts (unix ms) any stand-in stands for
+        #: per kept hash its cut and the earliest log row ts (unix ms) its stand-ins stand for (unix ms)
+        self._cuts = pl.DataFrame(schema={"block_hash": pl.UInt64, "cut": pl.Int64, "first": pl.Int64})
         self._last = False  # no chunk follows in this run
         self._lag = across_runs_lag_ms  # None: the memo lives for one run
         self._checked: datetime | None = None  # KV rows ingested up to then were seen (kept across runs)
@@ -324,21 +334,30 @@ class KvMemo:
         """Keep nothing: the next chunk reads every row."""
         self._stand_ins = None
         self._cuts = self._cuts.clear()
-        self._first = 0
 
-    def check(self, window_lo_ms: int, first_arrival_ms: int) -> None:
-        """Before a chunk whose evidence window starts at ``window_lo_ms`` and whose first arrival is at
-        ``first_arrival_ms``: start again empty unless every kept row is still in the window and every cut is at or
-        before that arrival."""
-        if self.holds_any() and (self._first < window_lo_ms or first_arrival_ms < self._cuts["cut"].max()):
+    def check(self, start_ms: int, first_arrival_ms: int) -> None:
+        """Before a chunk whose first arrival is at ``first_arrival_ms`` and whose last arrival's lookback starts at
+        ``start_ms``: start again empty when a cut lies after that arrival, and forget each hash whose stand-ins
+        stand for a row before ``start_ms`` (a request of the chunk would see a row its window excludes: the chunk
+        reads that hash's rows again)."""
+        if not self.holds_any():
+            return
+        if first_arrival_ms < self._cuts["cut"].max():  # type: ignore[operator]
             self.clear()
+            return
+        stale = self._cuts.filter(pl.col("first") < start_ms)
+        if not stale.is_empty() and self._stand_ins is not None:
+            self._cuts = self._cuts.filter(pl.col("first") >= start_ms)
+            self._stand_ins = self._stand_ins.join(stale.select("block_hash"), on="block_hash", how="anti")
 
-    def move(self, blocks: pl.DataFrame, resets: pl.DataFrame, cut: int, kept: bool) -> None:
+    def move(self, blocks: pl.DataFrame, resets: pl.DataFrame, cut: int, kept: bool, lookback_ms: int | None = None
+             ) -> None:
         """After a chunk: ``blocks`` as :func:`fetch_blocks` returned them (``kept``: with the stand-ins, the skip
         applied; else the memo starts again from these rows), ``resets`` the chunk's, ``cut`` its last arrival
         (unix ms). A hash whose rows this chunk read (every row from its cut, or from the window's start) is
-        summarized at ``cut`` when it was kept or has :data:`MEMO_MIN_ROWS` rows before ``cut``; a kept hash this
-        chunk read nothing of keeps its stand-ins and cut."""
+        summarized at ``cut`` when it was kept or has :data:`MEMO_MIN_ROWS` rows before ``cut``, unless it has a row
+        before ``lookback_ms`` before the cut (a later arrival's lookback starts after it: :meth:`check` would forget
+        it; None: no lookback); a kept hash this chunk read nothing of keeps its stand-ins and cut."""
         ending = self._last and self._lag is None  # a memo for one run ends with it
         if not kept or ending:
             self.clear()
@@ -351,7 +370,10 @@ class KvMemo:
             read.any().alias("read"), (~read).any().alias("kept"), (pl.col("ts") < cut).sum().alias("rows"),
             ((pl.col("kind") == "stored") & (pl.col("chain") != pl.col("block_hash"))).any().alias("own"),
             pl.col("ts").filter(read).min().alias("first"))
-        hot = counts.filter(pl.col("read") & (pl.col("kept") | (pl.col("rows") >= MEMO_MIN_ROWS)) & ~pl.col("own"))
+        hot = (counts.filter(pl.col("read") & (pl.col("kept") | (pl.col("rows") >= MEMO_MIN_ROWS)) & ~pl.col("own"))
+               .join(self._cuts.select("block_hash", pl.col("first").alias("was")), on="block_hash", how="left")
+               .with_columns(pl.min_horizontal("first", "was").alias("first"))
+               .filter(pl.lit(lookback_ms is None) | (pl.col("first") >= cut - (lookback_ms or 0))))
         if hot.is_empty():
             return
         hashes = hot.select("block_hash")
@@ -362,11 +384,10 @@ class KvMemo:
         if len(stand_ins) > MEMO_MAX_ROWS:
             self.clear()
             return
-        first = int(hot["first"].min())  # type: ignore[arg-type]
-        first = min(first, self._first) if self.holds_any() else first
         self._cuts = pl.concat([self._cuts.join(hashes, on="block_hash", how="anti"),
-                                hot.select(pl.col("block_hash").cast(pl.UInt64), pl.lit(cut, pl.Int64).alias("cut"))])
-        self._stand_ins, self._first = stand_ins, first
+                                hot.select(pl.col("block_hash").cast(pl.UInt64), pl.lit(cut, pl.Int64).alias("cut"),
+                                           pl.col("first").cast(pl.Int64))])
+        self._stand_ins = stand_ins
 
 
 # -- from the store ------------------------------------------------------------------------------------------
@@ -603,16 +624,16 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     end = _end()
     last_end = frame.select(end.max()).item()
     params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
+    lookback = int(params["lookback"])  # type: ignore[call-overload]
     if memo is not None:
-        memo.check(_epoch_ms(params["lo"]) - int(params["lookback"]),  # type: ignore[call-overload]
-                   _epoch_ms(frame["ts"].min()))
+        memo.check(_epoch_ms(frame["ts"].max()) - lookback, _epoch_ms(frame["ts"].min()))
     blocks, skipped = fetch_blocks(store, params, in_set, memo)
     KV_ROWS_READ.inc(blocks["weight"].null_count() if "weight" in blocks.columns else len(blocks))  # not stand-ins
     resets = fetch_resets(store, params)
     if memo is not None:
-        memo.move(blocks, resets, _epoch_ms(frame["ts"].max()), kept=skipped)
+        memo.move(blocks, resets, _epoch_ms(frame["ts"].max()), kept=skipped, lookback_ms=lookback)
     return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, resets,
-                          fetch_model_pods(store, params), int(params["lookback"]))  # type: ignore[call-overload]
+                          fetch_model_pods(store, params), lookback)
 
 
 def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFrame, blocks: pl.DataFrame,
@@ -643,10 +664,10 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     k0 = pl.col("cached_tokens") // b
     last = pl.min_horizontal(pl.col("chain").list.len().cast(pl.Int64), (pl.col("prompt_tokens") - 1).clip(0) // b)
     count = pl.max_horizontal(last - k0, 0)
-    asks = (rows.select("rid", "pod", "model", "t", "end", pl.int_ranges(0, count).alias("i"),
+    asks = (rows.select("rid", "pod", "model", "t", "end", "since", pl.int_ranges(0, count).alias("i"),
                         pl.col("chain").list.slice(k0, count).alias("chain"))
             .explode("i", "chain").drop_nulls("i")
-            .select("rid", "i", "chain", "pod", "model", "t", "end"))
+            .select("rid", "i", "chain", "pod", "model", "t", "end", "since"))
     if "first" in model_pods.columns:
         asks, model_pods = _served_by_then(rows, asks, model_pods)
     statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods, first_nowhere=True)

@@ -10,7 +10,9 @@ copies stored before the evidence (minus the lowest running sum). A *departure* 
 copy is gone: a removal that takes the copies to 0, or a reset that ends a segment with copies > 0. A request
 sees the events up to its own end only: its segment's ``init`` is minus the lowest running sum up to then (fewer
 copies when a later removal proved more), with its departures counted from that ``init``
-(:func:`_departures_seen_by`), and a track counts for it once a store up to then named its chain.
+(:func:`_departures_seen_by`), and a track counts for it once a store up to then named its chain. Nor does it see
+the events and resets before its lookback's start: a track with events before it has its segment open then read
+from there on (:func:`_seen_from`: only those tracks pay for it), and counts once a store from then on named it.
 
 The state of a track just before ``t`` (events at ``t`` have not happened yet) is then three as-of lookups
 (binary searches over (track, ts) keys):
@@ -24,6 +26,8 @@ track holding that chain hash).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import polars as pl
@@ -54,18 +58,19 @@ def _changed(columns: list[str]) -> pl.Expr:
 
 def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(tracks: track, chain, pod, engine, named_at (unix ms of its first stored row with a chain); events: track, pod,
-    engine, ts, seq, idx, pos, delta ±weight, in track then event order). ``blocks``: a track's rows contiguous, in
-    kv_block_log's order (:data:`_IDENTITY`: event order, a removal before a store of the same position), tracks in any
-    order, names (pod, engine, medium) as integer codes; a row equal to the one before (written twice) counts once. A
-    track's chain is that of its last stored row with a chain, as in the reference. Column-wise in numpy: rows are
-    compared with the row before, a track's last named row is the last of its run."""
+    engine, ts, seq, idx, pos, delta ±weight, naming (a stored row with a chain), in track then event order).
+    ``blocks``: a track's rows contiguous, in kv_block_log's order (:data:`_IDENTITY`: event order, a removal before a
+    store of the same position), tracks in any order, names (pod, engine, medium) as integer codes; a row equal to the
+    one before (written twice) counts once. A track's chain is that of its last stored row with a chain, as in the
+    reference. Column-wise in numpy: rows are compared with the row before, a track's last named row is the last of
+    its run."""
     n = len(blocks)
     named_somewhere = (blocks["kind"] == "stored") & (blocks["chain"] != 0)
     if not n or not named_somewhere.any():  # no track is named (only removals): nothing to say
         return (pl.DataFrame(schema={"track": pl.UInt32, "chain": pl.UInt64, "pod": pl.Int64, "engine": pl.Int64,
                                      "named_at": pl.Int64}),
-                pl.DataFrame(schema={c: pl.UInt32 if c == "track" else pl.Int64 for c in (
-                    "track", "pod", "engine", "ts", "seq", "idx", "pos", "delta")}))
+                pl.DataFrame(schema={**{c: pl.UInt32 if c == "track" else pl.Int64 for c in (
+                    "track", "pod", "engine", "ts", "seq", "idx", "pos", "delta")}, "naming": pl.Boolean}))
     stored = (blocks["kind"] == "stored").to_numpy()
     weight = (blocks["weight"].fill_null(1).cast(pl.Int64).to_numpy() if "weight" in blocks.columns
               else np.ones(n, dtype=np.int64))
@@ -101,7 +106,7 @@ def _tracks(blocks: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
                           "named_at": pick(columns["ts"])[first].astype(np.int64, copy=False)})
     events = pl.DataFrame({"track": track.astype(np.uint32), "pod": pod, "engine": engine,
                            **{c: pick(columns[c]).astype(np.int64, copy=False) for c in ("ts", "seq", "idx", "pos")},
-                           "delta": np.where(stored, weight, -weight)})
+                           "delta": np.where(stored, weight, -weight), "naming": naming})
     return named, events
 
 
@@ -256,35 +261,129 @@ def _before_certain_nowhere(asks: pl.DataFrame, cand: pl.DataFrame) -> tuple[pl.
     return asks.filter(pl.Series(keep)), cand
 
 
+def _removals_at(seg: pl.DataFrame, track: np.ndarray, seg_no: np.ndarray, level: np.ndarray, at: np.ndarray,
+                 strategy: str) -> np.ndarray:
+    """Per query (``track``, its segment ``seg_no``, a running sum ``level``, a time ``at``, unix ms): the last
+    removal at or before ``at`` (``strategy`` 'backward') or the first at or after it ('forward') of that track and
+    segment after which its running sum is ``level``, as a code (ts × len(_KINDS) + the rank of 'removed'), −1 for
+    none. ``seg``: :func:`_segments`' events."""
+    queries = pl.DataFrame({"q": np.arange(len(track)), "track": track.astype(np.int64),
+                            "seg": seg_no.astype(np.int64), "run": level.astype(np.int64), "ts": at.astype(np.int64)})
+    by = ["track", "seg", "run"]
+    removals = (seg.filter(pl.col("delta") < 0)
+                .select(*[pl.col(c).cast(pl.Int64) for c in by], pl.col("ts").cast(pl.Int64).alias("at"))
+                .join(queries.select(by).unique(), on=by, how="semi").sort("at"))
+    found = (queries.sort("ts").join_asof(removals, left_on="ts", right_on="at", by=by, strategy=strategy,
+                                          check_sortedness=False).sort("q")["at"])
+    return (found * len(_KINDS) + _KINDS.index("removed")).fill_null(-1).to_numpy().astype(np.int64)
+
+
 def _departures_seen_by(seg: pl.DataFrame, departures: pl.DataFrame, d_code: np.ndarray, track: np.ndarray,
-                        seg_t: np.ndarray, init: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                        seg_t: np.ndarray, init: np.ndarray, t: np.ndarray, floor: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """(last departure before t, first at or after t) as codes (ts × len(_KINDS) + kind rank, −1 for none) of
     each ``track`` whose segment ``seg_t`` (the one of t) holds ``init`` copies stored before the evidence, fewer
     than its events after the request's end prove (:func:`block_statuses`). In that segment a removal is a
-    departure when the running sum reaches −init; departures of earlier segments stand as computed (their
-    events all lie before t). The segment's reset departure lies after the request's end (else every event of
-    the segment would lie before it, proving all its copies), so it is none of these."""
-    asks = pl.DataFrame({"q": np.arange(len(track)), "track": track, "seg": seg_t, "run": -init, "t": t})
+    departure when the running sum reaches −init; departures of earlier segments after ``floor`` stand as computed
+    (their events all lie before t; those of ``floor`` and before are the window start's, :func:`_seen_from`). The
+    segment's reset departure lies after the request's end (else every event of the segment would lie before it,
+    proving all its copies), so it is none of these."""
+    asks = pl.DataFrame({"q": np.arange(len(track)), "track": track, "seg": seg_t, "floor": floor})
     ints = [pl.col(c).cast(pl.Int64) for c in ("track", "seg")]
     earlier = (departures.with_columns(*ints, pl.Series("code", d_code)).filter(pl.col("code") >= 0)
                .join(asks.select("track", "seg").unique(), on="track", how="semi")
-               .group_by("track", "seg").agg(pl.col("code").max()).sort("seg"))
+               .group_by("track", "seg").agg(pl.col("code").max()).with_columns(pl.col("seg").alias("dseg"))
+               .sort("seg"))
     prev = (asks.sort("seg").join_asof(earlier.with_columns(pl.col("seg") + 1), on="seg", by="track",
                                        strategy="backward", check_sortedness=False)
-            .sort("q")["code"].fill_null(-1).to_numpy())
-    removals = (seg.filter(pl.col("delta") < 0).select(*ints, pl.col("run").cast(pl.Int64), "ts")
-                .join(asks.select("track", "seg", "run").unique(), on=["track", "seg", "run"], how="semi")
-                .with_columns((pl.col("ts") * len(_KINDS) + _KINDS.index("removed")).alias("code")).sort("ts"))
-
-    def lookup(at: pl.Expr, strategy: str) -> np.ndarray:
-        found = (asks.with_columns(at.alias("ts")).sort("ts")
-                 .join_asof(removals.select("track", "seg", "run", "ts", "code"), on="ts",
-                            by=["track", "seg", "run"], strategy=strategy, check_sortedness=False))
-        return found.sort("q")["code"].fill_null(-1).to_numpy()
-
-    return np.maximum(prev, lookup(pl.col("t") - 1, "backward")), lookup(pl.col("t"), "forward")
+            .sort("q").select(pl.when(pl.col("dseg") > pl.col("floor")).then(pl.col("code")).fill_null(-1))
+            .to_series().to_numpy())
+    return (np.maximum(prev, _removals_at(seg, track, seg_t, -init, t - 1, "backward")),
+            _removals_at(seg, track, seg_t, -init, t, "forward"))
 
 
+def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, block: int = 64) -> np.ndarray:
+    """min(values[lo[i] .. hi[i]]) (inclusive, lo ≤ hi) per i. Ranges within two blocks of ``block`` rows are
+    reduced directly; longer ones take the minimum within the block of lo from lo on, within the block of hi up to
+    hi, and over the whole blocks between from a sparse table of block minima. Memory: about 2 × len(values)."""
+    out = np.empty(len(lo), dtype=values.dtype)
+    near = hi // block - lo // block <= 1
+    if near.any():
+        bounds = np.column_stack([lo[near], hi[near] + 1]).ravel()
+        out[near] = np.minimum.reduceat(np.r_[values, values[:1]], bounds)[::2]
+    far = np.flatnonzero(~near)
+    if len(far):
+        top = np.iinfo(values.dtype).max
+        rows = np.r_[values, np.full((-len(values)) % block, top, dtype=values.dtype)].reshape(-1, block)
+        upto = np.minimum.accumulate(rows, axis=1).ravel()
+        onward = np.minimum.accumulate(rows[:, ::-1], axis=1)[:, ::-1].ravel()
+        table = [rows.min(axis=1)]
+        first, last = lo[far] // block + 1, hi[far] // block - 1
+        widths = last - first + 1
+        while (1 << len(table)) <= widths.max():
+            j = 1 << (len(table) - 1)
+            table.append(np.minimum(table[-1][:-j], table[-1][j:]))
+        level = np.floor(np.log2(widths)).astype(np.int64)
+        between = np.empty(len(far), dtype=values.dtype)
+        for j in np.unique(level):
+            sel = level == j
+            between[sel] = np.minimum(table[j][first[sel]], table[j][last[sel] - (1 << j) + 1])
+        out[far] = np.minimum(np.minimum(onward[lo[far]], upto[hi[far]]), between)
+    return out
+
+
+def _seen_from(seg: pl.DataFrame, ev_key: np.ndarray, key: Callable[[np.ndarray, np.ndarray], np.ndarray],
+               track: np.ndarray, t: np.ndarray, end: np.ndarray, since: np.ndarray, s0: np.ndarray,
+               seg_t: np.ndarray, next_reset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segment ``s0`` (open at ``since``, the start of the request's lookback) of each ``track`` as the request
+    sees it: only its events from ``since`` on, so its copies stored before the evidence are minus the lowest running
+    sum from there (up to the request's ``end``, or all its events when it closed before ``t``). Returns (copies just
+    before ``t``, meaningful when t lies in s0 (``seg_t`` = s0); s0's last departure before ``t`` as a code (−1:
+    none), a removal from ``since`` on taking its copies to 0, or the reset ``next_reset`` (its code, −1: none)
+    ending it with copies; its first departure at or after ``t``, meaningful when t lies in s0)."""
+    ev_track, ev_seg, ev_run, ev_ts = (_np(seg, c) for c in ("track", "seg", "run", "ts"))
+    a = _first_at_or_after(ev_key, ev_track, track, key(track, since))
+    a0 = np.maximum(a, 0)
+    in_s0 = (a >= 0) & (ev_seg[a0] == s0)  # s0 has events from since on
+    p = _last_at_or_before(ev_key, ev_track, track, key(track, since - 1))
+    r0 = np.where((p >= 0) & (ev_seg[np.maximum(p, 0)] == s0), ev_run[np.maximum(p, 0)], 0)  # the sum not seen
+    ends = np.flatnonzero(np.r_[(ev_track[1:] != ev_track[:-1]) | (ev_seg[1:] != ev_seg[:-1]), True])
+    last = ends[np.searchsorted(ends, a0)]  # the last event of a's segment
+    in_t = seg_t == s0
+    k_end = _last_at_or_before(ev_key, ev_track, track, key(track, end))
+    b = np.where(in_t, np.minimum(k_end, last), last)
+    has = np.flatnonzero(in_s0 & (b >= a))
+    init = np.zeros(len(track), dtype=np.int64)
+    init[has] = np.maximum(r0[has] - _range_min(ev_run, a[has], b[has]), 0)
+    level = r0 - init  # the running sum at which its copies are 0
+    k_t = _last_at_or_before(ev_key, ev_track, track, key(track, t - 1))
+    copies_t = init + np.where(in_s0 & (k_t >= a), ev_run[np.maximum(k_t, 0)] - r0, 0)
+    ended = in_s0 & (init + ev_run[last] - r0 > 0) & (next_reset >= 0)
+    upto = np.where(in_t, t - 1, ev_ts[last])
+    before = _removals_at(seg, track, s0, level, upto, "backward")
+    before = np.where((before >= 0) & (before // len(_KINDS) >= since), before, -1)
+    before = np.where(~in_t & ended, next_reset, before)
+    after = _removals_at(seg, track, s0, level, t, "forward")
+    after = np.where((after < 0) & ended, next_reset, after)
+    return copies_t, before, after
+
+
+def _named_since(cand: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
+    """``cand`` (ask × track rows with since and end) less the rows whose track no store named from since to end:
+    a naming store before the request's lookback is not its evidence (typically none: its track named after)."""
+    early = pl.col("named_at") < pl.col("since")
+    if not cand.select(early.any()).item():
+        return cand
+    naming = events.filter(pl.col("naming")).select("track", pl.col("ts").alias("named_from")).sort("named_from")
+    renamed = (cand.filter(early).sort("since")
+               .join_asof(naming, left_on="since", right_on="named_from", by="track", strategy="forward",
+                          check_sortedness=False)
+               .filter(pl.col("named_from") <= pl.col("end")).drop("named_from"))
+    return pl.concat([cand.filter(~early), renamed])
+
+
+#: since of an ask without a lookback start: before every event.
+_NO_START = -(2**62)
 #: Departure kinds in name order: a tie of departures at the same ms goes to the greater (ts, kind).
 _KINDS = ("cleared", "removed", "restart")
 _STATES = (NOWHERE, RESIDENT_HERE, REMOVED_HERE, RESET_HERE, RESIDENT_ELSEWHERE)
@@ -297,8 +396,9 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     ``blocks``: :data:`BLOCK_COLUMNS` rows, each track's contiguous and in kv_block_log's order (:data:`_IDENTITY`
     after the track: its ORDER BY; tracks in any order, e.g. :func:`ingest.kv_evidence.fetch_blocks`);
     ``resets``: :data:`RESET_COLUMNS` rows; ``asks``: columns rid (request), i (position among its missed
-    blocks), chain, pod, model, t (arrival, unix ms), end (its end, unix ms); ``model_pods``: (model, pod) pairs,
-    the pods whose holdings count as elsewhere for that model. Returns asks' rid and i with state
+    blocks), chain, pod, model, t (arrival, unix ms), end (its end, unix ms), maybe since (the start of its lookback,
+    unix ms, null: none: the events and resets before it are not its evidence, :func:`_seen_from`); ``model_pods``:
+    (model, pod) pairs, the pods whose holdings count as elsewhere for that model. Returns asks' rid and i with state
     (:data:`ingest.attribution.BLOCK_STATES`), holder pod and removed_at (unix ms or null), one row per ask in
     its order; with ``first_nowhere``, only each request's asks up to its first one that no track can answer
     (a certain nowhere: :func:`until_nowhere` would drop the rest, so they are not computed). Names (pods,
@@ -314,10 +414,12 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     tracks, events = _tracks(blocks)
     numbered = _resets(resets)
     seg, inits, departures = _segments(events, numbered)
+    since = (pl.col("since").fill_null(_NO_START) if "since" in asks.columns else pl.lit(_NO_START)).cast(pl.Int64)
     cand = (asks.select(pl.int_range(pl.len(), dtype=pl.Int64).alias("ask"), pl.col("chain").cast(pl.UInt64),
-                        "pod", "model", "t", "end")
+                        "pod", "model", "t", "end", since.alias("since"))
             .join(tracks.rename({"pod": "tpod"}), on="chain", how="inner")
             .filter(pl.col("named_at") <= pl.col("end")))  # a track is that block's once a store said so
+    cand = _named_since(cand, events)
     cand = _may_matter(cand, seg, inits)
     if first_nowhere:
         asks, cand = _before_certain_nowhere(asks, cand)
@@ -326,9 +428,14 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
     holder = np.full(n, -1, dtype=np.int64)
     removed_at = np.full(n, -1, dtype=np.int64)
     if not cand.is_empty():
-        ask, pod, model, t, end, track, tpod, engine = (_np(cand, c) for c in (
-            "ask", "pod", "model", "t", "end", "track", "tpod", "engine"))
-        times = [_np(seg, "ts"), _np(departures, "ts"), t, end]
+        ask, pod, model, t, end, track, tpod, engine, since = (_np(cand, c) for c in (
+            "ask", "pod", "model", "t", "end", "track", "tpod", "engine", "since"))
+        ev_track = _np(seg, "track")
+        first_event = np.full(int(max(ev_track.max(initial=0), track.max())) + 1, np.iinfo(np.int64).max)
+        starts = np.flatnonzero(np.r_[True, ev_track[1:] != ev_track[:-1]]) if len(ev_track) else ev_track
+        first_event[ev_track[starts]] = _np(seg, "ts")[starts]
+        early = first_event[track] < since  # the track has events before the request's lookback: see _seen_from
+        times = [_np(seg, "ts"), _np(departures, "ts"), t, end, since[early] - 1]
         if not numbered.is_empty():
             times.append(_np(numbered, "ts"))
         base = min(int(x.min()) for x in times if len(x)) - 1
@@ -339,16 +446,17 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
 
         # binary searches run much faster over sorted queries: candidates in (track, t) order
         order = np.argsort(key(track, t), kind="stable")
-        ask, pod, model, t, end, track, tpod, engine = (x[order] for x in (ask, pod, model, t, end, track, tpod,
-                                                                           engine))
+        ask, pod, model, t, end, track, tpod, engine, since, early = (x[order] for x in (
+            ask, pod, model, t, end, track, tpod, engine, since, early))
 
         # copies just before t: the track's last event before t if in the segment of t, else that segment's init
-        ev_track = _np(seg, "track")
         ev_key = key(ev_track, _np(seg, "ts"))
         k = _last_at_or_before(ev_key, ev_track, track, key(track, t - 1))
         seg_e = np.where(k >= 0, _np(seg, "seg")[k], -1)
         copies_e = np.where(k >= 0, _np(seg, "copies")[k], 0)
         seg_t = np.zeros(len(cand), dtype=np.int64)
+        aff = np.flatnonzero(early)
+        s0, next_reset = np.zeros(len(aff), dtype=np.int64), np.full(len(aff), -1, dtype=np.int64)
         if not numbered.is_empty():
             engines = len(words) + 1
             r_owner = _np(numbered, "pod") * engines + _np(numbered, "engine")
@@ -357,6 +465,15 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
             owner = tpod * engines + engine
             k = _last_at_or_before(key(r_owner, r_ts), r_owner, owner, key(owner, t - 1))
             seg_t = np.where(k >= 0, r_seg[k], 0)
+            if len(aff):  # the segment open at the lookback's start (resets before it unseen), the reset ending it
+                k = _last_at_or_before(key(r_owner, r_ts), r_owner, owner[aff], key(owner[aff], since[aff] - 1))
+                s0 = np.where(k >= 0, r_seg[k], 0)
+                r_code = r_ts * len(_KINDS) + np.where(numbered["kind"].to_numpy()[order] == "cleared",
+                                                       _KINDS.index("cleared"), _KINDS.index("restart"))
+                pair = r_owner * (int(r_seg.max()) + 2) + r_seg
+                want = owner[aff] * (int(r_seg.max()) + 2) + s0 + 1
+                k = np.minimum(np.searchsorted(pair, want), len(pair) - 1)
+                next_reset = np.where(pair[k] == want, r_code[k], -1)
         i_track, i_seg = _np(inits, "track"), _np(inits, "seg")
         order = np.lexsort((i_seg, i_track))
         i_key = i_track[order] * (1 << 24) + i_seg[order]
@@ -383,10 +500,23 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
         after = _first_at_or_after(d_key, d_track, track, key(track, t))
         before_code = np.where(before >= 0, d_code[before], -1) if len(d_ts) else np.full(len(cand), -1)
         after_code = np.where(after >= 0, d_code[after], -1) if len(d_ts) else np.full(len(cand), -1)
+        floor = np.full(len(cand), -1, dtype=np.int64)  # departures of this segment and before: _seen_from's
+        if len(aff):
+            floor[aff] = s0
+            if len(d_ts):
+                later = (before[aff] >= 0) & (_np(departures, "seg")[np.maximum(before[aff], 0)] > s0)
+                before_code[aff] = np.where(later, before_code[aff], -1)
         fewer = np.flatnonzero(init_end != init_t)  # fewer copies proved by then: the removals reach 0 elsewhere
         if len(fewer):
             before_code[fewer], after_code[fewer] = _departures_seen_by(
-                seg, departures, d_code, track[fewer], seg_t[fewer], init_end[fewer], t[fewer])
+                seg, departures, d_code, track[fewer], seg_t[fewer], init_end[fewer], t[fewer], floor[fewer])
+        if len(aff):  # tracks with events before the lookback's start: its segment then, as the request sees it
+            copies_s0, before_s0, after_s0 = _seen_from(seg, ev_key, key, track[aff], t[aff], end[aff], since[aff],
+                                                        s0, seg_t[aff], next_reset)
+            in_s0 = seg_t[aff] == s0
+            resident[aff] = np.where(in_s0, copies_s0 > 0, resident[aff])
+            before_code[aff] = np.where(in_s0 | (before_code[aff] < 0), before_s0, before_code[aff])
+            after_code[aff] = np.where(in_s0, after_s0, after_code[aff])
         own = tpod == pod
         here = own & resident
         gone = (after_code >= 0) & (after_code // len(_KINDS) <= end)

@@ -62,23 +62,21 @@ def test_a_pod_that_serves_the_model_only_after_a_request_ended_is_not_a_holder_
     assert live == whole
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a chunk reads the KV log from a lookback before its first arrival, so a later request of a big chunk sees "
-    "blocks stored before its own lookback; judging each request by the events in [arrival - lookback, end] "
-    "needs per-request window starts in kv_tracks (copies stored before the evidence, departures) and a KvMemo "
-    "that keeps rows per request start: not a small change"))
 def test_a_block_stored_before_the_requests_own_lookback_is_read_the_same_in_any_chunk(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lookback 20 s. Pod lb-b stored the prompt's blocks at 1 s; lb-a (the request's pod) logs an event at 15 s.
     r2 arrives at 30 s on lb-a; r1 at 10 s only opens the chunk earlier. The evidence window of a chunk starts a
-    lookback before its first arrival: with r1 in the chunk (from −10 s) the store at 1 s is read and r2 is
-    routed_away to lb-b; alone (from 10 s) it is not and r2 is cold."""
+    lookback before its first arrival: with r1 in the chunk (from −10 s) the store at 1 s was read and r2 was
+    routed_away to lb-b; alone (from 10 s) it was not and r2 was cold. Each request is judged by the events from its
+    own lookback's start: r2 is cold in every chunking."""
     scenario = 87
     prompt = holder_and_own_pod(store, scenario, ("lb-b", 1.0), ("lb-a", 15.0))
     live, whole = live_then_whole(store, monkeypatch, [
         [serving(scenario, "lb-b", t=12.0), serving(scenario, "lb-a", t=12.5),
          request("r1", scenario, 10.0, "lb-a", prompt)],
         [request("r2", scenario, 30.0, "lb-a", prompt)]], lookback_seconds=20, horizon_seconds=20)
+    for got in (live["r2"], whole["r2"]):
+        assert (got[0][0][0], got[1]) == ("cold", "kv_events"), (live, whole)
     assert live == whole
 
 
@@ -193,3 +191,30 @@ def test_a_pod_that_changes_its_block_size_later_keeps_its_earlier_answers(
     ingest(store, collect([frames("bs-a", 0, 30.0, {**store_event(half, [9_000_001, 9_000_002]),
                                                     "block_size": B // 2})]))
     assert attribute(store, monkeypatch, 10**6)["r"] == live["r"]
+
+
+
+def test_a_memo_kept_hash_stored_before_a_later_requests_lookback_is_read_the_same_with_the_memo(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookback 20 s, chunks of 3 arrivals. Pod mk-a stored the prompt's blocks at 6 s and at 9 s and removed one
+    copy at 10 s. The first chunk (a row showing mk-a serves the model, r1 at 7 s and r1b at 11 s) keeps them in the
+    memo, summarized at 11 s (one copy, stood for by a store at 6 s). The second chunk, r2 (25 s) and r3 (28 s),
+    reads the log from 5 s: the memo's rows lie in that window, but r3's lookback starts at 8 s: the store at 6 s is
+    not its evidence, the removal at 10 s takes the copy stored at 9 s: r3 is evicted (removed at 10 s), with the memo
+    as without it (the memo forgets a hash whose rows precede a request's lookback start)."""
+    scenario = 92
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    other = tokens(scenario, B, 9)
+    ingest(store, collect([frames("mk-a", 1, 0.5, store_event(other, chain_hashes(other, B))),
+                           frames("mk-a", 2, 6.0, store_event(prompt, names)),
+                           frames("mk-a", 3, 9.0, store_event(prompt, names)),
+                           frames("mk-a", 4, 10.0, remove_event(names))]))
+    insert_requests(store, [serving(scenario, "mk-a")] + [
+        request(rid, scenario, t, "mk-a", prompt)
+        for rid, t in (("r1", 7.0), ("r1b", 11.0), ("r2", 25.0), ("r3", 28.0))])
+    job = {"lookback_seconds": 20, "horizon_seconds": 20}
+    with_memo, without = (attribute(store, monkeypatch, 3, memo, **job) for memo in (True, False))
+    (cause, _sub, _missed), *_rest = without["r3"][0]
+    assert (cause, without["r3"][1:]) == ("evicted", ("kv_events", "mk-a", at(10.0))), without
+    assert with_memo == without

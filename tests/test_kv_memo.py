@@ -93,8 +93,9 @@ def test_a_run_in_chunks_gives_the_answers_of_reading_every_blocks_whole_history
 
 
 def test_the_memo_starts_again_when_the_lookback_passes_its_rows() -> None:
-    """A chunk whose evidence window starts after the earliest row the stand-ins stand for, or that arrives
-    before a cut, gets no stand-ins: those rows would not be read without the memo."""
+    """A chunk whose last arrival's lookback starts after the earliest row a hash's stand-ins stand for gets no
+    stand-ins for that hash (that request does not see those rows), and one that arrives before a cut none at all;
+    a hash with a row before its cut less the lookback is not kept (the next arrivals' lookback starts after it)."""
     import polars as pl
 
     memo = kv_evidence.KvMemo()
@@ -107,12 +108,21 @@ def test_the_memo_starts_again_when_the_lookback_passes_its_rows() -> None:
                                   "idx": pl.UInt32, "kind": pl.String})
     memo.move(rows, resets, 2000, kept=False)
     assert memo.holds_any() and memo.parameters() == {"memo": [7], "memo_cut": [2000]}
-    memo.check(window_lo_ms=1000, first_arrival_ms=2000)
+    memo.check(start_ms=1000, first_arrival_ms=2000)
     assert memo.holds_any()
-    memo.check(window_lo_ms=1001, first_arrival_ms=2000)  # the lookback moved past the row at 1000
+    memo.check(start_ms=1001, first_arrival_ms=2000)  # the lookback moved past the row at 1000
     assert not memo.holds_any()
+    later = rows.with_columns(pl.lit(8, pl.UInt64).alias("block_hash"), pl.col("ts") + 500,
+                              pl.when(pl.col("kind") == "stored").then(8).otherwise(0).cast(pl.UInt64).alias("chain"))
+    memo.move(pl.concat([rows, later]), resets, 2000, kept=False)
+    memo.check(start_ms=1001, first_arrival_ms=2000)  # hash 7's rows lie before that start, hash 8's after
+    assert memo.parameters() == {"memo": [8], "memo_cut": [2000]}
+    assert set(memo.stand_ins_like(rows)["block_hash"]) == {8}
+    memo.clear()
+    memo.move(pl.concat([rows, later]), resets, 2000, kept=False, lookback_ms=700)  # 7 has rows before 2000 − 700
+    assert memo.parameters() == {"memo": [8], "memo_cut": [2000]}
     memo.move(rows, resets, 2000, kept=False)
-    memo.check(window_lo_ms=0, first_arrival_ms=1999)  # an arrival before the cut
+    memo.check(start_ms=0, first_arrival_ms=1999)  # an arrival before the cut
     assert not memo.holds_any()
     memo.move(rows, resets, 2000, kept=False)
     assert memo.holds_any()

@@ -91,17 +91,22 @@ def traffic(seed: int) -> list[dict[str, Any]]:
 
 
 def reference(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], resets: list[kv_evidence.ResetRow],
-              chains: dict[str, tuple[list[int], int]], sizes: dict[str, int]) -> dict[str, a.KvEvidence]:
-    """The reference evidence, request by request, with chunk_evidence's selection rules."""
-    first: dict[str, int] = {}
+              chains: dict[str, tuple[list[int], int]], sizes: dict[str, int], lookback: int | None = None
+              ) -> dict[str, a.KvEvidence]:
+    """The reference evidence, request by request, with chunk_evidence's selection rules; ``lookback`` (ms): each
+    request sees the events from its arrival less it on (a pod covers it with an event in [t − lookback, t])."""
+    stamps: dict[str, list[int]] = {}
     for pod, *_rest in rows:
-        first[pod] = min(first.get(pod, 2**62), _rest[4])
+        stamps.setdefault(pod, []).append(_rest[4])
     for pod, _e, ts, *_ in resets:
-        first[pod] = min(first.get(pod, 2**62), ts)
+        stamps.setdefault(pod, []).append(ts)
     timeline = kv_evidence.KvTimeline(rows, resets)
     out = {}
     for r in reqs:
         t = round(r["ts"].timestamp() * 1000)
+        since = None if lookback is None else t - lookback
+        first = {pod: min(s for s in times if since is None or s >= since) for pod, times in stamps.items()
+                 if any(since is None or s >= since for s in times)}
         if (r["request_id"] not in chains or r["cached_tokens"] is None or r["status"] >= 400
                 or r["prompt_tokens"] <= r["cached_tokens"] or first.get(r["pod"], 2**62) > t):
             continue
@@ -111,15 +116,17 @@ def reference(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], rese
         out[r["request_id"]] = kv_evidence.request_evidence(
             timeline, pod=r["pod"], ts_ms=t, chain=chain, chain_block_size=size, prompt_tokens=r["prompt_tokens"],
             cached_tokens=r["cached_tokens"], model_pods=MODEL_PODS[r["model"]],
-            covered_pods=kv_evidence.covered(first, t), end_ms=t + int(min(max(r["e2e_ms"] or 0, 0), 600_000)))
+            covered_pods=kv_evidence.covered(first, t), end_ms=t + int(min(max(r["e2e_ms"] or 0, 0), 600_000)),
+            since_ms=since)
     return out
 
 
 def columnwise(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], resets: list[kv_evidence.ResetRow],
-               chains: dict[str, tuple[list[int], int]], sizes: dict[str, int], names: pl.DataType = pl.String
-               ) -> EvidenceFrames:
+               chains: dict[str, tuple[list[int], int]], sizes: dict[str, int], names: pl.DataType = pl.String,
+               lookback: int | None = None) -> EvidenceFrames:
     """frame_evidence over the same rows, as chunk_evidence would read them (the block rows' names as ``names``:
-    strings, or categoricals as the store's LowCardinality columns read as Arrow dictionaries)."""
+    strings, or categoricals as the store's LowCardinality columns read as Arrow dictionaries); ``lookback`` (ms):
+    each request's window starts that long before its arrival (a pod's every event time is a span of its own)."""
     frame = pl.DataFrame([{**r, "block_size": sizes[r["pod"]]} for r in reqs], infer_schema_length=None).with_columns(
         pl.col("ts").dt.cast_time_unit("ms"))
     blocks = pl.DataFrame(rows, schema=list(zip(
@@ -129,13 +136,14 @@ def columnwise(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], res
     blocks = kv_evidence.in_log_order(blocks)  # by block hash first, as fetch_blocks sorts them
     reset_frame = pl.DataFrame(resets, schema=list(zip(("pod", "engine", "ts", "seq", "idx", "kind"), (
         pl.String, pl.String, pl.Int64, pl.UInt64, pl.UInt32, pl.String), strict=True)), orient="row")
-    first = (pl.concat([blocks.select(pl.col("pod").cast(pl.String), "ts"), reset_frame.select("pod", "ts")])
-             .group_by("pod").agg(pl.col("ts").min().alias("first")))
+    stamps = pl.concat([blocks.select(pl.col("pod").cast(pl.String), "ts"), reset_frame.select("pod", "ts")])
+    first = (stamps.group_by("pod").agg(pl.col("ts").min().alias("first")) if lookback is None
+             else stamps.unique().rename({"ts": "first"}))
     chain_frame = pl.DataFrame([(rid, c, s) for rid, (c, s) in chains.items()], orient="row", schema={
         "request_id": pl.String, "chain": pl.List(pl.UInt64), "chain_block_size": pl.Int64})
     model_pods = pl.DataFrame([(m, p) for m, pods in MODEL_PODS.items() for p in pods], orient="row",
                               schema={"model": pl.String, "pod": pl.String})
-    frames = kv_evidence.frame_evidence(frame, chain_frame, first, blocks, reset_frame, model_pods)
+    frames = kv_evidence.frame_evidence(frame, chain_frame, first, blocks, reset_frame, model_pods, lookback)
     assert frames is not None
     return frames
 
@@ -160,6 +168,27 @@ def test_column_wise_evidence_and_verdicts_equal_the_reference(seed: int, names:
                for b, t in ((b, r["ts"].timestamp() * 1000) for b in e.blocks))  # left while it waited
     # the verdicts: the column-wise judge over the column-wise evidence, the reference judge over its own
     check_equal(reqs, sizes, want, frames=frames)
+
+
+@pytest.mark.parametrize(("seed", "lookback"), [(seed, lookback) for seed in range(4)
+                                                 for lookback in (1500, 4000, 60_000, 1_500_000)])
+def test_each_request_sees_the_events_from_its_own_lookback_start_as_the_reference(seed: int, lookback: int) -> None:
+    """Windows that start inside the history (each request's arrival − lookback, the rows read reaching further
+    back, as a chunk's do): the events and resets before a request's start are not its evidence (a copy stored
+    before it is inferred from the removals in its window; a store before it names nothing), in the column-wise
+    code as in the reference."""
+    reqs = traffic(seed)
+    rows, resets, chains = history(seed, reqs)
+    want = reference(reqs, rows, resets, chains, SIZES, lookback)
+    frames = columnwise(reqs, rows, resets, chains, SIZES, lookback=lookback)
+    got = frames.to_mapping()
+    assert set(got) == set(want)
+    for rid, evidence in want.items():
+        assert got[rid] == evidence, rid
+    assert len(want) > 20
+    if lookback:  # the start changes answers: with no start the same requests get others
+        whole = reference(reqs, rows, resets, chains, SIZES)
+        assert any(whole.get(rid) != evidence for rid, evidence in want.items())
 
 
 def _frames(reqs: list[dict[str, Any]], blocks: pl.DataFrame, resets: pl.DataFrame, first: pl.DataFrame,
