@@ -12,10 +12,10 @@ Residency follows kv_block_residency (sql/migrations/0017): vLLM does not dedupl
 of its pod and engine) are above 0; a removal with no copy to remove counts a copy stored before the evidence began; a
 reset ends every copy. A request is judged by the events up to its own end (arrival + e2e): the copies stored before the
 evidence are those the removals up to then prove, and a block hash is a chain's once a store up to then named it; and
-from its own lookback's start (arrival − lookback): the events and resets before it are not its evidence, whatever the
-chunk read; so its answer does not depend on the chunk it is judged in. An event at exactly the arrival time has not
-happened yet (as in the named query kv_resident_at). A block is resident on a pod when it is on any of its engines or
-media.
+from its own lookback's start (arrival − lookback, rounded up to a step of lookback / 168: :func:`lookback_start`):
+the events and resets before it are not its evidence, whatever the chunk read; so its answer does not depend on the
+chunk it is judged in. An event at exactly the arrival time has not happened yet (as in the named query
+kv_resident_at). A block is resident on a pod when it is on any of its engines or media.
 
 Rules (docs/miss-causes.md, "Precise mode"): a request is judged with KV evidence when its chain's block size
 equals the block size used for its pod and its pod has KV events at or before its arrival within the lookback.
@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import polars as pl
 from prometheus_client import Counter
@@ -265,10 +266,12 @@ class KvMemo:
     (tests/test_kv_memo.py runs the job both ways).
 
     Each hash has its own cut: the last arrival of the latest chunk that read its rows. A hash a chunk did not
-    read keeps its cut (its rows since then are read when it is wanted again). A hash is forgotten when the lookback
-    start of a chunk's last arrival passes the earliest row it stands for (that request does not see those rows: the
-    stand-ins cannot leave them out), and not kept while it has a row before its cut less the lookback (a hash with
-    events older than the lookback is read whole by every chunk). The memo starts again empty when a chunk arrives
+    read keeps its cut (its rows since then are read when it is wanted again). A hash is forgotten when the evidence
+    start of a chunk's last arrival (:func:`lookback_start`) passes the earliest row it stands for (that request does
+    not see those rows: the stand-ins cannot leave them out), and not kept while it has a row before its cut's
+    evidence start. That start moves once a step (an hour for a lookback of 7 days), so a hash with events older
+    than the lookback (a system prompt used all week) is read whole once a step, by the first chunk after the step
+    moved, and from its cut by the chunks and runs in between. The memo starts again empty when a chunk arrives
     before a cut (not the next chunk of the run), or past
     :data:`MEMO_MAX_ROWS`. Only hashes whose stored rows are named by their own vLLM hash (vLLM's default
     hashing) are kept: a pod hashing its own way is read in two passes (:func:`fetch_blocks`). A row stored with
@@ -373,7 +376,8 @@ class KvMemo:
         hot = (counts.filter(pl.col("read") & (pl.col("kept") | (pl.col("rows") >= MEMO_MIN_ROWS)) & ~pl.col("own"))
                .join(self._cuts.select("block_hash", pl.col("first").alias("was")), on="block_hash", how="left")
                .with_columns(pl.min_horizontal("first", "was").alias("first"))
-               .filter(pl.lit(lookback_ms is None) | (pl.col("first") >= cut - (lookback_ms or 0))))
+               .filter(pl.lit(lookback_ms is None)
+                       | (pl.col("first") >= lookback_start(cut, lookback_ms or 0))))
         if hot.is_empty():
             return
         hashes = hot.select("block_hash")
@@ -394,6 +398,23 @@ class KvMemo:
 #: The evidence window: from the lookback before the chunk's first arrival to the chunk's last request's end.
 _FROM = ("ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
          "AND ts <= {until:DateTime64(3, 'UTC')}")
+
+#: A request's block evidence starts at its lookback's start rounded up to a step of lookback / LOOKBACK_STEPS (an
+#: hour for the default 7 days), not at its exact arrival − lookback: the window's start then moves once a step, not
+#: with every arrival, so a :class:`KvMemo` kept across chunks and runs stays valid for a step (it forgets a hash whose
+#: rows precede a chunk's window start, and a block used all week has such rows); see :func:`lookback_start`.
+LOOKBACK_STEPS = 168
+
+
+def lookback_start(t_ms: Any, lookback_ms: int) -> Any:
+    """The start of the block evidence of a request arriving at ``t_ms`` (unix ms: an int or a polars Int64
+    expression): ``t_ms − lookback_ms`` rounded up to a multiple of ``max(1, lookback_ms // LOOKBACK_STEPS)``, so
+    within its lookback (which is what its coverage and holders are judged over). It depends on the arrival alone,
+    so a request's answer does not depend on the chunk or run it is judged in."""
+    step = max(1, lookback_ms // LOOKBACK_STEPS)
+    return -((lookback_ms - t_ms) // step) * step
+
+
 #: Precise mode's read cost: each chunk reads every kv_block_log row of the blocks its requests missed within the
 #: lookback, so a block stored and evicted all day is read again by every chunk that misses it. Divided by the
 #: requests judged (``kvscope_attribution_requests_total``) it is the rows read per request; the log's own rows
@@ -623,10 +644,10 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
         return None
     end = _end()
     last_end = frame.select(end.max()).item()
-    params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
     lookback = int(params["lookback"])  # type: ignore[call-overload]
+    params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
     if memo is not None:
-        memo.check(_epoch_ms(frame["ts"].max()) - lookback, _epoch_ms(frame["ts"].min()))
+        memo.check(lookback_start(_epoch_ms(frame["ts"].max()), lookback), _epoch_ms(frame["ts"].min()))
     blocks, skipped = fetch_blocks(store, params, in_set, memo)
     KV_ROWS_READ.inc(blocks["weight"].null_count() if "weight" in blocks.columns else len(blocks))  # not stand-ins
     resets = fetch_resets(store, params)
@@ -648,13 +669,14 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     :class:`KvTimeline` of the same rows, given those pods."""
     end = _end()
     since = pl.lit(None, pl.Int64) if lookback_ms is None else pl.col("t") - lookback_ms
+    kv_since = pl.lit(None, pl.Int64) if lookback_ms is None else lookback_start(pl.col("t"), lookback_ms)
     rows = (frame.filter(pl.col("cached_tokens").is_not_null() & (pl.col("status").fill_null(0) < 400)
                          & (pl.col("prompt_tokens") > pl.col("cached_tokens")))
             .select("request_id", pl.col("ts").dt.epoch("ms").alias("t"), end.alias("end"),
                     pl.col("pod").cast(pl.String), pl.col("model").cast(pl.String),
                     pl.col("prompt_tokens").cast(pl.Int64), pl.col("cached_tokens").cast(pl.Int64),
                     pl.col("block_size").cast(pl.Int64))
-            .with_columns(since.alias("since"))
+            .with_columns(since.alias("since"), kv_since.alias("kv_since"))
             .join(chains, on=["request_id", "t"] if "t" in chains.columns else "request_id", how="inner")
             .filter(pl.col("chain_block_size") == pl.col("block_size")))
     rows = rows.filter(seen_between(rows, first, ["pod"], "since", "t")).with_row_index("rid")
@@ -664,7 +686,8 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     k0 = pl.col("cached_tokens") // b
     last = pl.min_horizontal(pl.col("chain").list.len().cast(pl.Int64), (pl.col("prompt_tokens") - 1).clip(0) // b)
     count = pl.max_horizontal(last - k0, 0)
-    asks = (rows.select("rid", "pod", "model", "t", "end", "since", pl.int_ranges(0, count).alias("i"),
+    asks = (rows.select("rid", "pod", "model", "t", "end", pl.col("kv_since").alias("since"),
+                        pl.int_ranges(0, count).alias("i"),
                         pl.col("chain").list.slice(k0, count).alias("chain"))
             .explode("i", "chain").drop_nulls("i")
             .select("rid", "i", "chain", "pod", "model", "t", "end", "since"))

@@ -94,7 +94,8 @@ def reference(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], rese
               chains: dict[str, tuple[list[int], int]], sizes: dict[str, int], lookback: int | None = None
               ) -> dict[str, a.KvEvidence]:
     """The reference evidence, request by request, with chunk_evidence's selection rules; ``lookback`` (ms): each
-    request sees the events from its arrival less it on (a pod covers it with an event in [t − lookback, t])."""
+    request sees the block events from its evidence start on (kv_evidence.lookback_start: its arrival less it,
+    rounded up to a step), and a pod covers it with an event in [t − lookback, t]."""
     stamps: dict[str, list[int]] = {}
     for pod, *_rest in rows:
         stamps.setdefault(pod, []).append(_rest[4])
@@ -117,7 +118,7 @@ def reference(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], rese
             timeline, pod=r["pod"], ts_ms=t, chain=chain, chain_block_size=size, prompt_tokens=r["prompt_tokens"],
             cached_tokens=r["cached_tokens"], model_pods=MODEL_PODS[r["model"]],
             covered_pods=kv_evidence.covered(first, t), end_ms=t + int(min(max(r["e2e_ms"] or 0, 0), 600_000)),
-            since_ms=since)
+            since_ms=None if lookback is None else kv_evidence.lookback_start(t, lookback))
     return out
 
 
