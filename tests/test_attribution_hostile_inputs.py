@@ -277,3 +277,20 @@ def test_a_late_cache_reset_re_answers_a_request_beyond_the_horizon_whose_blocks
     assert before["r"][0][0][0] != "evicted", before
     assert (whole["r"][0][0][0], whole["r"][2]) == ("evicted", "lr-a"), whole
     assert live == whole
+
+
+def test_late_kv_events_that_change_nothing_re_examine_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod lx-a logs KV events in time (50 s); r1–r3 (100–300 s on lx-a) missed a prompt stored nowhere. An event of
+    lx-a at 60 s storing a block none of them names reaches the store late: it changes no block of theirs, and lx-a
+    covered them already, so the run that reads it re-examines none of them (before, every answered request of the
+    pod's models from 10 minutes before it to an hour after)."""
+    scenario = 99
+    prompt, other, more = tokens(scenario, N * B), tokens(scenario, B, 9), tokens(scenario, B, 8)
+    ingest(store, collect([frames("lx-a", 1, 50.0, store_event(other, chain_hashes(other, B)))]))
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    insert_requests(store, [serving(scenario, "lx-a"),
+                            *(request(f"r{k}", scenario, 100.0 * k, "lx-a", prompt) for k in (1, 2, 3))])
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    ingest(store, collect([frames("lx-a", 2, 60.0, store_event(more, chain_hashes(more, B)))]))
+    stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, overlap_seconds=0)
+    assert (stats.arrivals, stats.examined) == (0, 0), stats
