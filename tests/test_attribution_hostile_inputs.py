@@ -294,3 +294,20 @@ def test_late_kv_events_that_change_nothing_re_examine_nothing(store: Store, mon
     ingest(store, collect([frames("lx-a", 2, 60.0, store_event(more, chain_hashes(more, B)))]))
     stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, overlap_seconds=0)
     assert (stats.arrivals, stats.examined) == (0, 0), stats
+
+
+def test_late_kv_events_that_first_cover_a_predecessors_pod_re_answer_its_successor(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """r (7,200 s on lp-a, which logs KV events in time) missed the prompt of its predecessor p (7,000 s on lp-b, the
+    same fingerprint); the prompt's blocks are on no pod. lp-b had no KV events when r was answered, so r's miss was
+    inferred from p's pod (routed_away). lp-b's one event (60 s, a block neither names) reaches the store late: it
+    covers lp-b for r, whose blocks were then resident nowhere (cold), as a run over the whole history says."""
+    scenario = 100
+    prompt, other = tokens(scenario, N * B), tokens(scenario, B, 9)
+    ingest(store, collect([frames("lp-a", 1, 6900.0, store_event(other, chain_hashes(other, B)))]))
+    before, live, whole = _answer_then_ingest_late(
+        store, monkeypatch, [serving(scenario, "lp-a", t=6800.0), request("p", scenario, 7000.0, "lp-b", prompt),
+                             request("r", scenario, 7200.0, "lp-a", prompt)],
+        [frames("lp-b", 1, 60.0, store_event(tokens(scenario, B, 8), chain_hashes(tokens(scenario, B, 8), B)))])
+    assert (before["r"][0][0][0], whole["r"][0][0][0]) == ("routed_away", "cold"), (before, whole)
+    assert live == whole
