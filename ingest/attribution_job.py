@@ -7,7 +7,9 @@ One answer per request, exact through crashes, reruns and late data (docs/reliab
   their *successors* are, for each arrival and each of its predecessor keys, the requests of the next later
   millisecond on that key within the lookback (the only ones the arrival may have become the predecessor of),
   if they have an answer. So a predecessor line that arrives late, by seconds or by the whole lookback,
-  corrects its successors.
+  corrects its successors. In precise mode, late KV events and late gateway rows also re-answer the requests whose
+  evidence they change (:mod:`ingest.attribution_late`: chains naming their blocks, pods they first cover or show
+  serving a model).
 - **Predecessors** are found in ClickHouse (ASOF JOIN on ``request_keys``, sorted by key and arrival order),
   within the horizon, then, for the requests that found none, beyond it up to the lookback; the verdicts are
   computed column-wise (:mod:`ingest.attribution_batch`), chunk by chunk: memory is bounded by ``chunk_size``,
