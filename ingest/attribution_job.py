@@ -7,7 +7,9 @@ One answer per request, exact through crashes, reruns and late data (docs/reliab
   their *successors* are, for each arrival and each of its predecessor keys, the requests of the next later
   millisecond on that key within the lookback (the only ones the arrival may have become the predecessor of),
   if they have an answer. So a predecessor line that arrives late, by seconds or by the whole lookback,
-  corrects its successors.
+  corrects its successors. In precise mode, late KV events and late gateway rows also re-answer the requests whose
+  evidence they change (:mod:`ingest.attribution_late`: chains naming their blocks, pods they first cover or show
+  serving a model).
 - **Predecessors** are found in ClickHouse (ASOF JOIN on ``request_keys``, sorted by key and arrival order),
   within the horizon, then, for the requests that found none, beyond it up to the lookback; the verdicts are
   computed column-wise (:mod:`ingest.attribution_batch`), chunk by chunk: memory is bounded by ``chunk_size``,
@@ -48,6 +50,7 @@ from ingest.attribution import (
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
+from ingest.attribution_late import late_kv_targets, new_holder_targets
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
@@ -598,39 +601,6 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                     kv_evidence, memo)
 
 
-#: A request that arrived this long before a late KV event may still have been waiting for its prefill then.
-LATE_KV_SLACK = timedelta(minutes=10)
-
-
-def _late_kv_targets(store: Store, since: datetime, upto: datetime, settle_seconds: float, horizon_ms: int,
-                     lookback_ms: int = 0) -> pl.DataFrame:
-    """Answered requests that KV events ingested late may change (columns request_id, ts).
-
-    Late: ingested in (since, upto] more than ``settle_seconds`` after their own ts (a collector outage, a
-    replayed gap), so a request arriving after them may have been answered before they were stored. Its
-    targets: the answered requests of every model those pods served (from ``lookback_ms`` before the window on: a pod
-    is a holder for a request when it served the model within the request's lookback), from LATE_KV_SLACK before
-    the first late event to ``horizon_ms`` after the last (a block resident there is evidence for any pod of the
-    model: the request's own, or a holder), answered before the events arrived."""
-    late = store.query_rows(
-        "SELECT pod, min(ts), max(ts), max(ingested_at) FROM kv_block_events "
-        f"WHERE {_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:Int64}} GROUP BY pod",
-        {"since": since, "upto": upto, "settle_ms": int(settle_seconds * 1000)})
-    if not late:
-        return pl.DataFrame(schema={"request_id": pl.String, "ts": pl.Datetime("ms", "UTC")})
-    lo = min(_utc(r[1]) for r in late) - LATE_KV_SLACK
-    hi = max(_utc(r[2]) for r in late) + timedelta(milliseconds=horizon_ms)
-    arrived = max(_utc(r[3]) for r in late)
-    window = {"lo": lo, "hi": hi, "pods": [r[0] for r in late], "arrived": arrived, "lookback": lookback_ms}
-    return store.query_df(
-        "SELECT request_id, ts FROM request_attribution "
-        f"WHERE {_BETWEEN} AND model IN (SELECT DISTINCT model FROM gateway_requests "
-        "WHERE ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
-        "AND ts <= {hi:DateTime64(3, 'UTC')} AND pod IN {pods:Array(String)}) "
-        "GROUP BY request_id, ts HAVING sum(sign) > 0 AND max(attributed_at) < {arrived:DateTime64(3, 'UTC')}",
-        window)
-
-
 def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: pl.DataFrame,
                default_block_size: int, kv_evidence: bool, now: datetime) -> tuple[int, int]:
     """Judge the answered requests ``keys`` (request_id, ts) again; write those whose answer changed.
@@ -688,8 +658,12 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
         late = arrivals.filter(pl.col("ts") < answered_through) if answered_through else arrivals.clear()
         later = pl.DataFrame(schema={"request_id": pl.String, "ts": arrivals.schema["ts"]})
         if not late.is_empty():
-            later = _successors(store, late, max(reach)).join(arrivals.select("request_id", "ts"),
-                                                              on=["request_id", "ts"], how="anti")
+            later = _successors(store, late, max(reach))
+            if kv_evidence:  # a late row may show a pod serving the model: a holder for earlier requests
+                later = pl.concat([later.select(_ID),
+                                   new_holder_targets(store, late, since, max(reach), answered_through, now)],
+                                  how="vertical_relaxed").unique()
+            later = later.join(arrivals.select("request_id", "ts"), on=["request_id", "ts"], how="anti")
         examined, changed = _reexamine(store, later, reach, sizes, default_block_size, kv_evidence, now)
         for part, part_memo in _by_memo(arrivals, memo, kept is not None):
             verdicts = _verdicts(store, part, reach, sizes, default_block_size, recent, kv_evidence, part_memo)
@@ -706,7 +680,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             return stats
     if kv_evidence and upto > since:
         # KV events that arrived late re-answer what they change (after the arrivals: those already saw them).
-        targets = _late_kv_targets(store, since, upto, settle_seconds, reach[0], max(reach))
+        targets = late_kv_targets(store, since, upto, settle_seconds, max(reach), answered_through)
         for start in range(0, len(targets), chunk_size):
             examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes,
                                            default_block_size, kv_evidence, now)

@@ -13,7 +13,7 @@ import pytest
 from test_attribution_job import insert_requests
 from test_attribution_precise import answers, at, tokens
 from test_kv_evidence_horizon import attribute
-from test_kv_memo_hostile import B, N, frames, remove_event, request, serving, store_event
+from test_kv_memo_hostile import CLEARED, B, N, frames, remove_event, request, serving, store_event
 from test_kv_residency import collect, ingest
 
 from ingest import attribution_job, kv_evidence
@@ -218,3 +218,118 @@ def test_a_memo_kept_hash_stored_before_a_later_requests_lookback_is_read_the_sa
     (cause, _sub, _missed), *_rest = without["r3"][0]
     assert (cause, without["r3"][1:]) == ("evicted", ("kv_events", "mk-a", at(10.0))), without
     assert with_memo == without
+
+
+def _answer_then_ingest_late(store: Store, monkeypatch: pytest.MonkeyPatch, rows: list[dict[str, Any]],
+                             late: list[list[bytes]]) -> tuple[dict, dict, dict]:
+    """(the live answers of ``rows`` before the KV messages ``late`` arrive, after one more run once they did, and
+    of a run from scratch over everything)."""
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    insert_requests(store, rows)
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    before = answers(store)
+    ingest(store, collect(late))
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, overlap_seconds=0)
+    live = answers(store)
+    return before, live, attribute(store, monkeypatch, 10**6)
+
+
+def test_late_kv_events_re_answer_a_request_beyond_the_horizon_whose_chain_names_their_blocks(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod lh-b (serving the model since 0.1 s) stored the prompt's blocks at 60 s; its KV events reach the store
+    late, after the job answered r (7,200 s on lh-a, which logs events of its own: cold). The blocks are resident on
+    lh-b at r's arrival, within its lookback (7 days) but two hours after them, beyond the horizon (1 h): r is
+    routed_away to lh-b, as a run over the whole history says. Before, late events re-examined only the requests
+    up to a horizon after them."""
+    scenario = 95
+    prompt, other = tokens(scenario, N * B), tokens(scenario, B, 9)
+    ingest(store, collect([frames("lh-a", 1, 7000.0, store_event(other, chain_hashes(other, B)))]))
+    before, live, whole = _answer_then_ingest_late(
+        store, monkeypatch, [serving(scenario, "lh-b"), serving(scenario, "lh-a", t=6990.0),
+                             request("r", scenario, 7200.0, "lh-a", prompt)],
+        [frames("lh-b", 1, 60.0, store_event(prompt, chain_hashes(prompt, B)))])
+    assert before["r"][0][0][0] == "cold", before
+    assert (whole["r"][0][0][0], whole["r"][2]) == ("routed_away", "lh-b"), whole
+    assert live == whole
+
+
+def test_late_kv_events_that_first_cover_a_pod_re_answer_its_requests_beyond_the_horizon(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod lv-a had no KV events when the job answered r (7,200 s on lv-a): r was judged by its fingerprints. Its one
+    event (a block r does not name, at 60 s) reaches the store late: it covers r's arrival (within the lookback, two
+    hours before, beyond the horizon), so r is judged with KV evidence, as a run over the whole history says."""
+    scenario = 96
+    prompt, other = tokens(scenario, N * B), tokens(scenario, B, 9)
+    before, live, whole = _answer_then_ingest_late(
+        store, monkeypatch, [serving(scenario, "lv-a", t=6990.0), request("r", scenario, 7200.0, "lv-a", prompt)],
+        [frames("lv-a", 1, 60.0, store_event(other, chain_hashes(other, B)))])
+    assert before["r"][1] != "kv_events", before
+    assert whole["r"][1] == "kv_events", whole
+    assert live == whole
+
+
+def test_a_late_gateway_row_that_first_shows_a_pod_serving_the_model_re_answers_its_earlier_requests(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod ls-b stored the prompt's blocks at 1 s; the only gateway row showing that it serves the model (3 s)
+    reaches the store after the job answered r1 (5 s on ls-a, which logs KV events): r1 was cold, with no other pod
+    of the model. The late row makes ls-b a holder for r1 (it served the model within r1's lookback, before r1
+    ended): r1 is routed_away to ls-b live as in a run over the whole history. It shares no key with r1, so it is
+    no predecessor of it: before, nothing re-answered r1."""
+    scenario = 97
+    prompt = holder_and_own_pod(store, scenario, ("ls-b", 1.0), ("ls-a", 0.5))
+    live, whole = live_then_whole(store, monkeypatch, [
+        [serving(scenario, "ls-a"), request("r1", scenario, 5.0, "ls-a", prompt, e2e_ms=100.0)],
+        [serving(scenario, "ls-b", t=3.0)]])
+    assert (whole["r1"][0][0][0], whole["r1"][2]) == ("routed_away", "ls-b"), whole
+    assert live == whole
+
+
+def test_a_late_cache_reset_re_answers_a_request_beyond_the_horizon_whose_blocks_it_ended(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod lr-a stored the prompt's blocks at 60 s (in time); r (7,200 s on lr-a) missed them and was answered
+    with them resident at its arrival. lr-a's cache reset at 100 s (an AllBlocksCleared) reaches the store late: the
+    blocks were gone at r's arrival (evicted by the reset), two hours later, beyond the horizon. The reset names no
+    block: r is found by the blocks lr-a stored within a lookback before it."""
+    scenario = 98
+    prompt = tokens(scenario, N * B)
+    ingest(store, collect([frames("lr-a", 1, 60.0, store_event(prompt, chain_hashes(prompt, B)))]))
+    before, live, whole = _answer_then_ingest_late(
+        store, monkeypatch, [serving(scenario, "lr-a"), request("r", scenario, 7200.0, "lr-a", prompt)],
+        [frames("lr-a", 2, 100.0, CLEARED)])
+    assert before["r"][0][0][0] != "evicted", before
+    assert (whole["r"][0][0][0], whole["r"][2]) == ("evicted", "lr-a"), whole
+    assert live == whole
+
+
+def test_late_kv_events_that_change_nothing_re_examine_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod lx-a logs KV events in time (50 s); r1–r3 (100–300 s on lx-a) missed a prompt stored nowhere. An event of
+    lx-a at 60 s storing a block none of them names reaches the store late: it changes no block of theirs, and lx-a
+    covered them already, so the run that reads it re-examines none of them (before, every answered request of the
+    pod's models from 10 minutes before it to an hour after)."""
+    scenario = 99
+    prompt, other, more = tokens(scenario, N * B), tokens(scenario, B, 9), tokens(scenario, B, 8)
+    ingest(store, collect([frames("lx-a", 1, 50.0, store_event(other, chain_hashes(other, B)))]))
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    insert_requests(store, [serving(scenario, "lx-a"),
+                            *(request(f"r{k}", scenario, 100.0 * k, "lx-a", prompt) for k in (1, 2, 3))])
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    ingest(store, collect([frames("lx-a", 2, 60.0, store_event(more, chain_hashes(more, B)))]))
+    stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, overlap_seconds=0)
+    assert (stats.arrivals, stats.examined) == (0, 0), stats
+
+
+def test_late_kv_events_that_first_cover_a_predecessors_pod_re_answer_its_successor(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """r (7,200 s on lp-a, which logs KV events in time) missed the prompt of its predecessor p (7,000 s on lp-b, the
+    same fingerprint); the prompt's blocks are on no pod. lp-b had no KV events when r was answered, so r's miss was
+    inferred from p's pod (routed_away). lp-b's one event (60 s, a block neither names) reaches the store late: it
+    covers lp-b for r, whose blocks were then resident nowhere (cold), as a run over the whole history says."""
+    scenario = 100
+    prompt, other = tokens(scenario, N * B), tokens(scenario, B, 9)
+    ingest(store, collect([frames("lp-a", 1, 6900.0, store_event(other, chain_hashes(other, B)))]))
+    before, live, whole = _answer_then_ingest_late(
+        store, monkeypatch, [serving(scenario, "lp-a", t=6800.0), request("p", scenario, 7000.0, "lp-b", prompt),
+                             request("r", scenario, 7200.0, "lp-a", prompt)],
+        [frames("lp-b", 1, 60.0, store_event(tokens(scenario, B, 8), chain_hashes(tokens(scenario, B, 8), B)))])
+    assert (before["r"][0][0][0], whole["r"][0][0][0]) == ("routed_away", "cold"), (before, whole)
+    assert live == whole
