@@ -3,9 +3,10 @@ block size at the request's arrival, so an answer does not change when the pod l
 ``--block-size``.
 
 Sources, per pod: the ``block_size`` of its ``vllm:cache_config_info`` rows (table vllm_cache_config, sent on a
-collector's first scrape and whenever it changes); for a pod with none, the ``block_size`` its ``BlockStored`` KV
-events declare (vLLM's ``BlockStored.block_size``), read from kv_block_sizes (sql/migrations/0032: each size's first
-event per pod and minute). A size holds from the time it is first seen until another is. The first event of a size in
+collector's first scrape and whenever it changes) from a pod's first such row on; before it (a pod whose metrics
+were not scraped at first, or never), the ``block_size`` its ``BlockStored`` KV events declare (vLLM's
+``BlockStored.block_size``), read from kv_block_sizes (sql/migrations/0032: each size's first event per pod and
+minute). A size holds from the time it is first seen until another is. The first event of a size in
 a minute is exact; only a pod that went A → B → A within one minute (two vLLM restarts) has its second A seen from the
 next minute on.
 """
@@ -33,10 +34,15 @@ _CHANGES_SQL = """
                                                   ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS before
         FROM
         (
-            SELECT CAST(pod AS String) AS pod, min(since) AS since, block_size
-            FROM kv_block_sizes
-            WHERE pod NOT IN (SELECT pod FROM vllm_cache_config WHERE block_size > 0)
-            GROUP BY pod, minute, block_size
+            SELECT CAST(s.pod AS String) AS pod, min(s.since) AS since, s.block_size AS block_size
+            FROM kv_block_sizes AS s
+            LEFT JOIN
+            (
+                SELECT CAST(pod AS String) AS pod, min(ts) AS first
+                FROM vllm_cache_config WHERE block_size > 0 GROUP BY pod
+            ) AS c ON CAST(s.pod AS String) = c.pod
+            WHERE coalesce(c.pod, '') = '' OR s.since < c.first
+            GROUP BY pod, s.minute, block_size
         )
     )
     WHERE block_size != before"""
