@@ -148,3 +148,26 @@ def test_a_cache_config_first_seen_after_a_request_keeps_the_block_size_its_even
     attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
     assert answers(store)["r"] == live["r"]
     assert attribute(store, monkeypatch, 10**6)["r"] == live["r"]
+
+
+def test_a_size_change_exactly_at_an_arrival_and_between_a_request_and_its_predecessor(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod sc-a (blocks of B) stored the prompt at 1 s and evicted it at 3 s; p (5 s) and r (10 s, the same
+    prompt: p is r's predecessor) ran on it; a BlockStored of size B/2 at exactly 10 s (a restart) makes r's size
+    B/2 (a change at exactly the arrival applies): r's chain of B is no evidence, p keeps B. Answers are the same in
+    one chunk, in chunks of one with the memo on and off, and live."""
+    scenario = 127
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    ingest(store, collect([frames("sc-a", 1, 1.0, store_event(prompt, names)),
+                           frames("sc-a", 2, 3.0, remove_event(names)),
+                           frames("sc-a", 3, 10.0, {**store_event(tokens(scenario, B, 9), [9_300_001, 9_300_002]),
+                                                    "block_size": B // 2})]))
+    live, whole = live_then_whole(store, monkeypatch, [
+        [serving(scenario, "sc-a"), request("p", scenario, 5.0, "sc-a", prompt)],
+        [request("r", scenario, 10.0, "sc-a", prompt)]])
+    assert live == whole
+    assert whole["p"][0][0][0] == "evicted", whole
+    assert whole["r"][1] != "kv_events", whole
+    for size, memo in ((1, True), (1, False)):
+        assert attribute(store, monkeypatch, size, memo) == whole, (size, memo)
