@@ -171,3 +171,26 @@ def test_a_size_change_exactly_at_an_arrival_and_between_a_request_and_its_prede
     assert whole["r"][1] != "kv_events", whole
     for size, memo in ((1, True), (1, False)):
         assert attribute(store, monkeypatch, size, memo) == whole, (size, memo)
+
+
+@pytest.mark.xfail(strict=True, reason="attribution_late does not read vllm_cache_config: a late row that changes a "
+                   "pod's size at earlier arrivals re-answers none of them; a run from scratch judges them with it")
+def test_a_late_cache_config_row_re_answers_the_requests_after_it(store: Store, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """Pod lc-a's events declare blocks of B; it stored the prompt at 1 s and evicted it at 3 s; r (5 s) is answered
+    live: evicted. Its vllm:cache_config_info row of 2 s (blocks of B/2) reaches the store late: a run from scratch
+    judges r with B/2, so its chain of B is no evidence."""
+    scenario = 128
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    ingest(store, collect([frames("lcc-a", 1, 1.0, store_event(prompt, names)),
+                           frames("lcc-a", 2, 3.0, remove_event(names))]))
+    before, _live, _whole = _answer_then_ingest_late(
+        store, monkeypatch, [serving(scenario, "lcc-a"), request("r", scenario, 5.0, "lcc-a", prompt)], [])
+    assert before["r"][0][0][0] == "evicted", before
+    cache_config(store, "lcc-a", 2.0, str(B // 2))
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, overlap_seconds=0)
+    live = answers(store)
+    whole = attribute(store, monkeypatch, 10**6)
+    assert whole["r"][1] != "kv_events", whole
+    assert live == whole
