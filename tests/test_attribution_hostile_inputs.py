@@ -170,6 +170,20 @@ def test_two_requests_under_one_request_id_are_judged_each_by_its_own_chain(
     assert runs[0] == runs[1]
 
 
+def evicted_live(store: Store, monkeypatch: pytest.MonkeyPatch, scenario: int, pod: str) -> dict:
+    """Pod ``pod`` (blocks of B tokens) stores the scenario's prompt at 1 s and evicts it at 3 s; request r (5 s on
+    it) is answered live (settle 0, the memo off): evicted. Returns the answers."""
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    ingest(store, collect([frames(pod, 1, 1.0, store_event(prompt, names)), frames(pod, 2, 3.0, remove_event(names))]))
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    insert_requests(store, [serving(scenario, pod), request("r", scenario, 5.0, pod, prompt)])
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    live = answers(store)
+    assert live["r"][0][0][0] == "evicted", live
+    return live
+
+
 def test_a_pod_that_changes_its_block_size_later_keeps_its_earlier_answers(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pod bs-a runs with blocks of B tokens, stores the prompt at 1 s and evicts it at 3 s; r (5 s) logged its
@@ -178,15 +192,7 @@ def test_a_pod_that_changes_its_block_size_later_keeps_its_earlier_answers(
     chain no longer matched and r fell back to the fingerprints; r is judged with B, its pod's size at its
     arrival, in every run."""
     scenario = 94
-    prompt = tokens(scenario, N * B)
-    names = chain_hashes(prompt, B)
-    ingest(store, collect([frames("bs-a", 1, 1.0, store_event(prompt, names)),
-                           frames("bs-a", 2, 3.0, remove_event(names))]))
-    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
-    insert_requests(store, [serving(scenario, "bs-a"), request("r", scenario, 5.0, "bs-a", prompt)])
-    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
-    live = answers(store)
-    assert live["r"][0][0][0] == "evicted", live
+    live = evicted_live(store, monkeypatch, scenario, "bs-a")
     half = tokens(scenario, B, 9)
     ingest(store, collect([frames("bs-a", 0, 30.0, {**store_event(half, [9_000_001, 9_000_002]),
                                                     "block_size": B // 2})]))

@@ -6,7 +6,7 @@ production way, a request's answer must not depend on how the job ran, and no in
 from __future__ import annotations
 
 import pytest
-from test_attribution_hostile_inputs import _answer_then_ingest_late, live_then_whole
+from test_attribution_hostile_inputs import _answer_then_ingest_late, evicted_live, live_then_whole
 from test_attribution_precise import answers, at, tokens
 from test_kv_evidence_horizon import attribute
 from test_kv_memo_hostile import B, N, frames, remove_event, request, serving, store_event
@@ -133,17 +133,7 @@ def test_a_cache_config_first_seen_after_a_request_keeps_the_block_size_its_even
     read only the cache config for a pod that has one and back-dated its first size to r: r (judged with B/2) lost
     its KV evidence (fell back to the fingerprints) while the live answer stayed evicted. The cache config rules from
     its first row on; before it, the pod's BlockStored sizes do."""
-    scenario = 126
-    prompt = tokens(scenario, N * B)
-    names = chain_hashes(prompt, B)
-    ingest(store, collect([frames("cf-a", 1, 1.0, store_event(prompt, names)),
-                           frames("cf-a", 2, 3.0, remove_event(names))]))
-    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
-    from test_attribution_job import insert_requests
-    insert_requests(store, [serving(scenario, "cf-a"), request("r", scenario, 5.0, "cf-a", prompt)])
-    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
-    live = answers(store)
-    assert live["r"][0][0][0] == "evicted", live
+    live = evicted_live(store, monkeypatch, 126, "cf-a")
     cache_config(store, "cf-a", 30.0, str(B // 2))
     attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
     assert answers(store)["r"] == live["r"]
