@@ -398,6 +398,9 @@ class KvMemo:
 #: The evidence window: from the lookback before the chunk's first arrival to the chunk's last request's end.
 _FROM = ("ts >= {lo:DateTime64(3, 'UTC')} - toIntervalMillisecond({lookback:Int64}) "
          "AND ts <= {until:DateTime64(3, 'UTC')}")
+#: The block events' and resets' window: from the chunk's first block evidence start (``kv_from``:
+#: :func:`lookback_start` of its ``lo``; no request of the chunk sees an earlier one) to its last request's end.
+_BLOCKS_FROM = "ts >= {kv_from:DateTime64(3, 'UTC')} AND ts <= {until:DateTime64(3, 'UTC')}"
 
 #: A request's block evidence starts at its lookback's start rounded up to a step of lookback / LOOKBACK_STEPS (an
 #: hour for the default 7 days), not at its exact arrival − lookback: the window's start then moves once a step, not
@@ -475,9 +478,10 @@ def own_hashing_pods(store: Store) -> list[str]:
 def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: KvMemo | None = None
                  ) -> tuple[pl.DataFrame, bool]:
     """The kv_block_log rows (:data:`ingest.kv_tracks.BLOCK_COLUMNS`, ts in unix ms) of every block that a missed
-    block of the staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, lo, hi, lookback
-    in ms) names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from lo −
-    lookback to ``until`` (the chunk's last request's end): its stores and its removals (paired by vLLM hash).
+    block of the staged requests (``in_set``, a filter on (request_id, ts); ``params`` with set, kv_from and
+    until) names, by kvscope chain hash or by vLLM hash (equal on pods with vLLM's default hashing), from
+    ``kv_from`` (the chunk's first block evidence start, :func:`lookback_start`) to ``until`` (the chunk's last
+    request's end): its stores and its removals (paired by vLLM hash).
     ``chain``: the wanted hash a stored row names (its chain hash, else its vLLM hash), 0 on other rows. No FINAL
     and no join: the log is read only where its hash columns are in the wanted set (PREWHERE), then sorted by
     track and event order (:func:`in_log_order`; a row written twice comes twice, adjacent:
@@ -510,7 +514,7 @@ def fetch_blocks(store: Store, params: Mapping[str, object], in_set: str, skip: 
         SELECT {_WANTED_BLOCK_COLUMNS_SQL}
         FROM kv_block_log
         PREWHERE block_hash IN (SELECT h FROM wanted) {by_chain}
-        WHERE kind IN ('stored', 'removed') AND {_FROM} {extra}
+        WHERE kind IN ('stored', 'removed') AND {_BLOCKS_FROM} {extra}
         """, {**args, "own_pods": own_pods}, preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
     if frame.is_empty():  # nothing new since the cuts: the stand-ins are then all the evidence
         return (in_log_order(skip.stand_ins_like(_no_blocks())), True) if skipped and skip is not None else (
@@ -535,12 +539,12 @@ def _fetch_blocks_by_name(store: Store, params: Mapping[str, object], in_set: st
         (
             SELECT DISTINCT block_hash FROM kv_block_log
             PREWHERE chain_hash IN (SELECT h FROM wanted) OR block_hash IN (SELECT h FROM wanted)
-            WHERE kind = 'stored' AND {_FROM}
+            WHERE kind = 'stored' AND {_BLOCKS_FROM}
         )
         SELECT {_BLOCK_COLUMNS_SQL}
         FROM kv_block_log
         PREWHERE block_hash IN (SELECT block_hash FROM named)
-        WHERE kind IN ('stored', 'removed') AND {_FROM}
+        WHERE kind IN ('stored', 'removed') AND {_BLOCKS_FROM}
         """, dict(params), preferred=_DICTIONARIES).rename({"ts_ms": "ts", "kind_name": "kind"})
     return _no_blocks() if frame.is_empty() else in_log_order(frame)
 
@@ -552,11 +556,11 @@ def _no_blocks() -> pl.DataFrame:
 
 
 def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
-    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from lo − lookback to until
+    """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from kv_from (:data:`_BLOCKS_FROM`) to until
     (:data:`ingest.kv_tracks.RESET_COLUMNS`, ts in unix ms)."""
     return store.query_df(
         "SELECT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, toUnixTimestamp64Milli(ts) AS ts_ms, "
-        f"seq, idx, CAST(kind AS String) AS kind_name FROM kv_cache_resets WHERE {_FROM}", dict(params)
+        f"seq, idx, CAST(kind AS String) AS kind_name FROM kv_cache_resets WHERE {_BLOCKS_FROM}", dict(params)
     ).rename({"ts_ms": "ts", "kind_name": "kind"})
 
 
@@ -645,7 +649,9 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     end = _end()
     last_end = frame.select(end.max()).item()
     lookback = int(params["lookback"])  # type: ignore[call-overload]
-    params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC)}
+    kv_from = lookback_start(_epoch_ms(params["lo"]), lookback)
+    params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC),
+              "kv_from": datetime.fromtimestamp(kv_from / 1000, UTC)}
     if memo is not None:
         memo.check(lookback_start(_epoch_ms(frame["ts"].max()), lookback), _epoch_ms(frame["ts"].min()))
     blocks, skipped = fetch_blocks(store, params, in_set, memo)

@@ -129,3 +129,32 @@ def test_the_memo_starts_again_when_the_lookback_passes_its_rows() -> None:
     memo.last_chunk()  # no chunk follows the next: it summarizes nothing (a live run of one chunk pays nothing)
     memo.move(rows, resets, 3000, kept=True)
     assert not memo.holds_any()
+
+
+def test_a_hash_with_events_older_than_the_lookback_is_read_whole_once_a_step(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookback 40 s over the fleet's 100 s of events, so most arrivals' lookback starts inside a hot hash's history.
+    A request's block evidence starts at its lookback's start rounded up to a step (kv_evidence.lookback_start):
+    with steps of 20 s (LOOKBACK_STEPS 2) the memo forgets a hash only when the step moves; with the exact start
+    (steps of 1 ms) every chunk forgets it and reads its rows again. In both, the memo gives the answers of no memo,
+    and the steps read fewer rows."""
+    monkeypatch.setitem(HASHING, "mode", "default")
+    _random_fleet(store, 4)
+    job = {"lookback_seconds": 40, "horizon_seconds": 20}
+
+    def run(memo_min_rows: int) -> tuple[dict, float]:
+        monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", memo_min_rows)
+        for table in ("request_attribution", "attribution_watermark"):
+            store.command(f"TRUNCATE TABLE {table}")
+        before = _rows_read()
+        attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, chunk_size=16, **job)
+        return answers(store), _rows_read() - before
+
+    read = {}
+    for steps in (2, 10**9):
+        monkeypatch.setattr(kv_evidence, "LOOKBACK_STEPS", steps)
+        (with_memo, read[steps]), (without, _) = run(3), run(10**9)
+        assert with_memo == without, steps
+        assert sum(v[1] == "kv_events" for v in without.values()) > 40
+    print(f"kv_block_log rows read with the memo: steps of 20 s {read[2]:,.0f}, exact start {read[10**9]:,.0f}")
+    assert read[2] < read[10**9] * 0.9, read
