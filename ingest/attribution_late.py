@@ -23,7 +23,7 @@ from typing import Any
 
 import polars as pl
 
-from ingest.kv_evidence import MAX_END_MS, own_hashing_pods
+from ingest.kv_evidence import MAX_END_MS, SPANS, own_hashing_pods
 from ingest.store import Store
 
 #: A request that arrived this long before a late KV event may still have been waiting for its prefill then.
@@ -34,8 +34,7 @@ _LATE = f"{_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:I
 #: Per name and bucket of ``lookback`` ms, the first and last time (unix ms): the union of [s, s + lookback] over
 #: the times s of a bucket is [first, last + lookback] (a bucket is shorter than the lookback), so these spans give
 #: the covered times exactly (:func:`_cover`).
-_SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(ts)) AS last",
-          "intDiv(toUnixTimestamp64Milli(ts), greatest(1, {lookback:Int64}))")
+_SPANS = SPANS
 #: The requests judged in precise mode (they logged a block chain).
 _CHAINED = "prompt_block_size > 0 AND notEmpty(prompt_block_hashes)"
 #: The requests with an answer given before ``arrived`` (the late rows' ingestion): a later one saw them.

@@ -567,7 +567,7 @@ def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
 #: The spans of :func:`fetch_first_events` and :func:`fetch_model_pods`: per name and bucket of ``lookback`` ms
 #: (at least 1) of the event times, the first and last time in it. Whether a row lies in [t − lookback, b]
 #: (b ≥ t) is then exact (:func:`seen_between`): a bucket is never longer than that range.
-_SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(ts)) AS last",
+SPANS = _SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(ts)) AS last",
           "intDiv(toUnixTimestamp64Milli(ts), greatest(1, {lookback:Int64}))")
 
 
