@@ -557,11 +557,23 @@ def _no_blocks() -> pl.DataFrame:
 
 def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
     """Every cache reset (kv_cache_resets: AllBlocksCleared, vLLM restarts) from kv_from (:data:`_BLOCKS_FROM`) to until
-    (:data:`ingest.kv_tracks.RESET_COLUMNS`, ts in unix ms)."""
+    (:data:`ingest.kv_tracks.RESET_COLUMNS`, ts in unix ms).
+
+    Two of the view's three sources are restarts read from ``publisher_restart`` gap reports (kv_gaps,
+    sql/migrations/0030); planning them costs about half a second even on empty tables. Without such a report in
+    kv_event_gaps they hold no row, so the log's own reset rows (the view's first source) are read alone."""
+    source = "kv_cache_resets" if store.query_rows(_ANY_RESTART_GAP)[0][0] else _LOGGED_RESETS
     return store.query_df(
-        "SELECT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, toUnixTimestamp64Milli(ts) AS ts_ms, "
-        f"seq, idx, CAST(kind AS String) AS kind_name FROM kv_cache_resets WHERE {_BLOCKS_FROM}", dict(params)
+        "SELECT DISTINCT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, "
+        f"toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, CAST(kind AS String) AS kind_name FROM {source} "
+        f"WHERE {_BLOCKS_FROM}", dict(params)
     ).rename({"ts_ms": "ts", "kind_name": "kind"})
+
+
+#: Whether any gap report could add a restart to kv_cache_resets (its second and third sources, sql/migrations/0030).
+_ANY_RESTART_GAP = "SELECT count() > 0 FROM kv_event_gaps WHERE reason = 'publisher_restart'"
+#: kv_cache_resets' first source: the resets the log holds itself (AllBlocksCleared, a publisher's first batch).
+_LOGGED_RESETS = "(SELECT pod, engine, ts, seq, idx, kind FROM kv_block_log WHERE kind IN ('cleared', 'restart'))"
 
 
 #: The spans of :func:`fetch_first_events` and :func:`fetch_model_pods`: per name and bucket of ``lookback`` ms

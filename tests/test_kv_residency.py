@@ -222,6 +222,38 @@ def test_a_lost_vllm_restart_is_read_from_the_gap(store: Store, replayed: int) -
     assert named(store, "kv_evictions")["pod-c"]["restarts"] == 2  # the first batch ever seen, and this one
 
 
+def resets_read_by_the_job(store: Store) -> list[tuple[Any, ...]]:
+    """The resets attribution reads (kv_evidence.fetch_resets) over the whole log, sorted."""
+    from ingest.kv_evidence import fetch_resets
+
+    frame = fetch_resets(store, {"kv_from": at(-3600), "until": at(3600)})
+    return sorted(frame.select("pod", "engine", "ts", "seq", "idx", "kind").iter_rows())
+
+
+def resets_of_the_view(store: Store) -> list[tuple[Any, ...]]:
+    return sorted(store.query_rows(
+        "SELECT CAST(pod AS String), CAST(engine AS String), toUnixTimestamp64Milli(ts), seq, idx, "
+        "CAST(kind AS String) FROM kv_cache_resets"))
+
+
+def test_the_job_reads_the_resets_of_the_view_without_a_gap_report(seq_store: Store) -> None:
+    """Without a publisher_restart report the job reads the log's own resets, not the view: the same rows (the
+    clear at 8 s and the restart at 9 s of pod-a among them)."""
+    got = resets_read_by_the_job(seq_store)
+    assert got == resets_of_the_view(seq_store)
+    assert {(r[0], r[5]) for r in got} >= {("pod-a", "cleared"), ("pod-a", "restart")}
+
+
+@pytest.mark.parametrize("replayed", [0, 1])
+def test_the_job_reads_a_restart_known_only_from_a_gap_report(store: Store, replayed: int) -> None:
+    """The lost vLLM restart above (read from the gap, no log row marks it at 5 s when nothing was replayed): the
+    job reads it as the view does."""
+    test_a_lost_vllm_restart_is_read_from_the_gap(store, replayed)
+    got = resets_read_by_the_job(store)
+    assert got == resets_of_the_view(store)
+    assert ("pod-c", "0", int(at(4 if replayed else 5).timestamp() * 1000)) in {r[:3] for r in got}
+
+
 def test_the_real_capture_block_by_block(store: Store) -> None:
     """The capture's five requests on one pod (block size 32): 52 blocks stored, none removed. cap-3's prompt
     chain (its first 21 blocks shared with cap-1, then 2 of its own; the gateway computes it from the prompt's
