@@ -50,7 +50,7 @@ from ingest.attribution import (
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
-from ingest.attribution_late import late_kv_targets, new_holder_targets
+from ingest.attribution_late import INGESTED_WINDOW, late_kv_targets, new_holder_targets, size_targets
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_STAGE, stage_keys
 from ingest.errors import KvscopeError, RetryableError
@@ -80,7 +80,8 @@ _KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attri
 
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
                      "(new = first answer, changed = a late or corrected input changed it, "
-                     "late_kv_evidence = KV events ingested late changed it)", ["why"])
+                     "late_kv_evidence = KV events ingested late changed it, block_size_changed = a late row "
+                     "moved its pod's block size)", ["why"])
 UNCHANGED = Counter("kvscope_attribution_unchanged", "Successors re-examined whose answer stayed the same")
 #: Serialises runs in this process: the job is the only writer of request_attribution (see the docstring).
 _WRITER = threading.Lock()
@@ -132,30 +133,27 @@ def _answered_through(store: Store) -> datetime | None:
     return _utc(rows[0][0]) if rows and rows[0][1] else None
 
 
-_WINDOW = "ingested_at > {since:DateTime64(3, 'UTC')} AND ingested_at <= {upto:DateTime64(3, 'UTC')}"
-
-
 def _chunk_bounds(store: Store, since: datetime, upto: datetime, chunk_size: int) -> list[int]:
     """order_key boundaries splitting the requests ingested in (since, upto] into chunks of about
     ``chunk_size``: [b0, b1, ...] with chunk i = (b_i, b_i+1] (b0 = the lowest key − 1; every other bound is
     a key of the window, so a chunk's rows lie in the milliseconds [(b_i + 1) >> 20, b_i+1 >> 20]). One query,
     whatever the window: the chunks are then read by key range, not by sorting the window again for each."""
-    n = store.query_rows(f"SELECT count() FROM gateway_requests WHERE {_WINDOW}", {"since": since, "upto": upto})[0][0]
+    window = {"since": since, "upto": upto}
+    n, bottom, top = store.query_rows(
+        f"SELECT count(), min(order_key), max(order_key) FROM gateway_requests WHERE {INGESTED_WINDOW}", window)[0]
     if not n:
         return []
     k = max(1, -(-n // chunk_size))
     levels = ", ".join(f"{i / k:.9f}" for i in range(1, k))
-    bottom, top = store.query_rows(f"SELECT min(order_key), max(order_key) FROM gateway_requests WHERE {_WINDOW}",
-                                   {"since": since, "upto": upto})[0]
     inner = []
     if levels:
         inner = store.query_rows(f"SELECT quantilesExactLow({levels})(order_key) FROM gateway_requests "
-                                 f"WHERE {_WINDOW}", {"since": since, "upto": upto})[0][0]
+                                 f"WHERE {INGESTED_WINDOW}", window)[0][0]
     return [int(bottom) - 1, *sorted(set(int(b) for b in inner)), int(top)]
 
 
 #: A chunk's rows (:func:`_chunk_bounds`): ingested in (since, upto], order_key in (lo, hi].
-_CHUNK = f"{_WINDOW} AND order_key > {{lo:Int64}} AND order_key <= {{hi:UInt64}}"
+_CHUNK = f"{INGESTED_WINDOW} AND order_key > {{lo:Int64}} AND order_key <= {{hi:UInt64}}"
 #: The milliseconds a chunk's rows lie in (order_key = ts in ms << 20 | 20 bits of the request id's MD5,
 #: sql/migrations/0008): bounds request_attribution's side of the anti-join to the chunk's partitions.
 _CHUNK_TS = ("ts >= fromUnixTimestamp64Milli(intDiv({lo:Int64} + 1, 1048576), 'UTC') "
@@ -687,11 +685,32 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             ATTRIBUTED.labels("late_kv_evidence").inc(changed)
             UNCHANGED.inc(examined - changed)
             stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+    stats = _resize(store, sizes, reach, default_block_size, kv_evidence, now, chunk_size, stats)
     store.insert("attribution_watermark", [(JOB_NAME, upto, now)], ["job", "ingested_through", "updated_at"])
     WATERMARK_LAG.set((now - upto).total_seconds())
     if stats.arrivals:
         log.info("miss attribution run. arrivals=%d successors_examined=%d changed=%d chunks=%d through=%s",
                  stats.arrivals, stats.examined, stats.changed, stats.chunks, upto.isoformat())
+    return stats
+
+
+def _resize(store: Store, sizes: pl.DataFrame, reach: tuple[int, int], default_block_size: int, kv_evidence: bool,
+            now: datetime, chunk_size: int, stats: RunStats) -> RunStats:
+    """Re-answer the requests whose pod's block size at arrival reads otherwise in ``sizes`` (this run's change
+    points) than in those the job last judged with (:func:`ingest.block_sizes.saved`), then save ``sizes`` when they
+    differ. The first run (none saved) only saves. Saved after the answers: a crash in between re-answers again."""
+    before = block_sizes.saved(store)
+    if before is not None and block_sizes.same(before, sizes):
+        return stats
+    if before is not None:
+        targets = size_targets(store, block_sizes.differences(before, sizes, default_block_size), now)
+        for start in range(0, len(targets), chunk_size):
+            examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes, default_block_size,
+                                           kv_evidence, now)
+            ATTRIBUTED.labels("block_size_changed").inc(changed)
+            UNCHANGED.inc(examined - changed)
+            stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+    block_sizes.save(store, sizes, now)
     return stats
 
 

@@ -14,6 +14,10 @@ t ∈ [x − MAX_END_MS, x + lookback], and among them:
   no other event of the pod;
 - a late gateway row of a pod and model, only the requests of that model whose window held no other row of the
   pod and model, and whose chain names a block the pod stored.
+
+A late row that moves a pod's block size at times already answered (a vllm_cache_config row, or a BlockStored of a
+new size, with or without KV evidence) re-answers the pod's requests that arrived where the size now reads otherwise
+(:func:`size_targets`, against the change points the job last judged with: :func:`ingest.block_sizes.saved`).
 """
 
 from __future__ import annotations
@@ -23,28 +27,21 @@ from typing import Any
 
 import polars as pl
 
-from ingest.kv_evidence import MAX_END_MS, SPANS, own_hashing_pods
+from ingest.kv_evidence import MAX_END_MS, SPANS, epoch_ms, own_hashing_pods
 from ingest.store import Store
 
 #: A request that arrived this long before a late KV event may still have been waiting for its prefill then.
 LATE_KV_SLACK = timedelta(milliseconds=MAX_END_MS)
 _KEYS = {"request_id": pl.String, "ts": pl.Datetime("ms", "UTC")}
-_WINDOW = "ingested_at > {since:DateTime64(3, 'UTC')} AND ingested_at <= {upto:DateTime64(3, 'UTC')}"
-_LATE = f"{_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:Int64}}"
-#: Per name and bucket of ``lookback`` ms, the first and last time (unix ms): the union of [s, s + lookback] over
-#: the times s of a bucket is [first, last + lookback] (a bucket is shorter than the lookback), so these spans give
-#: the covered times exactly (:func:`_cover`).
-_SPANS = SPANS
+#: The rows ingested in the run's window (since, upto].
+INGESTED_WINDOW = "ingested_at > {since:DateTime64(3, 'UTC')} AND ingested_at <= {upto:DateTime64(3, 'UTC')}"
+_LATE = f"{INGESTED_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:Int64}}"
 #: The requests judged in precise mode (they logged a block chain).
 _CHAINED = "prompt_block_size > 0 AND notEmpty(prompt_block_hashes)"
 #: The requests with an answer given before ``arrived`` (the late rows' ingestion): a later one saw them.
 _ANSWERED_BEFORE = """(request_id, ts) IN (SELECT request_id, ts FROM request_attribution
     WHERE ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}
     GROUP BY request_id, ts HAVING sum(sign) > 0 AND max(attributed_at) < {arrived:DateTime64(3, 'UTC')})"""
-
-
-def _ms(value: datetime) -> int:
-    return int(value.timestamp() * 1000)
 
 
 def _at(ms: int) -> datetime:
@@ -81,7 +78,7 @@ def _minus(spans: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tup
 
 
 def _cover(frame: pl.DataFrame, before_ms: int, after_ms: int) -> dict[tuple[str, ...], list[tuple[int, int]]]:
-    """Per name (the columns before ``first``) of span rows (:data:`_SPANS`), the times t whose
+    """Per name (the columns before ``first``) of span rows (:data:`SPANS`), the times t whose
     [t − ``after_ms``, t + ``before_ms``] holds one of its times: the union of [first − before, last + after]."""
     names = [c for c in frame.columns if c not in ("first", "last")]
     out: dict[tuple[str, ...], list[tuple[int, int]]] = {}
@@ -102,7 +99,7 @@ def _old_cover(store: Store, table: str, names: list[str], where: str, params: d
     times in [``start_ms``, ``cap_ms``] that one of them covers (a row at s covers [s, s + lookback]), as intervals
     (:func:`_cover`). Of the rows before ``start_ms`` only the latest counts: it is looked for within :data:`PROBE`
     first, and within the lookback only when some of the ``expected`` names has none there. Then the spans of the
-    rows in (start, cap] (bucketed by :data:`_SPANS`): a short range live, where the late rows are recent."""
+    rows in (start, cap] (bucketed by :data:`SPANS`): a short range live, where the late rows are recent."""
     cols = ", ".join(f"CAST({c} AS String) AS {c}" for c in names)
     group = ", ".join(names)
     latest = ("SELECT {cols}, toUnixTimestamp64Milli(max(ts)) AS first, first AS last FROM {table} WHERE {where} "
@@ -112,8 +109,8 @@ def _old_cover(store: Store, table: str, names: list[str], where: str, params: d
     if len(before) < expected and lookback_ms > PROBE.total_seconds() * 1000:
         before = store.query_df(query, {**params, "b_lo": _at(start_ms - lookback_ms), "b_hi": _at(start_ms)})
     after = store.query_df(
-        f"SELECT {cols}, {_SPANS[0]} FROM {table} WHERE {where} AND ts > {{b_lo:DateTime64(3, 'UTC')}} "
-        f"AND ts <= {{b_hi:DateTime64(3, 'UTC')}} GROUP BY {group}, {_SPANS[1]}",
+        f"SELECT {cols}, {SPANS[0]} FROM {table} WHERE {where} AND ts > {{b_lo:DateTime64(3, 'UTC')}} "
+        f"AND ts <= {{b_hi:DateTime64(3, 'UTC')}} GROUP BY {group}, {SPANS[1]}",
         {**params, "b_lo": _at(start_ms), "b_hi": _at(cap_ms)}) if cap_ms > start_ms else before.clear()
     return _cover(pl.concat([before.select(*names, "first", "last"), after.select(*names, "first", "last")],
                             how="vertical_relaxed"), 0, lookback_ms)
@@ -140,12 +137,12 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
     in the lookback before it; or, on a pod the late events first cover at t (no other event of it in
     [t − lookback, t]), that pod as their own or their predecessor's (request_attribution.predecessor_pod)."""
     params = {"since": since, "upto": upto, "settle_ms": int(settle_seconds * 1000), "lookback": lookback_ms}
-    late = store.query_df(f"SELECT CAST(pod AS String) AS pod, {_SPANS[0]}, max(ingested_at) AS arrived "
-                          f"FROM kv_block_events WHERE {_LATE} GROUP BY pod, {_SPANS[1]}", params)
+    late = store.query_df(f"SELECT CAST(pod AS String) AS pod, {SPANS[0]}, max(ingested_at) AS arrived "
+                          f"FROM kv_block_events WHERE {_LATE} GROUP BY pod, {SPANS[1]}", params)
     if late.is_empty() or answered_through is None:
         return pl.DataFrame(schema=_KEYS)
     lo, hi = int(late["first"].min()), int(late["last"].max())
-    cap = min(hi + lookback_ms, _ms(answered_through))  # no answer is later
+    cap = min(hi + lookback_ms, epoch_ms(answered_through))  # no answer is later
     params |= {"arrived": late["arrived"].max(), "lo": _at(lo - MAX_END_MS), "hi": _at(cap),
                "pods": late["pod"].unique().to_list(), "from": _at(lo - lookback_ms), "first": _at(lo), "to": _at(hi),
                "own_pods": own_hashing_pods(store)}
@@ -217,8 +214,8 @@ def new_holder_targets(store: Store, late: pl.DataFrame, since: datetime, lookba
              .agg(pl.col("ts").min().alias("lo"), pl.col("ts").max().alias("hi")))
     if spans.is_empty():
         return pl.DataFrame(schema=_KEYS)
-    lo, hi = _ms(spans["lo"].min()), _ms(spans["hi"].max())
-    cap = min(hi + lookback_ms, _ms(answered_through))  # no answer is later
+    lo, hi = epoch_ms(spans["lo"].min()), epoch_ms(spans["hi"].max())
+    cap = min(hi + lookback_ms, epoch_ms(answered_through))  # no answer is later
     params = {"models": spans["model"].to_list(), "pods": spans["pod"].to_list(), "since": since,
               "lookback": lookback_ms}
     old = _old_cover(store, "gateway_requests", ["model", "pod"], "model IN {models:Array(String)} AND pod IN "
@@ -257,3 +254,22 @@ def _keys(*frames: pl.DataFrame) -> pl.DataFrame:
     parts = [f.select(pl.col("request_id").cast(pl.String), pl.col("ts").cast(pl.Datetime("ms", "UTC")))
              for f in frames if not f.is_empty()]
     return pl.concat(parts).unique() if parts else pl.DataFrame(schema=_KEYS)
+
+
+def size_targets(store: Store, changed: list[tuple[str, int, int]], now: datetime) -> pl.DataFrame:
+    """The answered requests (columns request_id, ts) of each (pod, lo, hi) of ``changed``
+    (:func:`ingest.block_sizes.differences`: where the pod's block size now reads otherwise than when they were
+    answered) that arrived in [lo, hi) (unix ms): a late vllm_cache_config row or a late BlockStored of a new size
+    re-answers exactly these. One query; none when nothing changed."""
+    if not changed:
+        return pl.DataFrame(schema=_KEYS)
+    found = store.query_df(
+        """
+        SELECT request_id, ts FROM request_attribution
+        WHERE pod IN {names:Array(String)}
+          AND arrayExists((p, a, b) -> pod = p AND toUnixTimestamp64Milli(ts) >= a AND toUnixTimestamp64Milli(ts) < b,
+                          {names:Array(String)}, {los:Array(Int64)}, {his:Array(Int64)})
+        GROUP BY request_id, ts HAVING sum(sign) > 0 AND max(attributed_at) < {now:DateTime64(3, 'UTC')}
+        """, {"names": [c[0] for c in changed], "los": [c[1] for c in changed], "his": [c[2] for c in changed],
+              "now": now.replace(microsecond=now.microsecond // 1000 * 1000)})  # answers store whole ms
+    return _keys(found)

@@ -74,3 +74,71 @@ def at(frame: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
              .sort("_r"))
     return found.select(pl.coalesce("block_size", "_first", pl.lit(default, pl.Int64)).alias("block_size")
                         ).to_series()
+
+
+#: The last change points saved (:func:`saved`): the marker row of a set, then its rows.
+_SAVED_SQL = """
+    SELECT pod, since, block_size FROM attribution_block_sizes
+    WHERE saved_at = (SELECT max(saved_at) FROM attribution_block_sizes)"""
+_MARKER = ""
+
+
+def saved(store: Store) -> pl.DataFrame | None:
+    """The change points the attribution job last judged with (:data:`CHANGES_SCHEMA`; table attribution_block_sizes,
+    sql/migrations/0033), or None when none were ever saved. Raises what :meth:`ingest.store.Store.query_df`
+    raises."""
+    rows = store.query_df(_SAVED_SQL)
+    if rows.is_empty():
+        return None
+    rows = rows.filter(pl.col("pod") != _MARKER)
+    return rows.select(*(pl.col(c).cast(t) for c, t in CHANGES_SCHEMA.items())).sort("pod", "since", "block_size")
+
+
+def save(store: Store, sizes: pl.DataFrame, now: object) -> None:
+    """Save ``sizes`` (:func:`changes`) as the change points judged with, at ``now`` (the store clock, a datetime):
+    a marker row, then one row per change point, in one insert."""
+    rows = [(now, _MARKER, 0, 0)] + [(now, p, s, b) for p, s, b in sizes.select(*CHANGES_SCHEMA).iter_rows()]
+    store.insert("attribution_block_sizes", rows, ["saved_at", "pod", "since", "block_size"])
+
+
+def same(a: pl.DataFrame, b: pl.DataFrame) -> bool:
+    """Whether two change point frames (:func:`changes`) hold the same rows."""
+    cols = list(CHANGES_SCHEMA)
+    return a.select(cols).sort(cols).equals(b.select(cols).sort(cols))
+
+
+#: An unbounded end of :func:`differences`' intervals (unix ms).
+NEVER_BEFORE, NEVER_AFTER = -(2**62), 2**62
+
+
+def differences(old: pl.DataFrame, new: pl.DataFrame, default: int) -> list[tuple[str, int, int]]:
+    """Where two change point frames (:func:`changes`) give a pod different sizes under :func:`at`'s rule (a pod's
+    size as of t; before its first change point, its first size; a pod absent, ``default``): (pod, lo, hi) per
+    interval [lo, hi) in unix ms, :data:`NEVER_BEFORE` / :data:`NEVER_AFTER` for an open end, adjacent ones merged.
+    Pure; a few rows per pod, so plain Python."""
+    def steps(frame: pl.DataFrame, pod: str) -> list[tuple[int, int]]:
+        return sorted((s, b) for s, b in frame.filter(pl.col("pod") == pod).select("since", "block_size").iter_rows())
+
+    def size(points: list[tuple[int, int]], t: int) -> int:
+        if not points:
+            return default
+        found = points[0][1]
+        for since, block_size in points:
+            if since > t:
+                break
+            found = block_size
+        return found
+
+    out: list[tuple[str, int, int]] = []
+    pods = sorted(set(old["pod"].to_list()) | set(new["pod"].to_list()))
+    for pod in pods:
+        a, b = steps(old, pod), steps(new, pod)
+        bounds = sorted({NEVER_BEFORE, *(s for s, _ in a), *(s for s, _ in b)})
+        for lo, hi in zip(bounds, [*bounds[1:], NEVER_AFTER], strict=True):
+            if size(a, lo) == size(b, lo):
+                continue
+            if out and out[-1][0] == pod and out[-1][2] == lo:
+                out[-1] = (pod, out[-1][1], hi)
+            else:
+                out.append((pod, lo, hi))
+    return out

@@ -249,7 +249,7 @@ MEMO_MAX_ROWS = 2_000_000
 ACROSS_RUNS_OVERLAP = timedelta(seconds=30)
 
 
-def _epoch_ms(value: object) -> int:
+def epoch_ms(value: object) -> int:
     """Unix ms of an aware datetime (or of a naive one read as UTC)."""
     if not isinstance(value, datetime):
         raise TypeError(f"not a datetime: {value!r}")
@@ -579,7 +579,7 @@ _LOGGED_RESETS = "(SELECT pod, engine, ts, seq, idx, kind FROM kv_block_log WHER
 #: The spans of :func:`fetch_first_events` and :func:`fetch_model_pods`: per name and bucket of ``lookback`` ms
 #: (at least 1) of the event times, the first and last time in it. Whether a row lies in [t − lookback, b]
 #: (b ≥ t) is then exact (:func:`seen_between`): a bucket is never longer than that range.
-SPANS = _SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(ts)) AS last",
+SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(ts)) AS last",
           "intDiv(toUnixTimestamp64Milli(ts), greatest(1, {lookback:Int64}))")
 
 
@@ -588,8 +588,8 @@ def fetch_first_events(store: Store, params: Mapping[str, object]) -> pl.DataFra
     ``last``, unix ms) from lo − lookback to until: whether the pod's KV events cover an arrival at t (a row in
     [t − lookback, t]: :func:`seen_between`)."""
     return store.query_df(
-        f"SELECT CAST(pod AS String) AS pod, {_SPANS[0]} FROM kv_block_log "
-        f"WHERE {_FROM} GROUP BY pod, {_SPANS[1]}", dict(params))
+        f"SELECT CAST(pod AS String) AS pod, {SPANS[0]} FROM kv_block_log "
+        f"WHERE {_FROM} GROUP BY pod, {SPANS[1]}", dict(params))
 
 
 def fetch_model_pods(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
@@ -598,8 +598,8 @@ def fetch_model_pods(store: Store, params: Mapping[str, object]) -> pl.DataFrame
     another model is no evidence (the same token ids hash alike across models), and a pod counts for a request
     when it served the model within the request's lookback and by its end (:func:`seen_between`)."""
     return store.query_df(
-        f"SELECT CAST(model AS String) AS model, CAST(pod AS String) AS pod, {_SPANS[0]} FROM gateway_requests "
-        f"WHERE {_FROM} GROUP BY model, pod, {_SPANS[1]}", dict(params))
+        f"SELECT CAST(model AS String) AS model, CAST(pod AS String) AS pod, {SPANS[0]} FROM gateway_requests "
+        f"WHERE {_FROM} GROUP BY model, pod, {SPANS[1]}", dict(params))
 
 
 def seen_between(queries: pl.DataFrame, spans: pl.DataFrame, by: list[str], since: str, until: str) -> pl.Series:
@@ -661,16 +661,16 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     end = _end()
     last_end = frame.select(end.max()).item()
     lookback = int(params["lookback"])  # type: ignore[call-overload]
-    kv_from = lookback_start(_epoch_ms(params["lo"]), lookback)
+    kv_from = lookback_start(epoch_ms(params["lo"]), lookback)
     params = {**params, "until": datetime.fromtimestamp(last_end / 1000, UTC),
               "kv_from": datetime.fromtimestamp(kv_from / 1000, UTC)}
     if memo is not None:
-        memo.check(lookback_start(_epoch_ms(frame["ts"].max()), lookback), _epoch_ms(frame["ts"].min()))
+        memo.check(lookback_start(epoch_ms(frame["ts"].max()), lookback), epoch_ms(frame["ts"].min()))
     blocks, skipped = fetch_blocks(store, params, in_set, memo)
     KV_ROWS_READ.inc(blocks["weight"].null_count() if "weight" in blocks.columns else len(blocks))  # not stand-ins
     resets = fetch_resets(store, params)
     if memo is not None:
-        memo.move(blocks, resets, _epoch_ms(frame["ts"].max()), kept=skipped, lookback_ms=lookback)
+        memo.move(blocks, resets, epoch_ms(frame["ts"].max()), kept=skipped, lookback_ms=lookback)
     return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, resets,
                           fetch_model_pods(store, params), lookback)
 

@@ -24,9 +24,6 @@ def cache_config(store: Store, pod: str, t: float, block_size: str) -> None:
     assert store.query_rows(f"SELECT count() FROM vllm_cache_config WHERE pod = '{pod}'")[0][0] >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="a late BlockStored that first shows a pod's new block size names no block "
-                   "of the requests after it and their pod is covered already, so attribution_late re-answers none "
-                   "of them; a run from scratch judges them with the new size")
 def test_a_late_block_size_change_re_answers_the_requests_after_it(store: Store, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
     """Pod ls-a (blocks of B) stored the prompt at 1 s and evicted it at 3 s; r (40 s on ls-a, chain of B) is
@@ -163,8 +160,6 @@ def test_a_size_change_exactly_at_an_arrival_and_between_a_request_and_its_prede
         assert attribute(store, monkeypatch, size, memo) == whole, (size, memo)
 
 
-@pytest.mark.xfail(strict=True, reason="attribution_late does not read vllm_cache_config: a late row that changes a "
-                   "pod's size at earlier arrivals re-answers none of them; a run from scratch judges them with it")
 def test_a_late_cache_config_row_re_answers_the_requests_after_it(store: Store, monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
     """Pod lc-a's events declare blocks of B; it stored the prompt at 1 s and evicted it at 3 s; r (5 s) is answered

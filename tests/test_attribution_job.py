@@ -411,6 +411,42 @@ def test_a_pod_restarted_with_another_block_size_keeps_its_earlier_answers_witho
     assert attributed(store) == live
 
 
+def test_a_late_cache_config_row_re_answers_the_requests_it_resizes_without_kv_evidence(store):
+    """Fingerprint mode. pod-a runs with blocks of 32: t1 (0 s) and `after` (120 s) are answered in blocks of 32.
+    pod-a's restart with blocks of 1024 at 60 s reaches the store late (its vllm_cache_config row, no new request):
+    the next run re-answers `after` alone (below one block of 1024: the same answer as when the row came in time),
+    t1 keeps 32; a run from scratch agrees; a further run examines nothing."""
+    insert_block_size(store, "pod-a", 32, T0 - timedelta(hours=1))
+    insert_requests(store, [gw("t1", at=0, conv="c1"), gw("after", at=120, conv="c2")])
+    run(store, settle_seconds=0, kv_evidence=False)
+    assert {r[0]: r[7] for r in attributed(store)} == {"t1": 32, "after": 32}
+    insert_block_size(store, "pod-a", 1024, T0 + timedelta(seconds=60))
+    assert run(store, settle_seconds=0, kv_evidence=False).examined == 1
+    live = attributed(store)
+    assert live == [("t1", "cold", "", 736, "", "", None, 32), ("t1", "unavoidable", "", 26, "", "", None, 32),
+                    ("after", "below_block", "", 761, "t1", "pod-a", 119_600.0, 1024),
+                    ("after", "unavoidable", "", 1, "t1", "pod-a", 119_600.0, 1024)], live
+    assert run(store, settle_seconds=0, kv_evidence=False).examined == 0
+    for table in ("request_attribution", "attribution_watermark"):
+        store.command(f"TRUNCATE TABLE {table}")
+    run(store, settle_seconds=0, kv_evidence=False)
+    assert attributed(store) == live
+
+
+def test_where_two_sets_of_block_size_changes_differ():
+    """:func:`ingest.block_sizes.differences`, by hand: a new change at 9 s (pod a, from then on); a pod whose sizes
+    are gone (b: the default everywhere instead of 32); a pod seen at the default size (c: no difference); a size
+    seen earlier than before (d: 32 from 0.5 s where 16 held from the start: up to 1 s, merged)."""
+    old = pl.DataFrame({"pod": ["a", "a", "b", "d"], "since": [1_000, 5_000, 3_000, 1_000],
+                        "block_size": [16, 64, 32, 16]})
+    new = pl.DataFrame({"pod": ["a", "a", "a", "c", "d", "d"], "since": [1_000, 5_000, 9_000, 2_000, 500, 1_000],
+                        "block_size": [16, 64, 16, 8, 32, 16]})
+    lo, hi = block_sizes.NEVER_BEFORE, block_sizes.NEVER_AFTER
+    assert block_sizes.differences(old, new, 8) == [("a", 9_000, hi), ("b", lo, hi), ("d", lo, 1_000)]
+    assert block_sizes.differences(new, new, 8) == []
+    assert block_sizes.same(new, new.reverse()) and not block_sizes.same(old, new)
+
+
 def test_the_block_size_of_a_request_is_its_pods_at_its_arrival():
     """:func:`ingest.block_sizes.at`: the size in force at each row's time (a change at exactly that time
     applies), the pod's first known size before it was first seen, the default for a pod never seen; rows keep
