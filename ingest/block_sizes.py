@@ -65,7 +65,12 @@ def at(frame: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
     order: its pod's size as of ts in ``sizes`` (:func:`changes`; a change at exactly ts applies), for a time
     before the pod's first known size that size (the pod ran with it before it was seen), ``default`` for a pod
     without sizes. One as-of join per call, whatever the number of rows."""
-    keys = frame.select(pl.col("pod").cast(pl.String), pl.col("ts").dt.epoch("ms").alias("t")).with_row_index("_r")
+    return _at_ms(frame.select(pl.col("pod").cast(pl.String), pl.col("ts").dt.epoch("ms").alias("t")), sizes, default)
+
+
+def _at_ms(keys: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
+    """:func:`at` for ``keys`` (columns pod, t: unix ms, Int64)."""
+    keys = keys.with_row_index("_r")
     first = sizes.group_by("pod").agg(pl.col("block_size").sort_by("since").first().alias("_first"))
     found = (keys.sort("t")
              .join_asof(sizes.sort("since"), left_on="t", right_on="since", by="pod", strategy="backward",
@@ -115,30 +120,16 @@ def differences(old: pl.DataFrame, new: pl.DataFrame, default: int) -> list[tupl
     """Where two change point frames (:func:`changes`) give a pod different sizes under :func:`at`'s rule (a pod's
     size as of t; before its first change point, its first size; a pod absent, ``default``): (pod, lo, hi) per
     interval [lo, hi) in unix ms, :data:`NEVER_BEFORE` / :data:`NEVER_AFTER` for an open end, adjacent ones merged.
-    Pure; a few rows per pod, so plain Python."""
-    def steps(frame: pl.DataFrame, pod: str) -> list[tuple[int, int]]:
-        return sorted((s, b) for s, b in frame.filter(pl.col("pod") == pod).select("since", "block_size").iter_rows())
-
-    def size(points: list[tuple[int, int]], t: int) -> int:
-        if not points:
-            return default
-        found = points[0][1]
-        for since, block_size in points:
-            if since > t:
-                break
-            found = block_size
-        return found
-
+    Each interval between two change points of either frame has one size per frame, read at its start."""
+    points = pl.concat([old.select("pod", "since"), new.select("pod", "since"),
+                        pl.concat([old, new]).select("pod", pl.lit(NEVER_BEFORE, pl.Int64).alias("since"))])
+    bounds = points.unique().sort("pod", "since").select("pod", pl.col("since").alias("t"))
+    bounds = bounds.with_columns(pl.col("t").shift(-1).over("pod").fill_null(NEVER_AFTER).alias("end"),
+                                 _at_ms(bounds, old, default).alias("a"), _at_ms(bounds, new, default).alias("b"))
     out: list[tuple[str, int, int]] = []
-    pods = sorted(set(old["pod"].to_list()) | set(new["pod"].to_list()))
-    for pod in pods:
-        a, b = steps(old, pod), steps(new, pod)
-        bounds = sorted({NEVER_BEFORE, *(s for s, _ in a), *(s for s, _ in b)})
-        for lo, hi in zip(bounds, [*bounds[1:], NEVER_AFTER], strict=True):
-            if size(a, lo) == size(b, lo):
-                continue
-            if out and out[-1][0] == pod and out[-1][2] == lo:
-                out[-1] = (pod, out[-1][1], hi)
-            else:
-                out.append((pod, lo, hi))
+    for pod, lo, hi in bounds.filter(pl.col("a") != pl.col("b")).select("pod", "t", "end").iter_rows():
+        if out and out[-1][0] == pod and out[-1][2] == lo:
+            out[-1] = (pod, out[-1][1], hi)
+        else:
+            out.append((pod, lo, hi))
     return out
