@@ -9,7 +9,7 @@ KV evidence, its predecessor's whether an inferred cause is read as cold); the p
 row in [t − lookback, e]: the holders for routed_away). So a late row at x reaches only the requests with
 t ∈ [x − MAX_END_MS, x + lookback], and among them:
 - a late block event, only those whose chain names its block (or, for a late cache reset, a block its pod stored
-  in the lookback before it);
+  in the lookback before it) and that had not ended before it (a request sees the events up to its own end);
 - a late event of a pod, for its coverage, only those of that pod (or with a predecessor on it) whose window held
   no other event of the pod;
 - a late gateway row of a pod and model, only the requests of that model whose window held no other row of the
@@ -36,6 +36,10 @@ _KEYS = {"request_id": pl.String, "ts": pl.Datetime("ms", "UTC")}
 #: The rows ingested in the run's window (since, upto].
 INGESTED_WINDOW = "ingested_at > {since:DateTime64(3, 'UTC')} AND ingested_at <= {upto:DateTime64(3, 'UTC')}"
 _LATE = f"{INGESTED_WINDOW} AND dateDiff('millisecond', ts, ingested_at) > {{settle_ms:Int64}}"
+#: A gateway row's end (unix ms, rounded up): its arrival plus e2e_ms, an unknown or negative e2e read as 0, at most
+#: MAX_END_MS, as the evidence reads it (ingest/kv_evidence.py); the events after it do not change its answer.
+_END_SQL = (f"toUnixTimestamp64Milli(ts) + toInt64(ceil(least(greatest(if(isNaN(ifNull(e2e_ms, 0)), 0, "
+            f"ifNull(e2e_ms, 0)), 0), {MAX_END_MS})))")
 #: The requests judged in precise mode (they logged a block chain).
 _CHAINED = "prompt_block_size > 0 AND notEmpty(prompt_block_hashes)"
 #: The requests with an answer given before ``arrived`` (the late rows' ingestion): a later one saw them.
@@ -134,8 +138,9 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
     gap). One query (by kv_block_events' ``ingested_at`` index) when none is: the common case. Else the requests
     that logged a chain (the others are judged without KV events) with t in [x − LATE_KV_SLACK, x + lookback] for a
     late event at x and (module docstring) a chain naming a late event's block, or a block a late reset's pod stored
-    in the lookback before it; or, on a pod the late events first cover at t (no other event of it in
-    [t − lookback, t]), that pod as their own or their predecessor's (request_attribution.predecessor_pod)."""
+    in the lookback before it, with an end (t + e2e) at or after x; or, on a pod the late events first cover at t
+    (no other event of it in [t − lookback, t]), that pod as their own or their predecessor's
+    (request_attribution.predecessor_pod)."""
     params = {"since": since, "upto": upto, "settle_ms": int(settle_seconds * 1000), "lookback": lookback_ms}
     late = store.query_df(f"SELECT CAST(pod AS String) AS pod, {SPANS[0]}, max(ingested_at) AS arrived "
                           f"FROM kv_block_events WHERE {_LATE} GROUP BY pod, {SPANS[1]}", params)
@@ -157,24 +162,34 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
                   AND ts >= {{first:DateTime64(3, 'UTC')}} AND ts <= {{to:DateTime64(3, 'UTC')}}
                   AND (pod, ts) IN (SELECT pod, ts FROM late) GROUP BY pod
             ),
+            late_blocks AS (SELECT pod, arrayJoin(block_hashes) AS bh, min(ts) AS x FROM late GROUP BY pod, bh),
             named AS
             (
-                SELECT arrayJoin(block_hashes) AS h FROM late
-                UNION ALL
-                SELECT chain_hash AS h FROM kv_block_log
-                WHERE kind = 'stored' AND pod IN {{own_pods:Array(String)}}
-                  AND ts >= {{from:DateTime64(3, 'UTC')}} AND ts <= {{to:DateTime64(3, 'UTC')}}
-                  AND (pod, block_hash) IN (SELECT pod, arrayJoin(block_hashes) FROM late)
-                UNION ALL
-                SELECT arrayJoin([l.chain_hash, l.block_hash]) AS h FROM kv_block_log AS l
-                INNER JOIN resets AS r ON l.pod = r.pod
-                WHERE l.kind = 'stored' AND l.pod IN (SELECT pod FROM resets)
-                  AND l.ts >= {{from:DateTime64(3, 'UTC')}} AND l.ts <= {{to:DateTime64(3, 'UTC')}}
-                  AND l.ts >= r.first - toIntervalMillisecond({{lookback:Int64}}) AND l.ts <= r.last
+                SELECT h, min(x) AS x FROM
+                (
+                    SELECT bh AS h, x FROM late_blocks
+                    UNION ALL
+                    SELECT l.chain_hash AS h, b.x AS x FROM kv_block_log AS l
+                    INNER JOIN late_blocks AS b ON l.pod = b.pod AND l.block_hash = b.bh
+                    WHERE l.kind = 'stored' AND l.pod IN {{own_pods:Array(String)}}
+                      AND l.ts >= {{from:DateTime64(3, 'UTC')}} AND l.ts <= {{to:DateTime64(3, 'UTC')}}
+                    UNION ALL
+                    SELECT arrayJoin([l.chain_hash, l.block_hash]) AS h, r.first AS x FROM kv_block_log AS l
+                    INNER JOIN resets AS r ON l.pod = r.pod
+                    WHERE l.kind = 'stored' AND l.pod IN (SELECT pod FROM resets)
+                      AND l.ts >= {{from:DateTime64(3, 'UTC')}} AND l.ts <= {{to:DateTime64(3, 'UTC')}}
+                      AND l.ts >= r.first - toIntervalMillisecond({{lookback:Int64}}) AND l.ts <= r.last
+                )
+                GROUP BY h
             )
-        SELECT DISTINCT request_id, ts FROM gateway_requests ARRAY JOIN prompt_block_hashes AS h
-        WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}} AND {_CHAINED}
-          AND h IN (SELECT h FROM named) AND {_ANSWERED_BEFORE}
+        SELECT DISTINCT g.request_id, g.ts FROM
+        (
+            SELECT request_id, ts, {_END_SQL} AS end, h FROM gateway_requests ARRAY JOIN prompt_block_hashes AS h
+            WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}} AND {_CHAINED}
+              AND h IN (SELECT h FROM named) AND {_ANSWERED_BEFORE}
+        ) AS g
+        INNER JOIN named AS n ON g.h = n.h
+        WHERE g.end >= toUnixTimestamp64Milli(n.x)
         """, params)
     # coverage: the times the late events cover that the pods' other events (those ingested in time, or before
     # this window) do not

@@ -339,3 +339,30 @@ def test_late_kv_events_that_first_cover_a_predecessors_pod_re_answer_its_succes
         [frames("lp-b", 1, 60.0, store_event(tokens(scenario, B, 8), chain_hashes(tokens(scenario, B, 8), B)))])
     assert (before["r"][0][0][0], whole["r"][0][0][0]) == ("routed_away", "cold"), (before, whole)
     assert live == whole
+
+
+def test_a_late_kv_event_re_examines_only_the_requests_it_can_reach(store: Store,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod le-a stored the prompt's blocks at 50 s (in time); r1–r3 (100–300 s, 100 ms each) ended long before
+    le-a's removal of those blocks at 400 s, which reaches the store late; r4 (390 s, e2e 20 s) was still running
+    then and r5 (450 s) arrived after it. A request is judged by the events up to its own end, so the late removal
+    can change r4 and r5 only: the run that reads it re-examines exactly those two. Before, it re-examined every
+    answered request naming a removed block from 10 minutes before the event on (live, a system prompt's blocks
+    are named by nearly every request: ~10 minutes of a fleet's traffic in each run)."""
+    scenario = 101
+    prompt = tokens(scenario, N * B)
+    names = chain_hashes(prompt, B)
+    ingest(store, collect([frames("le-a", 1, 50.0, store_event(prompt, names))]))
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    insert_requests(store, [serving(scenario, "le-a"),
+                            *(request(f"r{k}", scenario, 100.0 * k, "le-a", prompt, e2e_ms=100.0) for k in (1, 2, 3)),
+                            request("r4", scenario, 390.0, "le-a", prompt, e2e_ms=20_000.0),
+                            request("r5", scenario, 450.0, "le-a", prompt, e2e_ms=100.0)])
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    before = answers(store)
+    ingest(store, collect([frames("le-a", 2, 400.0, remove_event(names))]))
+    stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, overlap_seconds=0)
+    assert (stats.arrivals, stats.examined) == (0, 2), stats
+    live = answers(store)
+    assert {rid: live[rid] for rid in ("r1", "r2", "r3")} == {rid: before[rid] for rid in ("r1", "r2", "r3")}
+    assert live == attribute(store, monkeypatch, 10**6)
