@@ -60,8 +60,9 @@ from ingest.store import Store
 log = logging.getLogger("kvscope.attribution")
 
 JOB_NAME = "miss_causes"
-#: What the job reads of a request it judges (the columns judge_frame and precise mode read).
-_FIELDS = TARGET_FIELDS
+#: What the job reads of a request it judges (the columns judge_frame and precise mode read; prompt_block_size:
+#: a chunk where it is 0 throughout logged no block chain, so precise mode has no evidence to read for it).
+_FIELDS = (*TARGET_FIELDS, "prompt_block_size")
 _SELECT = ", ".join(_FIELDS)
 #: A request's identity (its row of gateway_requests).
 _ID = ["request_id", "ts"]
@@ -133,22 +134,28 @@ def _answered_through(store: Store) -> datetime | None:
     return _utc(rows[0][0]) if rows and rows[0][1] else None
 
 
-def _chunk_bounds(store: Store, since: datetime, upto: datetime, chunk_size: int) -> list[int]:
-    """order_key boundaries splitting the requests ingested in (since, upto] into chunks of about
-    ``chunk_size``: [b0, b1, ...] with chunk i = (b_i, b_i+1] (b0 = the lowest key − 1; every other bound is
-    a key of the window, so a chunk's rows lie in the milliseconds [(b_i + 1) >> 20, b_i+1 >> 20]). One query,
-    whatever the window: the chunks are then read by key range, not by sorting the window again for each."""
+def _chunk_bounds(store: Store, since: datetime, upto: datetime, budget: int, evidence_weight: int = 1) -> list[int]:
+    """order_key boundaries splitting the requests ingested in (since, upto] into chunks of about ``budget``
+    units, a request counting 1, or ``evidence_weight`` when it logged a block size (a chain: judged on KV evidence
+    in precise mode, which costs that many times the memory): [b0, b1, ...] with chunk i = (b_i, b_i+1] (b0 = the
+    lowest key − 1; every other bound is a key of the window, so a chunk's rows lie in the milliseconds
+    [(b_i + 1) >> 20, b_i+1 >> 20]). One query, whatever the window: the chunks are then read by key range, not
+    by sorting the window again for each (weighted quantiles: https://clickhouse.com/docs/sql-reference/
+    aggregate-functions/reference/quantileexactweighted)."""
     window = {"since": since, "upto": upto}
-    n, bottom, top = store.query_rows(
-        f"SELECT count(), min(order_key), max(order_key) FROM gateway_requests WHERE {INGESTED_WINDOW}", window)[0]
+    weight = f"toUInt64(if(prompt_block_size > 0, {int(evidence_weight)}, 1))"  # CHAINED without reading the chains
+    n, rows, bottom, top = store.query_rows(
+        f"SELECT sum({weight}), count(), min(order_key), max(order_key) FROM gateway_requests "
+        f"WHERE {INGESTED_WINDOW}", window)[0]
     if not n:
         return []
-    k = max(1, -(-n // chunk_size))
+    k = max(1, -(-int(n) // budget))
     levels = ", ".join(f"{i / k:.9f}" for i in range(1, k))
     inner = []
     if levels:
-        inner = store.query_rows(f"SELECT quantilesExactLow({levels})(order_key) FROM gateway_requests "
-                                 f"WHERE {INGESTED_WINDOW}", window)[0][0]
+        quantiles = f"quantilesExactWeighted({levels})(order_key, {weight})" if n != rows else \
+            f"quantilesExactLow({levels})(order_key)"
+        inner = store.query_rows(f"SELECT {quantiles} FROM gateway_requests WHERE {INGESTED_WINDOW}", window)[0][0]
     return [int(bottom) - 1, *sorted(set(int(b) for b in inner)), int(top)]
 
 
@@ -443,10 +450,24 @@ def _with_predecessors(store: Store, frame: pl.DataFrame, wanted: pl.DataFrame, 
     return joined if joined is not None else _by_ids(store, frame, wanted, have)
 
 
+#: A chunk's size when the caller gives none, in units: a request judged by its fingerprints counts 1, one judged
+#: on KV evidence (precise mode, a logged block chain) :data:`EVIDENCE_WEIGHT`. Measured on 10^6 requests of generated
+#: history without chains (fingerprint mode, CPU-s of the whole run, two runs each, interleaved): chunks of 10^5 took
+#: 19.2 and 21.7, of 2.5·10^5 16.4 and 17.3, of 5·10^5 14.0 and 14.9, peak RSS 1.4, 1.9 and 2.3 GB. Each chunk reads
+#: its keys' rows of the whole horizon (the predecessor ASOF JOIN's right side) and every granule of
+#: gateway_requests that holds one of its rows (sorted by tenant, so nearly all of them): fewer chunks, less of both.
+CHUNK_BUDGET = 500_000
+#: What a request judged on KV evidence counts in :data:`CHUNK_BUDGET`: its evidence (the KV events of its blocks)
+#: costs memory a chainless request does not. On 3·10^5 requests with chains and KV events, chunks of 10^5 peaked at
+#: 3.6 GB RSS and 56.7 CPU-s, of 3·10^5 at 5.4 GB and 63.8 CPU-s: precise chunks stay at 10^5 (5·10^5 / 5).
+EVIDENCE_WEIGHT = 5
+
+
 #: How many chunks' worth of arrivals the job keeps the predecessor fields of (KNOWN_CHUNKS × chunk_size rows
-#: at most), so that a predecessor among them is not read from the store again: on 10^6 requests of generated
-#: history (chunks of ~200 s of traffic; a conversation's next turn comes seconds to minutes later) 98.3% of
-#: predecessors lie in this chunk or the last six, against 64.7% in this chunk or the last one (four: 92.5%).
+#: at most; without a chunk_size, × 10^5, the precise chunk: 6·10^5 rows), so that a predecessor among them is not
+#: read from the store again: on 10^6 requests of generated history (chunks of 10^5, ~200 s of traffic; a
+#: conversation's next turn comes seconds to minutes later) 98.3% of predecessors lie in this chunk or the last six,
+#: against 64.7% in this chunk or the last one (four: 92.5%).
 #: A kept row costs its predecessor fields: ~0.14 KB there, more with long system-line or chunk hash lists.
 KNOWN_CHUNKS = 6
 
@@ -486,7 +507,7 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         by = _ID if "request_id" in chosen.columns else ["order_key"]
         frame = _with_predecessors(store, frame.join(chosen, on=by, how="left"), wanted, have)
     evidence = None
-    if kv_evidence:
+    if kv_evidence and targets.select((pl.col("prompt_block_size") > 0).any()).item():
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
         evidence = chunk_evidence(store, frame, params, _IN_SET, memo)
     return judge_frame(frame, evidence)
@@ -573,7 +594,7 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
                     horizon_seconds: float = attribution.DEFAULT_HORIZON_SECONDS,
                     lookback_seconds: float = attribution.DEFAULT_LOOKBACK_SECONDS,
                     default_block_size: int = attribution.DEFAULT_BLOCK_SIZE,
-                    chunk_size: int = 100_000, kv_evidence: bool = True, memo: KvMemo | None = None) -> RunStats:
+                    chunk_size: int | None = None, kv_evidence: bool = True, memo: KvMemo | None = None) -> RunStats:
     """One run: answer every request ingested up to (store clock − ``settle_seconds``) that has no answer,
     and re-answer their successors; then advance the watermark. Returns what it did.
 
@@ -582,9 +603,10 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
     not work. ``horizon_seconds``: the furthest back a predecessor may lie; ``lookback_seconds``: the
     furthest back a request with none looks for one beyond the horizon (its reusable part is then
     ``beyond_horizon``; ≤ ``horizon_seconds`` turns the lookback off). ``chunk_size``: arrivals per
-    chunk (bounds memory: about 2 KB per request in a chunk). ``kv_evidence``: precise mode, judge the
-    requests that logged a block chain against the pods' KV events (docs/miss-causes.md "Precise mode");
-    False attributes from fingerprints alone (``evidence`` inferred / fingerprints), to compare. Raises
+    chunk (bounds memory); None: :data:`CHUNK_BUDGET` units, a request judged on KV evidence counting
+    :data:`EVIDENCE_WEIGHT` (5·10^5 requests judged by fingerprints, 10^5 on KV evidence). ``kv_evidence``:
+    precise mode, judge the requests that logged a block chain against the pods' KV events (docs/miss-causes.md
+    "Precise mode"); False attributes from fingerprints alone (``evidence`` inferred / fingerprints), to compare. Raises
     :class:`~ingest.errors.StoreUnavailable` (retry later) or other :class:`~ingest.errors.KvscopeError`; a
     failed run leaves the watermark and is safe to repeat. ``stop``: checked between chunks (a run over a big
     backlog stops early, leaving the watermark). Runs in one process are serialised (one writer). ``memo``: a
@@ -628,7 +650,7 @@ def _by_memo(arrivals: pl.DataFrame, memo: KvMemo | None, across_runs: bool
 
 
 def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: threading.Event | None,
-         reach: tuple[int, int], default_block_size: int, chunk_size: int, kv_evidence: bool = True,
+         reach: tuple[int, int], default_block_size: int, chunk_size: int | None, kv_evidence: bool = True,
          kept: KvMemo | None = None) -> RunStats:
     now = server_now(store)
     upto = now - timedelta(seconds=settle_seconds)
@@ -639,7 +661,12 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     # their own chunk, and a successor re-answered already had an answer.
     answered_before = answered_through
     stats = RunStats()
-    bounds = _chunk_bounds(store, since, upto, chunk_size) if upto > since else []
+    if chunk_size is None:  # re-examined targets (few, precise) and kept rows by the precise chunk's size
+        budget, weight = CHUNK_BUDGET, EVIDENCE_WEIGHT if kv_evidence else 1
+        chunk_size = CHUNK_BUDGET // EVIDENCE_WEIGHT
+    else:
+        budget, weight = chunk_size, 1
+    bounds = _chunk_bounds(store, since, upto, budget, weight) if upto > since else []
     recent: list[pl.DataFrame] = []  # the predecessor fields of the last chunks' arrivals
     memo = (kept or KvMemo()) if kv_evidence else None  # the KV evidence before the last chunk's arrivals, summarized
     if memo is not None and kept is not None:

@@ -3,6 +3,7 @@ read by people, never asserted: timing depends on the machine)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_runs_and_prints_every_figure() -> None:
+def test_bench_runs_and_prints_every_figure(tmp_path: Path) -> None:
+    # its chDB directory (kept for ``--reuse``) goes under tmp_path, not /tmp: ~90 MB per run otherwise left behind
     out = subprocess.run([sys.executable, "-m", "bench.run", "--quick"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=1500)
+                         timeout=1500, env={**os.environ, "TMPDIR": str(tmp_path)})
     print(out.stdout[-6000:])
     assert out.returncode == 0, out.stderr[-4000:]
     for figure in ("raw insert", "insert through gateway_requests", "attribution, 20,000 requests: rate",
