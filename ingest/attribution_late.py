@@ -223,7 +223,9 @@ def new_holder_targets(store: Store, late: pl.DataFrame, since: datetime, lookba
     the requests of the model that logged a chain with t in [s − MAX_END_MS, s + lookback] for a late row at s, that
     no row of the pair ingested by ``since`` covers (in [t − lookback, t]), and whose chain names a block the pod
     stored (in [t − lookback, t + MAX_END_MS]): a pod with no such block is no holder for them; answered before
-    ``answered_before`` (a later answer saw the rows), by ``answered_through`` (the latest answer's ts). Two short
+    ``answered_before`` (a later answer saw the rows), by ``answered_through`` (the latest answer's ts). The rows
+    that cover a request already are those ingested by ``since`` or answered before ``answered_before`` (the run's
+    start): live, every row of the pair but the run's own arrivals. Two short
     queries when every pair served its model within :data:`PROBE` before (live: nothing to re-examine)."""
     spans = (late.group_by(pl.col("model").cast(pl.String), pl.col("pod").cast(pl.String))
              .agg(pl.col("ts").min().alias("lo"), pl.col("ts").max().alias("hi")))
@@ -233,9 +235,15 @@ def new_holder_targets(store: Store, late: pl.DataFrame, since: datetime, lookba
     cap = min(hi + lookback_ms, epoch_ms(answered_through))  # no answer is later
     params = {"models": spans["model"].to_list(), "pods": spans["pod"].to_list(), "since": since,
               "lookback": lookback_ms}
+    # the rows the answers saw: ingested before the run's window, or answered before this run (one answered since
+    # it was visible: either an answer given after it saw it, or it arrived later and, a late row then, re-examined
+    # the answers it changed); live, all but the run's own arrivals
+    params["answered_before"] = answered_before
     old = _old_cover(store, "gateway_requests", ["model", "pod"], "model IN {models:Array(String)} AND pod IN "
-                     "{pods:Array(String)} AND ingested_at <= {since:DateTime64(3, 'UTC')}", params, lo - MAX_END_MS,
-                     cap, lookback_ms, len(spans))
+                     "{pods:Array(String)} AND (ingested_at <= {since:DateTime64(3, 'UTC')} OR (request_id, ts) IN "
+                     "(SELECT request_id, ts FROM request_attribution WHERE ts >= {b_lo:DateTime64(3, 'UTC')} AND "
+                     "ts <= {b_hi:DateTime64(3, 'UTC')} AND attributed_at < {answered_before:DateTime64(3, 'UTC')}))",
+                     params, lo - MAX_END_MS, cap, lookback_ms, len(spans))
     t = pl.col("ts").dt.epoch("ms")
     rows = (late.group_by(pl.col("model").cast(pl.String), pl.col("pod").cast(pl.String), t // max(1, lookback_ms))
             .agg(t.min().alias("first"), t.max().alias("last")).drop("ts"))

@@ -366,3 +366,26 @@ def test_a_late_kv_event_re_examines_only_the_requests_it_can_reach(store: Store
     live = answers(store)
     assert {rid: live[rid] for rid in ("r1", "r2", "r3")} == {rid: before[rid] for rid in ("r1", "r2", "r3")}
     assert live == attribute(store, monkeypatch, 10**6)
+
+
+def test_a_late_gateway_row_of_a_pod_already_serving_the_model_re_examines_nothing(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods ha-a and ha-b serve the model (rows at 1 s, answered by the first run); ha-b stored the prompt's blocks.
+    r1–r3 (5–7 s on ha-a) named them and were answered with ha-b a holder. A later row of ha-b (4 s) reaches the
+    store after them, as live requests are logged when they end: ha-b already served the model in their windows,
+    so it changes none of their holders and the run re-examines none of them. Before, the rows the answers had
+    seen counted only when ingested before the run's overlap window (5 minutes), so live every late row re-examined
+    every answered request of its model naming a block its pod stored (``make demo``: 20 → 768 per run)."""
+    scenario = 102
+    prompt = holder_and_own_pod(store, scenario, ("ha-b", 0.5), ("ha-a", 0.5))
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    first = [serving(scenario, "ha-a", t=1.0), serving(scenario, "ha-b", t=1.0),
+             *(request(f"r{k}", scenario, 4.0 + k, "ha-a", prompt, e2e_ms=100.0) for k in (1, 2, 3))]
+    for rows in (first, [{**serving(scenario, "ha-b", t=4.0), "request_id": "late-ha-b"}]):
+        now = attribution_job.server_now(store) - timedelta(milliseconds=1)
+        insert_requests(store, [{**row, "ingested_at": now} for row in rows])
+        stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    assert (stats.arrivals, stats.examined) == (1, 0), stats
+    live = answers(store)
+    assert all((live[f"r{k}"][0][0][0], live[f"r{k}"][2]) == ("routed_away", "ha-b") for k in (1, 2, 3)), live
+    assert live == attribute(store, monkeypatch, 10**6)
