@@ -154,42 +154,54 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
     by_block = store.query_df(
         f"""
         WITH
-            late AS (SELECT pod, ts, block_hashes FROM kv_block_events WHERE {_LATE}),
+            late AS (SELECT pod, ts, block_hashes, ingested_at FROM kv_block_events WHERE {_LATE}),
             resets AS
             (
-                SELECT pod, min(ts) AS first, max(ts) AS last FROM kv_block_log
-                WHERE kind IN ('cleared', 'restart') AND pod IN {{pods:Array(String)}}
-                  AND ts >= {{first:DateTime64(3, 'UTC')}} AND ts <= {{to:DateTime64(3, 'UTC')}}
-                  AND (pod, ts) IN (SELECT pod, ts FROM late) GROUP BY pod
+                SELECT pod, min(ts) AS first, max(ts) AS last, max(ingested_at) AS arrived FROM late
+                WHERE (pod, ts) IN (SELECT pod, ts FROM kv_block_log
+                                    WHERE kind IN ('cleared', 'restart') AND pod IN {{pods:Array(String)}}
+                                      AND ts >= {{first:DateTime64(3, 'UTC')}} AND ts <= {{to:DateTime64(3, 'UTC')}})
+                GROUP BY pod
             ),
-            late_blocks AS (SELECT pod, arrayJoin(block_hashes) AS bh, min(ts) AS x FROM late GROUP BY pod, bh),
+            late_blocks AS
+            (
+                SELECT pod, arrayJoin(block_hashes) AS bh, ts AS x, ingested_at AS arrived FROM late
+            ),
             named AS
             (
-                SELECT h, min(x) AS x FROM
+                SELECT h, x, max(arrived) AS arrived FROM
                 (
-                    SELECT bh AS h, x FROM late_blocks
+                    SELECT bh AS h, x, arrived FROM late_blocks
                     UNION ALL
-                    SELECT l.chain_hash AS h, b.x AS x FROM kv_block_log AS l
+                    SELECT l.chain_hash AS h, b.x AS x, b.arrived AS arrived FROM kv_block_log AS l
                     INNER JOIN late_blocks AS b ON l.pod = b.pod AND l.block_hash = b.bh
                     WHERE l.kind = 'stored' AND l.pod IN {{own_pods:Array(String)}}
                       AND l.ts >= {{from:DateTime64(3, 'UTC')}} AND l.ts <= {{to:DateTime64(3, 'UTC')}}
                     UNION ALL
-                    SELECT arrayJoin([l.chain_hash, l.block_hash]) AS h, r.first AS x FROM kv_block_log AS l
+                    SELECT arrayJoin([l.chain_hash, l.block_hash]) AS h, r.first AS x, r.arrived AS arrived
+                    FROM kv_block_log AS l
                     INNER JOIN resets AS r ON l.pod = r.pod
                     WHERE l.kind = 'stored' AND l.pod IN (SELECT pod FROM resets)
                       AND l.ts >= {{from:DateTime64(3, 'UTC')}} AND l.ts <= {{to:DateTime64(3, 'UTC')}}
                       AND l.ts >= r.first - toIntervalMillisecond({{lookback:Int64}}) AND l.ts <= r.last
                 )
-                GROUP BY h
+                GROUP BY h, x
+            ),
+            answered AS
+            (
+                SELECT request_id, ts, max(attributed_at) AS answered_at FROM request_attribution
+                WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}}
+                GROUP BY request_id, ts HAVING sum(sign) > 0 AND answered_at < {{arrived:DateTime64(3, 'UTC')}}
             )
-        SELECT DISTINCT g.request_id, g.ts FROM
+        SELECT DISTINCT g.request_id AS request_id, g.ts AS ts FROM
         (
             SELECT request_id, ts, {_END_SQL} AS end, h FROM gateway_requests ARRAY JOIN prompt_block_hashes AS h
             WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}} AND {_CHAINED}
-              AND h IN (SELECT h FROM named) AND {_ANSWERED_BEFORE}
+              AND h IN (SELECT h FROM named) AND (request_id, ts) IN (SELECT request_id, ts FROM answered)
         ) AS g
         INNER JOIN named AS n ON g.h = n.h
-        WHERE g.end >= toUnixTimestamp64Milli(n.x)
+        INNER JOIN answered AS a ON g.request_id = a.request_id AND g.ts = a.ts
+        WHERE g.end >= toUnixTimestamp64Milli(n.x) AND a.answered_at < n.arrived
         """, params)
     # coverage: the times the late events cover that the pods' other events (those ingested in time, or before
     # this window) do not
