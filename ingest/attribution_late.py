@@ -9,7 +9,8 @@ KV evidence, its predecessor's whether an inferred cause is read as cold); the p
 row in [t − lookback, e]: the holders for routed_away). So a late row at x reaches only the requests with
 t ∈ [x − MAX_END_MS, x + lookback], and among them:
 - a late block event, only those whose chain names its block (or, for a late cache reset, a block its pod stored
-  in the lookback before it) and that had not ended before it (a request sees the events up to its own end);
+  in the lookback before it) that had not ended before it (a request sees the events up to its own end) and were
+  answered before it was ingested;
 - a late event of a pod, for its coverage, only those of that pod (or with a predecessor on it) whose window held
   no other event of the pod;
 - a late gateway row of a pod and model, only the requests of that model whose window held no other row of the
@@ -138,7 +139,8 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
     gap). One query (by kv_block_events' ``ingested_at`` index) when none is: the common case. Else the requests
     that logged a chain (the others are judged without KV events) with t in [x − LATE_KV_SLACK, x + lookback] for a
     late event at x and (module docstring) a chain naming a late event's block, or a block a late reset's pod stored
-    in the lookback before it, with an end (t + e2e) at or after x; or, on a pod the late events first cover at t
+    in the lookback before it, with an end (t + e2e) at or after x and an answer given before that event was
+    ingested (one given later saw it); or, on a pod the late events first cover at t
     (no other event of it in [t − lookback, t]), that pod as their own or their predecessor's
     (request_attribution.predecessor_pod)."""
     params = {"since": since, "upto": upto, "settle_ms": int(settle_seconds * 1000), "lookback": lookback_ms}
@@ -233,7 +235,7 @@ def new_holder_targets(store: Store, late: pl.DataFrame, since: datetime, lookba
     pod: arrivals older than some answered request) may add a pod to: a pod is a holder for a request of its model
     at t when it served the model in [t − lookback, end] (end ≤ t + MAX_END_MS). For each (model, pod) of ``late``,
     the requests of the model that logged a chain with t in [s − MAX_END_MS, s + lookback] for a late row at s, that
-    no row of the pair ingested by ``since`` covers (in [t − lookback, t]), and whose chain names a block the pod
+    no row of the pair the answers saw covers (in [t − lookback, t]), and whose chain names a block the pod
     stored (in [t − lookback, t + MAX_END_MS]): a pod with no such block is no holder for them; answered before
     ``answered_before`` (a later answer saw the rows), by ``answered_through`` (the latest answer's ts). The rows
     that cover a request already are those ingested by ``since`` or answered before ``answered_before`` (the run's
