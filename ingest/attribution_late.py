@@ -12,7 +12,7 @@ t ∈ [x − MAX_END_MS, x + lookback], and among them:
   in the lookback before it) that had not ended before it (a request sees the events up to its own end) and were
   answered before it was ingested;
 - a late event of a pod, for its coverage, only those of that pod (or with a predecessor on it) whose window held
-  no other event of the pod;
+  no other event of the pod that had reached the store by their answer;
 - a late gateway row of a pod and model, only the requests of that model whose window held no other row of the
   pod and model, and whose chain names a block the pod stored.
 
@@ -214,9 +214,12 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
               for pod, spans in _cover(late.drop("arrived"), 0, lookback_ms).items()}
     by_pod = pl.DataFrame(schema=_KEYS)
     if any(gained.values()):
-        by_pod = store.query_df(
+        by_pod = _unseen_cover(store, gained, lookback_ms, params, store.query_df(
             f"""
-            SELECT request_id, ts FROM request_attribution
+            SELECT request_id, ts, max(attributed_at) AS answered_at,
+                   arrayDistinct(arrayConcat(groupUniqArray(CAST(pod AS String)),
+                                             groupUniqArray(CAST(predecessor_pod AS String)))) AS pods
+            FROM request_attribution
             WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}}
               AND arrayExists((p, a, b) -> (pod = p OR predecessor_pod = p) AND toUnixTimestamp64Milli(ts) >= a
                                            AND toUnixTimestamp64Milli(ts) <= b,
@@ -225,8 +228,37 @@ def late_kv_targets(store: Store, since: datetime, upto: datetime, settle_second
                                        WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}}
                                          AND {_CHAINED})
             GROUP BY request_id, ts HAVING sum(sign) > 0 AND max(attributed_at) < {{arrived:DateTime64(3, 'UTC')}}
-            """, {**params, **_ranges(gained)})
+            """, {**params, **_ranges(gained)}))
     return _keys(by_block, by_pod)
+
+
+def _unseen_cover(store: Store, gained: dict[tuple[str, ...], list[tuple[int, int]]], lookback_ms: int,
+                  params: dict[str, Any], candidates: pl.DataFrame) -> pl.DataFrame:
+    """The ``candidates`` (columns request_id, ts, answered_at, pods: the request's pod and predecessor pods) whose
+    answer did not see the coverage the late events give: for some pod p of theirs with ts in ``gained[p]``, no late
+    event of p in [t − lookback, t] was ingested by the answer's time. An answer given after such an event saw it
+    (a final run at shutdown, settle 0, counts every event of its window late: the answers of its window saw most of
+    them). Columns request_id, ts."""
+    if candidates.is_empty():
+        return candidates.select(*_KEYS)
+    pods = sorted({name[0] for name, spans in gained.items() if spans})
+    events = store.query_df(
+        f"SELECT CAST(pod AS String) AS pod, toUnixTimestamp64Milli(ts) AS e_ts, ingested_at FROM kv_block_events "
+        f"WHERE {_LATE} AND pod IN {{gained_pods:Array(String)}} ORDER BY e_ts", {**params, "gained_pods": pods})
+    rows = (candidates.explode("pods").rename({"pods": "pod"}).filter(pl.col("pod").is_in(pods))
+            .with_columns(pl.col("ts").dt.epoch("ms").alias("t")))
+    inside = [any(lo <= t <= hi for lo, hi in gained.get((pod,), [])) for pod, t in zip(rows["pod"], rows["t"],
+                                                                                         strict=True)]
+    rows = rows.filter(pl.Series(inside, dtype=pl.Boolean))
+    unseen = []
+    for (answered_at,), part in rows.partition_by("answered_at", as_dict=True).items():
+        seen = events.filter(pl.col("ingested_at") <= answered_at).select("pod", "e_ts")
+        part = part.sort("t").join_asof(seen.sort("e_ts"), left_on="t", right_on="e_ts", by="pod",
+                                        strategy="backward", check_sortedness=False)
+        unseen.append(part.filter(pl.col("e_ts").is_null() | (pl.col("e_ts") < pl.col("t") - lookback_ms)))
+    if not unseen:
+        return candidates.clear().select(*_KEYS)
+    return pl.concat(unseen).select(*_KEYS).unique()
 
 
 def new_holder_targets(store: Store, late: pl.DataFrame, since: datetime, lookback_ms: int,

@@ -409,3 +409,23 @@ def test_a_late_kv_event_re_examines_only_the_requests_answered_before_it_arrive
     stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
     assert (stats.arrivals, stats.examined) == (0, 0), stats
     assert answers(store) == attribute(store, monkeypatch, 10**6)
+
+
+def test_late_kv_events_whose_coverage_the_answers_saw_re_examine_nothing(store: Store,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """As :func:`test_late_kv_events_that_change_nothing_re_examine_nothing`, but the next run re-reads the overlap
+    window (5 minutes, the default), where lx-a's first event (50 s) also counts as late: its ts is long before its
+    ingestion, as every event's is in a final run at shutdown (settle 0). r1–r3 were answered after it arrived, so
+    they saw lx-a cover them: the run re-examines none of them. Before, a pod with no event ingested before the
+    window (its first 5 minutes) had every request re-examined (``make demo``'s final run: 772)."""
+    scenario = 104
+    prompt, other, more = tokens(scenario, N * B), tokens(scenario, B, 9), tokens(scenario, B, 8)
+    ingest(store, collect([frames("lw-a", 1, 50.0, store_event(other, chain_hashes(other, B)))]))
+    monkeypatch.setattr(kv_evidence, "MEMO_MIN_ROWS", 10**9)
+    insert_requests(store, [serving(scenario, "lw-a"),
+                            *(request(f"r{k}", scenario, 100.0 * k, "lw-a", prompt) for k in (1, 2, 3))])
+    attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    ingest(store, collect([frames("lw-a", 2, 60.0, store_event(more, chain_hashes(more, B)))]))
+    stats = attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B)
+    assert (stats.arrivals, stats.examined) == (0, 0), stats
+    assert answers(store) == attribute(store, monkeypatch, 10**6)
