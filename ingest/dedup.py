@@ -202,3 +202,18 @@ def stage_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:
 
 
 IN_STAGE = "(request_id, ts) IN (SELECT request_id, ts FROM key_stage WHERE set = {set:String})"
+
+
+def stage_order_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:
+    """Put the distinct order_key of ``keys`` (columns order_key, ts) in table key_stage as set ``name``,
+    replacing the set (sql/migrations/0034); returns the query parameters that select it: ``set`` (use
+    :data:`IN_ORDER_STAGE`) and ``lo``/``hi``, the ts range (to bound the other side)."""
+    store.command("ALTER TABLE key_stage DELETE WHERE set = {set:String}", {"set": name})
+    staged = keys.select(pl.col("order_key").cast(pl.UInt64)).unique().with_columns(
+        pl.lit(name).alias("set"), pl.lit("").alias("request_id"),
+        pl.lit(0).cast(pl.Datetime("ms", "UTC")).alias("ts"))
+    store.insert_arrow("key_stage", staged.select("set", "request_id", "ts", "order_key").to_arrow())
+    return {"set": name, "lo": keys["ts"].min(), "hi": keys["ts"].max()}
+
+
+IN_ORDER_STAGE = "order_key IN (SELECT order_key FROM key_stage WHERE set = {set:String})"

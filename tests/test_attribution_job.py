@@ -571,6 +571,57 @@ def test_predecessors_sharing_an_order_key_are_told_apart(store, chunk_size):
     assert sorted(r[:6] for r in attributed(store)) == expected
 
 
+def test_a_chunk_reads_its_targets_keys_by_range_only_when_the_range_holds_exactly_them(store):
+    """A chunk's predecessor keys are read from request_keys by its order_key range (``_whole_range``) only when that
+    range holds exactly its targets' keys: not when a request of the range is no target (answered before), nor when
+    a served target has no prompt (request_keys leaves it out, so its keys would be missed). A failed request
+    needs no predecessor and does not prevent it."""
+    insert_requests(store, traffic())  # t1, t2, warm, and a failed request without a prompt
+    far = datetime(2100, 1, 1, tzinfo=UTC)
+
+    def whole(targets: pl.DataFrame) -> bool:
+        return attribution_job._whole_range(store, targets, ["order_key"]) is not None
+
+    arrivals = attribution_job._arrivals(store, attribution_job._EPOCH, far, 0, 2**64 - 1)
+    assert len(arrivals) == 4 and whole(arrivals)
+    assert not whole(arrivals.filter(pl.col("request_id") != "t2"))  # t2 lies between t1 and warm
+    assert whole(arrivals.filter(pl.col("request_id") != "warm"))  # the range then ends at t2
+    insert_requests(store, [gw("no-prompt", at=4, prompt=0)])
+    assert not whole(attribution_job._arrivals(store, attribution_job._EPOCH, far, 0, 2**64 - 1))
+
+
+@pytest.mark.parametrize("horizon_seconds", [attribution.DEFAULT_HORIZON_SECONDS, 0.5])
+def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(store, monkeypatch, horizon_seconds):
+    """Generated traffic (bench/history.py: 750 conversations over pods, failed requests; 6 s) in chunks of 700:
+    every chunk reads its targets' keys by range, and the answers (causes, tokens, predecessors) are those of the
+    chunks that look their ids up in gateway_requests; with a horizon of 0.5 s, most predecessors lie beyond it
+    (the lookback's second search reads the keys of the requests without one by range too)."""
+    from bench.history import gateway_table
+
+    store.insert_arrow("gateway_requests", gateway_table(3000, seed=5, tenants=1000, pods=3, end=T0))
+    real, used = attribution_job._whole_range, []
+
+    def spy(*args: Any) -> dict[str, Any] | None:
+        params = real(*args)
+        used.append(params is not None)
+        return params
+
+    monkeypatch.setattr(attribution_job, "_whole_range", spy)
+    reach = {"horizon_seconds": horizon_seconds, "lookback_seconds": 3600.0}
+    assert run(store, settle_seconds=-60, chunk_size=700, **reach).chunks == 5
+    assert used == [True] * 5
+    by_range = (attributed(store), weighted(store))
+    assert len({r[0] for r in by_range[0]}) > 2000
+    beyond = store.query_rows("SELECT countIf(endsWith(predecessor_kind, '_beyond_horizon')), count() "
+                              "FROM request_attribution")[0]
+    assert (beyond[0] > 500) == (horizon_seconds < 1), beyond
+    store.command("TRUNCATE TABLE request_attribution")
+    store.command("TRUNCATE TABLE attribution_watermark")
+    monkeypatch.setattr(attribution_job, "_whole_range", lambda *args: None)
+    run(store, settle_seconds=-60, chunk_size=700, **reach)
+    assert (attributed(store), weighted(store)) == by_range
+
+
 def test_the_rows_kept_for_predecessors_are_bounded():
     """The job keeps the predecessor fields of its last chunks up to a row cap, dropping the oldest chunk first
     (the newest is kept whatever its size)."""
