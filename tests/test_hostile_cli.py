@@ -137,11 +137,18 @@ def count(store: Store, sql: str) -> int:
     return store.query_rows(sql)[0][0]
 
 
+#: The fd number of :func:`piped`'s read end (below the usual 1024 open files).
+PIPE_FD = 700
+
+
 @contextlib.contextmanager
 def piped(data: bytes) -> Iterator[str]:
     """A pipe named as a path, as a shell's process substitution gives one (``<(zcat log.gz)``: /dev/fd/N), fed
-    ``data`` by a thread."""
-    read_fd, write_fd = os.pipe()
+    ``data`` by a thread. Its read end is always fd :data:`PIPE_FD`, as a shell gives the same command the same
+    /dev/fd/N: the lowest free number would vary with the files chDB's background merges hold open."""
+    first_fd, write_fd = os.pipe()
+    read_fd = os.dup2(first_fd, PIPE_FD)
+    os.close(first_fd)
 
     def feed() -> None:
         with contextlib.suppress(BrokenPipeError), os.fdopen(write_fd, "wb") as fh:
