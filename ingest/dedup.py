@@ -194,10 +194,15 @@ def stage_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, Any]:
     returns the query parameters that select it: ``set`` (use ``(request_id, ts) IN (SELECT request_id, ts
     FROM key_stage WHERE set = {set:String})``), and ``lo``/``hi``, the ts range (to bound the other side).
     Set names must be unique per writer (two writers sharing a name would see each other's keys)."""
+    return _replace_set(store, name, keys, keys.select(
+        "request_id", pl.col("ts").dt.cast_time_unit("ms").dt.convert_time_zone("UTC")).unique())
+
+
+def _replace_set(store: Store, name: str, keys: pl.DataFrame, staged: pl.DataFrame) -> dict[str, Any]:
+    """Replace key_stage's set ``name`` with the rows ``staged`` (some of its columns; the others take their
+    defaults); returns the parameters ``set``, ``lo`` and ``hi`` (the ts range of ``keys``)."""
     store.command("ALTER TABLE key_stage DELETE WHERE set = {set:String}", {"set": name})
-    staged = keys.select("request_id", pl.col("ts").dt.cast_time_unit("ms").dt.convert_time_zone("UTC")).unique()
-    store.insert_arrow("key_stage", staged.with_columns(pl.lit(name).alias("set")).select("set", "request_id", "ts")
-                       .to_arrow())
+    store.insert_arrow("key_stage", staged.select(pl.lit(name).alias("set"), pl.all()).to_arrow())
     return {"set": name, "lo": keys["ts"].min(), "hi": keys["ts"].max()}
 
 
@@ -208,12 +213,7 @@ def stage_order_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, A
     """Put the distinct order_key of ``keys`` (columns order_key, ts) in table key_stage as set ``name``,
     replacing the set (sql/migrations/0034); returns the query parameters that select it: ``set`` (use
     :data:`IN_ORDER_STAGE`) and ``lo``/``hi``, the ts range (to bound the other side)."""
-    store.command("ALTER TABLE key_stage DELETE WHERE set = {set:String}", {"set": name})
-    staged = keys.select(pl.col("order_key").cast(pl.UInt64)).unique().with_columns(
-        pl.lit(name).alias("set"), pl.lit("").alias("request_id"),
-        pl.lit(0).cast(pl.Datetime("ms", "UTC")).alias("ts"))
-    store.insert_arrow("key_stage", staged.select("set", "request_id", "ts", "order_key").to_arrow())
-    return {"set": name, "lo": keys["ts"].min(), "hi": keys["ts"].max()}
+    return _replace_set(store, name, keys, keys.select(pl.col("order_key").cast(pl.UInt64)).unique())
 
 
 IN_ORDER_STAGE = "order_key IN (SELECT order_key FROM key_stage WHERE set = {set:String})"
