@@ -10,9 +10,11 @@ in test_hostile_input.py.)"""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -137,17 +139,27 @@ def count(store: Store, sql: str) -> int:
     return store.query_rows(sql)[0][0]
 
 
-#: The fd number of :func:`piped`'s read end (below the usual 1024 open files).
-PIPE_FD = 700
+def top_free_fd() -> int:
+    """The highest fd number free in this process, below the open-file limit. Files are given the lowest free
+    number, so a long test session (chDB holds hundreds of files open) reaches this one last; a fixed number such as
+    700 was already chDB's, and ``dup2`` over it closed chDB's file under it."""
+    number = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
+    while True:
+        try:
+            fcntl.fcntl(number, fcntl.F_GETFD)
+        except OSError:
+            return number
+        number -= 1
 
 
 @contextlib.contextmanager
-def piped(data: bytes) -> Iterator[str]:
+def piped(data: bytes, fd: int) -> Iterator[str]:
     """A pipe named as a path, as a shell's process substitution gives one (``<(zcat log.gz)``: /dev/fd/N), fed
-    ``data`` by a thread. Its read end is always fd :data:`PIPE_FD`, as a shell gives the same command the same
-    /dev/fd/N: the lowest free number would vary with the files chDB's background merges hold open."""
+    ``data`` by a thread. Its read end is fd ``fd`` (free: see :func:`top_free_fd`), as a shell gives the same
+    command the same /dev/fd/N: the lowest free number would vary with the files chDB's background merges hold
+    open."""
     first_fd, write_fd = os.pipe()
-    read_fd = os.dup2(first_fd, PIPE_FD)
+    read_fd = os.dup2(first_fd, fd)
     os.close(first_fd)
 
     def feed() -> None:
@@ -197,17 +209,18 @@ def test_a_pipe_imports_once_and_again_without_doubles(store: Store) -> None:
     The same for labels and metrics. A pipe is read once; its dead letters are keyed by the path as given, so
     the same command again adds nothing."""
     log = ("\n".join([gateway_line(f"p-{i}", i) for i in range(5)] + ["not json"]) + "\n").encode()
+    fd = top_free_fd()
     for _ in range(2):
-        with piped(log) as path:
+        with piped(log, fd) as path:
             result = cli(store, "import", "gateway-log", path)
         assert result.exit_code == 0, result.output
         assert count(store, "SELECT count() FROM gateway_requests") == 5
         assert count(store, "SELECT count() FROM dead_letters") == 1
     assert "/dev/fd/" in store.query_rows("SELECT location FROM dead_letters")[0][0]
-    with piped(("\n".join(label_line(f"p-{i}") for i in range(3)) + "\n").encode()) as path:
+    with piped(("\n".join(label_line(f"p-{i}") for i in range(3)) + "\n").encode(), fd) as path:
         result = cli(store, "import", "labels", path)
     assert result.exit_code == 0 and f"{path}: 3 labels, 0 already stored, 0 bad lines" in result.output
-    with piped(SAMPLE.read_bytes()) as path:
+    with piped(SAMPLE.read_bytes(), fd) as path:
         result = cli(store, "import", "metrics", path, "--pod", "pod-a", "--at", NOW.isoformat())
     assert result.exit_code == 0, result.output
     assert count(store, "SELECT count() FROM vllm_cache_config WHERE pod = 'pod-a'") == 1
