@@ -619,7 +619,7 @@ def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(
     """Generated traffic (bench/history.py: 750 conversations over pods, failed requests; 6 s) in chunks of 700:
     every chunk reads its targets' keys by range, and the answers (causes, tokens, predecessors) are those of the
     chunks that look their ids up in gateway_requests; with a horizon of 0.5 s, most predecessors lie beyond it
-    (the lookback's second search reads the keys of the requests without one by range too)."""
+    (the lookback's second search looks the keys of the requests without one up by id)."""
     from bench.history import gateway_table
 
     store.insert_arrow("gateway_requests", gateway_table(3000, seed=5, tenants=1000, pods=3, end=T0))
