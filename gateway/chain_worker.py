@@ -157,12 +157,21 @@ class RemoteChainer:
                 await asyncio.wait_for(self._reading, DRAIN_SECONDS + 5)
             except TimeoutError:
                 pass
-        if self._proc is not None:
-            try:
-                await asyncio.to_thread(self._proc.wait, 5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.wait)
+        if self._proc is not None and not await _exited(self._proc, 5.0):
+            self._proc.kill()
+            await _exited(self._proc, 30.0)
+
+
+async def _exited(proc: subprocess.Popen[bytes], seconds: float) -> bool:
+    """Whether ``proc`` exits within ``seconds`` (polled every 50 ms on the loop, reaped). Not a thread: the
+    gateway's shutdown may run once the interpreter is stopping, when the loop's executor takes no more work
+    (``RuntimeError: cannot schedule new futures after interpreter shutdown``)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while proc.poll() is None:
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def _serve(fd: int, config: Mapping[str, Any]) -> None:

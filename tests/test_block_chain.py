@@ -222,6 +222,26 @@ def test_the_chain_helper_outlives_a_ctrl_c_and_exits_when_the_gateway_closes() 
 
 
 
+def test_the_chain_helper_closes_after_the_loops_executor_is_shut_down() -> None:
+    """The gateway's shutdown may run when the loop's executor takes no more work (a signalled `make demo`:
+    ``cannot schedule new futures after interpreter shutdown``): closing the helper waits for it on the loop, not
+    on a thread, and the helper still exits with 0."""
+    import asyncio
+
+    from gateway.chain_worker import RemoteChainer
+
+    async def scenario() -> int | None:
+        chainer = RemoteChainer({"pod-0": "http://127.0.0.1:9"})
+        await chainer.start()
+        proc = chainer._proc
+        assert proc is not None
+        await asyncio.get_running_loop().shutdown_default_executor()
+        await chainer.aclose()
+        return proc.poll()
+
+    assert asyncio.run(scenario()) == 0
+
+
 @pytest.mark.vllm
 def test_a_cache_salt_isolates_the_prompt_on_a_real_pod(vllm_fleet, store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """One prompt through the gateway to one real vLLM pod with cache_salt A, again with A, then with B. vLLM hits
