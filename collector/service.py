@@ -26,14 +26,26 @@ from collector.events import Envelope
 from collector.gateway_log import GatewayLogSource
 from collector.kv_events import KvEventSubscriber
 from collector.publish import Ack, Publisher, PublishError
-from collector.vllm_metrics import DEFAULT_LIMITS, LabelLimits, ScrapeError, ScrapeJournal, ScrapeState, advance, fetch
+from collector.vllm_metrics import (
+    DEFAULT_BODY_SIZE_LIMIT,
+    DEFAULT_LIMITS,
+    BodyTooLarge,
+    LabelLimits,
+    ScrapeError,
+    ScrapeJournal,
+    ScrapeState,
+    advance,
+    dead_letter_event,
+    fetch,
+)
 
 log = logging.getLogger("kvscope.collector")
 
 EVENTS_PUBLISHED = Counter("kvscope_collector_events_published", "Envelopes published", ["kind"])
 SCRAPE_FAILURES = Counter("kvscope_collector_scrape_failures", "Failed or skipped /metrics scrapes (that "
                           "interval's sample is missing; the next scrape's counter increases cover it): timeout, "
-                          "connect, http_status, network, bug, backlog (downstream not acknowledging)",
+                          "connect, http_status, network, body_size (over KVSCOPE_VLLM_BODY_SIZE_LIMIT: "
+                          "dead-lettered), bug, backlog (downstream not acknowledging)",
                           ["pod", "reason"])
 PUBLISH_FAILURES = Counter("kvscope_collector_publish_failures", "Publish attempts that failed and were retried",
                            ["source"])
@@ -113,6 +125,8 @@ class Collector:
     scrape_checkpoints: CheckpointStore | None = None
     scrape_interval_seconds: float = 5.0
     label_limits: LabelLimits = DEFAULT_LIMITS
+    #: bytes of a /metrics body (uncompressed) over which the scrape fails and is dead-lettered; 0 = no limit
+    body_size_limit: int = DEFAULT_BODY_SIZE_LIMIT
     log_poll_seconds: float = 0.5
     stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -192,7 +206,13 @@ class Collector:
 
     def _scrape_one(self, client: httpx.Client, journal: ScrapeJournal, t: Target
                     ) -> tuple[list[Envelope], ScrapeState]:
-        body, scraped_at_ms, duration_ms = fetch(client, t.pod, t.metrics_url)
+        try:
+            body, scraped_at_ms, duration_ms = fetch(client, t.pod, t.metrics_url, self.body_size_limit)
+        except BodyTooLarge as exc:  # bad input: counted, dead-lettered with its first bytes; the state stays
+            SCRAPE_FAILURES.labels(t.pod, exc.kind).inc()
+            log.warning("scrape failed: %s. pod=%s url=%s", exc.reason, t.pod, t.metrics_url)
+            now_ms = int(time.time() * 1000)
+            return [dead_letter_event(t.pod, t.metrics_url, now_ms, exc.head, exc.reason)], journal.state(t.pod)
         return advance(journal.state(t.pod), t.pod, t.metrics_url, body, scraped_at_ms, duration_ms,
                        self.label_limits)
 

@@ -487,28 +487,61 @@ def _watching(state: ScrapeState, since_ms: int) -> ScrapeState:
 
 
 class ScrapeError(Exception):
-    """A target did not answer with HTTP 200. Carries ``pod``, ``url``, ``reason`` (one sentence) and
-    ``kind`` (``timeout`` | ``connect`` | ``http_status`` | ``network``: the label of the failure metric)."""
+    """A target did not answer with HTTP 200 (or its body was too long). Carries ``pod``, ``url``, ``reason`` (one
+    sentence) and ``kind`` (``timeout`` | ``connect`` | ``http_status`` | ``network`` | ``body_size``: the label
+    of the failure metric)."""
 
     def __init__(self, pod: str, url: str, reason: str, kind: str = "network") -> None:
         super().__init__(f"scrape of {pod} at {url} failed: {reason}")
         self.pod, self.url, self.reason, self.kind = pod, url, reason, kind
 
 
-def fetch(client: httpx.Client, pod: str, url: str) -> tuple[str, int, float]:
-    """GET ``url``: (body, unix ms when the response arrived, round trip ms). Raises :class:`ScrapeError`."""
+#: The default of ``KVSCOPE_VLLM_BODY_SIZE_LIMIT`` (bytes): a real vLLM body is ~10-100 KB (tests/samples), and a
+#: 50 MB label value still costs only its sample (:class:`LabelLimits`); a body of gigabytes is not read whole.
+DEFAULT_BODY_SIZE_LIMIT = 64 * 1024 * 1024
+
+
+class BodyTooLarge(ScrapeError):
+    """A /metrics body longer than the limit (Prometheus' scrape config ``body_size_limit``: uncompressed bytes;
+    the scrape fails). ``head``: its first :data:`MAX_RAW` bytes, decoded, for the dead letter."""
+
+    def __init__(self, pod: str, url: str, limit: int, head: str) -> None:
+        super().__init__(pod, url, f"the body is longer than KVSCOPE_VLLM_BODY_SIZE_LIMIT={limit} bytes "
+                         "(Prometheus' body_size_limit): the scrape is not stored", "body_size")
+        self.head = head
+
+
+def fetch(client: httpx.Client, pod: str, url: str, body_size_limit: int = DEFAULT_BODY_SIZE_LIMIT
+          ) -> tuple[str, int, float]:
+    """GET ``url``: (body, unix ms when the response arrived, round trip ms). The body is read as it arrives and
+    given up after ``body_size_limit`` bytes once decompressed (0: no limit), as Prometheus' ``body_size_limit``
+    (prometheus.io/docs/prometheus/latest/configuration/configuration/#scrape_config), so a gigabyte body (or a
+    gzip bomb) costs at most that much memory. Raises :class:`ScrapeError` (:class:`BodyTooLarge` over the
+    limit)."""
     t0 = time.monotonic()
     try:
-        resp = client.get(url)
+        with client.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise ScrapeError(pod, url, f"HTTP {resp.status_code}", "http_status")
+            parts, size = [], 0
+            for part in resp.iter_bytes():
+                size += len(part)
+                if body_size_limit and size > body_size_limit:
+                    head = b"".join([*parts, part])[:MAX_RAW].decode("utf-8", errors="replace")
+                    raise BodyTooLarge(pod, url, body_size_limit, head)
+                parts.append(part)
+            charset = resp.charset_encoding or "utf-8"
     except httpx.TimeoutException as exc:
         raise ScrapeError(pod, url, repr(exc), "timeout") from exc
     except httpx.ConnectError as exc:
         raise ScrapeError(pod, url, repr(exc), "connect") from exc
     except httpx.HTTPError as exc:
         raise ScrapeError(pod, url, repr(exc)) from exc
-    if resp.status_code != 200:
-        raise ScrapeError(pod, url, f"HTTP {resp.status_code}", "http_status")
-    return resp.text, int(time.time() * 1000), (time.monotonic() - t0) * 1000
+    try:
+        body = b"".join(parts).decode(charset, errors="replace")
+    except LookupError:  # a charset Python does not know: read as UTF-8, as a body that names none
+        body = b"".join(parts).decode("utf-8", errors="replace")
+    return body, int(time.time() * 1000), (time.monotonic() - t0) * 1000
 
 
 class ScrapeJournal:

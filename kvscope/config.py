@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.publish import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES
-from collector.vllm_metrics import DEFAULT_LIMITS
+from collector.vllm_metrics import DEFAULT_BODY_SIZE_LIMIT, DEFAULT_LIMITS
 from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
 from sql import DATABASE_NAME
 
@@ -62,6 +62,9 @@ SETTINGS: list[Setting] = [
     Setting("vllm_label_value_length_limit", DEFAULT_LIMITS.value_bytes, "Bytes (UTF-8) a label value of a vLLM "
             "/metrics sample may have (Prometheus' label_value_length_limit; a model_name or a proxy's instance "
             "label of megabytes); longer: the sample is a dead letter; 0 = no limit", int),
+    Setting("vllm_body_size_limit", DEFAULT_BODY_SIZE_LIMIT, "Bytes (uncompressed) a vLLM /metrics body may have "
+            "(Prometheus' body_size_limit); over it the scrape fails, counted and dead-lettered with its first 64 KiB, "
+            "and the next scrape's increases cover the interval; 0 = no limit", int),
     Setting("gateway_log", "", "Comma-separated gateway fingerprint log files (JSONL) to tail"),
     Setting("kv_events_endpoint", "", "ZMQ endpoint the collector binds for vLLM KV events, e.g. tcp://127.0.0.1:5557"),
     Setting("kv_events_dp_ranks", 1, "Data-parallel ranks per vLLM pod (its --data-parallel-size): vLLM's rank r "
@@ -145,6 +148,7 @@ class Config:
     vllm_label_limit: int
     vllm_label_name_length_limit: int
     vllm_label_value_length_limit: int
+    vllm_body_size_limit: int
     gateway_log: str
     kv_events_endpoint: str
     kv_events_dp_ranks: int
@@ -231,7 +235,8 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
         raise ConfigError(f"KVSCOPE_KAFKA_MAX_MESSAGE_BYTES={cfg.kafka_max_message_bytes}: expected at least "
                           f"{MIN_MAX_MESSAGE_BYTES} bytes (a dead letter must fit in one message)")
     _check_floats(cfg)
-    for name in ("vllm_label_limit", "vllm_label_name_length_limit", "vllm_label_value_length_limit"):
+    for name in ("vllm_label_limit", "vllm_label_name_length_limit", "vllm_label_value_length_limit",
+                 "vllm_body_size_limit"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{BY_NAME[name].env}={getattr(cfg, name)}: expected 0 (no limit) or a positive limit")
     if cfg.gateway_block_size < 0:

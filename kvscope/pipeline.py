@@ -163,7 +163,7 @@ class Pipeline:
                 checkpoints=CheckpointStore(checkpoint_path(self.cfg)),
                 scrape_checkpoints=CheckpointStore(checkpoint_path(self.cfg).with_suffix(".scrapes.json")),
                 scrape_interval_seconds=self.cfg.scrape_interval_seconds, label_limits=label_limits(self.cfg),
-                stop=self.stop)
+                body_size_limit=self.cfg.vllm_body_size_limit, stop=self.stop)
             self.collector.start()
         if self.digest and self.cfg.digest_every and self.store is not None:
             self._start_digest(self.store)

@@ -318,3 +318,77 @@ def test_a_counter_over_a_label_bound_leaves_every_other_counter_as_it_was(tmp_p
     assert got == plain and got_state == plain_state
     assert no_dead == 0 and dead == 3
     assert ("vllm:prompt_tokens_total", "0", "", 12909.0, 12909.0 - 9818.0) in got
+
+
+
+def scrapes(served: list[tuple[bytes, bool]], tmp_path: Path, limit: int) -> list[list[Envelope]]:
+    """Each round's envelopes of the real Collector (``body_size_limit`` ``limit``) scraping a real HTTP server
+    that serves ``served`` in turn: (body, gzipped)."""
+    import gzip
+
+    served = list(served)
+
+    class Handler(_Handler):
+        def do_GET(self) -> None:  # noqa: N802
+            body, gz = served.pop(0)
+            data = gzip.compress(body) if gz else body
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            if gz:
+                self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    q = MemoryQueue()
+    c = Collector(publisher=QueuePublisher(q), checkpoints=CheckpointStore(tmp_path / "c.json"),
+                  targets=[Target("pod-a", f"http://127.0.0.1:{srv.server_port}/metrics")], body_size_limit=limit)
+    rounds: list[list[Envelope]] = []
+    try:
+        with httpx.Client(timeout=10.0) as client:
+            while served:
+                assert c.scrape_all(client, wait_seconds=10.0) > 0
+                out: list[Envelope] = []
+                while msgs := q.take(100, 0.05):
+                    for m in msgs:
+                        out.extend(decode_batch(m.value))
+                    q.release(msgs)
+                rounds.append(out)
+    finally:
+        c.close_scrapes()
+        srv.shutdown()
+        srv.server_close()
+    return rounds
+
+
+def test_a_body_over_the_size_limit_is_one_dead_letter_and_the_next_scrape_goes_on(tmp_path: Path) -> None:
+    """A /metrics body longer than KVSCOPE_VLLM_BODY_SIZE_LIMIT (Prometheus' body_size_limit), plain or gzipped (its
+    decompressed bytes count), from a real HTTP server to the real Collector: the scrape is one dead letter naming
+    the setting, with the body's first 64 KiB, and no sample; the pod's next scrape within the limit is loaded as
+    if the failed ones had not happened (its counter state is kept across them)."""
+    small, later = BODY1.encode(), BODY2.encode()
+    big = (BODY1 + "# padding\n" * 20_000).encode()
+    assert max(len(small), len(later)) < 150_000 < len(big)
+    failed = scrapes([(small, False), (big, False), (big, True), (later, False)], tmp_path / "a", 150_000)
+    control = scrapes([(small, False), (later, False)], tmp_path / "b", 150_000)
+    before = REGISTRY.get_sample_value("kvscope_collector_scrape_failures_total",
+                                       {"pod": "pod-a", "reason": "body_size"}) or 0
+    for over in failed[1:3]:
+        [dead] = [e.payload for e in over]
+        assert isinstance(dead, DeadLetter) and dead.source == "vllm_metrics"
+        assert "KVSCOPE_VLLM_BODY_SIZE_LIMIT=150000" in dead.reason and dead.location.endswith("/metrics")
+        assert dead.raw == big.decode()[:64 * 1024]
+    assert before >= 2
+
+    def samples(events: list[Envelope]) -> list[tuple[str, str, str, float]]:
+        assert not [e for e in events if isinstance(e.payload, DeadLetter)]
+        [scrape] = [e.payload for e in events if isinstance(e.payload, VllmScrape)]
+        return sorted((x.name, x.engine, x.label, x.value) for x in scrape.samples)
+
+    assert samples(failed[3]) == samples(control[1]) and samples(control[1])
+    assert samples(failed[0]) == samples(control[0])
+    # no limit: the big body is loaded
+    [unlimited] = scrapes([(big, True)], tmp_path / "c", 0)
+    assert samples(unlimited) == samples(control[0])
