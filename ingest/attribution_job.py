@@ -54,6 +54,7 @@ from ingest.attribution_late import INGESTED_WINDOW, late_kv_targets, new_holder
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
+from ingest.key_tails import ID_HASH, ID_HASH_SQL, KeyTails
 from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
 from ingest.store import Store
 
@@ -63,10 +64,7 @@ JOB_NAME = "miss_causes"
 #: What the job reads of a request it judges (the columns judge_frame and precise mode read; prompt_block_size:
 #: a chunk where it is 0 throughout logged no block chain, so precise mode has no evidence to read for it).
 _FIELDS = (*TARGET_FIELDS, "prompt_block_size")
-#: A request's id as an integer (ClickHouse ``cityHash64``): with its order_key it names a predecessor in the job
-#: (joins on integers, not strings; two ids with equal order_key and hash: one pair in ~2^84 within a millisecond).
-ID_HASH = "id_hash"
-_ID_HASH_SQL = f"cityHash64(request_id) AS {ID_HASH}"
+_ID_HASH_SQL = ID_HASH_SQL
 #: How many predecessor keys a request has (its rows of request_keys when it is served with a prompt).
 KEY_COUNT = "key_count"
 _SELECT = ", ".join([*_FIELDS, "order_key", _ID_HASH_SQL, f"length(predecessor_keys) AS {KEY_COUNT}"])
@@ -259,7 +257,9 @@ def _target_keys(by: list[str], whole: bool = False) -> str:
         return f"""
     target_keys AS
     (
-        SELECT order_key, ts, intDiv(order_key, 1048576) * 1048576 AS first_of_ms, kind, key FROM request_keys
+        SELECT {", ".join(dict.fromkeys([*by, "order_key", "ts"]))},
+               intDiv(order_key, 1048576) * 1048576 AS first_of_ms, kind, key
+        FROM request_keys
         WHERE order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}
     )"""
     return f"""
@@ -283,8 +283,9 @@ def _whole_range(store: Store, targets: pl.DataFrame, by: list[str]) -> dict[str
     predecessor (served: status < 400 or none) has its rows there (served with a prompt, as request_keys' view
     keeps them), and the range holds as many rows as those targets have keys (:data:`KEY_COUNT`): no other request
     in it (a backlog's chunk, not the overlap window of a live run, whose answered requests are no targets).
-    Targets not served need no predecessor (ingest/attribution_batch.py names none), so they are left out."""
-    if by != ["order_key"] or KEY_COUNT not in targets.columns:
+    Targets not served need no predecessor (ingest/attribution_batch.py names none), so they are left out. Targets
+    named by (request_id, ts) (two sharing an order_key, :func:`_identity`) are read with their request_id."""
+    if "order_key" not in targets.columns or KEY_COUNT not in targets.columns:
         return None
     keyed = _SERVED & (pl.col(KEY_COUNT) > 0)
     unkept = pl.col("status").is_null() | pl.col("prompt_tokens").is_null() | (pl.col("prompt_tokens") <= 0)
@@ -320,28 +321,25 @@ def _identity(targets: pl.DataFrame) -> list[str]:
     return _ID
 
 
-def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int = 0) -> pl.DataFrame:
+def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int = 0,
+                  tails: KeyTails | None = None) -> pl.DataFrame:
     """Per target (named by :func:`_identity`: its order_key, or its request_id and ts): the chosen
     predecessor's key kind, ts, order_key and :data:`ID_HASH`, and whether it lies beyond the horizon. On each key
     the latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority:
     conversation, agent run, fingerprint, else the latest of the variant matches
     (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
-    (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does."""
+    (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does. ``tails``: the run's
+    :class:`~ingest.key_tails.KeyTails` when ``targets`` are its next chunk of arrivals: a chunk whose range holds
+    exactly its keys is searched from its own rows and the keys' latest rows before it (carried from the chunks
+    before), not from its keys' rows over the whole horizon."""
     by = _identity(targets)
     whole = _whole_range(store, targets, by)
-    found = store.query_df(
-        f"""
-        WITH {_target_keys(by, whole is not None)}
-        {_found(by)}
-        ASOF INNER JOIN
-        (
-            SELECT key, order_key, ts, {_ID_HASH_SQL} FROM request_keys
-            WHERE key IN (SELECT key FROM target_keys)
-              AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
-              AND ts <= {{hi:DateTime64(3, 'UTC')}}
-        ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
-        WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
-        """, {**(whole or _stage(store, "targets", targets)), "horizon": horizon_ms})
+    if tails is not None and whole is not None:
+        found = tails.found(store, whole, horizon_ms, by)
+    else:
+        if tails is not None:
+            tails.reset()
+        found = _searched(store, targets, by, whole, horizon_ms)
     ts_type = targets.schema["ts"]
     chosen = _choose(_confirm_bands(store, found, targets, by), False, ts_type, by)
     if lookback_ms > horizon_ms:
@@ -355,6 +353,25 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
                                             targets, by), True, ts_type, by)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
+
+
+def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[str, Any] | None,
+              horizon_ms: int) -> pl.DataFrame:
+    """:func:`_predecessors`' candidates found in ClickHouse: an ASOF JOIN of the targets' keys (by range when
+    ``whole``, :func:`_whole_range`) against their keys' rows of request_keys over the horizon."""
+    return store.query_df(
+        f"""
+        WITH {_target_keys(by, whole is not None)}
+        {_found(by)}
+        ASOF INNER JOIN
+        (
+            SELECT key, order_key, ts, {_ID_HASH_SQL} FROM request_keys
+            WHERE key IN (SELECT key FROM target_keys)
+              AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+              AND ts <= {{hi:DateTime64(3, 'UTC')}}
+        ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
+        WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
+        """, {**(whole or _stage(store, "targets", targets)), "horizon": horizon_ms})
 
 
 def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int,
@@ -534,7 +551,7 @@ def _keep_recent(recent: list[pl.DataFrame], arrivals: pl.DataFrame, cap: int) -
 # -- compute and write ---------------------------------------------------------------------------------------
 def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: pl.DataFrame,
               default_block_size: int, known: Sequence[pl.DataFrame] = (), kv_evidence: bool = True,
-              memo: KvMemo | None = None) -> dict[str, Any]:
+              memo: KvMemo | None = None, tails: KeyTails | None = None) -> dict[str, Any]:
     """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``; ``reach``: (horizon, lookback)
     in ms; ``sizes``: the pods' block size changes (:func:`ingest.block_sizes.changes`), each target judged with
     its pod's size at its arrival (``default_block_size`` for a pod without any). ``known``: request rows
@@ -542,8 +559,9 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
     fetched. ``kv_evidence``: judge the requests that logged a block chain against the pods' KV events (precise
     mode, :func:`ingest.kv_evidence.chunk_evidence`, events read back to the lookback). ``memo``: the run's
     :class:`~ingest.kv_evidence.KvMemo` when ``targets`` are its next chunk of arrivals (the KV evidence before the
-    last chunk's arrivals, kept)."""
-    chosen = _predecessors(store, targets, *reach)
+    last chunk's arrivals, kept). ``tails``: the run's :class:`~ingest.key_tails.KeyTails` when ``targets`` are
+    its next chunk of arrivals (:func:`_predecessors`)."""
+    chosen = _predecessors(store, targets, *reach, tails=tails)
     frame = targets.with_columns(block_sizes.at(targets, sizes, default_block_size))
     if chosen.is_empty():
         frame = frame.with_columns(pl.lit("").alias("predecessor_kind"), pl.lit(False).alias("beyond_horizon"),
@@ -723,6 +741,7 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     if memo is not None and kept is not None:
         memo.new_run(store, now)
     known_rows = KNOWN_CHUNKS * chunk_size
+    tails = KeyTails()  # each key's latest row up to the last chunk searched by range
     for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if memo is not None and n == len(bounds) - 2:
             memo.last_chunk()
@@ -742,7 +761,8 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             later = later.join(arrivals.select("request_id", "ts"), on=["request_id", "ts"], how="anti")
         examined, changed = _reexamine(store, later, reach, sizes, default_block_size, kv_evidence, now)
         for part, part_memo in _by_memo(arrivals, memo, kept is not None):
-            verdicts = _verdicts(store, part, reach, sizes, default_block_size, recent, kv_evidence, part_memo)
+            verdicts = _verdicts(store, part, reach, sizes, default_block_size, recent, kv_evidence, part_memo,
+                                 tails)
             store.insert_arrow("request_attribution", _table(verdicts, now), FIRST_ANSWER_SETTINGS)
         recent = _keep_recent(recent, arrivals, known_rows)
         latest = arrivals["ts"].max()

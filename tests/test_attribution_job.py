@@ -574,10 +574,20 @@ def colliding_ids() -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("chunk_size", [2, 100])
-def test_predecessors_sharing_an_order_key_are_told_apart(store, chunk_size):
+def test_predecessors_sharing_an_order_key_are_told_apart(store, monkeypatch, chunk_size):
     """The job names targets and matches predecessors on their order_key when that is exact: two requests of one
     millisecond whose order_keys collide must each find their own predecessor and give their own fields to
-    their successors (in the chunk, or in a chunk before)."""
+    their successors (in the chunk, or in a chunk before). A chunk holding both is still searched from its range
+    (ingest/key_tails.py), its targets named by (request_id, ts)."""
+    from ingest.key_tails import KeyTails
+
+    real, names = KeyTails.found, []
+
+    def spy(self: KeyTails, *args: Any) -> pl.DataFrame:
+        names.append(args[-1])
+        return real(self, *args)
+
+    monkeypatch.setattr(KeyTails, "found", spy)
     a, b = colliding_ids()
     reqs = [gw("a0", at=-2, conv="c1", prompt=700, suffix="p"), gw("b0", at=-1, conv="c2", pod="pod-b", suffix="o"),
             gw(a, at=0, conv="c1"), gw(b, at=0, conv="c2", pod="pod-b", prompt=900, suffix="other"),
@@ -593,6 +603,7 @@ def test_predecessors_sharing_an_order_key_are_told_apart(store, chunk_size):
                       for r in attribution.attribute(reqs, block_size_by_pod={}, default_block_size=32))
     assert {(e[0], e[4]) for e in expected} >= {(a, "a0"), (b, "b0"), ("a2", a), ("b2", b)}
     assert sorted(r[:6] for r in attributed(store)) == expected
+    assert ["request_id", "ts"] in names  # the chunk holding a and b
 
 
 def test_a_chunk_reads_its_targets_keys_by_range_only_when_the_range_holds_exactly_them(store):
@@ -617,8 +628,9 @@ def test_a_chunk_reads_its_targets_keys_by_range_only_when_the_range_holds_exact
 @pytest.mark.parametrize("horizon_seconds", [attribution.DEFAULT_HORIZON_SECONDS, 0.5])
 def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(store, monkeypatch, horizon_seconds):
     """Generated traffic (bench/history.py: 750 conversations over pods, failed requests; 6 s) in chunks of 700:
-    every chunk reads its targets' keys by range, and the answers (causes, tokens, predecessors) are those of the
-    chunks that look their ids up in gateway_requests; with a horizon of 0.5 s, most predecessors lie beyond it
+    every chunk reads its targets' keys by range (and is searched by the tails carried from the chunk before,
+    ingest/key_tails.py), and the answers (causes, tokens, predecessors) are those of the chunks that look their
+    ids up in gateway_requests and search in ClickHouse; with a horizon of 0.5 s, most predecessors lie beyond it
     (the lookback's second search looks the keys of the requests without one up by id)."""
     from bench.history import gateway_table
 
@@ -644,6 +656,73 @@ def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(
     monkeypatch.setattr(attribution_job, "_whole_range", lambda *args: None)
     run(store, settle_seconds=-60, chunk_size=700, **reach)
     assert (attributed(store), weighted(store)) == by_range
+
+
+def test_the_carried_search_finds_what_clickhouse_finds_for_every_chunk(store, monkeypatch):
+    """The predecessor search carried from chunk to chunk (ingest/key_tails.py) against the ASOF JOIN in
+    ClickHouse, chunk by chunk, on generated traffic in two runs: the second run's requests share conversations and
+    tenants with the first's (answered: the latest row of many keys lies before the run), and half of them
+    interleave with the first's in time (their chunks' ranges hold answered rows: searched in ClickHouse, the
+    tails dropped). Every chunk searched by the tails finds exactly the candidates ClickHouse finds; chunks are
+    carried, and look rows before the first carried chunk up."""
+    from bench.history import gateway_table
+    from ingest.key_tails import KeyTails
+
+    real, calls = KeyTails.found, []
+
+    def checked(self: KeyTails, store_: Store, whole: dict[str, Any], horizon_ms: int, by: list[str]
+                ) -> pl.DataFrame:
+        carried = self.tails is not None
+        got = real(self, store_, whole, horizon_ms, by)
+        want = attribution_job._searched(store_, pl.DataFrame(), by, whole, horizon_ms)
+        cols = [*by, "kind", "p_order_key", f"p_{attribution_job.ID_HASH}"]
+        assert got.select(*cols, pl.col("p_ts").dt.epoch("ms")).sort(cols).rows() == \
+            want.select(*cols, pl.col("p_ts").dt.epoch("ms")).sort(cols).rows()
+        calls.append((carried, self.start < whole["first"] - 1, len(got)))
+        return got
+
+    def two_runs() -> tuple[list[tuple[Any, ...]], dict[tuple[str, str, str], int]]:
+        for table in ("gateway_requests", "request_keys", "request_attribution", "attribution_watermark"):
+            store.command(f"TRUNCATE TABLE {table}")
+        store.insert_arrow("gateway_requests", gateway_table(3000, seed=5, tenants=40, pods=3,
+                                                             end=T0 - timedelta(seconds=3), id_prefix="a"))
+        assert run(store, settle_seconds=0, chunk_size=500).arrivals == 3000
+        store.insert_arrow("gateway_requests", gateway_table(3000, seed=6, tenants=40, pods=3, end=T0,
+                                                             id_prefix="b"))
+        assert run(store, settle_seconds=0, chunk_size=500).arrivals == 3000
+        return attributed(store), weighted(store)
+
+    monkeypatch.setattr(KeyTails, "found", checked)
+    answers = two_runs()
+    assert any(c for c, _, _ in calls) and any(not c for c, _, _ in calls)
+    assert any(c and older for c, older, _ in calls)  # carried, and rows before the first carried chunk looked up
+    assert sum(n for _, _, n in calls) > 5000
+    assert len({r[0] for r in answers[0]}) > 5000
+    monkeypatch.setattr(attribution_job, "_whole_range", lambda *args: None)  # every chunk searched in ClickHouse
+    assert two_runs() == answers
+
+
+def test_the_carried_search_keeps_a_keys_requests_of_one_millisecond_apart(store):
+    """A request's predecessor is of an earlier millisecond: a key's rows of the millisecond where a chunk starts
+    are no candidates of its requests there and must not hide the key's earlier rows, whether they were carried
+    from the chunk before (two requests of one millisecond split between two chunks) or lie before the run (a
+    request answered by an earlier run, of the millisecond of this run's first)."""
+    def bits(rid: str) -> int:  # order_key's low 20 bits (sql/migrations/0008): which of one ms sorts first
+        return int.from_bytes(hashlib.md5(rid.encode()).digest()[:4], "little") >> 12
+
+    a, b = sorted(("a1", "a2"), key=bits)
+    x, y = sorted(("x1", "x2"), key=bits)
+    early = INGESTED - timedelta(minutes=10)  # out of the next run's overlap window
+    insert_requests(store, [gw("p", at=0, conv="c", ingested=early), gw(a, at=1, conv="c", ingested=early),
+                            gw(b, at=1, conv="c", ingested=early), gw("q", at=3, conv="d", ingested=early),
+                            gw(x, at=5, conv="d", ingested=early)])
+    assert run(store, chunk_size=2).chunks == 3  # (p, a), (b, q), (x)
+    insert_requests(store, [gw(y, at=5, conv="d", ingested=INGESTED + timedelta(seconds=1))])
+    assert run(store).arrivals == 1
+    assert store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL "
+                            "WHERE sign = 1 ORDER BY ts, request_id") == sorted(
+        [("p", ""), (a, "p"), (b, "p"), ("q", b), (x, "q"), (y, "q")], key=lambda r: (r[0][0] != "p", r))
+    # (q: a new conversation of the tenant: its system prompt's latest request)
 
 
 def test_the_rows_kept_for_predecessors_are_bounded():
