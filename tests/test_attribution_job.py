@@ -725,6 +725,31 @@ def test_the_carried_search_keeps_a_keys_requests_of_one_millisecond_apart(store
     # (q: a new conversation of the tenant: its system prompt's latest request)
 
 
+def test_the_carried_search_reads_the_rows_between_two_chunks(store, monkeypatch):
+    """A request answered by an earlier run (out of this run's window) that lies between two of its chunks in time
+    is the next chunk's predecessor: the carried search reads the rows between the last chunk and this one, not
+    only this chunk's range."""
+    from ingest.key_tails import KeyTails
+
+    real, carried = KeyTails.found, []
+
+    def spy(self: KeyTails, *args: Any) -> pl.DataFrame:
+        carried.append(self.tails is not None)
+        return real(self, *args)
+
+    monkeypatch.setattr(KeyTails, "found", spy)
+    insert_requests(store, [gw("mid", at=10, conv="c", ingested=INGESTED - timedelta(minutes=10))])
+    assert run(store).arrivals == 1
+    later = INGESTED + timedelta(seconds=1)
+    insert_requests(store, [gw(r, at=a, conv="c", ingested=later) for r, a in
+                            (("e1", 5), ("e2", 6), ("l1", 15), ("l2", 16))])
+    assert run(store, chunk_size=2).chunks == 2
+    assert carried == [False, False, True]
+    assert store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL "
+                            "WHERE sign = 1 ORDER BY ts") == [
+        ("e1", ""), ("e2", "e1"), ("mid", "e2"), ("l1", "mid"), ("l2", "l1")]
+
+
 def test_the_rows_kept_for_predecessors_are_bounded():
     """The job keeps the predecessor fields of its last chunks up to a row cap, dropping the oldest chunk first
     (the newest is kept whatever its size)."""
