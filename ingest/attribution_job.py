@@ -64,10 +64,9 @@ JOB_NAME = "miss_causes"
 #: What the job reads of a request it judges (the columns judge_frame and precise mode read; prompt_block_size:
 #: a chunk where it is 0 throughout logged no block chain, so precise mode has no evidence to read for it).
 _FIELDS = (*TARGET_FIELDS, "prompt_block_size")
-_ID_HASH_SQL = ID_HASH_SQL
 #: How many predecessor keys a request has (its rows of request_keys when it is served with a prompt).
 KEY_COUNT = "key_count"
-_SELECT = ", ".join([*_FIELDS, "order_key", _ID_HASH_SQL, f"length(predecessor_keys) AS {KEY_COUNT}"])
+_SELECT = ", ".join([*_FIELDS, "order_key", ID_HASH_SQL, f"length(predecessor_keys) AS {KEY_COUNT}"])
 #: A request's identity (its row of gateway_requests).
 _ID = ["request_id", "ts"]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -191,7 +190,7 @@ def _arrivals(store: Store, since: datetime, upto: datetime, lo: int, hi: int,
 
 def _columns(fields: Sequence[str]) -> str:
     """The SELECT list of gateway_requests columns ``fields`` (:data:`ID_HASH` computed from the request_id)."""
-    return ", ".join(_ID_HASH_SQL if f == ID_HASH else f for f in fields)
+    return ", ".join(ID_HASH_SQL if f == ID_HASH else f for f in fields)
 
 
 def _requests(store: Store, keys: pl.DataFrame, fields: tuple[str, ...] = _FIELDS) -> pl.DataFrame:
@@ -365,7 +364,7 @@ def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[st
         {_found(by)}
         ASOF INNER JOIN
         (
-            SELECT key, order_key, ts, {_ID_HASH_SQL} FROM request_keys
+            SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
             WHERE key IN (SELECT key FROM target_keys)
               AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
               AND ts <= {{hi:DateTime64(3, 'UTC')}}
@@ -389,7 +388,7 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
         {_found(by)}
         ASOF INNER JOIN
         (
-            SELECT key, order_key, ts, {_ID_HASH_SQL} FROM request_keys
+            SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
             WHERE key IN (SELECT key FROM target_keys)
               AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
               AND ts < {{hi:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
