@@ -55,6 +55,7 @@ from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
 from ingest.key_tails import ID_HASH, ID_HASH_SQL, KeyTails
+from ingest.known_requests import KnownRequests, gather, names, positions
 from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
 from ingest.store import Store
 
@@ -498,22 +499,30 @@ def _one_per_name(rows: pl.DataFrame) -> pl.DataFrame:
     return rows.sort("request_id").unique(_NAME, keep="first", maintain_order=True)
 
 
-def _with_predecessors(store: Store, frame: pl.DataFrame, wanted: pl.DataFrame, have: list[pl.DataFrame]
-                       ) -> pl.DataFrame:
+def _with_predecessors(store: Store, frame: pl.DataFrame, known: KnownRequests) -> pl.DataFrame:
     """``frame`` (its chosen predecessor's p_ts, p_order_key and p_id_hash per row) with the predecessor's
-    :data:`PREDECESSOR_FIELDS` (request_id among them) as ``p_`` columns (null when the store has no such row).
-    ``wanted``: the predecessors (order_key, id_hash, ts), looked for first in ``have`` (rows already read, with
-    :data:`_KNOWN`), then read from the store (those fields only, :func:`_by_order_keys`). Matched on the
+    :data:`PREDECESSOR_FIELDS` (request_id among them; not ts, which p_ts is) as ``p_`` columns (null when the
+    store has no such row). Each predecessor is looked for first in ``known`` (the run's recent arrivals, this
+    chunk's among them), then read from the store (those fields only, :func:`_by_order_keys`). Matched on the
     order_key and :data:`ID_HASH`: integers, where the ids are strings."""
-    keys = wanted["order_key"].implode()
-    found = _one_per_name(pl.concat([f.select(_KNOWN).filter(pl.col("order_key").is_in(keys)) for f in have],
-                                    how="vertical_relaxed"))
-    missing = wanted.join(found.select(_NAME), on=_NAME, how="anti")
-    if not missing.is_empty():
-        found = pl.concat([found, _by_order_keys(store, missing, _KNOWN)], how="vertical_relaxed")
-    preds = found.drop("ts").rename({c: f"p_{c}" for c in (*PREDECESSOR_FIELDS, ID_HASH) if c != "ts"})
-    return frame.join(preds, left_on=["p_order_key", f"p_{ID_HASH}"], right_on=["order_key", f"p_{ID_HASH}"],
-                      how="left")
+    named = frame["p_order_key"].is_not_null().to_numpy()
+    want_keys = frame["p_order_key"].fill_null(0).cast(pl.UInt64).to_numpy()
+    want_hashes = frame[f"p_{ID_HASH}"].fill_null(0).cast(pl.UInt64).to_numpy()
+    rows = np.where(named, known.find(want_keys, want_hashes), -1)
+    parts = list(known.parts)
+    missing = named & (rows < 0)
+    if missing.any():
+        wanted = frame.filter(pl.Series(missing)).select(
+            pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
+        extra = _by_order_keys(store, wanted, _KNOWN).rechunk()
+        if not extra.is_empty():
+            keys, hashes, extra_rows = names(extra)
+            at = positions(keys, hashes, want_keys, want_hashes)
+            rows = np.where(missing & (at >= 0), len(known) + extra_rows[np.maximum(at, 0)], rows)
+            parts.append(extra)
+    fields = [c for c in PREDECESSOR_FIELDS if c != "ts"]
+    preds = gather([p.select(fields) for p in parts], rows)
+    return frame.hstack(preds.rename({c: f"p_{c}" for c in fields}).get_columns())
 
 
 #: A chunk's size when the caller gives none, in units: a request judged by its fingerprints counts 1, one judged
@@ -529,34 +538,25 @@ CHUNK_BUDGET = 500_000
 EVIDENCE_WEIGHT = 5
 
 
-#: How many chunks' worth of arrivals the job keeps the predecessor fields of (KNOWN_CHUNKS × chunk_size rows
-#: at most; without a chunk_size, × 10^5, the precise chunk: 6·10^5 rows), so that a predecessor among them is not
-#: read from the store again: on 10^6 requests of generated history (chunks of 10^5, ~200 s of traffic; a
-#: conversation's next turn comes seconds to minutes later) 98.3% of predecessors lie in this chunk or the last six,
-#: against 64.7% in this chunk or the last one (four: 92.5%).
-#: A kept row costs its predecessor fields: ~0.14 KB there, more with long system-line or chunk hash lists.
-KNOWN_CHUNKS = 6
-
-
-def _keep_recent(recent: list[pl.DataFrame], arrivals: pl.DataFrame, cap: int) -> list[pl.DataFrame]:
-    """``recent`` with the predecessor fields of ``arrivals`` added and the oldest frames dropped while more
-    than ``cap`` rows are kept (the newest frame is always kept)."""
-    kept = [*recent, arrivals.select(_KNOWN)]
-    while len(kept) > 1 and sum(len(f) for f in kept) > cap:
-        kept.pop(0)
-    return kept
+#: How many rows of the run's recent arrivals the job keeps the predecessor fields of at most
+#: (:class:`~ingest.known_requests.KnownRequests`; those older than the horizon are dropped first), so that a
+#: predecessor among them is not read from the store again. A kept row costs its predecessor fields: ~0.15–0.5 KB
+#: (more with long system-line or chunk hash lists). On 10^7 requests of generated history (an hour's horizon
+#: holds ~1.8·10^6 requests) the job then read no predecessor back from the store.
+KNOWN_ROWS = 3_000_000
 
 
 # -- compute and write ---------------------------------------------------------------------------------------
 def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes: pl.DataFrame,
-              default_block_size: int, known: Sequence[pl.DataFrame] = (), kv_evidence: bool = True,
+              default_block_size: int, known: KnownRequests | None = None, kv_evidence: bool = True,
               memo: KvMemo | None = None, tails: KeyTails | None = None) -> dict[str, Any]:
     """Verdict columns (:data:`VERDICT_COLUMNS`) for every row of ``targets``; ``reach``: (horizon, lookback)
     in ms; ``sizes``: the pods' block size changes (:func:`ingest.block_sizes.changes`), each target judged with
-    its pod's size at its arrival (``default_block_size`` for a pod without any). ``known``: request rows
-    already read (:data:`_KNOWN` columns; the last chunks': most predecessors are recent), so only the others are
-    fetched. ``kv_evidence``: judge the requests that logged a block chain against the pods' KV events (precise
-    mode, :func:`ingest.kv_evidence.chunk_evidence`, events read back to the lookback). ``memo``: the run's
+    its pod's size at its arrival (``default_block_size`` for a pod without any). ``known``: the run's recent
+    arrivals, ``targets`` among them (:class:`~ingest.known_requests.KnownRequests`: most predecessors are recent),
+    so only the others are fetched (None: only ``targets``). ``kv_evidence``: judge the requests that logged a
+    block chain against the pods' KV events (precise mode, :func:`ingest.kv_evidence.chunk_evidence`, events read
+    back to the lookback). ``memo``: the run's
     :class:`~ingest.kv_evidence.KvMemo` when ``targets`` are its next chunk of arrivals (the KV evidence before the
     last chunk's arrivals, kept). ``tails``: the run's :class:`~ingest.key_tails.KeyTails` when ``targets`` are
     its next chunk of arrivals (:func:`_predecessors`)."""
@@ -566,13 +566,11 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         frame = frame.with_columns(pl.lit("").alias("predecessor_kind"), pl.lit(False).alias("beyond_horizon"),
                                    *[pl.lit(None).alias(f"p_{c}") for c in PREDECESSOR_FIELDS])
     else:
-        # only the predecessors' rows and the fields judge_frame reads of them are copied (not the whole
-        # chunks); the others are read from the store, those fields only
-        wanted = chosen.select(pl.col("p_order_key").alias("order_key"), pl.col(f"p_{ID_HASH}").alias(ID_HASH),
-                               pl.col("p_ts").alias("ts")).unique()
-        have = [targets, *(f for f in known if not f.is_empty())]
+        if known is None:
+            known = KnownRequests(_KNOWN, len(targets))
+            known.add(targets)
         by = _ID if "request_id" in chosen.columns else ["order_key"]
-        frame = _with_predecessors(store, frame.join(chosen, on=by, how="left"), wanted, have)
+        frame = _with_predecessors(store, frame.join(chosen, on=by, how="left"), known)
     evidence = None
     if kv_evidence and targets.select((pl.col("prompt_block_size") > 0).any()).item():
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
@@ -729,17 +727,16 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     # their own chunk, and a successor re-answered already had an answer.
     answered_before = answered_through
     stats = RunStats()
-    if chunk_size is None:  # re-examined targets (few, precise) and kept rows by the precise chunk's size
+    if chunk_size is None:  # re-examined targets (few, precise) by the precise chunk's size
         budget, weight = CHUNK_BUDGET, EVIDENCE_WEIGHT if kv_evidence else 1
         chunk_size = CHUNK_BUDGET // EVIDENCE_WEIGHT
     else:
         budget, weight = chunk_size, 1
     bounds = _chunk_bounds(store, since, upto, budget, weight) if upto > since else []
-    recent: list[pl.DataFrame] = []  # the predecessor fields of the last chunks' arrivals
+    known = KnownRequests(_KNOWN, KNOWN_ROWS)  # the predecessor fields of the last chunks' arrivals
     memo = (kept or KvMemo()) if kv_evidence else None  # the KV evidence before the last chunk's arrivals, summarized
     if memo is not None and kept is not None:
         memo.new_run(store, now)
-    known_rows = KNOWN_CHUNKS * chunk_size
     tails = KeyTails()  # each key's latest row up to the last chunk searched by range
     for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if memo is not None and n == len(bounds) - 2:
@@ -759,11 +756,11 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
                                   how="vertical_relaxed").unique()
             later = later.join(arrivals.select("request_id", "ts"), on=["request_id", "ts"], how="anti")
         examined, changed = _reexamine(store, later, reach, sizes, default_block_size, kv_evidence, now)
+        known.add(arrivals, arrivals.select(pl.col("ts").min().dt.epoch("ms")).item() - reach[0])
         for part, part_memo in _by_memo(arrivals, memo, kept is not None):
-            verdicts = _verdicts(store, part, reach, sizes, default_block_size, recent, kv_evidence, part_memo,
+            verdicts = _verdicts(store, part, reach, sizes, default_block_size, known, kv_evidence, part_memo,
                                  tails)
             store.insert_arrow("request_attribution", _table(verdicts, now), FIRST_ANSWER_SETTINGS)
-        recent = _keep_recent(recent, arrivals, known_rows)
         latest = arrivals["ts"].max()
         answered_through = latest if answered_through is None else max(answered_through, latest)
         ATTRIBUTED.labels("new").inc(len(arrivals))

@@ -301,11 +301,14 @@ class Store:
         """Run a SELECT and return a polars DataFrame (through Arrow; DateTime64 columns stay datetimes).
         ``preferred``: settings used only where the store lets its user set them (probed once, as for
         :meth:`insert_arrow`), e.g. ``output_format_arrow_low_cardinality_as_dictionary``: the answer is the
-        same without them, only its types or speed differ."""
+        same without them, only its types or speed differ. The frame is one contiguous chunk per column: the
+        store answers in blocks (261 Arrow batches for 5·10^5 rows), and polars works on a frame of many chunks
+        up to 8 times slower (a filter, a sort and a comparison on a chunk of arrivals: 0.94 against 0.34 CPU-s,
+        after 0.11 to join them; a gather of 4.5·10^5 rows: 0.67 against 0.08)."""
         settings = {**(settings or {}), **(self._if_accepted(preferred, "queries run without them") or {})}
         with self._translate("query"):
             table = self.client.query_arrow(statement, parameters=parameters, settings=settings or None)
-        return pl.from_arrow(table)  # type: ignore[return-value]
+        return pl.from_arrow(table).rechunk()  # type: ignore[union-attr]
 
     def query_rows(self, statement: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         """Run a SELECT and return its rows as tuples (for small internal reads)."""

@@ -13,6 +13,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pytest
@@ -750,20 +751,64 @@ def test_the_carried_search_reads_the_rows_between_two_chunks(store, monkeypatch
         ("e1", ""), ("e2", "e1"), ("mid", "e2"), ("l1", "mid"), ("l2", "l1")]
 
 
-def test_the_rows_kept_for_predecessors_are_bounded():
-    """The job keeps the predecessor fields of its last chunks up to a row cap, dropping the oldest chunk first
-    (the newest is kept whatever its size)."""
-    def chunk(n: int, first: int) -> pl.DataFrame:
-        reqs = [{**gw(f"r{first + i}", at=first + i), "order_key": first + i} for i in range(n)]
-        return pl.DataFrame(reqs).with_columns(**{c: pl.lit(None) for c in attribution_job._KNOWN if c not in reqs[0]})
+def test_kept_requests_are_found_by_name_and_bounded():
+    """The run's recent arrivals (ingest/known_requests.py) are found by (order_key, id_hash), also among rows
+    sharing an order_key, and a name not kept is not found; the oldest parts are dropped past the row cap or the
+    horizon (the newest part always kept), and a chunk not after the last one starts the parts again."""
+    from ingest.known_requests import KnownRequests
 
-    kept: list[pl.DataFrame] = []
-    for first in (0, 3, 6):
-        kept = attribution_job._keep_recent(kept, chunk(3, first), cap=7)
-    assert [f["request_id"].to_list() for f in kept] == [["r3", "r4", "r5"], ["r6", "r7", "r8"]]
-    assert kept[0].columns == list(attribution_job._KNOWN)
-    kept = attribution_job._keep_recent(kept, chunk(9, 9), cap=7)
-    assert [len(f) for f in kept] == [9]
+    def chunk(names: list[tuple[int, int]], ts_ms: int) -> pl.DataFrame:
+        return pl.DataFrame({"order_key": [k for k, _ in names], "id_hash": [i for _, i in names],
+                             "ts": [datetime.fromtimestamp(ts_ms / 1000, UTC)] * len(names),
+                             "request_id": [f"r{k}.{i}" for k, i in names]},
+                            schema_overrides={"order_key": pl.UInt64, "id_hash": pl.UInt64})
+
+    def ids(known: KnownRequests, names: list[tuple[int, int]]) -> list[str | None]:
+        found = known.find(np.array([k for k, _ in names], dtype=np.uint64),
+                           np.array([i for _, i in names], dtype=np.uint64))
+        return known.gather(found)["request_id"].to_list()
+
+    known = KnownRequests(["order_key", "id_hash", "ts", "request_id"], max_rows=9)
+    known.add(chunk([(5, 9), (3, 1), (5, 2), (5, 7), (4, 4)], 1_000))
+    assert ids(known, [(5, 7), (5, 2), (5, 9), (3, 1), (5, 3), (6, 9), (4, 4)]) == [
+        "r5.7", "r5.2", "r5.9", "r3.1", None, None, "r4.4"]
+    known.add(chunk([(8, 1), (7, 1), (6, 2), (6, 1), (9, 1)], 2_000))  # 10 rows: the first part goes
+    assert ids(known, [(3, 1), (7, 1), (6, 1), (6, 2)]) == [None, "r7.1", "r6.1", "r6.2"]
+    known.add(chunk([(10, 1)], 3_000), horizon_start_ms=2_500)  # the part before is older than the horizon
+    assert ids(known, [(7, 1), (10, 1)]) == [None, "r10.1"]
+    known.add(chunk([(20, 1), (21, 1)], 4_000))  # within the cap: both kept
+    assert len(known) == 3 and ids(known, [(10, 1), (21, 1)]) == ["r10.1", "r21.1"]
+    known.add(chunk([(2, 1)], 5_000))  # not after the last chunk: the parts start again
+    assert len(known) == 1 and ids(known, [(21, 1), (2, 1)]) == [None, "r2.1"]
+    known.add(chunk([(40 + i, 1) for i in range(12)], 6_000))  # over the cap alone: kept
+    assert len(known) == 12 and ids(known, [(2, 1), (51, 1)]) == [None, "r51.1"]
+
+
+def test_a_run_reads_back_only_the_predecessors_it_did_not_keep(store, monkeypatch):
+    """Generated traffic (bench/history.py, 3000 requests) in chunks of 700: with the default row cap every
+    predecessor is found among the run's arrivals kept, none read back from gateway_requests; kept to one chunk,
+    the older ones are read back, and the answers are the same."""
+    from bench.history import gateway_table
+
+    store.insert_arrow("gateway_requests", gateway_table(3000, seed=7, tenants=50, pods=3, end=T0))
+    real, read = attribution_job._by_order_keys, []
+
+    def spy(store: Store, keys: pl.DataFrame, fields: tuple[str, ...]) -> pl.DataFrame:
+        if fields == attribution_job._KNOWN:
+            read.append(len(keys))
+        return real(store, keys, fields)
+
+    monkeypatch.setattr(attribution_job, "_by_order_keys", spy)
+    assert run(store, settle_seconds=-60, chunk_size=700).chunks == 5
+    assert read == []
+    kept = (attributed(store), weighted(store))
+    assert sum(1 for r in kept[0] if r[4]) > 2000  # most requests have a predecessor
+    store.command("TRUNCATE TABLE request_attribution")
+    store.command("TRUNCATE TABLE attribution_watermark")
+    monkeypatch.setattr(attribution_job, "KNOWN_ROWS", 700)
+    run(store, settle_seconds=-60, chunk_size=700)
+    assert sum(read) > 100
+    assert (attributed(store), weighted(store)) == kept
 
 
 def test_a_chunk_sharing_the_latest_answers_millisecond_leaves_them_out(store):
