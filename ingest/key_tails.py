@@ -9,8 +9,12 @@ right side held ~6·10^6 rows for its 1.5·10^6 keys, and the search cost grew w
 For a chunk whose order_key range of ``request_keys`` holds exactly its requests' keys (``_whole_range``), the
 latest row before the chunk is known from the chunks before it: :class:`KeyTails` keeps each key's latest row
 (``tails``), so a chunk reads only its own range (and the rows between the previous chunk and it), and the ASOF
-join runs in polars over the chunk's rows plus the tails. Rows older than the first chunk carried are looked up
-once per key per chunk (the latest of each of the chunk's keys before it) until the horizon has passed them.
+join runs over the chunk's rows plus the tails. Rows older than the first chunk carried are looked up once per key
+per chunk (the latest of each of the chunk's keys before it) until the horizon has passed them.
+
+The join is one stable sort by key of rows already ascending by order_key (numpy over the sorted arrays): a row's
+predecessor is then the row just before its run of (key, millisecond). polars' ``join_asof`` by key over the same
+rows cost ~0.3 CPU-s more per chunk of 5·10^5 requests (1.3·10^6 keys, 8·10^5 carried).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from ingest.store import Store
@@ -76,11 +81,7 @@ class KeyTails:
             "AND ts >= {from_ts:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}",
             {"since": since, "last": last, "from_ts": _ms_of(since + 1), "hi": hi})
         start = self.start if carried else since
-        parts, kept = [], None
-        if carried and self.tails is not None:  # only the tails of this chunk's keys take part in the join
-            keys = rows.select(pl.col("key").unique())
-            parts.append(self.tails.join(keys, on="key", how="semi"))
-            kept = self.tails.join(keys, on="key", how="anti")
+        parts = [self.tails] if carried and self.tails is not None else []
         reach = lo - timedelta(milliseconds=horizon_ms)
         if _ms_of(start) >= reach:  # rows up to start may lie within the horizon: each key's latest of them
             parts.append(store.query_df(
@@ -96,25 +97,50 @@ class KeyTails:
                 GROUP BY key
                 """, {"first": first, "last": last, "lo": lo, "hi": hi, "start": start, "reach": reach,
                       "start_ts": _ms_of(start)}).rename({"last_key": "order_key", "last_ts": "ts"}))
-        parts.append(rows.select(_TAIL))
-        right = pl.concat([p.select(_TAIL) for p in parts if not p.is_empty()], how="vertical_relaxed")
         ts_type = rows.schema["ts"]
-        right = right.with_columns(pl.col("ts").cast(ts_type)).sort("order_key")
-        left = (rows.filter(pl.col("order_key") >= first)
-                .select(*dict.fromkeys([*by, "order_key", "kind", "key", "ts"]),
-                        (pl.col("order_key") // _MS * _MS - 1).alias("probe"))
-                .sort("probe"))
-        found = (left.join_asof(right.rename({"order_key": "p_order_key", "ts": "p_ts", ID_HASH: f"p_{ID_HASH}"}),
-                                left_on="probe", right_on="p_order_key", by="key", strategy="backward",
-                                check_sortedness=False)
-                 .filter(pl.col("p_order_key").is_not_null()
-                         & (pl.col("ts").dt.epoch("ms") - pl.col("p_ts").dt.epoch("ms") <= horizon_ms))
-                 .select(*by, "kind", "p_ts", "p_order_key", f"p_{ID_HASH}"))
-        # each key's latest row before the last millisecond read, and every row of that millisecond (the next
-        # chunk's targets may share it: those rows are no predecessors of them)
+        earlier = [p.select(pl.col("key").cast(pl.UInt64), pl.col("order_key").cast(pl.UInt64),
+                            pl.col("ts").cast(ts_type), pl.col(ID_HASH).cast(pl.UInt64)) for p in parts if len(p)]
+        # every row before the chunk's range ascends by order_key (the tails, then the rows up to start sorted),
+        # and so do the range's rows once sorted: a stable sort by key then orders all by (key, order_key)
+        in_order = rows["order_key"].arg_sort().to_numpy()
+        if len(earlier) > 1:  # the rows up to start interleave with the tails (each sorted)
+            earlier = [pl.concat(earlier).sort("order_key")]
+        right = pl.concat([*earlier,
+                           rows.select(_TAIL)[pl.Series(in_order)]], how="vertical_relaxed", rechunk=True)
+        before = len(right) - len(rows)
+        order = right.select(pl.arg_sort_by("key", maintain_order=True)).to_series().to_numpy().astype(np.int64)
+        key, okey = right["key"].to_numpy()[order], right["order_key"].to_numpy()[order]
+        hashes = right[ID_HASH].to_numpy()
+        if ((key[1:] == key[:-1]) & (okey[1:] == okey[:-1]) & (hashes[order[1:]] != hashes[order[:-1]])).any():
+            # two requests of one order_key on a key (a row read twice is the same row): the greater id_hash last
+            order = np.lexsort((hashes, right["order_key"].to_numpy(), right["key"].to_numpy()))
+            key, okey = right["key"].to_numpy()[order], right["order_key"].to_numpy()[order]
+        # per row: its key's latest row of an earlier millisecond is the row before its (key, millisecond) run
+        n = len(key)
+        new_key = np.ones(n, dtype=bool)
+        new_key[1:] = key[1:] != key[:-1]
+        new_run = new_key.copy()
+        new_run[1:] |= (okey[1:] // _MS) != (okey[:-1] // _MS)
+        run_start = np.maximum.accumulate(np.where(new_run, np.arange(n), 0))
+        ts_ms = right["ts"].dt.epoch("ms").to_numpy()[order]
+        target = np.flatnonzero((order >= before) & (okey >= first) & ~new_key[run_start])
+        candidate = run_start[target] - 1
+        within = ts_ms[target] - ts_ms[candidate] <= horizon_ms
+        target, candidate = target[within], candidate[within]
+        found = rows[pl.Series(in_order[order[target] - before])].select(*by, "kind").with_columns(
+            right["ts"].gather(pl.Series(order[candidate])).alias("p_ts"),
+            pl.Series("p_order_key", okey[candidate]),
+            pl.Series(f"p_{ID_HASH}", hashes[order[candidate]]))
+        # kept for the next chunk: each key's latest row before the last millisecond read, and every row of that
+        # millisecond (the next chunk's targets may share it: those rows are no predecessors of them), within
+        # the horizon
         cut = last // _MS * _MS
-        held = [right.filter(pl.col("order_key") < cut).unique(subset="key", keep="last"),
-                right.filter(pl.col("order_key") >= cut)]
-        self.tails = pl.concat([*held, *([kept] if kept is not None else [])]).filter(pl.col("ts") >= reach)
+        last_of_key = np.ones(n, dtype=bool)
+        last_of_key[:-1] = new_key[1:]
+        late = okey >= cut
+        last_before = np.zeros(n, dtype=bool)
+        last_before[:-1] = ~late[:-1] & late[1:] & ~last_of_key[:-1]
+        keep = (last_of_key | late | last_before) & (ts_ms >= int(reach.timestamp() * 1000))
+        self.tails = right[pl.Series(np.sort(order[keep]))]
         self.start, self.through = start, last
         return found
