@@ -305,6 +305,7 @@ def test_a_cache_salt_isolates_the_prompt_on_a_real_pod(vllm_fleet, store, tmp_p
     assert salt["A"] not in log.read_text() and salt["B"] not in log.read_text()
     assert len(chain_a) == rows[a1][0] // 32 >= 3 and rows[a2][3] == chain_a
     assert set(chain_a) <= vllm_hashes  # vLLM's own salted block hashes: the chain equals what the pod publishes
+    assert len(chain_b) == rows[b1][0] // 32 >= 3
     assert not set(chain_a) & set(chain_b) and set(chain_b) <= vllm_hashes
     run_attribution(store, settle_seconds=0.0, default_block_size=32)
     verdict = {r[0]: r[1:] for r in store.query_rows(

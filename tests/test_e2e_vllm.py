@@ -209,6 +209,9 @@ def test_later_turns_that_stayed_on_their_pod_are_never_routed_away(e2e) -> None
         "SELECT request_id, cause FROM miss_attribution WHERE request_id IN {ids:Array(String)}", {"ids": stayed})
     print(f"\nsecond turns that stayed on their pod: {len(stayed)}; their causes: {sorted({c for _, c in rows})}")
     assert stayed, "round robin kept no later turn on its pod"
+    answered = {r[0] for r in e2e["store"].query_rows(
+        "SELECT request_id FROM request_attribution FINAL WHERE request_id IN {ids:Array(String)}", {"ids": stayed})}
+    assert answered == set(stayed)  # every one judged (no answer would pass the check below)
     wrong = [r[0] for r in rows if r[1] == "routed_away"]
     detail = e2e["store"].query_rows(
         "SELECT request_id, pod, predecessor_request_id, predecessor_pod, cause, sub_cause, tokens, evidence, "

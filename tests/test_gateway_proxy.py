@@ -17,6 +17,7 @@ import pytest
 from conftest import free_port
 
 from collector.gateway_record import decode_record
+from gateway.block_chain import MODELS_REFRESH_SECONDS
 from gateway.fingerprint import TokenCounter, fingerprint_chat
 from gateway.log import SCHEMA_PATH
 from gateway.proxy import GatewayServer, make_app
@@ -967,6 +968,9 @@ def test_a_lora_adapters_chain_is_rooted_at_the_adapter(gateway, fake_pod):
     assert pod.models_reads == 1
     pod.models.append({"id": "ad-2", "parent": "tiny"})  # loaded at run time
     assert chain_of("lora-2", "ad-2") in ([], hexes("ad-2"))  # [] while the list read last is too recent
+    time.sleep(MODELS_REFRESH_SECONDS + 0.5)  # then the list is read again and the adapter found
+    assert chain_of("lora-3", "ad-2") == hexes("ad-2")
+    assert pod.models_reads == 2
     assert len({tuple(hexes(x)) for x in (None, "ad-1", "ad-2")}) == 3
 
     other = fake_pod()

@@ -210,6 +210,9 @@ def test_per_cause_precision_and_recall(run) -> None:  # type: ignore[no-untyped
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "labelled-run.txt").write_text(text + "\n")
     rows = [r for r in run["precise"]["table"] if r["intended_cause"] != "all"]
+    # every class the run built was evaluated (an empty table would pass the checks below)
+    assert {(r["intended_cause"], r["intended_sub_cause"]) for r in rows if r["labelled"]} == CLASSES
+    assert sum(r["tokens_checked"] for r in rows) > 0
     low = [f"{r['intended_cause']}/{r['intended_sub_cause']}: precision {r['precision']}, recall {r['recall']}"
            for r in rows if (r["labelled"] and r["recall"] < MIN_SCORE)
            or (r["attributed"] and r["precision"] < MIN_SCORE)]
