@@ -888,7 +888,9 @@ def running_requests(pod) -> float:
 def read_first_event_and_reset(url: str, body: dict, request_id: str) -> bytes:
     """POST `body` as a streaming chat request over a raw socket, read up to the end of the first SSE event,
     then close with a TCP reset (SO_LINGER 0): the client is gone at once, with no buffered close of an HTTP
-    library in between. Returns the first event."""
+    library in between. The socket's receive buffer is set small before it connects (a small TCP window), so
+    a pod that answers in one burst cannot have its whole answer taken off the gateway's hands before the
+    reset (on loopback the window otherwise grows to megabytes). Returns the first event."""
     import socket
     import struct
     from urllib.parse import urlsplit
@@ -898,7 +900,10 @@ def read_first_event_and_reset(url: str, body: dict, request_id: str) -> bytes:
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
             f"Content-Type: application/json\r\nX-Request-Id: {request_id}\r\n"
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
-    with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(60)
+        sock.connect((u.hostname, u.port))
         sock.sendall(head + payload)
         got = b""
         while b"data:" not in got or not got.split(b"data:", 1)[1].count(b"\n\n"):
