@@ -76,7 +76,9 @@ class MovingMetrics:
 class LogWriter:
     """Appends ``lines`` to ``path`` with the gateway's own writer (gateway/log.py), ``rate`` lines/s, in a
     thread. ``pause`` (an Event, set = paused) lets a test rotate with copytruncate without logrotate's own
-    loss window; ``done`` is set when every line is written."""
+    loss window; time paused does not count (no burst to catch up after it), so the writing lasts
+    ``len(lines) / rate`` seconds of unpaused time whatever a slow start held it for; ``done`` is set when every
+    line is written."""
 
     path: Path
     lines: list[str]
@@ -95,8 +97,11 @@ class LogWriter:
         t0 = time.monotonic()
         try:
             for i, line in enumerate(self.lines):
-                while self.pause.is_set():
-                    time.sleep(0.005)
+                if self.pause.is_set():
+                    held = time.monotonic()
+                    while self.pause.is_set():
+                        time.sleep(0.005)
+                    t0 += time.monotonic() - held
                 ahead = i / self.rate - (time.monotonic() - t0)
                 if ahead > 0:
                     time.sleep(ahead)

@@ -24,6 +24,8 @@ from tests.kill_harness import LogWriter, MovingMetrics, UpProcess, verify, wait
 
 LINES = int(os.environ.get("KVSCOPE_KILL_LINES", "12000"))
 RATE = float(os.environ.get("KVSCOPE_KILL_RATE", "400"))  # lines written per second
+#: How long the rotation test's writer writes (unpaused seconds): longer than its four rotations take.
+ROTATION_WRITE_SECONDS = 35.0
 KILLS = int(os.environ.get("KVSCOPE_KILL_TIMES", "5"))
 
 
@@ -83,7 +85,7 @@ def run_with_kills(up: UpProcess, writer: LogWriter, kills: int, rnd: random.Ran
     done = 0
     writer.start()
     wait_until(writer.path.exists, 60, "the first log line")
-    writer.pause.set()  # held while kvscope starts (the writer catches up after)
+    writer.pause.set()  # held while kvscope starts (the writer's pace does not count the hold)
     up.start()
     wait_until(up.watching, 300, "kvscope up to record where it watches the log from")
     writer.pause.clear()
@@ -119,17 +121,22 @@ def test_sigkill_at_random_points_loses_and_doubles_nothing(mode: str, tmp_path:
 
 def test_rotation_both_ways_under_load_with_sigkills(tmp_path: Path) -> None:
     """The log is rotated by rename-and-create and by copytruncate while lines keep coming, with a SIGKILL
-    right after each rotation (the restarted collector must find the rotated file by its fingerprint)."""
+    right after each rotation (the restarted collector must find the rotated file by its fingerprint). Every
+    rotation must happen while the writer is still writing: the writing lasts ROTATION_WRITE_SECONDS of unpaused
+    time, longer than the rotations' at most 4 × 5.55 s, and a rotation that found the writer done fails the
+    test instead of being skipped."""
     log = tmp_path / "gateway.jsonl"
     metrics = MovingMetrics(free_port())
     n = max(4000, LINES // 3)
     lines = list(gateway_lines(n, seed=12, id_prefix="kill", tenants=10, pods=2))
     up, database = start_pipeline(tmp_path, log, metrics, None)
-    writer = LogWriter(log, lines, RATE)
+    writer = LogWriter(log, lines, n / ROTATION_WRITE_SECONDS)
+    rotated: list[tuple[int, str, int]] = []  # (rotation, how, lines written before it)
 
     def rotate(i: int) -> None:
-        if not log.exists():  # the writer finished before this rotation and after the last one: nothing to rotate
-            return
+        assert not writer.done.is_set(), f"rotation {i}: the writer had already written every line"
+        # after a rename the writer recreates the path on its next line (gateway/log.py)
+        wait_until(log.exists, 30, f"the log recreated before rotation {i}", interval=0.01)
         if i % 2 == 0:  # logrotate's default: rename, the writer reopens the path
             log.rename(tmp_path / f"gateway.jsonl.{i}")
         else:  # copytruncate: pause the writer (logrotate's own copy→truncate window loses lines otherwise)
@@ -139,6 +146,7 @@ def test_rotation_both_ways_under_load_with_sigkills(tmp_path: Path) -> None:
             with open(log, "r+b") as fh:
                 fh.truncate(0)
             writer.pause.clear()
+        rotated.append((i, "rename" if i % 2 == 0 else "copytruncate", writer.written))
         time.sleep(random.Random(i).uniform(0.0, 0.5))  # kill right after, or a moment later
 
     try:
@@ -148,6 +156,9 @@ def test_rotation_both_ways_under_load_with_sigkills(tmp_path: Path) -> None:
         if up.alive():
             up.kill()
         metrics.close()
+    assert [how for _, how, _ in rotated] == ["rename", "copytruncate", "rename", "copytruncate"]
+    assert all(0 < written < n for _, _, written in rotated), rotated  # each under load, lines before and after
+    assert all(tmp_path.joinpath(f"gateway.jsonl.{i}").stat().st_size > 0 for i in range(4))
     assert writer.written == n
     check_exact(verify(tmp_path / "data", database, n), n)
 
