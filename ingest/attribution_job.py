@@ -54,7 +54,7 @@ from ingest.attribution_late import INGESTED_WINDOW, late_kv_targets, new_holder
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
-from ingest.key_tails import ID_HASH, ID_HASH_SQL, KeyTails
+from ingest.key_tails import ID_HASH, ID_HASH_SQL, KeyTails, keys_of_range
 from ingest.known_requests import KnownRequests, gather, names, positions
 from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
 from ingest.store import Store
@@ -250,17 +250,17 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
 def _target_keys(by: list[str], whole: bool = False) -> str:
     """The CTE of the targets' predecessor keys, each target named by the columns ``by`` (:func:`_identity`):
     read from their gateway_requests rows (a staged set, :func:`_stage`), or, when ``whole``, the rows of
-    request_keys in their order_key range {first, last} (:func:`_whole_range`: one column read by range, not a
-    set of ids looked up in gateway_requests; on 10^6 requests of generated history, three runs each on a quiet
-    machine, 9.9–11.6 CPU-s against 11.3–12.6 for the whole job)."""
+    request_keys in their order_key range {first, last} (:func:`_whole_range`; read from gateway_requests as
+    request_keys_mv makes them, :data:`ingest.key_tails.KEYS_OF_RANGE`: by range, not a set of ids looked up; on
+    10^6 requests of generated history, three runs each on a quiet machine, 9.9–11.6 CPU-s against 11.3–12.6 for
+    the whole job)."""
     if whole:
         return f"""
     target_keys AS
     (
-        SELECT {", ".join(dict.fromkeys([*by, "order_key", "ts"]))},
-               intDiv(order_key, 1048576) * 1048576 AS first_of_ms, kind, key
-        FROM request_keys
-        WHERE order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}
+        {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]),
+                        "intDiv(order_key, 1048576) * 1048576 AS first_of_ms", "kind", "key"],
+                       f"order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}")}
     )"""
     return f"""
     target_keys AS
@@ -279,7 +279,8 @@ _SERVED = pl.col("status").is_null() | (pl.col("status") < 400)
 
 def _whole_range(store: Store, targets: pl.DataFrame, by: list[str]) -> dict[str, Any] | None:
     """The parameters of :func:`_target_keys` ``whole`` (first, last, lo, hi) when the rows of request_keys in the
-    targets' order_key range are exactly the targets' keys, else None. True when every target that can have a
+    targets' order_key range (counted from gateway_requests, :data:`ingest.key_tails.KEYS_OF_RANGE`) are exactly
+    the targets' keys, else None. True when every target that can have a
     predecessor (served: status < 400 or none) has its rows there (served with a prompt, as request_keys' view
     keeps them), and the range holds as many rows as those targets have keys (:data:`KEY_COUNT`): no other request
     in it (a backlog's chunk, not the overlap window of a live run, whose answered requests are no targets).
@@ -295,8 +296,8 @@ def _whole_range(store: Store, targets: pl.DataFrame, by: list[str]) -> dict[str
     if bad or not keys:
         return None
     params = {"first": first, "last": last, "lo": lo, "hi": hi}
-    rows = store.query_rows("SELECT count() FROM request_keys WHERE order_key >= {first:UInt64} "
-                            f"AND order_key <= {{last:UInt64}} AND {_BETWEEN}", params)[0][0]
+    in_range = f"order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}"
+    rows = store.query_rows(keys_of_range(["count()"], in_range), params)[0][0]
     return params if rows == keys else None
 
 

@@ -659,6 +659,33 @@ def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(
     assert (attributed(store), weighted(store)) == by_range
 
 
+def test_keys_read_by_range_from_gateway_requests_are_request_keys_rows(store):
+    """A chunk's keys by range are read from gateway_requests as request_keys' materialized view makes them
+    (ingest/key_tails.py KEYS_OF_RANGE: request_keys is sorted by key, so a range of it scans whole days): the
+    same rows as request_keys holds, whole and for a sub-range, on generated traffic with failed requests plus
+    a request without a prompt, a failed one and one with no key at all."""
+    from bench.history import gateway_table
+
+    from ingest.key_tails import keys_of_range
+
+    store.insert_arrow("gateway_requests", gateway_table(2000, seed=7, tenants=30, pods=3, end=T0))
+    insert_requests(store, [gw("no-prompt", at=1, prompt=0, conv="c9"), gw("failed", at=2, status=503, conv="c9"),
+                            {**gw("keyless", at=3), "system_hash": "", "system_norm_hash": "", "system_tokens": 0,
+                             "prompt_fingerprint": ""}])
+    columns = ["key", "kind", "order_key", "ts", "request_id"]
+    lo, hi = store.query_rows("SELECT quantileExact(0.3)(order_key), quantileExact(0.7)(order_key) "
+                              "FROM gateway_requests")[0]
+    for where in ("1", f"order_key >= {lo} AND order_key <= {hi}"):
+        stored = store.query_rows(f"SELECT {', '.join(columns)} FROM request_keys WHERE {where} "
+                                  f"ORDER BY {', '.join(columns)}")
+        read = store.query_rows(f"SELECT * FROM ({keys_of_range(columns, where)}) ORDER BY {', '.join(columns)}")
+        assert read == stored and len(stored) > 1000
+    assert store.query_rows("SELECT countIf(request_id IN ('no-prompt', 'failed', 'keyless')), "
+                            "countIf(status >= 400) FROM request_keys AS k "
+                            "JOIN gateway_requests AS g USING (request_id, ts)")[0] == (0, 0)
+    assert store.query_rows("SELECT countIf(status >= 400) FROM gateway_requests")[0][0] > 10
+
+
 def test_the_carried_search_finds_what_clickhouse_finds_for_every_chunk(store, monkeypatch):
     """The predecessor search carried from chunk to chunk (ingest/key_tails.py) against the ASOF JOIN in
     ClickHouse, chunk by chunk, on generated traffic in two runs: the second run's requests share conversations and
