@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 import uuid
@@ -137,6 +138,7 @@ class FakePod:
         self.token_ids: list[int] | None = None
         self.tokenize_delay = 0.0
         self.tokenize_requests: list[dict] = []
+        self.tokenize_peers: list[int] = []  # the client's port of each /tokenize request
         self.metrics_reads = 0
         self.models: list[dict] | None = [{"id": "tiny", "object": "model", "parent": None}]  # None: 404
         self.models_reads = 0
@@ -173,6 +175,7 @@ class FakePod:
                 raw = self.rfile.read(int(self.headers["content-length"]))
                 if self.path == "/tokenize":
                     pod.tokenize_requests.append(json.loads(raw))
+                    pod.tokenize_peers.append(self.client_address[1])
                     if pod.token_ids is None:
                         return self._send(404, {"detail": "Not Found"})
                     if pod.token_ids == "unknown model":  # vLLM's own 404: /tokenize exists
@@ -454,9 +457,29 @@ def test_the_block_chain_is_logged_after_the_answer_and_never_delays_it(gateway,
     assert pod.metrics_reads == 1  # the block size is cached per pod
 
 
+def _local_tcp_ports(pid: int) -> set[int]:
+    """The local ports of process ``pid``'s TCP sockets (its /proc fds matched to /proc/net/tcp's inodes)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def test_chains_come_from_the_helper_process_and_survive_its_death(tmp_path, fake_pod):
-    """The chain work runs in the helper process the gateway started; when it dies, the lines it held are logged
-    without a chain and the gateway computes later chains itself."""
+    """The chain work runs in the helper process the gateway started (the pod's /tokenize request comes from one
+    of the helper's sockets, not the gateway's); when it dies, the lines it held are logged without a chain and
+    the gateway computes later chains itself (from its own sockets)."""
     pod = fake_pod()
     pod.token_ids = [1, 2, 3, 4, 5, 6, 7]
     app = make_app([("pod-0", pod.url)], tmp_path / "g.jsonl")
@@ -465,6 +488,8 @@ def test_chains_come_from_the_helper_process_and_survive_its_death(tmp_path, fak
         assert log_line(tmp_path / "g.jsonl", "h-1")["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4], 4)
         helper = app.state.gateway.chainer._proc
         assert helper is not None and helper.poll() is None
+        helper_ports, own_ports = _local_tcp_ports(helper.pid), _local_tcp_ports(os.getpid())
+        assert pod.tokenize_peers[0] in helper_ports and pod.tokenize_peers[0] not in own_ports
         helper.kill()
         helper.wait(10)
         time.sleep(0.2)
@@ -472,6 +497,7 @@ def test_chains_come_from_the_helper_process_and_survive_its_death(tmp_path, fak
             client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": f"h-{i}"})
             rec = log_line(tmp_path / "g.jsonl", f"h-{i}")
             assert rec["prompt_block_hashes"] == _vllm_chain_hex([1, 2, 3, 4], 4), i
+        assert set(pod.tokenize_peers[1:]) <= _local_tcp_ports(os.getpid())  # the gateway's own, kept alive
     assert len(pod.tokenize_requests) == 3
 
 
