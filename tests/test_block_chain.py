@@ -4,6 +4,7 @@ collector derives from the serving pod's ``BlockStored`` events (same token ids,
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -314,3 +315,39 @@ def test_a_cache_salt_isolates_the_prompt_on_a_real_pod(vllm_fleet, store, tmp_p
     causes_b = verdict[b1][0]
     print(f"b1: {verdict[b1]}")
     assert "cold" in causes_b and not {"evicted", "unknown", "routed_away"} & set(causes_b)
+
+
+@pytest.mark.vllm
+def test_a_real_pod_answers_tokenize_and_models_as_the_fake_pod_imitates(vllm_fleet) -> None:  # type: ignore[no-untyped-def]
+    """The fake pod of tests/test_gateway_proxy.py stands in for vLLM in the /tokenize failure tests; here the
+    real server says the same: /tokenize for a model it does not serve answers 404 with vLLM's own error object
+    (so the gateway counts ``tokenize_failed`` and asks again next time, not ``tokenize_unavailable``, which
+    would leave the pod without chains for RETRY_SECONDS), its own model's ids decode, and /v1/models lists the
+    served name with no parent (a base model, not a LoRA adapter)."""
+    import asyncio
+
+    from gateway.block_chain import BlockChainer
+    from gateway.upstream import Timeouts, UpstreamClient
+
+    pod = vllm_fleet.pods[0]
+    chainer = BlockChainer({pod.name: pod.base_url})
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def tokenize(model: str) -> tuple[str, list[int] | None]:
+        client = UpstreamClient(Timeouts(connect=5.0, read=60.0))
+        try:
+            payload = json.dumps({**body, "model": model}).encode()
+            return "ok", await chainer._tokenize(client, pod.name, payload)
+        except ChainFailure as failure:
+            return failure.reason, None
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(tokenize("no-such-model")) == ("tokenize_failed", None)
+    assert chainer.pods[pod.name].tokenize_retry_at == 0.0  # not left alone: asked again next time
+    reason, ids = asyncio.run(tokenize("tiny"))
+    assert reason == "ok" and ids and all(isinstance(i, int) for i in ids)
+    raw = httpx.post(f"{pod.base_url}/tokenize", json=body, timeout=60)
+    assert raw.status_code == 404 and b'"error"' in raw.content
+    models = httpx.get(f"{pod.base_url}/v1/models", timeout=60).json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None)]
