@@ -247,6 +247,16 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
         """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms})
 
 
+#: The ASOF JOINs' ordering of candidates on a key: (order_key, cityHash64(request_id)) as one UInt128, so that of
+#: two requests sharing an order_key (the same millisecond and 20 bits of their ids' MD5) the one with the greater
+#: id hash is the latest, whatever the order the store holds them in (as ingest/key_tails.py and
+#: ingest.attribution.choose_predecessor order them); ClickHouse's ASOF JOIN keeps one row per asof value.
+_RANKED = f"bitShiftLeft(toUInt128(order_key), 64) + {ID_HASH} AS ranked"
+#: A target's side: its first millisecond's least order_key, shifted alike (a candidate's ranked is below it
+#: exactly when its order_key is below that millisecond: the id hash fills only the low 64 bits).
+_FIRST_OF_MS = "bitShiftLeft(toUInt128(intDiv(order_key, 1048576) * 1048576), 64) AS first_of_ms"
+
+
 def _target_keys(by: list[str], whole: bool = False) -> str:
     """The CTE of the targets' predecessor keys, each target named by the columns ``by`` (:func:`_identity`):
     read from their gateway_requests rows (a staged set, :func:`_stage`), or, when ``whole``, the rows of
@@ -259,14 +269,13 @@ def _target_keys(by: list[str], whole: bool = False) -> str:
     target_keys AS
     (
         {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]),
-                        "intDiv(order_key, 1048576) * 1048576 AS first_of_ms", "kind", "key"],
+                        _FIRST_OF_MS, "kind", "key"],
                        f"order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}")}
     )"""
     return f"""
     target_keys AS
     (
-        SELECT {", ".join(dict.fromkeys([*by, "ts"]))}, intDiv(order_key, 1048576) * 1048576 AS first_of_ms,
-               k.kind AS kind, k.key AS key
+        SELECT {", ".join(dict.fromkeys([*by, "ts"]))}, {_FIRST_OF_MS}, k.kind AS kind, k.key AS key
         FROM gateway_requests ARRAY JOIN predecessor_keys AS k
         WHERE {_IN_SET} AND {_BETWEEN}
     )"""
@@ -366,11 +375,14 @@ def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[st
         {_found(by)}
         ASOF INNER JOIN
         (
-            SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
-            WHERE key IN (SELECT key FROM target_keys)
-              AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
-              AND ts <= {{hi:DateTime64(3, 'UTC')}}
-        ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
+            SELECT key, order_key, ts, {ID_HASH}, {_RANKED} FROM
+            (
+                SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
+                WHERE key IN (SELECT key FROM target_keys)
+                  AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+                  AND ts <= {{hi:DateTime64(3, 'UTC')}}
+            )
+        ) AS p ON t.key = p.key AND t.first_of_ms > p.ranked
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
         """, {**(whole or _stage(store, "targets", targets)), "horizon": horizon_ms})
 
@@ -390,22 +402,25 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
         {_found(by)}
         ASOF INNER JOIN
         (
-            SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
-            WHERE key IN (SELECT key FROM target_keys)
-              AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
-              AND ts < {{hi:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
-            UNION ALL
-            SELECT key, last_key AS order_key, last_ts AS ts, last_hash AS {ID_HASH} FROM
+            SELECT key, order_key, ts, {ID_HASH}, {_RANKED} FROM
             (
-                SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
-                       cityHash64(argMax(request_id, order_key)) AS last_hash
-                FROM request_keys
+                SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
                 WHERE key IN (SELECT key FROM target_keys)
-                  AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{lookback:Int64}})
-                  AND ts < {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
-                GROUP BY key
+                  AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+                  AND ts < {{hi:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+                UNION ALL
+                SELECT key, last_key AS order_key, last_ts AS ts, last_hash AS {ID_HASH} FROM
+                (
+                    SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
+                           argMax(cityHash64(request_id), (order_key, cityHash64(request_id))) AS last_hash
+                    FROM request_keys
+                    WHERE key IN (SELECT key FROM target_keys)
+                      AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{lookback:Int64}})
+                      AND ts < {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+                    GROUP BY key
+                )
             )
-        ) AS p ON t.key = p.key AND t.first_of_ms > p.order_key
+        ) AS p ON t.key = p.key AND t.first_of_ms > p.ranked
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) > {{horizon:Int64}}
           AND toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{lookback:Int64}}
         """, {**_stage(store, "beyond", targets), "horizon": horizon_ms, "lookback": lookback_ms})

@@ -109,7 +109,7 @@ class KeyTails:
             parts.append(store.query_df(
                 f"""
                 SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
-                       cityHash64(argMax(request_id, order_key)) AS {ID_HASH}
+                       argMax(cityHash64(request_id), (order_key, cityHash64(request_id))) AS {ID_HASH}
                 FROM request_keys
                 WHERE key IN ({keys_of_range(["key"], _RANGE)})
                   AND order_key <= {{start:UInt64}} AND ts >= {{reach:DateTime64(3, 'UTC')}}

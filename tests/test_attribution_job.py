@@ -659,13 +659,64 @@ def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(
     assert (attributed(store), weighted(store)) == by_range
 
 
+@pytest.mark.parametrize("inserted", ["k8 first", "k602 first"])
+def test_two_predecessors_sharing_an_order_key_the_greater_id_hash_wins_on_every_path(store, inserted):
+    """k8 and k602 arrive in the same millisecond with the same keys and the same 20 bits of their ids' MD5, so
+    their order_keys are equal; succ (the next millisecond) has both as candidates. The tie goes to the greater
+    cityHash64 of the id (k602) on every path, whatever order the store holds them in: one run over everything,
+    the pair answered in a run before succ's (the lookup of each key's latest row before the run), and the pair
+    ingested after succ was answered (succ judged again by the ASOF JOIN in ClickHouse)."""
+    a, b = "k8", "k602"
+
+    def low(rid: str) -> int:
+        return int.from_bytes(hashlib.md5(rid.encode()).digest()[:4], "little") >> 12
+
+    assert low(a) == low(b)
+    winner = max((a, b), key=lambda rid: store.query_rows(f"SELECT cityHash64('{rid}')")[0][0])
+    assert winner == b
+    order = (a, b) if inserted == "k8 first" else (b, a)
+
+    def pair(at: datetime) -> list[dict[str, Any]]:
+        rows = {a: gw(a, at=1, pod="pod-a", ingested=at), b: gw(b, at=1, pod="pod-b", ingested=at)}
+        return [rows[rid] for rid in order]
+
+    def succ_predecessor() -> str:
+        rows = store.query_rows("SELECT predecessor_request_id FROM request_attribution WHERE request_id = 'succ' "
+                                "GROUP BY request_id, ts, version, predecessor_request_id HAVING sum(sign) > 0")
+        assert len(rows) == 1
+        return rows[0][0]
+
+    def now() -> datetime:
+        return attribution_job.server_now(store) - timedelta(milliseconds=1)
+
+    results = {}
+    insert_requests(store, [gw("first", at=0, ingested=now()), *pair(now())])
+    run(store, settle_seconds=0)
+    insert_requests(store, [gw("succ", at=2, pod="pod-b", ingested=now())])
+    run(store, settle_seconds=0)
+    results["pair answered in an earlier run"] = succ_predecessor()
+    store.command("TRUNCATE TABLE request_attribution")
+    store.command("TRUNCATE TABLE attribution_watermark")
+    run(store, settle_seconds=0)
+    results["one run"] = succ_predecessor()
+    store.command("TRUNCATE TABLE gateway_requests")
+    store.command("TRUNCATE TABLE request_keys")
+    store.command("TRUNCATE TABLE request_attribution")
+    store.command("TRUNCATE TABLE attribution_watermark")
+    insert_requests(store, [gw("first", at=0, ingested=now()), gw("succ", at=2, pod="pod-b", ingested=now())])
+    run(store, settle_seconds=0)
+    insert_requests(store, pair(now()))
+    run(store, settle_seconds=0)
+    results["pair ingested after succ was answered"] = succ_predecessor()
+    assert results == dict.fromkeys(results, winner)
+
+
 def test_keys_read_by_range_from_gateway_requests_are_request_keys_rows(store):
     """A chunk's keys by range are read from gateway_requests as request_keys' materialized view makes them
     (ingest/key_tails.py KEYS_OF_RANGE: request_keys is sorted by key, so a range of it scans whole days): the
     same rows as request_keys holds, whole and for a sub-range, on generated traffic with failed requests plus
     a request without a prompt, a failed one and one with no key at all."""
     from bench.history import gateway_table
-
     from ingest.key_tails import keys_of_range
 
     store.insert_arrow("gateway_requests", gateway_table(2000, seed=7, tenants=30, pods=3, end=T0))
