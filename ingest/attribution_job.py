@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -693,13 +694,30 @@ def run_attribution(store: Store, *, settle_seconds: float = 1.0, overlap_second
     backlog stops early, leaving the watermark). Runs in one process are serialised (one writer). ``memo``: a
     :class:`~ingest.kv_evidence.KvMemo` kept across runs (made with ``across_runs_lag_ms``; :func:`attribution_loop`
     keeps one), so that a live run reads its hot blocks' rows since the last run's cut instead of their whole
-    history; None: a memo for this run only.
+    history; None: a memo for this run only. Raises ValueError, before touching the store, for a parameter out of
+    range: a time that is not a finite number of seconds ≥ 0 (settle may be negative: it then takes requests
+    stamped up to that far ahead of the store's clock), a ``chunk_size`` below 1, a ``default_block_size`` below 1.
     """
+    _check_parameters(settle_seconds=settle_seconds, overlap_seconds=overlap_seconds,
+                      horizon_seconds=horizon_seconds, lookback_seconds=lookback_seconds,
+                      default_block_size=default_block_size, chunk_size=chunk_size)
     _reuse_freed_memory()
     with _WRITER:  # one writer: a final run at shutdown waits for the loop's run, never races it
         reach = (int(horizon_seconds * 1000), int(lookback_seconds * 1000))
         return _run(store, settle_seconds, overlap_seconds, stop, reach, default_block_size, chunk_size,
                     kv_evidence, memo)
+
+
+def _check_parameters(**given: Any) -> None:
+    """:func:`run_attribution`'s parameter check (ValueError naming the parameter and its value)."""
+    for name, value in given.items():
+        if name.endswith("_seconds"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"attribution {name}={value!r}: expected a finite number of seconds")
+            if value < 0 and name != "settle_seconds":
+                raise ValueError(f"attribution {name}={value!r}: expected a number of seconds >= 0")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"attribution {name}={value!r}: expected a whole number >= 1")
 
 
 def _reexamine(store: Store, keys: pl.DataFrame, reach: tuple[int, int], sizes: pl.DataFrame,

@@ -229,6 +229,9 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
         if not 1 <= days <= MAX_RETENTION_DAYS:
             raise ConfigError(f"{BY_NAME[name].env}={days}: expected whole days from 1 to {MAX_RETENTION_DAYS} "
                               "(fewer expires every row; more passes the end of ClickHouse's DateTime range, 2106)")
+    if cfg.default_block_size < 1:
+        raise ConfigError(f"KVSCOPE_DEFAULT_BLOCK_SIZE={cfg.default_block_size}: expected a KV block size of 1 token "
+                          "or more")
     if not 1 <= cfg.kv_events_dp_ranks <= 256:
         raise ConfigError(f"KVSCOPE_KV_EVENTS_DP_RANKS={cfg.kv_events_dp_ranks}: expected 1 to 256 ranks")
     if cfg.kafka_max_message_bytes < MIN_MAX_MESSAGE_BYTES:

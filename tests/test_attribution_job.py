@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import random
 import sys
 import threading
@@ -657,6 +658,23 @@ def test_backlog_chunks_answer_the_same_with_their_keys_read_by_range_or_by_ids(
     monkeypatch.setattr(attribution_job, "_whole_range", lambda *args: None)
     run(store, settle_seconds=-60, chunk_size=700, **reach)
     assert (attributed(store), weighted(store)) == by_range
+
+
+@pytest.mark.parametrize("bad", [{"horizon_seconds": math.nan}, {"horizon_seconds": -5.0},
+                                 {"lookback_seconds": math.inf}, {"overlap_seconds": -1.0},
+                                 {"settle_seconds": math.nan}, {"chunk_size": 0}, {"chunk_size": -1},
+                                 {"default_block_size": 0}])
+def test_parameters_out_of_range_are_refused_before_the_store_is_touched(store, bad):
+    """A NaN or negative horizon, a chunk of 0 requests, a block size of 0 tokens: a ValueError naming the
+    parameter, and no answer and no watermark written (before: a NaN horizon raised "cannot convert float NaN",
+    a chunk size of 0 divided by zero, a negative horizon answered every request cold)."""
+    insert_requests(store, [gw("a", at=0), gw("b", at=1, cached=736)])
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"attribution {name}="):
+        run(store, settle_seconds=0, **bad) if name != "settle_seconds" else run(store, **bad)
+    assert store.query_rows("SELECT (SELECT count() FROM request_attribution), "
+                            "(SELECT count() FROM attribution_watermark)")[0] == (0, 0)
+    assert run(store, settle_seconds=-1.0).arrivals == 2  # a negative settle is allowed: stamped ahead of the clock
 
 
 @pytest.mark.parametrize("inserted", ["k8 first", "k602 first"])

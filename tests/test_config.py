@@ -128,3 +128,9 @@ def test_the_label_limits_are_settings_and_a_negative_one_stops_startup() -> Non
     assert LabelLimits(0, 0, 0).problem({f"l{i}": "v" * 10_000 for i in range(100)}) == ""
     with pytest.raises(ConfigError, match="KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT=-1"):
         build_config(environ={"KVSCOPE_VLLM_LABEL_VALUE_LENGTH_LIMIT": "-1"})
+
+
+@pytest.mark.parametrize("size", ["0", "-16"])
+def test_a_default_block_size_below_one_token_stops_startup(size: str) -> None:
+    with pytest.raises(ConfigError, match="KVSCOPE_DEFAULT_BLOCK_SIZE"):
+        build_config({}, environ={"KVSCOPE_DEFAULT_BLOCK_SIZE": size})
