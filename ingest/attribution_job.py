@@ -55,7 +55,7 @@ from ingest.attribution_late import INGESTED_WINDOW, late_kv_targets, new_holder
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
-from ingest.key_tails import ID_HASH, ID_HASH_SQL, KeyTails, keys_of_range
+from ingest.key_tails import CHUNK_RANGE, ID_HASH, ID_HASH_SQL, LATEST_ID_HASH_SQL, KeyTails, keys_of_range
 from ingest.known_requests import KnownRequests, gather, names, positions
 from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
 from ingest.store import Store
@@ -269,9 +269,7 @@ def _target_keys(by: list[str], whole: bool = False) -> str:
         return f"""
     target_keys AS
     (
-        {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]),
-                        _FIRST_OF_MS, "kind", "key"],
-                       f"order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}")}
+        {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]), _FIRST_OF_MS, "kind", "key"], CHUNK_RANGE)}
     )"""
     return f"""
     target_keys AS
@@ -306,8 +304,7 @@ def _whole_range(store: Store, targets: pl.DataFrame, by: list[str]) -> dict[str
     if bad or not keys:
         return None
     params = {"first": first, "last": last, "lo": lo, "hi": hi}
-    in_range = f"order_key >= {{first:UInt64}} AND order_key <= {{last:UInt64}} AND {_BETWEEN}"
-    rows = store.query_rows(keys_of_range(["count()"], in_range), params)[0][0]
+    rows = store.query_rows(keys_of_range(["count()"], CHUNK_RANGE), params)[0][0]
     return params if rows == keys else None
 
 
@@ -376,13 +373,10 @@ def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[st
         {_found(by)}
         ASOF INNER JOIN
         (
-            SELECT key, order_key, ts, {ID_HASH}, {_RANKED} FROM
-            (
-                SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
-                WHERE key IN (SELECT key FROM target_keys)
-                  AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
-                  AND ts <= {{hi:DateTime64(3, 'UTC')}}
-            )
+            SELECT key, order_key, ts, {ID_HASH_SQL}, {_RANKED} FROM request_keys
+            WHERE key IN (SELECT key FROM target_keys)
+              AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
+              AND ts <= {{hi:DateTime64(3, 'UTC')}}
         ) AS p ON t.key = p.key AND t.first_of_ms > p.ranked
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{horizon:Int64}}
         """, {**(whole or _stage(store, "targets", targets)), "horizon": horizon_ms})
@@ -413,7 +407,7 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
                 SELECT key, last_key AS order_key, last_ts AS ts, last_hash AS {ID_HASH} FROM
                 (
                     SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
-                           argMax(cityHash64(request_id), (order_key, cityHash64(request_id))) AS last_hash
+                           {LATEST_ID_HASH_SQL} AS last_hash
                     FROM request_keys
                     WHERE key IN (SELECT key FROM target_keys)
                       AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{lookback:Int64}})

@@ -32,6 +32,9 @@ from ingest.store import Store
 #: (joins on integers, not strings; two ids with equal order_key and hash: one pair in ~2^84 within a millisecond).
 ID_HASH = "id_hash"
 ID_HASH_SQL = f"cityHash64(request_id) AS {ID_HASH}"
+#: The id hash of a group's latest request: greatest order_key, then greatest id hash (two requests sharing an
+#: order_key: the same millisecond and 20 bits of their ids' MD5), the order the carried search sorts them in.
+LATEST_ID_HASH_SQL = "argMax(cityHash64(request_id), (order_key, cityHash64(request_id)))"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: order_key = ts in unix ms << 20 | 20 bits of the request id's MD5 (sql/migrations/0008).
 _MS = 1 << 20
@@ -45,7 +48,7 @@ _MS = 1 << 20
 KEYS_OF_RANGE = ("SELECT {columns} FROM gateway_requests ARRAY JOIN predecessor_keys AS k "
                  "WHERE status < 400 AND prompt_tokens > 0 AND {where}")
 #: A chunk's range: order_key in {first, last} and ts in {lo, hi} (``attribution_job._whole_range``'s parameters).
-_RANGE = ("order_key >= {first:UInt64} AND order_key <= {last:UInt64} "
+CHUNK_RANGE = ("order_key >= {first:UInt64} AND order_key <= {last:UInt64} "
           "AND ts >= {lo:DateTime64(3, 'UTC')} AND ts <= {hi:DateTime64(3, 'UTC')}")
 
 
@@ -109,9 +112,9 @@ class KeyTails:
             parts.append(store.query_df(
                 f"""
                 SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
-                       argMax(cityHash64(request_id), (order_key, cityHash64(request_id))) AS {ID_HASH}
+                       {LATEST_ID_HASH_SQL} AS {ID_HASH}
                 FROM request_keys
-                WHERE key IN ({keys_of_range(["key"], _RANGE)})
+                WHERE key IN ({keys_of_range(["key"], CHUNK_RANGE)})
                   AND order_key <= {{start:UInt64}} AND ts >= {{reach:DateTime64(3, 'UTC')}}
                   AND ts <= {{start_ts:DateTime64(3, 'UTC')}}
                 GROUP BY key
