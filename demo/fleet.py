@@ -129,6 +129,7 @@ class VllmFleet:
         block_size: int = 32,
         num_gpu_blocks_override: int | None = None,
         per_request_metrics: bool = True,
+        prompt_tokens_details: bool = True,
         kvcache_space_gib: int = 1,
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
@@ -143,6 +144,7 @@ class VllmFleet:
         self.block_size = block_size
         self.num_gpu_blocks_override = num_gpu_blocks_override
         self.per_request_metrics = per_request_metrics
+        self.prompt_tokens_details = prompt_tokens_details
         self.kvcache_space_gib = kvcache_space_gib
         self.extra_args = list(extra_args)
         self.extra_env = dict(extra_env or {})
@@ -178,9 +180,10 @@ class VllmFleet:
             "--max-model-len", str(self.max_model_len),
             "--block-size", str(self.block_size),  # the CPU backend wants a multiple of 32
             "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
             "--kv-events-config", json.dumps(kv_events),
         ]  # fmt: skip
+        if self.prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")  # usage.prompt_tokens_details.cached_tokens
         if self.per_request_metrics:
             argv.append("--enable-per-request-metrics")  # response `metrics.queue_time_ms` etc.
         if self.num_gpu_blocks_override is not None:

@@ -4,15 +4,22 @@ value computed by hand, through the real store on both ingest paths (the live in
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
+from conftest_vllm import fleet_fixture
+from prometheus_client.parser import text_string_to_metric_families
+from test_gateway_proxy import chat_body
 
 from collector.gateway_log import line_event
 from collector.gateway_record import BadRecord, decode_record
+from demo.fleet import VllmFleet
 from gateway.log import SCHEMA_PATH
+from gateway.proxy import GatewayServer, make_app
 from ingest.attribution_job import run_attribution
 from ingest.bulk import load_gateway_log
 from ingest.store import Store
@@ -196,3 +203,55 @@ def test_the_overview_shows_the_coverage_beside_the_hit_rate(store: Store, tmp_p
     assert m["Token-weighted hit rate (gateway)"] == "45.00%"
     assert m["Cached-count coverage (gateway)"] == "57.69%"
     assert m["Prefill tokens saved"] == "2,700" and m["Missed tokens"] == "3,300"
+
+
+@pytest.fixture(scope="module")
+def pod_without_details(tiny_model_dir: Path) -> Iterator[VllmFleet]:
+    """One real vLLM CPU server started without --enable-prompt-tokens-details (prefix caching on): what a pod of
+    a fleet that never turned the flag on answers."""
+    yield from fleet_fixture(tiny_model_dir, "no-details", num_pods=1, prompt_tokens_details=False)
+
+
+@pytest.mark.vllm
+def test_a_real_pod_without_token_details_is_attributed_not_reported(
+        pod_without_details: VllmFleet, store: Store, tmp_path: Path) -> None:
+    """The same 300-word system prompt sent twice (once streamed) through the gateway to a real vLLM server without
+    --enable-prompt-tokens-details. vLLM's prefix cache hits on the second request (its
+    vllm:prefix_cache_hits_total grows), but its usage has no cached count (``prompt_tokens_details`` null): the
+    gateway logs cached_tokens null, the hit rate has 0 % coverage, and attribution gives both requests one cause,
+    not_reported, for all their prompt tokens, never `cold`."""
+    pod = pod_without_details.pods[0]
+    log = tmp_path / "gateway.jsonl"
+    server = GatewayServer(make_app([(pod.name, pod.base_url)], log)).start()
+    hits = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            for rid, extra in (("nd-1", {}), ("nd-2", {"stream": True, "stream_options": {"include_usage": True}})):
+                hits.append(_prefix_cache_hits(pod.base_url))
+                body = chat_body("no-details", **extra)
+                r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
+                assert r.status_code == 200, r.text
+                usage = (r.json() if not extra else
+                         [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")][-1])["usage"]
+                assert usage.get("prompt_tokens_details") is None and usage["prompt_tokens"] > 300, usage
+        hits.append(_prefix_cache_hits(pod.base_url))
+    finally:
+        server.stop()
+    assert hits[0] == hits[1] == 0 < hits[2], hits  # the second request hit vLLM's prefix cache
+    records = {r["request_id"]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert [records[r]["cached_tokens"] for r in ("nd-1", "nd-2")] == [None, None], records
+    assert load_gateway_log(store, log).rows == 2
+    run_attribution(store, settle_seconds=-60)
+    got = dict((r[0], (list(r[1]), [int(x) for x in r[2]])) for r in store.query_rows(
+        "SELECT request_id, causes, missed_tokens FROM request_attribution FINAL"))
+    assert got == {rid: (["not_reported"], [records[rid]["prompt_tokens"]]) for rid in ("nd-1", "nd-2")}, got
+    tenant = store.named("tenant_affinity").row(0, named=True)
+    assert tenant["cached_tokens_coverage"] == 0.0
+
+
+def _prefix_cache_hits(base_url: str) -> float:
+    """vllm:prefix_cache_hits_total of a pod's /metrics (tokens; summed over its engines), by prometheus_client's
+    parser."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:prefix_cache_hits_total")
