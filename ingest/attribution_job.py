@@ -53,7 +53,7 @@ from ingest.attribution import (
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
 from ingest.attribution_late import INGESTED_WINDOW, late_kv_targets, new_holder_targets, size_targets
 from ingest.attribution_structure import lines_match as structure_lines_match
-from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, stage_keys, stage_order_keys
+from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, one_per_identity, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
 from ingest.key_tails import CHUNK_RANGE, ID_HASH, ID_HASH_SQL, LATEST_ID_HASH_SQL, KeyTails, keys_of_range
 from ingest.known_requests import KnownRequests, gather, names, positions
@@ -183,11 +183,11 @@ def _arrivals(store: Store, since: datetime, upto: datetime, lo: int, hi: int,
     params = {"since": since, "upto": upto, "lo": lo, "hi": hi}
     first = _EPOCH + timedelta(milliseconds=(lo + 1) // 1048576)
     if answered_through is None or first > answered_through:
-        return store.query_df(f"SELECT {_SELECT} FROM gateway_requests WHERE {_CHUNK}", params)
-    return store.query_df(
+        return one_per_identity(store.query_df(f"SELECT {_SELECT} FROM gateway_requests WHERE {_CHUNK}", params))
+    return one_per_identity(store.query_df(
         f"SELECT {_SELECT} FROM gateway_requests WHERE {_CHUNK} AND (request_id, ts) NOT IN "
         f"(SELECT request_id, ts FROM request_attribution WHERE {_CHUNK_TS} "
-        f"AND (request_id, ts) IN (SELECT request_id, ts FROM gateway_requests WHERE {_CHUNK}))", params)
+        f"AND (request_id, ts) IN (SELECT request_id, ts FROM gateway_requests WHERE {_CHUNK}))", params))
 
 
 def _columns(fields: Sequence[str]) -> str:
@@ -199,8 +199,9 @@ def _requests(store: Store, keys: pl.DataFrame, fields: tuple[str, ...] = _FIELD
     """The gateway_requests rows of ``keys`` (columns request_id, ts), their columns ``fields``."""
     if keys.is_empty():
         return pl.DataFrame()
-    return store.query_df(f"SELECT {_columns(fields)} FROM gateway_requests WHERE {_IN_SET} AND {_BETWEEN}",
-                          _stage(store, "requests", keys))
+    return one_per_identity(store.query_df(
+        f"SELECT {_columns(fields)} FROM gateway_requests WHERE {_IN_SET} AND {_BETWEEN}",
+        _stage(store, "requests", keys)))
 
 
 def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataFrame:

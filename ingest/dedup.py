@@ -23,7 +23,8 @@ a *conflict*, returned with the columns that differ, never inserted (the stored 
 stay as they are); the caller dead-letters it (docs/reliability.md, "Conflicting copies").
 
 Not covered: two ingesters inserting the same identity at the same instant (only during a Kafka rebalance,
-when a revoked member finishes a batch its successor already re-polled); docs/reliability.md.
+when a revoked member finishes a batch its successor already re-polled); docs/reliability.md. Both copies are
+then stored; the attribution job reads them as one request (:func:`one_per_identity`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from ingest.store import Store
@@ -217,3 +219,26 @@ def stage_order_keys(store: Store, name: str, keys: pl.DataFrame) -> dict[str, A
 
 
 IN_ORDER_STAGE = "order_key IN (SELECT order_key FROM key_stage WHERE set = {set:String})"
+
+
+def one_per_identity(rows: pl.DataFrame, by: Sequence[str] = ("request_id", "ts")) -> pl.DataFrame:
+    """``rows`` with one row per identity ``by``: gateway_requests holds two rows of one (request_id, ts) when two
+    ingesters insert the same redelivered row at the same instant (docs/reliability.md), and each read row would
+    otherwise be answered, its missed tokens counted twice. Equal copies are one request; of copies that differ
+    (only that race with a conflicting row), the one whose content hashes least (polars ``hash_rows``, fixed
+    seed: the same choice in every chunk and run). Rows keep their order. Cost without copies: one count of
+    distinct values of the first column that tells identities apart (order_key when read, else request_id)."""
+    if len(rows) < 2:
+        return rows
+    first = "order_key" if "order_key" in rows.columns else by[0]
+    if rows[first].n_unique() == len(rows):  # distinct order_keys (or ids): distinct identities
+        return rows
+    copies = rows.select(pl.struct(list(by)).is_duplicated()).to_series()
+    if not copies.any():
+        return rows
+    at = np.flatnonzero(copies.to_numpy())
+    least = (pl.DataFrame({"_n": at, "_h": rows[at].hash_rows(seed=0)}).hstack(rows[at].select(list(by)).get_columns())
+             .sort("_h", "_n").unique(list(by), keep="first")["_n"].to_numpy())
+    keep = ~copies.to_numpy()
+    keep[least] = True
+    return rows.filter(pl.Series(keep))

@@ -50,6 +50,7 @@ from ingest.attribution import (
     KvEvidence,
 )
 from ingest.attribution_batch import EvidenceFrames
+from ingest.dedup import one_per_identity
 from ingest.store import Store
 
 _NEVER = -(2**62)
@@ -624,13 +625,14 @@ def seen_between(queries: pl.DataFrame, spans: pl.DataFrame, by: list[str], sinc
 
 def fetch_chains(store: Store, params: Mapping[str, object], in_set: str) -> pl.DataFrame:
     """request_id, t (the arrival, unix ms: with request_id a request's identity), chain (prompt_block_hashes),
-    chain_block_size (prompt_block_size) of the staged requests that logged a chain."""
-    return store.query_df(
+    chain_block_size (prompt_block_size) of the staged requests that logged a chain, one per identity
+    (:func:`ingest.dedup.one_per_identity`: two stored copies of a request are one request)."""
+    return one_per_identity(store.query_df(
         "SELECT request_id, toUnixTimestamp64Milli(ts) AS t, prompt_block_hashes AS chain, "
         "toInt64(prompt_block_size) AS chain_block_size "
         f"FROM gateway_requests WHERE {in_set} AND ts >= {{lo:DateTime64(3, 'UTC')}} "
         "AND ts <= {hi:DateTime64(3, 'UTC')} AND prompt_block_size > 0 AND notEmpty(prompt_block_hashes)",
-        dict(params))
+        dict(params)), ("request_id", "t"))
 
 
 def _end() -> pl.Expr:
