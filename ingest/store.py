@@ -201,7 +201,11 @@ class Store:
         wrong)."""
         try:
             with self._lock:
-                yield
+                try:
+                    yield
+                except ch_exc.Error:
+                    self._after_failure()
+                    raise
         except ch_exc.OperationalError as exc:
             raise StoreUnavailable(f"{what}: {exc}") from exc
         except ch_exc.Error as exc:
@@ -210,6 +214,22 @@ class Store:
             if _code(exc) in _RETRYABLE_READ_CODES:
                 raise StoreUnavailable(f"{what}: {exc}") from exc
             raise QueryError(f"{what}: {exc}") from exc
+
+    def _after_failure(self) -> None:
+        """After a failed statement on chDB: its session may hand the next statement the rest of the failed one's
+        output (an Arrow stream begun before the error: a query that fails mid-result, even ``throwIf``), which that
+        statement then fails to read or, worse, reads as its own. Read and drop such leftovers (``SELECT 1`` until it
+        answers ``1``, at most 3 times) before the error is raised. A server answers each HTTP request apart: nothing
+        to do there. Never raises: the original error is what the caller must see."""
+        if not self.dsn.startswith("chdb:"):
+            return
+        try:
+            with self._lock:
+                for _ in range(3):
+                    if self.client.raw_query("SELECT 1", fmt="TabSeparated") == b"1\n":
+                        return
+        except Exception:  # noqa: BLE001 - the failed statement's own error follows
+            log.warning("chDB session not confirmed clean after a failed statement", exc_info=True)
 
     # -- writes -------------------------------------------------------------------------------------------
     def command(self, statement: str, parameters: dict[str, Any] | None = None) -> Any:
@@ -236,6 +256,7 @@ class Store:
             with self._lock:
                 self.client.insert(table, list(rows), column_names=list(column_names))
         except ch_exc.Error as exc:
+            self._after_failure()
             if _halves(exc, len(rows)):
                 mid = len(rows) // 2
                 self.insert(table, rows[:mid], column_names)
@@ -255,6 +276,7 @@ class Store:
             with self._lock:
                 self.client.raw_insert(table, None, insert_block=data, fmt=fmt, settings=settings)
         except ch_exc.Error as exc:
+            self._after_failure()
             lines = data.split(b"\n") if fmt == "JSONEachRow" else []
             if _halves(exc, len(lines)):
                 mid = len(lines) // 2
@@ -275,6 +297,7 @@ class Store:
             with self._lock:
                 self.client.insert_arrow(table, data, settings=settings)
         except ch_exc.Error as exc:
+            self._after_failure()
             if _halves(exc, data.num_rows):
                 mid = data.num_rows // 2
                 self.insert_arrow(table, data.slice(0, mid), settings)

@@ -20,7 +20,7 @@ from click.testing import CliRunner, Result
 from collector.gateway_log import read_file
 from collector.publish import to_messages
 from ingest.bulk import load_gateway_log
-from ingest.errors import TooManyPartitions
+from ingest.errors import QueryError, TooManyPartitions
 from ingest.ingester import Ingester
 from ingest.store import INSERT_SETTINGS, Store, insert_settings
 from kvscope.cli import main
@@ -249,3 +249,23 @@ def test_up_with_a_data_dir_under_a_file_is_one_line(tmp_path: Path) -> None:
     assert result.output.splitlines()[-1] == (
         "Error: the collector's checkpoints (KVSCOPE_STATE_DIR, else beside --data-dir) cannot be written: a part "
         f"of the path is a file ({a_file / 'data.state'})")
+
+
+@pytest.mark.parametrize("failing", [
+    "SELECT toUInt64(round(sum(x))) FROM (SELECT 1.5e308 AS x UNION ALL SELECT 1.5e308)",  # fails mid-result
+    "SELECT throwIf(1)",
+    "SELECT number, toUInt64(if(number = 70000, inf, 1.0)) FROM numbers(100000)",  # after blocks were sent
+])
+@pytest.mark.parametrize("how", ["query_df", "query_rows"])
+def test_a_failed_query_leaves_nothing_for_the_next_one(store: Store, failing: str, how: str) -> None:
+    """On chDB a failed query's Arrow output began before the error was handed to the next statement of the session:
+    the named query after a failing one raised UnicodeDecodeError or ArrowInvalid, or read the wrong rows. The store
+    now reads such leftovers away (Store._after_failure) before it raises QueryError."""
+    with pytest.raises(QueryError):
+        getattr(store, how)(failing)
+    assert store.query_rows("SELECT 1") == [(1,)]
+    assert store.query_df("SELECT number AS n FROM numbers(3)")["n"].to_list() == [0, 1, 2]
+    with pytest.raises(QueryError):
+        store.query_df(failing)
+    assert store.named("data_extent").height >= 0
+    assert store.query_df("SELECT 7 AS n")["n"].to_list() == [7]
