@@ -271,6 +271,15 @@ def _label_text(pairs: Iterable[tuple[str, str]]) -> str:
 DEFAULT_LIMITS = LabelLimits()
 
 
+#: The largest counter value kept: 2^53, past which float64 (Prometheus' sample type) no longer counts by one. vLLM's
+#: counters count tokens, requests and seconds from 0 (a counter is never negative, the Prometheus data model), so a
+#: value outside 0..2^53 is not one it exposed: kept, its increases and their sums over series and pods could reach
+#: infinity (a JSON null, which the ingester refuses with the rest of its batch; a named query's toUInt64 fails).
+MAX_COUNTER = float(2**53)
+COUNTER_RANGE = ("counter value outside 0..2^53 (negative, or past float64's exact integers; not a count vLLM "
+                 "reaches): not stored, the series keeps its previous value")
+
+
 def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: int,
             duration_ms: float, limits: LabelLimits = DEFAULT_LIMITS) -> tuple[list[Envelope], ScrapeState]:
     """Events for one scrape of ``pod`` and the state after it (``state`` itself is left as it was).
@@ -278,7 +287,8 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
     Events: one ``VllmScrape`` when the body holds any kept series (every gauge; every counter, bucket, sum
     and count whose increase is not 0; ``cache_config`` on this process's first scrape of the pod and when it
     changes; ``restarts``), and one ``DeadLetter`` per bad line, per line after ``# EOF``, per non-finite kept
-    value (the JSON contract carries finite floats), per repeated series (and second ``cache_config_info`` of
+    value (the JSON contract carries finite floats), per counter value outside 0..:data:`MAX_COUNTER`, per repeated
+    series (and second ``cache_config_info`` of
     an engine), per sample over one of ``limits`` (:class:`LabelLimits`; not stored, the other series as if it
     were not in the body), and one listing the counters that went down without a restart; a body without any
     kept series, and an empty, HTML or binary body (:func:`body_problem`), is one dead letter. The exposition
@@ -352,6 +362,8 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
         seen.add(key)
         if not isfinite(value):
             bad.append((_render(name, labels, value), "non-finite sample value (NaN/Inf) is not stored"))
+        elif kind == _COUNTER and not 0 <= value <= MAX_COUNTER:
+            bad.append((_render(name, labels, value), COUNTER_RANGE))
         elif kind == _COUNTER:
             counters.append((name, engine, model, lab, extra, value,
                              (family, engine, model, lab if created_has_label else "", extra)))

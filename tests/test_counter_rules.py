@@ -19,7 +19,7 @@ from collector.checkpoint import CheckpointStore
 from collector.events import DeadLetter, Envelope, VllmScrape, decode_batch
 from collector.publish import MemoryQueue, QueuePublisher
 from collector.service import Collector, Target
-from collector.vllm_metrics import ScrapeJournal, ScrapeState, advance, scrape_events
+from collector.vllm_metrics import COUNTER_RANGE, ScrapeJournal, ScrapeState, advance, scrape_events
 from ingest.store import Store
 from kvscope.importer import import_events
 
@@ -219,3 +219,42 @@ def test_a_scrape_not_after_the_previous_one_is_refused_and_nothing_is_lost() ->
     assert anomalies("pod-t", "not_after_previous") - before == 2
     inc = increases(scrape_of(scrape_events("pod-t", URL, BODY2, 2_000, 1.0, state)))
     assert inc[QUERIES] == 3091 and inc[HITS] == 1408  # the refused scrapes' increases are not lost
+
+
+# --- counter values vLLM cannot expose ------------------------------------------------------------------------
+
+def _body(queries: str, running: int = 3, extra: str = "") -> str:
+    e = '{engine="0",model_name="tiny"}'
+    return (f"vllm:prefix_cache_queries_total{e} {queries}\nvllm:prefix_cache_hits_total{e} 0\n"
+            f"vllm:prompt_tokens_total{e} {queries}\n{extra}vllm:num_requests_running{e} {running}\n")
+
+
+@pytest.mark.parametrize("first,second", [("-1.7e308", "1.7e308"), ("1e308", "1e308"), ("0", "1e308"),
+                                          ("0", "1e16")])
+def test_a_counter_value_outside_0_to_2_53_is_a_dead_letter_and_the_rest_of_the_scrape_is_stored(
+        store: Store, first: str, second: str) -> None:
+    """Finite values whose increase (1.7e308 − (−1.7e308)) or sum over two pods (1e308 each) is infinite: before,
+    the increase went out as a JSON null and the ingester refused the whole published batch (the gauges and other
+    counters of both scrapes with it), and the named queries failed on toUInt64(inf). Now each such sample is one
+    dead letter (collector.vllm_metrics.COUNTER_RANGE); the gauge and the counters in range are stored; a later
+    scrape in range counts from the last kept value."""
+    now = int(time.time() * 1000) - 60_000
+    events = []
+    for pod in ("pod-big-a", "pod-big-b"):
+        state = ScrapeState()
+        events += scrape_events(pod, URL, _body(first), now, 1.0, state)
+        events += scrape_events(pod, URL, _body(second), now + 10_000, 1.0, state)
+        events += scrape_events(pod, URL, _body("700", running=5), now + 20_000, 1.0, state)
+    letters = dead(events)
+    refused = sum(1 for v in (first, second) if not 0 <= float(v) <= 2**53)
+    assert [d.reason for d in letters] == [COUNTER_RANGE] * (2 * 2 * refused), letters  # 2 pods, 2 counters
+    counts = import_events(store, events)
+    assert counts.get("dead_letters", 0) == len(letters)
+    rows = dict(store.query_rows("SELECT name, count() FROM vllm_metrics WHERE pod LIKE 'pod-big-%' GROUP BY name"))
+    assert rows["vllm:num_requests_running"] == 6  # every scrape's gauge, on both pods
+    [(inc,)] = store.query_rows("SELECT sum(increase) FROM vllm_metrics WHERE pod = 'pod-big-a' "
+                                "AND name = 'vllm:prefix_cache_queries_total'")
+    kept = [float(v) for v in (first, second) if 0 <= float(v) <= 2**53]
+    assert inc == (700 - kept[-1] if kept and kept[-1] <= 700 else 700 if kept else 0), inc
+    for query in ("hit_rate_total", "hit_rate", "tokens", "pods"):
+        store.named(query)  # no toUInt64(inf)
