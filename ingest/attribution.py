@@ -880,7 +880,9 @@ VERDICT_COLUMNS = tuple(f.name for f in fields(Verdict))
 def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvEvidence | None = None) -> Verdict:
     """The verdict for one request. ``block_size``: tokens per KV block on the request's pod.
 
-    A failed request (status ≥ 400) gets no predecessor and no causes; a request that missed nothing keeps
+    A failed request (status ≥ 400) gets no predecessor and no causes, nor does one of 0 prompt tokens (neither can
+    be a predecessor: :func:`can_be_predecessor`; so a late row never changes what they name); a request that
+    missed nothing keeps
     its predecessor and gets no causes; a request whose cached count was not reported keeps its predecessor
     (when it has segment counts) and gets one cause, :data:`NOT_REPORTED`, for all its prompt tokens: which
     of them missed, and why, cannot be told.
@@ -891,7 +893,7 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
     fingerprints decide from E·B on, with routed_away / evicted there read as ``cold``
     (:func:`_precise_reuse_cause`). Without it, routed_away / evicted are inferred from the predecessor's pod.
     """
-    if int(req.get("status") or 0) >= 400:
+    if not can_be_predecessor(req):
         pred = None
     offsets = segment_offsets(req)
     split: list[tuple[str, str, int]] = []

@@ -465,7 +465,7 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     kind = df["predecessor_kind"].cast(pl.String).fill_null("")
     attributable = served & np.where(unknown, prompt > 0, prompt > cached)
     off, has_counts = _offsets(df, prompt)
-    named = served & (kind != "").to_numpy()
+    named = served & (prompt > 0) & (kind != "").to_numpy()  # as judge: no predecessor without a prompt
     # without segment counts no predecessor rule can be checked: an attributable request then has none
     has_pred_out = named & (has_counts | ~attributable)
     has_pred = named & has_counts

@@ -933,3 +933,26 @@ def test_the_block_sizes_of_kv_events_stored_before_the_migration_are_read(store
     assert block_sizes.changes(store).rows() == [("pod-c", ms(now), 64)]
     store.run_migration(text)  # rerun (a crash before its record): the guard skips the copy
     assert store.query_rows("SELECT count() FROM kv_block_sizes")[0][0] == 1
+
+
+@pytest.mark.parametrize("order", ["late_predecessor", "in_order"])
+def test_a_request_of_0_prompt_tokens_names_no_predecessor_live_or_from_scratch(store, order):
+    """`zero` (1 s, a served request of 0 prompt tokens, same tenant and fingerprints as `pred` at 0 s): it missed
+    nothing and cannot be a predecessor (request_keys holds no row of it), so no late row can make the job judge it
+    again. Before, it named `pred` when judged after it and nothing when judged before `pred` arrived: a run from
+    scratch and the live runs disagreed. It now names none either way, as a failed request."""
+    rows = {"pred": gw("pred", at=0, cached=64), "zero": gw("zero", at=1, prompt=0, cached=0, suffix_tokens=0)}
+    for rid in (["zero", "pred"] if order == "late_predecessor" else ["pred", "zero"]):
+        now = attribution_job.server_now(store) - timedelta(milliseconds=1)
+        insert_requests(store, [{**rows[rid], "ingested_at": now}])
+        attribution_job.run_attribution(store, settle_seconds=0)
+
+    def zero() -> tuple:
+        [row] = store.query_rows("SELECT predecessor_request_id, predecessor_kind, gap_ms, causes "
+                                 "FROM request_attribution FINAL WHERE request_id = 'zero'")
+        return row
+    live = zero()
+    for table in ("request_attribution", "attribution_watermark"):
+        store.command(f"TRUNCATE TABLE {table}")
+    attribution_job.run_attribution(store, settle_seconds=0)
+    assert live == zero() == ("", "", None, [])
