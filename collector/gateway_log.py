@@ -52,10 +52,17 @@ def line_event(line: str | bytes, *, pod: str, source_file: str, offset: int, fi
     return envelope(ev, pod=rec.pod or pod, natural_key=(rec.request_id, record["ts"]), observed_at_ms=ts_ms(rec))
 
 
+#: What a blank line may hold: JSON's whitespace (RFC 8259 section 2: space, tab, LF, CR). A line of only these is
+#: skipped uncounted; any other byte (a vertical tab or form feed, which Python's ``bytes.strip`` would also take for
+#: blank) makes it a line to decode, and so a dead letter when it is not a record.
+JSON_WHITESPACE = b" \t\n\r"
+
+
 def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]], int]:
     """Split ``data`` (read from ``start_offset``) into complete lines: ``([(offset, line)], consumed_bytes)``.
 
-    Bytes after the last newline are not consumed; a carriage return before the newline is dropped. Lines stay
+    Bytes after the last newline are not consumed; a carriage return before the newline is dropped; a blank line
+    (:data:`JSON_WHITESPACE` only) is left out. Lines stay
     bytes: the record decoder checks their UTF-8 (strictly) and drops a byte order mark.
     """
     out = []
@@ -65,7 +72,7 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]],
         if nl < 0:
             break
         raw = data[pos:nl]
-        if raw.strip():
+        if raw.strip(JSON_WHITESPACE):
             out.append((start_offset + pos, raw.rstrip(b"\r")))
         pos = nl + 1
     return out, pos

@@ -24,7 +24,7 @@ from typing import BinaryIO
 import msgspec
 
 from collector.events import DeadLetter, envelope
-from collector.gateway_log import MAX_LINE_BYTES, MAX_RAW, line_event
+from collector.gateway_log import JSON_WHITESPACE, MAX_LINE_BYTES, MAX_RAW, line_event
 from collector.gateway_record import BadRecord, decode_record
 from ingest.dedup import absent_rows, conflict_reason
 from ingest.errors import RejectedRows, TooManyPartitions
@@ -91,7 +91,7 @@ def line_chunks(fh: BinaryIO, lines_per_chunk: int, *, start: int = 0, max_line:
                 offset += dropped
                 dropped = 0
                 ends.append(offset + len(line) + 1)
-            elif line.strip():
+            elif line.strip(JSON_WHITESPACE):
                 chunk.append((offset, line.rstrip(b"\r")))
                 ends.append(offset + len(line) + 1)
             offset += len(line) + 1
