@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -254,6 +255,43 @@ def encode_event(event: Envelope) -> bytes:
     """Encode one envelope as JSON: an element of :func:`encode_batch`'s array, which is exactly
     ``b"[" + b",".join(encode_event(e) for e in events) + b"]"`` (so a batch's size is known before it is built)."""
     return _encoder.encode(event)
+
+
+_parts_decoder = msgspec.json.Decoder(list[msgspec.Raw])
+_envelope_decoder = msgspec.json.Decoder(Envelope)
+
+
+@dataclass(frozen=True)
+class BadEnvelope:
+    """One element of a message's array that is not a valid envelope: its ``index`` in the array, its ``raw`` JSON
+    bytes and the ``reason`` (what the decoder said)."""
+
+    index: int
+    raw: bytes
+    reason: str
+
+
+def decode_parts(data: bytes) -> list[Envelope | BadEnvelope]:
+    """Decode one Kafka message value envelope by envelope (after :func:`decode_batch` refused it whole): each
+    element of the JSON array is an :class:`Envelope` or, when it is not a valid one, a :class:`BadEnvelope`, so
+    one bad envelope (another producer's, a value the encoder wrote as ``null``) costs only itself. Raises
+    :class:`ContractError` when the bytes are not a JSON array at all."""
+    try:
+        parts = _parts_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ContractError(f"not a batch of kvscope envelopes: {exc}") from exc
+    out: list[Envelope | BadEnvelope] = []
+    for i, raw in enumerate(parts):
+        try:
+            ev = _envelope_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            out.append(BadEnvelope(i, bytes(raw), f"envelope {i} of the message is not a kvscope envelope: {exc}"))
+            continue
+        if ev.schema_version != SCHEMA_VERSION:
+            out.append(BadEnvelope(i, bytes(raw), f"unsupported schema_version {ev.schema_version} for {ev.schema}"))
+            continue
+        out.append(ev)
+    return out
 
 
 def decode_batch(data: bytes) -> list[Envelope]:

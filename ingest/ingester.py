@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from collector.events import ContractError, decode_batch, encode_batch
+from collector.events import BadEnvelope, ContractError, Envelope, decode_batch, decode_parts, encode_batch
 from collector.gateway_record import LATEST
 from collector.publish import Message
 from ingest.dedup import IDENTITY, check_rows, conflict_reason
@@ -75,12 +75,26 @@ def _rows_of(messages: list[Message]) -> dict[str, list[tuple[tuple[Any, ...], O
         location = f"{m.topic}:{m.partition}:{m.offset}"
         pod = m.key.decode("utf-8", "replace")
         try:
-            events = decode_batch(m.value)
+            events: list[Envelope] = decode_batch(m.value)
         except (ContractError, RecursionError) as exc:
-            group += 1
-            origin = Origin(location, pod, group)
-            tables["dead_letters"].append((contract_dead_letter(str(exc)[:1000], location, m.value, pod), origin))
-            continue
+            try:  # one bad envelope costs only itself
+                parts = decode_parts(m.value)
+            except (ContractError, RecursionError):
+                group += 1
+                origin = Origin(location, pod, group)
+                tables["dead_letters"].append((contract_dead_letter(str(exc)[:1000], location, m.value, pod),
+                                               origin))
+                continue
+            events = []
+            for part in parts:
+                if isinstance(part, BadEnvelope):
+                    group += 1
+                    key = f"contract:{m.topic}:{part.raw.decode('utf-8', 'replace')}"  # a re-send repeats it
+                    tables["dead_letters"].append((contract_dead_letter(
+                        part.reason[:1000], f"{location}:envelope {part.index}", part.raw, pod, natural_key=key),
+                        Origin(location, pod, group)))
+                else:
+                    events.append(part)
         for ev in events:
             group += 1
             origin = Origin(f"{location}:{ev.event_id}", ev.pod, group)
