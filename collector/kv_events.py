@@ -40,6 +40,7 @@ from collector.kv_replay import (
     CONFLICTS,
     DUPLICATES,
     GAPS,
+    LATE,
     ReplayClient,
     rank_endpoint,
 )
@@ -178,7 +179,10 @@ class KvEventSubscriber:
         """The envelopes one received message (``frames``) yields (``envs``: :func:`message_events`' answer): []
         for a duplicate batch, [gap, replayed..., *envs] after a gap, one dead letter for a batch under a seq
         that the stream delivered with another batch among its last :data:`RECENT_SEQS` (a duplicate is the
-        same batch: vLLM re-sends only through replay, the same bytes), else ``envs``."""
+        same batch: vLLM re-sends only through replay, the same bytes), else ``envs``: also for a *late* batch, an
+        older seq (and ts) the stream never delivered, which arrived after a later one had reported its gap (a
+        reordering proxy, a replay that came in after the gap was declared lost): stored, counted in
+        ``kvscope_collector_kv_late_batches_total``; the stream's position stays at its latest batch."""
         env = envs[0]
         b = env.payload
         if not isinstance(b, KvEventBatch):
@@ -192,8 +196,18 @@ class KvEventSubscriber:
             out = self._recover(env.pod, b, st.seq + 1, "collector_restart" if st.restored else "missed",
                                 st if st.batch_ts is not None else None, st.batch_ts)
         elif st.batch_ts is not None and b.batch_ts <= st.batch_ts:  # an older batch of the same publisher
-            delivered_ts = self._delivered.get(key, {}).get(b.seq)
-            if delivered_ts is not None and delivered_ts != b.batch_ts:
+            delivered = self._delivered.setdefault(key, {})
+            delivered_ts = delivered.get(b.seq)
+            if delivered_ts is None:
+                # never delivered (among the last RECENT_SEQS): late, a later seq came first and reported its gap.
+                # Stored: kv_gaps counts it against the store; a copy of a batch delivered before the last
+                # RECENT_SEQS is dropped by the ingester's dedup (same pod, engine, ts, seq, idx).
+                LATE.labels(env.pod).inc()
+                delivered[b.seq] = b.batch_ts
+                while len(delivered) > RECENT_SEQS:
+                    del delivered[next(iter(delivered))]
+                return envs
+            if delivered_ts != b.batch_ts:
                 return [self._conflict(env, frames, f"seq {b.seq} was already delivered with another batch (ts "
                                                     f"{delivered_ts}, this one {b.batch_ts})")]
             DUPLICATES.labels(env.pod).inc()

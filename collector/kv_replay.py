@@ -40,6 +40,9 @@ CONFLICTS = Counter("kvscope_collector_kv_seq_conflicts_total",
                     "(two vLLM processes on one topic)", ["pod"])
 DUPLICATES = Counter("kvscope_collector_kv_duplicates_total",
                      "KV-event batches dropped because their seq was already delivered", ["pod"])
+LATE = Counter("kvscope_collector_kv_late_batches_total",
+               "KV-event batches delivered after a later seq of their stream (late, not lost: stored; kv_gaps "
+               "counts them as stored)", ["pod"])
 
 END_SEQ = -1
 

@@ -26,12 +26,14 @@ import pytest
 import zmq
 from conftest import free_port
 from prometheus_client import REGISTRY
+from test_kv_residency import ingest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch, ZmqEventPublisher
 
 from collector.checkpoint import CheckpointStore
 from collector.events import Envelope, KvEventBatch, KvEventGap
 from collector.kv_decode import message_events
 from collector.kv_events import MIN_RESTART_SECONDS, KvEventSubscriber, checkpoint_key
+from ingest.store import Store
 from kvscope.block_hash import chain_hashes
 
 
@@ -144,6 +146,7 @@ def gap_metrics(pod: str) -> dict[str, float]:
     out["replayed"] = metric("kvscope_collector_kv_batches_replayed_total", pod=pod)
     out["lost"] = metric("kvscope_collector_kv_batches_lost_total", pod=pod)
     out["duplicates"] = metric("kvscope_collector_kv_duplicates_total", pod=pod)
+    out["late"] = metric("kvscope_collector_kv_late_batches_total", pod=pod)
     out["replay_failures"] = metric("kvscope_collector_kv_replay_failures_total", pod=pod)
     return out
 
@@ -255,6 +258,46 @@ def test_gap_without_replay_endpoint_is_lost_and_counted() -> None:
         assert not any(b.replayed for b in batches(out, topic))
         assert delta(before, gap_metrics(topic)) == {"missed/lost": 1, "lost": 4}
     finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_batch_arriving_after_its_gap_was_reported_lost_is_stored_late(store: Store) -> None:
+    """Four batches dropped with no replay socket: the gap after them is reported lost. The same frames then arrive
+    (a reordering proxy, a replay that came in late): before, each was dropped as a duplicate (never delivered, yet
+    counted in kvscope_collector_kv_duplicates_total) and kv_gaps counted 4 lost. Now each is stored once, counted
+    late; kv_gaps, which counts against the store, says 4 stored and 0 lost; a second copy is a duplicate."""
+    topic, endpoint = f"pod-{uuid.uuid4().hex[:8]}", tcp()
+    sub = subscriber(endpoint)
+    pub = Pub(endpoint, topic, tcp())
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        out = warm_up(sub, pub, topic)
+        sub.drop_next(4)
+        dropped = pub.publish(4)
+        collect(sub, out, lambda: len(sub.dropped) == 4)
+        last = pub.publish(1)[0]
+        collect(sub, out, seen(out, topic, last))
+        assert [(g.first_seq, g.last_seq, g.recovered) for g in gaps(out)] == [(dropped[0], dropped[-1], False)]
+        before = gap_metrics(topic)
+        raw.connect(endpoint)
+        deadline = time.monotonic() + 10
+        while not any(e.schema == "dead_letter" for e in out):  # until the plain PUB's link is up
+            assert time.monotonic() < deadline, "a plain PUB never reached the subscriber"
+            raw.send_multipart([b"probe", b"not a KV-event batch"])
+            out.extend(sub.poll(50)[0])
+        for frames in sub.dropped + sub.dropped:  # late, then a copy
+            raw.send_multipart(frames)
+        raw.send_multipart([b"marker", b"x"])
+        collect(sub, out, lambda: any(e.schema == "dead_letter" and e.pod == "marker" for e in out))
+        assert [b.seq for b in batches(out, topic)][-4:] == dropped
+        assert delta(before, gap_metrics(topic)) == {"late": 4, "duplicates": 4}
+        ingest(store, out)
+        assert store.query_rows(f"SELECT batches, stored_batches, lost_batches FROM kv_gaps WHERE pod = '{topic}'") \
+            == [(4, 4, 0)]
+    finally:
+        raw.close()
         sub.close()
         pub.close()
 
