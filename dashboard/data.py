@@ -81,8 +81,8 @@ def _store_from_env(clickhouse_url: str, data_dir: str, database: str, adhoc_max
 def get_store() -> Store:
     """The store: the registered one, else one from the environment.
 
-    Raises :class:`RuntimeError` when neither is available, :class:`~ingest.errors.StoreUnavailable` when the
-    configured store cannot be opened.
+    Raises :class:`RuntimeError` when neither is available, :class:`~kvscope.config.ConfigError` for a bad
+    ``KVSCOPE_`` value (named), :class:`~ingest.errors.StoreUnavailable` when the configured store cannot be opened.
     """
     if _registered is not None:
         return _registered
@@ -93,10 +93,11 @@ def get_store() -> Store:
             "No store configured: run `kvscope up`, or set KVSCOPE_CLICKHOUSE_URL "
             "(a ClickHouse server) or KVSCOPE_DATA_DIR (a chDB directory no other process holds)."
         )
-    from ingest.adhoc import ADHOC_MAX_MEMORY_BYTES
+    from kvscope.config import build_config
 
-    memory = int(os.environ.get("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "") or ADHOC_MAX_MEMORY_BYTES)
-    return _store_from_env(url, data_dir, os.environ.get("KVSCOPE_DATABASE", "kvscope"), memory)
+    cfg = build_config()  # a bad KVSCOPE_ value: ConfigError naming it
+    return _store_from_env(cfg.clickhouse_url, "" if cfg.clickhouse_url else cfg.data_dir, cfg.database,
+                           cfg.adhoc_max_memory_bytes)
 
 
 # -- filters -------------------------------------------------------------------------------------------------

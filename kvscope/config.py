@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from collector.publish import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES
 from collector.vllm_metrics import DEFAULT_BODY_SIZE_LIMIT, DEFAULT_LIMITS
@@ -42,7 +43,7 @@ SETTINGS: list[Setting] = [
     Setting("rollup_retention_days", 400, "Days the per-minute and per-hour rollups are kept, 1 to 3650; set on the "
             "tables by the commands that write (docs/scale.md)", int),
     Setting("adhoc_max_memory_bytes", ADHOC_MAX_MEMORY_BYTES, "Memory one ad hoc query (kvscope sql, the "
-            "dashboard's SQL page) may use (ClickHouse max_memory_usage); over it the query fails", int),
+            "dashboard's SQL page) may use (ClickHouse max_memory_usage), at least 1 MiB; over it the query fails", int),
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("kafka_max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "Bytes of value (the JSON batch before "
             "compression) one Kafka message may carry, at least 16384; keep it under the broker's message.max.bytes "
@@ -98,7 +99,7 @@ SETTINGS: list[Setting] = [
             "vllm:cache_config_info block_size from its /metrics", int),
     Setting("demo_model_dir", "", "Where `kvscope demo` builds and keeps its tiny model (demo/model.py); "
             "'' = ~/.cache/kvscope/tiny-llama"),
-    Setting("log_level", "INFO", "Python log level"),
+    Setting("log_level", "INFO", "Python log level: DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     Setting("metrics_port", 0, "Port serving kvscope's own Prometheus metrics (/metrics); 0 = off", int),
     Setting("gpu_hour_price", 0.0, "Price of one GPU-hour, for the money a miss costs (GPU-seconds x price / 3600); "
             "0 = show GPU-seconds only", float),
@@ -244,7 +245,47 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
             raise ConfigError(f"{BY_NAME[name].env}={getattr(cfg, name)}: expected 0 (no limit) or a positive limit")
     if cfg.gateway_block_size < 0:
         raise ConfigError(f"KVSCOPE_GATEWAY_BLOCK_SIZE={cfg.gateway_block_size}: expected 0 or a positive size")
+    _check_store(cfg)
     return cfg
+
+
+#: The least memory an ad hoc query may be given (ClickHouse max_memory_usage; 0 would mean no limit there).
+MIN_ADHOC_MEMORY_BYTES = 1 << 20
+#: Python's log levels a name may give (logging.getLevelNamesMapping, without NOTSET).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check_store(cfg: Config) -> None:
+    """The store and logging settings: a log level Python knows, a ClickHouse URL that is http(s)://host[:port] with a
+    port that exists, a cluster only with a server (chDB is one process), an ad hoc memory bound from
+    :data:`MIN_ADHOC_MEMORY_BYTES` to 2^63 − 1 bytes (ClickHouse's max_memory_usage: 0 there is no bound). Raises
+    :class:`ConfigError` naming the variable."""
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"KVSCOPE_LOG_LEVEL={cfg.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    if cfg.clickhouse_url:
+        problem = url_problem(cfg.clickhouse_url)
+        if problem:
+            raise ConfigError(f"KVSCOPE_CLICKHOUSE_URL={cfg.clickhouse_url!r}: {problem}")
+    elif cfg.clickhouse_cluster:
+        raise ConfigError(f"KVSCOPE_CLICKHOUSE_CLUSTER={cfg.clickhouse_cluster!r}: a cluster needs a ClickHouse "
+                          "server (KVSCOPE_CLICKHOUSE_URL); the embedded store (chDB) is one process")
+    if not MIN_ADHOC_MEMORY_BYTES <= cfg.adhoc_max_memory_bytes <= 2**63 - 1:
+        raise ConfigError(f"KVSCOPE_ADHOC_MAX_MEMORY_BYTES={cfg.adhoc_max_memory_bytes}: expected bytes from "
+                          f"{MIN_ADHOC_MEMORY_BYTES} (1 MiB) to 2^63 - 1; the ad hoc queries are always bounded")
+
+
+def url_problem(url: str) -> str:
+    """Why ``url`` is not a ClickHouse HTTP URL (``http(s)://[user:password@]host[:port][/]``), or ""."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of 0..65535, an unclosed IPv6 bracket
+        return f"expected http(s)://host[:port] ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected http(s)://host[:port]"
+    if port == 0:
+        return "expected a port from 1 to 65535"
+    return ""
 
 
 #: The longest duration (seconds) a ``*_seconds`` setting may have: ten years, as :data:`MAX_RETENTION_DAYS`

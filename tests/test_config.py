@@ -134,3 +134,31 @@ def test_the_label_limits_are_settings_and_a_negative_one_stops_startup() -> Non
 def test_a_default_block_size_below_one_token_stops_startup(size: str) -> None:
     with pytest.raises(ConfigError, match="KVSCOPE_DEFAULT_BLOCK_SIZE"):
         build_config({}, environ={"KVSCOPE_DEFAULT_BLOCK_SIZE": size})
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("KVSCOPE_LOG_LEVEL", "LOUD"), ("KVSCOPE_LOG_LEVEL", "5"), ("KVSCOPE_LOG_LEVEL", "info"),
+    ("KVSCOPE_CLICKHOUSE_URL", "http://127.0.0.1:99999"), ("KVSCOPE_CLICKHOUSE_URL", "http://[::1"),
+    ("KVSCOPE_CLICKHOUSE_URL", "notaurl"), ("KVSCOPE_CLICKHOUSE_URL", "ftp://ch:8123"),
+    ("KVSCOPE_CLICKHOUSE_URL", "http://ch:0"), ("KVSCOPE_CLICKHOUSE_CLUSTER", "c"),
+    ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "0"), ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "-1"),
+    ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "99999999999999999999999"),
+])
+def test_a_bad_store_or_log_setting_stops_startup_naming_it(variable: str, value: str) -> None:
+    """Before: an unknown log level broke every command at logging.basicConfig, a URL with a port past 65535 or an
+    open IPv6 bracket raised ValueError from urllib, a cluster with chDB a ValueError from Store.open, each a
+    traceback; a URL without a scheme was read as localhost:8123; an ad hoc memory bound of 0 meant no bound and one
+    past UInt64 failed only when a query ran, without naming the variable. Each is now a ConfigError naming it,
+    and the CLI prints one line and exits 2."""
+    with pytest.raises(ConfigError, match=variable):
+        build_config({}, environ={variable: value})
+    result = CliRunner().invoke(main, ["query", "data_extent"], env={variable: value})
+    assert result.exit_code == 2 and variable in result.output and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("KVSCOPE_LOG_LEVEL", "DEBUG"), ("KVSCOPE_CLICKHOUSE_URL", "http://default:@clickhouse:8123"),
+    ("KVSCOPE_CLICKHOUSE_URL", "https://[::1]:8443/"), ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", str(1 << 20)),
+])
+def test_good_store_and_log_settings_are_accepted(variable: str, value: str) -> None:
+    assert build_config({}, environ={variable: value})
