@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import time
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgspec
@@ -145,8 +146,8 @@ def decode_batch_payload(payload: bytes) -> DecodedBatch:
     rank, whose replay port is the configured one + rank)."""
     try:
         obj = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise BadKvMessage(f"payload is not msgpack: {exc}") from exc
+    except (msgspec.DecodeError, RecursionError) as exc:
+        obj = _by_event(payload, exc)
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         raise BadKvMessage("payload is not [ts, [events], dp_rank]")
     ts = obj[0]
@@ -161,11 +162,46 @@ def decode_batch_payload(payload: bytes) -> DecodedBatch:
     events: list[KvBlockEvent] = []
     bad: list[tuple[int, str, Any]] = []
     for idx, raw in enumerate(obj[1]):
+        if isinstance(raw, _Undecodable):
+            bad.append((idx, f"event is not msgpack: {raw.reason}"[:500], raw.raw))
+            continue
         try:
             events.append(decode_event(raw, idx))
         except _UNDECODABLE as exc:
             bad.append((idx, _reason(exc), raw))
     return DecodedBatch(float(ts), events, dp_rank, bad)
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """An event whose own bytes msgspec refuses (invalid UTF-8 in a string, a malformed ext, a map key that is a
+    map, nesting too deep), kept as its ``raw`` msgpack with the decoder's ``reason``."""
+
+    raw: msgspec.Raw
+    reason: str
+
+
+def _by_event(payload: bytes, error: Exception) -> list[Any]:
+    """The batch decoded again event by event after the whole payload failed to decode (``error``): the outer
+    array and the events list as raw parts, each event decoded alone, one that fails an :class:`_Undecodable`; so a
+    bad event costs only itself. Raises :class:`BadKvMessage` when the outer array or its ts, events list or rank
+    fails too. Only on this failure path: a payload that decodes pays nothing."""
+    try:
+        parts = msgspec.msgpack.decode(payload, type=list[msgspec.Raw])
+        if len(parts) < 2:
+            raise BadKvMessage("payload is not [ts, [events], dp_rank]")
+        raws = msgspec.msgpack.decode(parts[1], type=list[msgspec.Raw])
+        head = [msgspec.msgpack.decode(parts[0]), None, *(msgspec.msgpack.decode(p) for p in parts[2:3])]
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise BadKvMessage(f"payload is not msgpack: {error}") from exc
+    events: list[Any] = []
+    for raw in raws:
+        try:
+            events.append(msgspec.msgpack.decode(raw))
+        except (msgspec.DecodeError, RecursionError) as exc:
+            events.append(_Undecodable(raw, str(exc)))
+    head[1] = events
+    return head
 
 
 def _raw_event(raw: Any) -> str:

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import difflib
 import functools
+import ipaddress
 import re
+import struct
 import zoneinfo
+from collections.abc import Callable
 from typing import Any
 
+import polars as pl
 import pyarrow as pa
+from polars.exceptions import PanicException
 
 from ingest.errors import QueryError
 
@@ -185,12 +190,6 @@ def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
     return pa.table(columns, names=table.column_names)
 
 
-def has_uint32(table: pa.Table) -> bool:
-    """Whether ``table`` holds uint32 values, at the top or nested: where :func:`datetimes` may find a
-    DateTime."""
-    return any(_holds_uint32(t) for t in table.schema.types)
-
-
 def _holds_uint32(t: pa.DataType) -> bool:
     return t == pa.uint32() or any(_holds_uint32(f.type) for f in _children(t))
 
@@ -293,3 +292,121 @@ def unique_names(names: list[str]) -> list[str]:
             candidate = f"{name}_{n}"
         out.append(candidate)
     return out
+
+
+#: ClickHouse types whose Arrow form is not the value a reader means (ClickHouse's Arrow output format): an enum as
+#: its number, a wide integer, BFloat16 or IPv6 as raw bytes, an IPv4 as a number; and types polars cannot read
+#: (Decimal over 38 digits, Variant). :func:`readable` turns them into what ClickHouse's own text shows.
+_SHOWN_AS_TEXT = re.compile(r"(?:Enum(?:8|16)\(.*\)|U?Int(?:128|256)|BFloat16|IPv4|IPv6|FixedString\(\d+\)|"
+                            r"Decimal\((?:39|[4-7]\d)(?:, *\d+)?\)|Variant\(.*\)|Dynamic(?:\(.*\))?|JSON(?:\(.*\))?)",
+                            re.S)
+_ENUM_VALUE = re.compile(r"'((?:[^'\\]|\\.)*)'\s*=\s*(-?\d+)")
+
+
+def needs_types(table: pa.Table) -> bool:
+    """Whether :func:`readable` or :func:`datetimes` may change a column of ``table`` (so the caller should ask
+    ClickHouse for the result's types): int8/int16 (an enum?), uint32 (a DateTime or an IPv4), binary, decimal256
+    or union values, at the top or nested, or a string column that is not valid UTF-8."""
+    return any(_may_be_shown_otherwise(t) for t in table.schema.types) or any(
+        not _valid_utf8(c) for c in table.columns if pa.types.is_string(c.type))
+
+
+def _may_be_shown_otherwise(t: pa.DataType) -> bool:
+    return (pa.types.is_int8(t) or pa.types.is_int16(t) or t == pa.uint32() or pa.types.is_binary(t)
+            or pa.types.is_fixed_size_binary(t) or pa.types.is_decimal256(t) or pa.types.is_union(t)
+            or any(_may_be_shown_otherwise(f.type) for f in _children(t)))
+
+
+def _valid_utf8(column: pa.ChunkedArray) -> bool:
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def readable(table: pa.Table, types: list[str]) -> pa.Table:
+    """``table`` with each top-level column of a type in :data:`_SHOWN_AS_TEXT` (``types``: the ClickHouse type of
+    each column, :data:`DESCRIBE_RESULT`; Nullable and LowCardinality looked through) as the text ClickHouse shows
+    for it (an enum's name, a wide integer's digits, a BFloat16 as a float, an address in its usual notation), and a
+    String that is not valid UTF-8 (a substring cut through a character) with U+FFFD for each bad byte. Nested
+    values: an Array of such a type has its elements shown so, any other value holding one is its Python text."""
+    columns = list(table.columns)
+    for i, (column, ch_type) in enumerate(zip(columns, types, strict=True)):
+        while m := _WRAPPED.fullmatch(ch_type):
+            ch_type = m.group(1)
+        if ch_type == "String" and pa.types.is_string(column.type) and not _valid_utf8(column):
+            columns[i] = pa.chunked_array([pa.array([_text(v) for v in column.cast(pa.binary()).to_pylist()],
+                                                    pa.string())])
+        elif _SHOWN_AS_TEXT.fullmatch(ch_type):
+            show, kind = _shown(ch_type), pa.float32() if ch_type == "BFloat16" else pa.string()
+            columns[i] = pa.chunked_array([pa.array([None if v is None else show(v) for v in column.to_pylist()],
+                                                    kind)])
+        elif _SHOWN_AS_TEXT.search(ch_type):  # inside an Array (its elements shown), or deeper (the value as text)
+            element = _array_element(ch_type)
+            values = column.to_pylist()
+            if element is not None:
+                show, kind = _shown(element), pa.float32() if element == "BFloat16" else pa.string()
+                columns[i] = pa.chunked_array([pa.array(
+                    [None if v is None else [None if x is None else show(x) for x in v] for v in values],
+                    pa.list_(kind))])
+            else:
+                columns[i] = pa.chunked_array([pa.array([None if v is None else str(v) for v in values],
+                                                        pa.string())])
+    return pa.table(columns, names=table.column_names)
+
+
+def _array_element(ch_type: str) -> str | None:
+    """The element type of ``Array(T)`` when T (Nullable or LowCardinality looked through) is shown as text."""
+    if not (ch_type.startswith("Array(") and ch_type.endswith(")")):
+        return None
+    element = ch_type[len("Array("):-1]
+    while m := _WRAPPED.fullmatch(element):
+        element = m.group(1)
+    return element if _SHOWN_AS_TEXT.fullmatch(element) else None
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("utf-8", "replace")
+
+
+def _shown(ch_type: str) -> Callable[[Any], Any]:
+    """How one value of ClickHouse type ``ch_type`` (an Arrow value as pyarrow gives it) is shown."""
+    if ch_type.startswith("Enum"):
+        names = {int(n): v.replace("\\'", "'") for v, n in _ENUM_VALUE.findall(ch_type)}
+        return lambda v: names.get(v, str(v))
+    if ch_type.startswith(("UInt", "Int")):  # 128 or 256 bits, little-endian bytes
+        signed = ch_type.startswith("Int")
+        return lambda v: str(int.from_bytes(v, "little", signed=signed)) if isinstance(v, bytes) else str(v)
+    if ch_type == "BFloat16":  # the high half of a float32, little-endian
+        return lambda v: struct.unpack("<f", b"\0\0" + v)[0] if isinstance(v, bytes) and len(v) == 2 else float(v)
+    if ch_type == "IPv6":
+        return lambda v: str(ipaddress.IPv6Address(v)) if isinstance(v, bytes) and len(v) == 16 else str(v)
+    if ch_type == "IPv4":
+        return lambda v: str(ipaddress.IPv4Address(v)) if isinstance(v, int) else str(v)
+    if ch_type.startswith("FixedString"):
+        return lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+    return str  # Decimal(>38), Variant, Dynamic, JSON
+
+
+def to_polars(table: pa.Table) -> pl.DataFrame:
+    """``table`` as a polars frame; a column polars cannot read (it may panic, a BaseException) becomes text,
+    each value as Python shows it, so one odd column never costs the result."""
+    try:
+        return pl.from_arrow(table)  # type: ignore[return-value]
+    except (Exception, PanicException):  # noqa: BLE001 - polars raises panics, not errors, on some Arrow input
+        pass
+    series = []
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        try:
+            series.append(pl.from_arrow(column).alias(name))  # type: ignore[union-attr]
+        except (Exception, PanicException):  # noqa: BLE001
+            series.append(pl.Series(name, [None if v is None else str(v) for v in _values(column)], pl.String))
+    return pl.DataFrame(series)
+
+
+def _values(column: pa.ChunkedArray) -> list[Any]:
+    try:
+        return column.to_pylist()
+    except (UnicodeDecodeError, pa.ArrowException):
+        return [None if v is None else repr(v) for v in column.cast(pa.binary()).to_pylist()]

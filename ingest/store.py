@@ -39,7 +39,9 @@ from ingest.adhoc import (
     check_sources,
     datetimes,
     error_line,
-    has_uint32,
+    needs_types,
+    readable,
+    to_polars,
     unique_names,
 )
 from ingest.errors import QueryError, RejectedRows, StoreUnavailable, TooManyPartitions
@@ -377,8 +379,8 @@ class Store:
             except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
                 if attempt == 2:
                     raise QueryError(f"the result could not be read: {exc}") from exc
-        df = pl.from_arrow(table.rename_columns(unique_names(table.column_names)))
-        return df.head(ADHOC_MAX_ROWS)  # type: ignore[union-attr]
+        df = to_polars(table.rename_columns(unique_names(table.column_names)))
+        return df.head(ADHOC_MAX_ROWS)
 
     def _adhoc_once(self, statement: str) -> pa.Table:
         per_query = None if self.dsn.startswith("chdb:") else {**self.adhoc_settings, "readonly": 2}
@@ -393,9 +395,10 @@ class Store:
                         r[0] for r in client.query(READONLY_TABLE_FUNCTIONS, settings=per_query).result_rows)
                 check_sources(self._syntax_tree(client, rendered, per_query), self._table_functions)
                 table = client.query_arrow(statement, settings=per_query)
-                if has_uint32(table) and rendered.startswith(("SELECT", "WITH", "(")):
+                if needs_types(table) and rendered.startswith(("SELECT", "WITH", "(")):
                     described = client.query(DESCRIBE_RESULT.format(statement=rendered), settings=per_query)
-                    table = datetimes(table, [r[1] for r in described.result_rows])
+                    types = [r[1] for r in described.result_rows]
+                    table = readable(datetimes(table, types), types)
                 return table
             except ch_exc.OperationalError as exc:
                 self._drop_adhoc_session()

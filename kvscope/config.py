@@ -43,7 +43,8 @@ SETTINGS: list[Setting] = [
     Setting("rollup_retention_days", 400, "Days the per-minute and per-hour rollups are kept, 1 to 3650; set on the "
             "tables by the commands that write (docs/scale.md)", int),
     Setting("adhoc_max_memory_bytes", ADHOC_MAX_MEMORY_BYTES, "Memory one ad hoc query (kvscope sql, the "
-            "dashboard's SQL page) may use (ClickHouse max_memory_usage), at least 1 MiB; over it the query fails", int),
+            "dashboard's SQL page) may use (ClickHouse max_memory_usage), at least 1 MiB; over it the query fails",
+            int),
     Setting("kafka_bootstrap", "", "Kafka bootstrap servers (host:port,...); empty = in-process queue (embedded)"),
     Setting("kafka_max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "Bytes of value (the JSON batch before "
             "compression) one Kafka message may carry, at least 16384; keep it under the broker's message.max.bytes "

@@ -3,6 +3,7 @@ and costs only itself (the good input beside it lands)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -58,6 +59,27 @@ def test_a_hostile_kv_event_costs_only_itself(event: object) -> None:
     assert [(e.type, e.idx) for e in batch.payload.events] == [("BlockRemoved", 0), ("BlockRemoved", 2)]
     assert dead.schema == "dead_letter" and dead.payload.reason.startswith("event 1 of the batch: ")
     assert dead.payload.location == "zmq:pod-0:0:seq 4:event 1" and dead.payload.raw
+
+
+_KEY = msgspec.msgpack.encode("type") + msgspec.msgpack.encode("BlockRemoved") + msgspec.msgpack.encode("x")
+
+
+@pytest.mark.parametrize("event", [
+    b"\x82" + _KEY + b"\xa2\xff\xfe",           # a str that is not UTF-8, in a field kvscope never reads
+    b"\x82" + _KEY + b"\xc7\x03\xff\x00\x00\x00",  # a timestamp ext with a 3-byte body
+    b"\x81\x81\x01\x01\x01",                      # a map whose key is a map
+], ids=["not-utf8", "bad-timestamp-ext", "map-key"])
+def test_a_kv_event_msgpack_cannot_decode_costs_only_itself(event: bytes) -> None:
+    """Bytes of one event that msgspec refuses made the whole payload undecodable: one dead letter for the message,
+    its good events lost and its seq a gap. The batch is now decoded again event by event (only then: a payload that
+    decodes pays nothing): the bad event is its own dead letter, with its bytes, the others are kept."""
+    good = msgspec.msgpack.encode({"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"})
+    payload = b"\x93" + msgspec.msgpack.encode(1795950818.0) + b"\x93" + good + event + good + b"\x00"
+    batch, dead = message_events([b"pod-0", (4).to_bytes(8, "big"), payload])
+    assert batch.schema == "kv_event_batch" and batch.payload.seq == 4
+    assert [(e.type, e.idx) for e in batch.payload.events] == [("BlockRemoved", 0), ("BlockRemoved", 2)]
+    assert dead.schema == "dead_letter" and dead.payload.reason.startswith("event 1 of the batch: ")
+    assert base64.b64decode(dead.payload.raw) == event
 
 
 @pytest.mark.parametrize("line", [
