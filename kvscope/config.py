@@ -257,8 +257,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _check_store(cfg: Config) -> None:
-    """The store and logging settings: a log level Python knows, a ClickHouse URL that is http(s)://host[:port] with a
-    port that exists, a cluster only with a server (chDB is one process), an ad hoc memory bound from
+    """The store, logging, mail and gateway settings: a log level Python knows, a ClickHouse URL (and a dashboard URL,
+    when given) that is http(s)://host[:port] with a port that exists, a cluster only with a server (chDB is one
+    process), an SMTP port 1..65535, a routing policy the gateway has, an ad hoc memory bound from
     :data:`MIN_ADHOC_MEMORY_BYTES` to 2^63 − 1 bytes (ClickHouse's max_memory_usage: 0 there is no bound). Raises
     :class:`ConfigError` naming the variable."""
     if cfg.log_level not in LOG_LEVELS:
@@ -270,6 +271,14 @@ def _check_store(cfg: Config) -> None:
     elif cfg.clickhouse_cluster:
         raise ConfigError(f"KVSCOPE_CLICKHOUSE_CLUSTER={cfg.clickhouse_cluster!r}: a cluster needs a ClickHouse "
                           "server (KVSCOPE_CLICKHOUSE_URL); the embedded store (chDB) is one process")
+    if cfg.dashboard_url and (problem := url_problem(cfg.dashboard_url)):
+        raise ConfigError(f"KVSCOPE_DASHBOARD_URL={cfg.dashboard_url!r}: {problem} (the digest links to it)")
+    if not 1 <= cfg.smtp_port <= 65535:
+        raise ConfigError(f"KVSCOPE_SMTP_PORT={cfg.smtp_port}: expected a port from 1 to 65535")
+    from gateway.routing import POLICIES
+
+    if cfg.routing_policy not in POLICIES:
+        raise ConfigError(f"KVSCOPE_ROUTING_POLICY={cfg.routing_policy!r}: expected one of {', '.join(POLICIES)}")
     if not MIN_ADHOC_MEMORY_BYTES <= cfg.adhoc_max_memory_bytes <= 2**63 - 1:
         raise ConfigError(f"KVSCOPE_ADHOC_MAX_MEMORY_BYTES={cfg.adhoc_max_memory_bytes}: expected bytes from "
                           f"{MIN_ADHOC_MEMORY_BYTES} (1 MiB) to 2^63 - 1; the ad hoc queries are always bounded")
@@ -328,9 +337,12 @@ def _check_targets(cfg: Config) -> None:
     from collector.service import parse_targets
 
     try:
-        parse_targets(specs)
+        targets = parse_targets(specs)
     except ValueError as exc:
         raise ConfigError(f"KVSCOPE_VLLM / --vllm: {exc}") from exc
+    for t in targets:
+        if problem := url_problem(t.metrics_url):
+            raise ConfigError(f"KVSCOPE_VLLM / --vllm: target {t.pod!r} at {t.metrics_url!r}: {problem}")
 
 
 def settings_table() -> str:

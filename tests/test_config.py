@@ -142,7 +142,9 @@ def test_a_default_block_size_below_one_token_stops_startup(size: str) -> None:
     ("KVSCOPE_CLICKHOUSE_URL", "notaurl"), ("KVSCOPE_CLICKHOUSE_URL", "ftp://ch:8123"),
     ("KVSCOPE_CLICKHOUSE_URL", "http://ch:0"), ("KVSCOPE_CLICKHOUSE_CLUSTER", "c"),
     ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "0"), ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "-1"),
-    ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "99999999999999999999999"),
+    ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", "99999999999999999999999"), ("KVSCOPE_DASHBOARD_URL", "javascript:alert(1)"),
+    ("KVSCOPE_DASHBOARD_URL", "not a url"), ("KVSCOPE_SMTP_PORT", "-5"), ("KVSCOPE_SMTP_PORT", "70000"),
+    ("KVSCOPE_ROUTING_POLICY", "banana"), ("KVSCOPE_VLLM", "http://h:99999"), ("KVSCOPE_VLLM", "a=ftp://h:8000"),
 ])
 def test_a_bad_store_or_log_setting_stops_startup_naming_it(variable: str, value: str) -> None:
     """Before: an unknown log level broke every command at logging.basicConfig, a URL with a port past 65535 or an
@@ -159,6 +161,8 @@ def test_a_bad_store_or_log_setting_stops_startup_naming_it(variable: str, value
 @pytest.mark.parametrize(("variable", "value"), [
     ("KVSCOPE_LOG_LEVEL", "DEBUG"), ("KVSCOPE_CLICKHOUSE_URL", "http://default:@clickhouse:8123"),
     ("KVSCOPE_CLICKHOUSE_URL", "https://[::1]:8443/"), ("KVSCOPE_ADHOC_MAX_MEMORY_BYTES", str(1 << 20)),
+    ("KVSCOPE_DASHBOARD_URL", "https://kvscope.example.com/"), ("KVSCOPE_SMTP_PORT", "465"),
+    ("KVSCOPE_ROUTING_POLICY", "prefix_affinity"), ("KVSCOPE_VLLM", "pod-0=http://127.0.0.1:8000"),
 ])
 def test_good_store_and_log_settings_are_accepted(variable: str, value: str) -> None:
     assert build_config({}, environ={variable: value})
