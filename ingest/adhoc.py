@@ -330,7 +330,9 @@ def readable(table: pa.Table, types: list[str]) -> pa.Table:
     each column, :data:`DESCRIBE_RESULT`; Nullable and LowCardinality looked through) as the text ClickHouse shows
     for it (an enum's name, a wide integer's digits, a BFloat16 as a float, an address in its usual notation), and a
     String that is not valid UTF-8 (a substring cut through a character) with U+FFFD for each bad byte. Nested
-    values: an Array of such a type has its elements shown so, any other value holding one is its Python text."""
+    values: an Array of such a type has its elements shown so; any other value holding one as bytes (a wide integer, an
+    address) or in a form polars cannot show is its Python text; other nested values are kept (a DateTime inside a
+    Tuple stays a datetime, an enum there stays its number)."""
     columns = list(table.columns)
     for i, (column, ch_type) in enumerate(zip(columns, types, strict=True)):
         while m := _WRAPPED.fullmatch(ch_type):
@@ -350,10 +352,16 @@ def readable(table: pa.Table, types: list[str]) -> pa.Table:
                 columns[i] = pa.chunked_array([pa.array(
                     [None if v is None else [None if x is None else show(x) for x in v] for v in values],
                     pa.list_(kind))])
-            else:
+            elif _unreadable(column.type):  # raw bytes or a type polars cannot show, deeper in a Tuple or Map
                 columns[i] = pa.chunked_array([pa.array([None if v is None else str(v) for v in values],
                                                         pa.string())])
     return pa.table(columns, names=table.column_names)
+
+
+def _unreadable(t: pa.DataType) -> bool:
+    """Whether Arrow type ``t`` holds, at any depth, bytes that stand for a value or a type polars cannot show."""
+    return (pa.types.is_binary(t) or pa.types.is_fixed_size_binary(t) or pa.types.is_decimal256(t)
+            or pa.types.is_union(t) or any(_unreadable(f.type) for f in _children(t)))
 
 
 def _array_element(ch_type: str) -> str | None:
