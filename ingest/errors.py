@@ -58,3 +58,8 @@ class TooManyPartitions(PermanentError):
 
 class QueryError(PermanentError):
     """A query failed: bad SQL, unknown named query, bad parameter, or refused by read-only mode."""
+
+
+class MissingDatabase(PermanentError):
+    """A read-only command named a database the store does not hold (a mistyped ``--database``): answering from a
+    new, empty one would report zeros as if they were measured."""

@@ -44,7 +44,7 @@ from ingest.adhoc import (
     to_polars,
     unique_names,
 )
-from ingest.errors import QueryError, RejectedRows, StoreUnavailable, TooManyPartitions
+from ingest.errors import MissingDatabase, QueryError, RejectedRows, StoreUnavailable, TooManyPartitions
 
 # The ClickHouse error codes that mean "these rows are wrong" (parse, type, range): the only failures of an
 # insert that are permanent. Every other failure of a write (network, timeouts, memory limit 241, too many
@@ -164,14 +164,15 @@ class Store:
     @classmethod
     def open(cls, *, data_dir: str | Path | None = None, clickhouse_url: str | None = None,
              database: str = "kvscope", cluster: str = "",
-             adhoc_max_memory_bytes: int = ADHOC_MAX_MEMORY_BYTES) -> Store:
+             adhoc_max_memory_bytes: int = ADHOC_MAX_MEMORY_BYTES, create: bool = True) -> Store:
         """Open chDB at ``data_dir`` (embedded) or the server at ``clickhouse_url`` (e.g. ``http://ch:8123``).
 
         Exactly one of the two is used; ``clickhouse_url`` wins when both are given. ``cluster`` (server only):
         a cluster name from the server's ``remote_servers``: the database is created ON CLUSTER with the
         Replicated database engine, so every migration's DDL reaches every replica, and the migrations'
         MergeTree-family tables are created as their Replicated* engines (:func:`replicated`). docs/scale.md.
-        ``adhoc_max_memory_bytes``: the memory cap of each ad hoc query (:meth:`adhoc`).
+        ``adhoc_max_memory_bytes``: the memory cap of each ad hoc query (:meth:`adhoc`). ``create``: create the
+        database when it is missing (False, for the read-only commands: :class:`MissingDatabase` instead).
         """
         if not sqlfiles.DATABASE_NAME.fullmatch(database):
             raise ValueError(f"database name {database!r} must be an identifier")
@@ -187,7 +188,11 @@ class Store:
             raise ValueError("a ClickHouse cluster needs clickhouse_url (chDB is one process)")
         try:
             boot = clickhouse_connect.get_client(dsn=dsn)
-            boot.command(create_database(database, cluster))
+            if create:
+                boot.command(create_database(database, cluster))
+            elif not boot.command("EXISTS DATABASE {db:Identifier}", parameters={"db": database}):
+                raise MissingDatabase(f"database {database!r} does not exist at {dsn.removeprefix('chdb://')} (the "
+                                      "commands that write create it: kvscope up, import, ingest); check --database")
             client = clickhouse_connect.get_client(dsn=dsn, database=database, settings=insert_settings(boot))
             if not clickhouse_url:
                 _set_session(client, EMBEDDED_SESSION_SETTINGS)

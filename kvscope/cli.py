@@ -98,8 +98,8 @@ def _serve_self_metrics(cfg) -> None:  # type: ignore[no-untyped-def]
 def _store(cfg, *, must_exist: bool = False, writer: bool = False):  # type: ignore[no-untyped-def]
     """The store the settings name, migrated (:func:`kvscope.pipeline.open_store`); ``writer``: this command
     writes it, so the retention settings are set on its tables. Every failure is click's one-line error:
-    ``must_exist`` and no chDB directory there, a data directory that cannot be one (a file on the path,
-    permissions), the store unreachable or in use."""
+    ``must_exist`` (a read-only command) and no chDB directory or no such database there, a data directory that
+    cannot be one (a file on the path, permissions), the store unreachable or in use."""
     from ingest.errors import KvscopeError
     from kvscope.pipeline import open_store
 
@@ -107,7 +107,7 @@ def _store(cfg, *, must_exist: bool = False, writer: bool = False):  # type: ign
         raise click.ClickException(
             f"no kvscope data at {cfg.data_dir}; give --data-dir (the demo keeps its data in .kvscope/demo/data)")
     try:
-        return open_store(cfg, writer=writer)
+        return open_store(cfg, writer=writer, create=not must_exist)
     except OSError as exc:  # Store.open creates the chDB directory
         raise _path_error(f"--data-dir / KVSCOPE_DATA_DIR {cfg.data_dir}: cannot be the chDB data directory",
                           exc) from exc

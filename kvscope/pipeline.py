@@ -27,17 +27,18 @@ from kvscope.config import Config
 log = logging.getLogger("kvscope.pipeline")
 
 
-def open_store(cfg: Config, *, writer: bool) -> Store:
+def open_store(cfg: Config, *, writer: bool, create: bool = True) -> Store:
     """The store the settings name (a server when ``clickhouse_url`` is set, else chDB), migrated.
 
     ``writer``: the caller writes the store (``kvscope up``, ``demo``, ``ingest``, ``attribute``, ``import ...``,
     ``migrate``): only then are ``retention_days`` / ``rollup_retention_days`` set on the tables' TTLs
     (:meth:`Store.apply_retention`), so a read (``query``, ``sql``, ``digest``, ``alerts``, ``dashboard``) run
-    with other settings never shortens, and so deletes, what the writers keep. Raises what :meth:`Store.open`
-    raises.
+    with other settings never shortens, and so deletes, what the writers keep. ``create``: create a missing
+    database (False: :class:`~ingest.errors.MissingDatabase`). Raises what :meth:`Store.open` raises.
     """
     store = Store.open(data_dir=cfg.data_dir, clickhouse_url=cfg.clickhouse_url or None, database=cfg.database,
-                       cluster=cfg.clickhouse_cluster, adhoc_max_memory_bytes=cfg.adhoc_max_memory_bytes)
+                       cluster=cfg.clickhouse_cluster, adhoc_max_memory_bytes=cfg.adhoc_max_memory_bytes,
+                       create=create)
     applied = store.migrate()
     if applied:
         log.info("migrations applied. versions=%s", ",".join(applied))

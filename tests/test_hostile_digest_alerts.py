@@ -501,6 +501,25 @@ def test_alerts_refuse_a_data_dir_that_holds_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "typo").exists()
 
 
+@pytest.mark.parametrize("command", [["query", "tokens"], ["sql", "SELECT count() FROM gateway_requests"],
+                                     ["alerts", "--once"]])
+def test_a_read_command_refuses_a_database_that_does_not_exist(tmp_path: Path, command: list[str]) -> None:
+    """A mistyped --database once became a new, empty database, migrated, whose answers read 0 tokens and rules
+    "ok". A read-only command now names it and exits 1; no database is created. (Subprocesses: chDB opens one data
+    directory per process, and this one holds the session's.)"""
+    data_dir = str(tmp_path / "data")
+    subprocess.run([sys.executable, "-m", "kvscope.cli", "migrate", "--data-dir", data_dir], check=True, cwd=ROOT,
+                   capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "kvscope.cli", *command, "--data-dir", data_dir, "--database",
+                           "typo_db"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1 and "database 'typo_db' does not exist" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    check = subprocess.run([sys.executable, "-c", "import sys; from ingest.store import Store; s = Store.open("
+                            "data_dir=sys.argv[1]); print(s.query_rows('EXISTS DATABASE typo_db')[0][0])", data_dir],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
+    assert check.stdout.strip() == "0"
+
+
 @pytest.mark.parametrize("text", ["", "# all rules removed\n"])
 def test_alerts_refuse_a_rules_file_without_rules(tmp_path: Path, text: str) -> None:
     """An empty rules file once evaluated nothing and exited 0: every alert silently off."""
