@@ -216,7 +216,7 @@ def _raw_event(raw: Any) -> str:
 def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None) -> list[Envelope]:
     """One multipart ZMQ message → ``[KvEventBatch envelope, DeadLetter envelope per bad event...]``, or
     ``[DeadLetter envelope]`` when the message itself is malformed (not 3 frames, a topic over
-    :data:`MAX_TOPIC_BYTES`, seq not 8 bytes, payload not ``[ts, [events], dp_rank]``).
+    :data:`MAX_TOPIC_BYTES` or not UTF-8, seq not 8 bytes, payload not ``[ts, [events], dp_rank]``).
 
     The batch keeps the events that decoded with their position in vLLM's batch (``KvBlockEvent.idx``, stored as
     ``kv_block_events.idx``), so its seq still advances and its rows are the same on every re-send. Each bad
@@ -231,6 +231,10 @@ def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None
             raise BadKvMessage(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
         if len(frames[0]) > MAX_TOPIC_BYTES:  # the topic names the pod: it is in every row and label
             raise BadKvMessage(f"topic of {len(frames[0])} bytes (a pod's topic has at most {MAX_TOPIC_BYTES})")
+        try:
+            frames[0].decode("utf-8")
+        except UnicodeDecodeError as exc:  # with U+FFFD for its bad bytes, two such topics would name one pod
+            raise BadKvMessage(f"topic is not UTF-8 ({exc.reason} at byte {exc.start}): it names no pod") from exc
         if len(frames[1]) != 8:
             raise BadKvMessage(f"seq frame has {len(frames[1])} bytes, expected 8")
         seq = int.from_bytes(frames[1], "big")

@@ -40,6 +40,14 @@ def test_hostile_kv_messages_are_dead_letters(payload: object) -> None:
     assert ev.schema == "dead_letter" and ev.payload.reason and ev.payload.location == "zmq:pod-0"
 
 
+@pytest.mark.parametrize("topic", [b"pod-\xff", b"pod-\xfe"])
+def test_a_kv_topic_that_is_not_utf8_names_no_pod(topic: bytes) -> None:
+    """Both topics decoded to pod-\ufffd: two publishers read as one stream of one pod. Each message is now a dead
+    letter saying why."""
+    (ev,) = message_events([topic, *kv([1795950818.0, []])[1:]])
+    assert ev.schema == "dead_letter" and ev.payload.reason.startswith("topic is not UTF-8")
+
+
 @pytest.mark.parametrize("event", [
     {"type": "BlockStored", "block_hashes": 5},
     {"type": "BlockStored", "token_ids": ["a"]},
