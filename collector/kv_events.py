@@ -54,6 +54,8 @@ which takes longer. Sooner, two vLLM processes publish on one topic, and the bat
 
 RECENT_SEQS = 1024
 """Seqs per stream whose batch_ts the subscriber keeps, to tell a duplicate from another batch under that seq."""
+RECENT_GAPS = 64
+"""Gaps per stream the subscriber keeps, to tell a late batch (its seq in one) from another process's batch."""
 
 def checkpoint_key(topic: str, dp_rank: int | None) -> str:
     """CheckpointStore key of one KV-event stream: ``kv_events:<topic>:<dp_rank>`` (dp_rank None → empty)."""
@@ -68,6 +70,15 @@ class _Stream:
     seq: int
     batch_ts: float | None
     restored: bool = False
+
+
+def _remember(delivered: dict[int, float], batches: list[KvEventBatch]) -> None:
+    """Record ``batches`` as delivered (seq → batch_ts, latest last), keeping a stream's last :data:`RECENT_SEQS`."""
+    for b in batches:
+        delivered.pop(b.seq, None)
+        delivered[b.seq] = b.batch_ts
+    while len(delivered) > RECENT_SEQS:
+        del delivered[next(iter(delivered))]
 
 
 class KvEventSubscriber:
@@ -102,6 +113,9 @@ class KvEventSubscriber:
         self._drop_topic: bytes | None = None
         self._streams: dict[tuple[str, int | None], _Stream] = {}
         self._delivered: dict[tuple[str, int | None], dict[int, float]] = {}  # stream → seq → batch_ts, recent
+        #: stream → the seq ranges (first, last) its gaps reported, the latest :data:`RECENT_GAPS`: where a late batch
+        #: may come from
+        self._missing: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
         self._polls = 0
         self._acked: dict[tuple[str, int | None], int] = {}  # stream → number of the last poll acked
         self._ack_lock = threading.Lock()
@@ -180,9 +194,9 @@ class KvEventSubscriber:
         for a duplicate batch, [gap, replayed..., *envs] after a gap, one dead letter for a batch under a seq
         that the stream delivered with another batch among its last :data:`RECENT_SEQS` (a duplicate is the
         same batch: vLLM re-sends only through replay, the same bytes), else ``envs``: also for a *late* batch, an
-        older seq (and ts) the stream never delivered, which arrived after a later one had reported its gap (a
-        reordering proxy, a replay that came in after the gap was declared lost): stored, counted in
-        ``kvscope_collector_kv_late_batches_total``; the stream's position stays at its latest batch."""
+        older seq (and ts) the stream never delivered, inside a gap the stream reported (one of its last
+        :data:`RECENT_GAPS`; a reordering proxy, a replay that came in after the gap was declared lost): stored,
+        counted in ``kvscope_collector_kv_late_batches_total``; the stream's position stays at its latest batch."""
         env = envs[0]
         b = env.payload
         if not isinstance(b, KvEventBatch):
@@ -193,21 +207,20 @@ class KvEventSubscriber:
         if st is None or b.seq == st.seq + 1:
             pass
         elif b.seq > st.seq + 1:
+            self._gap(key, st.seq + 1, b.seq - 1)
             out = self._recover(env.pod, b, st.seq + 1, "collector_restart" if st.restored else "missed",
                                 st if st.batch_ts is not None else None, st.batch_ts)
         elif st.batch_ts is not None and b.batch_ts <= st.batch_ts:  # an older batch of the same publisher
             delivered = self._delivered.setdefault(key, {})
             delivered_ts = delivered.get(b.seq)
-            if delivered_ts is None:
-                # never delivered (among the last RECENT_SEQS): late, a later seq came first and reported its gap.
-                # Stored: kv_gaps counts it against the store; a copy of a batch delivered before the last
-                # RECENT_SEQS is dropped by the ingester's dedup (same pod, engine, ts, seq, idx).
+            if delivered_ts is None and any(lo <= b.seq <= hi for lo, hi in self._missing.get(key, ())):
+                # never delivered, in a gap the stream reported: late (a later seq came first). Stored: kv_gaps
+                # counts it against the store. (A never-delivered seq outside the gaps stays a duplicate: another
+                # process on the topic, or a batch from before the stream was followed.)
                 LATE.labels(env.pod).inc()
-                delivered[b.seq] = b.batch_ts
-                while len(delivered) > RECENT_SEQS:
-                    del delivered[next(iter(delivered))]
+                _remember(delivered, [b])
                 return envs
-            if delivered_ts != b.batch_ts:
+            if delivered_ts is not None and delivered_ts != b.batch_ts:
                 return [self._conflict(env, frames, f"seq {b.seq} was already delivered with another batch (ts "
                                                     f"{delivered_ts}, this one {b.batch_ts})")]
             DUPLICATES.labels(env.pod).inc()
@@ -217,19 +230,21 @@ class KvEventSubscriber:
                                                 f"{b.batch_ts - st.batch_ts:.3f} s after the stream's last batch")]
         else:  # seq went back and the batch is newer: vLLM restarted (and we missed its first batches if seq > 0)
             self._delivered.pop(key, None)
+            self._missing.pop(key, None)
             if b.seq > 0:
+                self._gap(key, 0, b.seq - 1)
                 out = self._recover(env.pod, b, 0, "publisher_restart", None, st.batch_ts)
         self._streams[key] = _Stream(b.seq, b.batch_ts)
         touched.add(key)
         out.extend(envs)
-        delivered = self._delivered.setdefault(key, {})
-        for p in (e.payload for e in out):
-            if isinstance(p, KvEventBatch):
-                delivered.pop(p.seq, None)
-                delivered[p.seq] = p.batch_ts
-        while len(delivered) > RECENT_SEQS:
-            del delivered[next(iter(delivered))]
+        _remember(self._delivered.setdefault(key, {}), [e.payload for e in out if isinstance(e.payload, KvEventBatch)])
         return out
+
+    def _gap(self, key: tuple[str, int | None], first: int, last: int) -> None:
+        """Note that stream ``key`` reported seqs ``first..last`` missing (the latest :data:`RECENT_GAPS` kept)."""
+        gaps = self._missing.setdefault(key, [])
+        gaps.append((first, last))
+        del gaps[:-RECENT_GAPS]
 
     def _conflict(self, env: Envelope, frames: list[bytes], what: str) -> Envelope:
         """The dead letter of a batch that cannot be the stream's next (``what`` says why): under a seq the stream

@@ -190,10 +190,6 @@ def datetimes(table: pa.Table, types: list[str]) -> pa.Table:
     return pa.table(columns, names=table.column_names)
 
 
-def _holds_uint32(t: pa.DataType) -> bool:
-    return t == pa.uint32() or any(_holds_uint32(f.type) for f in _children(t))
-
-
 def _timestamp_type(ch_type: str, arrow_type: pa.DataType) -> pa.DataType | None:
     """``arrow_type`` with each DateTime of ``ch_type`` (a uint32 in Arrow) a timestamp; None when it has none."""
     while m := _WRAPPED.fullmatch(ch_type):
@@ -307,14 +303,24 @@ def needs_types(table: pa.Table) -> bool:
     """Whether :func:`readable` or :func:`datetimes` may change a column of ``table`` (so the caller should ask
     ClickHouse for the result's types): int8/int16 (an enum?), uint32 (a DateTime or an IPv4), binary, decimal256
     or union values, at the top or nested, or a string column that is not valid UTF-8."""
-    return any(_may_be_shown_otherwise(t) for t in table.schema.types) or any(
+    return any(_holds(t, _numbers_or_unreadable) for t in table.schema.types) or any(
         not _valid_utf8(c) for c in table.columns if pa.types.is_string(c.type))
 
 
-def _may_be_shown_otherwise(t: pa.DataType) -> bool:
-    return (pa.types.is_int8(t) or pa.types.is_int16(t) or t == pa.uint32() or pa.types.is_binary(t)
-            or pa.types.is_fixed_size_binary(t) or pa.types.is_decimal256(t) or pa.types.is_union(t)
-            or any(_may_be_shown_otherwise(f.type) for f in _children(t)))
+def _holds(t: pa.DataType, test: Callable[[pa.DataType], bool]) -> bool:
+    """Whether Arrow type ``t`` or a type nested in it passes ``test``."""
+    return test(t) or any(_holds(f.type, test) for f in _children(t))
+
+
+def _unreadable(t: pa.DataType) -> bool:
+    """Bytes that stand for a value (a wide integer, an address) or a type polars cannot show."""
+    return (pa.types.is_binary(t) or pa.types.is_fixed_size_binary(t) or pa.types.is_decimal256(t)
+            or pa.types.is_union(t))
+
+
+def _numbers_or_unreadable(t: pa.DataType) -> bool:
+    """:func:`_unreadable`, or a number that may stand for something else (an enum, a DateTime, an IPv4)."""
+    return pa.types.is_int8(t) or pa.types.is_int16(t) or t == pa.uint32() or _unreadable(t)
 
 
 def _valid_utf8(column: pa.ChunkedArray) -> bool:
@@ -338,30 +344,23 @@ def readable(table: pa.Table, types: list[str]) -> pa.Table:
         while m := _WRAPPED.fullmatch(ch_type):
             ch_type = m.group(1)
         if ch_type == "String" and pa.types.is_string(column.type) and not _valid_utf8(column):
-            columns[i] = pa.chunked_array([pa.array([_text(v) for v in column.cast(pa.binary()).to_pylist()],
-                                                    pa.string())])
+            columns[i] = _column([_text(v) for v in column.cast(pa.binary()).to_pylist()], pa.string())
         elif _SHOWN_AS_TEXT.fullmatch(ch_type):
-            show, kind = _shown(ch_type), pa.float32() if ch_type == "BFloat16" else pa.string()
-            columns[i] = pa.chunked_array([pa.array([None if v is None else show(v) for v in column.to_pylist()],
-                                                    kind)])
+            show, kind = _shown(ch_type)
+            columns[i] = _column([None if v is None else show(v) for v in column.to_pylist()], kind)
         elif _SHOWN_AS_TEXT.search(ch_type):  # inside an Array (its elements shown), or deeper (the value as text)
             element = _array_element(ch_type)
-            values = column.to_pylist()
             if element is not None:
-                show, kind = _shown(element), pa.float32() if element == "BFloat16" else pa.string()
-                columns[i] = pa.chunked_array([pa.array(
-                    [None if v is None else [None if x is None else show(x) for x in v] for v in values],
-                    pa.list_(kind))])
-            elif _unreadable(column.type):  # raw bytes or a type polars cannot show, deeper in a Tuple or Map
-                columns[i] = pa.chunked_array([pa.array([None if v is None else str(v) for v in values],
-                                                        pa.string())])
+                show, kind = _shown(element)
+                columns[i] = _column([None if v is None else [None if x is None else show(x) for x in v]
+                                      for v in column.to_pylist()], pa.list_(kind))
+            elif _holds(column.type, _unreadable):  # raw bytes or a type polars cannot show, in a Tuple or Map
+                columns[i] = _column([None if v is None else str(v) for v in column.to_pylist()], pa.string())
     return pa.table(columns, names=table.column_names)
 
 
-def _unreadable(t: pa.DataType) -> bool:
-    """Whether Arrow type ``t`` holds, at any depth, bytes that stand for a value or a type polars cannot show."""
-    return (pa.types.is_binary(t) or pa.types.is_fixed_size_binary(t) or pa.types.is_decimal256(t)
-            or pa.types.is_union(t) or any(_unreadable(f.type) for f in _children(t)))
+def _column(values: list[Any], kind: pa.DataType) -> pa.ChunkedArray:
+    return pa.chunked_array([pa.array(values, kind)])
 
 
 def _array_element(ch_type: str) -> str | None:
@@ -378,23 +377,27 @@ def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("utf-8", "replace")
 
 
-def _shown(ch_type: str) -> Callable[[Any], Any]:
-    """How one value of ClickHouse type ``ch_type`` (an Arrow value as pyarrow gives it) is shown."""
+def _shown(ch_type: str) -> tuple[Callable[[Any], Any], pa.DataType]:
+    """How one value of ClickHouse type ``ch_type`` (an Arrow value as pyarrow gives it) is shown, and the Arrow type
+    of what is shown (float32 for a BFloat16, else text)."""
     if ch_type.startswith("Enum"):
         names = {int(n): v.replace("\\'", "'") for v, n in _ENUM_VALUE.findall(ch_type)}
-        return lambda v: names.get(v, str(v))
+        return (lambda v: names.get(v, str(v))), pa.string()
     if ch_type.startswith(("UInt", "Int")):  # 128 or 256 bits, little-endian bytes
         signed = ch_type.startswith("Int")
-        return lambda v: str(int.from_bytes(v, "little", signed=signed)) if isinstance(v, bytes) else str(v)
+        return (lambda v: str(int.from_bytes(v, "little", signed=signed)) if isinstance(v, bytes) else str(v)), \
+            pa.string()
     if ch_type == "BFloat16":  # the high half of a float32, little-endian
-        return lambda v: struct.unpack("<f", b"\0\0" + v)[0] if isinstance(v, bytes) and len(v) == 2 else float(v)
+        return (lambda v: struct.unpack("<f", b"\0\0" + v)[0] if isinstance(v, bytes) and len(v) == 2
+                else float(v)), pa.float32()
     if ch_type == "IPv6":
-        return lambda v: str(ipaddress.IPv6Address(v)) if isinstance(v, bytes) and len(v) == 16 else str(v)
+        return (lambda v: str(ipaddress.IPv6Address(v)) if isinstance(v, bytes) and len(v) == 16 else str(v)), \
+            pa.string()
     if ch_type == "IPv4":
-        return lambda v: str(ipaddress.IPv4Address(v)) if isinstance(v, int) else str(v)
+        return (lambda v: str(ipaddress.IPv4Address(v)) if isinstance(v, int) else str(v)), pa.string()
     if ch_type.startswith("FixedString"):
-        return lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-    return str  # Decimal(>38), Variant, Dynamic, JSON
+        return (lambda v: _text(v) if isinstance(v, bytes) else str(v)), pa.string()
+    return str, pa.string()  # Decimal(>38), Variant, Dynamic, JSON
 
 
 def to_polars(table: pa.Table) -> pl.DataFrame:

@@ -7,6 +7,7 @@ a vLLM target list with two targets of one name or one URL under two names.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, fields
@@ -252,8 +253,8 @@ def build_config(overrides: dict[str, Any] | None = None, environ: dict[str, str
 
 #: The least memory an ad hoc query may be given (ClickHouse max_memory_usage; 0 would mean no limit there).
 MIN_ADHOC_MEMORY_BYTES = 1 << 20
-#: Python's log levels a name may give (logging.getLevelNamesMapping, without NOTSET).
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Python's log levels a name may give (logging.basicConfig accepts exactly these names).
+LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
 def _check_store(cfg: Config) -> None:
@@ -285,7 +286,8 @@ def _check_store(cfg: Config) -> None:
 
 
 def url_problem(url: str) -> str:
-    """Why ``url`` is not a ClickHouse HTTP URL (``http(s)://[user:password@]host[:port][/]``), or ""."""
+    """Why ``url`` is not an HTTP URL (``http(s)://[user:password@]host[:port][/...]``: a ClickHouse server, the
+    dashboard, a vLLM target), or ""."""
     try:
         parts = urlsplit(url)
         port = parts.port
