@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from collector.events import DeadLetter, Envelope, KvBlockEvent, KvEventBatch, envelope
+from collector.msgpack_split import MsgpackSplitError, split_array
 
 _ARRAY_FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -183,23 +184,25 @@ class _Undecodable:
 
 def _by_event(payload: bytes, error: Exception) -> list[Any]:
     """The batch decoded again event by event after the whole payload failed to decode (``error``): the outer
-    array and the events list as raw parts, each event decoded alone, one that fails an :class:`_Undecodable`; so a
-    bad event costs only itself. Raises :class:`BadKvMessage` when the outer array or its ts, events list or rank
-    fails too. Only on this failure path: a payload that decodes pays nothing."""
+    array and the events list split into their elements' bytes without decoding them
+    (:func:`collector.msgpack_split.split_array`: iterative, so an event nested deeper than msgspec's recursion limit
+    is split off like any other), each event decoded alone, one that fails an :class:`_Undecodable`; so a bad event
+    costs only itself. Raises :class:`BadKvMessage` when the outer array or its ts, events list or rank fails too.
+    Only on this failure path: a payload that decodes pays nothing."""
     try:
-        parts = msgspec.msgpack.decode(payload, type=list[msgspec.Raw])
+        parts = split_array(payload)
         if len(parts) < 2:
             raise BadKvMessage("payload is not [ts, [events], dp_rank]")
-        raws = msgspec.msgpack.decode(parts[1], type=list[msgspec.Raw])
+        raws = split_array(parts[1])
         head = [msgspec.msgpack.decode(parts[0]), None, *(msgspec.msgpack.decode(p) for p in parts[2:3])]
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except (MsgpackSplitError, msgspec.DecodeError, RecursionError) as exc:
         raise BadKvMessage(f"payload is not msgpack: {error}") from exc
     events: list[Any] = []
     for raw in raws:
         try:
             events.append(msgspec.msgpack.decode(raw))
         except (msgspec.DecodeError, RecursionError) as exc:
-            events.append(_Undecodable(raw, str(exc)))
+            events.append(_Undecodable(msgspec.Raw(raw), str(exc)))
     head[1] = events
     return head
 
