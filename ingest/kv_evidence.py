@@ -728,12 +728,17 @@ def _served_by_then(rows: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataF
                     ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(``asks`` with model replaced by a key of the pods that served the request's model within its lookback and
     by its end, (key, pod) pairs of those pods): :func:`ingest.kv_tracks.block_statuses` then counts a holder
-    elsewhere only among them. Requests with the same pods share a key (model and pods, joined)."""
+    elsewhere only among them. Requests with the same model and pods share a key (each name length-prefixed, so a
+    name holding a separator cannot make two keys one)."""
     pairs = (rows.select("rid", "model", "since", "end")
              .join(model_pods.select("model", "pod").unique(), on="model", how="inner"))
     pairs = pairs.filter(seen_between(pairs, model_pods, ["model", "pod"], "since", "end"))
+    def spelled(name: pl.Expr) -> pl.Expr:  # length-prefixed: no name, whatever bytes it holds, runs into the next
+        return name.str.len_bytes().cast(pl.String) + ":" + name
+
     keys = (pairs.group_by("rid").agg(pl.col("model").first(), pl.col("pod").sort())
-            .select("rid", (pl.col("model") + "\x1f" + pl.col("pod").list.join("\x1f")).alias("key"), "pod"))
+            .select("rid", (spelled(pl.col("model")) + pl.col("pod").list.eval(spelled(pl.element())).list.join(""))
+                    .alias("key"), "pod"))
     asks = (asks.join(keys.select("rid", "key"), on="rid", how="left", maintain_order="left")
             .with_columns(pl.col("key").fill_null("\x1f").alias("model")).drop("key"))
     served = keys.select(pl.col("key").alias("model"), "pod").unique("model").explode("pod")

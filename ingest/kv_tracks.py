@@ -458,11 +458,14 @@ def block_statuses(blocks: pl.DataFrame, resets: pl.DataFrame, asks: pl.DataFram
         aff = np.flatnonzero(early)
         s0, next_reset = np.zeros(len(aff), dtype=np.int64), np.full(len(aff), -1, dtype=np.int64)
         if not numbered.is_empty():
+            # (pod, engine) pairs numbered densely: a product of name ranks times the span of the times would
+            # overflow int64 with many names (every model and pod of the window is a name) over a long window
             engines = len(words) + 1
-            r_owner = _np(numbered, "pod") * engines + _np(numbered, "engine")
+            pairs_r = _np(numbered, "pod") * engines + _np(numbered, "engine")
+            _, dense = np.unique(np.r_[pairs_r, tpod * engines + engine], return_inverse=True)
+            r_owner, owner = dense[:len(pairs_r)].astype(np.int64), dense[len(pairs_r):].astype(np.int64)
             order = np.lexsort((_np(numbered, "seg"), _np(numbered, "ts"), r_owner))
             r_owner, r_ts, r_seg = r_owner[order], _np(numbered, "ts")[order], _np(numbered, "seg")[order]
-            owner = tpod * engines + engine
             k = _last_at_or_before(key(r_owner, r_ts), r_owner, owner, key(owner, t - 1))
             seg_t = np.where(k >= 0, r_seg[k], 0)
             if len(aff):  # the segment open at the lookback's start (resets before it unseen), the reset ending it
