@@ -586,7 +586,7 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
     evidence = None
     if kv_evidence and targets.select((pl.col("prompt_block_size") > 0).any()).item():
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
-        evidence = chunk_evidence(store, frame, params, _IN_SET, memo)
+        evidence = chunk_evidence(store, frame, params, _IN_SET, memo, sizes, default_block_size)
     return judge_frame(frame, evidence)
 
 

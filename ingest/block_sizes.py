@@ -65,11 +65,11 @@ def at(frame: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
     order: its pod's size as of ts in ``sizes`` (:func:`changes`; a change at exactly ts applies), for a time
     before the pod's first known size that size (the pod ran with it before it was seen), ``default`` for a pod
     without sizes. One as-of join per call, whatever the number of rows."""
-    return _at_ms(frame.select(pl.col("pod").cast(pl.String), pl.col("ts").dt.epoch("ms").alias("t")), sizes, default)
+    return at_ms(frame.select(pl.col("pod").cast(pl.String), pl.col("ts").dt.epoch("ms").alias("t")), sizes, default)
 
 
-def _at_ms(keys: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
-    """:func:`at` for ``keys`` (columns pod, t: unix ms, Int64)."""
+def at_ms(keys: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
+    """:func:`at` for ``keys`` (columns pod, t: unix ms, Int64), in its order."""
     keys = keys.with_row_index("_r")
     first = sizes.group_by("pod").agg(pl.col("block_size").sort_by("since").first().alias("_first"))
     found = (keys.sort("t")
@@ -125,7 +125,7 @@ def differences(old: pl.DataFrame, new: pl.DataFrame, default: int) -> list[tupl
                         pl.concat([old, new]).select("pod", pl.lit(NEVER_BEFORE, pl.Int64).alias("since"))])
     bounds = points.unique().sort("pod", "since").select("pod", pl.col("since").alias("t"))
     bounds = bounds.with_columns(pl.col("t").shift(-1).over("pod").fill_null(NEVER_AFTER).alias("end"),
-                                 _at_ms(bounds, old, default).alias("a"), _at_ms(bounds, new, default).alias("b"))
+                                 at_ms(bounds, old, default).alias("a"), at_ms(bounds, new, default).alias("b"))
     out: list[tuple[str, int, int]] = []
     for pod, lo, hi in bounds.filter(pl.col("a") != pl.col("b")).select("pod", "t", "end").iter_rows():
         if out and out[-1][0] == pod and out[-1][2] == lo:

@@ -39,7 +39,7 @@ from typing import Any
 import polars as pl
 from prometheus_client import Counter
 
-from ingest import kv_tracks
+from ingest import block_sizes, kv_tracks
 from ingest.attribution import (
     NOWHERE,
     REMOVED_HERE,
@@ -643,7 +643,8 @@ def _end() -> pl.Expr:
 
 
 def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, object], in_set: str,
-                   memo: KvMemo | None = None) -> EvidenceFrames | None:
+                   memo: KvMemo | None = None, sizes: pl.DataFrame | None = None, default_block_size: int = 0
+                   ) -> EvidenceFrames | None:
     """Precise mode's evidence (:class:`ingest.attribution_batch.EvidenceFrames`) for the rows of ``frame``
     (columns request_id, ts, pod, model, prompt_tokens, cached_tokens, status, e2e_ms, block_size: the staged
     requests ``in_set`` selects; ``params``: set, lo, hi and lookback in ms) that are judged with KV evidence: a
@@ -656,7 +657,8 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
 
     ``memo``: the job's :class:`KvMemo` when ``frame`` is the next chunk of a run's arrivals (each chunk later
     than the one before): its stand-ins replace the rows before its cut, and it is moved on to this chunk's last
-    arrival. The answers are the same with and without it."""
+    arrival. The answers are the same with and without it. ``sizes``: the pods' block size changes
+    (:func:`ingest.block_sizes.changes`; ``default_block_size`` for a pod without any): see :func:`frame_evidence`."""
     chains = fetch_chains(store, params, in_set)
     if chains.is_empty():
         return None
@@ -674,19 +676,22 @@ def chunk_evidence(store: Store, frame: pl.DataFrame, params: Mapping[str, objec
     if memo is not None:
         memo.move(blocks, resets, epoch_ms(frame["ts"].max()), kept=skipped, lookback_ms=lookback)
     return frame_evidence(frame, chains, fetch_first_events(store, params), blocks, resets,
-                          fetch_model_pods(store, params), lookback)
+                          fetch_model_pods(store, params), lookback, sizes, default_block_size)
 
 
 def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFrame, blocks: pl.DataFrame,
-                   resets: pl.DataFrame, model_pods: pl.DataFrame, lookback_ms: int | None = None
-                   ) -> EvidenceFrames | None:
+                   resets: pl.DataFrame, model_pods: pl.DataFrame, lookback_ms: int | None = None,
+                   sizes: pl.DataFrame | None = None, default_block_size: int = 0) -> EvidenceFrames | None:
     """:func:`chunk_evidence` once its rows are read (pure): ``frame`` as there; ``chains``
     (:func:`fetch_chains`), ``first`` (:func:`fetch_first_events`), ``blocks`` (:func:`fetch_blocks`), ``resets``
     (:func:`fetch_resets`), ``model_pods`` (:func:`fetch_model_pods`; without columns first and last every pair
     counts). ``lookback_ms``: a pod covers a request arriving at t when it has a KV event in [t − lookback, t], and
     serves its model when it served it in [t − lookback, end] (None: no start), so neither depends on the other
-    requests read with it. The evidence of each request equals :func:`request_evidence` over a
-    :class:`KvTimeline` of the same rows, given those pods."""
+    requests read with it. ``sizes`` (:func:`ingest.block_sizes.changes`, ``default_block_size`` for a pod without
+    any; None: every pod): a pod covers a request only when its block size at the arrival equals the request's chain
+    block size; a pod with another size hashes other blocks (vLLM hashes each full block of its own size), so its
+    events can say nothing about the request's chain, and a prefix it held is not proved gone by them. The evidence
+    of each request equals :func:`request_evidence` over a :class:`KvTimeline` of the same rows, given those pods."""
     end = _end()
     since = pl.lit(None, pl.Int64) if lookback_ms is None else pl.col("t") - lookback_ms
     kv_since = pl.lit(None, pl.Int64) if lookback_ms is None else lookback_start(pl.col("t"), lookback_ms)
@@ -715,8 +720,13 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
         asks, model_pods = _served_by_then(rows, asks, model_pods)
     statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods, first_nowhere=True)
     pods = rows.select("rid", "t", "since").join(first.select(pl.col("pod").alias("covered")).unique(), how="cross")
-    pods = (pods.filter(seen_between(pods.rename({"covered": "pod"}), first, ["pod"], "since", "t"))
-            .group_by("rid").agg(pl.col("covered").sort()))
+    pods = pods.filter(seen_between(pods.rename({"covered": "pod"}), first, ["pod"], "since", "t"))
+    if sizes is not None and not pods.is_empty():
+        pods = (pods.with_columns(block_sizes.at_ms(pods.select(pl.col("covered").alias("pod"), "t"), sizes,
+                                                    default_block_size).alias("size"))
+                .join(rows.select("rid", "chain_block_size"), on="rid")
+                .filter(pl.col("size") == pl.col("chain_block_size")))
+    pods = pods.group_by("rid").agg(pl.col("covered").sort())
     requests = (rows.select("rid", "request_id", "t", pl.col("chain_block_size").alias("block_size"))
                 .join(pods, on="rid", how="left"))
     found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id", "t"), on="rid")
