@@ -27,6 +27,7 @@ needs no change is forwarded as received, not re-encoded.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
@@ -97,6 +98,19 @@ _DROP_REQUEST_HEADERS = frozenset(
 )
 # Request headers that name the log's ids, by field
 _ID_HEADERS = {name: "x-" + name.replace("_", "-") for name in ("tenant_id", "conversation_id", "agent_run_id")}
+#: The longest identifier the log contract takes (gateway_log.v1.schema.json ``maxLength`` of request_id, tenant_id,
+#: conversation_id, agent_run_id, model), in characters.
+NAME_MAX_CHARS = 512
+
+
+def fit_name(value: str) -> str:
+    """``value`` when it has at most :data:`NAME_MAX_CHARS` characters; else its first 495 characters, ``~`` and 16
+    hex digits of its SHA-256 (512 in all): a client's over-long id, tenant or model still gives a line the log
+    contract takes (a longer one was a dead letter: the served request was lost), and two long values stay two."""
+    if len(value) <= NAME_MAX_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return value[:NAME_MAX_CHARS - 17] + "~" + digest
 # json.dumps(body, ensure_ascii=False) without building an encoder per request
 _encode_body = json.JSONEncoder(ensure_ascii=False).encode
 # Generations can queue for minutes under load; connecting should be quick (a refused connect is retried).
@@ -347,7 +361,7 @@ class Gateway:
             if name not in first:
                 first[name] = value
         ex = _Exchange(
-            request_id=first.get("x-request-id") or "",
+            request_id=fit_name(first.get("x-request-id") or ""),
             arrival_wall=arrival_wall,
             arrival=arrival,
             endpoint=endpoint,
@@ -366,11 +380,11 @@ class Gateway:
         metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
         for name in ("tenant_id", "conversation_id", "agent_run_id"):
             value = first.get(_ID_HEADERS[name]) or metadata.get(name) or ""
-            setattr(ex, name, str(value))
+            setattr(ex, name, fit_name(str(value)))
         if not ex.request_id and isinstance(body.get("request_id"), str) and body["request_id"]:
-            ex.request_id = body["request_id"]
+            ex.request_id = fit_name(body["request_id"])
         ex.request_id = ex.request_id or uuid.uuid4().hex
-        ex.model = str(body.get("model") or "")
+        ex.model = fit_name(str(body.get("model") or ""))
         ex.stream = bool(body.get("stream"))
         try:  # cached or short segments on the loop; tokenizing a long new prompt takes ms: on a thread
             try:

@@ -17,11 +17,13 @@ import jsonschema
 import pytest
 from conftest import free_port
 
+from collector.gateway_log import read_file
+from collector.gateway_record import NAME_MAX_CHARS as CONTRACT_NAME_MAX_CHARS
 from collector.gateway_record import decode_record
 from gateway.block_chain import MODELS_REFRESH_SECONDS
 from gateway.fingerprint import TokenCounter, fingerprint_chat
 from gateway.log import SCHEMA_PATH
-from gateway.proxy import GatewayServer, make_app
+from gateway.proxy import NAME_MAX_CHARS, GatewayServer, fit_name, make_app
 
 WORDS = (
     "cache block prefix token pod gateway tenant policy refund order shipping warranty agent tool "
@@ -1063,3 +1065,29 @@ def test_the_gateway_runs_on_uvloop_and_httptools(tmp_path):
         assert srv._server.config.http_protocol_class.__name__ == "HttpToolsProtocol"
         loop = srv._server.servers[0].get_loop()
         assert type(loop).__module__.startswith("uvloop") or sys.platform == "win32"
+
+
+@pytest.mark.vllm
+def test_over_long_client_ids_and_model_still_give_a_line_the_contract_takes(vllm_fleet, gateway):
+    """A client's X-Request-Id or X-Tenant-Id of 600 characters was written as is: the log contract refuses names over
+    512 characters, so the served request became a dead letter (found on a real pod). Such a value is now fitted
+    (gateway.proxy.fit_name): 495 characters, ``~`` and a hash, so two long ids stay two; a short one is unchanged."""
+    client, log_path = gateway(pods_of(vllm_fleet)[:1])
+    base = "r" * 600
+    ids = [base + "-a", base + "-b"]
+    for rid in ids:
+        r = client.post("/v1/chat/completions", json=chat_body(rid), headers={"X-Request-Id": rid,
+                                                                             "X-Tenant-Id": "t" * 600})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == fit_name(rid) and r.json()["id"] == f"chatcmpl-{fit_name(rid)}"
+    r = client.post("/v1/chat/completions", json={**chat_body("m"), "model": "m" * 600},
+                    headers={"X-Request-Id": "short-id"})
+    assert r.status_code == 404
+    fitted = [fit_name(rid) for rid in ids]
+    assert NAME_MAX_CHARS == CONTRACT_NAME_MAX_CHARS
+    assert len(set(fitted)) == 2 and all(len(f) == 512 and f.startswith("r" * 495) for f in fitted)
+    recs = [log_line(log_path, f) for f in fitted] + [log_line(log_path, "short-id")]
+    assert [len(rec["tenant_id"]) for rec in recs] == [512, 512, 0] and len(recs[2]["model"]) == 512
+    envelopes = read_file(log_path)  # the collector's reader: every line is a request, none a dead letter
+    assert sorted(e.payload.record["request_id"] for e in envelopes if e.schema == "gateway_request") == [*fitted, "short-id"]
+    assert [e for e in envelopes if e.schema != "gateway_request"] == []
