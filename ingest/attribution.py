@@ -606,7 +606,10 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
     - suffix: the new message; S ends at the stable prefix plus the suffix's common ordered chunk prefix (all
       of the prompt when the suffix is equal too); retrieved documents inside it that were reordered or
       replaced are a rag_reordered / rag_changed drift (:func:`suffix_chunk_drift`).
-    S never exceeds the predecessor's prompt_tokens (nothing beyond it was cached).
+    S never exceeds the predecessor's prompt_tokens (nothing beyond it was cached). When the changed segment is
+    one the predecessor did not have (tools, documents or a system prompt added before content it had), neither
+    does W: the added segment is new content (``unavoidable``); the drift is what it displaced, at most the rest
+    of the predecessor's prompt.
 
     A previous turn sent under another ``cache_salt`` (``cache_salt_hash`` differs) shares nothing: vLLM keys the
     salt into the first block, so S = 0 with drift :data:`CACHE_SALT_CHANGED` at token 0, and W is what the walk
@@ -644,7 +647,10 @@ def _shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
                 s = min(cap, offsets[i])
                 return SharedPrefix(s, reusable_without_drift_tokens=s)
         d = min(cap, offsets[i] if i else _scaled(req, first_changed_line_tokens(req, prev)))
-        w = max(d, _reusable_without_drift(req, pred, offsets, i))
+        w = _reusable_without_drift(req, pred, offsets, i)
+        if i < HISTORY and not _str(prev, seg.hash_field):  # an added segment: W ≤ the predecessor's prompt
+            w = min(cap, w)
+        w = max(d, w)
         return SharedPrefix(d, _name_drift(req, prev, seg), d, w)
     if _str(req, "suffix_hash") == _str(prev, "suffix_hash"):
         return SharedPrefix(cap, reusable_without_drift_tokens=cap, identical=True)

@@ -189,7 +189,12 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
             else _code(seg.changed)
     w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off)
     s_out = np.where(drifted, d, s_out)
-    w_out = np.where(drifted, np.maximum(d, w), w_out)
+    # a segment the predecessor did not have (added before content it had) is new content: what the change
+    # displaced is at most the predecessor's prompt, so W stops there (the rest of the added segment: unavoidable)
+    added = np.zeros(n, dtype=bool)
+    for i, seg in enumerate(STABLE_SEGMENTS[:HISTORY]):
+        added |= (first == i) & ~_nonempty(df, "p_" + seg.hash_field)
+    w_out = np.where(drifted, np.maximum(d, np.where(added, np.minimum(cap, w), w)), w_out)
     # every stable segment equal, the suffix differs: its chunks (structure.suffix_chunks)
     in_suffix = (first == len(STABLE_SEGMENTS)) & ~suffix_eq
     stable, suffix = sum(_i(df, c) for c in _TOKENS[:HISTORY + 1]), _i(df, "suffix_tokens")

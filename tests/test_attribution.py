@@ -219,6 +219,21 @@ def test_changed_tools_are_tools_changed():
     check_sum(rows, r2)
 
 
+@pytest.mark.parametrize("added", ["rag", "tools"])
+def test_a_segment_the_predecessor_did_not_have_is_new_content_not_drift(added):
+    """Found on a real pod: the predecessor was system + question (643 tokens); the next request added documents
+    (a second system message) or tools before the same question: vLLM reported (1074, 608). All 448 tokens after the
+    hit were a drift, more than the predecessor's whole prompt held. What the addition displaced is at most the rest
+    of the predecessor's prompt: the drift ends at its last full block (640), the added segment is unavoidable."""
+    kw = dict(conv="c-add", system_tokens=600, suffix_tokens=22)
+    r1 = req("a1", prompt=643, **kw)
+    r2 = req("a2", at=10, prompt=1074, cached=608, **{added: "a new document", f"{added}_tokens": 430}, **kw)
+    rows = run(r1, r2)
+    sub = "rag_changed" if added == "rag" else "tools_changed"
+    assert split(rows, "a2") == [("prefix_drift", sub, 32), ("unavoidable", "", 1074 - 640)]
+    check_sum(rows, r2)
+
+
 def test_empty_variant_hashes_name_a_change_not_a_reordering():
     kw = dict(system_tokens=600, tools_tokens=140, prompt=764, suffix_tokens=20)
     r1 = req("r1", tools="A", tools_canonical="", **kw)
