@@ -687,7 +687,9 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     (:func:`fetch_resets`), ``model_pods`` (:func:`fetch_model_pods`; without columns first and last every pair
     counts). ``lookback_ms``: a pod covers a request arriving at t when it has a KV event in [t − lookback, t], and
     serves its model when it served it in [t − lookback, end] (None: no start), so neither depends on the other
-    requests read with it. ``sizes`` (:func:`ingest.block_sizes.changes`, ``default_block_size`` for a pod without
+    requests read with it. When ``frame`` has the predecessor's pod (column p_pod, as the job's frames do), the
+    covered pods are looked for among it alone (the only one the judge asks about: a cross product with every pod
+    of a large fleet cost memory per request and pod). ``sizes`` (:func:`ingest.block_sizes.changes`, ``default_block_size`` for a pod without
     any; None: every pod): a pod covers a request only when its block size at the arrival equals the request's chain
     block size; a pod with another size hashes other blocks (vLLM hashes each full block of its own size), so its
     events can say nothing about the request's chain, and a prefix it held is not proved gone by them. The evidence
@@ -700,7 +702,8 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
             .select("request_id", pl.col("ts").dt.epoch("ms").alias("t"), end.alias("end"),
                     pl.col("pod").cast(pl.String), pl.col("model").cast(pl.String),
                     pl.col("prompt_tokens").cast(pl.Int64), pl.col("cached_tokens").cast(pl.Int64),
-                    pl.col("block_size").cast(pl.Int64))
+                    pl.col("block_size").cast(pl.Int64),
+                    *([pl.col("p_pod").cast(pl.String)] if "p_pod" in frame.columns else []))
             .with_columns(since.alias("since"), kv_since.alias("kv_since"))
             .join(chains, on=["request_id", "t"] if "t" in chains.columns else "request_id", how="inner")
             .filter(pl.col("chain_block_size") == pl.col("block_size")))
@@ -719,7 +722,11 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     if "first" in model_pods.columns:
         asks, model_pods = _served_by_then(rows, asks, model_pods)
     statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods, first_nowhere=True)
-    pods = rows.select("rid", "t", "since").join(first.select(pl.col("pod").alias("covered")).unique(), how="cross")
+    if "p_pod" in rows.columns:  # only the predecessor's pod is asked about (attribution_batch): rows × 1, not × pods
+        pods = rows.select("rid", "t", "since", pl.col("p_pod").alias("covered")).drop_nulls("covered")
+    else:
+        pods = rows.select("rid", "t", "since").join(first.select(pl.col("pod").alias("covered")).unique(),
+                                                     how="cross")
     pods = pods.filter(seen_between(pods.rename({"covered": "pod"}), first, ["pod"], "since", "t"))
     if sizes is not None and not pods.is_empty():
         pods = (pods.with_columns(block_sizes.at_ms(pods.select(pl.col("covered").alias("pod"), "t"), sizes,
