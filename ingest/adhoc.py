@@ -9,6 +9,7 @@ import functools
 import ipaddress
 import re
 import struct
+import uuid
 import zoneinfo
 from collections.abc import Callable
 from typing import Any
@@ -293,7 +294,8 @@ def unique_names(names: list[str]) -> list[str]:
 #: ClickHouse types whose Arrow form is not the value a reader means (ClickHouse's Arrow output format): an enum as
 #: its number, a wide integer, BFloat16 or IPv6 as raw bytes, an IPv4 as a number; and types polars cannot read
 #: (Decimal over 38 digits, Variant). :func:`readable` turns them into what ClickHouse's own text shows.
-_SHOWN_AS_TEXT = re.compile(r"(?:Enum(?:8|16)\(.*\)|U?Int(?:128|256)|BFloat16|IPv4|IPv6|FixedString\(\d+\)|"
+_SHOWN_AS_TEXT = re.compile(r"(?:Enum(?:8|16)\(.*\)|U?Int(?:128|256)|BFloat16|IPv4|IPv6|UUID|AggregateFunction\(.*\)|"
+                            r"FixedString\(\d+\)|"
                             r"Decimal\((?:39|[4-7]\d)(?:, *\d+)?\)|Variant\(.*\)|Dynamic(?:\(.*\))?|JSON(?:\(.*\))?)",
                             re.S)
 _ENUM_VALUE = re.compile(r"'((?:[^'\\]|\\.)*)'\s*=\s*(-?\d+)")
@@ -395,14 +397,23 @@ def _shown(ch_type: str) -> tuple[Callable[[Any], Any], pa.DataType]:
             pa.string()
     if ch_type == "IPv4":
         return (lambda v: str(ipaddress.IPv4Address(v)) if isinstance(v, int) else str(v)), pa.string()
+    if ch_type == "UUID":  # 16 bytes, the text's order (ClickHouse's Arrow output)
+        return (lambda v: str(uuid.UUID(bytes=v)) if isinstance(v, bytes) and len(v) == 16 else str(v)), pa.string()
+    if ch_type.startswith("AggregateFunction"):  # a state: bytes only ClickHouse reads back; shown as hex
+        return (lambda v: v.hex() if isinstance(v, bytes) else str(v)), pa.string()
     if ch_type.startswith("FixedString"):
         return (lambda v: _text(v) if isinstance(v, bytes) else str(v)), pa.string()
     return str, pa.string()  # Decimal(>38), Variant, Dynamic, JSON
 
 
 def to_polars(table: pa.Table) -> pl.DataFrame:
-    """``table`` as a polars frame; a column polars cannot read (it may panic, a BaseException) becomes text,
-    each value as Python shows it, so one odd column never costs the result."""
+    """``table`` as a polars frame; an Arrow extension type (ClickHouse's JSON comes as ``arrow.json``) as its storage
+    (text), which every output format can write; a column polars cannot read (it may panic, a BaseException) becomes
+    text, each value as Python shows it, so one odd column never costs the result."""
+    plain = [_plain(t) for t in table.schema.types]
+    if plain != table.schema.types:
+        table = pa.table([_plain_column(c, t) for c, t in zip(table.columns, plain, strict=True)],
+                         names=table.column_names)
     try:
         return pl.from_arrow(table)  # type: ignore[return-value]
     except (Exception, PanicException):  # noqa: BLE001 - polars raises panics, not errors, on some Arrow input
@@ -414,6 +425,35 @@ def to_polars(table: pa.Table) -> pl.DataFrame:
         except (Exception, PanicException):  # noqa: BLE001
             series.append(pl.Series(name, [None if v is None else str(v) for v in _values(column)], pl.String))
     return pl.DataFrame(series)
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    """Arrow type ``t`` with every extension type in it (at the top or nested) replaced by its storage type, a UUID
+    (``arrow.uuid``) by text."""
+    if isinstance(t, pa.UuidType):
+        return pa.string()
+    if isinstance(t, pa.BaseExtensionType):
+        return _plain(t.storage_type)
+    fields = _children(t)
+    if not fields:
+        return t
+    plain = [f.with_type(_plain(f.type)) for f in fields]
+    return t if plain == fields else _with_children(t, plain)
+
+
+def _plain_column(column: pa.ChunkedArray, plain: pa.DataType) -> pa.ChunkedArray:
+    """``column`` as type ``plain`` (:func:`_plain` of its type): extension values as their storage, UUIDs as their
+    text (``61f0c404-5cb3-11e7-907b-a6006ad3dba0``, at the top or in an array; deeper, the whole value as text)."""
+    if column.type == plain:
+        return column
+    if not _holds(column.type, lambda t: isinstance(t, pa.UuidType)):
+        return column.cast(plain)
+    if isinstance(column.type, pa.UuidType):
+        return _column([None if v is None else str(v) for v in column.to_pylist()], pa.string())
+    if pa.types.is_list(column.type) and isinstance(column.type.value_type, pa.UuidType):
+        return _column([None if v is None else [None if x is None else str(x) for x in v]
+                        for v in column.to_pylist()], pa.list_(pa.string()))
+    return _column([None if v is None else str(v) for v in column.to_pylist()], pa.string())
 
 
 def _values(column: pa.ChunkedArray) -> list[Any]:

@@ -140,13 +140,13 @@ def _store_error(exc: Exception) -> click.ClickException:
 def _emit(df, fmt: str) -> None:  # type: ignore[no-untyped-def]
     import polars as pl
 
-    from kvscope.tables import json_text, render_json
+    from kvscope.tables import json_text, render_json, writable
 
     if fmt == "json":
         click.echo(render_json(df))
     elif fmt == "csv":  # CSV has no nested values: arrays, maps and tuples go out as JSON text
         nested = [c for c, t in df.schema.items() if t.is_nested()]
-        flat = df.with_columns(pl.col(c).map_elements(json_text, return_dtype=pl.String) for c in nested)
+        flat = writable(df).with_columns(pl.col(c).map_elements(json_text, return_dtype=pl.String) for c in nested)
         click.echo(flat.write_csv(), nl=False)
     elif fmt == "markdown":
         from kvscope.tables import render_markdown

@@ -74,10 +74,19 @@ def json_text(value: Any) -> str:
     return json.dumps(_text_keys(value), default=_json_default)
 
 
+def writable(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with the top-level columns JSON and CSV writers cannot take as text: a duration (a ClickHouse Interval
+    of seconds or less) in ISO 8601 (``PT5S``), bytes (a state or a value no other rule shows) as hex."""
+    return df.with_columns(
+        *(pl.col(c).dt.to_string("iso") for c, t in df.schema.items() if isinstance(t, pl.Duration)),
+        *(pl.col(c).bin.encode("hex") for c, t in df.schema.items() if t == pl.Binary))
+
+
 def render_json(df: pl.DataFrame) -> str:
     """``df`` as a JSON array of row objects (``--format json``): polars' ``write_json``, except for a frame
     holding a Map whose keys are not String anywhere (polars cannot write one: a ClickHouse ``Map(UInt8, ..)``
     or ``Map(DateTime, ..)``), written the same way with the keys as text (:func:`json_text`)."""
+    df = writable(df)
     if not any(holds_map(t, keyed=True) for t in df.dtypes):
         return df.write_json()
     return json.dumps(_text_keys(df.to_dicts()), default=_json_default, separators=(",", ":"))

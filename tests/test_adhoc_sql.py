@@ -437,3 +437,27 @@ def test_every_result_type_is_shown_as_clickhouse_shows_it(store: Store, stateme
         assert code == 0 and "Traceback" not in err, (fmt, out, err)
         if fmt == "json":
             assert json.loads(out) == [shown], out
+
+
+U = "61f0c404-5cb3-11e7-907b-a6006ad3dba0"
+
+
+@pytest.mark.parametrize(("fmt", "expected"), [
+    ("json", f'[{{"u":"{U}","us":["{U}"],"i":"PT5S","j":"{{\\"a\\":1}}"}}]\n'),
+    ("csv", f'u,us,i,j\n{U},"[""{U}""]",PT5S,"{{""a"":1}}"\n'),
+    ("markdown", f'| u | us | i | j |\n|---|---|---|---|\n| {U} | \\["{U}"\\] | 0:00:05 | {{"a":1}} |\n'),
+])
+def test_sql_prints_uuids_intervals_and_json(store: Store, fmt: str, expected: str) -> None:
+    """Found by trying to break `kvscope sql`: a UUID (an Arrow ``arrow.uuid`` extension) printed as Python bytes in a
+    table and crashed JSON with a traceback (a polars panic); an Interval or a JSON column crashed CSV (polars
+    cannot write a duration or an extension type). A UUID is its text, an Interval ISO 8601 where JSON/CSV need
+    text, a JSON value its text."""
+    code, out, _ = cli(store, "sql", f"SELECT toUUID('{U}') AS u, [toUUID('{U}')] AS us, toIntervalSecond(5) AS i, "
+                       """CAST('{"a":1}' AS JSON) AS j""", "--format", fmt)
+    assert code == 0 and out == expected
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "table", "markdown"])
+def test_sql_prints_an_aggregate_state_as_hex(store: Store, fmt: str) -> None:
+    code, out, _ = cli(store, "sql", "SELECT sumState(toUInt64(3)) AS s", "--format", fmt)
+    assert code == 0 and re.search(r"\b[0-9a-f]{16}\b", out) and "b'" not in out
