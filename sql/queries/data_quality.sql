@@ -89,8 +89,8 @@ SELECT
         gap_pp IS NOT NULL AND abs(gap_pp) < 0.5, 'agree',
         external_hit_tokens > 0, 'external_kv_connector',
         vllm_requests > gateway_requests, 'requests_not_seen_by_gateway',
-        gateway_requests > vllm_requests, 'window_edge',
         cached_tokens_coverage < 0.99, 'details_not_reported',
+        gateway_requests > vllm_requests, 'window_edge',
         preemptions > 0 AND gap_tokens < 0, 'preemption_recompute',
         'unexplained') AS likely_cause,
     ifNull(multiIf(
@@ -108,7 +108,7 @@ SELECT
             ' finished: requests near the window''s edges (in flight, or after the last scrape) count on one side only; widen the window or wait for the next scrape'),
         likely_cause = 'details_not_reported', concat('the pod reported cached counts for ',
             toString(round(cached_tokens_coverage * 100, 1)),
-            ' % of the prompt tokens: the gateway''s hit rate covers only those requests'),
+            ' % of the prompt tokens: the gateway''s hit rate covers only those requests (a stream the client cut has no count, and vLLM does not count it as finished)'),
         likely_cause = 'preemption_recompute', concat(toString(preemptions),
             ' preemptions: a preempted request is prefilled again and its recomputed prefix counts as vLLM hits a second time'),
         concat('a gap of ', toString(round(gap_pp, 2)), ' pp (', toString(gap_tokens),
