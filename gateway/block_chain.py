@@ -7,8 +7,8 @@ under /v1; ``vllm/entrypoints/serve/tokenize/protocol.py``) renders a chat reque
 template, tools and template kwargs as ``/v1/chat/completions`` (``TokenizeChatRequest``, answer
 ``{"count", "max_model_len", "tokens", "token_strs"}``), or tokenizes a completion prompt
 (``TokenizeCompletionRequest``). A completion prompt given as token ids needs no call. The pod's block size
-comes from its ``/metrics`` (``vllm:cache_config_info{block_size="..."}``), read once per pod and cached, read
-again after a failure, unless configured. The chain is :func:`kvscope.block_hash.chain_hashes` over the full
+comes from its ``/metrics`` (``vllm:cache_config_info{block_size="..."}``), read per pod and cached for
+:data:`BLOCK_SIZE_REFRESH_SECONDS`, read again after a failure, unless configured. The chain is :func:`kvscope.block_hash.chain_hashes` over the full
 blocks (at most :data:`kvscope.block_hash.MAX_PROMPT_BLOCKS`), salted as vLLM salts it when the body has a
 ``cache_salt`` (the salt keys the first block), the same hash the collector computes from the pod's
 ``BlockStored`` events (collector/kv_chains.py).
@@ -61,6 +61,10 @@ SLICE_BLOCKS = 16
 """Blocks chained between two yields to the event loop (~5 µs a new block, ~1 µs a remembered one): a request
 arriving meanwhile waits at most one slice, not a whole long prompt's hashing (a worker thread would hold the GIL
 for up to its 5 ms switch interval instead)."""
+BLOCK_SIZE_REFRESH_SECONDS = 15.0
+"""A pod's block size is read again from its /metrics this long after the last read: a pod restarted with another
+``--block-size`` has its chains hashed at the new size from then on (before, the size read first was kept for good,
+and that pod's requests lost precise mode until the gateway restarted)."""
 MODELS_REFRESH_SECONDS = 5.0
 """A pod's /v1/models is read again at most this often for a model name it did not list (LoRA adapters load at run
 time)."""
@@ -172,6 +176,7 @@ class _Pod:
     root: str  # "http://host:port", where /tokenize and /metrics live
     block_size: int | None = None
     block_size_retry_at: float = 0.0  # time.monotonic(): no /metrics read before
+    block_size_read_at: float = 0.0  # time.monotonic() of the read that gave block_size
     tokenize_retry_at: float = 0.0  # time.monotonic(): /tokenize missing, no chains before
     tokenize_ok: bool = False  # /tokenize answered with token ids (until it is found missing)
     probing: asyncio.Event | None = None  # set when the probe of a pod not yet known to answer ends
@@ -296,17 +301,21 @@ class BlockChainer:
         if self.block_size:
             return self.block_size
         p = self.pods[pod]
-        if p.block_size:
+        if p.block_size and time.monotonic() - p.block_size_read_at < BLOCK_SIZE_REFRESH_SECONDS:
             return p.block_size
         if p.lock is None:
             p.lock = asyncio.Lock()
         async with p.lock:  # one /metrics read per pod at a time
-            if p.block_size is None and time.monotonic() >= p.block_size_retry_at:
+            stale = p.block_size and time.monotonic() - p.block_size_read_at >= BLOCK_SIZE_REFRESH_SECONDS
+            if stale or (p.block_size is None and time.monotonic() >= p.block_size_retry_at):
                 try:
                     status, content = await _call(client, "GET", p.root + "/metrics")
-                    p.block_size = parse_block_size(content.decode("utf-8", "replace")) if status == 200 else None
+                    size = parse_block_size(content.decode("utf-8", "replace")) if status == 200 else None
                 except ChainFailure:
-                    p.block_size = None
+                    size = None
+                if size or not stale:  # a refresh that failed keeps the size it had until the next one
+                    p.block_size = size
+                p.block_size_read_at = time.monotonic()
                 if p.block_size is None:
                     p.block_size_retry_at = time.monotonic() + RETRY_SECONDS
                     log.warning("pod %s: no vllm:cache_config_info block_size in /metrics; retry in %.0f s", pod,

@@ -124,7 +124,8 @@ class FakePod:
     content chunks, before the usage chunk and the end of the chunked body (a pod that dies mid-stream).
     Precise mode: POST /tokenize answers 404 (a server without it) unless `token_ids` is set, then with those
     ids after `tokenize_delay` seconds (recorded in `tokenize_requests`, not `requests`); GET /metrics has
-    `vllm:cache_config_info{block_size="4"}` (`metrics_reads` counts them)."""
+    `vllm:cache_config_info{block_size="4"}` (`block_size`; `metrics_status` another status; `metrics_reads` counts
+    the reads)."""
 
     def __init__(self, idle_timeout: float | None = None) -> None:
         import threading
@@ -142,6 +143,8 @@ class FakePod:
         self.tokenize_requests: list[dict] = []
         self.tokenize_peers: list[int] = []  # the client's port of each /tokenize request
         self.metrics_reads = 0
+        self.block_size = 4  # what /metrics says (a vLLM restarted with another --block-size says another)
+        self.metrics_status = 200
         self.models: list[dict] | None = [{"id": "tiny", "object": "model", "parent": None}]  # None: 404
         self.models_reads = 0
 
@@ -159,8 +162,8 @@ class FakePod:
             def do_GET(self) -> None:
                 if self.path == "/metrics":
                     pod.metrics_reads += 1
-                    data = b'vllm:cache_config_info{block_size="4",engine="0"} 1.0\n'
-                    self.send_response(200)
+                    data = b'vllm:cache_config_info{block_size="%d",engine="0"} 1.0\n' % pod.block_size
+                    self.send_response(pod.metrics_status)
                     self.send_header("content-type", "text/plain; version=0.0.4")
                     self.send_header("content-length", str(len(data)))
                     self.end_headers()
@@ -548,6 +551,40 @@ def test_block_chain_off_never_asks_the_pod(gateway, fake_pod):
     rec = log_line(log_path, "off-1")
     assert (rec["prompt_block_hashes"], rec["prompt_block_size"]) == ([], 0)
     assert pod.tokenize_requests == [] and pod.metrics_reads == 0
+
+
+def test_a_pod_restarted_with_another_block_size_gets_chains_of_its_new_size(fake_pod, monkeypatch):
+    """Found on a real pod restarted from --block-size 32 to 64: the gateway kept the size it read first, so every
+    later chain was of the old size and that pod's requests lost precise mode for good. The size is read again
+    after BLOCK_SIZE_REFRESH_SECONDS; a read that fails then keeps the size it had. (The chainer in this process:
+    the gateway runs it in a helper process, out of monkeypatch's reach.)"""
+    import asyncio
+
+    import gateway.block_chain as block_chain
+    from gateway.upstream import Timeouts, UpstreamClient
+
+    monkeypatch.setattr(block_chain, "BLOCK_SIZE_REFRESH_SECONDS", 0.3)
+    pod = fake_pod()
+    chainer = block_chain.BlockChainer({"pod-0": pod.url})
+
+    def size() -> int:
+        async def read() -> int:
+            client = UpstreamClient(Timeouts(connect=5.0, read=10.0))
+            try:
+                return await chainer._block_size(client, "pod-0")
+            finally:
+                await client.aclose()
+        return asyncio.run(read())
+
+    assert (size(), pod.metrics_reads) == (4, 1)
+    pod.block_size = 2  # the pod restarted with --block-size 2
+    assert (size(), pod.metrics_reads) == (4, 1)  # read less than 0.3 s ago
+    time.sleep(0.4)
+    assert (size(), pod.metrics_reads) == (2, 2)
+    pod.metrics_status = 500
+    time.sleep(0.4)
+    assert (size(), pod.metrics_reads) == (2, 3)  # the refresh failed: the size it had is kept
+    assert (size(), pod.metrics_reads) == (2, 3)  # and not read again at once
 
 
 def test_a_configured_block_size_needs_no_metrics(gateway, fake_pod):
