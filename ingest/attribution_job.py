@@ -155,13 +155,18 @@ def _chunk_bounds(store: Store, since: datetime, upto: datetime, budget: int, ev
     if not n:
         return []
     k = max(1, -(-int(n) // budget))
-    levels = ", ".join(f"{i / k:.9f}" for i in range(1, k))
-    inner = []
-    if levels:
+    inner: list[int] = []
+    for first in range(1, k, QUANTILE_LEVELS_PER_QUERY):  # the levels are in the SQL text: a bounded number per query
+        levels = ", ".join(f"{i / k:.9f}" for i in range(first, min(k, first + QUANTILE_LEVELS_PER_QUERY)))
         quantiles = f"quantilesExactWeighted({levels})(order_key, {weight})" if n != rows else \
             f"quantilesExactLow({levels})(order_key)"
-        inner = store.query_rows(f"SELECT {quantiles} FROM gateway_requests WHERE {INGESTED_WINDOW}", window)[0][0]
+        inner += store.query_rows(f"SELECT {quantiles} FROM gateway_requests WHERE {INGESTED_WINDOW}", window)[0][0]
     return [int(bottom) - 1, *sorted(set(int(b) for b in inner)), int(top)]
+
+
+#: Quantile levels per query of :func:`_chunk_bounds` (each ~12 bytes of SQL text; ClickHouse refuses a query over
+#: max_query_size, 262,144 bytes by default): a window of more chunks is split in several queries.
+QUANTILE_LEVELS_PER_QUERY = 5_000
 
 
 #: A chunk's rows (:func:`_chunk_bounds`): ingested in (since, upto], order_key in (lo, hi].

@@ -65,3 +65,17 @@ def test_a_run_without_a_chunk_size_cuts_by_weight_and_answers_the_same(store: S
         attribution_job.run_attribution(store, settle_seconds=0, default_block_size=B, kv_evidence=kv_evidence,
                                         chunk_size=10**6)
         assert answers(store) == small
+
+
+def test_a_window_of_more_chunks_than_one_query_can_name_is_cut_in_several_queries(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantile levels are written into the SQL text: 25,000 chunks (chunk_size 1 over a 25,000-request backlog)
+    exceeded ClickHouse's max_query_size and every run failed the same way (found by trying to break the job). The
+    levels go in several queries (here 7 per query, so the split is exercised on a small window): the bounds are
+    the same as from one query."""
+    _fleet(store)
+    upto = attribution_job.server_now(store) + timedelta(seconds=1)
+    whole = attribution_job._chunk_bounds(store, _EPOCH, upto, 1, 5)
+    monkeypatch.setattr(attribution_job, "QUANTILE_LEVELS_PER_QUERY", 7)
+    assert attribution_job._chunk_bounds(store, _EPOCH, upto, 1, 5) == whole
+    assert len(whole) - 1 > 7  # more bounds than one query names
