@@ -585,7 +585,12 @@ def fingerprint_request(
     """Fingerprint of an OpenAI request body sent to `endpoint` ("chat.completions" or "completions"), salted
     by the body's `cache_salt` (:func:`salted`).
 
-    `cache` and `budget`: as for `fingerprint_chat`."""
+    `cache` and `budget`: as for `fingerprint_chat`. Raises :class:`FingerprintError` for a body whose prompt vLLM
+    does not prefill as written: ``truncate_prompt_tokens`` (vLLM keeps only the prompt's last N tokens, so the
+    segments of the body, counted from its start, would place a system prompt where none was prefilled and name
+    a reuse that never existed) or ``prompt_embeds``; the line then has no segments (its causes: ``unknown``)."""
+    if body.get("truncate_prompt_tokens") is not None or body.get("prompt_embeds") is not None:
+        raise FingerprintError("the prompt vLLM prefills is not the body's (truncate_prompt_tokens or prompt_embeds)")
     if endpoint == "chat.completions":
         fp = fingerprint_chat(body, counter, cache, budget=budget)
     elif endpoint == "completions":

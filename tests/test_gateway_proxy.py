@@ -587,6 +587,25 @@ def test_a_pod_restarted_with_another_block_size_gets_chains_of_its_new_size(fak
     assert (size(), pod.metrics_reads) == (2, 3)  # and not read again at once
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_truncated_prompt_logs_no_segments(gateway, fake_pod, endpoint):
+    """Found on a real pod: with ``truncate_prompt_tokens`` vLLM prefills only the prompt's last N tokens, but the
+    segments were those of the whole body, counted from its start: attribution placed the predecessor's system
+    prompt in a prompt that no longer began with it and answered ``evicted`` on a pod that evicted nothing. Such a
+    line now has no segments (its causes are ``unknown``), nor a chain; its cache_salt_hash is still logged."""
+    pod = fake_pod()
+    client, log_path = gateway([("pod-0", pod.url)])
+    body = ({**CHAT, "truncate_prompt_tokens": 5} if endpoint == "chat" else
+            {"model": "tiny", "prompt": "be brief, hi", "truncate_prompt_tokens": 5})
+    r = client.post(f"/v1/{'chat/' if endpoint == 'chat' else ''}completions", json={**body, "cache_salt": "s"},
+                    headers={"X-Request-Id": f"trunc-{endpoint}"})
+    assert r.status_code == 200
+    rec = log_line(log_path, f"trunc-{endpoint}")
+    assert rec["prompt_fingerprint"] == rec["system_hash"] == rec["suffix_hash"] == ""
+    assert rec["system_tokens"] == rec["suffix_tokens"] == 0 and rec["prompt_block_hashes"] == []
+    assert rec["cache_salt_hash"] != "" and rec["prompt_tokens"] == 7
+
+
 def test_a_configured_block_size_needs_no_metrics(gateway, fake_pod):
     pod = fake_pod()
     pod.token_ids = [1, 2, 3, 4, 5, 6, 7]
