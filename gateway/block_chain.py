@@ -8,10 +8,11 @@ template, tools and template kwargs as ``/v1/chat/completions`` (``TokenizeChatR
 ``{"count", "max_model_len", "tokens", "token_strs"}``), or tokenizes a completion prompt
 (``TokenizeCompletionRequest``). A completion prompt given as token ids needs no call. The pod's block size
 comes from its ``/metrics`` (``vllm:cache_config_info{block_size="..."}``), read per pod and cached for
-:data:`BLOCK_SIZE_REFRESH_SECONDS`, read again after a failure, unless configured. The chain is :func:`kvscope.block_hash.chain_hashes` over the full
-blocks (at most :data:`kvscope.block_hash.MAX_PROMPT_BLOCKS`), salted as vLLM salts it when the body has a
-``cache_salt`` (the salt keys the first block), the same hash the collector computes from the pod's
-``BlockStored`` events (collector/kv_chains.py).
+:data:`BLOCK_SIZE_REFRESH_SECONDS`, read again after a failure, unless configured. The chain is
+:func:`kvscope.block_hash.chain_hashes` over the full blocks (at most
+:data:`kvscope.block_hash.MAX_PROMPT_BLOCKS`), salted as vLLM salts it when the body has a ``cache_salt`` (the
+salt keys the first block), the same hash the collector computes from the pod's ``BlockStored`` events
+(collector/kv_chains.py).
 
 Chat request fields that shape the prompt and how they reach /tokenize (vLLM 0.32
 ``entrypoints/openai/chat_completion/protocol.py ChatCompletionRequest.build_chat_params``): ``messages``,
@@ -45,6 +46,7 @@ from typing import Annotated, Any
 import msgspec
 from prometheus_client import Counter
 
+from gateway.fingerprint import prefilled_as_written
 from gateway.upstream import UpstreamClient, UpstreamError, pod_url
 from kvscope.block_hash import MAX_PROMPT_BLOCKS, block_digests, chain_root, external, none_hash, salt_keys
 
@@ -130,7 +132,7 @@ def tokenize_request(body: Mapping[str, Any], endpoint: str) -> dict[str, Any] |
     """The /tokenize body reproducing the prompt of a chat (``endpoint`` "chat.completions") or completion
     ("completions") request ``body``, or the token ids themselves when the completion prompt is token ids.
     Raises :class:`ChainFailure` ("unsupported_body") when /tokenize cannot reproduce it (see the module doc)."""
-    if body.get("truncate_prompt_tokens") is not None or body.get("prompt_embeds") is not None:
+    if not prefilled_as_written(body):
         raise ChainFailure("unsupported_body")
     out: dict[str, Any] = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
     if endpoint == "completions":

@@ -574,6 +574,13 @@ def fingerprint_completion(
     return _Segments(cache, counter, budget).completion(body)
 
 
+def prefilled_as_written(body: Mapping[str, Any]) -> bool:
+    """False when vLLM prefills something other than the prompt the body holds: ``truncate_prompt_tokens`` (only the
+    prompt's last N tokens) or ``prompt_embeds`` (no token ids); neither its segments nor its /tokenize ids then
+    describe what the pod cached."""
+    return body.get("truncate_prompt_tokens") is None and body.get("prompt_embeds") is None
+
+
 def fingerprint_request(
     body: Mapping[str, Any],
     endpoint: Endpoint,
@@ -589,7 +596,7 @@ def fingerprint_request(
     does not prefill as written: ``truncate_prompt_tokens`` (vLLM keeps only the prompt's last N tokens, so the
     segments of the body, counted from its start, would place a system prompt where none was prefilled and name
     a reuse that never existed) or ``prompt_embeds``; the line then has no segments (its causes: ``unknown``)."""
-    if body.get("truncate_prompt_tokens") is not None or body.get("prompt_embeds") is not None:
+    if not prefilled_as_written(body):
         raise FingerprintError("the prompt vLLM prefills is not the body's (truncate_prompt_tokens or prompt_embeds)")
     if endpoint == "chat.completions":
         fp = fingerprint_chat(body, counter, cache, budget=budget)

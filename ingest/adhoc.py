@@ -9,7 +9,6 @@ import functools
 import ipaddress
 import re
 import struct
-import uuid
 import zoneinfo
 from collections.abc import Callable
 from typing import Any
@@ -294,7 +293,7 @@ def unique_names(names: list[str]) -> list[str]:
 #: ClickHouse types whose Arrow form is not the value a reader means (ClickHouse's Arrow output format): an enum as
 #: its number, a wide integer, BFloat16 or IPv6 as raw bytes, an IPv4 as a number; and types polars cannot read
 #: (Decimal over 38 digits, Variant). :func:`readable` turns them into what ClickHouse's own text shows.
-_SHOWN_AS_TEXT = re.compile(r"(?:Enum(?:8|16)\(.*\)|U?Int(?:128|256)|BFloat16|IPv4|IPv6|UUID|AggregateFunction\(.*\)|"
+_SHOWN_AS_TEXT = re.compile(r"(?:Enum(?:8|16)\(.*\)|U?Int(?:128|256)|BFloat16|IPv4|IPv6|AggregateFunction\(.*\)|"
                             r"FixedString\(\d+\)|"
                             r"Decimal\((?:39|[4-7]\d)(?:, *\d+)?\)|Variant\(.*\)|Dynamic(?:\(.*\))?|JSON(?:\(.*\))?)",
                             re.S)
@@ -397,8 +396,6 @@ def _shown(ch_type: str) -> tuple[Callable[[Any], Any], pa.DataType]:
             pa.string()
     if ch_type == "IPv4":
         return (lambda v: str(ipaddress.IPv4Address(v)) if isinstance(v, int) else str(v)), pa.string()
-    if ch_type == "UUID":  # 16 bytes, the text's order (ClickHouse's Arrow output)
-        return (lambda v: str(uuid.UUID(bytes=v)) if isinstance(v, bytes) and len(v) == 16 else str(v)), pa.string()
     if ch_type.startswith("AggregateFunction"):  # a state: bytes only ClickHouse reads back; shown as hex
         return (lambda v: v.hex() if isinstance(v, bytes) else str(v)), pa.string()
     if ch_type.startswith("FixedString"):

@@ -689,11 +689,12 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     serves its model when it served it in [t − lookback, end] (None: no start), so neither depends on the other
     requests read with it. When ``frame`` has the predecessor's pod (column p_pod, as the job's frames do), the
     covered pods are looked for among it alone (the only one the judge asks about: a cross product with every pod
-    of a large fleet cost memory per request and pod). ``sizes`` (:func:`ingest.block_sizes.changes`, ``default_block_size`` for a pod without
-    any; None: every pod): a pod covers a request only when its block size at the arrival equals the request's chain
-    block size; a pod with another size hashes other blocks (vLLM hashes each full block of its own size), so its
-    events can say nothing about the request's chain, and a prefix it held is not proved gone by them. The evidence
-    of each request equals :func:`request_evidence` over a :class:`KvTimeline` of the same rows, given those pods."""
+    of a large fleet cost memory per request and pod). ``sizes`` (:func:`ingest.block_sizes.changes`,
+    ``default_block_size`` for a pod without any; None: every pod): a pod covers a request only when its block size
+    at the arrival equals the request's chain block size; a pod with another size hashes other blocks (vLLM hashes
+    each full block of its own size), so its events can say nothing about the request's chain, and a prefix it held
+    is not proved gone by them. The evidence of each request equals :func:`request_evidence` over a
+    :class:`KvTimeline` of the same rows, given those pods."""
     end = _end()
     since = pl.lit(None, pl.Int64) if lookback_ms is None else pl.col("t") - lookback_ms
     kv_since = pl.lit(None, pl.Int64) if lookback_ms is None else lookback_start(pl.col("t"), lookback_ms)
@@ -750,6 +751,7 @@ def _served_by_then(rows: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataF
     pairs = (rows.select("rid", "model", "since", "end")
              .join(model_pods.select("model", "pod").unique(), on="model", how="inner"))
     pairs = pairs.filter(seen_between(pairs, model_pods, ["model", "pod"], "since", "end"))
+
     def spelled(name: pl.Expr) -> pl.Expr:  # length-prefixed: no name, whatever bytes it holds, runs into the next
         return name.str.len_bytes().cast(pl.String) + ":" + name
 

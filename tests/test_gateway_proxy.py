@@ -1145,5 +1145,6 @@ def test_over_long_client_ids_and_model_still_give_a_line_the_contract_takes(vll
     recs = [log_line(log_path, f) for f in fitted] + [log_line(log_path, "short-id")]
     assert [len(rec["tenant_id"]) for rec in recs] == [512, 512, 0] and len(recs[2]["model"]) == 512
     envelopes = read_file(log_path)  # the collector's reader: every line is a request, none a dead letter
-    assert sorted(e.payload.record["request_id"] for e in envelopes if e.schema == "gateway_request") == [*fitted, "short-id"]
+    logged = sorted(e.payload.record["request_id"] for e in envelopes if e.schema == "gateway_request")
+    assert logged == [*fitted, "short-id"]
     assert [e for e in envelopes if e.schema != "gateway_request"] == []

@@ -14,7 +14,7 @@ import pytest
 from test_attribution_job import insert_requests
 from test_attribution_precise import tokens
 from test_kv_evidence_horizon import attribute
-from test_kv_memo_hostile import B, CLEARED, N, frames, request, serving, store_event
+from test_kv_memo_hostile import CLEARED, B, N, frames, request, serving, store_event
 from test_kv_residency import collect, ingest
 
 from ingest.store import Store
