@@ -40,7 +40,7 @@ import polars as pl
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
 
-from ingest import attribution, block_sizes
+from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
     KEY_AGENT_RUN,
@@ -51,7 +51,16 @@ from ingest.attribution import (
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
-from ingest.attribution_late import INGESTED_WINDOW, late_kv_targets, new_holder_targets, size_targets
+from ingest.attribution_late import (
+    GAP_RESTARTS_SCHEMA,
+    INGESTED_WINDOW,
+    changed_restarts,
+    gap_restarts,
+    late_kv_targets,
+    new_holder_targets,
+    reset_targets,
+    size_targets,
+)
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, one_per_identity, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
@@ -86,7 +95,9 @@ _KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attri
 
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
                      "(new = first answer, changed = a late or corrected input changed it, "
-                     "late_kv_evidence = KV events ingested late changed it, block_size_changed = a late row "
+                     "late_kv_evidence = KV events ingested late changed it, "
+                     "gap_restart = a gap report added, moved or removed a vLLM restart under it, "
+                     "block_size_changed = a late row "
                      "moved its pod's block size)", ["why"])
 UNCHANGED = Counter("kvscope_attribution_unchanged", "Successors re-examined whose answer stayed the same")
 #: Serialises runs in this process: the job is the only writer of request_attribution (see the docstring).
@@ -756,6 +767,8 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     upto = now - timedelta(seconds=settle_seconds)
     since = read_watermark(store) - timedelta(seconds=overlap_seconds)
     sizes = block_sizes.changes(store)
+    # read before any answer of this run: a restart a gap report adds later is a change for the next run
+    restarts = gap_restarts(store) if kv_evidence else None
     answered_through = _answered_through(store)
     # Every answer of a request of a later chunk predates this run: a chunk's arrivals are answered only by
     # their own chunk, and a successor re-answered already had an answer.
@@ -813,12 +826,37 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
             ATTRIBUTED.labels("late_kv_evidence").inc(changed)
             UNCHANGED.inc(examined - changed)
             stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+    if restarts is not None:
+        stats = _restarted(store, restarts, sizes, reach, default_block_size, now, chunk_size, stats)
     stats = _resize(store, sizes, reach, default_block_size, kv_evidence, now, chunk_size, stats)
     store.insert("attribution_watermark", [(JOB_NAME, upto, now)], ["job", "ingested_through", "updated_at"])
     WATERMARK_LAG.set((now - upto).total_seconds())
     if stats.arrivals:
         log.info("miss attribution run. arrivals=%d successors_examined=%d changed=%d chunks=%d through=%s",
                  stats.arrivals, stats.examined, stats.changed, stats.chunks, upto.isoformat())
+    return stats
+
+
+def _restarted(store: Store, restarts: pl.DataFrame, sizes: pl.DataFrame, reach: tuple[int, int],
+               default_block_size: int, now: datetime, chunk_size: int, stats: RunStats) -> RunStats:
+    """Re-answer the requests that each vLLM restart read from the gap reports (``restarts``:
+    :func:`ingest.attribution_late.gap_restarts`, read at the run's start) and not among those the job last judged
+    with (table attribution_gap_restarts), or among those and gone, can change
+    (:func:`ingest.attribution_late.reset_targets`), then save ``restarts`` when they differ. The first run (none
+    saved) only saves. Saved after the answers: a crash in between re-answers again."""
+    table = "attribution_gap_restarts"
+    before = judged_with.saved(store, table, GAP_RESTARTS_SCHEMA)
+    if before is not None and judged_with.same(before, restarts, GAP_RESTARTS_SCHEMA):
+        return stats
+    if before is not None:
+        targets = reset_targets(store, changed_restarts(before, restarts), max(reach), now)
+        for start in range(0, len(targets), chunk_size):
+            examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes, default_block_size,
+                                           True, now)
+            ATTRIBUTED.labels("gap_restart").inc(changed)
+            UNCHANGED.inc(examined - changed)
+            stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+    judged_with.save(store, table, restarts, GAP_RESTARTS_SCHEMA, now)
     return stats
 
 

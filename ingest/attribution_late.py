@@ -16,6 +16,10 @@ t ∈ [x − MAX_END_MS, x + lookback], and among them:
 - a late gateway row of a pod and model, only the requests of that model whose window held no other row of the
   pod and model, and whose chain names a block the pod stored.
 
+A publisher_restart gap report (its own Kafka topic, which can lag the batches) or a replayed batch can add, move or
+remove a restart that kv_cache_resets reads from the gap reports (:func:`gap_restarts`), without any late
+kv_block_events row; each such restart re-answers what a late reset would (:func:`reset_targets`).
+
 A late row that moves a pod's block size at times already answered (a vllm_cache_config row, or a BlockStored of a
 new size, with or without KV evidence) re-answers the pod's requests that arrived where the size now reads otherwise
 (:func:`size_targets`, against the change points the job last judged with: :func:`ingest.block_sizes.saved`).
@@ -28,7 +32,7 @@ from typing import Any
 
 import polars as pl
 
-from ingest.kv_evidence import MAX_END_MS, SPANS, epoch_ms, own_hashing_pods
+from ingest.kv_evidence import ANY_RESTART_GAP, MAX_END_MS, SPANS, epoch_ms, own_hashing_pods
 from ingest.store import Store
 
 #: A request that arrived this long before a late KV event may still have been waiting for its prefill then.
@@ -342,3 +346,70 @@ def size_targets(store: Store, changed: list[tuple[str, int, int]], now: datetim
         """, {"names": [c[0] for c in changed], "los": [c[1] for c in changed], "his": [c[2] for c in changed],
               "now": now.replace(microsecond=now.microsecond // 1000 * 1000)})  # answers store whole ms
     return _keys(found)
+
+
+#: :func:`gap_restarts`' columns (ts: unix ms).
+GAP_RESTARTS_SCHEMA: dict[str, pl.DataType] = {"pod": pl.String(), "engine": pl.String(), "ts": pl.Int64(),
+                                               "seq": pl.UInt64()}
+
+
+def gap_restarts(store: Store) -> pl.DataFrame:
+    """The vLLM restarts kv_cache_resets reads from ``publisher_restart`` gap reports (its second and third sources,
+    sql/migrations/0030: the first batch stored from the new process), not the log's own reset rows
+    (:data:`GAP_RESTARTS_SCHEMA`, sorted). One short query when kv_event_gaps holds no such report (the common case);
+    else the view once (about half a second to plan). Raises what :meth:`ingest.store.Store.query_df` raises."""
+    if not store.query_rows(ANY_RESTART_GAP)[0][0]:
+        return pl.DataFrame(schema=GAP_RESTARTS_SCHEMA)
+    rows = store.query_df(
+        "SELECT DISTINCT pod, engine, toUnixTimestamp64Milli(ts) AS ts_ms, seq FROM kv_cache_resets "
+        "WHERE kind = 'restart' AND (pod, engine, ts, seq) NOT IN (SELECT CAST(pod AS String), CAST(engine AS String), "
+        "ts, seq FROM kv_block_log WHERE kind = 'restart')").rename({"ts_ms": "ts"})
+    return rows.select(*(pl.col(c).cast(t) for c, t in GAP_RESTARTS_SCHEMA.items())).sort(list(GAP_RESTARTS_SCHEMA))
+
+
+def changed_restarts(old: pl.DataFrame, new: pl.DataFrame) -> pl.DataFrame:
+    """The restarts (:data:`GAP_RESTARTS_SCHEMA`) in exactly one of ``old`` and ``new``: added, moved (both its
+    times) or removed."""
+    cols = list(GAP_RESTARTS_SCHEMA)
+    both = pl.concat([old.select(cols).unique(), new.select(cols).unique()])
+    return both.group_by(cols).len().filter(pl.col("len") == 1).select(cols).sort(cols)
+
+
+def reset_targets(store: Store, resets: pl.DataFrame, lookback_ms: int, answered_before: datetime) -> pl.DataFrame:
+    """The answered requests (columns request_id, ts) that a cache reset of each row of ``resets`` (columns pod, ts:
+    unix ms) can change, whether it was added or taken away: those that logged a chain naming a block (by chain or
+    vLLM hash) the pod stored from the reset's ts − lookback − :data:`MAX_END_MS` (the earliest lookback of a
+    request still waiting then) up to the reset, that arrived at most the lookback after it and had not ended before
+    it (a request sees the events up to its end), answered before ``answered_before``. One query; none when
+    ``resets`` is empty."""
+    if resets.is_empty():
+        return pl.DataFrame(schema=_KEYS)
+    pods, xs = resets["pod"].cast(pl.String).to_list(), resets["ts"].cast(pl.Int64).to_list()
+    lo, hi = min(xs), max(xs)
+    return _keys(store.query_df(
+        f"""
+        WITH
+            resets AS
+            (
+                SELECT tupleElement(r, 1) AS pod, tupleElement(r, 2) AS x
+                FROM (SELECT arrayJoin(arrayZip({{pods:Array(String)}}, {{xs:Array(Int64)}})) AS r)
+            ),
+            named AS
+            (
+                SELECT DISTINCT arrayJoin([l.chain_hash, l.block_hash]) AS h, r.x AS x
+                FROM kv_block_log AS l INNER JOIN resets AS r ON CAST(l.pod AS String) = r.pod
+                WHERE l.kind = 'stored' AND l.pod IN {{pods:Array(String)}}
+                  AND l.ts >= {{from:DateTime64(3, 'UTC')}} AND l.ts <= {{to:DateTime64(3, 'UTC')}}
+                  AND toUnixTimestamp64Milli(l.ts) >= r.x - {{reach:Int64}} AND toUnixTimestamp64Milli(l.ts) <= r.x
+            )
+        SELECT DISTINCT request_id, ts FROM
+        (
+            SELECT request_id, ts, {_END_SQL} AS end, h FROM gateway_requests ARRAY JOIN prompt_block_hashes AS h
+            WHERE ts >= {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}} AND {_CHAINED}
+              AND h IN (SELECT h FROM named) AND {_ANSWERED_BEFORE}
+        ) AS g
+        INNER JOIN named AS n ON g.h = n.h
+        WHERE g.end >= n.x AND toUnixTimestamp64Milli(g.ts) <= n.x + {{lookback:Int64}}
+        """, {"pods": pods, "xs": xs, "reach": lookback_ms + MAX_END_MS, "lookback": lookback_ms,
+              "from": _at(lo - lookback_ms - MAX_END_MS), "to": _at(hi), "lo": _at(lo - MAX_END_MS),
+              "hi": _at(hi + lookback_ms), "arrived": answered_before}))

@@ -13,8 +13,11 @@ next minute on.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import polars as pl
 
+from ingest import judged_with
 from ingest.store import Store
 
 #: :func:`changes`' columns: pod, since (unix ms: the first time the size was seen), block_size (tokens).
@@ -81,35 +84,23 @@ def at_ms(keys: pl.DataFrame, sizes: pl.DataFrame, default: int) -> pl.Series:
                         ).to_series()
 
 
-#: The last change points saved (:func:`saved`): the marker row of a set, then its rows.
-_SAVED_SQL = """
-    SELECT pod, since, block_size FROM attribution_block_sizes
-    WHERE saved_at = (SELECT max(saved_at) FROM attribution_block_sizes)"""
-_MARKER = ""
-
-
 def saved(store: Store) -> pl.DataFrame | None:
     """The change points the attribution job last judged with (:data:`CHANGES_SCHEMA`; table attribution_block_sizes,
     sql/migrations/0033), or None when none were ever saved. Raises what :meth:`ingest.store.Store.query_df`
     raises."""
-    rows = store.query_df(_SAVED_SQL)
-    if rows.is_empty():
-        return None
-    rows = rows.filter(pl.col("pod") != _MARKER)
-    return rows.select(*(pl.col(c).cast(t) for c, t in CHANGES_SCHEMA.items())).sort("pod", "since", "block_size")
+    rows = judged_with.saved(store, "attribution_block_sizes", CHANGES_SCHEMA)
+    return None if rows is None else rows.sort("pod", "since", "block_size")
 
 
-def save(store: Store, sizes: pl.DataFrame, now: object) -> None:
-    """Save ``sizes`` (:func:`changes`) as the change points judged with, at ``now`` (the store clock, a datetime):
-    a marker row, then one row per change point, in one insert."""
-    rows = [(now, _MARKER, 0, 0)] + [(now, p, s, b) for p, s, b in sizes.select(*CHANGES_SCHEMA).iter_rows()]
-    store.insert("attribution_block_sizes", rows, ["saved_at", "pod", "since", "block_size"])
+def save(store: Store, sizes: pl.DataFrame, now: datetime) -> None:
+    """Save ``sizes`` (:func:`changes`) as the change points judged with, at ``now`` (the store clock): a marker
+    row, then one row per change point, in one insert."""
+    judged_with.save(store, "attribution_block_sizes", sizes, CHANGES_SCHEMA, now)
 
 
 def same(a: pl.DataFrame, b: pl.DataFrame) -> bool:
     """Whether two change point frames (:func:`changes`) hold the same rows."""
-    cols = list(CHANGES_SCHEMA)
-    return a.select(cols).sort(cols).equals(b.select(cols).sort(cols))
+    return judged_with.same(a, b, CHANGES_SCHEMA)
 
 
 #: An unbounded end of :func:`differences`' intervals (unix ms).

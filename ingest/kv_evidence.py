@@ -302,16 +302,18 @@ class KvMemo:
     def new_run(self, store: Store, now: datetime) -> None:
         """Before each run of a memo kept across runs (``across_runs_lag_ms`` set; the live job's loop keeps one):
         start again empty when a KV event ingested since the last run (from :data:`ACROSS_RUNS_OVERLAP` before its
-        start: an insert stamped before it may have become visible after) lies before a cut: the stand-ins no longer
-        stand for the log (a collector outage replayed, a late batch). Its cuts lag the run's last arrival by the
+        start: an insert stamped before it may have become visible after) lies before a cut, or a publisher_restart
+        gap report was (it may add a restart before a cut): the stand-ins no longer stand for the log (a collector
+        outage replayed, a late batch). Its cuts lag the run's last arrival by the
         lag, so the next run's arrivals (requests logged when they end, up to the lag after they arrived) lie after
         them; an arrival before a cut is judged without the memo (ingest/attribution_job.py ``_by_memo``).
         ``now``: the store's clock."""
         self._last = False
         if self._checked is not None and self.holds_any():
             late = store.query_rows(
-                "SELECT count() FROM kv_block_events WHERE ingested_at > {since:DateTime64(3, 'UTC')} "
-                "AND ts < fromUnixTimestamp64Milli({cut:Int64}, 'UTC')",
+                "SELECT (SELECT count() FROM kv_block_events WHERE ingested_at > {since:DateTime64(3, 'UTC')} "
+                "AND ts < fromUnixTimestamp64Milli({cut:Int64}, 'UTC')) + (SELECT count() FROM kv_event_gaps "
+                "WHERE ingested_at > {since:DateTime64(3, 'UTC')} AND reason = 'publisher_restart')",
                 {"since": self._checked - ACROSS_RUNS_OVERLAP, "cut": self.latest_cut()})
             if late[0][0]:
                 self.clear()
@@ -563,7 +565,7 @@ def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
     Two of the view's three sources are restarts read from ``publisher_restart`` gap reports (kv_gaps,
     sql/migrations/0030); planning them costs about half a second even on empty tables. Without such a report in
     kv_event_gaps they hold no row, so the log's own reset rows (the view's first source) are read alone."""
-    source = "kv_cache_resets" if store.query_rows(_ANY_RESTART_GAP)[0][0] else _LOGGED_RESETS
+    source = "kv_cache_resets" if store.query_rows(ANY_RESTART_GAP)[0][0] else _LOGGED_RESETS
     return store.query_df(
         "SELECT DISTINCT CAST(pod AS String) AS pod, CAST(engine AS String) AS engine, "
         f"toUnixTimestamp64Milli(ts) AS ts_ms, seq, idx, CAST(kind AS String) AS kind_name FROM {source} "
@@ -572,7 +574,7 @@ def fetch_resets(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
 
 
 #: Whether any gap report could add a restart to kv_cache_resets (its second and third sources, sql/migrations/0030).
-_ANY_RESTART_GAP = "SELECT count() > 0 FROM kv_event_gaps WHERE reason = 'publisher_restart'"
+ANY_RESTART_GAP = "SELECT count() > 0 FROM kv_event_gaps WHERE reason = 'publisher_restart'"
 #: kv_cache_resets' first source: the resets the log holds itself (AllBlocksCleared, a publisher's first batch).
 _LOGGED_RESETS = "(SELECT pod, engine, ts, seq, idx, kind FROM kv_block_log WHERE kind IN ('cleared', 'restart'))"
 
