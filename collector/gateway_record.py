@@ -113,6 +113,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     retrieval_tokens: U32 = 0
     history_prefix_hash: str = ""
     prev_history_hash: str = ""
+    prev_suffix_hash: str = ""
     history_tokens: U32 = 0
     suffix_hash: str = ""
     suffix_tokens: U32 = 0

@@ -37,6 +37,7 @@ CAUSE_COLORS: dict[str, str] = {
     a.RAG_REORDERED: "#FF8C69",
     a.RAG_CHANGED: "#C0504D",
     a.HISTORY_TRUNCATED: "#8B4513",
+    a.HISTORY_CHANGED: "#6B3410",
     a.CACHE_SALT_CHANGED: "#E07040",
     a.EVICTED_BEFORE_NEXT_TURN: "#A0527F",
 }
@@ -112,6 +113,10 @@ FIXES: dict[tuple[str, str], Fix] = {
     (a.PREFIX_DRIFT, a.HISTORY_TRUNCATED): Fix(
         STAGE_PROMPT, "Stop trimming the oldest turns on every request: each trim shifts the whole history and "
         "misses it. Trim less often and in larger steps, or summarise at fixed points."),
+    (a.PREFIX_DRIFT, a.HISTORY_CHANGED): Fix(
+        STAGE_PROMPT, "Send the conversation's earlier messages exactly as they were sent: the client edited or "
+        "redacted the message its previous turn ended with, so everything from that message on missed. Redact "
+        "before the first send, or append a correction instead of rewriting the message."),
     (a.PREFIX_DRIFT, a.CACHE_SALT_CHANGED): Fix(
         STAGE_PROMPT, "Keep a conversation's or agent run's cache_salt for its whole life: the salt changed "
         "between turns, and vLLM keys it into the first KV block, so the whole previous prompt missed. Rotate "

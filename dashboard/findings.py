@@ -34,7 +34,8 @@ MIN_TENANT_SHARE = 0.10
 #: prefix_drift sub-cause → the prompt segment that changed (docs/miss-causes.md, "Miss causes").
 SEGMENT_OF = {"volatile_system": "system", "system_changed": "system", "tools_reordered": "tools",
               "tools_changed": "tools", "rag_reordered": "retrieval", "rag_changed": "retrieval",
-              "history_truncated": "history", "cache_salt_changed": "cache_salt"}
+              "history_truncated": "history", "history_changed": "history",
+              "cache_salt_changed": "cache_salt"}
 SEGMENT_WORDS = {"system": "system prompt", "tools": "tool schemas", "retrieval": "retrieved documents",
                  "history": "conversation history", "cache_salt": "cache salt"}
 

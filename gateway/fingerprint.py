@@ -199,6 +199,7 @@ class PromptFingerprint:
     suffix_chunk_hashes: tuple[str, ...] = ()
     suffix_chunk_tokens: tuple[int, ...] = ()
     cache_salt_hash: str = ""
+    prev_suffix_hash: str = ""
 
     @property
     def segment_tokens(self) -> int:
@@ -217,8 +218,8 @@ class PromptFingerprint:
         )
 
     def to_log_fields(self) -> dict[str, str | int | list]:
-        """The 21 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
-        JSON lists; ``cache_salt_hash`` included)."""
+        """The 22 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
+        JSON lists; ``cache_salt_hash`` and ``prev_suffix_hash`` included)."""
         fields = {name: getattr(self, name) for name in _FIELD_NAMES}
         for name in _TUPLE_FIELDS:
             fields[name] = list(fields[name])
@@ -703,6 +704,8 @@ class _Segments:
             retrieval_tokens=retrieval_tokens,
             history_prefix_hash=history_hash,
             prev_history_hash=_segment_hash([h[0] for h in hist[:previous]]),
+            # the previous request's final message as this one carries it: its suffix_hash unless edited
+            prev_suffix_hash=_segment_hash([hist[previous][0]]) if previous < len(hist) else "",
             history_tokens=sum(h[1] for h in hist),
             suffix_hash=_segment_hash([t[0] for t in tail]),
             suffix_tokens=sum(t[1] for t in tail),

@@ -59,12 +59,15 @@ TOOLS_CHANGED = "tools_changed"
 RAG_REORDERED = "rag_reordered"
 RAG_CHANGED = "rag_changed"
 HISTORY_TRUNCATED = "history_truncated"
+#: The previous turn's history is this one's, but the message it sent last is not as it was sent: the client edited
+#: or redacted it (gateway_requests.prev_suffix_hash differs from the previous turn's suffix_hash).
+HISTORY_CHANGED = "history_changed"
 #: The previous turn of the conversation / agent run was sent with another vLLM ``cache_salt``
 #: (gateway_requests.cache_salt_hash differs): vLLM keys the salt into the first block, so the cache key changed at
 #: token 0 and everything after it misses (docs/miss-causes.md).
 CACHE_SALT_CHANGED = "cache_salt_changed"
 DRIFT_SUB_CAUSES = (VOLATILE_SYSTEM, SYSTEM_CHANGED, TOOLS_REORDERED, TOOLS_CHANGED, RAG_REORDERED,
-                    RAG_CHANGED, HISTORY_TRUNCATED, CACHE_SALT_CHANGED)
+                    RAG_CHANGED, HISTORY_TRUNCATED, HISTORY_CHANGED, CACHE_SALT_CHANGED)
 #: sub_cause of ``evicted`` when the predecessor is the previous turn of the same conversation or agent run.
 EVICTED_BEFORE_NEXT_TURN = "evicted_before_next_turn"
 #: sub_cause of ``evicted`` in precise mode when the blocks left this pod by a cache reset (vLLM's
@@ -129,7 +132,7 @@ REQUEST_FIELDS = (
     "system_hash", "system_norm_hash", "system_tokens",
     "tools_hash", "tools_canonical_hash", "tools_tokens",
     "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
-    "history_prefix_hash", "prev_history_hash", "history_tokens",
+    "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
     LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash",
 )
@@ -492,9 +495,21 @@ def _segment_equal(req: Request, prev: Request, seg: Segment) -> bool:
 
 
 def _history_continues(req: Request, pred: Predecessor) -> bool:
-    """A next turn: this request's history as the previous turn saw it equals that turn's history."""
+    """A next turn: this request's history as the previous turn saw it equals that turn's history, and the message
+    that turn sent last is in it as sent (:func:`_previous_message_edited`)."""
+    return _previous_history_kept(req, pred) and not _previous_message_edited(req, pred)
+
+
+def _previous_history_kept(req: Request, pred: Predecessor) -> bool:
     return pred.kind == PREVIOUS_TURN and _str(req, "prev_history_hash") == _str(pred.request,
                                                                                   "history_prefix_hash")
+
+
+def _previous_message_edited(req: Request, pred: Predecessor) -> bool:
+    """The previous turn's history is this one's, but its final message is not as it was sent: ``prev_suffix_hash``
+    (logged, not "") differs from the previous turn's ``suffix_hash``. A log without it reads as continued."""
+    carried = _str(req, "prev_suffix_hash")
+    return _previous_history_kept(req, pred) and carried != "" and carried != _str(pred.request, "suffix_hash")
 
 
 def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
@@ -600,7 +615,9 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
       the first changed line (:func:`first_changed_line_tokens`), not at token 0;
     - history, previous-turn predecessor: if ``prev_history_hash`` equals the predecessor's
       ``history_prefix_hash`` the conversation continued and S covers the predecessor's whole prompt (its
-      history and suffix are in this history); else ``history_truncated``;
+      history and suffix are in this history), unless ``prev_suffix_hash`` says the predecessor's final message
+      is not in it as sent: ``history_changed`` from where that message starts (the predecessor's suffix
+      offset) to the predecessor's prompt end (at most this history's end); else ``history_truncated``;
     - history, fingerprint or variant predecessor: different history is another conversation's content, not a
       change: S ends there, no drift;
     - suffix: the new message; S ends at the stable prefix plus the suffix's common ordered chunk prefix (all
@@ -643,6 +660,12 @@ def _shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
                 # Everything before the history is raw-equal, so the predecessor's prompt is exactly this
                 # prompt's first prompt_tokens(predecessor) tokens.
                 return SharedPrefix(cap, reusable_without_drift_tokens=cap)
+            if _previous_message_edited(req, pred):
+                # the same up to the previous turn's final message, which is where the predecessor's suffix
+                # started; had it been kept, the predecessor's whole prompt would have been shared
+                p_offsets = segment_offsets(prev)
+                d = min(cap, p_offsets[HISTORY + 1] if p_offsets is not None else offsets[HISTORY])
+                return SharedPrefix(d, HISTORY_CHANGED, d, max(d, min(cap, offsets[HISTORY + 1])))
             if pred.kind != PREVIOUS_TURN:
                 s = min(cap, offsets[i])
                 return SharedPrefix(s, reusable_without_drift_tokens=s)

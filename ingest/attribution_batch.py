@@ -43,6 +43,7 @@ from ingest.attribution import (
     EVIDENCE_FINGERPRINTS,
     EVIDENCE_INFERRED,
     EVIDENCE_KV_EVENTS,
+    HISTORY_CHANGED,
     LINE_HASHES,
     NOT_REPORTED,
     NOWHERE,
@@ -98,6 +99,7 @@ def _names(codes: np.ndarray) -> pa.Array:
 
 for _name in (COLD, BELOW_BLOCK, UNKNOWN, ROUTED_AWAY, EVICTED, BEYOND_HORIZON, PREFIX_DRIFT, UNAVOIDABLE,
               NOT_REPORTED, EVICTED_BEFORE_NEXT_TURN, CACHE_RESET, RESIDENT_AT_ARRIVAL, CACHE_SALT_CHANGED,
+              HISTORY_CHANGED,
               *(n for seg in STABLE_SEGMENTS for n in (seg.reordered, seg.changed) if n)):
     _code(_name)
 #: The target's own fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` and precise mode
@@ -109,7 +111,7 @@ TARGET_FIELDS = tuple(f for f in REQUEST_FIELDS if f not in ("conversation_id", 
 PREDECESSOR_FIELDS = (
     "request_id", "ts", "pod", "prompt_tokens", "e2e_ms",
     *(f for s in STABLE_SEGMENTS for f in (s.hash_field, s.tokens_field, s.variant_field) if f),
-    "suffix_hash", "cache_salt_hash", LINE_HASHES, CHUNK_HASHES,
+    "suffix_hash", "suffix_tokens", "cache_salt_hash", LINE_HASHES, CHUNK_HASHES,
 )
 _TOKENS = [s.tokens_field for s in STABLE_SEGMENTS] + ["suffix_tokens"]
 HISTORY = 3
@@ -133,9 +135,10 @@ def _full(tokens: np.ndarray, block: np.ndarray) -> np.ndarray:
     return np.maximum(tokens, 0) // block * block
 
 
-def _offsets(df: pl.DataFrame, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Segment boundaries scaled to prompt_tokens (shape (n, 6)) and a mask of rows with segment counts."""
-    counts = np.stack([_i(df, c) for c in _TOKENS], axis=1)
+def _offsets(df: pl.DataFrame, prompt: np.ndarray, prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Segment boundaries scaled to prompt_tokens (shape (n, 6)) and a mask of rows with segment counts (of the
+    predecessor's columns with ``prefix`` "p_")."""
+    counts = np.stack([_i(df, prefix + c) for c in _TOKENS], axis=1)
     total = counts.sum(axis=1)
     cum = np.concatenate([np.zeros((len(df), 1), dtype=np.int64), np.cumsum(counts, axis=1)], axis=1)
     safe = np.where(total == 0, 1, total)
@@ -157,7 +160,11 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     raw_eq = [_eq(df, h, "p_" + h) for h in _HASHES]
     var_eq = [_nonempty(df, s.variant_field) & _eq(df, s.variant_field, "p_" + s.variant_field)
               if s.variant_field else np.zeros(n, dtype=bool) for s in STABLE_SEGMENTS]
-    continues = prev_turn & _eq(df, "prev_history_hash", "p_history_prefix_hash")
+    kept = prev_turn & _eq(df, "prev_history_hash", "p_history_prefix_hash")
+    # the previous turn's final message not as it was sent (edited, redacted): history_changed, not continued
+    edited = kept & _nonempty(df, "prev_suffix_hash") & ~_eq(df, "prev_suffix_hash", "p_suffix_hash") \
+        if "prev_suffix_hash" in df.columns else np.zeros(n, dtype=bool)
+    continues = kept & ~edited
     suffix_eq = _eq(df, "suffix_hash", "p_suffix_hash")
     tail = np.where(suffix_eq, prompt, off[:, HISTORY + 1])
     shift = sum(_i(df, s.tokens_field) - _i(df, "p_" + s.tokens_field) for s in STABLE_SEGMENTS[:HISTORY])
@@ -182,12 +189,18 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     var_eq[0] = var_eq[0] | line_volatile  # the system prompt's structure names a volatile change too
     d = np.minimum(cap, np.where(first == 0, _scaled(df, prompt, line_at),
                                  off[np.arange(n), np.minimum(first, HISTORY)]))
+    edited &= hist
+    if edited.any():  # from where the predecessor's suffix started (its own offsets), as the reference
+        p_off, p_counted = _offsets(df, _i(df, "p_prompt_tokens"), "p_")
+        d = np.where(edited, np.minimum(cap, np.where(p_counted, p_off[:, HISTORY + 1], off[:, HISTORY])), d)
     for i, seg in enumerate(STABLE_SEGMENTS):
         at = drifted & (first == i)
         name = seg.reordered if seg.variant_field else seg.changed
         drift[at] = np.where(var_eq[i][at], _code(name), _code(seg.changed)) if seg.variant_field \
             else _code(seg.changed)
     w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off)
+    drift[edited] = _code(HISTORY_CHANGED)
+    w = np.where(edited, np.minimum(cap, off[:, HISTORY + 1]), w)
     s_out = np.where(drifted, d, s_out)
     # a segment the predecessor did not have (added before content it had) is new content: what the change
     # displaced is at most the predecessor's prompt, so W stops there (the rest of the added segment: unavoidable)

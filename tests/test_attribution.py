@@ -32,12 +32,13 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         system_tokens: int = 720, tools: str = "", tools_canonical: str | None = None, tools_tokens: int = 0,
         rag: str = "", rag_set: str | None = None, rag_tokens: int = 0, history: str = "",
         prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
-        lines: list[str] | None = None, line_tokens: list[int] | None = None,
+        prev_suffix: str = "", lines: list[str] | None = None, line_tokens: list[int] | None = None,
         chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
         ) -> dict[str, Any]:
     """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw.
     ``lines``/``chunks``: the system prompt's lines and the suffix's chunks (texts, hashed here) with their
-    token counts (default: none, as an older gateway logs)."""
+    token counts (default: none, as an older gateway logs); ``prev_suffix``: the previous turn's final message as
+    this request carries it (default: not logged, as an older gateway)."""
     sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
     return {
         "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
@@ -49,7 +50,8 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         "tools_tokens": tools_tokens,
         "retrieval_pack_hash": rh, "retrieval_set_hash": h(rag if rag_set is None else rag_set),
         "retrieval_tokens": rag_tokens,
-        "history_prefix_hash": hh, "prev_history_hash": h(prev_history), "history_tokens": history_tokens,
+        "history_prefix_hash": hh, "prev_history_hash": h(prev_history), "prev_suffix_hash": h(prev_suffix),
+        "history_tokens": history_tokens,
         "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
         "prompt_fingerprint": h(sh, th, rh, hh) if any((sh, th, rh, hh)) else "",
         "system_line_hashes": [h(x) or "0" * 16 for x in lines or []], "system_line_tokens": list(line_tokens or []),
@@ -264,6 +266,27 @@ def test_truncated_history_is_history_truncated():
     check_sum(rows, t3)
 
 
+@pytest.mark.parametrize(("carried", "expected"), [
+    ("U1 edited", [("prefix_drift", "history_changed", 832), ("unavoidable", "", 46)]),
+    ("U1", [("evicted", "evicted_before_next_turn", 832), ("unavoidable", "", 46)]),
+    ("", [("evicted", "evicted_before_next_turn", 832), ("unavoidable", "", 46)]),
+], ids=["edited", "kept", "not-logged"])
+def test_an_edited_previous_message_is_history_changed(carried: str, expected: list) -> None:
+    """A client that edited (redacted) the message its previous turn sent, on a real vLLM pod (block 32): turn 1 =
+    system + U1 (1234 tokens, 0 cached); turn 2 = system + U1' + the reply + a new question (1262, 384 cached:
+    the system prompt and the edit's unchanged opening). prev_history_hash matches (the history before U1 is
+    empty both times), so only prev_suffix_hash tells the edit: from where U1 started (its offset in turn 1,
+    364) to turn 1's last full block (1216) the prefix drifted, `history_changed`, not evicted (the pod evicted
+    nothing). Kept as sent, or not logged (an older gateway), the history continued as before."""
+    kw = dict(conv="c-edit", system_tokens=360)
+    t1 = req("t1", prompt=1234, suffix="U1", suffix_tokens=860, **kw)
+    t2 = req("t2", at=10, prompt=1262, cached=384, history="U1 edited|A1", history_tokens=870, prev_suffix=carried,
+             suffix="U2", suffix_tokens=6, **kw)
+    rows = run(t1, t2)
+    assert split(rows, "t2") == expected
+    check_sum(rows, t2)
+
+
 def test_prompt_shorter_than_a_block_is_below_block():
     # cap-5-below-one-block: a 19-token prompt is never cached, even when repeated.
     r1 = req("r1", system="Be brief.", system_tokens=5, prompt=19, suffix="hi", suffix_tokens=10)
@@ -392,6 +415,7 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
             tools=rnd.choice(["", "t1", "t2"]), tools_canonical=rnd.choice([None, "tc"]), tools_tokens=seg[1],
             rag=rnd.choice(["", "r1", "r2"]), rag_set=rnd.choice([None, "rs"]), rag_tokens=seg[2],
             history=rnd.choice(["", "h1", "h2"]), prev_history=rnd.choice(["", "h1"]), history_tokens=seg[3],
+            prev_suffix=rnd.choice(["", "x1", "x2"]),
             suffix=rnd.choice(["", "x1", "x2"]), suffix_tokens=seg[4],
             **random_structure(rnd),
         ))

@@ -104,6 +104,7 @@ def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
             rag=draw(st.sampled_from(["", "r1", "r2"])), rag_set=draw(st.sampled_from([None, "rs"])),
             rag_tokens=seg[2], history=draw(st.sampled_from(["", "h1", "h2"])),
             prev_history=draw(st.sampled_from(["", "h1"])), history_tokens=seg[3],
+            prev_suffix=draw(st.sampled_from(["", "x1", "x2"])),
             suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
             **random_structure(random.Random(draw(st.integers(0, 2**32)))),
         ))
@@ -132,6 +133,18 @@ def test_drawn_traffic_reaches_the_rare_rules(cause: str) -> None:
             lookback_seconds=1000.0))
 
     find(st.composite(small_requests)(), has,  # generate only: shrinking the example found would take minutes
+         settings=settings(max_examples=2000, deadline=None, database=None, phases=[Phase.generate]))
+
+
+def test_drawn_traffic_reaches_an_edited_previous_message() -> None:
+    """The guard above for the one drift the segment walk names from two fields of two requests
+    (prefix_drift / history_changed: prev_history_hash kept, prev_suffix_hash not the previous turn's suffix)."""
+    def has(reqs: list[dict[str, Any]]) -> bool:
+        return any(r.sub_cause == "history_changed" for r in a.attribute(
+            reqs, block_size_by_pod={"pod-a": 16, "pod-b": 16, "pod-c": 16}, horizon_seconds=100.0,
+            lookback_seconds=1000.0))
+
+    find(st.composite(small_requests)(), has,
          settings=settings(max_examples=2000, deadline=None, database=None, phases=[Phase.generate]))
 
 

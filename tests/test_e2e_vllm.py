@@ -75,6 +75,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             labels = run_workload(gw.url, seed=7, scale=0.5, concurrency=2, labels_path=work / "labels.jsonl",
                                   wait_scale=0.5)
             labels += turns_in_a_row(gw.url)
+            edited = edited_turns(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -90,7 +91,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             pipe.close()
     run_attribution(store, settle_seconds=0.0)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
-    yield {"store": store, "before": before, "after": after, "labels": labels, "records": records,
+    yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
            "cfg": cfg, "pods": pods, "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
 
@@ -109,6 +110,51 @@ def turns_in_a_row(gateway_url: str) -> list[dict[str, Any]]:
             session.record_reply(turn, reply or "")
             labels.append(label | outcome)
     return labels
+
+
+def edited_turns(gateway_url: str) -> tuple[str, str]:
+    """Two turns of one conversation in which the client edited (redacted) the message its first turn sent, the
+    second turn on the first turn's pod (round robin over two pods with nothing in flight: a request to the other
+    pod between them). Returns the two request ids."""
+    tag = uuid.uuid4().hex[:8]
+    system = f"You are the archivist {tag}. " + " ".join(f"Rule {i}: file each record under its year." for i in
+                                                          range(12))
+    notes = " ".join(f"Note {i}: the shipment {i} left the depot on time." for i in range(30))
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise these notes. " + notes}]
+    headers = {"X-Conversation-Id": f"edit-{tag}", "X-Tenant-Id": "editor"}
+    with httpx.Client(timeout=120) as client:
+        r1 = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": f"edit-{tag}-t1"},
+                         json={"model": "tiny", "messages": first, "max_tokens": 8, "temperature": 0})
+        assert r1.status_code == 200, r1.text
+        reply = r1.json()["choices"][0]["message"]["content"] or "ok"
+        other = client.post(f"{gateway_url}/v1/completions", headers={"X-Request-Id": f"edit-{tag}-other"},
+                            json={"model": "tiny", "prompt": "filler", "max_tokens": 1})
+        assert other.status_code == 200, other.text
+        second = [first[0], {"role": "user", "content": "Summarise these notes. [REDACTED] " + notes},
+                  {"role": "assistant", "content": reply}, {"role": "user", "content": "And in one line?"}]
+        r2 = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": f"edit-{tag}-t2"},
+                         json={"model": "tiny", "messages": second, "max_tokens": 8, "temperature": 0})
+        assert r2.status_code == 200, r2.text
+    return f"edit-{tag}-t1", f"edit-{tag}-t2"
+
+
+def test_an_edited_previous_message_is_drift_not_eviction(e2e) -> None:  # type: ignore[no-untyped-def]
+    """The client redacted the message its previous turn sent; the turn stayed on its pod, which evicted nothing.
+    vLLM hit the prefix up to the edit; the rest of what the previous turn held is `prefix_drift /
+    history_changed` (the gateway's prev_suffix_hash is not the first turn's suffix_hash), never `evicted` or
+    `cold`, and the causes sum to the missed tokens."""
+    t1, t2 = e2e["edited"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[t1]["pod"] == by_id[t2]["pod"], "round robin moved the edited turn: the control needs one pod"
+    assert by_id[t2]["prev_suffix_hash"] not in ("", by_id[t1]["suffix_hash"])
+    assert by_id[t2]["prev_history_hash"] == by_id[t1]["history_prefix_hash"]
+    rows = e2e["store"].query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": t2})
+    print(f"\nedited turn: prompt {by_id[t2]['prompt_tokens']}, cached {by_id[t2]['cached_tokens']}, causes {rows}")
+    causes = {(c, s) for c, s, _ in rows}
+    assert ("prefix_drift", "history_changed") in causes
+    assert causes <= {("prefix_drift", "history_changed"), ("unavoidable", "")}, rows
+    assert sum(t for *_, t in rows) == by_id[t2]["prompt_tokens"] - by_id[t2]["cached_tokens"]
 
 
 def test_every_request_succeeded_and_was_logged(e2e) -> None:  # type: ignore[no-untyped-def]

@@ -256,6 +256,35 @@ def test_truncated_history_breaks_the_chain():
     assert fingerprint_chat(rewritten, EST).prev_history_hash != fps[2].history_prefix_hash
 
 
+def test_prev_suffix_is_the_previous_turns_final_message_unless_edited():
+    """prev_suffix_hash is the previous request's suffix_hash, as this request carries that message: in a plain
+    conversation, an agent's tool loop and a turn that adds parallel tool results; it differs when the client
+    edited (redacted) the message, where prev_history_hash alone still matches (the history before it is kept)."""
+    fps = [fingerprint_chat(body, EST) for body in conversation_turns()]
+    assert fps[0].prev_suffix_hash == ""
+    for prev, cur in zip(fps, fps[1:], strict=False):
+        assert cur.prev_suffix_hash == prev.suffix_hash != ""
+    edited = copy.deepcopy(conversation_turns()[3])
+    edited["messages"][-3]["content"] = "[REDACTED]"  # turn 3's final message, "Thanks!"
+    fp = fingerprint_chat(edited, EST)
+    assert fp.prev_history_hash == fps[2].history_prefix_hash
+    assert fp.prev_suffix_hash != fps[2].suffix_hash
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup_order", "arguments": "{}"}}
+    loop = [sys(), user("Check order 1")]
+    for n in range(3):  # each turn: the model calls a tool, the tool's result is the new final message
+        loop = loop + [{"role": "assistant", "content": None, "tool_calls": [{**call, "id": f"c{n}"}]},
+                       {"role": "tool", "tool_call_id": f"c{n}", "content": f"result {n}"}]
+    runs = [fingerprint_chat(chat(*loop[:k]), EST) for k in (2, 4, 6, 8)]
+    for prev, cur in zip(runs, runs[1:], strict=False):
+        assert cur.prev_suffix_hash == prev.suffix_hash
+    first = [sys(), user("Check orders 1 and 2")]
+    reply = {"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "c2"}]}
+    second = first + [reply, {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+                      {"role": "tool", "tool_call_id": "c2", "content": "late"}]
+    assert fingerprint_chat(chat(*second), EST).prev_suffix_hash == fingerprint_chat(chat(*first), EST).suffix_hash
+    assert fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST).prev_suffix_hash == ""
+
+
 def test_prev_history_with_parallel_tool_results():
     """An agent turn that adds several tool results still links to the request that asked for them."""
     call = {"id": "c1", "type": "function", "function": {"name": "lookup_order", "arguments": "{}"}}

@@ -8,7 +8,7 @@
 -- param: by_tenant: UInt8 = 0 | 1 = one row per (tenant, cause, sub_cause); 0 = tenants pooled (tenant_id '')
 -- returns: tenant_id String | tenant, or '' when by_tenant = 0
 -- returns: cause String | miss cause (docs/miss-causes.md): unavoidable, below_block, cold, beyond_horizon (the prefix was last seen longer ago than the attribution horizon), routed_away, evicted, prefix_drift, unknown, not_reported (the pod did not report the request's cached count: all its prompt tokens)
--- returns: sub_cause String | prefix_drift: the first segment that changed (volatile_system, system_changed, tools_reordered, tools_changed, rag_reordered, rag_changed, history_truncated, cache_salt_changed); evicted: evicted_before_next_turn, or cache_reset (precise mode: the blocks left by an AllBlocksCleared or a vLLM restart); unknown: resident_at_arrival (precise mode: resident on the pod at arrival, missed all the same); else ''
+-- returns: sub_cause String | prefix_drift: the first segment that changed (volatile_system, system_changed, tools_reordered, tools_changed, rag_reordered, rag_changed, history_truncated, history_changed, cache_salt_changed); evicted: evicted_before_next_turn, or cache_reset (precise mode: the blocks left by an AllBlocksCleared or a vLLM restart); unknown: resident_at_arrival (precise mode: resident on the pod at arrival, missed all the same); else ''
 -- returns: missed_tokens UInt64 | missed prompt tokens explained by this cause, tokens (each missed token counted once)
 -- returns: share_of_missed Float64 | missed_tokens / all missed tokens in the window and filters (all rows of the result), fraction 0..1
 -- returns: requests UInt64 | distinct requests with missed tokens of this cause

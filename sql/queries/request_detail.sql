@@ -37,7 +37,7 @@
 -- returns: segment_tokens UInt64 | the segment's tokens in this request (gateway count, chat-template tokens excluded), tokens
 -- returns: predecessor_segment_tokens Nullable(UInt64) | the segment's tokens in the predecessor (NULL if none or its log row is gone), tokens
 -- returns: hash_matched Nullable(UInt8) | 1 if the segment's hash equals the predecessor's (two empty segments match), 0 if not, NULL without a predecessor row
--- returns: variant_matched Nullable(UInt8) | when the hash differs, whether the change is nameable: 1 if the normalized system prompt / canonical tools / retrieval set equals the predecessor's (volatile values masked, reordered), for history 1 if it continues the predecessor's conversation (a previous_turn whose history this one extends), else 0; NULL when the hash matched, for suffix, or without a predecessor row
+-- returns: variant_matched Nullable(UInt8) | when the hash differs, whether the change is nameable: 1 if the normalized system prompt / canonical tools / retrieval set equals the predecessor's (volatile values masked, reordered), for history 1 if it continues the predecessor's conversation (a previous_turn whose history this one extends, its final message as it was sent), else 0; NULL when the hash matched, for suffix, or without a predecessor row
 -- returns: segment_parts UInt32 | the segment's parts the gateway logged: system lines (system_line_hashes) for system, content-defined chunks of the new message (suffix_chunk_hashes) for suffix; 0 for the other segments or when none were logged
 -- returns: predecessor_segment_parts Nullable(UInt32) | the same count in the predecessor (NULL if none or its log row is gone)
 -- returns: changed_parts Array(UInt32) | 1-based positions of this request's lines / chunks whose hash differs from the predecessor's at the same position (a position past the predecessor's last counts); [] when none differs, without a predecessor row, or when either side logged none
@@ -84,7 +84,7 @@ WITH
     (
         SELECT request_id, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
-               prev_history_hash, history_tokens, suffix_hash, suffix_tokens, system_line_hashes,
+               prev_history_hash, prev_suffix_hash, history_tokens, suffix_hash, suffix_tokens, system_line_hashes,
                system_line_tokens, suffix_chunk_hashes, suffix_chunk_tokens
         FROM gateway_requests
         WHERE (tenant_id, ts, request_id) IN (SELECT tenant_id, ts, request_id FROM answer)
@@ -135,7 +135,7 @@ WITH
                                     arrayFilter(j -> j > length(ph) OR rh[j] != ph[j], arrayEnumerate(rh)), []),
                      r_parts, p_parts) AS changed_at,
             startsWith(a.predecessor_kind, 'previous_turn') AND r.prev_history_hash = p.history_prefix_hash
-                AS continues,
+                AND (r.prev_suffix_hash = '' OR r.prev_suffix_hash = p.suffix_hash) AS continues,
             arraySum(r_tokens) AS total,
             arrayMap(c -> if(total = 0, 0, intDiv(c * a.prompt_tokens, total)), arrayCumSum(r_tokens)) AS ends,
             arrayPushFront(arrayPopBack(ends), 0) AS starts
