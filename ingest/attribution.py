@@ -507,9 +507,21 @@ def _previous_history_kept(req: Request, pred: Predecessor) -> bool:
 
 def _previous_message_edited(req: Request, pred: Predecessor) -> bool:
     """The previous turn's history is this one's, but its final message is not as it was sent: ``prev_suffix_hash``
-    (logged, not "") differs from the previous turn's ``suffix_hash``. A log without it reads as continued."""
-    carried = _str(req, "prev_suffix_hash")
-    return _previous_history_kept(req, pred) and carried != "" and carried != _str(pred.request, "suffix_hash")
+    (logged, not "") differs from the previous turn's ``suffix_hash`` (logged, not "": a turn logged without
+    segments proves no edit). A log without either reads as continued."""
+    carried, sent = _str(req, "prev_suffix_hash"), _str(pred.request, "suffix_hash")
+    return _previous_history_kept(req, pred) and carried != "" and sent != "" and carried != sent
+
+
+def _predecessor_suffix_in_this_request(req: Request, pred: Predecessor, offsets: tuple[int, ...]) -> int:
+    """Where the predecessor's final message started, in this request's tokens: its own suffix offset shifted by
+    the change in length of the segments before the history (as :func:`_predecessor_prompt_in_this_request`);
+    this request's history start when the predecessor has no segment counts."""
+    p_offsets = segment_offsets(pred.request)
+    if p_offsets is None:
+        return offsets[HISTORY]
+    before = STABLE_SEGMENTS[:HISTORY]
+    return p_offsets[HISTORY + 1] + sum(_int(req, s.tokens_field) - _int(pred.request, s.tokens_field) for s in before)
 
 
 def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
@@ -596,6 +608,8 @@ def _reusable_without_drift(req: Request, pred: Predecessor, offsets: tuple[int,
         if i == HISTORY:
             if _history_continues(req, pred):
                 return min(prompt, _predecessor_prompt_in_this_request(req, pred))
+            if _previous_message_edited(req, pred):  # kept up to the edited message
+                return min(prompt, max(offsets[i], _predecessor_suffix_in_this_request(req, pred, offsets)))
             return offsets[i]
         if _str(req, seg.variant_field) and _str(req, seg.variant_field) == _str(prev, seg.variant_field):
             continue
@@ -663,8 +677,7 @@ def _shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
             if _previous_message_edited(req, pred):
                 # the same up to the previous turn's final message, which is where the predecessor's suffix
                 # started; had it been kept, the predecessor's whole prompt would have been shared
-                p_offsets = segment_offsets(prev)
-                d = min(cap, p_offsets[HISTORY + 1] if p_offsets is not None else offsets[HISTORY])
+                d = min(cap, _predecessor_suffix_in_this_request(req, pred, offsets))
                 return SharedPrefix(d, HISTORY_CHANGED, d, max(d, min(cap, offsets[HISTORY + 1])))
             if pred.kind != PREVIOUS_TURN:
                 s = min(cap, offsets[i])

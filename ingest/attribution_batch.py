@@ -162,8 +162,8 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
               if s.variant_field else np.zeros(n, dtype=bool) for s in STABLE_SEGMENTS]
     kept = prev_turn & _eq(df, "prev_history_hash", "p_history_prefix_hash")
     # the previous turn's final message not as it was sent (edited, redacted): history_changed, not continued
-    edited = kept & _nonempty(df, "prev_suffix_hash") & ~_eq(df, "prev_suffix_hash", "p_suffix_hash") \
-        if "prev_suffix_hash" in df.columns else np.zeros(n, dtype=bool)
+    edited = kept & _nonempty(df, "prev_suffix_hash") & _nonempty(df, "p_suffix_hash") \
+        & ~_eq(df, "prev_suffix_hash", "p_suffix_hash") if "prev_suffix_hash" in df.columns else np.zeros(n, dtype=bool)
     continues = kept & ~edited
     suffix_eq = _eq(df, "suffix_hash", "p_suffix_hash")
     tail = np.where(suffix_eq, prompt, off[:, HISTORY + 1])
@@ -189,18 +189,22 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     var_eq[0] = var_eq[0] | line_volatile  # the system prompt's structure names a volatile change too
     d = np.minimum(cap, np.where(first == 0, _scaled(df, prompt, line_at),
                                  off[np.arange(n), np.minimum(first, HISTORY)]))
-    edited &= hist
-    if edited.any():  # from where the predecessor's suffix started (its own offsets), as the reference
+    # where the predecessor's final message started in this request (its own offsets, shifted like
+    # continued_end), as the reference: the drift's start, or W's end after an earlier change
+    edited_at = off[:, HISTORY]
+    if edited.any():
         p_off, p_counted = _offsets(df, _i(df, "p_prompt_tokens"), "p_")
-        d = np.where(edited, np.minimum(cap, np.where(p_counted, p_off[:, HISTORY + 1], off[:, HISTORY])), d)
+        edited_at = np.where(p_counted, p_off[:, HISTORY + 1] + shift, off[:, HISTORY])
+    d = np.where(edited & hist, np.minimum(cap, edited_at), d)
     for i, seg in enumerate(STABLE_SEGMENTS):
         at = drifted & (first == i)
         name = seg.reordered if seg.variant_field else seg.changed
         drift[at] = np.where(var_eq[i][at], _code(name), _code(seg.changed)) if seg.variant_field \
             else _code(seg.changed)
-    w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off)
-    drift[edited] = _code(HISTORY_CHANGED)
-    w = np.where(edited, np.minimum(cap, off[:, HISTORY + 1]), w)
+    w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off,
+                                edited, np.minimum(prompt, np.maximum(off[:, HISTORY], edited_at)))
+    drift[edited & hist] = _code(HISTORY_CHANGED)
+    w = np.where(edited & hist, np.minimum(cap, off[:, HISTORY + 1]), w)
     s_out = np.where(drifted, d, s_out)
     # a segment the predecessor did not have (added before content it had) is new content: what the change
     # displaced is at most the predecessor's prompt, so W stops there (the rest of the added segment: unavoidable)
@@ -240,9 +244,10 @@ def _on_rows(df: pl.DataFrame, mask: np.ndarray, rule, defaults: tuple) -> tuple
 
 def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq: list[np.ndarray],
                             continues: np.ndarray, continued_end: np.ndarray, tail: np.ndarray,
-                            off: np.ndarray) -> np.ndarray:
+                            off: np.ndarray, edited: np.ndarray, edited_end: np.ndarray) -> np.ndarray:
     """W: from the segment after the first change, the end of the run of raw-equal or nameably-changed
-    segments (a continued history reaches the predecessor's whole prompt)."""
+    segments (a continued history reaches the predecessor's whole prompt; one whose previous final message was
+    edited, where that message started: ``edited_end``)."""
     n = len(first)
     out = tail.copy()
     done = np.zeros(n, dtype=bool)
@@ -250,7 +255,7 @@ def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq:
         active = (j > first) & ~done
         if j == HISTORY:
             stop = active & ~raw_eq[j]
-            out = np.where(stop, np.where(continues, continued_end, off[:, j]), out)
+            out = np.where(stop, np.where(continues, continued_end, np.where(edited, edited_end, off[:, j])), out)
         else:
             stop = active & ~raw_eq[j] & ~var_eq[j]
             out = np.where(stop, off[:, j], out)

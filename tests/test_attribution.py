@@ -287,6 +287,35 @@ def test_an_edited_previous_message_is_history_changed(carried: str, expected: l
     check_sum(rows, t2)
 
 
+def test_a_previous_turn_logged_without_segments_proves_no_edit() -> None:
+    """Turn 1 was logged with the empty fingerprint (truncate_prompt_tokens, or a body the gateway could not read:
+    every hash ""); turn 2 re-sends its message as it was. prev_history_hash "" equals turn 1's history hash "",
+    but with no suffix_hash to compare, nothing says the message was edited (found by a hostile hunt: 896 tokens
+    of `history_changed`): the history reads as continued, as for a line without prev_suffix_hash."""
+    t1 = req("t1", conv="c", prompt=900, system="", system_tokens=0, suffix="", suffix_tokens=0)
+    t2 = req("t2", at=10, conv="c", prompt=1000, cached=0, system="", system_tokens=0, history="U1|A1",
+             history_tokens=900, prev_suffix="U1", suffix="U2", suffix_tokens=60)
+    rows = run(t1, t2)
+    assert not any(sub == "history_changed" for _, sub, _ in split(rows, "t2"))
+    check_sum(rows, t2)
+
+
+def test_an_edit_behind_a_system_change_keeps_the_history_before_it_reusable() -> None:
+    """Turn 2 changed the system prompt, re-sent turn 1's history H0 (4000 tokens) as it was and edited turn 1's
+    final message. Had the system prompt stayed, H0 would have hit: the drift reaches where the edited message
+    started (turn 1's suffix offset, 4888; its last full block 4864), not the history's start (416: H0 was
+    `unavoidable`, found by a hostile hunt). Unedited, it reaches turn 1's whole prompt (4992)."""
+    t1 = req("t1", conv="c", prompt=5000, system="S", system_tokens=400, history="H0", history_tokens=4000,
+             suffix="U1", suffix_tokens=100)
+    kw = dict(at=3, conv="c", prompt=5600, cached=0, system="S2", system_norm="S2n", system_tokens=400,
+              prev_history="H0", history_tokens=4600, suffix="U2", suffix_tokens=100)
+    edited = req("t2", history="H0|U1 edited|A1", prev_suffix="U1 edited", **kw)
+    rows = run(t1, edited)
+    assert split(rows, "t2") == [("prefix_drift", "system_changed", 4864), ("unavoidable", "", 736)]
+    kept = req("t2", history="H0|U1|A1", prev_suffix="U1", **kw)
+    assert split(run(t1, kept), "t2") == [("prefix_drift", "system_changed", 4992), ("unavoidable", "", 608)]
+
+
 def test_prompt_shorter_than_a_block_is_below_block():
     # cap-5-below-one-block: a 19-token prompt is never cached, even when repeated.
     r1 = req("r1", system="Be brief.", system_tokens=5, prompt=19, suffix="hi", suffix_tokens=10)
