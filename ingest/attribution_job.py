@@ -820,12 +820,8 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     if kv_evidence and upto > since:
         # KV events that arrived late re-answer what they change (after the arrivals: those already saw them).
         targets = late_kv_targets(store, since, upto, settle_seconds, max(reach), answered_through)
-        for start in range(0, len(targets), chunk_size):
-            examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes,
-                                           default_block_size, kv_evidence, now)
-            ATTRIBUTED.labels("late_kv_evidence").inc(changed)
-            UNCHANGED.inc(examined - changed)
-            stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+        stats = _reexamine_all(store, targets, "late_kv_evidence", reach, sizes, default_block_size, kv_evidence,
+                               now, chunk_size, stats)
     if restarts is not None:
         stats = _restarted(store, restarts, sizes, reach, default_block_size, now, chunk_size, stats)
     stats = _resize(store, sizes, reach, default_block_size, kv_evidence, now, chunk_size, stats)
@@ -834,6 +830,20 @@ def _run(store: Store, settle_seconds: float, overlap_seconds: float, stop: thre
     if stats.arrivals:
         log.info("miss attribution run. arrivals=%d successors_examined=%d changed=%d chunks=%d through=%s",
                  stats.arrivals, stats.examined, stats.changed, stats.chunks, upto.isoformat())
+    return stats
+
+
+def _reexamine_all(store: Store, targets: pl.DataFrame, why: str, reach: tuple[int, int], sizes: pl.DataFrame,
+                   default_block_size: int, kv_evidence: bool, now: datetime, chunk_size: int,
+                   stats: RunStats) -> RunStats:
+    """:func:`_reexamine` ``targets`` (request_id, ts) in chunks of ``chunk_size``, counting the answers changed
+    under ``why`` (:data:`ATTRIBUTED`); returns ``stats`` with them added."""
+    for start in range(0, len(targets), chunk_size):
+        examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes, default_block_size,
+                                       kv_evidence, now)
+        ATTRIBUTED.labels(why).inc(changed)
+        UNCHANGED.inc(examined - changed)
+        stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
     return stats
 
 
@@ -850,12 +860,8 @@ def _restarted(store: Store, restarts: pl.DataFrame, sizes: pl.DataFrame, reach:
         return stats
     if before is not None:
         targets = reset_targets(store, changed_restarts(before, restarts), max(reach), now)
-        for start in range(0, len(targets), chunk_size):
-            examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes, default_block_size,
-                                           True, now)
-            ATTRIBUTED.labels("gap_restart").inc(changed)
-            UNCHANGED.inc(examined - changed)
-            stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+        stats = _reexamine_all(store, targets, "gap_restart", reach, sizes, default_block_size, True, now,
+                               chunk_size, stats)
     judged_with.save(store, table, restarts, GAP_RESTARTS_SCHEMA, now)
     return stats
 
@@ -870,12 +876,8 @@ def _resize(store: Store, sizes: pl.DataFrame, reach: tuple[int, int], default_b
         return stats
     if before is not None:
         targets = size_targets(store, block_sizes.differences(before, sizes, default_block_size), now)
-        for start in range(0, len(targets), chunk_size):
-            examined, changed = _reexamine(store, targets.slice(start, chunk_size), reach, sizes, default_block_size,
-                                           kv_evidence, now)
-            ATTRIBUTED.labels("block_size_changed").inc(changed)
-            UNCHANGED.inc(examined - changed)
-            stats = RunStats(stats.arrivals, stats.changed + changed, stats.examined + examined, stats.chunks)
+        stats = _reexamine_all(store, targets, "block_size_changed", reach, sizes, default_block_size, kv_evidence,
+                               now, chunk_size, stats)
     block_sizes.save(store, sizes, now)
     return stats
 
