@@ -520,8 +520,13 @@ def _predecessor_suffix_in_this_request(req: Request, pred: Predecessor, offsets
     p_offsets = segment_offsets(pred.request)
     if p_offsets is None:
         return offsets[HISTORY]
-    before = STABLE_SEGMENTS[:HISTORY]
-    return p_offsets[HISTORY + 1] + sum(_int(req, s.tokens_field) - _int(pred.request, s.tokens_field) for s in before)
+    return p_offsets[HISTORY + 1] + _shift_before_history(req, pred)
+
+
+def _shift_before_history(req: Request, pred: Predecessor) -> int:
+    """How many tokens longer the segments before the history are in ``req`` than in the predecessor (raw segment
+    counts: template tokens are the same on both sides)."""
+    return sum(_int(req, s.tokens_field) - _int(pred.request, s.tokens_field) for s in STABLE_SEGMENTS[:HISTORY])
 
 
 def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
@@ -529,9 +534,7 @@ def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
     (its history, suffix and generation prompt are all in this request's history) but an earlier segment
     changed: its prompt_tokens shifted by the change in length of the segments before the history (template
     tokens are the same on both sides, so raw segment counts are exact here)."""
-    before = STABLE_SEGMENTS[:HISTORY]
-    shift = sum(_int(req, s.tokens_field) - _int(pred.request, s.tokens_field) for s in before)
-    return _int(pred.request, "prompt_tokens") + shift
+    return _int(pred.request, "prompt_tokens") + _shift_before_history(req, pred)
 
 
 def _name_drift(req: Request, prev: Request, seg: Segment) -> str:
