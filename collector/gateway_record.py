@@ -98,6 +98,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     routing_policy: Name = ""
     routing_reason: str = ""
     stream: bool = False
+    skip_reading_prefix_cache: bool = False
     error: str = ""
     completion_tokens: U32 = 0
     queue_wait_ms: Ms | None = None
@@ -114,6 +115,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     history_prefix_hash: str = ""
     prev_history_hash: str = ""
     prev_suffix_hash: str = ""
+    next_history_hash: str = ""
     history_tokens: U32 = 0
     suffix_hash: str = ""
     suffix_tokens: U32 = 0
@@ -323,9 +325,12 @@ def inclusive_usage(prompt_tokens: int, cached_tokens: int | None, usage_convent
 
 
 def record_usage(rec: GatewayRecord) -> tuple[int, int | None]:
-    """:func:`inclusive_usage` of a decoded record."""
-    return inclusive_usage(rec.prompt_tokens, rec.cached_tokens, rec.usage_convention,
-                           rec.cache_read_input_tokens, rec.cache_creation_input_tokens)
+    """:func:`inclusive_usage` of a decoded record; the cached count None (not reported) for a request that read no
+    prefix cache (``skip_reading_prefix_cache``: vLLM counts it in neither ``prefix_cache_queries`` nor
+    ``prefix_cache_hits``, so its 0 is no hit count, and the hit rate leaves it out as vLLM's does)."""
+    prompt, cached = inclusive_usage(rec.prompt_tokens, rec.cached_tokens, rec.usage_convention,
+                                     rec.cache_read_input_tokens, rec.cache_creation_input_tokens)
+    return prompt, None if rec.skip_reading_prefix_cache else cached
 
 
 def ts_ms(rec: GatewayRecord) -> int:

@@ -127,6 +127,10 @@ FIXES: dict[tuple[str, str], Fix] = {
     (a.NOT_REPORTED, ""): Fix(
         STAGE_DATA, "Start vLLM with --enable-prompt-tokens-details (and make the gateway keep usage on streamed "
         "responses): without the cached count these requests' hits and misses are unknown."),
+    (a.NOT_REPORTED, a.SKIP_READING_PREFIX_CACHE): Fix(
+        STAGE_PROMPT, "Ask for prompt logprobs only where they are needed (scoring, evaluation): vLLM reads no "
+        "prefix cache for a request with prompt_logprobs (or echo with logprobs), so it re-computes its whole "
+        "prompt whatever the cache holds."),
     (a.ROUTED_AWAY, ""): Fix(
         STAGE_ROUTING, "Route each conversation or agent run to the pod that served its previous turn "
         "(prefix- or session-affinity routing): the prefix was cached on another pod."),

@@ -200,6 +200,7 @@ class PromptFingerprint:
     suffix_chunk_tokens: tuple[int, ...] = ()
     cache_salt_hash: str = ""
     prev_suffix_hash: str = ""
+    next_history_hash: str = ""
 
     @property
     def segment_tokens(self) -> int:
@@ -218,8 +219,8 @@ class PromptFingerprint:
         )
 
     def to_log_fields(self) -> dict[str, str | int | list]:
-        """The 22 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
-        JSON lists; ``cache_salt_hash`` and ``prev_suffix_hash`` included)."""
+        """The 23 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
+        JSON lists; ``cache_salt_hash``, ``prev_suffix_hash`` and ``next_history_hash`` included)."""
         fields = {name: getattr(self, name) for name in _FIELD_NAMES}
         for name in _TUPLE_FIELDS:
             fields[name] = list(fields[name])
@@ -582,6 +583,23 @@ def prefilled_as_written(body: Mapping[str, Any]) -> bool:
     return body.get("truncate_prompt_tokens") is None and body.get("prompt_embeds") is None
 
 
+def skips_prefix_cache(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
+    """True when vLLM will not read the prefix cache for this body: it asks for prompt logprobs, which vLLM sets as
+    ``SamplingParams.skip_reading_prefix_cache`` (``vllm/sampling_params.py``: ``prompt_logprobs is not None``).
+    The OpenAI servers derive ``prompt_logprobs`` from the body (``to_sampling_params`` in
+    ``vllm/entrypoints/openai/{chat_completion,completion}/protocol.py``): the body's ``prompt_logprobs`` when not
+    null, else, with ``echo`` true, ``top_logprobs`` (chat; default 0, so ``echo`` alone is enough) or
+    ``logprobs`` (completions; default null). Such a request counts in neither ``vllm:prefix_cache_queries`` nor
+    ``vllm:prefix_cache_hits``; its prefill recomputes every prompt token whatever the cache holds."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if not body.get("echo"):
+        return False
+    if endpoint == "chat.completions":
+        return "top_logprobs" not in body or body["top_logprobs"] is not None
+    return body.get("logprobs") is not None
+
+
 def fingerprint_request(
     body: Mapping[str, Any],
     endpoint: Endpoint,
@@ -706,6 +724,9 @@ class _Segments:
             prev_history_hash=_segment_hash([h[0] for h in hist[:previous]]),
             # the previous request's final message as this one carries it: its suffix_hash unless edited
             prev_suffix_hash=_segment_hash([hist[previous][0]]) if previous < len(hist) else "",
+            # this request's history and final message as one history: the history_prefix_hash of a next request
+            # that re-sends them with no reply between (a message sent before the reply came, user-only turns)
+            next_history_hash=_segment_hash([h[0] for h in hist] + [t[0] for t in tail]),
             history_tokens=sum(h[1] for h in hist),
             suffix_hash=_segment_hash([t[0] for t in tail]),
             suffix_tokens=sum(t[1] for t in tail),

@@ -61,6 +61,7 @@ from gateway.fingerprint import (
     cache_salt_hash,
     fingerprint_request,
     salted,
+    skips_prefix_cache,
 )
 from gateway.log import BackgroundLogWriter, format_ts
 from gateway.routing import NoPodAvailable, make_router
@@ -200,6 +201,7 @@ class _Exchange:
     holds_pod: bool = False  # counted in the router's in-flight count of `pod`
     logged: bool = False
     body: dict[str, Any] | None = None  # the request body, for its block chain (gateway.block_chain)
+    skip_reading_prefix_cache: bool = False  # vLLM reads no prefix cache (gateway.fingerprint.skips_prefix_cache)
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
         """Take usage and per-request metrics from a response body or stream chunk, when present.
@@ -243,6 +245,7 @@ class _Exchange:
             "e2e_ms": e2e_ms,
             "queue_wait_ms": self.queue_wait_ms,
             "tool_latency_ms": self.tool_latency_ms,
+            "skip_reading_prefix_cache": self.skip_reading_prefix_cache,
             **self.fingerprint.to_log_fields(),
             "prompt_block_hashes": [],  # filled in by Gateway._log_with_chain when the chain is known
             "prompt_block_size": 0,
@@ -386,6 +389,7 @@ class Gateway:
         ex.request_id = ex.request_id or uuid.uuid4().hex
         ex.model = fit_name(str(body.get("model") or ""))
         ex.stream = bool(body.get("stream"))
+        ex.skip_reading_prefix_cache = skips_prefix_cache(body, endpoint)
         try:  # cached or short segments on the loop; tokenizing a long new prompt takes ms: on a thread
             try:
                 ex.fingerprint = fingerprint_request(

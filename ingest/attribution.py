@@ -76,6 +76,9 @@ CACHE_RESET = "cache_reset"
 #: sub_cause of ``unknown`` in precise mode: the KV events show the block resident on this very pod at arrival,
 #: yet it was missed (a race between the events and the scheduler, e.g. evicted while the request queued).
 RESIDENT_AT_ARRIVAL = "resident_at_arrival"
+#: sub_cause of ``not_reported``: vLLM read no prefix cache for the request (it asked for prompt logprobs:
+#: ``SamplingParams.skip_reading_prefix_cache``), so there is no hit count; the gateway logs the flag.
+SKIP_READING_PREFIX_CACHE = "skip_reading_prefix_cache"
 
 #: request_attribution.evidence: what a verdict's routed_away / evicted part rests on (docs/miss-causes.md).
 EVIDENCE_KV_EVENTS = "kv_events"  # precise mode: the request's block chain matched against the pods' KV events
@@ -132,9 +135,9 @@ REQUEST_FIELDS = (
     "system_hash", "system_norm_hash", "system_tokens",
     "tools_hash", "tools_canonical_hash", "tools_tokens",
     "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
-    "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "history_tokens",
+    "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "next_history_hash", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
-    LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash",
+    LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash", "skip_reading_prefix_cache",
 )
 
 Request = Mapping[str, Any]
@@ -495,9 +498,19 @@ def _segment_equal(req: Request, prev: Request, seg: Segment) -> bool:
 
 
 def _history_continues(req: Request, pred: Predecessor) -> bool:
-    """A next turn: this request's history as the previous turn saw it equals that turn's history, and the message
-    that turn sent last is in it as sent (:func:`_previous_message_edited`)."""
-    return _previous_history_kept(req, pred) and not _previous_message_edited(req, pred)
+    """A next turn: the previous turn's messages were re-sent with no reply between (:func:`_sent_without_reply`),
+    or this request's history as the previous turn saw it equals that turn's history and the message that turn
+    sent last is in it as sent (:func:`_previous_message_edited`)."""
+    return _sent_without_reply(req, pred) or (_previous_history_kept(req, pred)
+                                              and not _previous_message_edited(req, pred))
+
+
+def _sent_without_reply(req: Request, pred: Predecessor) -> bool:
+    """This request's history is the previous turn's history and final message, unchanged: its
+    ``history_prefix_hash`` equals that turn's ``next_history_hash`` (logged, not ""). A message sent before the
+    reply came, or user-only turns: ``prev_history_hash`` assumes a reply between the turns, so it cannot tell."""
+    sent = _str(pred.request, "next_history_hash")
+    return pred.kind == PREVIOUS_TURN and sent != "" and sent == _str(req, "history_prefix_hash")
 
 
 def _previous_history_kept(req: Request, pred: Predecessor) -> bool:
@@ -508,9 +521,11 @@ def _previous_history_kept(req: Request, pred: Predecessor) -> bool:
 def _previous_message_edited(req: Request, pred: Predecessor) -> bool:
     """The previous turn's history is this one's, but its final message is not as it was sent: ``prev_suffix_hash``
     (logged, not "") differs from the previous turn's ``suffix_hash`` (logged, not "": a turn logged without
-    segments proves no edit). A log without either reads as continued."""
+    segments proves no edit). A log without either reads as continued, and so does a turn
+    :func:`_sent_without_reply` (its history holds that message as sent)."""
     carried, sent = _str(req, "prev_suffix_hash"), _str(pred.request, "suffix_hash")
-    return _previous_history_kept(req, pred) and carried != "" and sent != "" and carried != sent
+    return (_previous_history_kept(req, pred) and carried != "" and sent != "" and carried != sent
+            and not _sent_without_reply(req, pred))
 
 
 def _predecessor_suffix_in_this_request(req: Request, pred: Predecessor, offsets: tuple[int, ...]) -> int:
@@ -631,7 +646,8 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
       also volatile_system when its line structure says so (:func:`lines_volatile`), and its drift starts at
       the first changed line (:func:`first_changed_line_tokens`), not at token 0;
     - history, previous-turn predecessor: if ``prev_history_hash`` equals the predecessor's
-      ``history_prefix_hash`` the conversation continued and S covers the predecessor's whole prompt (its
+      ``history_prefix_hash``, or this ``history_prefix_hash`` equals the predecessor's ``next_history_hash``
+      (sent with no reply between), the conversation continued and S covers the predecessor's whole prompt (its
       history and suffix are in this history), unless ``prev_suffix_hash`` says the predecessor's final message
       is not in it as sent: ``history_changed`` from where that message starts (the predecessor's suffix
       offset) to the predecessor's prompt end (at most this history's end); else ``history_truncated``;
@@ -949,7 +965,8 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
         if offsets is None:
             pred = None  # without segment counts, no predecessor rule can be checked
         if cached_unknown(req):
-            split = [(NOT_REPORTED, "", _int(req, "prompt_tokens"))]
+            skipped = SKIP_READING_PREFIX_CACHE if req.get("skip_reading_prefix_cache") else ""
+            split = [(NOT_REPORTED, skipped, _int(req, "prompt_tokens"))]
         else:
             reuse = _reuse_cause(req, pred) if pred is not None else (EVICTED, "")
             shared = shared_prefix(req, pred) if pred is not None else None

@@ -56,6 +56,7 @@ from ingest.attribution import (
     RESIDENT_ELSEWHERE,
     RESIDENT_HERE,
     ROUTED_AWAY,
+    SKIP_READING_PREFIX_CACHE,
     STABLE_SEGMENTS,
     UNAVOIDABLE,
     UNKNOWN,
@@ -99,7 +100,7 @@ def _names(codes: np.ndarray) -> pa.Array:
 
 for _name in (COLD, BELOW_BLOCK, UNKNOWN, ROUTED_AWAY, EVICTED, BEYOND_HORIZON, PREFIX_DRIFT, UNAVOIDABLE,
               NOT_REPORTED, EVICTED_BEFORE_NEXT_TURN, CACHE_RESET, RESIDENT_AT_ARRIVAL, CACHE_SALT_CHANGED,
-              HISTORY_CHANGED,
+              HISTORY_CHANGED, SKIP_READING_PREFIX_CACHE,
               *(n for seg in STABLE_SEGMENTS for n in (seg.reordered, seg.changed) if n)):
     _code(_name)
 #: The target's own fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` and precise mode
@@ -111,7 +112,7 @@ TARGET_FIELDS = tuple(f for f in REQUEST_FIELDS if f not in ("conversation_id", 
 PREDECESSOR_FIELDS = (
     "request_id", "ts", "pod", "prompt_tokens", "e2e_ms",
     *(f for s in STABLE_SEGMENTS for f in (s.hash_field, s.tokens_field, s.variant_field) if f),
-    "suffix_hash", "suffix_tokens", "cache_salt_hash", LINE_HASHES, CHUNK_HASHES,
+    "suffix_hash", "suffix_tokens", "next_history_hash", "cache_salt_hash", LINE_HASHES, CHUNK_HASHES,
 )
 _TOKENS = [s.tokens_field for s in STABLE_SEGMENTS] + ["suffix_tokens"]
 HISTORY = 3
@@ -161,10 +162,14 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     var_eq = [_nonempty(df, s.variant_field) & _eq(df, s.variant_field, "p_" + s.variant_field)
               if s.variant_field else np.zeros(n, dtype=bool) for s in STABLE_SEGMENTS]
     kept = prev_turn & _eq(df, "prev_history_hash", "p_history_prefix_hash")
+    # the previous turn's messages re-sent as this history with no reply between (its next_history_hash)
+    no_reply = prev_turn & _nonempty(df, "p_next_history_hash") \
+        & _eq(df, "history_prefix_hash", "p_next_history_hash") if "p_next_history_hash" in df.columns \
+        else np.zeros(n, dtype=bool)
     # the previous turn's final message not as it was sent (edited, redacted): history_changed, not continued
-    edited = kept & _nonempty(df, "prev_suffix_hash") & _nonempty(df, "p_suffix_hash") \
+    edited = kept & ~no_reply & _nonempty(df, "prev_suffix_hash") & _nonempty(df, "p_suffix_hash") \
         & ~_eq(df, "prev_suffix_hash", "p_suffix_hash") if "prev_suffix_hash" in df.columns else np.zeros(n, dtype=bool)
-    continues = kept & ~edited
+    continues = (kept & ~edited) | no_reply
     suffix_eq = _eq(df, "suffix_hash", "p_suffix_hash")
     tail = np.where(suffix_eq, prompt, off[:, HISTORY + 1])
     shift = sum(_i(df, s.tokens_field) - _i(df, "p_" + s.tokens_field) for s in STABLE_SEGMENTS[:HISTORY])
@@ -299,24 +304,26 @@ def _zones(prompt: np.ndarray, cached: np.ndarray, block: np.ndarray, stable: np
 
 
 def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable: np.ndarray,
-           whole: list[tuple[np.ndarray, str, np.ndarray]], first: tuple[np.ndarray, np.ndarray, np.ndarray]
+           whole: list[tuple[np.ndarray, str, str, np.ndarray]], first: tuple[np.ndarray, np.ndarray, np.ndarray]
            ) -> tuple[pa.ListArray, pa.ListArray, pa.ListArray]:
     """The zones as three Arrow list columns (causes, sub_causes, missed_tokens), empty zones left out, equal
     (cause, sub_cause) pairs added up (:func:`_merge`), built from flat arrays and offsets (no per-row Python).
     ``first``: (n, k) slots of tokens / causes / sub_causes before the zones (precise mode's blocks). ``whole``:
-    (rows, cause, tokens) of requests that get one entry instead of zones: cached tokens beyond what vLLM can
-    hit at the block size (``unknown``, the missed tokens), a cached count not reported (``not_reported``, the
-    prompt tokens). Causes and sub-causes in as codes (:func:`_code`), out as names."""
+    (rows, cause, sub_cause, tokens) of requests that get one entry instead of zones: cached tokens beyond what
+    vLLM can hit at the block size (``unknown``, the missed tokens), a cached count not reported
+    (``not_reported``, the prompt tokens; sub-cause ``skip_reading_prefix_cache`` when vLLM read no cache). A
+    later entry replaces an earlier one on the rows both name. Causes and sub-causes in as codes (:func:`_code`),
+    out as names."""
     tok = np.concatenate([first[0], np.stack([z[0] for z in zones], axis=1)], axis=1)
     cause = np.concatenate([first[1], np.stack([z[1] for z in zones], axis=1)], axis=1)
     sub = np.concatenate([first[2], np.stack([z[2] for z in zones], axis=1)], axis=1)
     _merge(tok, cause, sub)
     n = len(tok)
     tok[~attributable] = 0
-    for rows, name, tokens in whole:
+    for rows, name, sub_name, tokens in whole:
         tok[rows] = 0
         tok[rows, 0] = tokens[rows]
-        cause[rows, 0], sub[rows, 0] = _code(name), 0
+        cause[rows, 0], sub[rows, 0] = _code(name), _code(sub_name) if sub_name else 0
     keep = tok > 0
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(keep.sum(axis=1), out=offsets[1:])
@@ -509,8 +516,12 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     zones = _zones(prompt, cached, block, off[:, HISTORY + 1], has_counts, has_pred, s, drift, w, identical, reuse,
                    reuse_sub, ev.start)
     over = attributable & ~unknown & (cached > _full(prompt - 1, block))
-    causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, prompt - cached),
-                                                        (attributable & unknown, NOT_REPORTED, prompt)], ev.zones)
+    skipped = attributable & unknown & (df["skip_reading_prefix_cache"].fill_null(False).to_numpy()
+                                        if "skip_reading_prefix_cache" in df.columns else np.zeros(n, dtype=bool))
+    causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, "", prompt - cached),
+                                                        (attributable & unknown, NOT_REPORTED, "", prompt),
+                                                        (skipped, NOT_REPORTED, SKIP_READING_PREFIX_CACHE, prompt)],
+                                  ev.zones)
     reused = attributable & ~unknown & ~over & (zones[0][0] > 0) & np.isin(zones[0][1], reused_codes)
     ts_ms = df["ts"].dt.epoch("ms").to_numpy()
     p_ts_ms = df["p_ts"].dt.epoch("ms").fill_null(0).to_numpy()

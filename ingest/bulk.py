@@ -126,7 +126,8 @@ _CACHE_READ = "coalesce(cache_read_input_tokens, cached_tokens)"
 _NORMALIZED = {
     "prompt_tokens": f"if({_EXCLUSIVE}, toUInt32(toUInt64(prompt_tokens) + ifNull({_CACHE_READ}, 0) "
                      f"+ ifNull(cache_creation_input_tokens, 0)), prompt_tokens)",
-    "cached_tokens": f"if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens)",
+    # a request that read no prefix cache has no hit count (record_usage): stored NULL, not reported
+    "cached_tokens": f"if(skip_reading_prefix_cache, NULL, if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens))",
     # the structural hashes arrive as 16 hex characters (staged as strings) and are stored as UInt64
     **{c: f"arrayMap(x -> reinterpretAsUInt64(reverse(unhex(x))), {c})" for c in GATEWAY_HASH_LISTS},
 }

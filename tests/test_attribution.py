@@ -32,13 +32,14 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         system_tokens: int = 720, tools: str = "", tools_canonical: str | None = None, tools_tokens: int = 0,
         rag: str = "", rag_set: str | None = None, rag_tokens: int = 0, history: str = "",
         prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
-        prev_suffix: str = "", lines: list[str] | None = None, line_tokens: list[int] | None = None,
-        chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
+        prev_suffix: str = "", next_history: str = "", lines: list[str] | None = None,
+        line_tokens: list[int] | None = None, chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
         ) -> dict[str, Any]:
     """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw.
     ``lines``/``chunks``: the system prompt's lines and the suffix's chunks (texts, hashed here) with their
     token counts (default: none, as an older gateway logs); ``prev_suffix``: the previous turn's final message as
-    this request carries it (default: not logged, as an older gateway)."""
+    this request carries it (default: not logged, as an older gateway); ``next_history``: this request's history
+    and final message as one history (default: not logged)."""
     sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
     return {
         "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
@@ -51,7 +52,7 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         "retrieval_pack_hash": rh, "retrieval_set_hash": h(rag if rag_set is None else rag_set),
         "retrieval_tokens": rag_tokens,
         "history_prefix_hash": hh, "prev_history_hash": h(prev_history), "prev_suffix_hash": h(prev_suffix),
-        "history_tokens": history_tokens,
+        "next_history_hash": h(next_history), "history_tokens": history_tokens,
         "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
         "prompt_fingerprint": h(sh, th, rh, hh) if any((sh, th, rh, hh)) else "",
         "system_line_hashes": [h(x) or "0" * 16 for x in lines or []], "system_line_tokens": list(line_tokens or []),
@@ -316,6 +317,27 @@ def test_an_edit_behind_a_system_change_keeps_the_history_before_it_reusable() -
     assert split(run(t1, kept), "t2") == [("prefix_drift", "system_changed", 4992), ("unavoidable", "", 608)]
 
 
+@pytest.mark.parametrize(("logged", "expected"), [
+    (True, [("routed_away", "", 1216), ("unavoidable", "", 46)]),
+    (False, [("routed_away", "", 352), ("prefix_drift", "history_truncated", 864), ("unavoidable", "", 46)]),
+])
+def test_a_message_sent_before_the_reply_continues_the_conversation(logged: bool, expected: list) -> None:
+    """Turn 2 re-sends turn 1's messages as they were and adds a message with no reply between (the user wrote again
+    before the reply came; user-only turns). prev_history_hash assumes a reply between the turns, so it names a
+    history turn 1 did not have; turn 1's next_history_hash (its history and final message as one history) equals
+    turn 2's history_prefix_hash: the conversation continued, and turn 1's whole prompt (1234 tokens, 1216 in full
+    blocks of 32) was reusable on pod-a, where turn 1 ran: `routed_away` for turn 2 on pod-b, not a truncated
+    history. A log without the field reads as before."""
+    kw = dict(conv="c-noreply", system_tokens=360)
+    t1 = req("t1", prompt=1234, history="U0|A0", history_tokens=400, suffix="U1", suffix_tokens=460,
+             next_history="U0|A0|U1" if logged else "", **kw)
+    t2 = req("t2", at=10, pod="pod-b", prompt=1262, history="U0|A0|U1", history_tokens=860, prev_history="",
+             prev_suffix="U0", suffix="U2", suffix_tokens=28, **kw)
+    rows = run(t1, t2)
+    assert split(rows, "t2") == expected
+    check_sum(rows, t2)
+
+
 def test_prompt_shorter_than_a_block_is_below_block():
     # cap-5-below-one-block: a 19-token prompt is never cached, even when repeated.
     r1 = req("r1", system="Be brief.", system_tokens=5, prompt=19, suffix="hi", suffix_tokens=10)
@@ -493,6 +515,15 @@ def test_random_traffic_sums_exactly_and_is_deterministic():
             assert q["request_id"] not in by_id
     keys = [(r.request_id, r.cause, r.sub_cause) for r in rows]
     assert len(keys) == len(set(keys))
+
+
+def test_a_request_that_read_no_prefix_cache_names_why() -> None:
+    """A request that asked for prompt logprobs (vLLM read no prefix cache: the contract stores its cached count as
+    not reported) repeats turn 1 on its pod: all 762 tokens are `not_reported / skip_reading_prefix_cache`, not
+    `evicted` on a pod that evicted nothing."""
+    t1 = req("t1", conv="c")
+    t2 = {**req("t2", at=10, conv="c", cached=None), "skip_reading_prefix_cache": True}
+    assert split(run(t1, t2), "t2") == [("not_reported", "skip_reading_prefix_cache", 762)]
 
 
 def test_a_cached_count_not_reported_is_one_not_reported_cause_not_invented_misses():

@@ -105,6 +105,7 @@ def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
             rag_tokens=seg[2], history=draw(st.sampled_from(["", "h1", "h2"])),
             prev_history=draw(st.sampled_from(["", "h1"])), history_tokens=seg[3],
             prev_suffix=draw(st.sampled_from(["", "x1", "x2"])),
+            next_history=draw(st.sampled_from(["", "h1", "h2"])),
             suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
             **random_structure(random.Random(draw(st.integers(0, 2**32)))),
         ))
@@ -151,6 +152,31 @@ def test_edited_previous_messages_column_wise() -> None:
     after = req("t6", at=9, conv="e", prompt=1000, system="", system_tokens=0, history="U1|A1", history_tokens=900,
                 prev_suffix="U1", suffix="U2", suffix_tokens=60)
     check_equal([t1, behind, first, alone, unlogged, after], {"pod-a": 32})
+
+
+def test_a_message_sent_before_the_reply_column_wise() -> None:
+    """The no-reply case of tests/test_attribution.py judged column-wise as the reference judges it: turn 1's
+    next_history_hash is turn 2's history (routed_away, not history_truncated), and a log without it."""
+    reqs = []
+    for conv, logged in (("c", "U0|A0|U1"), ("d", "")):
+        reqs.append(req(f"{conv}1", conv=conv, prompt=1234, system_tokens=360, history="U0|A0", history_tokens=400,
+                        suffix="U1", suffix_tokens=460, next_history=logged))
+        reqs.append(req(f"{conv}2", at=10, conv=conv, pod="pod-b", prompt=1262, system_tokens=360,
+                        history="U0|A0|U1", history_tokens=860, prev_suffix="U0", suffix="U2", suffix_tokens=28))
+    check_equal(reqs, {"pod-a": 32, "pod-b": 32})
+
+
+def test_a_request_that_read_no_prefix_cache_column_wise() -> None:
+    """`not_reported / skip_reading_prefix_cache` column-wise as the reference names it, beside a plain unreported
+    count (sub-cause "") and a known one."""
+    reqs = [req("t1", conv="c"), {**req("t2", at=10, conv="c", cached=None), "skip_reading_prefix_cache": True},
+            req("t3", at=20, conv="c", cached=None), req("t4", at=30, conv="c", cached=704)]
+    check_equal(reqs, {"pod-a": 32})
+    got = judge_frame(pl.DataFrame([{**{f: r.get(f) for f in TARGET_FIELDS}, "block_size": 32,
+                                     "predecessor_kind": "", "beyond_horizon": None,
+                                     **{f"p_{f}": None for f in PREDECESSOR_FIELDS}} for r in reqs[1:3]],
+                                   infer_schema_length=None), None)
+    assert got["sub_causes"].to_pylist() == [["skip_reading_prefix_cache"], [""]]
 
 
 def test_an_identical_repeat_has_no_edge_tolerance_column_wise() -> None:

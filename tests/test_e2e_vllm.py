@@ -76,6 +76,8 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
                                   wait_scale=0.5)
             labels += turns_in_a_row(gw.url)
             edited = edited_turns(gw.url)
+            unreplied = unreplied_turns(gw.url)
+            skipped = prompt_logprobs_repeat(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -92,7 +94,8 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     run_attribution(store, settle_seconds=0.0)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
-           "cfg": cfg, "pods": pods, "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
+           "unreplied": unreplied, "skipped": skipped, "cfg": cfg, "pods": pods,
+           "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
 
 def turns_in_a_row(gateway_url: str) -> list[dict[str, Any]]:
@@ -138,6 +141,86 @@ def edited_turns(gateway_url: str) -> tuple[str, str]:
     return f"edit-{tag}-t1", f"edit-{tag}-t2"
 
 
+def unreplied_turns(gateway_url: str) -> tuple[str, str]:
+    """Two turns of one conversation, the second re-sending the first's messages and a new user message with no
+    reply between (the user wrote again before the reply came), sent back to back with nothing else in flight so
+    round robin puts the second on the other pod. Returns the two request ids."""
+    tag = uuid.uuid4().hex[:8]
+    system = f"You are the dispatcher {tag}. " + " ".join(f"Rule {i}: route each parcel by its zone." for i in
+                                                            range(12))
+    notes = " ".join(f"Parcel {i} waits at the depot for its van." for i in range(30))
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Where is parcel 7?"},
+             {"role": "assistant", "content": "At the depot."}, {"role": "user", "content": "List them. " + notes}]
+    headers = {"X-Conversation-Id": f"unreplied-{tag}", "X-Tenant-Id": "dispatch"}
+    ids = (f"unreplied-{tag}-t1", f"unreplied-{tag}-t2")
+    with httpx.Client(timeout=120) as client:
+        for rid, messages in zip(ids, (first, [*first, {"role": "user", "content": "Hello?"}]), strict=True):
+            r = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": rid},
+                            json={"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+    return ids
+
+
+def prompt_logprobs_repeat(gateway_url: str) -> tuple[str, str]:
+    """A chat request, then the same one asking for prompt logprobs on the same pod (round robin over two pods
+    with a filler between). vLLM reads no prefix cache for the second. Returns the two request ids."""
+    tag = uuid.uuid4().hex[:8]
+    system = f"You are the scorer {tag}. " + " ".join(f"Rule {i}: score each answer from 0 to 9." for i in range(12))
+    body = {"model": "tiny", "messages": [{"role": "system", "content": system},
+                                          {"role": "user", "content": "Score: the van left at nine."}],
+            "max_tokens": 2, "temperature": 0}
+    ids = (f"plp-{tag}-t1", f"plp-{tag}-t2")
+    with httpx.Client(timeout=120) as client:
+        for rid, extra in ((ids[0], {}), (f"plp-{tag}-other", None), (ids[1], {"prompt_logprobs": 1})):
+            if extra is None:
+                r = client.post(f"{gateway_url}/v1/completions", headers={"X-Request-Id": rid},
+                                json={"model": "tiny", "prompt": "filler", "max_tokens": 1})
+            else:
+                r = client.post(f"{gateway_url}/v1/chat/completions",
+                                headers={"X-Request-Id": rid, "X-Tenant-Id": "scorer"}, json={**body, **extra})
+            assert r.status_code == 200, r.text
+    return ids
+
+
+def test_a_request_that_read_no_prefix_cache_is_no_cache_query(e2e) -> None:  # type: ignore[no-untyped-def]
+    """The repeat asked for prompt logprobs, so vLLM read no prefix cache although the prompt sat on that pod: the
+    gateway logs skip_reading_prefix_cache, the store keeps its cached count as not reported (vLLM counted it in
+    no prefix-cache query: the hit rates test above agrees to the token because of it), and its prompt tokens
+    are `not_reported / skip_reading_prefix_cache`, not `evicted` on a pod that evicted nothing."""
+    t1, t2 = e2e["skipped"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[t1]["pod"] == by_id[t2]["pod"], "round robin moved the repeat: the control needs one pod"
+    assert (by_id[t1]["skip_reading_prefix_cache"], by_id[t2]["skip_reading_prefix_cache"]) == (False, True)
+    assert by_id[t2]["cached_tokens"] == 0  # what vLLM reports for it
+    store = e2e["store"]
+    assert store.query_rows("SELECT cached_tokens FROM gateway_requests WHERE request_id = {r:String}",
+                            {"r": t2}) == [(None,)]
+    rows = store.query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": t2})
+    print(f"\nprompt-logprobs repeat: prompt {by_id[t2]['prompt_tokens']}, causes {rows}")
+    assert rows == [("not_reported", "skip_reading_prefix_cache", by_id[t2]["prompt_tokens"])]
+
+
+def test_a_message_sent_before_the_reply_is_not_a_truncated_history(e2e) -> None:  # type: ignore[no-untyped-def]
+    """The second turn re-sent the first's messages and added one with no reply between, and round robin put it
+    on the other pod. The first turn's whole prompt was reusable on its pod: `routed_away` (the first turn's
+    next_history_hash is the second's history), never `prefix_drift / history_truncated`, which
+    prev_history_hash alone reads (it assumes a reply between the turns)."""
+    t1, t2 = e2e["unreplied"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[t1]["pod"] != by_id[t2]["pod"], "round robin kept the second turn on its pod"
+    assert by_id[t2]["history_prefix_hash"] == by_id[t1]["next_history_hash"] != ""
+    assert by_id[t2]["prev_history_hash"] != by_id[t1]["history_prefix_hash"]
+    rows = e2e["store"].query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": t2})
+    print(f"\nunreplied turn: prompt {by_id[t2]['prompt_tokens']}, cached {by_id[t2]['cached_tokens']}, "
+          f"first turn {by_id[t1]['prompt_tokens']}, causes {rows}")
+    causes = {(c, s) for c, s, _ in rows}
+    assert ("routed_away", "") in causes
+    assert causes <= {("routed_away", ""), ("unavoidable", "")}, rows
+    assert sum(t for *_, t in rows) == by_id[t2]["prompt_tokens"] - by_id[t2]["cached_tokens"]
+
+
 def test_an_edited_previous_message_is_drift_not_eviction(e2e) -> None:  # type: ignore[no-untyped-def]
     """The client redacted the message its previous turn sent; the turn stayed on its pod, which evicted nothing.
     vLLM hit the prefix up to the edit; the rest of what the previous turn held is `prefix_drift /
@@ -169,7 +252,9 @@ def test_hit_rate_matches_vllm_counters_and_gateway(e2e) -> None:  # type: ignor
     d_hits = sum(e2e["after"][p][HITS] - e2e["before"][p][HITS] for p in e2e["after"])
     d_queries = sum(e2e["after"][p][QUERIES] - e2e["before"][p][QUERIES] for p in e2e["after"])
     direct_vllm = d_hits / d_queries
-    gw = e2e["records"]
+    # vLLM counts a request that read no prefix cache (prompt logprobs) in no query: nor does the hit rate
+    gw = [r for r in e2e["records"] if not r.get("skip_reading_prefix_cache")]
+    assert len(gw) < len(e2e["records"])  # the prompt-logprobs repeat is in the run
     direct_gateway = sum(r["cached_tokens"] for r in gw) / sum(r["prompt_tokens"] for r in gw)
     df = store.named("hit_rate_total")
     by_source = {row["source"]: row for row in df.iter_rows(named=True)}

@@ -24,6 +24,7 @@ from gateway.fingerprint import (
     fingerprint_completion,
     fingerprint_request,
     hash_parts,
+    skips_prefix_cache,
     system_lines,
 )
 from gateway.log import SCHEMA_PATH, BackgroundLogWriter, GatewayLogWriter, format_ts
@@ -283,6 +284,46 @@ def test_prev_suffix_is_the_previous_turns_final_message_unless_edited():
                       {"role": "tool", "tool_call_id": "c2", "content": "late"}]
     assert fingerprint_chat(chat(*second), EST).prev_suffix_hash == fingerprint_chat(chat(*first), EST).suffix_hash
     assert fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST).prev_suffix_hash == ""
+
+
+def test_next_history_is_the_history_of_a_turn_sent_without_a_reply():
+    """next_history_hash is this request's history and final message as one history: the history_prefix_hash of
+    a next request that re-sends them with nothing between (a user message sent before the reply came; user-only
+    turns), where prev_history_hash, which assumes a reply between, names another history. A next turn after a
+    reply carries another history; a completion logs none."""
+    first = [sys(), user("Where is my order?"), bot("Which one?"), user("Order 1")]
+    for later in (first + [user("Hello?")], first + [user("Still there?"), user("Hello?")]):
+        cur, prev = fingerprint_chat(chat(*later), EST), fingerprint_chat(chat(*later[:-1]), EST)
+        assert cur.history_prefix_hash == prev.next_history_hash != ""
+        assert cur.prev_history_hash != prev.history_prefix_hash  # the rule alone reads a truncated history
+    users = [user("a"), user("b"), user("c")]
+    assert fingerprint_chat(chat(*users), EST).history_prefix_hash == \
+        fingerprint_chat(chat(*users[:2]), EST).next_history_hash
+    replied = first + [bot("Shipped."), user("Thanks")]
+    assert fingerprint_chat(chat(*replied), EST).history_prefix_hash != \
+        fingerprint_chat(chat(*first), EST).next_history_hash
+    assert fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST).next_history_hash == ""
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "skips"), [
+    ("chat.completions", {}, False),
+    ("chat.completions", {"prompt_logprobs": 0}, True),
+    ("chat.completions", {"prompt_logprobs": None}, False),
+    ("chat.completions", {"echo": True}, True),  # top_logprobs defaults to 0 (vLLM's ChatCompletionRequest)
+    ("chat.completions", {"echo": True, "top_logprobs": None}, False),
+    ("chat.completions", {"logprobs": True, "top_logprobs": 5}, False),  # sampled tokens' logprobs only
+    ("completions", {"prompt_logprobs": 1}, True),
+    ("completions", {"echo": True}, False),  # logprobs defaults to null (CompletionRequest)
+    ("completions", {"echo": True, "logprobs": 0}, True),
+    ("completions", {"logprobs": 3}, False),
+])
+def test_skips_prefix_cache_follows_vllms_prompt_logprobs_rule(endpoint: str, extra: dict, skips: bool) -> None:
+    """vLLM reads no prefix cache for a request whose prompt_logprobs is set (SamplingParams), and its OpenAI
+    servers set prompt_logprobs from the body's own field, else under echo from top_logprobs (chat) or logprobs
+    (completions)."""
+    body = {"model": "tiny", **({"messages": [user("hi")]} if endpoint == "chat.completions" else {"prompt": "hi"}),
+            **extra}
+    assert skips_prefix_cache(body, endpoint) is skips
 
 
 def test_prev_history_with_parallel_tool_results():

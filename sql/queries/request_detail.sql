@@ -94,7 +94,7 @@ WITH
     (
         SELECT request_id, ts, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
-               history_tokens, suffix_hash, suffix_tokens, system_line_hashes, suffix_chunk_hashes
+               history_tokens, suffix_hash, suffix_tokens, next_history_hash, system_line_hashes, suffix_chunk_hashes
         FROM gateway_requests
         WHERE request_id IN (SELECT predecessor_request_id FROM answer WHERE predecessor_request_id != '')
           -- gap_ms = arrival - (predecessor arrival + its e2e_ms), e2e_ms >= 0: the predecessor arrived by
@@ -134,8 +134,12 @@ WITH
             arrayMap((rh, ph) -> if(has_pred AND NOT empty(ph),
                                     arrayFilter(j -> j > length(ph) OR rh[j] != ph[j], arrayEnumerate(rh)), []),
                      r_parts, p_parts) AS changed_at,
-            startsWith(a.predecessor_kind, 'previous_turn') AND r.prev_history_hash = p.history_prefix_hash
-                AND (r.prev_suffix_hash = '' OR r.prev_suffix_hash = p.suffix_hash) AS continues,
+            -- a next turn: the previous turn's history kept and its final message as sent (a predecessor logged
+            -- without segments proves no edit), or its messages re-sent with no reply between (next_history_hash)
+            startsWith(a.predecessor_kind, 'previous_turn')
+                AND ((r.prev_history_hash = p.history_prefix_hash
+                      AND (r.prev_suffix_hash = '' OR p.suffix_hash = '' OR r.prev_suffix_hash = p.suffix_hash))
+                     OR (p.next_history_hash != '' AND r.history_prefix_hash = p.next_history_hash)) AS continues,
             arraySum(r_tokens) AS total,
             arrayMap(c -> if(total = 0, 0, intDiv(c * a.prompt_tokens, total)), arrayCumSum(r_tokens)) AS ends,
             arrayPushFront(arrayPopBack(ends), 0) AS starts
