@@ -366,6 +366,43 @@ def test_a_predecessor_beyond_the_horizon_is_named_and_shown(store):
     assert affinity == 0
 
 
+def test_chat_shapes_through_the_store_and_request_detail(store):
+    """The store's job and request_detail read the gateway's previous-turn fields as the reference does: c2 was
+    sent with no reply before it (c1's next_history_hash is its history): routed_away, and its history segment
+    continues c1's (variant_matched 1); e2 edited the message e1 sent (history_changed, variant_matched 0); g2
+    follows a turn logged without segments (continued, 1); s2 read no prefix cache (`not_reported /
+    skip_reading_prefix_cache`)."""
+    from test_attribution import req
+
+    rows = [
+        req("c1", conv="c", prompt=1234, system_tokens=360, history="U0|A0", history_tokens=400, suffix="U1",
+            suffix_tokens=460, next_history="U0|A0|U1"),
+        req("c2", at=10, conv="c", pod="pod-b", prompt=1262, system_tokens=360, history="U0|A0|U1",
+            history_tokens=860, prev_suffix="U0", suffix="U2", suffix_tokens=28),
+        req("e1", at=1, conv="e", prompt=1234, system_tokens=360, suffix="U1", suffix_tokens=860),
+        req("e2", at=11, conv="e", prompt=1262, cached=384, system_tokens=360, history="U1 edited|A1",
+            history_tokens=870, prev_suffix="U1 edited", suffix="U2", suffix_tokens=6),
+        req("g1", at=2, conv="g", prompt=900, system="", system_tokens=0, suffix="", suffix_tokens=0),
+        req("g2", at=12, conv="g", prompt=1000, system="", system_tokens=0, history="U1|A1", history_tokens=900,
+            prev_suffix="U1", suffix="U2", suffix_tokens=60),
+        req("s1", at=3, conv="s"),
+        {**req("s2", at=13, conv="s", cached=None), "skip_reading_prefix_cache": True},
+    ]
+    for r in rows:
+        r["system_line_hashes"] = r["suffix_chunk_hashes"] = []
+    insert_requests(store, [{"skip_reading_prefix_cache": False, **r, "ingested_at": INGESTED} for r in rows])
+    run(store)
+    got = {}
+    for r in attributed(store):
+        got.setdefault(r[0], []).append(r[1:4])
+    assert got["c2"] == [("routed_away", "", 1216), ("unavoidable", "", 46)]
+    assert got["e2"] == [("prefix_drift", "history_changed", 832), ("unavoidable", "", 46)]
+    assert got["s2"] == [("not_reported", "skip_reading_prefix_cache", 762)]
+    history = {rid: [x for x in store.named("request_detail", {"request_id": rid}).to_dicts()
+                     if x["segment"] == "history"][0]["variant_matched"] for rid in ("c2", "e2", "g2")}
+    assert history == {"c2": 1, "e2": 0, "g2": 1}
+
+
 def test_only_served_requests_look_beyond_the_horizon(store, monkeypatch):
     """A failed request names no predecessor (nothing was prefilled to reuse), so the search beyond the horizon
     leaves it out: at 10^7 requests of generated history its ~2% failed requests (none has a candidate within the
