@@ -116,6 +116,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     prev_history_hash: str = ""
     prev_suffix_hash: str = ""
     next_history_hash: str = ""
+    first_message_hash: str = ""
     history_tokens: U32 = 0
     suffix_hash: str = ""
     suffix_tokens: U32 = 0

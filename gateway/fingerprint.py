@@ -201,6 +201,7 @@ class PromptFingerprint:
     cache_salt_hash: str = ""
     prev_suffix_hash: str = ""
     next_history_hash: str = ""
+    first_message_hash: str = ""
 
     @property
     def segment_tokens(self) -> int:
@@ -219,8 +220,9 @@ class PromptFingerprint:
         )
 
     def to_log_fields(self) -> dict[str, str | int | list]:
-        """The 23 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
-        JSON lists; ``cache_salt_hash``, ``prev_suffix_hash`` and ``next_history_hash`` included)."""
+        """The 24 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
+        JSON lists; ``cache_salt_hash``, ``prev_suffix_hash``, ``next_history_hash`` and ``first_message_hash``
+        included)."""
         fields = {name: getattr(self, name) for name in _FIELD_NAMES}
         for name in _TUPLE_FIELDS:
             fields[name] = list(fields[name])
@@ -727,6 +729,8 @@ class _Segments:
             # this request's history and final message as one history: the history_prefix_hash of a next request
             # that re-sends them with no reply between (a message sent before the reply came, user-only turns)
             next_history_hash=_segment_hash([h[0] for h in hist] + [t[0] for t in tail]),
+            # the thread's first message (a sub-agent's task): an agent run's parallel threads keep their own turns
+            first_message_hash=_segment_hash([(hist or tail)[0][0]]) if hist or tail else "",
             history_tokens=sum(h[1] for h in hist),
             suffix_hash=_segment_hash([t[0] for t in tail]),
             suffix_tokens=sum(t[1] for t in tail),

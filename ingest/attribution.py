@@ -109,6 +109,11 @@ KEY_CONVERSATION, KEY_AGENT_RUN, KEY_FINGERPRINT, KEY_SYSTEM_NORM, KEY_TOOLS_CAN
 #: Banded keys of the system prompt's lines (sql/migrations/0020): (line count, first half of the line hashes)
 #: and (line count, second half). One changed line, wherever it sits, leaves one band equal.
 KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL = 7, 8
+#: Predecessor key 9: one thread of an agent run (tenant, model, agent_run_id, first_message_hash), so a turn of
+#: one of the run's parallel sub-agents finds its own previous turn, not the latest of another thread.
+KEY_AGENT_THREAD = 9
+#: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them.
+TURN_KEYS = (KEY_CONVERSATION, KEY_AGENT_THREAD, KEY_AGENT_RUN)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
 VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
 
@@ -135,7 +140,8 @@ REQUEST_FIELDS = (
     "system_hash", "system_norm_hash", "system_tokens",
     "tools_hash", "tools_canonical_hash", "tools_tokens",
     "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
-    "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "next_history_hash", "history_tokens",
+    "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "next_history_hash",
+    "first_message_hash", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
     LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash", "skip_reading_prefix_cache",
 )
@@ -336,8 +342,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
-    gateway_requests.predecessor_keys (sql/migrations/0008):
-    1. (tenant, model, conversation_id), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`;
+    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039):
+    1. (tenant, model, conversation_id), 9. (tenant, model, agent_run_id, first_message_hash: one thread of the
+    run), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -349,6 +356,8 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     for kind, field in ((KEY_CONVERSATION, "conversation_id"), (KEY_AGENT_RUN, "agent_run_id")):
         if _str(req, field):
             out.append((kind, (tenant, model, _str(req, field))))
+    if _str(req, "agent_run_id") and _str(req, "first_message_hash"):
+        out.append((KEY_AGENT_THREAD, (tenant, model, _str(req, "agent_run_id"), _str(req, "first_message_hash"))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -393,9 +402,9 @@ def lines_volatile(req: Request, prev: Request) -> bool:
 
 def choose_predecessor(candidates: Mapping[int, Request]) -> Predecessor | None:
     """The predecessor among ``candidates`` (key kind → the latest earlier request on that key of this
-    request, within the horizon): the previous turn of the conversation, else of the agent run; else the
-    fingerprint match; else the latest of the variant matches (by :func:`order_key`)."""
-    for kind in (KEY_CONVERSATION, KEY_AGENT_RUN):
+    request, within the horizon): the previous turn of the conversation, else of the agent run's thread, else of
+    the agent run; else the fingerprint match; else the latest of the variant matches (by :func:`order_key`)."""
+    for kind in TURN_KEYS:
         if kind in candidates:
             return Predecessor(candidates[kind], PREVIOUS_TURN)
     if KEY_FINGERPRINT in candidates:

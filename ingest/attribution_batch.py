@@ -106,7 +106,8 @@ for _name in (COLD, BELOW_BLOCK, UNKNOWN, ROUTED_AWAY, EVICTED, BEYOND_HORIZON, 
 #: The target's own fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` and precise mode
 #: read: all but the ids and the fingerprint, which only make predecessor keys (computed in the store,
 #: gateway_requests.predecessor_keys; a caller may leave them out).
-TARGET_FIELDS = tuple(f for f in REQUEST_FIELDS if f not in ("conversation_id", "agent_run_id", "prompt_fingerprint"))
+TARGET_FIELDS = tuple(f for f in REQUEST_FIELDS
+                      if f not in ("conversation_id", "agent_run_id", "prompt_fingerprint", "first_message_hash"))
 #: The predecessor's fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` reads, as its
 #: ``p_`` columns: a caller may give only these (the attribution job reads no others of a predecessor).
 PREDECESSOR_FIELDS = (

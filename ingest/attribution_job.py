@@ -91,7 +91,11 @@ WRITE_COLUMNS = (*VERDICT_COLUMNS, "attributed_at", "sign", "version")
 #: collapse as before (https://clickhouse.com/docs/operations/settings/settings#optimize_on_insert).
 FIRST_ANSWER_SETTINGS = {"optimize_on_insert": 0}
 _KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attribution.PREVIOUS_TURN,
-               KEY_FINGERPRINT: attribution.FINGERPRINT}
+               attribution.KEY_AGENT_THREAD: attribution.PREVIOUS_TURN, KEY_FINGERPRINT: attribution.FINGERPRINT}
+#: A key kind's rank among a target's candidates (lowest wins; ingest.attribution.choose_predecessor's order):
+#: the turn keys, then the fingerprint, then any variant.
+_RANKS = {kind: rank for rank, kind in enumerate((*attribution.TURN_KEYS, KEY_FINGERPRINT), start=1)}
+_VARIANT_RANK = len(_RANKS) + 1
 
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
                      "(new = first answer, changed = a late or corrected input changed it, "
@@ -351,7 +355,7 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
     """Per target (named by :func:`_identity`: its order_key, or its request_id and ts): the chosen
     predecessor's key kind, ts, order_key and :data:`ID_HASH`, and whether it lies beyond the horizon. On each key
     the latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority:
-    conversation, agent run, fingerprint, else the latest of the variant matches
+    conversation, agent-run thread, agent run, fingerprint, else the latest of the variant matches
     (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
     (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does. ``tails``: the run's
     :class:`~ingest.key_tails.KeyTails` when ``targets`` are its next chunk of arrivals: a chunk whose range holds
@@ -447,7 +451,7 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
     band = found.filter(pl.col("kind").is_in(BAND_KEYS))
     if band.is_empty():
         return found
-    ranked = found.filter(pl.col("kind") <= KEY_FINGERPRINT).select(by).unique()
+    ranked = found.filter(pl.col("kind").is_in(list(_RANKS))).select(by).unique()
     band = band.join(ranked, on=by, how="anti")
     if band.is_empty():
         return found.filter(~pl.col("kind").is_in(BAND_KEYS))
@@ -465,7 +469,8 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
 
 def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by: list[str] = _ID) -> pl.DataFrame:
     """One predecessor per target among ``found`` (a row per key with a candidate; a target named by the columns
-    ``by``): the lowest key rank (conversation, agent run, fingerprint, then any variant), the latest on a tie.
+    ``by``): the lowest key rank (conversation, agent-run thread, agent run, fingerprint, then any variant; see
+    :data:`_RANKS`), the latest on a tie.
     Columns ``by``, predecessor_kind, beyond_horizon, p_ts (timestamps of ``ts_type``), p_order_key,
     p_id_hash.
 
@@ -477,7 +482,7 @@ def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by:
         return pl.DataFrame(schema={**{c: schema[c] for c in by}, "predecessor_kind": pl.String,
                                     "beyond_horizon": pl.Boolean, "p_ts": ts_type,
                                     "p_order_key": pl.UInt64, f"p_{ID_HASH}": pl.UInt64})
-    rank = pl.when(pl.col("kind") <= KEY_FINGERPRINT).then(pl.col("kind")).otherwise(4)
+    rank = pl.col("kind").replace_strict(_RANKS, default=_VARIANT_RANK, return_dtype=pl.Int64)
     best = (found.with_columns(rank.alias("_rank"))
             .sort([*by, "_rank", "p_order_key", f"p_{ID_HASH}"], descending=[*(False for _ in by), False, True, True])
             .unique(by, keep="first"))

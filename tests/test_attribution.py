@@ -32,14 +32,15 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         system_tokens: int = 720, tools: str = "", tools_canonical: str | None = None, tools_tokens: int = 0,
         rag: str = "", rag_set: str | None = None, rag_tokens: int = 0, history: str = "",
         prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
-        prev_suffix: str = "", next_history: str = "", lines: list[str] | None = None,
+        prev_suffix: str = "", next_history: str = "", first_message: str = "", lines: list[str] | None = None,
         line_tokens: list[int] | None = None, chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
         ) -> dict[str, Any]:
     """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw.
     ``lines``/``chunks``: the system prompt's lines and the suffix's chunks (texts, hashed here) with their
     token counts (default: none, as an older gateway logs); ``prev_suffix``: the previous turn's final message as
     this request carries it (default: not logged, as an older gateway); ``next_history``: this request's history
-    and final message as one history (default: not logged)."""
+    and final message as one history (default: not logged); ``first_message``: the thread's first message (default:
+    not logged)."""
     sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
     return {
         "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
@@ -52,7 +53,7 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         "retrieval_pack_hash": rh, "retrieval_set_hash": h(rag if rag_set is None else rag_set),
         "retrieval_tokens": rag_tokens,
         "history_prefix_hash": hh, "prev_history_hash": h(prev_history), "prev_suffix_hash": h(prev_suffix),
-        "next_history_hash": h(next_history), "history_tokens": history_tokens,
+        "next_history_hash": h(next_history), "first_message_hash": h(first_message), "history_tokens": history_tokens,
         "suffix_hash": h(suffix), "suffix_tokens": suffix_tokens,
         "prompt_fingerprint": h(sh, th, rh, hh) if any((sh, th, rh, hh)) else "",
         "system_line_hashes": [h(x) or "0" * 16 for x in lines or []], "system_line_tokens": list(line_tokens or []),
@@ -336,6 +337,30 @@ def test_a_message_sent_before_the_reply_continues_the_conversation(logged: bool
     rows = run(t1, t2)
     assert split(rows, "t2") == expected
     check_sum(rows, t2)
+
+
+def subagent_turns(logged: bool = True) -> list[dict[str, Any]]:
+    """Two parallel sub-agents of run R (same system prompt, tasks A and B): A1 at 0 s, B1 at 1 s, A2 at 5 s (task
+    A, its tool call and result) on pod-b. ``logged``: the gateway logged first_message_hash."""
+    kw = dict(run="R", system="You are an explore sub-agent.", system_tokens=400)
+    first = (lambda task: task) if logged else (lambda task: "")
+    return [req("A1", at=0, prompt=700, suffix="task A", suffix_tokens=290, first_message=first("task A"), **kw),
+            req("B1", at=1, prompt=700, suffix="task B", suffix_tokens=290, first_message=first("task B"), **kw),
+            req("A2", at=5, pod="pod-b", prompt=1000, history="task A|call", history_tokens=400, prev_history="",
+                prev_suffix="task A", suffix="result", suffix_tokens=190, first_message=first("task A"), **kw)]
+
+
+def test_parallel_subagents_each_continue_their_own_thread() -> None:
+    """A2's previous turn is A1, found on the run's thread key (first_message_hash), not B1, the run's latest request
+    (another thread: its different final message read as an edit, `history_changed`, found by a hostile hunt). A1's
+    whole prompt (700, 672 in full blocks of 32) sat on pod-a: `routed_away`. A log without the field finds B1 as
+    before: its task B reads as an edit of task A."""
+    rows = run(*subagent_turns())
+    assert {r.predecessor_request_id for r in rows if r.request_id == "A2"} == {"A1"}
+    assert split(rows, "A2") == [("routed_away", "", 672), ("unavoidable", "", 328)]
+    old = run(*subagent_turns(logged=False))
+    assert {r.predecessor_request_id for r in old if r.request_id == "A2"} == {"B1"}
+    assert ("prefix_drift", "history_changed") in {(c, s) for c, s, _ in split(old, "A2")}
 
 
 def test_prompt_shorter_than_a_block_is_below_block():

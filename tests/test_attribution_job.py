@@ -403,6 +403,22 @@ def test_chat_shapes_through_the_store_and_request_detail(store):
     assert history == {"c2": 1, "e2": 0, "g2": 1}
 
 
+def test_parallel_subagents_through_the_store(store):
+    """The store's key search (predecessor key 9, sql/migrations/0039) finds a sub-agent's previous turn on its
+    thread as the reference does: A2 after A1, not after B1 (the run's latest); answered alike."""
+    from test_attribution import subagent_turns
+
+    rows = subagent_turns()
+    for r in rows:
+        r["system_line_hashes"] = r["suffix_chunk_hashes"] = []
+    insert_requests(store, [{**r, "ingested_at": INGESTED} for r in rows])
+    run(store)
+    got = [r[:5] for r in attributed(store) if r[0] == "A2"]
+    assert got == [("A2", "routed_away", "", 672, "A1"), ("A2", "unavoidable", "", 328, "A1")]
+    assert store.query_rows("SELECT predecessor_kind FROM request_attribution FINAL WHERE request_id = 'A2'") == [
+        ("previous_turn",)]
+
+
 def test_only_served_requests_look_beyond_the_horizon(store, monkeypatch):
     """A failed request names no predecessor (nothing was prefilled to reuse), so the search beyond the horizon
     leaves it out: at 10^7 requests of generated history its ~2% failed requests (none has a candidate within the

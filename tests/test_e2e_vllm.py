@@ -78,6 +78,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             edited = edited_turns(gw.url)
             unreplied = unreplied_turns(gw.url)
             skipped = prompt_logprobs_repeat(gw.url)
+            subagents = parallel_subagents(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -94,7 +95,8 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     run_attribution(store, settle_seconds=0.0)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
-           "unreplied": unreplied, "skipped": skipped, "cfg": cfg, "pods": pods,
+           "unreplied": unreplied, "skipped": skipped, "subagents": subagents,
+           "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
 
@@ -199,6 +201,55 @@ def test_a_request_that_read_no_prefix_cache_is_no_cache_query(e2e) -> None:  # 
         "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": t2})
     print(f"\nprompt-logprobs repeat: prompt {by_id[t2]['prompt_tokens']}, causes {rows}")
     assert rows == [("not_reported", "skip_reading_prefix_cache", by_id[t2]["prompt_tokens"])]
+
+
+def parallel_subagents(gateway_url: str) -> tuple[str, str, str]:
+    """Two sub-agents of one agent run (same system prompt, tasks A and B): A1, B1, a filler, then A2 (task A, the
+    tool call A1's reply asked for, its result), back to back so round robin puts A1 and B1 on different pods
+    and A2 on B1's. Returns the ids of A1, B1, A2."""
+    tag = uuid.uuid4().hex[:8]
+    system = f"You are an explore sub-agent {tag}. " + " ".join(f"Rule {i}: read each file before you grep it."
+                                                                 for i in range(12))
+    task = {t: f"Task {t}: " + " ".join(f"Check module {t}{i} for unused imports." for i in range(30))
+            for t in "AB"}
+    call = {"id": f"call-{tag}", "type": "function", "function": {"name": "grep", "arguments": "{}"}}
+    a2 = [{"role": "system", "content": system}, {"role": "user", "content": task["A"]},
+          {"role": "assistant", "content": "", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": call["id"], "content": "found 3 unused imports"}]
+    headers = {"X-Agent-Run-Id": f"run-{tag}", "X-Tenant-Id": "explorer"}
+    ids = (f"sub-{tag}-a1", f"sub-{tag}-b1", f"sub-{tag}-a2")
+    with httpx.Client(timeout=120) as client:
+        for rid, messages in ((ids[0], a2[:2]), (ids[1], [a2[0], {"role": "user", "content": task["B"]}]),
+                              (f"sub-{tag}-other", None), (ids[2], a2)):
+            if messages is None:
+                r = client.post(f"{gateway_url}/v1/completions", headers={"X-Request-Id": rid},
+                                json={"model": "tiny", "prompt": "filler", "max_tokens": 1})
+            else:
+                r = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": rid},
+                                json={"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+    return ids
+
+
+def test_parallel_subagents_each_continue_their_own_thread(e2e) -> None:  # type: ignore[no-untyped-def]
+    """A2 ran on B1's pod, which held only the shared system prompt: its previous turn is A1 (same run, same first
+    message), whose prompt sat on the other pod: `routed_away`, never `prefix_drift / history_changed`, which taking
+    the run's latest request (B1, another thread) as the previous turn reads."""
+    a1, b1, a2 = e2e["subagents"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[a2]["pod"] == by_id[b1]["pod"] != by_id[a1]["pod"], "round robin did not alternate"
+    assert by_id[a2]["first_message_hash"] == by_id[a1]["first_message_hash"] != by_id[b1]["first_message_hash"]
+    store = e2e["store"]
+    assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                            "WHERE request_id = {r:String}", {"r": a2}) == [(a1, "previous_turn")]
+    rows = store.query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": a2})
+    print(f"\nsub-agent turn: prompt {by_id[a2]['prompt_tokens']}, cached {by_id[a2]['cached_tokens']}, "
+          f"A1 {by_id[a1]['prompt_tokens']}, causes {rows}")
+    causes = {(c, s) for c, s, _ in rows}
+    assert ("routed_away", "") in causes
+    assert causes <= {("routed_away", ""), ("unavoidable", "")}, rows
+    assert sum(t for *_, t in rows) == by_id[a2]["prompt_tokens"] - by_id[a2]["cached_tokens"]
 
 
 def test_a_message_sent_before_the_reply_is_not_a_truncated_history(e2e) -> None:  # type: ignore[no-untyped-def]

@@ -305,6 +305,20 @@ def test_next_history_is_the_history_of_a_turn_sent_without_a_reply():
     assert fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST).next_history_hash == ""
 
 
+def test_first_message_names_the_thread():
+    """first_message_hash is the same on every turn of one thread (a conversation, an agent's tool loop) and differs
+    between two sub-agents of one run given other tasks; a completion logs none."""
+    fps = [fingerprint_chat(body, EST) for body in conversation_turns()]
+    assert len({fp.first_message_hash for fp in fps}) == 1 and fps[0].first_message_hash == fps[0].suffix_hash
+    call = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": "{}"}}
+    a1, b1 = [sys(), user("task A")], [sys(), user("task B")]
+    a2 = a1 + [{"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "found"}]
+    a1f, b1f, a2f = (fingerprint_chat(chat(*m), EST) for m in (a1, b1, a2))
+    assert a1f.first_message_hash == a2f.first_message_hash != b1f.first_message_hash
+    assert fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST).first_message_hash == ""
+
+
 @pytest.mark.parametrize(("endpoint", "extra", "skips"), [
     ("chat.completions", {}, False),
     ("chat.completions", {"prompt_logprobs": 0}, True),
