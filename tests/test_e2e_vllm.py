@@ -203,6 +203,19 @@ def test_a_request_that_read_no_prefix_cache_is_no_cache_query(e2e) -> None:  # 
     assert rows == [("not_reported", "skip_reading_prefix_cache", by_id[t2]["prompt_tokens"])]
 
 
+def only_causes(e2e: dict[str, Any], rid: str, label: str, named: tuple[str, str]) -> None:
+    """Request ``rid``'s causes (printed under ``label``) include ``named`` and are otherwise only `unavoidable`;
+    they sum to its missed tokens."""
+    rec = {r["request_id"]: r for r in e2e["records"]}[rid]
+    rows = e2e["store"].query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": rid})
+    print(f"\n{label}: prompt {rec['prompt_tokens']}, cached {rec['cached_tokens']}, causes {rows}")
+    causes = {(c, s) for c, s, _ in rows}
+    assert named in causes
+    assert causes <= {named, ("unavoidable", "")}, rows
+    assert sum(t for *_, t in rows) == rec["prompt_tokens"] - rec["cached_tokens"]
+
+
 def parallel_subagents(gateway_url: str) -> tuple[str, str, str]:
     """Two sub-agents of one agent run (same system prompt, tasks A and B): A1, B1, a filler, then A2 (task A, the
     tool call A1's reply asked for, its result), back to back so round robin puts A1 and B1 on different pods
@@ -242,14 +255,7 @@ def test_parallel_subagents_each_continue_their_own_thread(e2e) -> None:  # type
     store = e2e["store"]
     assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
                             "WHERE request_id = {r:String}", {"r": a2}) == [(a1, "previous_turn")]
-    rows = store.query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": a2})
-    print(f"\nsub-agent turn: prompt {by_id[a2]['prompt_tokens']}, cached {by_id[a2]['cached_tokens']}, "
-          f"A1 {by_id[a1]['prompt_tokens']}, causes {rows}")
-    causes = {(c, s) for c, s, _ in rows}
-    assert ("routed_away", "") in causes
-    assert causes <= {("routed_away", ""), ("unavoidable", "")}, rows
-    assert sum(t for *_, t in rows) == by_id[a2]["prompt_tokens"] - by_id[a2]["cached_tokens"]
+    only_causes(e2e, a2, f"sub-agent turn (A1 {by_id[a1]['prompt_tokens']})", ("routed_away", ""))
 
 
 def test_a_message_sent_before_the_reply_is_not_a_truncated_history(e2e) -> None:  # type: ignore[no-untyped-def]
@@ -262,14 +268,7 @@ def test_a_message_sent_before_the_reply_is_not_a_truncated_history(e2e) -> None
     assert by_id[t1]["pod"] != by_id[t2]["pod"], "round robin kept the second turn on its pod"
     assert by_id[t2]["history_prefix_hash"] == by_id[t1]["next_history_hash"] != ""
     assert by_id[t2]["prev_history_hash"] != by_id[t1]["history_prefix_hash"]
-    rows = e2e["store"].query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": t2})
-    print(f"\nunreplied turn: prompt {by_id[t2]['prompt_tokens']}, cached {by_id[t2]['cached_tokens']}, "
-          f"first turn {by_id[t1]['prompt_tokens']}, causes {rows}")
-    causes = {(c, s) for c, s, _ in rows}
-    assert ("routed_away", "") in causes
-    assert causes <= {("routed_away", ""), ("unavoidable", "")}, rows
-    assert sum(t for *_, t in rows) == by_id[t2]["prompt_tokens"] - by_id[t2]["cached_tokens"]
+    only_causes(e2e, t2, f"unreplied turn (first turn {by_id[t1]['prompt_tokens']})", ("routed_away", ""))
 
 
 def test_an_edited_previous_message_is_drift_not_eviction(e2e) -> None:  # type: ignore[no-untyped-def]
@@ -282,13 +281,7 @@ def test_an_edited_previous_message_is_drift_not_eviction(e2e) -> None:  # type:
     assert by_id[t1]["pod"] == by_id[t2]["pod"], "round robin moved the edited turn: the control needs one pod"
     assert by_id[t2]["prev_suffix_hash"] not in ("", by_id[t1]["suffix_hash"])
     assert by_id[t2]["prev_history_hash"] == by_id[t1]["history_prefix_hash"]
-    rows = e2e["store"].query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": t2})
-    print(f"\nedited turn: prompt {by_id[t2]['prompt_tokens']}, cached {by_id[t2]['cached_tokens']}, causes {rows}")
-    causes = {(c, s) for c, s, _ in rows}
-    assert ("prefix_drift", "history_changed") in causes
-    assert causes <= {("prefix_drift", "history_changed"), ("unavoidable", "")}, rows
-    assert sum(t for *_, t in rows) == by_id[t2]["prompt_tokens"] - by_id[t2]["cached_tokens"]
+    only_causes(e2e, t2, "edited turn", ("prefix_drift", "history_changed"))
 
 
 def test_every_request_succeeded_and_was_logged(e2e) -> None:  # type: ignore[no-untyped-def]
