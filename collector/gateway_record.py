@@ -328,10 +328,11 @@ def inclusive_usage(prompt_tokens: int, cached_tokens: int | None, usage_convent
 def record_usage(rec: GatewayRecord) -> tuple[int, int | None]:
     """:func:`inclusive_usage` of a decoded record; the cached count None (not reported) for a request that read no
     prefix cache (``skip_reading_prefix_cache``: vLLM counts it in neither ``prefix_cache_queries`` nor
-    ``prefix_cache_hits``, so its 0 is no hit count, and the hit rate leaves it out as vLLM's does)."""
+    ``prefix_cache_hits``, so its 0 is no hit count, and the hit rate leaves it out as vLLM's does). A hit the pod
+    reported for such a line (cached > 0) proves vLLM read the cache: the count is kept, the flag was wrong."""
     prompt, cached = inclusive_usage(rec.prompt_tokens, rec.cached_tokens, rec.usage_convention,
                                      rec.cache_read_input_tokens, rec.cache_creation_input_tokens)
-    return prompt, None if rec.skip_reading_prefix_cache else cached
+    return prompt, None if rec.skip_reading_prefix_cache and not cached else cached
 
 
 def ts_ms(rec: GatewayRecord) -> int:

@@ -585,21 +585,36 @@ def prefilled_as_written(body: Mapping[str, Any]) -> bool:
     return body.get("truncate_prompt_tokens") is None and body.get("prompt_embeds") is None
 
 
+#: The strings pydantic's lax mode reads as True for a ``bool`` field (case-insensitive; numbers 1 / 1.0 too):
+#: https://docs.pydantic.dev/latest/api/standard_library_types/#booleans
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _lax_true(value: Any) -> bool:
+    """``value`` as vLLM's pydantic request models read a ``bool`` field: True for true, 1, 1.0 and the strings of
+    :data:`_TRUE_STRINGS`; False otherwise (a value pydantic refuses makes vLLM answer 400 anyway)."""
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_STRINGS
+    return value is True or (isinstance(value, int | float) and value == 1)
+
+
 def skips_prefix_cache(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
     """True when vLLM will not read the prefix cache for this body: it asks for prompt logprobs, which vLLM sets as
     ``SamplingParams.skip_reading_prefix_cache`` (``vllm/sampling_params.py``: ``prompt_logprobs is not None``).
     The OpenAI servers derive ``prompt_logprobs`` from the body (``to_sampling_params`` in
     ``vllm/entrypoints/openai/{chat_completion,completion}/protocol.py``): the body's ``prompt_logprobs`` when not
-    null, else, with ``echo`` true, ``top_logprobs`` (chat; default 0, so ``echo`` alone is enough) or
-    ``logprobs`` (completions; default null). Such a request counts in neither ``vllm:prefix_cache_queries`` nor
-    ``vllm:prefix_cache_hits``; its prefill recomputes every prompt token whatever the cache holds."""
+    null, else, with ``echo`` true, ``top_logprobs`` (chat: an int, null read as 0 by ``TopLogprobsParam``, so
+    ``echo`` alone is enough) or ``logprobs`` (completions; default null). A beam search (``use_beam_search``)
+    builds ``BeamSearchParams`` instead, without prompt logprobs: it reads the cache. ``echo`` and
+    ``use_beam_search`` are read as pydantic reads a bool (``"false"`` is false). Such a request counts in neither
+    ``vllm:prefix_cache_queries`` nor ``vllm:prefix_cache_hits``; its prefill recomputes every prompt token."""
+    if _lax_true(body.get("use_beam_search")):
+        return False
     if body.get("prompt_logprobs") is not None:
         return True
-    if not body.get("echo"):
+    if not _lax_true(body.get("echo")):
         return False
-    if endpoint == "chat.completions":
-        return "top_logprobs" not in body or body["top_logprobs"] is not None
-    return body.get("logprobs") is not None
+    return endpoint == "chat.completions" or body.get("logprobs") is not None
 
 
 def fingerprint_request(

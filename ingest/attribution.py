@@ -112,8 +112,10 @@ KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL = 7, 8
 #: Predecessor key 9: one thread of an agent run (tenant, model, agent_run_id, first_message_hash), so a turn of
 #: one of the run's parallel sub-agents finds its own previous turn, not the latest of another thread.
 KEY_AGENT_THREAD = 9
-#: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them.
-TURN_KEYS = (KEY_CONVERSATION, KEY_AGENT_THREAD, KEY_AGENT_RUN)
+#: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them: the
+#: thread first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
+#: span several agent runs, whose first turn then finds the conversation's latest request).
+TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
 VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
 
@@ -343,8 +345,8 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
     gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039):
-    1. (tenant, model, conversation_id), 9. (tenant, model, agent_run_id, first_message_hash: one thread of the
-    run), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
+    9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 1. (tenant, model,
+    conversation_id), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -402,8 +404,9 @@ def lines_volatile(req: Request, prev: Request) -> bool:
 
 def choose_predecessor(candidates: Mapping[int, Request]) -> Predecessor | None:
     """The predecessor among ``candidates`` (key kind → the latest earlier request on that key of this
-    request, within the horizon): the previous turn of the conversation, else of the agent run's thread, else of
-    the agent run; else the fingerprint match; else the latest of the variant matches (by :func:`order_key`)."""
+    request, within the horizon): the previous turn of the agent run's thread, else of the conversation, else of
+    the agent run (:data:`TURN_KEYS`); else the fingerprint match; else the latest of the variant matches (by
+    :func:`order_key`)."""
     for kind in TURN_KEYS:
         if kind in candidates:
             return Predecessor(candidates[kind], PREVIOUS_TURN)

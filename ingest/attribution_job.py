@@ -355,7 +355,7 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
     """Per target (named by :func:`_identity`: its order_key, or its request_id and ts): the chosen
     predecessor's key kind, ts, order_key and :data:`ID_HASH`, and whether it lies beyond the horizon. On each key
     the latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority:
-    conversation, agent-run thread, agent run, fingerprint, else the latest of the variant matches
+    agent-run thread, conversation, agent run, fingerprint, else the latest of the variant matches
     (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
     (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does. ``tails``: the run's
     :class:`~ingest.key_tails.KeyTails` when ``targets`` are its next chunk of arrivals: a chunk whose range holds
@@ -469,7 +469,7 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
 
 def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by: list[str] = _ID) -> pl.DataFrame:
     """One predecessor per target among ``found`` (a row per key with a candidate; a target named by the columns
-    ``by``): the lowest key rank (conversation, agent-run thread, agent run, fingerprint, then any variant; see
+    ``by``): the lowest key rank (agent-run thread, conversation, agent run, fingerprint, then any variant; see
     :data:`_RANKS`), the latest on a tie.
     Columns ``by``, predecessor_kind, beyond_horizon, p_ts (timestamps of ``ts_type``), p_order_key,
     p_id_hash.

@@ -123,11 +123,13 @@ _JSON_SETTINGS = {"input_format_skip_unknown_fields": 1, "date_time_input_format
 #: collector.gateway_record.inclusive_usage in SQL, over the usage fields staged beside the table's columns.
 _EXCLUSIVE = "ifNull(usage_convention, '') = 'exclusive'"
 _CACHE_READ = "coalesce(cache_read_input_tokens, cached_tokens)"
+_CACHED = f"if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens)"
 _NORMALIZED = {
     "prompt_tokens": f"if({_EXCLUSIVE}, toUInt32(toUInt64(prompt_tokens) + ifNull({_CACHE_READ}, 0) "
                      f"+ ifNull(cache_creation_input_tokens, 0)), prompt_tokens)",
-    # a request that read no prefix cache has no hit count (record_usage): stored NULL, not reported
-    "cached_tokens": f"if(skip_reading_prefix_cache, NULL, if({_EXCLUSIVE}, {_CACHE_READ}, cached_tokens))",
+    # a request that read no prefix cache has no hit count (record_usage): stored NULL, not reported, unless the pod
+    # reported a hit (then it read the cache)
+    "cached_tokens": f"if(skip_reading_prefix_cache AND ifNull({_CACHED}, 0) = 0, NULL, {_CACHED})",
     # the structural hashes arrive as 16 hex characters (staged as strings) and are stored as UInt64
     **{c: f"arrayMap(x -> reinterpretAsUInt64(reverse(unhex(x))), {c})" for c in GATEWAY_HASH_LISTS},
 }

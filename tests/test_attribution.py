@@ -339,10 +339,11 @@ def test_a_message_sent_before_the_reply_continues_the_conversation(logged: bool
     check_sum(rows, t2)
 
 
-def subagent_turns(logged: bool = True) -> list[dict[str, Any]]:
+def subagent_turns(logged: bool = True, conv: str = "") -> list[dict[str, Any]]:
     """Two parallel sub-agents of run R (same system prompt, tasks A and B): A1 at 0 s, B1 at 1 s, A2 at 5 s (task
-    A, its tool call and result) on pod-b. ``logged``: the gateway logged first_message_hash."""
-    kw = dict(run="R", system="You are an explore sub-agent.", system_tokens=400)
+    A, its tool call and result) on pod-b. ``logged``: the gateway logged first_message_hash; ``conv``: the
+    session's conversation_id, carried by every request."""
+    kw = dict(run="R", conv=conv, system="You are an explore sub-agent.", system_tokens=400)
     first = (lambda task: task) if logged else (lambda task: "")
     return [req("A1", at=0, prompt=700, suffix="task A", suffix_tokens=290, first_message=first("task A"), **kw),
             req("B1", at=1, prompt=700, suffix="task B", suffix_tokens=290, first_message=first("task B"), **kw),
@@ -350,15 +351,17 @@ def subagent_turns(logged: bool = True) -> list[dict[str, Any]]:
                 prev_suffix="task A", suffix="result", suffix_tokens=190, first_message=first("task A"), **kw)]
 
 
-def test_parallel_subagents_each_continue_their_own_thread() -> None:
+@pytest.mark.parametrize("conv", ["", "session-1"])
+def test_parallel_subagents_each_continue_their_own_thread(conv: str) -> None:
     """A2's previous turn is A1, found on the run's thread key (first_message_hash), not B1, the run's latest request
-    (another thread: its different final message read as an edit, `history_changed`, found by a hostile hunt). A1's
+    (another thread: its different final message read as an edit, `history_changed`, found by a hostile hunt), also
+    when every request carries the session's conversation_id (the thread key ranks first: a second hunt). A1's
     whole prompt (700, 672 in full blocks of 32) sat on pod-a: `routed_away`. A log without the field finds B1 as
     before: its task B reads as an edit of task A."""
-    rows = run(*subagent_turns())
+    rows = run(*subagent_turns(conv=conv))
     assert {r.predecessor_request_id for r in rows if r.request_id == "A2"} == {"A1"}
     assert split(rows, "A2") == [("routed_away", "", 672), ("unavoidable", "", 328)]
-    old = run(*subagent_turns(logged=False))
+    old = run(*subagent_turns(logged=False, conv=conv))
     assert {r.predecessor_request_id for r in old if r.request_id == "A2"} == {"B1"}
     assert ("prefix_drift", "history_changed") in {(c, s) for c, s, _ in split(old, "A2")}
 

@@ -403,12 +403,14 @@ def test_chat_shapes_through_the_store_and_request_detail(store):
     assert history == {"c2": 1, "e2": 0, "g2": 1}
 
 
-def test_parallel_subagents_through_the_store(store):
+@pytest.mark.parametrize("conv", ["", "session-1"])
+def test_parallel_subagents_through_the_store(store, conv):
     """The store's key search (predecessor key 9, sql/migrations/0039) finds a sub-agent's previous turn on its
-    thread as the reference does: A2 after A1, not after B1 (the run's latest); answered alike."""
+    thread as the reference does, before the conversation and run keys: A2 after A1, not after B1 (the run's and
+    the session's latest); answered alike."""
     from test_attribution import subagent_turns
 
-    rows = subagent_turns()
+    rows = subagent_turns(conv=conv)
     for r in rows:
         r["system_line_hashes"] = r["suffix_chunk_hashes"] = []
     insert_requests(store, [{**r, "ingested_at": INGESTED} for r in rows])

@@ -324,7 +324,12 @@ def test_first_message_names_the_thread():
     ("chat.completions", {"prompt_logprobs": 0}, True),
     ("chat.completions", {"prompt_logprobs": None}, False),
     ("chat.completions", {"echo": True}, True),  # top_logprobs defaults to 0 (vLLM's ChatCompletionRequest)
-    ("chat.completions", {"echo": True, "top_logprobs": None}, False),
+    ("chat.completions", {"echo": True, "top_logprobs": None}, True),  # null read as 0 (TopLogprobsParam)
+    ("chat.completions", {"echo": "false", "top_logprobs": 1}, False),  # pydantic reads "false" as False
+    ("chat.completions", {"echo": "yes"}, True),
+    ("chat.completions", {"echo": 0}, False),
+    ("chat.completions", {"prompt_logprobs": 1, "use_beam_search": True}, False),  # BeamSearchParams: no skip
+    ("completions", {"echo": True, "logprobs": 1, "use_beam_search": "true"}, False),
     ("chat.completions", {"logprobs": True, "top_logprobs": 5}, False),  # sampled tokens' logprobs only
     ("completions", {"prompt_logprobs": 1}, True),
     ("completions", {"echo": True}, False),  # logprobs defaults to null (CompletionRequest)
@@ -334,7 +339,8 @@ def test_first_message_names_the_thread():
 def test_skips_prefix_cache_follows_vllms_prompt_logprobs_rule(endpoint: str, extra: dict, skips: bool) -> None:
     """vLLM reads no prefix cache for a request whose prompt_logprobs is set (SamplingParams), and its OpenAI
     servers set prompt_logprobs from the body's own field, else under echo from top_logprobs (chat) or logprobs
-    (completions)."""
+    (completions); a beam search has none. Bools are read as pydantic reads them (found by a hostile hunt: echo
+    "false" flagged, echo with top_logprobs null and beam search misread)."""
     body = {"model": "tiny", **({"messages": [user("hi")]} if endpoint == "chat.completions" else {"prompt": "hi"}),
             **extra}
     assert skips_prefix_cache(body, endpoint) is skips

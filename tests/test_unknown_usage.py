@@ -157,20 +157,24 @@ def test_unknown_requests_are_attributed_not_reported(store: Store, tmp_path: Pa
 #: FLEET's first six and a request that asked for prompt logprobs (vLLM read no prefix cache for it, cached 0,
 #: counted in neither vllm:prefix_cache_queries nor hits): the hit rate stays 2,700 / 6,000 over the six.
 SKIPPED = [*FLEET[:6], line("s7", 7, "pod-a", 1000, 0, system_tokens=900, suffix_tokens=100,
-                            skip_reading_prefix_cache=True)]
+                            skip_reading_prefix_cache=True),
+           # a hit reported beside the flag: vLLM read the cache, the count stays (2,700 + 480 / 6,000 + 1,000)
+           line("s8", 8, "pod-a", 1000, 480, system_tokens=900, suffix_tokens=100, skip_reading_prefix_cache=True)]
 
 
 @PATHS
 def test_a_request_that_read_no_prefix_cache_is_no_cache_query(store: Store, tmp_path: Path, path_kind: str) -> None:
     """s7 read no prefix cache (prompt logprobs): its cached count is stored NULL, not the 0 vLLM reported, so
     the gateway's hit rate is over the six lookups as vLLM's counters are (2,700 / 6,000, not / 7,000); its
-    1,000 prompt tokens are one cause, `not_reported / skip_reading_prefix_cache`."""
+    1,000 prompt tokens are one cause, `not_reported / skip_reading_prefix_cache`. s8 carries the flag and a
+    reported hit (480), which proves vLLM read the cache (hunt: the flag discarded it): its count is kept."""
     validate(SKIPPED[-1])
     load(store, SKIPPED, path_kind, tmp_path)
-    assert store.query_rows("SELECT cached_tokens, skip_reading_prefix_cache FROM gateway_requests "
-                            "WHERE request_id = 's7'") == [(None, True)]
+    assert store.query_rows("SELECT request_id, cached_tokens, skip_reading_prefix_cache FROM gateway_requests "
+                            "WHERE request_id IN ('s7', 's8') ORDER BY request_id") == [("s7", None, True),
+                                                                                        ("s8", 480, True)]
     gw = {r["source"]: r for r in store.named("hit_rate_total").iter_rows(named=True)}["gateway"]
-    assert (gw["hit_tokens"], gw["query_tokens"], gw["requests"]) == (2700, 6000, 7)
+    assert (gw["hit_tokens"], gw["query_tokens"], gw["requests"]) == (3180, 7000, 8)
     run_attribution(store, settle_seconds=-60)
     assert store.query_rows("SELECT causes, sub_causes, missed_tokens FROM request_attribution "
                             "WHERE request_id = 's7'") == [(["not_reported"], ["skip_reading_prefix_cache"], [1000])]

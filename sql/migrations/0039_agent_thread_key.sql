@@ -1,9 +1,10 @@
 -- first_message_hash (docs/gateway-log.md): the conversation's first message after the leading system/developer
 -- messages and documents. Every turn of one thread carries it, so predecessor key 9 (ingest/attribution.py
 -- predecessor_keys, KEY_AGENT_THREAD: tenant, model, agent_run_id and that hash) finds a turn's previous turn among
--- an agent run's parallel threads (sub-agents sharing one agent_run_id), ranked after the conversation key and
--- before the agent-run key. Kinds 1-8 are those of 0020, unchanged. Rows stored before this migration have ''
--- and keep the keys they had: their turns are found on the agent-run key, as before.
+-- an agent run's parallel threads (sub-agents sharing one agent_run_id), ranked before the conversation and
+-- agent-run keys (sub-agents often carry the session's conversation_id too). Kinds 1-8 are those of 0020,
+-- unchanged. Rows stored before this migration have '' and keep the keys they had: their turns are found on the
+-- conversation and agent-run keys, as before.
 ALTER TABLE gateway_requests
     ADD COLUMN IF NOT EXISTS first_message_hash String DEFAULT '' AFTER next_history_hash;
 
