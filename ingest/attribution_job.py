@@ -43,8 +43,6 @@ from prometheus_client import Counter, Gauge
 from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
-    KEY_AGENT_RUN,
-    KEY_CONVERSATION,
     KEY_FINGERPRINT,
     LINE_HASHES,
     LINE_TOKENS,
@@ -90,8 +88,8 @@ WRITE_COLUMNS = (*VERDICT_COLUMNS, "attributed_at", "sign", "version")
 #: sort and copy the block again: it cost ~70% of the insert's CPU (0.21 of 0.30 s per 10^5 rows). Merges still
 #: collapse as before (https://clickhouse.com/docs/operations/settings/settings#optimize_on_insert).
 FIRST_ANSWER_SETTINGS = {"optimize_on_insert": 0}
-_KIND_NAMES = {KEY_CONVERSATION: attribution.PREVIOUS_TURN, KEY_AGENT_RUN: attribution.PREVIOUS_TURN,
-               attribution.KEY_AGENT_THREAD: attribution.PREVIOUS_TURN, KEY_FINGERPRINT: attribution.FINGERPRINT}
+_KIND_NAMES = {**dict.fromkeys(attribution.TURN_KEYS, attribution.PREVIOUS_TURN),
+               KEY_FINGERPRINT: attribution.FINGERPRINT}
 #: A key kind's rank among a target's candidates (lowest wins; ingest.attribution.choose_predecessor's order):
 #: the turn keys, then the fingerprint, then any variant.
 _RANKS = {kind: rank for rank, kind in enumerate((*attribution.TURN_KEYS, KEY_FINGERPRINT), start=1)}

@@ -28,9 +28,8 @@ from ingest.errors import ContractViolation
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
                "error", "system_hash", "system_norm_hash", "tools_hash", "tools_canonical_hash",
                "retrieval_pack_hash", "retrieval_set_hash", "history_prefix_hash", "prev_history_hash",
-               "prev_suffix_hash", "next_history_hash", "first_message_hash",
-               "suffix_hash", "prompt_fingerprint", "token_count_method",
-               "cache_salt_hash")
+               "prev_suffix_hash", "next_history_hash", "first_message_hash", "suffix_hash", "prompt_fingerprint",
+               "token_count_method", "cache_salt_hash")
 GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "retrieval_tokens",
                "history_tokens", "suffix_tokens")
 

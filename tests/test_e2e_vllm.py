@@ -143,6 +143,25 @@ def edited_turns(gateway_url: str) -> tuple[str, str]:
     return f"edit-{tag}-t1", f"edit-{tag}-t2"
 
 
+#: In :func:`post_in_order`: a 1-token completion with no ids, to move round robin on to the other pod.
+FILLER = None
+
+
+def post_in_order(gateway_url: str, headers: dict[str, str], sends: list[tuple[str, dict[str, Any] | None]]) -> None:
+    """Send ``sends`` ((request id, chat body fields or :data:`FILLER`)) one after another, nothing else in flight,
+    each chat request with ``headers`` (8 tokens at temperature 0 unless its fields say otherwise); every answer
+    must be 200."""
+    with httpx.Client(timeout=120) as client:
+        for rid, fields in sends:
+            if fields is FILLER:
+                r = client.post(f"{gateway_url}/v1/completions", headers={"X-Request-Id": rid},
+                                json={"model": "tiny", "prompt": "filler", "max_tokens": 1})
+            else:
+                r = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": rid},
+                                json={"model": "tiny", "max_tokens": 8, "temperature": 0, **fields})
+            assert r.status_code == 200, r.text
+
+
 def unreplied_turns(gateway_url: str) -> tuple[str, str]:
     """Two turns of one conversation, the second re-sending the first's messages and a new user message with no
     reply between (the user wrote again before the reply came), sent back to back with nothing else in flight so
@@ -155,11 +174,8 @@ def unreplied_turns(gateway_url: str) -> tuple[str, str]:
              {"role": "assistant", "content": "At the depot."}, {"role": "user", "content": "List them. " + notes}]
     headers = {"X-Conversation-Id": f"unreplied-{tag}", "X-Tenant-Id": "dispatch"}
     ids = (f"unreplied-{tag}-t1", f"unreplied-{tag}-t2")
-    with httpx.Client(timeout=120) as client:
-        for rid, messages in zip(ids, (first, [*first, {"role": "user", "content": "Hello?"}]), strict=True):
-            r = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": rid},
-                            json={"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, r.text
+    post_in_order(gateway_url, headers, [(ids[0], {"messages": first}),
+                                         (ids[1], {"messages": [*first, {"role": "user", "content": "Hello?"}]})])
     return ids
 
 
@@ -168,19 +184,11 @@ def prompt_logprobs_repeat(gateway_url: str) -> tuple[str, str]:
     with a filler between). vLLM reads no prefix cache for the second. Returns the two request ids."""
     tag = uuid.uuid4().hex[:8]
     system = f"You are the scorer {tag}. " + " ".join(f"Rule {i}: score each answer from 0 to 9." for i in range(12))
-    body = {"model": "tiny", "messages": [{"role": "system", "content": system},
-                                          {"role": "user", "content": "Score: the van left at nine."}],
-            "max_tokens": 2, "temperature": 0}
+    body = {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Score: the van left at nine."}], "max_tokens": 2}
     ids = (f"plp-{tag}-t1", f"plp-{tag}-t2")
-    with httpx.Client(timeout=120) as client:
-        for rid, extra in ((ids[0], {}), (f"plp-{tag}-other", None), (ids[1], {"prompt_logprobs": 1})):
-            if extra is None:
-                r = client.post(f"{gateway_url}/v1/completions", headers={"X-Request-Id": rid},
-                                json={"model": "tiny", "prompt": "filler", "max_tokens": 1})
-            else:
-                r = client.post(f"{gateway_url}/v1/chat/completions",
-                                headers={"X-Request-Id": rid, "X-Tenant-Id": "scorer"}, json={**body, **extra})
-            assert r.status_code == 200, r.text
+    post_in_order(gateway_url, {"X-Tenant-Id": "scorer"},
+                  [(ids[0], body), (f"plp-{tag}-other", FILLER), (ids[1], {**body, "prompt_logprobs": 1})])
     return ids
 
 
@@ -231,16 +239,9 @@ def parallel_subagents(gateway_url: str) -> tuple[str, str, str]:
           {"role": "tool", "tool_call_id": call["id"], "content": "found 3 unused imports"}]
     headers = {"X-Agent-Run-Id": f"run-{tag}", "X-Tenant-Id": "explorer"}
     ids = (f"sub-{tag}-a1", f"sub-{tag}-b1", f"sub-{tag}-a2")
-    with httpx.Client(timeout=120) as client:
-        for rid, messages in ((ids[0], a2[:2]), (ids[1], [a2[0], {"role": "user", "content": task["B"]}]),
-                              (f"sub-{tag}-other", None), (ids[2], a2)):
-            if messages is None:
-                r = client.post(f"{gateway_url}/v1/completions", headers={"X-Request-Id": rid},
-                                json={"model": "tiny", "prompt": "filler", "max_tokens": 1})
-            else:
-                r = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": rid},
-                                json={"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, r.text
+    post_in_order(gateway_url, headers, [(ids[0], {"messages": a2[:2]}),
+                                         (ids[1], {"messages": [a2[0], {"role": "user", "content": task["B"]}]}),
+                                         (f"sub-{tag}-other", FILLER), (ids[2], {"messages": a2})])
     return ids
 
 
