@@ -69,6 +69,8 @@ TS_PATTERN = (r"^(20[0-9]{2})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][
 STRUCTURE_FIELDS = {"system_line_hashes": "system_line_tokens", "suffix_chunk_hashes": "suffix_chunk_tokens"}
 MAX_LINES = 256
 MAX_CHUNKS = 64
+#: The most pods ``pods_down`` may name.
+MAX_PODS_DOWN = 256
 _HASH_ITEM = re.compile(r"[0-9a-f]{16}")
 #: Free-text fields and their caps in characters; a longer value is cut to the cap, the marker included.
 TEXT_CAPS = {"error": 1024, "routing_reason": 256}
@@ -97,6 +99,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: Name = ""
     routing_policy: Name = ""
     routing_reason: str = ""
+    pods_down: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_PODS_DOWN)] = ()
     stream: bool = False
     skip_reading_prefix_cache: bool = False
     error: str = ""

@@ -134,6 +134,11 @@ FIXES: dict[tuple[str, str], Fix] = {
     (a.ROUTED_AWAY, ""): Fix(
         STAGE_ROUTING, "Route each conversation or agent run to the pod that served its previous turn "
         "(prefix- or session-affinity routing): the prefix was cached on another pod."),
+    (a.ROUTED_AWAY, a.POD_DOWN): Fix(
+        STAGE_ROUTING, "Find why the pod that held the prefix was down (restarts, out-of-memory kills, failed "
+        "probes) and bring it back sooner: the gateway found it down and had to send the request elsewhere, so "
+        "the router was not at fault. A KV cache shared beyond one pod (offload to a shared tier) would keep such "
+        "prefixes through an outage."),
     (a.EVICTED, a.EVICTED_BEFORE_NEXT_TURN): Fix(
         STAGE_TTL, "The previous turn's prefix was evicted during the wait before the next turn (a tool call or "
         "the user's reply): hold conversation and agent-run prefixes at least as long as that wait, or give the "

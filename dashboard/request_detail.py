@@ -19,7 +19,14 @@ import streamlit as st
 
 from dashboard import charts, data, findings, fix_first, untrusted
 from dashboard.causes import color, label
-from ingest.attribution import BEYOND_HORIZON, BEYOND_HORIZON_KIND_SUFFIX, EVICTED, PREFIX_DRIFT, ROUTED_AWAY
+from ingest.attribution import (
+    BEYOND_HORIZON,
+    BEYOND_HORIZON_KIND_SUFFIX,
+    EVICTED,
+    POD_DOWN,
+    PREFIX_DRIFT,
+    ROUTED_AWAY,
+)
 
 PAGE = "views/miss_causes.py"
 #: Colour of the cached (hit) part of the prompt in the prompt-order bar; not a cause.
@@ -197,6 +204,10 @@ def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
                      "prefix.")
     else:
         lines.append(f"Both went to **{pod}**.")
+    if POD_DOWN in (head.get("sub_causes") or ()):
+        holder = charts.name(head.get("evidence_pod") or "") or pred_pod
+        lines.append(f"**{holder}**, which held the prefix, was down when the gateway routed this request (it logged "
+                     "the pod in pods_down): an outage lost the hit, not the routing policy.")
     if head["kv_events"]:
         lines.append(
             f"{pred_pod} sent {head['kv_events']:,} KV-cache events between the two requests: "

@@ -188,6 +188,7 @@ class _Exchange:
     stream: bool = False
     pod: str = ""
     routing_reason: str = ""
+    pods_down: tuple[str, ...] = ()  # the pods found down when this one was chosen (gateway.routing.Route)
     status: int = 0
     error: str = ""
     prompt_tokens: int = 0
@@ -236,6 +237,7 @@ class _Exchange:
             "stream": self.stream,
             "routing_policy": self.routing_policy,
             "routing_reason": self.routing_reason,
+            "pods_down": list(self.pods_down),
             "status": self.status,
             "error": self.error,
             "prompt_tokens": self.prompt_tokens,
@@ -435,7 +437,7 @@ class Gateway:
                 route = self.router.choose(keys, exclude=tried)
             except NoPodAvailable:
                 return self._finish_now(ex, 502, f"no pod reachable (tried {', '.join(tried)})")
-            ex.pod, ex.routing_reason = route
+            ex.pod, ex.routing_reason, ex.pods_down = route
             ex.holds_pod = True
             assert self.client is not None, "Gateway.start() was not awaited"
             try:

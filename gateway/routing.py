@@ -1,7 +1,8 @@
 """Routing policies of the reference gateway: which vLLM pod serves a request, and why (gateway → pods).
 
-Each policy returns a `Route(pod, reason)`; the reason is logged as `routing_reason` (values fixed by
-`gateway/gateway_log.v1.schema.json`): round_robin, affinity_hit, affinity_new, load_guard, pod_down.
+Each policy returns a `Route(pod, reason, down)`; the reason is logged as `routing_reason` (values fixed by
+`gateway/gateway_log.v1.schema.json`): round_robin, affinity_hit, affinity_new, load_guard, pod_down; `down` as
+`pods_down` (the pods found down when the request was routed).
 A chosen pod counts one request in flight until `release(pod)`. Pods that refused a connection are
 skipped for `down_seconds` (`mark_down`). All methods are safe from threads and from asyncio tasks
 (they never await and hold one lock briefly).
@@ -25,10 +26,13 @@ class NoPodAvailable(RuntimeError):
 
 
 class Route(NamedTuple):
-    """The chosen pod's name and why it was chosen (a `routing_reason` value)."""
+    """The chosen pod's name, why it was chosen (a `routing_reason` value) and the other pods found down when it
+    was chosen (`pods_down`, sorted: pods that refused this request's connection, and pods marked down after
+    refusing an earlier one; a marked pod chosen all the same, when no other was left, is not among them)."""
 
     pod: str
     reason: str
+    down: tuple[str, ...] = ()
 
 
 class _PodPool:
@@ -64,9 +68,11 @@ class _PodPool:
         """The pod with the fewest requests in flight; ties go to the first in configured order."""
         return min(pods, key=lambda p: self.inflight[p])
 
-    def take(self, route: Route) -> Route:
+    def take(self, route: Route, exclude: Collection[str]) -> Route:
+        """Count ``route`` in flight; returns it with the pods found down (:class:`Route`) filled in."""
         self.inflight[route.pod] += 1
-        return route
+        down = tuple(sorted(p for p in self.pods if p != route.pod and (p in exclude or not self.is_up(p))))
+        return route._replace(down=down)
 
     def release(self, pod: str) -> None:
         """One request on `pod` finished (call once per chosen Route)."""
@@ -103,7 +109,7 @@ class RoundRobin(_PodPool):
                 pod = self.pods[self._next % len(self.pods)]
                 self._next += 1
                 if pod in candidates:
-                    return self.take(Route(pod, "pod_down" if exclude else "round_robin"))
+                    return self.take(Route(pod, "pod_down" if exclude else "round_robin"), exclude)
             raise AssertionError("unreachable: candidates is a non-empty subset of pods")
 
 
@@ -158,7 +164,7 @@ class PrefixAffinity(_PodPool):
                         route = Route(other, "load_guard")
             for key in keys:
                 self._remember(key, route.pod)
-            return self.take(route)
+            return self.take(route, exclude)
 
     def _remember(self, key: str, pod: str) -> None:
         self._sticky[key] = pod

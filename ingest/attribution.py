@@ -79,6 +79,9 @@ RESIDENT_AT_ARRIVAL = "resident_at_arrival"
 #: sub_cause of ``not_reported``: vLLM read no prefix cache for the request (it asked for prompt logprobs:
 #: ``SamplingParams.skip_reading_prefix_cache``), so there is no hit count; the gateway logs the flag.
 SKIP_READING_PREFIX_CACHE = "skip_reading_prefix_cache"
+#: sub_cause of ``routed_away``: the pod that held the prefix (the predecessor's pod, or in precise mode the block's
+#: holder) was down when the request was routed (gateway_requests.pods_down): the outage, not the router, lost it.
+POD_DOWN = "pod_down"
 
 #: request_attribution.evidence: what a verdict's routed_away / evicted part rests on (docs/miss-causes.md).
 EVIDENCE_KV_EVENTS = "kv_events"  # precise mode: the request's block chain matched against the pods' KV events
@@ -146,6 +149,7 @@ REQUEST_FIELDS = (
     "first_message_hash", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
     LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash", "skip_reading_prefix_cache",
+    "pods_down",
 )
 
 Request = Mapping[str, Any]
@@ -831,24 +835,32 @@ def _predecessor_zones(p: int, c: int, b: int, shared: SharedPrefix,
 
 
 # -- per request and per batch ------------------------------------------------------------------------------
+def pods_down(req: Request) -> frozenset[str]:
+    """The pods the gateway found down when it routed ``req`` (gateway_requests.pods_down; empty when not logged)."""
+    return frozenset(str(p) for p in req.get("pods_down") or ())
+
+
 def _reuse_cause(req: Request, pred: Predecessor) -> tuple[str, str]:
     """beyond_horizon when the predecessor lies beyond the horizon; else routed_away when another pod served
-    it; evicted when this pod did (and lost it)."""
+    it (sub_cause ``pod_down`` when that pod was down as the request was routed: :func:`pods_down`); evicted
+    when this pod did (and lost it)."""
     if pred.beyond_horizon:
         return (BEYOND_HORIZON, "")
     if _str(pred.request, "pod") != _str(req, "pod"):
-        return (ROUTED_AWAY, "")
+        return (ROUTED_AWAY, POD_DOWN if _str(pred.request, "pod") in pods_down(req) else "")
     return (EVICTED, EVICTED_BEFORE_NEXT_TURN if pred.kind == PREVIOUS_TURN else "")
 
 
 def kv_evidence_zones(cached_tokens: int, block_size: int, evidence: KvEvidence,
-                      previous_turn: bool) -> list[tuple[int, str, str]]:
+                      previous_turn: bool, down: frozenset[str] = frozenset()) -> list[tuple[int, str, str]]:
     """Precise mode's zones (end, cause, sub_cause) over [C, E·B), one per block, exact to the block (no edge
     tolerance): block j = k0 + i (k0 = C // B) of ``evidence.blocks`` covers [j·B, (j+1)·B) and is
     - :data:`REMOVED_HERE` → ``evicted`` (sub_cause ``evicted_before_next_turn`` when ``previous_turn``: the
       predecessor is the previous turn of the conversation or agent run, else "");
     - :data:`RESET_HERE` → ``evicted`` / :data:`CACHE_RESET`;
-    - :data:`RESIDENT_ELSEWHERE` → ``routed_away``;
+    - :data:`RESIDENT_ELSEWHERE` → ``routed_away`` (sub_cause ``pod_down`` when its holder is in ``down``, the pods
+      found down as the request was routed: the holder named is one that was up whenever one was,
+      :meth:`ingest.kv_evidence.KvTimeline.status`);
     - :data:`RESIDENT_HERE` → ``unknown`` / :data:`RESIDENT_AT_ARRIVAL` (resident here, missed all the same);
     E is the first :data:`NOWHERE` block (or the end of ``blocks``): from E·B on the fingerprints decide."""
     b = max(1, block_size)
@@ -859,7 +871,8 @@ def kv_evidence_zones(cached_tokens: int, block_size: int, evidence: KvEvidence,
     for j, status in enumerate(evidence.blocks, start=max(0, cached_tokens) // b):
         if status.state not in named:
             break
-        zones.append(((j + 1) * b, *named[status.state]))
+        held_by_down = status.state == RESIDENT_ELSEWHERE and status.pod in down
+        zones.append(((j + 1) * b, *((ROUTED_AWAY, POD_DOWN) if held_by_down else named[status.state])))
     return zones
 
 
@@ -986,7 +999,8 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
                 assert evidence is not None
                 previous_turn = pred is not None and pred.kind == PREVIOUS_TURN and not pred.beyond_horizon
                 zones = drift_first(kv_evidence_zones(_int(req, "cached_tokens"), block_size, evidence,
-                                                      previous_turn), shared, _int(req, "prompt_tokens"), block_size)
+                                                      previous_turn, pods_down(req)),
+                                    shared, _int(req, "prompt_tokens"), block_size)
                 reuse = _precise_reuse_cause(reuse, req, pred, evidence) if pred is not None else reuse
             split = split_missed_tokens(
                 prompt_tokens=_int(req, "prompt_tokens"), cached_tokens=_int(req, "cached_tokens"),

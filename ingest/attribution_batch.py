@@ -47,6 +47,7 @@ from ingest.attribution import (
     LINE_HASHES,
     NOT_REPORTED,
     NOWHERE,
+    POD_DOWN,
     PREFIX_DRIFT,
     PREVIOUS_TURN,
     REMOVED_HERE,
@@ -100,7 +101,7 @@ def _names(codes: np.ndarray) -> pa.Array:
 
 for _name in (COLD, BELOW_BLOCK, UNKNOWN, ROUTED_AWAY, EVICTED, BEYOND_HORIZON, PREFIX_DRIFT, UNAVOIDABLE,
               NOT_REPORTED, EVICTED_BEFORE_NEXT_TURN, CACHE_RESET, RESIDENT_AT_ARRIVAL, CACHE_SALT_CHANGED,
-              HISTORY_CHANGED, SKIP_READING_PREFIX_CACHE,
+              HISTORY_CHANGED, SKIP_READING_PREFIX_CACHE, POD_DOWN,
               *(n for seg in STABLE_SEGMENTS for n in (seg.reordered, seg.changed) if n)):
     _code(_name)
 #: The target's own fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` and precise mode
@@ -380,8 +381,11 @@ def judge_frame(df: pl.DataFrame, evidence: EvidenceFrames | Mapping[str, KvEvid
 
 
 #: Block state → (cause, sub_cause) of its zone (ingest.attribution.kv_evidence_zones); None = the predecessor's.
+#: The last, :data:`_HELD_BY_DOWN`, is a block resident elsewhere whose holder was down as the request was routed.
+_HELD_BY_DOWN = "resident_elsewhere_down"
 _STATE_ZONES = {REMOVED_HERE: (EVICTED, None), RESET_HERE: (EVICTED, CACHE_RESET),
-                RESIDENT_ELSEWHERE: (ROUTED_AWAY, ""), RESIDENT_HERE: (UNKNOWN, RESIDENT_AT_ARRIVAL)}
+                RESIDENT_ELSEWHERE: (ROUTED_AWAY, ""), RESIDENT_HERE: (UNKNOWN, RESIDENT_AT_ARRIVAL),
+                _HELD_BY_DOWN: (ROUTED_AWAY, POD_DOWN)}
 
 
 @dataclass
@@ -432,6 +436,8 @@ def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndar
     out.pod[r[first]] = blocks["pod"].to_numpy()[first]
     out.removed_at[r[first]] = blocks["removed_at"].fill_null(-1).to_numpy()[first]
     state = blocks["state"].to_numpy()
+    if "pods_down" in df.columns:  # holders the gateway found down: routed_away / pod_down (kv_evidence_zones)
+        state = _held_by_down(df["pods_down"], r, blocks["pod"], state)
     stop = pl.DataFrame({"r": r, "nowhere": np.where(state == NOWHERE, i, np.iinfo(np.int64).max)}).select(
         pl.col("nowhere").min().over("r")).to_series().to_numpy()
     named = (i < stop) & before_cut
@@ -459,6 +465,22 @@ def _precise(df: pl.DataFrame, frames: EvidenceFrames | None, served_ok: np.ndar
     evicted_sub = np.where(previous_turn[ar], _code(EVICTED_BEFORE_NEXT_TURN), 0)
     subs[ar, slot] = np.where(acode == 0, evicted_sub, sub)
     return out
+
+
+def _held_by_down(pods_down: pl.Series, r: np.ndarray, holder: pl.Series, state: np.ndarray) -> np.ndarray:
+    """``state`` (per block: its state; ``r`` its row of the frame, ``holder`` its holder pod) with each block resident
+    elsewhere whose holder is among its row's ``pods_down`` as :data:`_HELD_BY_DOWN`. Only the blocks resident
+    elsewhere are looked at, and none when no row logged a down pod."""
+    elsewhere = np.flatnonzero(state == RESIDENT_ELSEWHERE)
+    pods_down = pods_down.cast(pl.List(pl.String))
+    if not elsewhere.size or not (pods_down.list.len().fill_null(0) > 0).any():
+        return state
+    down = pl.DataFrame({"pod": holder.cast(pl.String).gather(elsewhere).fill_null(""),
+                         "down": pods_down.gather(r[elsewhere])}).select(
+        pl.col("down").list.contains(pl.col("pod")).fill_null(False)).to_series().to_numpy()
+    held = np.zeros(len(state), dtype=bool)
+    held[elsewhere[down]] = True
+    return np.where(held, _HELD_BY_DOWN, state)
 
 
 def _text_column(df: pl.DataFrame, column: str, where: np.ndarray | None = None) -> pa.Array:
@@ -507,6 +529,11 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     same_pod = _eq(df, "pod", "p_pod")
     reuse = np.where(beyond, _code(BEYOND_HORIZON), np.where(same_pod, _code(EVICTED), _code(ROUTED_AWAY)))
     reuse_sub = np.where(~beyond & same_pod & prev_turn, _code(EVICTED_BEFORE_NEXT_TURN), 0)
+    if "pods_down" in df.columns:  # the predecessor's pod was down as the request was routed (_reuse_cause)
+        holder = pl.col("p_pod").cast(pl.String).fill_null("")
+        holder_down = df.select(pl.col("pods_down").cast(pl.List(pl.String)).list.contains(holder).fill_null(False)
+                                ).to_series().to_numpy()
+        reuse_sub = np.where(~beyond & ~same_pod & holder_down, _code(POD_DOWN), reuse_sub)
     drifted = has_pred & (drift != 0)
     cut = np.where(drifted, _full(np.minimum(np.maximum(s, 0), prompt - 1), block), np.iinfo(np.int64).max)
     ev = _precise(df, frames, attributable & ~unknown, cached, block, prev_turn & ~beyond, cut)

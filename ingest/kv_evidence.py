@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -176,7 +176,7 @@ class KvTimeline:
         return out
 
     def status(self, chain: int, pod: str, t_ms: int, model_pods: Iterable[str] | None = None,
-               end_ms: int | None = None, since_ms: int | None = None) -> BlockStatus:
+               end_ms: int | None = None, since_ms: int | None = None, down: Collection[str] = ()) -> BlockStatus:
         """Where block ``chain`` was just before ``t_ms`` (unix ms) for a request served by ``pod``; holders
         elsewhere only among ``model_pods`` (None = any pod). Precedence as in the module docstring.
         ``end_ms``: when the request ended (arrival + e2e): a block resident here at arrival whose last copy left before
@@ -185,7 +185,9 @@ class KvTimeline:
         chain's once a store up to then said so (None: all the events): an event after the request ended changes nothing
         of its answer, so the answer does not depend on when, or in which chunk, it is computed. ``since_ms``: the
         start of the request's lookback (arrival − lookback): the events and resets before it are not its evidence
-        (None: all of them), whatever else was read with it."""
+        (None: all of them), whatever else was read with it. ``down``: the pods found down as the request was routed
+        (gateway_requests.pods_down): a holder elsewhere is named among the others first, in name order, and among
+        them only when no other holds the block (a prefix the router could have reached is not a pod's outage)."""
         by_pod = self._tracks_of(chain, end_ms, since_ms)
         latest: tuple[str, int] | None = None
         here = by_pod.get(pod, [])
@@ -203,7 +205,7 @@ class KvTimeline:
             state = REMOVED_HERE if latest[0] == "removed" else RESET_HERE
             return BlockStatus(state, pod, datetime.fromtimestamp(latest[1] / 1000, UTC))
         allowed = None if model_pods is None else set(model_pods)
-        for other in sorted(by_pod):
+        for other in sorted(by_pod, key=lambda p: (p in down, p)):
             if other != pod and (allowed is None or other in allowed) and any(
                     t.at(t_ms)[0] for t in by_pod[other]):
                 return BlockStatus(RESIDENT_ELSEWHERE, other)
@@ -213,17 +215,17 @@ class KvTimeline:
 def request_evidence(timeline: KvTimeline, *, pod: str, ts_ms: int, chain: Sequence[int], chain_block_size: int,
                      prompt_tokens: int, cached_tokens: int, model_pods: Iterable[str] | None = None,
                      covered_pods: frozenset[str] = frozenset(), end_ms: int | None = None,
-                     since_ms: int | None = None) -> KvEvidence:
+                     since_ms: int | None = None, down: Collection[str] = ()) -> KvEvidence:
     """The :class:`KvEvidence` of one request: the status of its blocks k0 = cached // B … up to the last
     hittable one (L / B, L = floor((P − 1)/B)·B) and within ``chain``, stopping after the first ``nowhere``.
     ``end_ms``: the request's end (arrival + e2e_ms), ``since_ms`` the start of its lookback (arrival − lookback),
-    see :meth:`KvTimeline.status`."""
+    ``down`` the pods found down as it was routed, see :meth:`KvTimeline.status`."""
     b = max(1, chain_block_size)
     last = min(len(chain), max(0, prompt_tokens - 1) // b)
     statuses: list[BlockStatus] = []
     pods = None if model_pods is None else list(model_pods)
     for j in range(max(0, cached_tokens) // b, last):
-        status = timeline.status(int(chain[j]), pod, ts_ms, pods, end_ms, since_ms)
+        status = timeline.status(int(chain[j]), pod, ts_ms, pods, end_ms, since_ms, down)
         statuses.append(status)
         if status.state == NOWHERE:
             break
@@ -706,7 +708,8 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
                     pl.col("pod").cast(pl.String), pl.col("model").cast(pl.String),
                     pl.col("prompt_tokens").cast(pl.Int64), pl.col("cached_tokens").cast(pl.Int64),
                     pl.col("block_size").cast(pl.Int64),
-                    *([pl.col("p_pod").cast(pl.String)] if "p_pod" in frame.columns else []))
+                    *([pl.col("p_pod").cast(pl.String)] if "p_pod" in frame.columns else []),
+                    *([pl.col("pods_down").cast(pl.List(pl.String))] if "pods_down" in frame.columns else []))
             .with_columns(since.alias("since"), kv_since.alias("kv_since"))
             .join(chains, on=["request_id", "t"] if "t" in chains.columns else "request_id", how="inner")
             .filter(pl.col("chain_block_size") == pl.col("block_size")))
@@ -725,6 +728,8 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     if "first" in model_pods.columns:
         asks, model_pods = _served_by_then(rows, asks, model_pods)
     statuses = kv_tracks.block_statuses(blocks, resets, asks, model_pods, first_nowhere=True)
+    if "pods_down" in rows.columns:
+        statuses = _up_holders_first(rows, asks, statuses, blocks, resets, model_pods)
     if "p_pod" in rows.columns:  # only the predecessor's pod is asked about (attribution_batch): rows × 1, not × pods
         pods = rows.select("rid", "t", "since", pl.col("p_pod").alias("covered")).drop_nulls("covered")
     else:
@@ -742,6 +747,38 @@ def frame_evidence(frame: pl.DataFrame, chains: pl.DataFrame, first: pl.DataFram
     found = (kv_tracks.until_nowhere(statuses).join(requests.select("rid", "request_id", "t"), on="rid")
              .select("request_id", "t", "i", "state", "pod", "removed_at"))
     return EvidenceFrames(requests.drop("rid"), found)
+
+
+def _up_holders_first(rows: pl.DataFrame, asks: pl.DataFrame, statuses: pl.DataFrame, blocks: pl.DataFrame,
+                      resets: pl.DataFrame, model_pods: pl.DataFrame) -> pl.DataFrame:
+    """``statuses`` (:func:`ingest.kv_tracks.block_statuses` of ``asks``) with each block resident elsewhere named by
+    a holder the gateway did not find down when the request was routed (``rows``' pods_down), whenever one holds it:
+    as :meth:`KvTimeline.status` with ``down``. The asks whose first answer names a down pod are asked again with
+    that request's down pods left out of those that count (each such request its own model key, longer than any
+    other key so none is shared); a second answer of ``resident_elsewhere`` replaces the holder, any other keeps the
+    first (only down pods hold the block). Costs nothing when no request logged a down pod."""
+    down = rows.select("rid", "pods_down").filter(pl.col("pods_down").list.len() > 0)
+    if down.is_empty():
+        return statuses
+    again = (statuses.with_row_index("_at").join(down, on="rid", how="inner")
+             .filter((pl.col("state") == RESIDENT_ELSEWHERE) & pl.col("pods_down").list.contains(pl.col("pod"))))
+    if again.is_empty():
+        return statuses
+    width = 1 + max(asks["model"].cast(pl.String).str.len_bytes().max() or 0,
+                    model_pods["model"].cast(pl.String).str.len_bytes().max() or 0)
+    key = pl.lit("\x1e" * width) + pl.col("rid").cast(pl.String)
+    asked = (asks.join(again.select("rid", "i", "_at"), on=["rid", "i"], how="inner")
+             .with_columns(pl.col("model").cast(pl.String)))
+    pairs = (asked.select("rid", "model").unique()
+             .join(model_pods.select(pl.col("model").cast(pl.String), pl.col("pod").cast(pl.String)).unique(),
+                   on="model", how="inner")
+             .join(down, on="rid", how="inner").filter(~pl.col("pods_down").list.contains(pl.col("pod")))
+             .select(key.alias("model"), "pod"))
+    answers = kv_tracks.block_statuses(blocks, resets, asked.with_columns(key.alias("model")).drop("_at"), pairs)
+    up = (answers.with_columns(asked["_at"]).filter(pl.col("state") == RESIDENT_ELSEWHERE)
+          .select("_at", pl.col("pod").alias("_up")))
+    return (statuses.with_row_index("_at").join(up, on="_at", how="left", maintain_order="left")
+            .with_columns(pl.coalesce("_up", "pod").alias("pod")).drop("_at", "_up"))
 
 
 def _served_by_then(rows: pl.DataFrame, asks: pl.DataFrame, model_pods: pl.DataFrame

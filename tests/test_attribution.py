@@ -34,13 +34,13 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
         prev_suffix: str = "", next_history: str = "", first_message: str = "", lines: list[str] | None = None,
         line_tokens: list[int] | None = None, chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
-        ) -> dict[str, Any]:
+        down: list[str] | None = None) -> dict[str, Any]:
     """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw.
     ``lines``/``chunks``: the system prompt's lines and the suffix's chunks (texts, hashed here) with their
     token counts (default: none, as an older gateway logs); ``prev_suffix``: the previous turn's final message as
     this request carries it (default: not logged, as an older gateway); ``next_history``: this request's history
     and final message as one history (default: not logged); ``first_message``: the thread's first message (default:
-    not logged)."""
+    not logged); ``down``: the pods the gateway found down as it routed the request (default: none)."""
     sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
     return {
         "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
@@ -58,7 +58,7 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         "prompt_fingerprint": h(sh, th, rh, hh) if any((sh, th, rh, hh)) else "",
         "system_line_hashes": [h(x) or "0" * 16 for x in lines or []], "system_line_tokens": list(line_tokens or []),
         "suffix_chunk_hashes": [h(x) or "0" * 16 for x in chunks or []],
-        "suffix_chunk_tokens": list(chunk_tokens or []),
+        "suffix_chunk_tokens": list(chunk_tokens or []), "pods_down": list(down or []),
     }
 
 
@@ -501,6 +501,9 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
     salts = random.Random(seed + 3000)  # a stream of its own: the fields above stay as they were drawn
     for r in reqs:
         r["cache_salt_hash"] = salts.choice(["", "", "", "5a17000000000001", "5a17000000000002"])
+    outages = random.Random(seed + 4000)  # the pods found down as each request was routed, a stream of its own too
+    for r in reqs:
+        r["pods_down"] = outages.choice([[], [], [], ["pod-a"], ["pod-b"], ["pod-a", "pod-c"], ["pod-b", "pod-c"]])
     return reqs
 
 
@@ -525,6 +528,7 @@ def test_random_traffic_sums_exactly_and_is_deterministic():
     shuffled = reqs[:]
     rnd.shuffle(shuffled)
     assert a.attribute(shuffled, block_size_by_pod=sizes) == rows
+    by_rid = {q["request_id"]: q for q in reqs}
     by_id: dict[str, int] = {}
     for r in rows:
         assert r.tokens > 0
@@ -533,6 +537,9 @@ def test_random_traffic_sums_exactly_and_is_deterministic():
             assert r.sub_cause in a.DRIFT_SUB_CAUSES
         elif r.cause == "evicted":
             assert r.sub_cause in ("", "evicted_before_next_turn")
+        elif r.cause == "routed_away":
+            assert r.sub_cause in ("", "pod_down")
+            assert (r.sub_cause == "pod_down") == (r.predecessor_pod in by_rid[r.request_id]["pods_down"])
         else:
             assert r.sub_cause == ""
         by_id[r.request_id] = by_id.get(r.request_id, 0) + r.tokens

@@ -107,6 +107,7 @@ def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
             prev_suffix=draw(st.sampled_from(["", "x1", "x2"])),
             next_history=draw(st.sampled_from(["", "h1", "h2"])),
             suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
+            down=draw(st.sampled_from([[], [], ["pod-a"], ["pod-b", "pod-c"]])),
             **random_structure(random.Random(draw(st.integers(0, 2**32)))),
         ))
         if i and draw(st.booleans()) and draw(st.booleans()):  # the same millisecond as an earlier request

@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import polars as pl
 import pytest
 from test_attribution_job import INGESTED, h, insert_requests
 from test_kv_residency import CLEARED, collect, frames, ingest, removed
@@ -93,7 +94,7 @@ def build(store: Store, b: int) -> None:
     """Every scenario's KV events and gateway rows (see each test for its story)."""
     msgs: list[list[bytes]] = []
     rows: list[dict[str, Any]] = []
-    sys_ids = {s: tokens(s, N * b) for s in range(1, 11)}
+    sys_ids = {s: tokens(s, N * b) for s in range(1, 14)}
 
     # 1: routed_away, no fingerprint predecessor: 1-b holds the prefix, the request goes to 1-a.
     msgs += [frames("1-a", 0, 0.5, stored(tokens(1, b, 9), b, 1900)), frames("1-b", 0, 1, stored(sys_ids[1], b, 1000))]
@@ -172,8 +173,24 @@ def build(store: Store, b: int) -> None:
              gw("s11", 11, t=10, pod="11-a", prompt_ids=tokens(11, N * b)[:half] + doc_b + tokens(11, 10, 1), b=b,
                 prompt=N * b + 10, cached=half, conv="c11", system_tokens=half, rag="docB", rag_tokens=half,
                 suffix="q2", suffix_tokens=10)]
+    # 12: the prefix lives on 12-b and 12-c; 12-b (the first holder by name, the predecessor's pod) was down as s12
+    # was routed to 12-a, 12-c was up: a router could have hit it there (plain routed_away, 12-c named).
+    msgs += [frames("12-a", 0, 0.5, stored(tokens(12, b, 9), b, 12_900)),
+             frames("12-b", 0, 1, stored(sys_ids[12], b, 12_000)), frames("12-c", 0, 1, stored(sys_ids[12], b, 12_100))]
+    rows += [turn("p12", 12, b, t=0.5, pod="12-b", prompt_ids=None, suffix="q1", suffix_tokens=5),
+             gw("p12-c", 12, t=0.6, pod="12-c", prompt_ids=None, b=b, prompt=30, tenant="other", system="y",
+                system_tokens=20, suffix_tokens=10)]
+    # 13: the prefix lives on 13-b only, down as s13 was routed to 13-a: routed_away / pod_down, 13-b named.
+    msgs += [frames("13-a", 0, 0.5, stored(tokens(13, b, 9), b, 13_900)),
+             frames("13-b", 0, 1, stored(sys_ids[13], b, 13_000))]
+    rows += [turn("p13", 13, b, t=0.5, pod="13-b", prompt_ids=None, suffix="q1", suffix_tokens=5)]
+    failed_over = [{**turn("s12", 12, b, t=10, pod="12-a", prompt_ids=sys_ids[12] + tokens(12, 20, 1), suffix="q2",
+                           suffix_tokens=20), "pods_down": ["12-b"]},
+                   {**turn("s13", 13, b, t=10, pod="13-a", prompt_ids=sys_ids[13] + tokens(13, 20, 1), suffix="q2",
+                           suffix_tokens=20), "pods_down": ["13-b", "13-z"]}]
     ingest(store, collect(msgs))
     insert_requests(store, rows)
+    insert_requests(store, failed_over)
 
 
 def answers(store: Store) -> dict[str, tuple[Any, ...]]:
@@ -211,12 +228,16 @@ def results(request: pytest.FixtureRequest, chdb_dir: Any) -> tuple[int, dict[st
 
 
 def detail(store: Store) -> dict[str, tuple[Any, ...]]:
-    """request_detail's (evidence, evidence_pod, evidence_removed_at, causes) for s1 and s2, and the page text."""
+    """request_detail's (evidence, evidence_pod, evidence_removed_at, causes) for s1 and s2, and the page text;
+    under "s12 text" and "s13 text" the page's evidence text of those requests."""
     out = {}
     for rid in ("s1", "s2"):
         row = store.named("request_detail", {"request_id": rid}).to_dicts()[0]
         out[rid] = (row["evidence"], row["evidence_pod"], row["evidence_removed_at"], row["causes"],
                     request_detail._precise_text(row))
+    for rid in ("s12", "s13"):  # the page's evidence text of the failed-over requests
+        rows = store.named("request_detail", {"request_id": rid}).to_dicts()
+        out[f"{rid} text"] = request_detail.evidence(rows[0], pl.DataFrame(rows))
     return out
 
 
@@ -225,6 +246,22 @@ def test_routed_away_names_the_pod_that_held_the_blocks(results) -> None:
     b, precise, inferred, _ = results
     assert precise["s1"] == ([("routed_away", "", N * b), ("unavoidable", "", 10)], "kv_events", "1-b", None)
     assert inferred["s1"] == ([("cold", "", N * b), ("unavoidable", "", 10)], "fingerprints", "", None)
+
+
+def test_a_holder_found_down_is_pod_down_and_an_up_holder_is_named_first(results) -> None:
+    """s13's prefix sat only on 13-b, which the gateway found down: `routed_away / pod_down` in both modes. s12's sat
+    on 12-b (down, the predecessor's pod) and 12-c (up): precise mode names 12-c, plain `routed_away` (a router could
+    have hit it there); inferred mode knows only the predecessor's pod: `pod_down`."""
+    b, precise, inferred, _ = results
+    assert precise["s13"] == ([("routed_away", "pod_down", N * b), ("unavoidable", "", 20)], "kv_events", "13-b",
+                              None)
+    assert inferred["s13"] == ([("routed_away", "pod_down", N * b), ("unavoidable", "", 20)], "inferred", "", None)
+    assert precise["s12"] == ([("routed_away", "", N * b), ("unavoidable", "", 20)], "kv_events", "12-c", None)
+    assert inferred["s12"] == ([("routed_away", "pod_down", N * b), ("unavoidable", "", 20)], "inferred", "", None)
+    said = results[3]
+    assert "**13-b**, which held the prefix, was down" in said["precise"]["s13 text"]
+    assert "**13-b**, which held the prefix, was down" in said["inferred"]["s13 text"]
+    assert "was down" not in said["precise"]["s12 text"] and "**12-b**, which held" in said["inferred"]["s12 text"]
 
 
 def test_evicted_by_block_removed_with_its_time(results) -> None:

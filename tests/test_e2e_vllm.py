@@ -24,6 +24,7 @@ from ingest.attribution_job import run_attribution
 from kvscope.config import build_config
 from kvscope.pipeline import Pipeline
 from tests.kill_harness import wait_until as wait_for
+from tests.tcp_relay import TcpRelay
 
 pytestmark = [pytest.mark.vllm, pytest.mark.broker]
 
@@ -79,6 +80,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             unreplied = unreplied_turns(gw.url)
             skipped = prompt_logprobs_repeat(gw.url)
             subagents = parallel_subagents(gw.url)
+            outage = failed_over_turns(pods, gw_log, Path(tiny_model_dir) / "tokenizer.json")
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -95,7 +97,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     run_attribution(store, settle_seconds=0.0)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
-           "unreplied": unreplied, "skipped": skipped, "subagents": subagents,
+           "unreplied": unreplied, "skipped": skipped, "subagents": subagents, "outage": outage,
            "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
@@ -243,6 +245,51 @@ def parallel_subagents(gateway_url: str) -> tuple[str, str, str]:
                                          (ids[1], {"messages": [a2[0], {"role": "user", "content": task["B"]}]}),
                                          (f"sub-{tag}-other", FILLER), (ids[2], {"messages": a2})])
     return ids
+
+
+def failed_over_turns(pods: list[Any], gw_log: Path, tokenizer: Path) -> tuple[str, str]:
+    """Two turns of one conversation through a second gateway (prefix affinity, writing the same log) that reaches
+    the first pod through a :class:`TcpRelay`: the first turn lands there, then the relay goes down (the pod looks
+    dead: its port refuses connections) and the second turn, pinned to it, fails over to the other pod. Returns
+    the two request ids."""
+    tag = uuid.uuid4().hex[:8]
+    system = f"You are the night operator {tag}. " + " ".join(f"Rule {i}: log each alarm with its time."
+                                                              for i in range(12))
+    notes = " ".join(f"Alarm {i} rang at the north gate." for i in range(30))
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the alarms. " + notes}]
+    headers = {"X-Conversation-Id": f"outage-{tag}", "X-Tenant-Id": "nightshift"}
+    ids = (f"outage-{tag}-t1", f"outage-{tag}-t2")
+    host, port = httpx.URL(pods[0].base_url).host, httpx.URL(pods[0].base_url).port
+    with TcpRelay((host, port)) as relay:
+        app = make_app([(pods[0].name, relay.url), (pods[1].name, pods[1].base_url)], gw_log,
+                       policy="prefix_affinity", tokenizer_path=tokenizer)
+        with GatewayServer(app) as gw, httpx.Client(timeout=120) as client:
+            body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+            r1 = client.post(f"{gw.url}/v1/chat/completions", headers={**headers, "X-Request-Id": ids[0]},
+                             json={**body, "messages": first})
+            assert r1.status_code == 200, r1.text
+            reply = r1.json()["choices"][0]["message"]["content"] or "ok"
+            relay.down()
+            time.sleep(5)  # past the gateway's keep-alive: no pooled connection to the dead pod is left
+            second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Which gate?"}]
+            r2 = client.post(f"{gw.url}/v1/chat/completions", headers={**headers, "X-Request-Id": ids[1]},
+                             json={**body, "messages": second})
+            assert r2.status_code == 200, r2.text
+    return ids
+
+
+def test_a_turn_failed_over_from_a_dead_pod_is_pod_down(e2e) -> None:  # type: ignore[no-untyped-def]
+    """The pod that held the conversation refused the second turn's connection, so the gateway sent it to the other
+    pod (routing_reason pod_down) and logged the dead pod in pods_down: the first turn's prompt, reusable on the
+    dead pod only, is `routed_away / pod_down` (an outage, not the router), the rest `unavoidable`."""
+    t1, t2 = e2e["outage"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    dead = by_id[t1]["pod"]
+    assert by_id[t2]["pod"] != dead and by_id[t2]["routing_reason"] == "pod_down"
+    assert by_id[t2]["pods_down"] == [dead] and by_id[t1]["pods_down"] == []
+    assert e2e["store"].query_rows("SELECT predecessor_request_id, predecessor_pod FROM request_attribution FINAL "
+                                   "WHERE request_id = {r:String}", {"r": t2}) == [(t1, dead)]
+    only_causes(e2e, t2, f"failed-over turn (first turn {by_id[t1]['prompt_tokens']})", ("routed_away", "pod_down"))
 
 
 def test_parallel_subagents_each_continue_their_own_thread(e2e) -> None:  # type: ignore[no-untyped-def]

@@ -34,6 +34,7 @@ GOOD: dict[str, Any] = {
 FULL: dict[str, Any] = {
     **GOOD, "conversation_id": "c-1", "agent_run_id": "", "model": "tiny", "pod": "pod-0",
     "endpoint": "chat.completions", "routing_policy": "round_robin", "routing_reason": "round_robin", "stream": True,
+    "pods_down": ["pod-1"],
     "error": "", "completion_tokens": 8, "queue_wait_ms": 1.5, "tool_latency_ms": None, "system_hash": H1,
     "system_norm_hash": H1, "system_tokens": 720, "tools_hash": "", "tools_canonical_hash": "", "tools_tokens": 0,
     "retrieval_pack_hash": "", "retrieval_set_hash": "", "retrieval_tokens": 0, "history_prefix_hash": H2,
@@ -252,6 +253,7 @@ _VALID: dict[str, st.SearchStrategy[Any]] = {
     **{k: st.integers(0, 5000) for k in FULL if k.endswith("_tokens") and k not in ("prompt_tokens", "cached_tokens")},
     "prompt_block_hashes": st.lists(st.sampled_from([H1, H2, H1.upper(), "", H1 + "," + H2]), max_size=3),
     "prompt_block_size": st.sampled_from([0, 1, 32]),
+    "pods_down": st.lists(st.sampled_from(["pod-1", "", "r" * 512, "r" * 513, 7]), max_size=3),
     **{k: st.lists(st.sampled_from([H1, H2, H1.upper(), ""]), max_size=3) for k in ("system_line_hashes",
                                                                                     "suffix_chunk_hashes")},
     **{k: st.lists(st.sampled_from([0, 7, 2**32 - 1, 2**32, -1]), max_size=3) for k in ("system_line_tokens",

@@ -912,6 +912,13 @@ def test_failover_from_unreachable_pod(vllm_fleet, gateway):
     assert r.status_code == 200, r.text
     rec = log_line(log_path, rid)
     assert rec["pod"] == vllm_fleet.pods[0].name and rec["routing_reason"] == "pod_down"
+    assert rec["pods_down"] == ["dead-0"]
+    # the dead pod stays marked down: the next request skips it, and its log line still names it
+    rid2 = f"{rid}-next"
+    assert client.post("/v1/chat/completions", json=chat_body(rid, n_words=20), headers={"X-Request-Id": rid2}
+                       ).status_code == 200
+    later = log_line(log_path, rid2)
+    assert later["pod"] == vllm_fleet.pods[0].name and later["pods_down"] == ["dead-0"]
 
 
 @pytest.mark.vllm

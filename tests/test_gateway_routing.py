@@ -39,7 +39,7 @@ def test_round_robin_retry_after_refused_connection_is_pod_down():
     rr.release(first.pod)
     rr.mark_down(first.pod)
     retry = rr.choose(exclude=[first.pod])
-    assert retry.reason == "pod_down" and retry.pod != first.pod
+    assert retry.reason == "pod_down" and retry.pod != first.pod and retry.down == (first.pod,)
     with pytest.raises(NoPodAvailable):
         rr.choose(exclude=PODS)
 
@@ -115,7 +115,23 @@ def test_pod_down_when_sticky_pod_refuses_or_is_marked_down():
     pinned = pa2.choose(["fp2"]).pod
     pa2.mark_down(pinned)
     moved = pa2.choose(["fp2"])
-    assert moved.reason == "pod_down" and moved.pod != pinned
+    assert moved.reason == "pod_down" and moved.pod != pinned and moved.down == (pinned,)
+
+
+def test_pods_down_names_the_refused_and_the_marked_pods_but_never_the_chosen_one():
+    """Route.down (logged as pods_down): pods excluded for this request and pods still marked down, sorted; a
+    marked pod chosen all the same (no other left) is not down for the request; a mark that expired is gone."""
+    clock = FakeClock()
+    for router in (RoundRobin(PODS, down_seconds=5, clock=clock), PrefixAffinity(PODS, down_seconds=5, clock=clock)):
+        clock.now = 100.0
+        router.mark_down("pod-c")
+        route = router.choose(["fp"], exclude=["pod-a"])
+        assert route.pod == "pod-b" and route.down == ("pod-a", "pod-c")
+        router.mark_down("pod-b")
+        last = router.choose(["fp"], exclude=["pod-a", "pod-c"])  # only a marked pod is left: tried all the same
+        assert last.pod == "pod-b" and last.down == ("pod-a", "pod-c")
+        clock.now = 106.0
+        assert router.choose(["fp"]).down == ()
 
 
 def test_retry_of_a_new_fingerprint_is_pod_down():

@@ -118,7 +118,8 @@ def reference(reqs: list[dict[str, Any]], rows: list[kv_evidence.BlockRow], rese
             timeline, pod=r["pod"], ts_ms=t, chain=chain, chain_block_size=size, prompt_tokens=r["prompt_tokens"],
             cached_tokens=r["cached_tokens"], model_pods=MODEL_PODS[r["model"]],
             covered_pods=kv_evidence.covered(first, t), end_ms=t + int(min(max(r["e2e_ms"] or 0, 0), 600_000)),
-            since_ms=None if lookback is None else kv_evidence.lookback_start(t, lookback))
+            since_ms=None if lookback is None else kv_evidence.lookback_start(t, lookback),
+            down=r.get("pods_down") or ())
     return out
 
 
@@ -251,3 +252,25 @@ def test_a_summary_of_the_rows_before_a_cut_gives_every_later_arrival_the_same_e
     twice = kv_tracks.summarize(pl.concat([first_cut, between], how="diagonal_relaxed"), reset_frame, c2)
     got = _frames(late, pl.concat([twice, after], how="diagonal_relaxed"), reset_frame, first, chains)
     assert got == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_holders_the_gateway_found_down_are_named_last(seed: int) -> None:
+    """A block resident elsewhere is named by a holder that was up as the request was routed whenever one holds it
+    (gateway_requests.pods_down), column-wise as in the reference; the traffic reaches both cases: a block only down
+    pods held (routed_away / pod_down) and one whose first holder by name was down while another held it too."""
+    reqs = traffic(seed)
+    rows, resets, chains = history(seed, reqs)
+    want = reference(reqs, rows, resets, chains, SIZES)
+    by_name = reference([{**r, "pods_down": []} for r in reqs], rows, resets, chains, SIZES)
+    got = columnwise(reqs, rows, resets, chains, SIZES).to_mapping()
+    assert got == want
+    down = {r["request_id"]: set(r["pods_down"]) for r in reqs}
+    held_by_down = moved_up = 0
+    for rid, evidence in want.items():
+        for block, plain in zip(evidence.blocks, by_name[rid].blocks, strict=True):
+            if block.state == a.RESIDENT_ELSEWHERE:
+                held_by_down += block.pod in down[rid]
+                moved_up += block.pod != plain.pod
+                assert block.pod not in down[rid] or plain.pod in down[rid]
+    assert held_by_down > 0 and moved_up > 0, (held_by_down, moved_up)
