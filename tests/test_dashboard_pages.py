@@ -502,7 +502,10 @@ def test_data_quality_names_each_disagreement_and_the_overview_links_to_it(chdb_
     at.switch_page("views/data_quality.py").run()
     assert_clean(at)
     warnings = {w.value.split("**")[1]: w.value for w in at.warning if "**" in w.value}  # not the old-data banner
-    assert sorted(warnings) == ["bypass", "connector", "cut", "details", "direct", "edge", "preempt", "unscraped"]
+    assert sorted(warnings) == ["bypass", "connector", "cut", "details", "direct", "edge", "preempt", "preempt-skip",
+                                "unscraped"]
+    # its prompt-logprobs request is no missing count: the preemptions explain the gap
+    assert "2 preemptions" in warnings["preempt-skip"] and "not reported" not in warnings["preempt-skip"]
     assert "hits from a KV connector (+30.0 pp)" in warnings["connector"] and "300 tokens" in warnings["connector"]
     assert "requests not seen by the gateway (-20.0 pp)" in warnings["bypass"]
     assert "cached counts not reported (+25.0 pp)" in warnings["details"]

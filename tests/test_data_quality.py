@@ -11,16 +11,20 @@ import pytest
 from ingest.store import Store
 from tests.fixture_data import at
 
-GATEWAY_COLUMNS = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens"]
+GATEWAY_COLUMNS = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens",
+                   "skip_reading_prefix_cache"]
+SKIP = "skip"  # a request that read no prefix cache (prompt logprobs): cached count NULL by design
 VLLM_COLUMNS = ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"]
 
-# pod → gateway requests as (prompt_tokens, cached_tokens or None = not reported)
-GATEWAY: dict[str, list[tuple[int, int | None]]] = {
+# pod → gateway requests as (prompt_tokens, cached_tokens or None = not reported, or SKIP)
+GATEWAY: dict[str, list[tuple[int, int | str | None]]] = {
     "agree": [(100, 40)] * 10,  # 1000 prompt, 400 cached: 40 %
     "bypass": [(100, 40)] * 5,  # 500 / 200: 40 %
     "connector": [(250, 175)] * 4,  # 1000 / 700: 70 %
     "details": [(200, 150), (200, 150), (300, None), (300, None)],  # known 400 / 300: 75 %; coverage 400/1000
     "preempt": [(200, 100)] * 3,  # 600 / 300: 50 %
+    # as preempt, and a prompt-logprobs request (300 tokens) that is in no hit rate: every count was reported
+    "preempt-skip": [(200, 100)] * 3 + [(300, SKIP)],  # 600 / 300: 50 %; coverage 600 / 900, skipped 300
     "edge": [(100, 50)] * 4,  # 400 / 200: 50 %; vLLM's last scrape saw 3 of the 4 finished
     "cut": [(100, 50)] * 3 + [(100, None)],  # a stream the client cut: no count; vLLM does not count it finished
     "unscraped": [(100, 50)] * 2,
@@ -39,6 +43,9 @@ VLLM: dict[str, dict[str, float]] = {
     "preempt": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 600,
                 "vllm:prefix_cache_queries_total": 900, "vllm:prefix_cache_hits_total": 600,  # 300 recomputed: 66.7 %
                 "vllm:num_preemptions_total": 2},
+    "preempt-skip": {"vllm:request_success_total": 4, "vllm:prompt_tokens_total": 900,
+                     "vllm:prefix_cache_queries_total": 900, "vllm:prefix_cache_hits_total": 600,  # 66.7 %
+                     "vllm:num_preemptions_total": 2},
     "edge": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 300,
              "vllm:prefix_cache_queries_total": 300, "vllm:prefix_cache_hits_total": 120},  # 40 %
     "cut": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 300,
@@ -50,7 +57,7 @@ VLLM: dict[str, dict[str, float]] = {
 
 def load(s: Store) -> None:
     """Insert :data:`GATEWAY` and :data:`VLLM` into a migrated store (also used by the dashboard tests)."""
-    rows = [(f"{pod}-{i}", at(10 + i), "acme", pod, 200, prompt, cached)
+    rows = [(f"{pod}-{i}", at(10 + i), "acme", pod, 200, prompt, None if cached == SKIP else cached, cached == SKIP)
             for pod, requests in GATEWAY.items() for i, (prompt, cached) in enumerate(requests)]
     s.insert("gateway_requests", rows, GATEWAY_COLUMNS)
     label = {"vllm:request_success_total": "stop"}
@@ -84,6 +91,8 @@ def test_every_pod_of_either_source_has_a_row(dq: dict[str, dict[str, Any]]) -> 
         # 4 logged vs 3 finished too, but the fourth has no count (found on a real pod: a client cut its stream; it
         # read window_edge, "wait for the next scrape", for good): 150 / 300 known = 50 % vs 40 %
         ("cut", "details_not_reported", 10.0, 150 - 120),
+        # every count reported; the prompt-logprobs request lowers the coverage to 600 / 900 but is no missing count
+        ("preempt-skip", "preemption_recompute", (0.5 - 600 / 900) * 100, 300 - 600),
     ],
 )
 def test_gap_and_likely_cause(dq: dict[str, dict[str, Any]], pod: str, cause: str, gap_pp: float,
@@ -104,6 +113,9 @@ def test_coverage_of_each_input(dq: dict[str, dict[str, Any]]) -> None:
     assert "3 requests" not in dq["bypass"]["evidence"] and "8 requests" in dq["bypass"]["evidence"]
     assert dq["connector"]["external_hit_tokens"] == 300 and "300 tokens" in dq["connector"]["evidence"]
     assert dq["preempt"]["preemptions"] == 2
+    assert (dq["preempt-skip"]["cached_tokens_coverage"], dq["preempt-skip"]["skipped_prompt_tokens"]) == (
+        pytest.approx(600 / 900), 300)
+    assert dq["agree"]["skipped_prompt_tokens"] == 0
 
 
 def test_a_pod_seen_by_one_source_only(dq: dict[str, dict[str, Any]]) -> None:

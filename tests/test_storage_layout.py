@@ -193,6 +193,35 @@ def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: P
     assert s.query_rows("SELECT sum(known_served), sum(known_prompt_tokens) FROM requests_1m")[0] == (2, 1524)
 
 
+def test_rows_stored_before_0041_keep_their_rollups_and_later_skipped_prompts_count(chdb_dir: Path) -> None:
+    """A prompt-logprobs request (skip_reading_prefix_cache, cached NULL) stored before 0041 stays in the rollups as
+    it was (skipped 0: the documented cost of the upgrade); one stored after counts its 1,000 prompt tokens as
+    skipped, which the tokens query adds to prefill_computed_tokens; rerunning 0041 changes nothing."""
+    from datetime import timedelta
+
+    s = Store.open(data_dir=chdb_dir, database=f"m41_{uuid.uuid4().hex[:10]}")
+    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
+              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
+    migrations = dict(sqlfiles.migrations())
+    for version, text in migrations.items():
+        if version < "0041":
+            s.run_migration(text)
+            s.insert("schema_migrations", [(version,)], ["version"])
+    cols = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens",
+            "skip_reading_prefix_cache"]
+    s.insert("gateway_requests", [("old", T0, "acme", "pod-a", 200, 500, None, True),
+                                  ("hit", T0 + timedelta(seconds=1), "acme", "pod-a", 200, 1000, 600, False)], cols)
+    assert s.migrate()[0] == "0041_rollup_skipped_prompt_tokens"
+    s.insert("gateway_requests", [("new", T0 + timedelta(seconds=2), "acme", "pod-a", 200, 1000, None, True)], cols)
+    for table in ("requests_1m", "requests_1h"):
+        assert s.query_rows(f"SELECT sum(prompt_tokens), sum(known_prompt_tokens), sum(skipped_prompt_tokens) "
+                            f"FROM {table}")[0] == (2500, 1000, 1000), table
+    tokens = s.named("tokens").row(0, named=True)
+    assert tokens["prefill_computed_tokens"] == (1000 - 600) + 1000
+    s.run_migration(migrations["0041_rollup_skipped_prompt_tokens"])
+    assert s.query_rows("SELECT sum(skipped_prompt_tokens) FROM requests_1m")[0] == (1000,)
+
+
 def test_the_tables_read_by_ingestion_time_have_a_minmax_index_on_it(store: Store) -> None:
     """The attribution job filters gateway_requests and kv_block_events on ingested_at every run; both tables are
     sorted by other columns, so each has a minmax skipping index on it (migrations 0008, 0023)."""

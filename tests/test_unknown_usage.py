@@ -175,6 +175,11 @@ def test_a_request_that_read_no_prefix_cache_is_no_cache_query(store: Store, tmp
                                                                                         ("s8", 480, True)]
     gw = {r["source"]: r for r in store.named("hit_rate_total").iter_rows(named=True)}["gateway"]
     assert (gw["hit_tokens"], gw["query_tokens"], gw["requests"]) == (3180, 7000, 8)
+    # the pod computed every one of s7's 1,000 prompt tokens: (7,000 − 3,180) + 1,000
+    tokens = store.named("tokens").row(0, named=True)
+    assert (tokens["prompt_tokens"], tokens["cached_tokens"], tokens["prefill_computed_tokens"]) == (8000, 3180, 4820)
+    dq = store.named("data_quality").row(0, named=True)
+    assert (dq["skipped_prompt_tokens"], dq["cached_tokens_coverage"]) == (1000, 7000 / 8000)
     run_attribution(store, settle_seconds=-60)
     assert store.query_rows("SELECT causes, sub_causes, missed_tokens FROM request_attribution "
                             "WHERE request_id = 's7'") == [(["not_reported"], ["skip_reading_prefix_cache"], [1000])]

@@ -10,6 +10,7 @@
 -- returns: gateway_prompt_tokens UInt64 | Σ prompt tokens of served requests (gateway), tokens
 -- returns: vllm_prompt_tokens Nullable(UInt64) | Δ vllm:prompt_tokens_total, tokens
 -- returns: cached_tokens_coverage Nullable(Float64) | prompt tokens of served requests whose cached count the pod reported / all their prompt tokens, fraction 0..1
+-- returns: skipped_prompt_tokens UInt64 | prompt tokens of served requests that read no prefix cache (prompt logprobs: skip_reading_prefix_cache): no cached count by design, in neither hit rate (vLLM counts them in no prefix-cache query), so not a missing count, tokens
 -- returns: request_coverage Nullable(Float64) | gateway_requests / vllm_requests, fraction (above 1 when vLLM counted fewer); NULL when vLLM finished none
 -- returns: gateway_hit_tokens UInt64 | Σ cached tokens of served requests with a known count, tokens
 -- returns: gateway_hit_rate Nullable(Float64) | gateway_hit_tokens / their prompt tokens (known counts only), fraction 0..1
@@ -29,20 +30,22 @@ WITH
     (
         SELECT pod_name,
                sum(g_served) AS g_served, sum(g_prompt) AS g_prompt, sum(g_known) AS g_known, sum(g_hit) AS g_hit,
+               sum(g_skipped) AS g_skipped,
                max(has_vllm) AS has_vllm, sum(v_requests) AS v_requests, sum(v_prompt) AS v_prompt,
                sum(v_hits) AS v_hits, sum(v_queries) AS v_queries, sum(v_external) AS v_external,
                sum(v_preemptions) AS v_preemptions
         FROM
         (
             SELECT CAST(pod AS String) AS pod_name, sum(served) AS g_served, sum(prompt_tokens) AS g_prompt,
-                   sum(known_prompt_tokens) AS g_known, sum(cached_tokens) AS g_hit, toUInt8(0) AS has_vllm,
+                   sum(known_prompt_tokens) AS g_known, sum(cached_tokens) AS g_hit,
+                   sum(skipped_prompt_tokens) AS g_skipped, toUInt8(0) AS has_vllm,
                    0. AS v_requests, 0. AS v_prompt, 0. AS v_hits, 0. AS v_queries, 0. AS v_external,
                    0. AS v_preemptions
             FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = 1)
             WHERE ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
             GROUP BY pod_name
             UNION ALL
-            SELECT CAST(pod AS String) AS pod_name, 0, 0, 0, 0, toUInt8(1),
+            SELECT CAST(pod AS String) AS pod_name, 0, 0, 0, 0, 0, toUInt8(1),
                    sumIf(increase, name = 'vllm:request_success_total'),
                    sumIf(increase, name = 'vllm:prompt_tokens_total'),
                    sumIf(increase, name IN ('vllm:prefix_cache_hits_total', 'vllm:gpu_prefix_cache_hits_total')),
@@ -68,6 +71,7 @@ WITH
             toUInt64(g_prompt) AS gateway_prompt_tokens,
             CAST(if(has_vllm = 1, toUInt64(round(v_prompt)), NULL) AS Nullable(UInt64)) AS vllm_prompt_tokens,
             CAST(if(g_prompt > 0, g_known / g_prompt, NULL) AS Nullable(Float64)) AS cached_tokens_coverage,
+            toUInt64(g_skipped) AS skipped_prompt_tokens,
             CAST(if(vllm_requests > 0, gateway_requests / vllm_requests, NULL) AS Nullable(Float64)) AS request_coverage,
             toUInt64(g_hit) AS gateway_hit_tokens,
             CAST(if(g_known > 0, g_hit / g_known, NULL) AS Nullable(Float64)) AS gateway_hit_rate,
@@ -89,7 +93,7 @@ SELECT
         gap_pp IS NOT NULL AND abs(gap_pp) < 0.5, 'agree',
         external_hit_tokens > 0, 'external_kv_connector',
         vllm_requests > gateway_requests, 'requests_not_seen_by_gateway',
-        cached_tokens_coverage < 0.99, 'details_not_reported',
+        cached_tokens_coverage + skipped_prompt_tokens / gateway_prompt_tokens < 0.99, 'details_not_reported',
         gateway_requests > vllm_requests, 'window_edge',
         preemptions > 0 AND gap_tokens < 0, 'preemption_recompute',
         'unexplained') AS likely_cause,

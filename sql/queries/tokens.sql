@@ -11,7 +11,7 @@
 -- returns: requests Nullable(UInt64) | served requests (status < 400, prompt_tokens > 0); NULL for vllm
 -- returns: prompt_tokens UInt64 | prefill_tokens_total: all prompt tokens, cached ones included, tokens
 -- returns: cached_tokens Nullable(UInt64) | prefix_cache_hit_tokens: prompt tokens served from the prefix cache, of the requests whose cached count is known, tokens; NULL for vllm (see hit_rate for vLLM's hit counters)
--- returns: prefill_computed_tokens Nullable(UInt64) | prefix_cache_miss_tokens: prompt tokens the pod computed (prompt - cached) of the requests whose cached count is known, tokens; NULL for vllm
+-- returns: prefill_computed_tokens Nullable(UInt64) | prefix_cache_miss_tokens: prompt tokens the pod computed: prompt - cached of the requests whose cached count is known, plus every prompt token of the requests that read no prefix cache (prompt logprobs: skip_reading_prefix_cache), tokens; NULL for vllm
 -- returns: decode_tokens UInt64 | decode_tokens_total: completion (generated) tokens, tokens
 -- returns: cached_tokens_coverage Nullable(Float64) | prompt tokens of the requests whose cached count is known / prompt_tokens, fraction 0..1; NULL for vllm
 --
@@ -30,7 +30,8 @@ FROM
         CAST(sum(r.served) AS Nullable(UInt64)) AS requests,
         sum(r.prompt_tokens) AS prompt_tokens,
         CAST(sum(r.cached_tokens) AS Nullable(UInt64)) AS cached_tokens,
-        CAST(sum(r.known_prompt_tokens) - sum(r.cached_tokens) AS Nullable(UInt64)) AS prefill_computed_tokens,
+        CAST(sum(r.known_prompt_tokens) - sum(r.cached_tokens) + sum(r.skipped_prompt_tokens) AS Nullable(UInt64))
+            AS prefill_computed_tokens,
         sum(r.completion_tokens) AS decode_tokens,
         if(sum(r.prompt_tokens) > 0, sum(r.known_prompt_tokens) / sum(r.prompt_tokens), NULL) AS cached_tokens_coverage
     FROM requests_rollup(since = {since:DateTime64(3, 'UTC')}, until = {until:DateTime64(3, 'UTC')}, hourly = toUInt8({bucket_seconds:UInt32} % 3600 = 0)) AS r
