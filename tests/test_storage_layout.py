@@ -162,20 +162,27 @@ def test_a_store_written_by_0_1_is_migrated_in_place(chdb_dir: Path) -> None:
     assert run_attribution(s, settle_seconds=-60).arrivals == 3  # 0.1's answers are re-derived
 
 
+def migrated_before(chdb_dir: Path, version: str) -> tuple[Store, dict[str, str]]:
+    """A new store with the migrations before ``version`` applied and recorded (as a store of an older kvscope), and
+    every migration's text by version."""
+    s = Store.open(data_dir=chdb_dir, database=f"m{version}_{uuid.uuid4().hex[:10]}")
+    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
+              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
+    migrations = dict(sqlfiles.migrations())
+    for name, text in migrations.items():
+        if name < version:
+            s.run_migration(text)
+            s.insert("schema_migrations", [(name,)], ["version"])
+    return s, migrations
+
+
 def test_rows_stored_before_0014_stay_known_and_the_migration_reruns(chdb_dir: Path) -> None:
     """Rows and rollups written before 0014 (cached 0 and 736 of 762) keep their values and count as known:
     coverage 1.0, hit rate 736 / (2 × 762); after 0014 a row with a NULL count is not known; rerunning 0014
     changes nothing."""
     from datetime import timedelta
 
-    s = Store.open(data_dir=chdb_dir, database=f"m14_{uuid.uuid4().hex[:10]}")
-    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
-              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
-    migrations = dict(sqlfiles.migrations())
-    for version, text in migrations.items():
-        if version < "0014":
-            s.run_migration(text)
-            s.insert("schema_migrations", [(version,)], ["version"])
+    s, migrations = migrated_before(chdb_dir, "0014")
     cols = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens"]
     s.insert("gateway_requests", [("old0", T0, "acme", "pod-a", 200, 762, 0),
                                   ("old1", T0 + timedelta(seconds=1), "acme", "pod-a", 200, 762, 736)], cols)
@@ -199,14 +206,7 @@ def test_rows_stored_before_0041_keep_their_rollups_and_later_skipped_prompts_co
     skipped, which the tokens query adds to prefill_computed_tokens; rerunning 0041 changes nothing."""
     from datetime import timedelta
 
-    s = Store.open(data_dir=chdb_dir, database=f"m41_{uuid.uuid4().hex[:10]}")
-    s.command("CREATE TABLE IF NOT EXISTS schema_migrations (version String, applied_at DateTime64(3, 'UTC') "
-              "DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version")
-    migrations = dict(sqlfiles.migrations())
-    for version, text in migrations.items():
-        if version < "0041":
-            s.run_migration(text)
-            s.insert("schema_migrations", [(version,)], ["version"])
+    s, migrations = migrated_before(chdb_dir, "0041")
     cols = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens",
             "skip_reading_prefix_cache"]
     s.insert("gateway_requests", [("old", T0, "acme", "pod-a", 200, 500, None, True),
