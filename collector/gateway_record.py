@@ -102,6 +102,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     pods_down: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_PODS_DOWN)] = ()
     stream: bool = False
     skip_reading_prefix_cache: bool = False
+    continue_final_message: bool = False
     error: str = ""
     completion_tokens: U32 = 0
     queue_wait_ms: Ms | None = None
@@ -120,6 +121,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     prev_suffix_hash: str = ""
     next_history_hash: str = ""
     first_message_hash: str = ""
+    prefill_history_hash: str = ""
     history_tokens: U32 = 0
     suffix_hash: str = ""
     suffix_tokens: U32 = 0

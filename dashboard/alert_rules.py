@@ -25,7 +25,7 @@ SOURCES = ("vllm_scrape", "gateway_log", "kv_events", "attribution")
 #: Columns of the named query ``fingerprint_cardinality`` a ``cardinality_jump`` rule may watch (``segment``).
 SEGMENTS = ("prompt_fingerprint", "system_hash", "system_norm_hash", "tools_hash", "tools_canonical_hash",
             "retrieval_pack_hash", "retrieval_set_hash")
-SUB_CAUSES = (*a.DRIFT_SUB_CAUSES, a.EVICTED_BEFORE_NEXT_TURN)
+SUB_CAUSES = a.SUB_CAUSES
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 REQUIRED = object()

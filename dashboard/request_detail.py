@@ -171,13 +171,24 @@ def _precise_text(head: dict[str, Any]) -> list[str]:
             "block" + (f"; it left {holder} at {left:%Y-%m-%d %H:%M:%S} UTC." if left else " at arrival.")]
 
 
+def _pod_down_text(head: dict[str, Any]) -> list[str]:
+    """For a request with a ``routed_away / pod_down`` part: which pods the gateway found down as it routed it (the
+    request's ``pods_down``; the part's prefix was held on one of them), else nothing."""
+    if POD_DOWN not in (head.get("sub_causes") or ()):
+        return []
+    down = [charts.name(p) for p in head.get("pods_down") or ()]
+    named = ", ".join(f"**{p}**" for p in down) or "a pod"
+    return [f"The gateway found {named} down when it routed this request (pods_down), and the part of the prefix "
+            "held there reads `routed_away / pod_down`: an outage lost that hit, not the routing policy."]
+
+
 def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
     """What the attribution's answer rests on, in words: how the predecessor was found; for a drift, the
     segment comparison; for a prefix that was reusable (routed_away, evicted), which pod held it and what that
     pod's KV events say (or that the cause is inferred from which pod served the predecessor)."""
     pred = charts.name(head["predecessor_request_id"])
     pod, pred_pod = charts.name(head["pod"], empty="(no pod)"), charts.name(head["predecessor_pod"], empty="(no pod)")
-    precise = _precise_text(head)
+    precise = [*_precise_text(head), *_pod_down_text(head)]
     if not pred:
         return "  \n".join([*precise, "No earlier request within the attribution lookback shared this prefix: the "
                              "rest of its stable prefix is **cold**." if precise else
@@ -204,10 +215,6 @@ def evidence(head: dict[str, Any], segments: pl.DataFrame) -> str:
                      "prefix.")
     else:
         lines.append(f"Both went to **{pod}**.")
-    if POD_DOWN in (head.get("sub_causes") or ()):
-        holder = charts.name(head.get("evidence_pod") or "") or pred_pod
-        lines.append(f"**{holder}**, which held the prefix, was down when the gateway routed this request (it logged "
-                     "the pod in pods_down): an outage lost the hit, not the routing policy.")
     if head["kv_events"]:
         lines.append(
             f"{pred_pod} sent {head['kv_events']:,} KV-cache events between the two requests: "

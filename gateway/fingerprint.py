@@ -202,6 +202,7 @@ class PromptFingerprint:
     prev_suffix_hash: str = ""
     next_history_hash: str = ""
     first_message_hash: str = ""
+    prefill_history_hash: str = ""
 
     @property
     def segment_tokens(self) -> int:
@@ -221,8 +222,8 @@ class PromptFingerprint:
 
     def to_log_fields(self) -> dict[str, str | int | list]:
         """The 24 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
-        JSON lists; ``cache_salt_hash``, ``prev_suffix_hash``, ``next_history_hash`` and ``first_message_hash``
-        included)."""
+        JSON lists; ``cache_salt_hash``, ``prev_suffix_hash``, ``next_history_hash``, ``first_message_hash`` and
+        ``prefill_history_hash`` included)."""
         fields = {name: getattr(self, name) for name in _FIELD_NAMES}
         for name in _TUPLE_FIELDS:
             fields[name] = list(fields[name])
@@ -440,6 +441,28 @@ def message_text(msg: Mapping[str, Any]) -> str:
     return text
 
 
+def _last_assistant_run(history: Sequence[Mapping[str, Any]]) -> int | None:
+    """Where the last run of assistant messages in ``history`` starts (None: no assistant message)."""
+    last = max((i for i, m in enumerate(history) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        return None
+    while last > 0 and history[last - 1].get("role") == "assistant":
+        last -= 1
+    return last
+
+
+def continues_final_message(body: Mapping[str, Any]) -> bool:
+    """True when vLLM continues the body's final message instead of opening a new assistant turn: chat
+    ``continue_final_message`` (``vllm/entrypoints/openai/chat_completion/protocol.py``; read as pydantic reads a
+    bool) with a final message of role assistant (an assistant prefill: the reply extends that message, so the
+    next turn carries it, completed, as one assistant message)."""
+    messages = body.get("messages")
+    if not _lax_true(body.get("continue_final_message")) or not isinstance(messages, list) or not messages:
+        return False
+    final = messages[-1]
+    return isinstance(final, Mapping) and final.get("role") == "assistant"
+
+
 def _previous_request_history(history: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
     """The history the previous turn's request carried.
 
@@ -448,12 +471,9 @@ def _previous_request_history(history: Sequence[Mapping[str, Any]]) -> Sequence[
     This equals "history without its last two messages" for the plain user/assistant alternation, and stays
     right when the new turn adds several messages (parallel tool results). Without an assistant message
     the last two are dropped."""
-    last = max((i for i, m in enumerate(history) if m.get("role") == "assistant"), default=None)
-    if last is None:
+    start = _last_assistant_run(history)
+    if start is None:
         return history[:-2]
-    start = last
-    while start > 0 and history[start - 1].get("role") == "assistant":
-        start -= 1
     return history[: max(start - 1, 0)]
 
 
@@ -719,6 +739,7 @@ class _Segments:
         hist = [self._message(m) for m in history]
         history_hash = _segment_hash([h[0] for h in hist])
         previous = len(_previous_request_history(history))
+        prefill = _last_assistant_run(history)
         tail = [self._message(m) for m in suffix]
         if system_entry is not None and system_entry[2] is None:
             system_entry[2] = message_hash(system, mask=True)  # type: ignore[arg-type]
@@ -746,6 +767,9 @@ class _Segments:
             next_history_hash=_segment_hash([h[0] for h in hist] + [t[0] for t in tail]),
             # the thread's first message (a sub-agent's task): an agent run's parallel threads keep their own turns
             first_message_hash=_segment_hash([(hist or tail)[0][0]]) if hist or tail else "",
+            # the history the previous request carried had it continued its final assistant message (a prefill the
+            # reply completed, continue_final_message): the messages before the last run of assistant messages
+            prefill_history_hash=_segment_hash([h[0] for h in hist[:prefill]]) if prefill else "",
             history_tokens=sum(h[1] for h in hist),
             suffix_hash=_segment_hash([t[0] for t in tail]),
             suffix_tokens=sum(t[1] for t in tail),

@@ -59,6 +59,7 @@ from gateway.fingerprint import (
     SegmentCache,
     TokenCounter,
     cache_salt_hash,
+    continues_final_message,
     fingerprint_request,
     salted,
     skips_prefix_cache,
@@ -203,6 +204,7 @@ class _Exchange:
     logged: bool = False
     body: dict[str, Any] | None = None  # the request body, for its block chain (gateway.block_chain)
     skip_reading_prefix_cache: bool = False  # vLLM reads no prefix cache (gateway.fingerprint.skips_prefix_cache)
+    continue_final_message: bool = False  # an assistant prefill vLLM continues (gateway.fingerprint)
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
         """Take usage and per-request metrics from a response body or stream chunk, when present.
@@ -248,6 +250,7 @@ class _Exchange:
             "queue_wait_ms": self.queue_wait_ms,
             "tool_latency_ms": self.tool_latency_ms,
             "skip_reading_prefix_cache": self.skip_reading_prefix_cache,
+            "continue_final_message": self.continue_final_message,
             **self.fingerprint.to_log_fields(),
             "prompt_block_hashes": [],  # filled in by Gateway._log_with_chain when the chain is known
             "prompt_block_size": 0,
@@ -392,6 +395,7 @@ class Gateway:
         ex.model = fit_name(str(body.get("model") or ""))
         ex.stream = bool(body.get("stream"))
         ex.skip_reading_prefix_cache = skips_prefix_cache(body, endpoint)
+        ex.continue_final_message = endpoint == "chat.completions" and continues_final_message(body)
         try:  # cached or short segments on the loop; tokenizing a long new prompt takes ms: on a thread
             try:
                 ex.fingerprint = fingerprint_request(

@@ -16,6 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
+#: The most pods a route lists as down (``pods_down``; collector.gateway_record.MAX_PODS_DOWN, the log schema's
+#: maxItems): a line with more would be refused whole.
+MAX_PODS_DOWN = 256
 ROUND_ROBIN = "round_robin"
 PREFIX_AFFINITY = "prefix_affinity"
 POLICIES = (ROUND_ROBIN, PREFIX_AFFINITY)
@@ -49,9 +52,10 @@ class _PodPool:
         self._down_seconds = down_seconds
         self._clock = clock
         self._lock = threading.Lock()
+        self._down: list[str] = []  # the pods the latest candidates() found down or excluded (under _lock)
 
-    def is_up(self, pod: str) -> bool:
-        return self._down_until.get(pod, 0.0) <= self._clock()
+    def is_up(self, pod: str, now: float | None = None) -> bool:
+        return self._down_until.get(pod, 0.0) <= (self._clock() if now is None else now)
 
     def candidates(self, exclude: Collection[str]) -> list[str]:
         """Pods not excluded, those not marked down first; raises NoPodAvailable if none is left.
@@ -61,18 +65,21 @@ class _PodPool:
         left = [p for p in self.pods if p not in exclude]
         if not left:
             raise NoPodAvailable("no pod left to try")
-        up = [p for p in left if self.is_up(p)]
+        now = self._clock()  # one reading: the pods skipped as down are the pods take() logs as down
+        up = [p for p in left if self.is_up(p, now)]
+        self._down = [p for p in self.pods if p in exclude or not self.is_up(p, now)]
         return up or left
 
     def least_loaded(self, pods: Sequence[str]) -> str:
         """The pod with the fewest requests in flight; ties go to the first in configured order."""
         return min(pods, key=lambda p: self.inflight[p])
 
-    def take(self, route: Route, exclude: Collection[str]) -> Route:
-        """Count ``route`` in flight; returns it with the pods found down (:class:`Route`) filled in."""
+    def take(self, route: Route) -> Route:
+        """Count ``route`` in flight; returns it with the pods found down (:class:`Route`) by the
+        :meth:`candidates` call it was chosen from filled in, the first :data:`MAX_PODS_DOWN` by name (what a log
+        line may hold)."""
         self.inflight[route.pod] += 1
-        down = tuple(sorted(p for p in self.pods if p != route.pod and (p in exclude or not self.is_up(p))))
-        return route._replace(down=down)
+        return route._replace(down=tuple(sorted(p for p in self._down if p != route.pod))[:MAX_PODS_DOWN])
 
     def release(self, pod: str) -> None:
         """One request on `pod` finished (call once per chosen Route)."""
@@ -109,7 +116,7 @@ class RoundRobin(_PodPool):
                 pod = self.pods[self._next % len(self.pods)]
                 self._next += 1
                 if pod in candidates:
-                    return self.take(Route(pod, "pod_down" if exclude else "round_robin"), exclude)
+                    return self.take(Route(pod, "pod_down" if exclude else "round_robin"))
             raise AssertionError("unreachable: candidates is a non-empty subset of pods")
 
 
@@ -164,7 +171,7 @@ class PrefixAffinity(_PodPool):
                         route = Route(other, "load_guard")
             for key in keys:
                 self._remember(key, route.pod)
-            return self.take(route, exclude)
+            return self.take(route)
 
     def _remember(self, key: str, pod: str) -> None:
         self._sticky[key] = pod

@@ -82,6 +82,9 @@ SKIP_READING_PREFIX_CACHE = "skip_reading_prefix_cache"
 #: sub_cause of ``routed_away``: the pod that held the prefix (the predecessor's pod, or in precise mode the block's
 #: holder) was down when the request was routed (gateway_requests.pods_down): the outage, not the router, lost it.
 POD_DOWN = "pod_down"
+#: Every sub_cause attribution gives ("" aside): the drifts' and the other causes'.
+SUB_CAUSES = (*DRIFT_SUB_CAUSES, EVICTED_BEFORE_NEXT_TURN, CACHE_RESET, RESIDENT_AT_ARRIVAL, SKIP_READING_PREFIX_CACHE,
+              POD_DOWN)
 
 #: request_attribution.evidence: what a verdict's routed_away / evicted part rests on (docs/miss-causes.md).
 EVIDENCE_KV_EVENTS = "kv_events"  # precise mode: the request's block chain matched against the pods' KV events
@@ -146,7 +149,7 @@ REQUEST_FIELDS = (
     "tools_hash", "tools_canonical_hash", "tools_tokens",
     "retrieval_pack_hash", "retrieval_set_hash", "retrieval_tokens",
     "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "next_history_hash",
-    "first_message_hash", "history_tokens",
+    "first_message_hash", "prefill_history_hash", "continue_final_message", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
     LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash", "skip_reading_prefix_cache",
     "pods_down",
@@ -515,10 +518,22 @@ def _segment_equal(req: Request, prev: Request, seg: Segment) -> bool:
 
 def _history_continues(req: Request, pred: Predecessor) -> bool:
     """A next turn: the previous turn's messages were re-sent with no reply between (:func:`_sent_without_reply`),
-    or this request's history as the previous turn saw it equals that turn's history and the message that turn
-    sent last is in it as sent (:func:`_previous_message_edited`)."""
-    return _sent_without_reply(req, pred) or (_previous_history_kept(req, pred)
-                                              and not _previous_message_edited(req, pred))
+    the previous turn was an assistant prefill this history carries completed (:func:`_prefill_completed`), or
+    this request's history as the previous turn saw it equals that turn's history and the message that turn sent
+    last is in it as sent (:func:`_previous_message_edited`)."""
+    return _sent_without_reply(req, pred) or _prefill_completed(req, pred) or (
+        _previous_history_kept(req, pred) and not _previous_message_edited(req, pred))
+
+
+def _prefill_completed(req: Request, pred: Predecessor) -> bool:
+    """The previous turn asked vLLM to continue its final assistant message (``continue_final_message``, logged
+    true), and this request's history before its last run of assistant messages is that turn's history
+    (``prefill_history_hash`` = its ``history_prefix_hash``, not ""): the reply completed the prefill, and this
+    history carries it so. That turn's whole prompt is a prefix of this one (the prefill's tokens begin the
+    completed message); ``prev_history_hash``, which drops the user message before the reply, cannot tell."""
+    carried = _str(req, "prefill_history_hash")
+    return (pred.kind == PREVIOUS_TURN and bool(pred.request.get("continue_final_message")) and carried != ""
+            and carried == _str(pred.request, "history_prefix_hash"))
 
 
 def _sent_without_reply(req: Request, pred: Predecessor) -> bool:

@@ -114,7 +114,8 @@ TARGET_FIELDS = tuple(f for f in REQUEST_FIELDS
 PREDECESSOR_FIELDS = (
     "request_id", "ts", "pod", "prompt_tokens", "e2e_ms",
     *(f for s in STABLE_SEGMENTS for f in (s.hash_field, s.tokens_field, s.variant_field) if f),
-    "suffix_hash", "suffix_tokens", "next_history_hash", "cache_salt_hash", LINE_HASHES, CHUNK_HASHES,
+    "suffix_hash", "suffix_tokens", "next_history_hash", "continue_final_message", "cache_salt_hash", LINE_HASHES,
+    CHUNK_HASHES,
 )
 _TOKENS = [s.tokens_field for s in STABLE_SEGMENTS] + ["suffix_tokens"]
 HISTORY = 3
@@ -171,7 +172,13 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     # the previous turn's final message not as it was sent (edited, redacted): history_changed, not continued
     edited = kept & ~no_reply & _nonempty(df, "prev_suffix_hash") & _nonempty(df, "p_suffix_hash") \
         & ~_eq(df, "prev_suffix_hash", "p_suffix_hash") if "prev_suffix_hash" in df.columns else np.zeros(n, dtype=bool)
-    continues = (kept & ~edited) | no_reply
+    # the previous turn was an assistant prefill this history carries completed (_prefill_completed)
+    prefilled = prev_turn & _nonempty(df, "prefill_history_hash") \
+        & df["p_continue_final_message"].fill_null(False).cast(pl.Boolean).to_numpy() \
+        & _eq(df, "prefill_history_hash", "p_history_prefix_hash") \
+        if "p_continue_final_message" in df.columns and "prefill_history_hash" in df.columns \
+        else np.zeros(n, dtype=bool)
+    continues = (kept & ~edited) | no_reply | prefilled
     suffix_eq = _eq(df, "suffix_hash", "p_suffix_hash")
     tail = np.where(suffix_eq, prompt, off[:, HISTORY + 1])
     shift = sum(_i(df, s.tokens_field) - _i(df, "p_" + s.tokens_field) for s in STABLE_SEGMENTS[:HISTORY])

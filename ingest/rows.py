@@ -28,8 +28,8 @@ from ingest.errors import ContractViolation
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
                "error", "system_hash", "system_norm_hash", "tools_hash", "tools_canonical_hash",
                "retrieval_pack_hash", "retrieval_set_hash", "history_prefix_hash", "prev_history_hash",
-               "prev_suffix_hash", "next_history_hash", "first_message_hash", "suffix_hash", "prompt_fingerprint",
-               "token_count_method", "cache_salt_hash")
+               "prev_suffix_hash", "next_history_hash", "first_message_hash", "prefill_history_hash", "suffix_hash",
+               "prompt_fingerprint", "token_count_method", "cache_salt_hash")
 GATEWAY_INT = ("status", "completion_tokens", "system_tokens", "tools_tokens", "retrieval_tokens",
                "history_tokens", "suffix_tokens")
 
@@ -40,7 +40,7 @@ GATEWAY_INT_LISTS = ("system_line_tokens", "suffix_chunk_tokens")
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "pods_down", "stream",
-                         "skip_reading_prefix_cache",
+                         "skip_reading_prefix_cache", "continue_final_message",
                          *GATEWAY_INT, "prompt_tokens",
                          "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms",
                          *GATEWAY_HASH_LISTS, "prompt_block_size", *GATEWAY_INT_LISTS),
@@ -69,8 +69,8 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
     rec = record_from_builtins(p.record)
     prompt, cached = record_usage(rec)
     return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR),
-            list(rec.pods_down), rec.stream,
-            rec.skip_reading_prefix_cache, *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
+            list(rec.pods_down), rec.stream, rec.skip_reading_prefix_cache, rec.continue_final_message,
+            *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
             rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms,
             *([int(x, 16) for x in getattr(rec, k)] for k in GATEWAY_HASH_LISTS), rec.prompt_block_size,
             *(list(getattr(rec, k)) for k in GATEWAY_INT_LISTS))

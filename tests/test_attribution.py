@@ -34,13 +34,15 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         prev_history: str = "", history_tokens: int = 0, suffix: str = "q1", suffix_tokens: int = 22,
         prev_suffix: str = "", next_history: str = "", first_message: str = "", lines: list[str] | None = None,
         line_tokens: list[int] | None = None, chunks: list[str] | None = None, chunk_tokens: list[int] | None = None,
-        down: list[str] | None = None) -> dict[str, Any]:
+        down: list[str] | None = None, prefill_history: str = "", continue_final: bool = False) -> dict[str, Any]:
     """A gateway_requests row; texts stand for segment contents (hashed here), variants default to the raw.
     ``lines``/``chunks``: the system prompt's lines and the suffix's chunks (texts, hashed here) with their
     token counts (default: none, as an older gateway logs); ``prev_suffix``: the previous turn's final message as
     this request carries it (default: not logged, as an older gateway); ``next_history``: this request's history
     and final message as one history (default: not logged); ``first_message``: the thread's first message (default:
-    not logged); ``down``: the pods the gateway found down as it routed the request (default: none)."""
+    not logged); ``down``: the pods the gateway found down as it routed the request (default: none);
+    ``prefill_history``: the history before this request's last run of assistant messages (default: not logged);
+    ``continue_final``: vLLM continued this request's final assistant message (a prefill)."""
     sh, th, rh, hh = h(system), h(tools), h(rag), h(history)
     return {
         "request_id": rid, "ts": T0 + timedelta(seconds=at), "tenant_id": tenant, "conversation_id": conv,
@@ -59,6 +61,7 @@ def req(rid: str, *, at: float = 0.0, tenant: str = "acme", conv: str = "", run:
         "system_line_hashes": [h(x) or "0" * 16 for x in lines or []], "system_line_tokens": list(line_tokens or []),
         "suffix_chunk_hashes": [h(x) or "0" * 16 for x in chunks or []],
         "suffix_chunk_tokens": list(chunk_tokens or []), "pods_down": list(down or []),
+        "prefill_history_hash": h(prefill_history), "continue_final_message": continue_final,
     }
 
 
@@ -339,6 +342,35 @@ def test_a_message_sent_before_the_reply_continues_the_conversation(logged: bool
     check_sum(rows, t2)
 
 
+def prefill_turns(logged: bool = True) -> list[dict[str, Any]]:
+    """Turn 1 is an assistant prefill (its final message "A1pre" of role assistant, continue_final_message) on pod-a;
+    turn 2 carries it completed ("A1") and a new user message, on pod-b. ``logged``: the gateway logged
+    continue_final_message and prefill_history_hash."""
+    kw = dict(conv="c-prefill", system_tokens=360)
+    return [req("t1", prompt=1234, history="U0|A0|U1", history_tokens=800, suffix="A1pre", suffix_tokens=60,
+                next_history="U0|A0|U1|A1pre", continue_final=logged, **kw),
+            req("t2", at=10, pod="pod-b", prompt=1290, history="U0|A0|U1|A1", history_tokens=890, prev_history="U0|A0",
+                prev_suffix="U1", prefill_history="U0|A0|U1" if logged else "", suffix="U2", suffix_tokens=28, **kw)]
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_an_assistant_prefill_the_reply_completed_continues_the_conversation(logged: bool) -> None:
+    """Turn 2 carries turn 1's prefill completed by its reply: turn 1's whole prompt (1234 tokens, 1216 in full
+    blocks of 32; the prefill's tokens begin the completed message) was reusable on pod-a: `routed_away` for turn 2
+    on pod-b. prev_history_hash drops the user message before the reply (a reply, it assumes, answered it) and
+    next_history_hash names the prefill as sent, so neither tells; prefill_history_hash does. A log without the
+    fields reads a truncated history, as before."""
+    rows = run(*prefill_turns(logged))
+    if logged:
+        assert split(rows, "t2") == [("routed_away", "", 1216), ("unavoidable", "", 74)]
+    else:
+        assert ("prefix_drift", "history_truncated") in {(c, s) for c, s, _ in split(rows, "t2")}
+    check_sum(rows, prefill_turns(logged)[1])
+    plain = prefill_turns()
+    plain[0]["continue_final_message"] = False  # the same hashes after a plain reply prove nothing
+    assert ("prefix_drift", "history_truncated") in {(c, s) for c, s, _ in split(run(*plain), "t2")}
+
+
 def subagent_turns(logged: bool = True, conv: str = "") -> list[dict[str, Any]]:
     """Two parallel sub-agents of run R (same system prompt, tasks A and B): A1 at 0 s, B1 at 1 s, A2 at 5 s (task
     A, its tool call and result) on pod-b. ``logged``: the gateway logged first_message_hash; ``conv``: the
@@ -504,6 +536,10 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
     outages = random.Random(seed + 4000)  # the pods found down as each request was routed, a stream of its own too
     for r in reqs:
         r["pods_down"] = outages.choice([[], [], [], ["pod-a"], ["pod-b"], ["pod-a", "pod-c"], ["pod-b", "pod-c"]])
+    prefills = random.Random(seed + 5000)  # assistant prefills and the histories that carry them completed
+    for r in reqs:
+        r["continue_final_message"] = prefills.random() < 0.2
+        r["prefill_history_hash"] = h(prefills.choice(["", "", "h1", "h2"]))
     return reqs
 
 

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
-from test_attribution import random_requests, random_structure, req
+from test_attribution import prefill_turns, random_requests, random_structure, req
 
 from ingest import attribution as a
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, EvidenceFrames, judge_frame
@@ -108,6 +108,7 @@ def small_requests(draw: st.DrawFn) -> list[dict[str, Any]]:
             next_history=draw(st.sampled_from(["", "h1", "h2"])),
             suffix=draw(st.sampled_from(["", "x1", "x2"])), suffix_tokens=seg[4],
             down=draw(st.sampled_from([[], [], ["pod-a"], ["pod-b", "pod-c"]])),
+            prefill_history=draw(st.sampled_from(["", "h1", "h2"])), continue_final=draw(st.booleans()),
             **random_structure(random.Random(draw(st.integers(0, 2**32)))),
         ))
         if i and draw(st.booleans()) and draw(st.booleans()):  # the same millisecond as an earlier request
@@ -164,6 +165,18 @@ def test_a_message_sent_before_the_reply_column_wise() -> None:
                         suffix="U1", suffix_tokens=460, next_history=logged))
         reqs.append(req(f"{conv}2", at=10, conv=conv, pod="pod-b", prompt=1262, system_tokens=360,
                         history="U0|A0|U1", history_tokens=860, prev_suffix="U0", suffix="U2", suffix_tokens=28))
+    check_equal(reqs, {"pod-a": 32, "pod-b": 32})
+
+
+def test_an_assistant_prefill_column_wise() -> None:
+    """The prefill case of tests/test_attribution.py judged column-wise as the reference judges it: logged, not
+    logged, and the same hashes after a plain reply (no continue_final_message), each as its own conversation."""
+    reqs = []
+    for conv, logged, flag in (("p", True, True), ("q", False, False), ("r", True, False)):
+        t1, t2 = prefill_turns(logged)
+        t1["continue_final_message"] = flag
+        reqs += [{**t1, "request_id": f"{conv}1", "conversation_id": conv},
+                 {**t2, "request_id": f"{conv}2", "conversation_id": conv}]
     check_equal(reqs, {"pod-a": 32, "pod-b": 32})
 
 

@@ -259,9 +259,10 @@ def test_a_holder_found_down_is_pod_down_and_an_up_holder_is_named_first(results
     assert precise["s12"] == ([("routed_away", "", N * b), ("unavoidable", "", 20)], "kv_events", "12-c", None)
     assert inferred["s12"] == ([("routed_away", "pod_down", N * b), ("unavoidable", "", 20)], "inferred", "", None)
     said = results[3]
-    assert "**13-b**, which held the prefix, was down" in said["precise"]["s13 text"]
-    assert "**13-b**, which held the prefix, was down" in said["inferred"]["s13 text"]
-    assert "was down" not in said["precise"]["s12 text"] and "**12-b**, which held" in said["inferred"]["s12 text"]
+    down13 = "The gateway found **13-b**, **13-z** down when it routed this request"
+    assert down13 in said["precise"]["s13 text"] and down13 in said["inferred"]["s13 text"]
+    assert "The gateway found" not in said["precise"]["s12 text"]
+    assert "The gateway found **12-b** down" in said["inferred"]["s12 text"]
 
 
 def test_evicted_by_block_removed_with_its_time(results) -> None:

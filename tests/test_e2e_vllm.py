@@ -81,6 +81,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             skipped = prompt_logprobs_repeat(gw.url)
             subagents = parallel_subagents(gw.url)
             outage = failed_over_turns(pods, gw_log, Path(tiny_model_dir) / "tokenizer.json")
+            prefilled = prefill_turns(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -98,6 +99,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
            "unreplied": unreplied, "skipped": skipped, "subagents": subagents, "outage": outage,
+           "prefilled": prefilled,
            "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
@@ -245,6 +247,46 @@ def parallel_subagents(gateway_url: str) -> tuple[str, str, str]:
                                          (ids[1], {"messages": [a2[0], {"role": "user", "content": task["B"]}]}),
                                          (f"sub-{tag}-other", FILLER), (ids[2], {"messages": a2})])
     return ids
+
+
+def prefill_turns(gateway_url: str) -> tuple[str, str]:
+    """Two turns of one conversation, back to back with nothing else in flight (round robin puts the second on the
+    other pod): the first ends with a partial assistant message that vLLM continues (continue_final_message), the
+    second carries it completed (prefill + reply as one assistant message) and a new question. Returns the ids."""
+    tag = uuid.uuid4().hex[:8]
+    system = f"You are the harbour clerk {tag}. " + " ".join(f"Rule {i}: note each ship by its flag." for i in
+                                                              range(12))
+    notes = " ".join(f"Ship {i} docked at berth {i % 5}." for i in range(30))
+    prefill = "Here is the berth list:"
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "List the berths. " + notes},
+             {"role": "assistant", "content": prefill}]
+    headers = {"X-Conversation-Id": f"prefill-{tag}", "X-Tenant-Id": "harbour"}
+    ids = (f"prefill-{tag}-t1", f"prefill-{tag}-t2")
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    with httpx.Client(timeout=120) as client:
+        r1 = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": ids[0]},
+                         json={**body, "messages": first, "continue_final_message": True,
+                               "add_generation_prompt": False})
+        assert r1.status_code == 200, r1.text
+        completed = prefill + (r1.json()["choices"][0]["message"]["content"] or "")
+        second = [*first[:2], {"role": "assistant", "content": completed},
+                  {"role": "user", "content": "Which is free?"}]
+        r2 = client.post(f"{gateway_url}/v1/chat/completions", headers={**headers, "X-Request-Id": ids[1]},
+                         json={**body, "messages": second})
+        assert r2.status_code == 200, r2.text
+    return ids
+
+
+def test_an_assistant_prefill_the_reply_completed_is_not_a_truncated_history(e2e) -> None:  # type: ignore[no-untyped-def]
+    """The first turn was an assistant prefill vLLM continued; the second carries it completed, on the other pod.
+    The first turn's whole prompt was reusable there: `routed_away` (its prefill_history_hash is the first turn's
+    history), never `prefix_drift / history_truncated`, which the other previous-turn hashes read."""
+    t1, t2 = e2e["prefilled"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[t1]["pod"] != by_id[t2]["pod"], "round robin kept the second turn on its pod"
+    assert by_id[t1]["continue_final_message"] is True and by_id[t2]["continue_final_message"] is False
+    assert by_id[t2]["prefill_history_hash"] == by_id[t1]["history_prefix_hash"] != ""
+    only_causes(e2e, t2, f"prefill turn (first turn {by_id[t1]['prompt_tokens']})", ("routed_away", ""))
 
 
 def failed_over_turns(pods: list[Any], gw_log: Path, tokenizer: Path) -> tuple[str, str]:

@@ -20,6 +20,7 @@ from gateway.fingerprint import (
     SegmentCache,
     TokenCounter,
     content_chunks,
+    continues_final_message,
     fingerprint_chat,
     fingerprint_completion,
     fingerprint_request,
@@ -303,6 +304,29 @@ def test_next_history_is_the_history_of_a_turn_sent_without_a_reply():
     assert fingerprint_chat(chat(*replied), EST).history_prefix_hash != \
         fingerprint_chat(chat(*first), EST).next_history_hash
     assert fingerprint_completion({"model": "tiny", "prompt": "Once upon a time"}, EST).next_history_hash == ""
+
+
+def test_prefill_history_is_the_history_of_an_assistant_prefill_the_reply_completed():
+    """An assistant prefill (final message of role assistant, continue_final_message): the next turn carries that
+    message completed (prefill + reply), so its prefill_history_hash (the history before its last run of assistant
+    messages) is the prefill turn's history_prefix_hash, where prev_history_hash (which drops the user message
+    before the reply) and next_history_hash (the prefill as sent) name other histories. A plain reply's next turn
+    does not match that way; a history without an assistant message, or with nothing before it, logs none."""
+    first = [sys(), user("Where is my order?"), bot("Which one?"), user("Order 1"), bot("Order 1 is")]
+    nxt = first[:-1] + [bot("Order 1 is on its way."), user("When?")]
+    cur, prev = fingerprint_chat(chat(*nxt), EST), fingerprint_chat(chat(*first), EST)
+    assert cur.prefill_history_hash == prev.history_prefix_hash != ""
+    assert cur.prev_history_hash != prev.history_prefix_hash and cur.history_prefix_hash != prev.next_history_hash
+    replied = [sys(), user("Where is my order?"), bot("Which one?"), user("Order 1")]
+    after = fingerprint_chat(chat(*replied, bot("Shipped."), user("Thanks")), EST)
+    assert after.prefill_history_hash != fingerprint_chat(chat(*replied), EST).history_prefix_hash
+    assert fingerprint_chat(chat(user("a"), user("b")), EST).prefill_history_hash == ""
+    assert fingerprint_chat(chat(bot("Hi"), user("b")), EST).prefill_history_hash == ""
+    assert continues_final_message({"messages": first, "continue_final_message": True})
+    assert continues_final_message({"messages": first, "continue_final_message": "true"})  # pydantic's lax bool
+    assert not continues_final_message({"messages": first})
+    assert not continues_final_message({"messages": replied, "continue_final_message": True})  # final is a user's
+    assert not continues_final_message({"messages": [], "continue_final_message": True})
 
 
 def test_first_message_names_the_thread():

@@ -34,7 +34,7 @@ GOOD: dict[str, Any] = {
 FULL: dict[str, Any] = {
     **GOOD, "conversation_id": "c-1", "agent_run_id": "", "model": "tiny", "pod": "pod-0",
     "endpoint": "chat.completions", "routing_policy": "round_robin", "routing_reason": "round_robin", "stream": True,
-    "pods_down": ["pod-1"],
+    "pods_down": ["pod-1"], "continue_final_message": False, "prefill_history_hash": H1,
     "error": "", "completion_tokens": 8, "queue_wait_ms": 1.5, "tool_latency_ms": None, "system_hash": H1,
     "system_norm_hash": H1, "system_tokens": 720, "tools_hash": "", "tools_canonical_hash": "", "tools_tokens": 0,
     "retrieval_pack_hash": "", "retrieval_set_hash": "", "retrieval_tokens": 0, "history_prefix_hash": H2,

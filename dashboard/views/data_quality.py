@@ -19,6 +19,7 @@ CAUSES = {
     "requests_not_seen_by_gateway": "requests not seen by the gateway",
     "window_edge": "window edge",
     "details_not_reported": "cached counts not reported",
+    "no_cache_queries": "no hit rate to compare",
     "preemption_recompute": "preemption recomputes",
     "unexplained": "unexplained",
 }

@@ -80,8 +80,9 @@ def _coverage_note(coverage: float | None) -> str:
     """A sentence for the disagreement banner when the gateway's hit rate covers only part of the traffic."""
     if coverage is None or coverage >= 1:
         return ""
-    return (f" The gateway's hit rate covers {charts.pct(coverage, 1)} of its prompt tokens: the rest come "
-            "from pods that did not report cached tokens.")
+    return (f" The gateway's hit rate covers {charts.pct(coverage, 1)} of its prompt tokens: the rest are requests "
+            "without a hit count (a pod started without cached-token details, a stream cut before its usage, or a "
+            "request with prompt logprobs, for which vLLM reads no cache); the Data quality page tells them apart.")
 
 
 def render(f: data.Filters) -> None:

@@ -21,7 +21,7 @@
 -- returns: gap_tokens Nullable(Int64) | gateway_hit_tokens - vllm_hit_tokens, tokens (positive: the gateway counted more hits)
 -- returns: external_hit_tokens Nullable(UInt64) | Δ vllm:external_prefix_cache_hits_total: hits served by a KV connector, tokens
 -- returns: preemptions Nullable(UInt64) | Δ vllm:num_preemptions_total
--- returns: likely_cause String | agree, no_vllm_metrics, no_gateway_traffic, external_kv_connector, requests_not_seen_by_gateway, window_edge, details_not_reported, preemption_recompute, unexplained (the first rule that holds; docs/miss-causes.md "When the two sources disagree")
+-- returns: likely_cause String | agree, no_vllm_metrics, no_gateway_traffic, external_kv_connector, requests_not_seen_by_gateway, window_edge, details_not_reported, no_cache_queries, preemption_recompute, unexplained (the first rule that holds; docs/miss-causes.md "When the two sources disagree")
 -- returns: evidence String | the figures behind likely_cause, in words
 --
 -- Reads requests_rollup and vllm_rollup (sql/migrations/0012, 0014). The sources agree when |gap_pp| < 0.5.
@@ -94,6 +94,7 @@ SELECT
         external_hit_tokens > 0, 'external_kv_connector',
         vllm_requests > gateway_requests, 'requests_not_seen_by_gateway',
         cached_tokens_coverage + skipped_prompt_tokens / gateway_prompt_tokens < 0.99, 'details_not_reported',
+        gap_pp IS NULL, 'no_cache_queries',
         gateway_requests > vllm_requests, 'window_edge',
         preemptions > 0 AND gap_tokens < 0, 'preemption_recompute',
         'unexplained') AS likely_cause,
@@ -113,6 +114,10 @@ SELECT
         likely_cause = 'details_not_reported', concat('the pod reported cached counts for ',
             toString(round(cached_tokens_coverage * 100, 1)),
             ' % of the prompt tokens: the gateway''s hit rate covers only those requests (a stream the client cut has no count, and vLLM does not count it as finished)'),
+        likely_cause = 'no_cache_queries', concat('no hit rate to compare on one side or both: vLLM counted ',
+            toString(ifNull(vllm_query_tokens, 0)), ' prefix-cache query tokens; the gateway has a cached count for ',
+            toString(round(ifNull(cached_tokens_coverage, 0) * 100, 1)), ' % of its prompt tokens, and ',
+            toString(skipped_prompt_tokens), ' of them read no prefix cache (prompt logprobs: no lookup on either side)'),
         likely_cause = 'preemption_recompute', concat(toString(preemptions),
             ' preemptions: a preempted request is prefilled again and its recomputed prefix counts as vLLM hits a second time'),
         concat('a gap of ', toString(round(gap_pp, 2)), ' pp (', toString(gap_tokens),

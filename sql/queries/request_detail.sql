@@ -27,6 +27,7 @@
 -- returns: evidence String | what the routed_away / evicted part rests on: kv_events (the request's block chain matched against the pods' KV events, precise mode), inferred (concluded from the predecessor's pod), fingerprints (segment hashes alone: no routed_away / evicted part)
 -- returns: evidence_pod String | kv_events: the pod that held the first missed block (the holder for routed_away, this pod for evicted); '' otherwise
 -- returns: evidence_removed_at Nullable(DateTime64(3, 'UTC')) | kv_events: when that block left this pod (evicted, by a BlockRemoved or a cache reset), UTC; NULL otherwise
+-- returns: pods_down Array(String) | the pods the gateway found down when it routed the request (gateway_requests.pods_down): a routed_away part held on one of them reads pod_down; [] when none was or the gateway does not log it
 -- returns: changed_segment String | the first segment, in prompt order, whose hash differs from the predecessor's (system, tools, retrieval, history, suffix); '' if none differs or there is no predecessor
 -- returns: kv_events UInt64 | KV-cache events (vLLM BlockStored/BlockRemoved/AllBlocksCleared) the predecessor's pod sent after the predecessor arrived and up to this request's arrival; 0 also when the pod sends none (the cause is then inferred from which pod served the predecessor)
 -- returns: kv_blocks_stored UInt64 | blocks in those BlockStored events, blocks
@@ -37,7 +38,7 @@
 -- returns: segment_tokens UInt64 | the segment's tokens in this request (gateway count, chat-template tokens excluded), tokens
 -- returns: predecessor_segment_tokens Nullable(UInt64) | the segment's tokens in the predecessor (NULL if none or its log row is gone), tokens
 -- returns: hash_matched Nullable(UInt8) | 1 if the segment's hash equals the predecessor's (two empty segments match), 0 if not, NULL without a predecessor row
--- returns: variant_matched Nullable(UInt8) | when the hash differs, whether the change is nameable: 1 if the normalized system prompt / canonical tools / retrieval set equals the predecessor's (volatile values masked, reordered), for history 1 if it continues the predecessor's conversation (a previous_turn whose history this one extends, its final message as it was sent), else 0; NULL when the hash matched, for suffix, or without a predecessor row
+-- returns: variant_matched Nullable(UInt8) | when the hash differs, whether the change is nameable: 1 if the normalized system prompt / canonical tools / retrieval set equals the predecessor's (volatile values masked, reordered), for history 1 if it continues the predecessor's conversation (a previous_turn whose history this one extends, its final message as it was sent, or completed when it was an assistant prefill), else 0; NULL when the hash matched, for suffix, or without a predecessor row
 -- returns: segment_parts UInt32 | the segment's parts the gateway logged: system lines (system_line_hashes) for system, content-defined chunks of the new message (suffix_chunk_hashes) for suffix; 0 for the other segments or when none were logged
 -- returns: predecessor_segment_parts Nullable(UInt32) | the same count in the predecessor (NULL if none or its log row is gone)
 -- returns: changed_parts Array(UInt32) | 1-based positions of this request's lines / chunks whose hash differs from the predecessor's at the same position (a position past the predecessor's last counts); [] when none differs, without a predecessor row, or when either side logged none
@@ -84,8 +85,8 @@ WITH
     (
         SELECT request_id, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
-               prev_history_hash, prev_suffix_hash, history_tokens, suffix_hash, suffix_tokens, system_line_hashes,
-               system_line_tokens, suffix_chunk_hashes, suffix_chunk_tokens
+               prev_history_hash, prev_suffix_hash, prefill_history_hash, history_tokens, suffix_hash, suffix_tokens,
+               system_line_hashes, system_line_tokens, suffix_chunk_hashes, suffix_chunk_tokens, pods_down
         FROM gateway_requests
         WHERE (tenant_id, ts, request_id) IN (SELECT tenant_id, ts, request_id FROM answer)
         LIMIT 1
@@ -94,7 +95,8 @@ WITH
     (
         SELECT request_id, ts, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
-               history_tokens, suffix_hash, suffix_tokens, next_history_hash, system_line_hashes, suffix_chunk_hashes
+               history_tokens, suffix_hash, suffix_tokens, next_history_hash, continue_final_message,
+               system_line_hashes, suffix_chunk_hashes
         FROM gateway_requests
         WHERE request_id IN (SELECT predecessor_request_id FROM answer WHERE predecessor_request_id != '')
           -- gap_ms = arrival - (predecessor arrival + its e2e_ms), e2e_ms >= 0: the predecessor arrived by
@@ -114,7 +116,7 @@ WITH
             a.predecessor_request_id AS predecessor_request_id, a.predecessor_pod AS predecessor_pod,
             a.predecessor_kind AS predecessor_kind, a.gap_ms AS gap_ms, a.evidence AS evidence,
             a.evidence_pod AS evidence_pod, a.evidence_removed_at AS evidence_removed_at,
-            p.request_id != '' AS has_pred,
+            p.request_id != '' AS has_pred, arrayMap(x -> CAST(x AS String), r.pods_down) AS pods_down,
             if(has_pred, CAST(p.ts AS Nullable(DateTime64(3, 'UTC'))), NULL) AS pred_ts,
             ['system', 'tools', 'retrieval', 'history', 'suffix'] AS names,
             [r.system_hash, r.tools_hash, r.retrieval_pack_hash, r.history_prefix_hash, r.suffix_hash] AS r_hash,
@@ -135,11 +137,14 @@ WITH
                                     arrayFilter(j -> j > length(ph) OR rh[j] != ph[j], arrayEnumerate(rh)), []),
                      r_parts, p_parts) AS changed_at,
             -- a next turn: the previous turn's history kept and its final message as sent (a predecessor logged
-            -- without segments proves no edit), or its messages re-sent with no reply between (next_history_hash)
+            -- without segments proves no edit), its messages re-sent with no reply between (next_history_hash), or
+            -- its assistant prefill carried completed (continue_final_message, prefill_history_hash)
             startsWith(a.predecessor_kind, 'previous_turn')
                 AND ((r.prev_history_hash = p.history_prefix_hash
                       AND (r.prev_suffix_hash = '' OR p.suffix_hash = '' OR r.prev_suffix_hash = p.suffix_hash))
-                     OR (p.next_history_hash != '' AND r.history_prefix_hash = p.next_history_hash)) AS continues,
+                     OR (p.next_history_hash != '' AND r.history_prefix_hash = p.next_history_hash)
+                     OR (p.continue_final_message AND r.prefill_history_hash != ''
+                         AND r.prefill_history_hash = p.history_prefix_hash)) AS continues,
             arraySum(r_tokens) AS total,
             arrayMap(c -> if(total = 0, 0, intDiv(c * a.prompt_tokens, total)), arrayCumSum(r_tokens)) AS ends,
             arrayPushFront(arrayPopBack(ends), 0) AS starts
@@ -168,6 +173,7 @@ SELECT
     d.predecessor_request_id AS predecessor_request_id, d.pred_ts AS predecessor_ts,
     d.predecessor_pod AS predecessor_pod, d.predecessor_kind AS predecessor_kind, d.gap_ms AS gap_ms,
     d.evidence AS evidence, d.evidence_pod AS evidence_pod, d.evidence_removed_at AS evidence_removed_at,
+    d.pods_down AS pods_down,
     if(d.has_pred, d.names[arrayFirstIndex((x, y) -> x != y, d.r_hash, d.p_hash)], '') AS changed_segment,
     toUInt64(k.kv_events) AS kv_events, toUInt64(k.kv_blocks_stored) AS kv_blocks_stored,
     toUInt64(k.kv_blocks_removed) AS kv_blocks_removed, toUInt64(k.kv_caches_cleared) AS kv_caches_cleared,
