@@ -36,6 +36,7 @@ from ingest.attribution import (
     BEYOND_HORIZON_KIND_SUFFIX,
     CACHE_RESET,
     CACHE_SALT_CHANGED,
+    CAUSES,
     CHUNK_HASHES,
     COLD,
     EVICTED,
@@ -59,6 +60,7 @@ from ingest.attribution import (
     ROUTED_AWAY,
     SKIP_READING_PREFIX_CACHE,
     STABLE_SEGMENTS,
+    SUB_CAUSES,
     UNAVOIDABLE,
     UNKNOWN,
     BlockStatus,
@@ -99,10 +101,7 @@ def _names(codes: np.ndarray) -> pa.Array:
     return pa.array(_NAMES, type=pa.string()).take(pa.array(codes, type=pa.int16()))
 
 
-for _name in (COLD, BELOW_BLOCK, UNKNOWN, ROUTED_AWAY, EVICTED, BEYOND_HORIZON, PREFIX_DRIFT, UNAVOIDABLE,
-              NOT_REPORTED, EVICTED_BEFORE_NEXT_TURN, CACHE_RESET, RESIDENT_AT_ARRIVAL, CACHE_SALT_CHANGED,
-              HISTORY_CHANGED, SKIP_READING_PREFIX_CACHE, POD_DOWN,
-              *(n for seg in STABLE_SEGMENTS for n in (seg.reordered, seg.changed) if n)):
+for _name in (*CAUSES, *SUB_CAUSES):  # every name a verdict can hold, registered before any thread judges
     _code(_name)
 #: The target's own fields (of :data:`ingest.attribution.REQUEST_FIELDS`) :func:`judge_frame` and precise mode
 #: read: all but the ids and the fingerprint, which only make predecessor keys (computed in the store,
