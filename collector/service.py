@@ -107,6 +107,13 @@ def check_targets(targets: list[Target]) -> None:
         names[t.pod], urls[url] = t.metrics_url, t.pod
 
 
+#: A scrape connection idle this long is closed by the collector, below the 5 s after which vLLM's uvicorn closes an
+#: idle one (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), as the gateway's pool does (gateway/upstream.py): at the default 5 s
+#: interval each scrape then opens its own connection instead of racing the pod's close (a race
+#: :func:`collector.vllm_metrics.fetch` also survives, by asking once more).
+SCRAPE_KEEPALIVE_SECONDS = 4.0
+
+
 @dataclass
 class Collector:
     """Runs the sources until ``stop`` is set. ``targets``: pods to scrape every ``scrape_interval_seconds``
@@ -298,7 +305,8 @@ class Collector:
 
     def _scrape_loop(self) -> None:
         n = max(1, len(self.targets))
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                              keepalive_expiry=SCRAPE_KEEPALIVE_SECONDS)
         try:
             with httpx.Client(timeout=max(1.0, self.scrape_interval_seconds), limits=limits) as client:
                 while not self.stop.is_set():

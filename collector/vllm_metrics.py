@@ -529,10 +529,30 @@ def fetch(client: httpx.Client, pod: str, url: str, body_size_limit: int = DEFAU
     given up after ``body_size_limit`` bytes once decompressed (0: no limit), as Prometheus' ``body_size_limit``
     (prometheus.io/docs/prometheus/latest/configuration/configuration/#scrape_config), so a gigabyte body (or a
     gzip bomb) costs at most that much memory. Raises :class:`ScrapeError` (:class:`BodyTooLarge` over the
-    limit)."""
+    limit). A pooled connection the pod closed as the request went out (vLLM's
+    uvicorn closes an idle one after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s, the default scrape interval: httpx then
+    raises ``RemoteProtocolError`` "Server disconnected without sending a response") is tried once more on a new
+    connection, as Go's HTTP client retries an idempotent GET for Prometheus; a second failure is the scrape's."""
+    try:
+        return _fetch(client, pod, url, body_size_limit)
+    except _Disconnected:  # the pod closed a kept-alive connection as the request went out: once more, anew
+        try:
+            return _fetch(client, pod, url, body_size_limit)
+        except _Disconnected as exc:
+            raise ScrapeError(pod, url, repr(exc.__cause__)) from exc.__cause__
+
+
+class _Disconnected(Exception):
+    """The server closed the connection before any byte of a response (httpx ``RemoteProtocolError``)."""
+
+
+def _fetch(client: httpx.Client, pod: str, url: str, body_size_limit: int) -> tuple[str, int, float]:
+    """One attempt of :func:`fetch`; raises :class:`_Disconnected` when no response came on the connection."""
     t0 = time.monotonic()
+    started = False  # a response began: a disconnect after it is the scrape's failure, not a stale connection
     try:
         with client.stream("GET", url) as resp:
+            started = True
             if resp.status_code != 200:
                 raise ScrapeError(pod, url, f"HTTP {resp.status_code}", "http_status")
             parts, size = [], 0
@@ -547,6 +567,10 @@ def fetch(client: httpx.Client, pod: str, url: str, body_size_limit: int = DEFAU
         raise ScrapeError(pod, url, repr(exc), "timeout") from exc
     except httpx.ConnectError as exc:
         raise ScrapeError(pod, url, repr(exc), "connect") from exc
+    except httpx.RemoteProtocolError as exc:
+        if not started:
+            raise _Disconnected() from exc
+        raise ScrapeError(pod, url, repr(exc)) from exc
     except httpx.HTTPError as exc:
         raise ScrapeError(pod, url, repr(exc)) from exc
     try:

@@ -456,3 +456,72 @@ def test_a_restarted_collector_publishes_the_outbox_first_then_continues(servers
     inc = increases(events[1].payload)
     assert inc[("vllm:prefix_cache_queries_total", "0", "")] == 3091  # from the first collector's state
     assert events[1].payload.previous_scraped_at_ms == lost[0].payload.scraped_at_ms
+
+
+class _ClosesKeptConnections(http.server.BaseHTTPRequestHandler):
+    """A pod as vLLM's uvicorn behaves at its keep-alive timeout: it answers the first request of a connection
+    and keeps it open, then closes it as the next request arrives, without a response byte."""
+
+    protocol_version = "HTTP/1.1"
+    body = b"vllm:num_requests_running{model_name=\"m\"} 1\n"
+    answered = 0
+
+    def handle(self) -> None:
+        self.handle_one_request()  # the first request of this connection: answered, connection kept
+        self.rfile.readline()  # the next request's first line arrives, and the pod closes the connection
+        self.close_connection = True
+
+    def do_GET(self) -> None:  # noqa: N802
+        type(self).answered += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_kept_alive_connection_the_pod_closed_is_asked_again_not_a_failed_scrape() -> None:
+    """Seen in the demo: "Server disconnected without sending a response" when a scrape reused a connection vLLM
+    closed at its 5 s keep-alive timeout. Each scrape after the first here meets that close; each still succeeds."""
+    from collector.vllm_metrics import ScrapeError, fetch
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosesKeptConnections)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}/metrics"
+    try:
+        with httpx.Client(timeout=5.0) as client:
+            bodies = [fetch(client, "pod-k", url)[0] for _ in range(4)]
+            assert bodies == [_ClosesKeptConnections.body.decode()] * 4
+            assert _ClosesKeptConnections.answered == 4
+            with pytest.raises(httpx.RemoteProtocolError):  # the race is real: one attempt alone fails
+                client.get(url)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    # a pod that answers nothing at all still fails the scrape (after the one retry), as a network failure
+    dead = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NeverAnswers)
+    dead.daemon_threads = True
+    threading.Thread(target=dead.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client(timeout=5.0) as client, pytest.raises(ScrapeError) as failed:
+            fetch(client, "pod-d", f"http://127.0.0.1:{dead.server_port}/metrics")
+        assert failed.value.kind == "network" and "disconnected" in failed.value.reason.lower()
+        assert _NeverAnswers.requests == 2
+    finally:
+        dead.shutdown()
+        dead.server_close()
+
+
+class _NeverAnswers(http.server.BaseHTTPRequestHandler):
+    """Reads a request and closes the connection without a response."""
+
+    requests = 0
+
+    def handle(self) -> None:
+        if self.rfile.readline():
+            type(self).requests += 1
+        self.close_connection = True
