@@ -211,7 +211,9 @@ def _cap(text: str, limit: int) -> str:
 
 
 def _checked(rec: GatewayRecord) -> GatewayRecord:
-    """The checks the Struct's types do not make; returns the record with ts canonical and free text capped."""
+    """The checks the Struct's types do not make; returns the record with ts canonical, free text capped and
+    ``pods_down`` sorted without repeats (it is a set of pods: a gateway that lists them in another order, or twice,
+    logs the same record, so two copies of a line differing only there are one request, not a conflict)."""
     hashes = _hashes_of(rec)
     if not _ALL_HASHES.fullmatch(",".join(hashes)):  # one regex over all of them: ~0.5 µs, not 10 × 1 µs
         field = next(f for f, v in zip(_HASHES, hashes, strict=True) if not _ONE_HASH.fullmatch(v))
@@ -237,6 +239,8 @@ def _checked(rec: GatewayRecord) -> GatewayRecord:
         changes["error"] = _cap(rec.error, TEXT_CAPS["error"])
     if len(rec.routing_reason) > TEXT_CAPS["routing_reason"]:
         changes["routing_reason"] = _cap(rec.routing_reason, TEXT_CAPS["routing_reason"])
+    if rec.pods_down and any(a >= b for a, b in zip(rec.pods_down, rec.pods_down[1:], strict=False)):
+        changes["pods_down"] = tuple(sorted(set(rec.pods_down)))  # a set: two copies differing in order are one
     return msgspec.structs.replace(rec, **changes) if changes else rec
 
 

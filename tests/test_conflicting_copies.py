@@ -224,3 +224,24 @@ def test_every_field_round_trips_so_a_copy_is_never_a_conflict_on_either_path(st
     assert store.query_rows("SELECT count(), countIf(length(prompt_block_hashes) = 2) FROM gateway_requests") == \
         [(120, 60)]
     assert letters(store) == []
+
+
+def test_copies_whose_pods_down_differ_only_in_order_or_repeats_are_one_request_on_either_path(
+        store: Store, tmp_path: Path) -> None:
+    """pods_down is a set of pods (docs/gateway-log.md): a gateway that lists them unsorted, or one twice, logs the
+    same request. Stored sorted without repeats, so a copy in another order is a duplicate on both paths; a copy
+    naming another pod is still a conflict."""
+    first = [line("p", pods_down=["pod-9", "pod-2"]), line("q", pods_down=["pod-2", "pod-2", "pod-1"])]
+    copies = [line("p", pods_down=["pod-2", "pod-9"]), line("q", pods_down=["pod-1", "pod-2"]),
+              line("p", pods_down=["pod-9", "pod-3"])]
+    assert import_events(store, read_file(write(tmp_path / "first.jsonl", first)))["gateway_requests"] == 2
+    assert store.query_rows("SELECT request_id, pods_down FROM gateway_requests ORDER BY request_id") == [
+        ("p", ["pod-2", "pod-9"]), ("q", ["pod-1", "pod-2"])]
+    stats = load_gateway_log(store, write(tmp_path / "copies.jsonl", copies))
+    assert (stats.rows, stats.duplicates, stats.conflicts) == (0, 2, 1)
+    assert conflict_columns([r for r, _ in letters(store)]) == ["pods_down"]
+    written = import_events(store, read_file(write(tmp_path / "again.jsonl", [*reversed(first), copies[2]])))
+    assert written == {"dead_letters": 1}  # the unsorted originals are copies; the other pod still a conflict
+    imported = load_gateway_log(store, write(tmp_path / "fresh.jsonl", [line("r", pods_down=["z", "a", "z"])]))
+    assert imported.rows == 1
+    assert store.query_rows("SELECT pods_down FROM gateway_requests WHERE request_id = 'r'") == [(["a", "z"],)]
