@@ -220,6 +220,18 @@ class PromptFingerprint:
             self.system_hash, self.tools_hash, self.retrieval_pack_hash, self.prev_history_hash, self.cache_salt_hash
         )
 
+    @property
+    def prefill_parent_fingerprint(self) -> str:
+        """The `prompt_fingerprint` the previous request had if it was an assistant prefill this turn carries
+        completed: H(system_hash, tools_hash, retrieval_pack_hash, prefill_history_hash), salted alike; "" without a
+        `prefill_history_hash`. Routing tries it after `parent_fingerprint`, so the turn after a prefill goes to the
+        pod that prefilled it (`parent_fingerprint` names the history before the user message the prefill
+        answered). Not a log field."""
+        if not self.prefill_history_hash:
+            return ""
+        return _fingerprint(self.system_hash, self.tools_hash, self.retrieval_pack_hash, self.prefill_history_hash,
+                            self.cache_salt_hash)
+
     def to_log_fields(self) -> dict[str, str | int | list]:
         """The 24 fingerprint fields of a log line, keyed by their schema names (the four structural arrays as
         JSON lists; ``cache_salt_hash``, ``prev_suffix_hash``, ``next_history_hash``, ``first_message_hash`` and

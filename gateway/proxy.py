@@ -433,7 +433,8 @@ class Gateway:
         upstream_headers += [("x-request-id", ex.request_id), ("accept-encoding", "identity")]
         payload = _encode_body(body).encode("utf-8") if changed else raw_body
         path = "/chat/completions" if ex.endpoint == "chat.completions" else "/completions"
-        keys = (ex.fingerprint.prompt_fingerprint, ex.fingerprint.parent_fingerprint)
+        keys = (ex.fingerprint.prompt_fingerprint, ex.fingerprint.parent_fingerprint,
+                ex.fingerprint.prefill_parent_fingerprint)
 
         tried: list[str] = []
         while True:

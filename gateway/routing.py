@@ -124,7 +124,8 @@ class PrefixAffinity(_PodPool):
     """Sticky routing on the prompt's stable prefix, so the pod that holds its KV blocks serves it again.
 
     `choose(keys, exclude)`: `keys` are prefix fingerprints, most specific first (the request's
-    `prompt_fingerprint`, then its `parent_fingerprint`, i.e. the previous turn's); "" keys are ignored.
+    `prompt_fingerprint`, then its `parent_fingerprint`, i.e. the previous turn's, then its
+    `prefill_parent_fingerprint`, the previous turn's when that was an assistant prefill); "" keys are ignored.
     - the first key found in the map (an LRU of at most `max_entries` fingerprints → the pod that last
       served it) names the sticky pod → "affinity_hit";
     - no key known → least-loaded pod (fewest in flight) → "affinity_new";

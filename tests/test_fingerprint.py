@@ -316,11 +316,13 @@ def test_prefill_history_is_the_history_of_an_assistant_prefill_the_reply_comple
     nxt = first[:-1] + [bot("Order 1 is on its way."), user("When?")]
     cur, prev = fingerprint_chat(chat(*nxt), EST), fingerprint_chat(chat(*first), EST)
     assert cur.prefill_history_hash == prev.history_prefix_hash != ""
+    assert cur.prefill_parent_fingerprint == prev.prompt_fingerprint != cur.parent_fingerprint  # routing: its pod
     assert cur.prev_history_hash != prev.history_prefix_hash and cur.history_prefix_hash != prev.next_history_hash
     replied = [sys(), user("Where is my order?"), bot("Which one?"), user("Order 1")]
     after = fingerprint_chat(chat(*replied, bot("Shipped."), user("Thanks")), EST)
     assert after.prefill_history_hash != fingerprint_chat(chat(*replied), EST).history_prefix_hash
     assert fingerprint_chat(chat(user("a"), user("b")), EST).prefill_history_hash == ""
+    assert fingerprint_chat(chat(user("a"), user("b")), EST).prefill_parent_fingerprint == ""
     assert fingerprint_chat(chat(bot("Hi"), user("b")), EST).prefill_history_hash == ""
     assert continues_final_message({"messages": first, "continue_final_message": True})
     assert continues_final_message({"messages": first, "continue_final_message": "true"})  # pydantic's lax bool

@@ -635,6 +635,27 @@ def test_concurrent_requests_each_log_one_line_without_pods(gateway, fake_pod):
     assert len(log_path.read_text().splitlines()) == 200
 
 
+def test_prefix_affinity_sends_the_turn_after_an_assistant_prefill_to_the_pod_that_prefilled_it(gateway, fake_pod):
+    """The next turn carries the prefill completed (prefill + reply): its parent_fingerprint names the history before
+    the user message the prefill answered, so only prefill_parent_fingerprint finds the prefill turn's pod (before
+    it the turn was routed as new, "affinity_new", and missed the prefill's blocks on the other pod)."""
+    pod = fake_pod()
+    client, log_path = gateway([("a", pod.url), ("b", pod.url), ("c", pod.url)], policy="prefix_affinity")
+    system = {"role": "system", "content": "You answer order questions."}
+    first = [system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
+             {"role": "user", "content": "Where is order 1?"}, {"role": "assistant", "content": "Order 1 is"}]
+    nxt = [*first[:-1], {"role": "assistant", "content": "Order 1 is on its way."},
+           {"role": "user", "content": "When?"}]
+    for rid, messages, extra in (("gw-prefill-1", first, {"continue_final_message": True,
+                                                            "add_generation_prompt": False}),
+                                 ("gw-prefill-2", nxt, {})):
+        body = {"model": "tiny", "messages": messages, **extra}
+        assert client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid}).status_code == 200
+    one, two = log_line(log_path, "gw-prefill-1"), log_line(log_path, "gw-prefill-2")
+    assert one["continue_final_message"] is True and one["routing_reason"] == "affinity_new"
+    assert (two["routing_reason"], two["pod"]) == ("affinity_hit", one["pod"])
+
+
 def test_upstream_client_retries_a_connection_closed_under_it_once():
     """The race the idle check cannot see: the pod closes a kept-alive connection just as the next request
     is sent. The gateway's POST goes out again on a new connection (aiohttp itself retries only idempotent
