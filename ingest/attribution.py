@@ -118,10 +118,15 @@ KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL = 7, 8
 #: Predecessor key 9: one thread of an agent run (tenant, model, agent_run_id, first_message_hash), so a turn of
 #: one of the run's parallel sub-agents finds its own previous turn, not the latest of another thread.
 KEY_AGENT_THREAD = 9
+#: Predecessor key 10: one thread of a conversation (tenant, model, conversation_id, first_message_hash), so a turn
+#: finds its own previous turn, not a side request the client tagged with the chat's id (a title, tags or memory
+#: request: its own first message) nor another thread sharing the id (sub-agents of a session without a run id).
+KEY_CONVERSATION_THREAD = 10
 #: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them: the
-#: thread first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
-#: span several agent runs, whose first turn then finds the conversation's latest request).
-TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN)
+#: threads first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
+#: span several agent runs, whose first turn then finds the conversation's latest request); a turn whose first
+#: message is new (the client dropped or summarized the oldest messages) finds the conversation's latest.
+TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
 VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
 
@@ -351,9 +356,10 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
-    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039):
-    9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 1. (tenant, model,
-    conversation_id), 2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
+    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043):
+    9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 10. (tenant, model,
+    conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
+    2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -367,6 +373,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
             out.append((kind, (tenant, model, _str(req, field))))
     if _str(req, "agent_run_id") and _str(req, "first_message_hash"):
         out.append((KEY_AGENT_THREAD, (tenant, model, _str(req, "agent_run_id"), _str(req, "first_message_hash"))))
+    if _str(req, "conversation_id") and _str(req, "first_message_hash"):
+        out.append((KEY_CONVERSATION_THREAD,
+                    (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -409,11 +418,27 @@ def lines_volatile(req: Request, prev: Request) -> bool:
     return n is not None and 1 <= n <= allowed_changed_lines(len(_list(req, LINE_HASHES)))
 
 
+def other_thread(req: Request, cand: Request) -> bool:
+    """Whether ``cand``, the latest request on ``req``'s conversation or agent-run key, is another thread's request,
+    not ``req``'s previous turn: both logged a ``first_message_hash``, the two differ, and so do their system prompts
+    (``system_hash``): a new sub-agent of the run, with its own system prompt and task, or a side request of the
+    chat. A turn whose first message alone changed (a sliding window or a compaction dropped the oldest messages,
+    keeping the system prompt) is still the conversation's next turn. Such a candidate is dropped
+    (:meth:`PredecessorIndex.candidates`); the request then finds its predecessor on the fingerprint or variant
+    keys, or none (``cold``), instead of reading the orchestrator's prompt as a ``system_changed`` drift."""
+    mine, theirs = _str(req, "first_message_hash"), _str(cand, "first_message_hash")
+    return bool(mine and theirs and mine != theirs and _str(req, "system_hash") != _str(cand, "system_hash"))
+
+
+#: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.
+SHARED_TURN_KEYS = (KEY_CONVERSATION, KEY_AGENT_RUN)
+
+
 def choose_predecessor(candidates: Mapping[int, Request]) -> Predecessor | None:
     """The predecessor among ``candidates`` (key kind → the latest earlier request on that key of this
-    request, within the horizon): the previous turn of the agent run's thread, else of the conversation, else of
-    the agent run (:data:`TURN_KEYS`); else the fingerprint match; else the latest of the variant matches (by
-    :func:`order_key`)."""
+    request, within the horizon): the previous turn of the agent run's thread, else of the conversation's thread,
+    else of the conversation, else of the agent run (:data:`TURN_KEYS`); else the fingerprint match; else the
+    latest of the variant matches (by :func:`order_key`)."""
     for kind in TURN_KEYS:
         if kind in candidates:
             return Predecessor(candidates[kind], PREVIOUS_TURN)
@@ -476,6 +501,8 @@ class PredecessorIndex:
             if found is not None and _ts_ms(found) >= not_before:
                 if key[0] in BAND_KEYS and not lines_match(req, found):
                     continue  # a band matched by chance, the other lines too different: not a variant
+                if key[0] in SHARED_TURN_KEYS and other_thread(req, found):
+                    continue  # another thread of the conversation or run (a new sub-agent): not the previous turn
                 out[key[0]] = found
         return out
 

@@ -43,9 +43,12 @@ from prometheus_client import Counter, Gauge
 from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
+    KEY_AGENT_THREAD,
+    KEY_CONVERSATION_THREAD,
     KEY_FINGERPRINT,
     LINE_HASHES,
     LINE_TOKENS,
+    SHARED_TURN_KEYS,
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
@@ -72,7 +75,7 @@ log = logging.getLogger("kvscope.attribution")
 JOB_NAME = "miss_causes"
 #: What the job reads of a request it judges (the columns judge_frame and precise mode read; prompt_block_size:
 #: a chunk where it is 0 throughout logged no block chain, so precise mode has no evidence to read for it).
-_FIELDS = (*TARGET_FIELDS, "prompt_block_size")
+_FIELDS = (*TARGET_FIELDS, "prompt_block_size", "first_message_hash")  # the last for _confirm_threads
 #: How many predecessor keys a request has (its rows of request_keys when it is served with a prompt).
 KEY_COUNT = "key_count"
 _SELECT = ", ".join([*_FIELDS, "order_key", ID_HASH_SQL, f"length(predecessor_keys) AS {KEY_COUNT}"])
@@ -353,8 +356,8 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
     """Per target (named by :func:`_identity`: its order_key, or its request_id and ts): the chosen
     predecessor's key kind, ts, order_key and :data:`ID_HASH`, and whether it lies beyond the horizon. On each key
     the latest request of an earlier millisecond within the horizon (ASOF JOIN); then by priority:
-    agent-run thread, conversation, agent run, fingerprint, else the latest of the variant matches
-    (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
+    agent-run thread, conversation thread, conversation, agent run, fingerprint, else the latest of the variant
+    matches (ingest.attribution.choose_predecessor). Targets with none look again up to ``lookback_ms`` back
     (:func:`_beyond_horizon`), as ingest.attribution.PredecessorIndex.find does. ``tails``: the run's
     :class:`~ingest.key_tails.KeyTails` when ``targets`` are its next chunk of arrivals: a chunk whose range holds
     exactly its keys is searched from its own rows and the keys' latest rows before it (carried from the chunks
@@ -368,7 +371,8 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
             tails.reset()
         found = _searched(store, targets, by, whole, horizon_ms)
     ts_type = targets.schema["ts"]
-    chosen = _choose(_confirm_bands(store, found, targets, by), False, ts_type, by)
+    chosen = _choose(_confirm_bands(store, _confirm_threads(store, found, targets, by), targets, by), False,
+                     ts_type, by)
     if lookback_ms > horizon_ms:
         # only served targets: a failed request names no predecessor, and with its keys read by range (which
         # leaves it out) it has no candidate within the horizon (at 10^7 requests of generated history, 2% failed:
@@ -376,8 +380,9 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         rest = (targets.filter(_SERVED).select(*dict.fromkeys([*_ID, *by]))
                 .join(chosen.select(by), on=by, how="anti"))
         if not rest.is_empty():
-            beyond = _choose(_confirm_bands(store, _beyond_horizon(store, rest, horizon_ms, lookback_ms, by),
-                                            targets, by), True, ts_type, by)
+            beyond = _beyond_horizon(store, rest, horizon_ms, lookback_ms, by)
+            beyond = _choose(_confirm_bands(store, _confirm_threads(store, beyond, targets, by), targets, by), True,
+                             ts_type, by)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
 
@@ -465,10 +470,38 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
     return pl.concat([found.filter(~pl.col("kind").is_in(BAND_KEYS)), confirmed], how="vertical_relaxed")
 
 
+def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by: list[str] = _ID
+                     ) -> pl.DataFrame:
+    """``found`` without the candidates on a conversation or agent-run key (kinds 1, 2) that are another thread's
+    request (ingest.attribution.other_thread, as PredecessorIndex.candidates drops them: both logged a
+    first_message_hash, the two differ, and so do their system prompts). Only targets that logged a first message
+    and have no candidate on a thread key (kinds 9, 10, which rank first) are checked; the candidates' fields are
+    read from gateway_requests. ``by``: the columns naming a target."""
+    shared = found.filter(pl.col("kind").is_in(SHARED_TURN_KEYS))
+    if shared.is_empty() or "first_message_hash" not in targets.columns:
+        return found
+    threads = found.filter(pl.col("kind").is_in([KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD])).select(by).unique()
+    ts_type = shared.schema["p_ts"]  # the store's, as the targets' ts in ``found``
+    ours = (targets.filter(pl.col("first_message_hash") != "")
+            .select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), "first_message_hash", "system_hash"))
+    checked = shared.join(threads, on=by, how="anti").join(ours, on=by, how="inner")
+    if checked.is_empty():
+        return found
+    keys = checked.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
+    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, "first_message_hash", "system_hash")).select(
+        pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
+        pl.col("first_message_hash").alias("p_first"), pl.col("system_hash").alias("p_system"))
+    other = (checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
+             .filter((pl.col("p_first") != "") & (pl.col("p_first") != pl.col("first_message_hash"))
+                     & (pl.col("p_system") != pl.col("system_hash")))
+             .select(*by, "kind"))
+    return found.join(other, on=[*by, "kind"], how="anti") if not other.is_empty() else found
+
+
 def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by: list[str] = _ID) -> pl.DataFrame:
     """One predecessor per target among ``found`` (a row per key with a candidate; a target named by the columns
-    ``by``): the lowest key rank (agent-run thread, conversation, agent run, fingerprint, then any variant; see
-    :data:`_RANKS`), the latest on a tie.
+    ``by``): the lowest key rank (agent-run thread, conversation thread, conversation, agent run, fingerprint, then
+    any variant; see :data:`_RANKS`), the latest on a tie.
     Columns ``by``, predecessor_kind, beyond_horizon, p_ts (timestamps of ``ts_type``), p_order_key,
     p_id_hash.
 

@@ -540,6 +540,9 @@ def random_requests(n: int, seed: int) -> list[dict[str, Any]]:
     for r in reqs:
         r["continue_final_message"] = prefills.random() < 0.2
         r["prefill_history_hash"] = h(prefills.choice(["", "", "h1", "h2"]))
+    threads = random.Random(seed + 6000)  # first messages: the thread keys (9 with a run id, 10 with a conversation)
+    for r in reqs:
+        r["first_message_hash"] = h(threads.choice(["", "m1", "m2", "m3"]))
     return reqs
 
 

@@ -227,6 +227,7 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
     structure = random.Random(seed + 1000)  # a stream of its own: the other fields stay as they were drawn
     salts = random.Random(seed + 2000)  # vLLM cache_salt: a previous turn under another salt is a drift
     outages = random.Random(seed + 3000)  # the pods the gateway found down: routed_away / pod_down
+    threads = random.Random(seed + 4000)  # first messages: the thread keys (9 with a run id, 10 with a conversation)
     out = []
     for i in range(n):
         conv = rnd.choice(["", "c1", "c2", "c3"])
@@ -242,7 +243,8 @@ def random_traffic(n: int, seed: int) -> list[dict[str, Any]]:
                     "prompt_fingerprint": h(rnd.choice(["f1", "f2", "f3", "f4"])),
                     **structure_columns(random_structure(structure)),
                     "cache_salt_hash": salts.choice(["", "", "", h("salt-1"), h("salt-2")]),
-                    "pods_down": outages.choice([[], [], [], ["pod-a"], ["pod-b"]])})
+                    "pods_down": outages.choice([[], [], [], ["pod-a"], ["pod-b"]]),
+                    "first_message_hash": h(threads.choice(["", "m1", "m2", "m3"]))})
         if rnd.random() < 0.3:  # same millisecond as another request: the tie-break must agree too
             out[-1]["ts"] = out[rnd.randrange(len(out))]["ts"]
     return out
