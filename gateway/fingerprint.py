@@ -649,6 +649,31 @@ def skips_prefix_cache(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
     return endpoint == "chat.completions" or body.get("logprobs") is not None
 
 
+def several_sequences(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
+    """True when vLLM runs this body as several engine requests, so the response's
+    ``usage.prompt_tokens_details.cached_tokens`` is not the prompt's prefix-cache hit count:
+
+    - ``n`` > 1 (parallel samples, read as pydantic reads an int): vLLM fans the request out into ``n`` child
+      requests and reports one prompt; the cached count is one child's, which may have hit the blocks a sibling
+      had just computed (a never-seen 267-token prompt with ``n`` = 2 reported 256 cached on a real CPU pod, where
+      vLLM's own counters show 534 tokens queried);
+    - on ``/v1/completions``, a ``prompt`` that is a list of several prompts (strings or token-id lists):
+      ``usage.prompt_tokens`` sums them but ``cached_tokens`` is the last prompt's alone
+      (``vllm/entrypoints/openai/completion/serving.py``, ``last_final_res.num_cached_tokens``).
+
+    The gateway logs such a request's cached count as unknown (``null``): its missed tokens are ``not_reported``.
+    vLLM counts each engine request in ``vllm:prefix_cache_queries`` and its finished requests."""
+    try:
+        n = int(body.get("n") or 1)
+    except (TypeError, ValueError):
+        n = 1
+    if n > 1:
+        return True
+    prompt = body.get("prompt")
+    return (endpoint == "completions" and isinstance(prompt, list) and len(prompt) > 1
+            and not all(isinstance(x, int) for x in prompt))
+
+
 def fingerprint_request(
     body: Mapping[str, Any],
     endpoint: Endpoint,

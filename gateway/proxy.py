@@ -62,6 +62,7 @@ from gateway.fingerprint import (
     continues_final_message,
     fingerprint_request,
     salted,
+    several_sequences,
     skips_prefix_cache,
 )
 from gateway.log import BackgroundLogWriter, format_ts
@@ -205,6 +206,7 @@ class _Exchange:
     body: dict[str, Any] | None = None  # the request body, for its block chain (gateway.block_chain)
     skip_reading_prefix_cache: bool = False  # vLLM reads no prefix cache (gateway.fingerprint.skips_prefix_cache)
     continue_final_message: bool = False  # an assistant prefill vLLM continues (gateway.fingerprint)
+    several_sequences: bool = False  # n > 1 or several prompts: the cached count is not the prompt's (logged null)
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
         """Take usage and per-request metrics from a response body or stream chunk, when present.
@@ -243,7 +245,7 @@ class _Exchange:
             "status": self.status,
             "error": self.error,
             "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": None if self.several_sequences else self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "ttft_ms": ttft_ms,
             "e2e_ms": e2e_ms,
@@ -395,6 +397,7 @@ class Gateway:
         ex.model = fit_name(str(body.get("model") or ""))
         ex.stream = bool(body.get("stream"))
         ex.skip_reading_prefix_cache = skips_prefix_cache(body, endpoint)
+        ex.several_sequences = several_sequences(body, endpoint)
         ex.continue_final_message = endpoint == "chat.completions" and continues_final_message(body)
         try:  # cached or short segments on the loop; tokenizing a long new prompt takes ms: on a thread
             try:

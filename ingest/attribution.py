@@ -571,6 +571,25 @@ def _sent_without_reply(req: Request, pred: Predecessor) -> bool:
     return pred.kind == PREVIOUS_TURN and sent != "" and sent == _str(req, "history_prefix_hash")
 
 
+def _rewound(req: Request, pred: Predecessor) -> bool:
+    """This request goes back one turn: its history is the one the previous turn's own previous turn had
+    (``history_prefix_hash`` = the predecessor's ``prev_history_hash``). A chat UI's regenerate of an earlier reply
+    or edit of an earlier message re-sends the conversation as it stood then, and the predecessor's prompt holds
+    that history (and the final message too, when it is the one the predecessor carried as sent:
+    :func:`_rewind_end`). Nothing was cut from the history: no drift, however the predecessor's history ran on."""
+    return pred.kind == PREVIOUS_TURN and _str(req, "history_prefix_hash") == _str(pred.request, "prev_history_hash")
+
+
+def _rewind_end(req: Request, pred: Predecessor, offsets: tuple[int, ...]) -> int:
+    """Where the predecessor's prompt stops holding a :func:`_rewound` request's tokens: all of them when its final
+    message is the one the predecessor carried (``suffix_hash`` = the predecessor's ``prev_suffix_hash``, logged,
+    not "": a regenerated reply; the generation prompt begins that turn's reply in the predecessor), else the end
+    of its history (an edited message is new content)."""
+    carried = _str(pred.request, "prev_suffix_hash")
+    same = carried != "" and carried == _str(req, "suffix_hash")
+    return _int(req, "prompt_tokens") if same else offsets[HISTORY + 1]
+
+
 def _previous_history_kept(req: Request, pred: Predecessor) -> bool:
     return pred.kind == PREVIOUS_TURN and _str(req, "prev_history_hash") == _str(pred.request,
                                                                                   "history_prefix_hash")
@@ -686,6 +705,8 @@ def _reusable_without_drift(req: Request, pred: Predecessor, offsets: tuple[int,
                 return min(prompt, _predecessor_prompt_in_this_request(req, pred))
             if _previous_message_edited(req, pred):  # kept up to the edited message
                 return min(prompt, max(offsets[i], _predecessor_suffix_in_this_request(req, pred, offsets)))
+            if _rewound(req, pred):
+                return min(prompt, _rewind_end(req, pred, offsets))
             return offsets[i]
         if _str(req, seg.variant_field) and _str(req, seg.variant_field) == _str(prev, seg.variant_field):
             continue
@@ -708,7 +729,10 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
       (sent with no reply between), the conversation continued and S covers the predecessor's whole prompt (its
       history and suffix are in this history), unless ``prev_suffix_hash`` says the predecessor's final message
       is not in it as sent: ``history_changed`` from where that message starts (the predecessor's suffix
-      offset) to the predecessor's prompt end (at most this history's end); else ``history_truncated``;
+      offset) to the predecessor's prompt end (at most this history's end); if this ``history_prefix_hash``
+      equals the predecessor's ``prev_history_hash``, the request went back one turn (a regenerate or an edit of
+      an earlier message: :func:`_rewound`), no drift, S up to its history's end (its whole prompt when its final
+      message is the predecessor's ``prev_suffix_hash``); else ``history_truncated``;
     - history, fingerprint or variant predecessor: different history is another conversation's content, not a
       change: S ends there, no drift;
     - suffix: the new message; S ends at the stable prefix plus the suffix's common ordered chunk prefix (all
@@ -756,6 +780,9 @@ def _shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
                 # started; had it been kept, the predecessor's whole prompt would have been shared
                 d = min(cap, _predecessor_suffix_in_this_request(req, pred, offsets))
                 return SharedPrefix(d, HISTORY_CHANGED, d, max(d, min(cap, offsets[HISTORY + 1])))
+            if _rewound(req, pred):  # back one turn (regenerate, edit): the predecessor holds this history
+                s = min(cap, _rewind_end(req, pred, offsets))
+                return SharedPrefix(s, reusable_without_drift_tokens=s)
             if pred.kind != PREVIOUS_TURN:
                 s = min(cap, offsets[i])
                 return SharedPrefix(s, reusable_without_drift_tokens=s)

@@ -114,7 +114,7 @@ PREDECESSOR_FIELDS = (
     "request_id", "ts", "pod", "prompt_tokens", "e2e_ms",
     *(f for s in STABLE_SEGMENTS for f in (s.hash_field, s.tokens_field, s.variant_field) if f),
     "suffix_hash", "suffix_tokens", "next_history_hash", "continue_final_message", "cache_salt_hash", LINE_HASHES,
-    CHUNK_HASHES,
+    CHUNK_HASHES, "prev_history_hash", "prev_suffix_hash",
 )
 _TOKENS = [s.tokens_field for s in STABLE_SEGMENTS] + ["suffix_tokens"]
 HISTORY = 3
@@ -178,6 +178,14 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
         if "p_continue_final_message" in df.columns and "prefill_history_hash" in df.columns \
         else np.zeros(n, dtype=bool)
     continues = (kept & ~edited) | no_reply | prefilled
+    # back one turn (a regenerate or an edit of an earlier message): this history is the predecessor's previous
+    # turn's (_rewound), held by the predecessor up to its end, or to the prompt's end when the final message is the
+    # one the predecessor carried (_rewind_end)
+    rewound = prev_turn & ~continues & ~edited & _eq(df, "history_prefix_hash", "p_prev_history_hash") \
+        if "p_prev_history_hash" in df.columns else np.zeros(n, dtype=bool)
+    again = _nonempty(df, "p_prev_suffix_hash") & _eq(df, "suffix_hash", "p_prev_suffix_hash") \
+        if "p_prev_suffix_hash" in df.columns else np.zeros(n, dtype=bool)
+    rewind_end = np.where(again, prompt, off[:, HISTORY + 1])
     suffix_eq = _eq(df, "suffix_hash", "p_suffix_hash")
     tail = np.where(suffix_eq, prompt, off[:, HISTORY + 1])
     shift = sum(_i(df, s.tokens_field) - _i(df, "p_" + s.tokens_field) for s in STABLE_SEGMENTS[:HISTORY])
@@ -196,8 +204,10 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
     other_kind = hist & ~continues & ~prev_turn
     s_out = np.where(other_kind, np.minimum(cap, off[:, HISTORY]), s_out)
     w_out = np.where(other_kind, np.minimum(cap, off[:, HISTORY]), w_out)
+    s_out = np.where(hist & rewound, np.minimum(cap, rewind_end), s_out)
+    w_out = np.where(hist & rewound, np.minimum(cap, rewind_end), w_out)
 
-    drifted = (first < HISTORY) | (hist & ~continues & prev_turn)
+    drifted = (first < HISTORY) | (hist & ~continues & ~rewound & prev_turn)
     line_at, line_volatile = _on_rows(df, has_pred & (first == 0), structure.system_lines, (0, False))
     var_eq[0] = var_eq[0] | line_volatile  # the system prompt's structure names a volatile change too
     d = np.minimum(cap, np.where(first == 0, _scaled(df, prompt, line_at),
@@ -215,7 +225,8 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
         drift[at] = np.where(var_eq[i][at], _code(name), _code(seg.changed)) if seg.variant_field \
             else _code(seg.changed)
     w = _reusable_without_drift(first, raw_eq, var_eq, continues, continued_end, tail, off,
-                                edited, np.minimum(prompt, np.maximum(off[:, HISTORY], edited_at)))
+                                edited, np.minimum(prompt, np.maximum(off[:, HISTORY], edited_at)),
+                                rewound, np.minimum(prompt, rewind_end))
     drift[edited & hist] = _code(HISTORY_CHANGED)
     w = np.where(edited & hist, np.minimum(cap, off[:, HISTORY + 1]), w)
     s_out = np.where(drifted, d, s_out)
@@ -257,10 +268,11 @@ def _on_rows(df: pl.DataFrame, mask: np.ndarray, rule, defaults: tuple) -> tuple
 
 def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq: list[np.ndarray],
                             continues: np.ndarray, continued_end: np.ndarray, tail: np.ndarray,
-                            off: np.ndarray, edited: np.ndarray, edited_end: np.ndarray) -> np.ndarray:
+                            off: np.ndarray, edited: np.ndarray, edited_end: np.ndarray, rewound: np.ndarray,
+                            rewind_end: np.ndarray) -> np.ndarray:
     """W: from the segment after the first change, the end of the run of raw-equal or nameably-changed
     segments (a continued history reaches the predecessor's whole prompt; one whose previous final message was
-    edited, where that message started: ``edited_end``)."""
+    edited, where that message started: ``edited_end``; one back one turn, ``rewind_end``)."""
     n = len(first)
     out = tail.copy()
     done = np.zeros(n, dtype=bool)
@@ -268,7 +280,8 @@ def _reusable_without_drift(first: np.ndarray, raw_eq: list[np.ndarray], var_eq:
         active = (j > first) & ~done
         if j == HISTORY:
             stop = active & ~raw_eq[j]
-            out = np.where(stop, np.where(continues, continued_end, np.where(edited, edited_end, off[:, j])), out)
+            out = np.where(stop, np.where(continues, continued_end, np.where(
+                edited, edited_end, np.where(rewound, rewind_end, off[:, j]))), out)
         else:
             stop = active & ~raw_eq[j] & ~var_eq[j]
             out = np.where(stop, off[:, j], out)

@@ -371,6 +371,36 @@ def test_an_assistant_prefill_the_reply_completed_continues_the_conversation(log
     assert ("prefix_drift", "history_truncated") in {(c, s) for c, s, _ in split(run(*plain), "t2")}
 
 
+def rewind_turns() -> list[dict[str, Any]]:
+    """Three turns of one conversation on pod-a, block 32: t1 = system (400) + U1; t2 = system + [U1, A1] (300) + U2
+    (50); t3 = system + [U1, A1, U2, A2] (600) + U3."""
+    kw = dict(conv="c", system="sys", system_tokens=400)
+    return [req("t1", at=0, prompt=510, suffix="U1", suffix_tokens=100, **kw),
+            req("t2", at=10, prompt=765, history="U1|A1", history_tokens=300, prev_suffix="U1", suffix="U2",
+                suffix_tokens=50, **kw),
+            req("t3", at=20, prompt=1055, history="U1|A1|U2|A2", history_tokens=600, prev_history="U1|A1",
+                prev_suffix="U2", suffix="U3", suffix_tokens=40, **kw)]
+
+
+@pytest.mark.parametrize(("suffix", "expected"), [
+    ("U2", [("routed_away", "", 736), ("unavoidable", "", 29)]),
+    ("U2 edited", [("routed_away", "", 704), ("unavoidable", "", 61)]),
+])
+def test_going_back_one_turn_is_no_drift(suffix: str, expected: list[tuple[str, str, int]]) -> None:
+    """A chat UI's regenerate of an earlier reply (turn 2 re-sent as it was) or edit of an earlier message (turn 2
+    with its question edited), after turn 3, on pod-b. Its previous turn is turn 3 (the conversation's latest),
+    whose prompt holds turn 2's history, and its question too when re-sent: its history is turn 3's
+    prev_history_hash. Found on real pods by a hostile hunt: it read `history_truncated` from the history's start,
+    though nothing was cut. Regenerated: the whole prompt (765, 736 in full blocks) was on pod-a; edited: up to
+    its history's end (700 raw of 750 segment tokens: 714, 704 in full blocks), the edited question new."""
+    back = req("t2b", at=30, pod="pod-b", prompt=765, history="U1|A1", history_tokens=300, prev_suffix="U1",
+               suffix=suffix, suffix_tokens=50, conv="c", system="sys", system_tokens=400)
+    rows = run(*rewind_turns(), back)
+    assert {r.predecessor_request_id for r in rows if r.request_id == "t2b"} == {"t3"}
+    assert split(rows, "t2b") == expected
+    check_sum(rows, back)
+
+
 def subagent_turns(logged: bool = True, conv: str = "") -> list[dict[str, Any]]:
     """Two parallel sub-agents of run R (same system prompt, tasks A and B): A1 at 0 s, B1 at 1 s, A2 at 5 s (task
     A, its tool call and result) on pod-b. ``logged``: the gateway logged first_message_hash; ``conv``: the

@@ -375,8 +375,9 @@ def test_chat_shapes_through_the_store_and_request_detail(store):
     sent with no reply before it (c1's next_history_hash is its history): routed_away, and its history segment
     continues c1's (variant_matched 1); e2 edited the message e1 sent (history_changed, variant_matched 0); g2
     follows a turn logged without segments (continued, 1); s2 read no prefix cache (`not_reported /
-    skip_reading_prefix_cache`); t2 carries t1's assistant prefill completed (routed_away, continued, 1)."""
-    from test_attribution import prefill_turns, req
+    skip_reading_prefix_cache`); t2 carries t1's assistant prefill completed (routed_away, continued, 1); b2 goes
+    back a turn after r3 (r2 re-sent: a regenerate; routed_away, its history matched, 1)."""
+    from test_attribution import prefill_turns, req, rewind_turns
 
     rows = [
         req("c1", conv="c", prompt=1234, system_tokens=360, history="U0|A0", history_tokens=400, suffix="U1",
@@ -392,6 +393,9 @@ def test_chat_shapes_through_the_store_and_request_detail(store):
         req("s1", at=3, conv="s"),
         {**req("s2", at=13, conv="s", cached=None), "skip_reading_prefix_cache": True},
         *prefill_turns(),
+        *({**r, "request_id": "r" + r["request_id"][1:], "conversation_id": "r"} for r in rewind_turns()),
+        req("b2", at=30, conv="r", pod="pod-b", prompt=765, history="U1|A1", history_tokens=300, prev_suffix="U1",
+            suffix="U2", suffix_tokens=50, system="sys", system_tokens=400),
     ]
     for r in rows:
         r["system_line_hashes"] = r["suffix_chunk_hashes"] = []
@@ -404,9 +408,10 @@ def test_chat_shapes_through_the_store_and_request_detail(store):
     assert got["e2"] == [("prefix_drift", "history_changed", 832), ("unavoidable", "", 46)]
     assert got["s2"] == [("not_reported", "skip_reading_prefix_cache", 762)]
     assert got["t2"] == [("routed_away", "", 1216), ("unavoidable", "", 74)]
+    assert got["b2"] == [("routed_away", "", 736), ("unavoidable", "", 29)]
     history = {rid: [x for x in store.named("request_detail", {"request_id": rid}).to_dicts()
-                     if x["segment"] == "history"][0]["variant_matched"] for rid in ("c2", "e2", "g2", "t2")}
-    assert history == {"c2": 1, "e2": 0, "g2": 1, "t2": 1}
+                     if x["segment"] == "history"][0]["variant_matched"] for rid in ("c2", "e2", "g2", "t2", "b2")}
+    assert history == {"c2": 1, "e2": 0, "g2": 1, "t2": 1, "b2": 1}
 
 
 @pytest.mark.parametrize("conv", ["", "session-1"])

@@ -209,11 +209,38 @@ def test_a_new_subagents_first_turn_with_an_unseen_system_prompt_is_cold() -> No
     assert verdicts(orch, sub, compaction)["later"]["pred"] == "orch"
 
 
+# -- going back a turn: a regenerate of an earlier reply, an edit of an earlier message --------------------------
+def rewind_traffic(edited: bool = False) -> list[dict[str, Any]]:
+    """Turns 1-3 of a chat on pod-a; then the UI re-sends turn 2 (the user regenerates A2, or edits U2 and sends it)
+    on pod-b, which holds nothing of it (cached 0)."""
+    return [row("t1", [SYS, U1], at=0, conv="chat-9", pod="pod-a"),
+            row("t2", [SYS, U1, A1, U2], at=60, conv="chat-9", pod="pod-a"),
+            row("t3", [SYS, U1, A1, U2, A2, U3], at=120, conv="chat-9", pod="pod-a"),
+            row("t2b", [SYS, U1, A1, U2_EDITED if edited else U2], at=180, conv="chat-9", pod="pod-b", cached=0)]
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_going_back_a_turn_is_no_drift(edited: bool) -> None:
+    """Found on real pods: the re-sent turn read `history_truncated` against turn 3, the conversation's latest, though
+    turn 3's prompt holds all of it (regenerated) or all but its edited question. Regenerated: every full block but
+    the last token's is routed_away (turn 3 on pod-a held it); edited: up to the question, which is new."""
+    rows = rewind_traffic(edited)
+    got = verdicts(*rows)["t2b"]
+    assert got["pred"] == "t3", got
+    p = rows[-1]["prompt_tokens"]
+    if not edited:
+        assert got["causes"] == {("routed_away", ""): full(p - 1), ("unavoidable", ""): p - full(p - 1)}, got
+    else:
+        assert set(got["causes"]) == {("routed_away", ""), ("unavoidable", "")}, got
+        assert got["causes"][("routed_away", "")] >= full(rows[0]["prompt_tokens"]), got  # at least turn 1's prompt
+
+
 # -- the store job takes the same predecessors ----------------------------------------------------------------
 @pytest.mark.parametrize(("traffic", "target", "right"), [
     (thread_traffic, "x2", ("evicted", "evicted_before_next_turn", "x1")),
     (side_request_traffic, "t2", ("evicted", "evicted_before_next_turn", "t1")),
     (subagent_traffic, "sub", ("routed_away", "", "r1")),
+    (rewind_traffic, "t2b", ("routed_away", "", "t3")),
 ])
 def test_the_store_job_takes_the_same_predecessor(store, traffic, target, right):  # type: ignore[no-untyped-def]
     """Through ingest/attribution_job.py (ClickHouse key search on request_keys): the same answers, and the same

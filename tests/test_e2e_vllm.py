@@ -82,6 +82,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             subagents = parallel_subagents(gw.url)
             outage = failed_over_turns(pods, gw_log, Path(tiny_model_dir) / "tokenizer.json")
             prefilled = prefill_turns(gw.url)
+            rewound = rewound_turns(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -99,7 +100,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
            "unreplied": unreplied, "skipped": skipped, "subagents": subagents, "outage": outage,
-           "prefilled": prefilled,
+           "prefilled": prefilled, "rewound": rewound,
            "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
@@ -287,6 +288,42 @@ def test_an_assistant_prefill_the_reply_completed_is_not_a_truncated_history(e2e
     assert by_id[t1]["continue_final_message"] is True and by_id[t2]["continue_final_message"] is False
     assert by_id[t2]["prefill_history_hash"] == by_id[t1]["history_prefix_hash"] != ""
     only_causes(e2e, t2, f"prefill turn (first turn {by_id[t1]['prompt_tokens']})", ("routed_away", ""))
+
+
+def rewound_turns(gateway_url: str) -> tuple[str, str, str, str]:
+    """Three turns of one conversation on one pod, then the second re-sent as it was (a chat UI's regenerate of an
+    earlier reply) on the other pod: round robin over two pods, a filler between the turns. Returns the four ids."""
+    tag = uuid.uuid4().hex[:8]
+    system = {"role": "system", "content": f"You are the librarian {tag}. " + " ".join(
+        f"Rule {i}: shelve each book by its author." for i in range(12))}
+    u1 = {"role": "user", "content": "Catalogue these. " + " ".join(f"Book {i} is on shelf {i % 7}." for i in
+                                                                    range(30))}
+    a1, u2 = {"role": "assistant", "content": "Catalogued."}, {"role": "user", "content": "Where is book 12?"}
+    a2, u3 = {"role": "assistant", "content": "Shelf 5."}, {"role": "user", "content": "And book 13?"}
+    headers = {"X-Conversation-Id": f"rewind-{tag}", "X-Tenant-Id": "library"}
+    ids = (f"rewind-{tag}-t1", f"rewind-{tag}-t2", f"rewind-{tag}-t3", f"rewind-{tag}-t2-again")
+    post_in_order(gateway_url, headers, [
+        (ids[0], {"messages": [system, u1]}), (f"rewind-{tag}-f1", FILLER),
+        (ids[1], {"messages": [system, u1, a1, u2]}), (f"rewind-{tag}-f2", FILLER),
+        (ids[2], {"messages": [system, u1, a1, u2, a2, u3]}), (ids[3], {"messages": [system, u1, a1, u2]})])
+    return ids
+
+
+def test_going_back_a_turn_is_not_a_truncated_history(e2e) -> None:  # type: ignore[no-untyped-def]
+    """Turn 2 re-sent after turn 3, on the other pod: its whole prompt was in turn 3's blocks on the first pod, so
+    all its full blocks but the last token's are `routed_away` (the conversation's latest turn, turn 3, is its
+    previous turn; its history is turn 3's prev_history_hash), never `prefix_drift / history_truncated`."""
+    ids = e2e["rewound"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert len({by_id[i]["pod"] for i in ids[:3]}) == 1 and by_id[ids[3]]["pod"] != by_id[ids[0]]["pod"]
+    assert by_id[ids[3]]["history_prefix_hash"] == by_id[ids[2]]["prev_history_hash"] != ""
+    only_causes(e2e, ids[3], "turn 2 re-sent after turn 3", ("routed_away", ""))
+    rows = e2e["store"].query_rows("SELECT predecessor_request_id, tokens FROM miss_attribution WHERE request_id = "
+                                   "{r:String} AND cause = 'routed_away'", {"r": ids[3]})
+    block = e2e["store"].query_rows("SELECT any(block_size) FROM request_attribution WHERE request_id = {r:String}",
+                                    {"r": ids[3]})[0][0]
+    prompt = by_id[ids[3]]["prompt_tokens"]
+    assert rows == [(ids[2], (prompt - 1) // block * block)]
 
 
 def failed_over_turns(pods: list[Any], gw_log: Path, tokenizer: Path) -> tuple[str, str]:

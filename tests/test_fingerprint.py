@@ -858,3 +858,21 @@ def test_a_cache_salt_salts_the_keys_attribution_and_routing_find_predecessors_o
     assert c_salted.cache_salt_hash == a.cache_salt_hash
     for not_a_salt in ("", 7):  # vLLM refuses all but a non-empty string: neither salts the fingerprint
         assert fingerprint_request({**turn_1, "cache_salt": not_a_salt}, "chat.completions", EST) == plain
+
+
+def test_several_sequences_are_n_above_one_or_a_list_of_prompts() -> None:
+    """gateway.fingerprint.several_sequences: the bodies vLLM runs as several engine requests."""
+    from gateway.fingerprint import several_sequences
+
+    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert not several_sequences(chat_body, "chat.completions")
+    assert not several_sequences({**chat_body, "n": 1}, "chat.completions")
+    assert not several_sequences({**chat_body, "n": None}, "chat.completions")
+    assert several_sequences({**chat_body, "n": 2}, "chat.completions")
+    assert several_sequences({**chat_body, "n": "3"}, "chat.completions")  # pydantic's lax int
+    assert not several_sequences({**chat_body, "n": "x"}, "chat.completions")  # vLLM refuses it anyway
+    assert not several_sequences({"prompt": "one"}, "completions")
+    assert not several_sequences({"prompt": [1, 2, 3]}, "completions")  # one prompt of token ids
+    assert not several_sequences({"prompt": ["one"]}, "completions")
+    assert several_sequences({"prompt": ["one", "two"]}, "completions")
+    assert several_sequences({"prompt": [[1, 2], [3, 4]]}, "completions")

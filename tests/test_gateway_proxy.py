@@ -883,6 +883,37 @@ def test_completions_passthrough(vllm_fleet, gateway, stream):
 
 
 @pytest.mark.vllm
+def test_a_request_vllm_runs_as_several_sequences_logs_its_cached_count_as_unknown(vllm_fleet, gateway):
+    """Found on real pods by a hostile hunt: with n = 2 a never-seen prompt came back with most of it "cached" (the
+    second sample hit the blocks the first had just computed), and a completions list of two prompts reports the
+    tokens of both but the cached count of the last alone. vLLM's count is not the prompt's hit count there: the
+    gateway logs it as unknown (null, so `not_reported`), and the pod's own usage stays as vLLM sent it."""
+    client, log_path = gateway(pods_of(vllm_fleet)[:1], policy="round_robin")
+    seed = f"gw-nseq-{uuid.uuid4().hex[:8]}"
+    body = {**chat_body(seed, n_words=300), "n": 2, "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": f"{seed}-n2"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    print(f"\nn=2 on a new prompt: vLLM usage {usage}")
+    assert len(r.json()["choices"]) == 2
+    rec = log_line(log_path, f"{seed}-n2")
+    assert rec["prompt_tokens"] == usage["prompt_tokens"] and rec["cached_tokens"] is None
+    prompts = [f"{seed} document {i}: " + " ".join(f"fact {j} of {i}." for j in range(120)) for i in range(2)]
+    for i in range(2):
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 1},
+                        headers={"X-Request-Id": f"{seed}-batch-{i}"})
+        assert r.status_code == 200, r.text
+        rec = log_line(log_path, f"{seed}-batch-{i}")
+        assert rec["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] and rec["cached_tokens"] is None
+    print(f"two prompts, repeated: vLLM usage {r.json()['usage']}")  # cached: the last prompt's alone
+    one = {"model": "tiny", "prompt": prompts[0], "max_tokens": 1}  # one prompt: its count is logged
+    r = client.post("/v1/completions", json=one, headers={"X-Request-Id": f"{seed}-single"})
+    assert r.status_code == 200, r.text
+    assert log_line(log_path, f"{seed}-single")["cached_tokens"] == r.json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"] > 0
+
+
+@pytest.mark.vllm
 def test_repeated_long_prompt_is_cached(vllm_fleet, gateway):
     client, log_path = gateway(pods_of(vllm_fleet), policy="prefix_affinity")
     seed = f"gw-repeat-{uuid.uuid4().hex[:8]}"

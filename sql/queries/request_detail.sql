@@ -96,7 +96,7 @@ WITH
         SELECT request_id, ts, system_hash, system_norm_hash, system_tokens, tools_hash, tools_canonical_hash,
                tools_tokens, retrieval_pack_hash, retrieval_set_hash, retrieval_tokens, history_prefix_hash,
                history_tokens, suffix_hash, suffix_tokens, next_history_hash, continue_final_message,
-               system_line_hashes, suffix_chunk_hashes
+               prev_history_hash, system_line_hashes, suffix_chunk_hashes
         FROM gateway_requests
         WHERE request_id IN (SELECT predecessor_request_id FROM answer WHERE predecessor_request_id != '')
           -- gap_ms = arrival - (predecessor arrival + its e2e_ms), e2e_ms >= 0: the predecessor arrived by
@@ -138,13 +138,15 @@ WITH
                      r_parts, p_parts) AS changed_at,
             -- a next turn: the previous turn's history kept and its final message as sent (a predecessor logged
             -- without segments proves no edit), its messages re-sent with no reply between (next_history_hash), or
-            -- its assistant prefill carried completed (continue_final_message, prefill_history_hash)
+            -- its assistant prefill carried completed (continue_final_message, prefill_history_hash), or a turn back
+            -- (a regenerate or an edit of an earlier message: this history is the one its previous turn had)
             startsWith(a.predecessor_kind, 'previous_turn')
                 AND ((r.prev_history_hash = p.history_prefix_hash
                       AND (r.prev_suffix_hash = '' OR p.suffix_hash = '' OR r.prev_suffix_hash = p.suffix_hash))
                      OR (p.next_history_hash != '' AND r.history_prefix_hash = p.next_history_hash)
                      OR (p.continue_final_message AND r.prefill_history_hash != ''
-                         AND r.prefill_history_hash = p.history_prefix_hash)) AS continues,
+                         AND r.prefill_history_hash = p.history_prefix_hash)
+                     OR r.history_prefix_hash = p.prev_history_hash) AS continues,
             arraySum(r_tokens) AS total,
             arrayMap(c -> if(total = 0, 0, intDiv(c * a.prompt_tokens, total)), arrayCumSum(r_tokens)) AS ends,
             arrayPushFront(arrayPopBack(ends), 0) AS starts
