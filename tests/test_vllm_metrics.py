@@ -458,7 +458,7 @@ def test_a_restarted_collector_publishes_the_outbox_first_then_continues(servers
     assert events[1].payload.previous_scraped_at_ms == lost[0].payload.scraped_at_ms
 
 
-class _ClosesKeptConnections(http.server.BaseHTTPRequestHandler):
+class _ClosesKeptConnections(MetricsHandler):
     """A pod as vLLM's uvicorn behaves at its keep-alive timeout: it answers the first request of a connection
     and keeps it open, then closes it as the next request arrives, without a response byte."""
 
@@ -473,14 +473,7 @@ class _ClosesKeptConnections(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         type(self).answered += 1
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        super().do_GET()
 
 
 def test_a_kept_alive_connection_the_pod_closed_is_asked_again_not_a_failed_scrape() -> None:
