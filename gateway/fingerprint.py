@@ -649,6 +649,22 @@ def skips_prefix_cache(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
     return endpoint == "chat.completions" or body.get("logprobs") is not None
 
 
+def _lax_int(value: Any) -> int | None:
+    """``value`` as vLLM's pydantic request models read an ``int`` field in lax mode: an int or bool, a float or a
+    numeric string with no fractional part ("2", "2.0"); None otherwise (a value pydantic refuses makes vLLM answer
+    400 anyway)."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
 def several_sequences(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
     """True when vLLM runs this body as several engine requests, so the response's
     ``usage.prompt_tokens_details.cached_tokens`` is not the prompt's prefix-cache hit count:
@@ -663,11 +679,7 @@ def several_sequences(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
 
     The gateway logs such a request's cached count as unknown (``null``): its missed tokens are ``not_reported``.
     vLLM counts each engine request in ``vllm:prefix_cache_queries`` and its finished requests."""
-    try:
-        n = int(body.get("n") or 1)
-    except (TypeError, ValueError):
-        n = 1
-    if n > 1:
+    if (_lax_int(body.get("n")) or 1) > 1:
         return True
     prompt = body.get("prompt")
     return (endpoint == "completions" and isinstance(prompt, list) and len(prompt) > 1

@@ -420,14 +420,36 @@ def lines_volatile(req: Request, prev: Request) -> bool:
 
 def other_thread(req: Request, cand: Request) -> bool:
     """Whether ``cand``, the latest request on ``req``'s conversation or agent-run key, is another thread's request,
-    not ``req``'s previous turn: both logged a ``first_message_hash``, the two differ, and so do their system prompts
-    (``system_hash``): a new sub-agent of the run, with its own system prompt and task, or a side request of the
-    chat. A turn whose first message alone changed (a sliding window or a compaction dropped the oldest messages,
-    keeping the system prompt) is still the conversation's next turn. Such a candidate is dropped
-    (:meth:`PredecessorIndex.candidates`); the request then finds its predecessor on the fingerprint or variant
-    keys, or none (``cold``), instead of reading the orchestrator's prompt as a ``system_changed`` drift."""
+    not ``req``'s previous turn: ``req`` is a thread's first turn (no history), both logged a
+    ``first_message_hash``, the two differ, and so do their system prompts (``system_hash``): a new sub-agent of
+    the run, with its own system prompt and task. A turn with a history is a thread's next turn, whatever changed
+    (a sliding window or a compaction that dropped the oldest messages, with a system prompt that carries the date
+    or a memory). Such a candidate is dropped (:meth:`PredecessorIndex.candidates`); the request then finds its
+    predecessor on the fingerprint or variant keys, or none (``cold``), instead of reading the orchestrator's prompt
+    as a ``system_changed`` drift."""
     mine, theirs = _str(req, "first_message_hash"), _str(cand, "first_message_hash")
-    return bool(mine and theirs and mine != theirs and _str(req, "system_hash") != _str(cand, "system_hash"))
+    return bool(not _str(req, "history_prefix_hash") and mine and theirs and mine != theirs
+                and _str(req, "system_hash") != _str(cand, "system_hash"))
+
+
+#: The turn keys of one thread (its first message), tried before the conversation's and the run's latest request.
+THREAD_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD)
+
+
+def continues(req: Request, cand: Request) -> bool:
+    """Whether ``req``'s history carries ``cand`` as its previous turn, as :func:`shared_prefix` reads a previous turn
+    (:func:`_history_continues`: its history kept and its final message as sent, re-sent with no reply between, or
+    its assistant prefill completed)."""
+    return _history_continues(req, Predecessor(cand, PREVIOUS_TURN))
+
+
+def thread_first(req: Request, thread: Request, latest: Request) -> bool:
+    """Whether the latest request of ``req``'s thread (``thread``: on key 9 or 10) is its previous turn rather than the
+    latest request of its conversation or run (``latest``, a later one): only when ``req`` continues ``thread`` and
+    not ``latest``. A side request of the chat or another thread's turn in between is then skipped; without that
+    evidence (a sliding window whose first message repeats an older window's: neither is continued) the latest
+    request is the previous turn, as it would be without the thread keys."""
+    return continues(req, thread) and not continues(req, latest)
 
 
 #: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.
@@ -504,6 +526,12 @@ class PredecessorIndex:
                 if key[0] in SHARED_TURN_KEYS and other_thread(req, found):
                     continue  # another thread of the conversation or run (a new sub-agent): not the previous turn
                 out[key[0]] = found
+        thread = next((out[k] for k in THREAD_KEYS if k in out), None)
+        latest = next((out[k] for k in SHARED_TURN_KEYS if k in out), None)
+        if thread is not None and latest is not None and order_key(latest) > order_key(thread) and not thread_first(
+                req, thread, latest):
+            for k in THREAD_KEYS:
+                out.pop(k, None)
         return out
 
     def find(self, req: Request) -> Predecessor | None:

@@ -43,12 +43,11 @@ from prometheus_client import Counter, Gauge
 from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
-    KEY_AGENT_THREAD,
-    KEY_CONVERSATION_THREAD,
     KEY_FINGERPRINT,
     LINE_HASHES,
     LINE_TOKENS,
     SHARED_TURN_KEYS,
+    THREAD_KEYS,
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
@@ -472,30 +471,56 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
 
 def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by: list[str] = _ID
                      ) -> pl.DataFrame:
-    """``found`` without the candidates on a conversation or agent-run key (kinds 1, 2) that are another thread's
-    request (ingest.attribution.other_thread, as PredecessorIndex.candidates drops them: both logged a
-    first_message_hash, the two differ, and so do their system prompts). Only targets that logged a first message
-    and have no candidate on a thread key (kinds 9, 10, which rank first) are checked; the candidates' fields are
-    read from gateway_requests. ``by``: the columns naming a target."""
-    shared = found.filter(pl.col("kind").is_in(SHARED_TURN_KEYS))
-    if shared.is_empty() or "first_message_hash" not in targets.columns:
+    """``found`` as ingest.attribution.PredecessorIndex.candidates leaves it for the turn keys of targets that logged a
+    first message (the only ones with thread keys, 9 and 10, or another thread on the shared keys, 1 and 2):
+    without a shared-key candidate that is another thread's request (``other_thread``: the target has no history,
+    and the candidate's first message and system prompt both differ), and without the thread-key candidates when a
+    later shared-key candidate remains and the target does not continue the thread's but not the later one
+    (``thread_first``, with ``continues`` as ingest.attribution._history_continues reads it). The candidates' fields
+    are read from gateway_requests. ``by``: the columns naming a target."""
+    turn = found.filter(pl.col("kind").is_in([*SHARED_TURN_KEYS, *THREAD_KEYS]))
+    if turn.is_empty() or "first_message_hash" not in targets.columns:
         return found
-    threads = found.filter(pl.col("kind").is_in([KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD])).select(by).unique()
-    ts_type = shared.schema["p_ts"]  # the store's, as the targets' ts in ``found``
+    ts_type = turn.schema["p_ts"]  # the store's, as the targets' ts in ``found``
+    mine = ("first_message_hash", "system_hash", "history_prefix_hash", "prev_history_hash", "prev_suffix_hash",
+            "prefill_history_hash")
     ours = (targets.filter(pl.col("first_message_hash") != "")
-            .select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), "first_message_hash", "system_hash"))
-    checked = shared.join(threads, on=by, how="anti").join(ours, on=by, how="inner")
+            .select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), *mine))
+    checked = turn.join(ours, on=by, how="inner")
     if checked.is_empty():
         return found
     keys = checked.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
-    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, "first_message_hash", "system_hash")).select(
+    fields = ("first_message_hash", "system_hash", "history_prefix_hash", "suffix_hash", "next_history_hash",
+              "continue_final_message")
+    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, *fields)).select(
         pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-        pl.col("first_message_hash").alias("p_first"), pl.col("system_hash").alias("p_system"))
-    other = (checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
-             .filter((pl.col("p_first") != "") & (pl.col("p_first") != pl.col("first_message_hash"))
-                     & (pl.col("p_system") != pl.col("system_hash")))
-             .select(*by, "kind"))
-    return found.join(other, on=[*by, "kind"], how="anti") if not other.is_empty() else found
+        *(pl.col(f).alias(f"c_{f}") for f in fields))
+    both = checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
+    other = (pl.col("kind").is_in(SHARED_TURN_KEYS) & (pl.col("history_prefix_hash") == "")
+             & (pl.col("c_first_message_hash") != "") & (pl.col("c_first_message_hash") != pl.col("first_message_hash"))
+             & (pl.col("c_system_hash") != pl.col("system_hash")))
+    others, rows = both.filter(other).select(*by, "kind"), both.filter(~other)
+    no_reply = (pl.col("c_next_history_hash") != "") & (pl.col("c_next_history_hash") == pl.col("history_prefix_hash"))
+    prefilled = ((pl.col("prefill_history_hash") != "") & pl.col("c_continue_final_message").fill_null(False)
+                 & (pl.col("prefill_history_hash") == pl.col("c_history_prefix_hash")))
+    kept = pl.col("prev_history_hash") == pl.col("c_history_prefix_hash")
+    edited = (kept & ~no_reply & (pl.col("prev_suffix_hash") != "") & (pl.col("c_suffix_hash") != "")
+              & (pl.col("prev_suffix_hash") != pl.col("c_suffix_hash")))
+    rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
+                                         return_dtype=pl.Int64)
+    first = (rows.with_columns((no_reply | prefilled | (kept & ~edited)).alias("_continues"),
+                               pl.col("kind").is_in(THREAD_KEYS).alias("_thread"), rank.alias("_rank"))
+             .sort([*by, "_rank"]).group_by([*by, "_thread"], maintain_order=True).first())
+    thread = first.filter(pl.col("_thread")).select(*by, pl.col("p_order_key").alias("t_key"),
+                                                   pl.col("_continues").alias("t_continues"))
+    latest = first.filter(~pl.col("_thread")).select(*by, pl.col("p_order_key").alias("l_key"),
+                                                    pl.col("_continues").alias("l_continues"))
+    skip = (thread.join(latest, on=by, how="inner")
+            .filter((pl.col("l_key") > pl.col("t_key")) & ~(pl.col("t_continues") & ~pl.col("l_continues")))
+            .select(by))
+    dropped = pl.concat([others, skip.join(rows.filter(pl.col("kind").is_in(THREAD_KEYS)).select(*by, "kind"), on=by)],
+                        how="vertical_relaxed")
+    return found.join(dropped, on=[*by, "kind"], how="anti") if not dropped.is_empty() else found
 
 
 def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by: list[str] = _ID) -> pl.DataFrame:
