@@ -231,6 +231,24 @@ def test_going_back_a_turn_is_no_drift(edited: bool) -> None:
 
 
 # -- the store job takes the same predecessors ----------------------------------------------------------------
+def store_causes(store: Any, rows: list[dict[str, Any]]) -> dict[str, dict[tuple[str, str], int]]:
+    """``rows`` inserted into the store and attributed by the store job (ingest/attribution_job.py): per request,
+    {(cause, sub_cause): tokens}."""
+    from test_attribution_job import attributed, insert_requests
+    from test_attribution_job import run as run_job
+
+    ingested = datetime.now(UTC) - timedelta(minutes=1)
+    stored = [{**r, "ingested_at": ingested,
+               **{k: [int(x, 16) for x in r[k]] for k in (attribution.LINE_HASHES, attribution.CHUNK_HASHES)}}
+              for r in rows]
+    insert_requests(store, stored)
+    run_job(store, default_block_size=B)
+    out: dict[str, dict[tuple[str, str], int]] = {}
+    for r in attributed(store):
+        out.setdefault(r[0], {})[(r[1], r[2])] = r[3]
+    return out
+
+
 @pytest.mark.parametrize(("traffic", "target", "right"), [
     (thread_traffic, "x2", ("evicted", "evicted_before_next_turn", "x1")),
     (side_request_traffic, "t2", ("evicted", "evicted_before_next_turn", "t1")),
@@ -240,18 +258,7 @@ def test_going_back_a_turn_is_no_drift(edited: bool) -> None:
 def test_the_store_job_takes_the_same_predecessor(store, traffic, target, right):  # type: ignore[no-untyped-def]
     """Through ingest/attribution_job.py (ClickHouse key search on request_keys): the same answers, and the same
     predecessor."""
-    from test_attribution_job import attributed, insert_requests
-    from test_attribution_job import run as run_job
-
-    rows = traffic()
-    ingested = datetime.now(UTC) - timedelta(minutes=1)
-    for r in rows:
-        for key in (attribution.LINE_HASHES, attribution.CHUNK_HASHES):
-            r[key] = [int(x, 16) for x in r[key]]
-        r["ingested_at"] = ingested
-    insert_requests(store, rows)
-    run_job(store, default_block_size=B)
-    got = {(r[1], r[2]): r[3] for r in attributed(store) if r[0] == target}
+    got = store_causes(store, traffic()).get(target, {})
     expected = verdicts(*traffic())[target]
     assert got == expected["causes"] and right[:2] in got, (got, expected)
     assert store.query_rows("SELECT predecessor_request_id FROM request_attribution FINAL WHERE request_id = "

@@ -7,14 +7,13 @@ the reference gateway (tests/test_conversation_threads.py ``row``); the store jo
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from gateway.fingerprint import several_sequences
 from ingest import attribution as a
-from tests.test_conversation_threads import A1, A2, SYS, U1, U2, U3, row, u
+from tests.test_conversation_threads import A1, A2, SYS, U1, U2, U3, row, store_causes, u
 
 B = 16
 #: The user's custom instructions / memory, which the client appends to the system prompt from turn 3 on.
@@ -59,21 +58,9 @@ def test_a_trimmed_turn_with_a_changed_system_prompt_is_still_the_next_turn(wind
 @pytest.mark.parametrize("traffic", ["sliding_window", "compaction", "repeating_window"])
 def test_the_store_job_agrees(store, traffic: str) -> None:  # type: ignore[no-untyped-def]
     """The store job (_confirm_threads) takes the same predecessors and gives the same causes as the reference."""
-    from test_attribution_job import attributed, insert_requests
-    from test_attribution_job import run as run_job
-
     rows = repeating_window() if traffic == "repeating_window" else compacted_traffic(traffic == "sliding_window")
     expected = {rid: (v.predecessor_request_id, causes(v)) for rid, v in judged(rows).items()}
-    ingested = datetime.now(UTC) - timedelta(minutes=1)
-    for r in rows:
-        for key in (a.LINE_HASHES, a.CHUNK_HASHES):
-            r[key] = [int(x, 16) for x in r[key]]
-        r["ingested_at"] = ingested
-    insert_requests(store, rows)
-    run_job(store, default_block_size=B)
-    got: dict[str, dict[tuple[str, str], int]] = {}
-    for r in attributed(store):
-        got.setdefault(r[0], {})[(r[1], r[2])] = r[3]
+    got = store_causes(store, rows)
     preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
     assert {rid: (preds[rid], got.get(rid, {})) for rid in expected} == expected
     last = rows[-1]["request_id"]
