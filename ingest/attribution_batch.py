@@ -154,15 +154,14 @@ def _scaled(df: pl.DataFrame, prompt: np.ndarray, raw: np.ndarray) -> np.ndarray
     return np.where(total > 0, raw * prompt // np.where(total == 0, 1, total), 0)
 
 
-def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.ndarray,
-            prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(S, drift sub-cause's code or 0, W, identical) per row, as :func:`ingest.attribution.shared_prefix`
-    computes them (identical: every segment and the suffix raw-equal, so S is exact)."""
+def continuation(df: pl.DataFrame, prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(continues, edited) per row of ``df`` (a request's columns and its previous turn's as ``p_`` columns), where
+    ``prev_turn``: as :func:`ingest.attribution._history_continues` and ``_previous_message_edited`` read them.
+    Continues: its history is the previous turn's with that turn's final message as sent, or that turn's messages
+    re-sent with no reply between (its ``next_history_hash``), or its assistant prefill completed. Edited: the
+    history kept but the final message not as it was sent (``history_changed``). A column left out (an older log):
+    that reading is not made."""
     n = len(df)
-    cap = np.minimum(prompt, _i(df, "p_prompt_tokens"))
-    raw_eq = [_eq(df, h, "p_" + h) for h in _HASHES]
-    var_eq = [_nonempty(df, s.variant_field) & _eq(df, s.variant_field, "p_" + s.variant_field)
-              if s.variant_field else np.zeros(n, dtype=bool) for s in STABLE_SEGMENTS]
     kept = prev_turn & _eq(df, "prev_history_hash", "p_history_prefix_hash")
     # the previous turn's messages re-sent as this history with no reply between (its next_history_hash)
     no_reply = prev_turn & _nonempty(df, "p_next_history_hash") \
@@ -177,7 +176,19 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
         & _eq(df, "prefill_history_hash", "p_history_prefix_hash") \
         if "p_continue_final_message" in df.columns and "prefill_history_hash" in df.columns \
         else np.zeros(n, dtype=bool)
-    continues = (kept & ~edited) | no_reply | prefilled
+    return (kept & ~edited) | no_reply | prefilled, edited
+
+
+def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.ndarray,
+            prev_turn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(S, drift sub-cause's code or 0, W, identical) per row, as :func:`ingest.attribution.shared_prefix`
+    computes them (identical: every segment and the suffix raw-equal, so S is exact)."""
+    n = len(df)
+    cap = np.minimum(prompt, _i(df, "p_prompt_tokens"))
+    raw_eq = [_eq(df, h, "p_" + h) for h in _HASHES]
+    var_eq = [_nonempty(df, s.variant_field) & _eq(df, s.variant_field, "p_" + s.variant_field)
+              if s.variant_field else np.zeros(n, dtype=bool) for s in STABLE_SEGMENTS]
+    continues, edited = continuation(df, prev_turn)
     # back one turn (a regenerate or an edit of an earlier message): this history is the predecessor's previous
     # turn's (_rewound), held by the predecessor up to its end, or to the prompt's end when the final message is the
     # one the predecessor carried (_rewind_end)

@@ -50,7 +50,7 @@ from ingest.attribution import (
     THREAD_KEYS,
     VERDICT_COLUMNS,
 )
-from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, judge_frame
+from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, continuation, judge_frame
 from ingest.attribution_late import (
     GAP_RESTARTS_SCHEMA,
     INGESTED_WINDOW,
@@ -476,8 +476,8 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     without a shared-key candidate that is another thread's request (``other_thread``: the target has no history,
     and the candidate's first message and system prompt both differ), and without the thread-key candidates when a
     later shared-key candidate remains and the target does not continue the thread's but not the later one
-    (``thread_first``, with ``continues`` as ingest.attribution._history_continues reads it). The candidates' fields
-    are read from gateway_requests. ``by``: the columns naming a target."""
+    (``thread_first``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
+    candidates' fields are read from gateway_requests. ``by``: the columns naming a target."""
     turn = found.filter(pl.col("kind").is_in([*SHARED_TURN_KEYS, *THREAD_KEYS]))
     if turn.is_empty() or "first_message_hash" not in targets.columns:
         return found
@@ -494,21 +494,16 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
               "continue_final_message")
     theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, *fields)).select(
         pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-        *(pl.col(f).alias(f"c_{f}") for f in fields))
+        *(pl.col(f).alias(f"p_{f}") for f in fields))
     both = checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
     other = (pl.col("kind").is_in(SHARED_TURN_KEYS) & (pl.col("history_prefix_hash") == "")
-             & (pl.col("c_first_message_hash") != "") & (pl.col("c_first_message_hash") != pl.col("first_message_hash"))
-             & (pl.col("c_system_hash") != pl.col("system_hash")))
+             & (pl.col("p_first_message_hash") != "") & (pl.col("p_first_message_hash") != pl.col("first_message_hash"))
+             & (pl.col("p_system_hash") != pl.col("system_hash")))
     others, rows = both.filter(other).select(*by, "kind"), both.filter(~other)
-    no_reply = (pl.col("c_next_history_hash") != "") & (pl.col("c_next_history_hash") == pl.col("history_prefix_hash"))
-    prefilled = ((pl.col("prefill_history_hash") != "") & pl.col("c_continue_final_message").fill_null(False)
-                 & (pl.col("prefill_history_hash") == pl.col("c_history_prefix_hash")))
-    kept = pl.col("prev_history_hash") == pl.col("c_history_prefix_hash")
-    edited = (kept & ~no_reply & (pl.col("prev_suffix_hash") != "") & (pl.col("c_suffix_hash") != "")
-              & (pl.col("prev_suffix_hash") != pl.col("c_suffix_hash")))
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
                                          return_dtype=pl.Int64)
-    first = (rows.with_columns((no_reply | prefilled | (kept & ~edited)).alias("_continues"),
+    continues = continuation(rows, np.ones(len(rows), dtype=bool))[0]
+    first = (rows.with_columns(pl.Series("_continues", continues),
                                pl.col("kind").is_in(THREAD_KEYS).alias("_thread"), rank.alias("_rank"))
              .sort([*by, "_rank"]).group_by([*by, "_thread"], maintain_order=True).first())
     thread = first.filter(pl.col("_thread")).select(*by, pl.col("p_order_key").alias("t_key"),
