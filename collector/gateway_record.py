@@ -103,6 +103,7 @@ class GatewayRecord(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     skip_reading_prefix_cache: bool = False
     continue_final_message: bool = False
+    engine_requests: Annotated[int, msgspec.Meta(ge=1, le=2**16 - 1)] = 1
     error: str = ""
     completion_tokens: U32 = 0
     queue_wait_ms: Ms | None = None
@@ -335,12 +336,18 @@ def inclusive_usage(prompt_tokens: int, cached_tokens: int | None, usage_convent
 
 
 def record_usage(rec: GatewayRecord) -> tuple[int, int | None]:
-    """:func:`inclusive_usage` of a decoded record; the cached count None (not reported) for a request that read no
-    prefix cache (``skip_reading_prefix_cache``: vLLM counts it in neither ``prefix_cache_queries`` nor
-    ``prefix_cache_hits``, so its 0 is no hit count, and the hit rate leaves it out as vLLM's does). A hit the pod
-    reported for such a line (cached > 0) proves vLLM read the cache: the count is kept, the flag was wrong."""
+    """:func:`inclusive_usage` of a decoded record; the cached count None (not reported) for
+
+    - a request that read no prefix cache (``skip_reading_prefix_cache``: vLLM counts it in neither
+      ``prefix_cache_queries`` nor ``prefix_cache_hits``, so its 0 is no hit count, and the hit rate leaves it out
+      as vLLM's does). A hit the pod reported for such a line (cached > 0) proves vLLM read the cache: the count
+      is kept, the flag was wrong;
+    - a request vLLM ran as several engine requests (``engine_requests`` > 1: ``n`` > 1 or several prompts): its
+      reported count is one sequence's, not the prompt's (``gateway.fingerprint.engine_requests``)."""
     prompt, cached = inclusive_usage(rec.prompt_tokens, rec.cached_tokens, rec.usage_convention,
                                      rec.cache_read_input_tokens, rec.cache_creation_input_tokens)
+    if rec.engine_requests > 1:
+        return prompt, None
     return prompt, None if rec.skip_reading_prefix_cache and not cached else cached
 
 

@@ -131,6 +131,10 @@ FIXES: dict[tuple[str, str], Fix] = {
         STAGE_PROMPT, "Ask for prompt logprobs only where they are needed (scoring, evaluation): vLLM reads no "
         "prefix cache for a request with prompt_logprobs (or echo with logprobs), so it re-computes its whole "
         "prompt whatever the cache holds."),
+    (a.NOT_REPORTED, a.SEVERAL_ENGINE_REQUESTS): Fix(
+        STAGE_DATA, "These requests ran as several engine requests (n > 1, or a completions list of prompts): vLLM "
+        "reports one sequence's cached count, not the request's, so their hits and misses are unknown (vLLM's own "
+        "counters include them; see Data quality). Send one prompt per request where the hit count matters."),
     (a.ROUTED_AWAY, ""): Fix(
         STAGE_ROUTING, "Route each conversation or agent run to the pod that served its previous turn "
         "(prefix- or session-affinity routing): the prefix was cached on another pod."),

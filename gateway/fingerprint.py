@@ -665,25 +665,32 @@ def _lax_int(value: Any) -> int | None:
     return None
 
 
-def several_sequences(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
-    """True when vLLM runs this body as several engine requests, so the response's
+def engine_requests(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """How many engine requests vLLM runs for this body (>= 1): ``n`` (parallel samples, read as pydantic reads an
+    int; a value it refuses counts 1, vLLM answers 400 anyway) times the number of prompts (on
+    ``/v1/completions``, a ``prompt`` list of strings or of token-id lists holds several; a list of ints is one
+    prompt of token ids).
+
+    vLLM counts each engine request on its own: one in ``vllm:request_success_total`` and one prefix-cache lookup
+    of the whole prompt in ``vllm:prefix_cache_queries_total`` (``vllm/v1/metrics/stats.py``, tracked per engine
+    ``Request``, "so ``n > 1`` yields one per child"). For more than one, the response's
     ``usage.prompt_tokens_details.cached_tokens`` is not the prompt's prefix-cache hit count:
 
-    - ``n`` > 1 (parallel samples, read as pydantic reads an int): vLLM fans the request out into ``n`` child
-      requests and reports one prompt; the cached count is one child's, which may have hit the blocks a sibling
-      had just computed (a never-seen 267-token prompt with ``n`` = 2 reported 256 cached on a real CPU pod, where
-      vLLM's own counters show 534 tokens queried);
-    - on ``/v1/completions``, a ``prompt`` that is a list of several prompts (strings or token-id lists):
-      ``usage.prompt_tokens`` sums them but ``cached_tokens`` is the last prompt's alone
+    - with ``n`` > 1 vLLM fans the request out into ``n`` child requests and reports one prompt; the cached count is
+      one child's, which may have hit the blocks a sibling had just computed (a never-seen 267-token prompt with
+      ``n`` = 2 reported 256 cached on a real CPU pod, where vLLM's own counters show 534 tokens queried);
+    - a list of several prompts: ``usage.prompt_tokens`` sums them but ``cached_tokens`` is the last prompt's alone
       (``vllm/entrypoints/openai/completion/serving.py``, ``last_final_res.num_cached_tokens``).
 
-    The gateway logs such a request's cached count as unknown (``null``): its missed tokens are ``not_reported``.
-    vLLM counts each engine request in ``vllm:prefix_cache_queries`` and its finished requests."""
-    if (_lax_int(body.get("n")) or 1) > 1:
-        return True
+    The gateway logs the count (``engine_requests``) and, above 1, the cached count as unknown (``null``): the
+    request's missed tokens are ``not_reported``, and the data-quality check compares vLLM's finished requests with
+    the engine requests logged (docs/gateway-log.md)."""
+    samples = _lax_int(body.get("n"))
+    samples = samples if samples is not None and samples > 1 else 1
     prompt = body.get("prompt")
-    return (endpoint == "completions" and isinstance(prompt, list) and len(prompt) > 1
-            and not all(isinstance(x, int) for x in prompt))
+    prompts = (len(prompt) if endpoint == "completions" and isinstance(prompt, list) and prompt
+               and not all(isinstance(x, int) for x in prompt) else 1)
+    return samples * prompts
 
 
 def fingerprint_request(

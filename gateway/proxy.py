@@ -60,9 +60,9 @@ from gateway.fingerprint import (
     TokenCounter,
     cache_salt_hash,
     continues_final_message,
+    engine_requests,
     fingerprint_request,
     salted,
-    several_sequences,
     skips_prefix_cache,
 )
 from gateway.log import BackgroundLogWriter, format_ts
@@ -206,7 +206,7 @@ class _Exchange:
     body: dict[str, Any] | None = None  # the request body, for its block chain (gateway.block_chain)
     skip_reading_prefix_cache: bool = False  # vLLM reads no prefix cache (gateway.fingerprint.skips_prefix_cache)
     continue_final_message: bool = False  # an assistant prefill vLLM continues (gateway.fingerprint)
-    several_sequences: bool = False  # n > 1 or several prompts: the cached count is not the prompt's (logged null)
+    engine_requests: int = 1  # n × prompts (gateway.fingerprint); above 1 the cached count is logged null
 
     def read_usage(self, payload: Mapping[str, Any]) -> None:
         """Take usage and per-request metrics from a response body or stream chunk, when present.
@@ -245,7 +245,7 @@ class _Exchange:
             "status": self.status,
             "error": self.error,
             "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": None if self.several_sequences else self.cached_tokens,
+            "cached_tokens": None if self.engine_requests > 1 else self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "ttft_ms": ttft_ms,
             "e2e_ms": e2e_ms,
@@ -253,6 +253,7 @@ class _Exchange:
             "tool_latency_ms": self.tool_latency_ms,
             "skip_reading_prefix_cache": self.skip_reading_prefix_cache,
             "continue_final_message": self.continue_final_message,
+            "engine_requests": self.engine_requests,
             **self.fingerprint.to_log_fields(),
             "prompt_block_hashes": [],  # filled in by Gateway._log_with_chain when the chain is known
             "prompt_block_size": 0,
@@ -397,7 +398,7 @@ class Gateway:
         ex.model = fit_name(str(body.get("model") or ""))
         ex.stream = bool(body.get("stream"))
         ex.skip_reading_prefix_cache = skips_prefix_cache(body, endpoint)
-        ex.several_sequences = several_sequences(body, endpoint)
+        ex.engine_requests = engine_requests(body, endpoint)
         ex.continue_final_message = endpoint == "chat.completions" and continues_final_message(body)
         try:  # cached or short segments on the loop; tokenizing a long new prompt takes ms: on a thread
             try:

@@ -79,12 +79,15 @@ RESIDENT_AT_ARRIVAL = "resident_at_arrival"
 #: sub_cause of ``not_reported``: vLLM read no prefix cache for the request (it asked for prompt logprobs:
 #: ``SamplingParams.skip_reading_prefix_cache``), so there is no hit count; the gateway logs the flag.
 SKIP_READING_PREFIX_CACHE = "skip_reading_prefix_cache"
+#: sub_cause of ``not_reported``: vLLM ran the request as several engine requests (``n`` > 1, or a list of prompts;
+#: gateway_requests.engine_requests), so its reported cached count is one sequence's, not the prompt's hit count.
+SEVERAL_ENGINE_REQUESTS = "several_engine_requests"
 #: sub_cause of ``routed_away``: the pod that held the prefix (the predecessor's pod, or in precise mode the block's
 #: holder) was down when the request was routed (gateway_requests.pods_down): the outage, not the router, lost it.
 POD_DOWN = "pod_down"
 #: Every sub_cause attribution gives ("" aside): the drifts' and the other causes'.
 SUB_CAUSES = (*DRIFT_SUB_CAUSES, EVICTED_BEFORE_NEXT_TURN, CACHE_RESET, RESIDENT_AT_ARRIVAL, SKIP_READING_PREFIX_CACHE,
-              POD_DOWN)
+              SEVERAL_ENGINE_REQUESTS, POD_DOWN)
 
 #: request_attribution.evidence: what a verdict's routed_away / evicted part rests on (docs/miss-causes.md).
 EVIDENCE_KV_EVENTS = "kv_events"  # precise mode: the request's block chain matched against the pods' KV events
@@ -157,7 +160,7 @@ REQUEST_FIELDS = (
     "first_message_hash", "prefill_history_hash", "continue_final_message", "history_tokens",
     "suffix_hash", "suffix_tokens", "prompt_fingerprint",
     LINE_HASHES, LINE_TOKENS, CHUNK_HASHES, CHUNK_TOKENS, "cache_salt_hash", "skip_reading_prefix_cache",
-    "pods_down",
+    "engine_requests", "pods_down",
 )
 
 Request = Mapping[str, Any]
@@ -1087,7 +1090,8 @@ def judge(req: Request, pred: Predecessor | None, block_size: int, evidence: KvE
         if offsets is None:
             pred = None  # without segment counts, no predecessor rule can be checked
         if cached_unknown(req):
-            skipped = SKIP_READING_PREFIX_CACHE if req.get("skip_reading_prefix_cache") else ""
+            skipped = (SKIP_READING_PREFIX_CACHE if req.get("skip_reading_prefix_cache")
+                       else SEVERAL_ENGINE_REQUESTS if (req.get("engine_requests") or 1) > 1 else "")
             split = [(NOT_REPORTED, skipped, _int(req, "prompt_tokens"))]
         else:
             reuse = _reuse_cause(req, pred) if pred is not None else (EVICTED, "")

@@ -58,6 +58,7 @@ from ingest.attribution import (
     RESIDENT_ELSEWHERE,
     RESIDENT_HERE,
     ROUTED_AWAY,
+    SEVERAL_ENGINE_REQUESTS,
     SKIP_READING_PREFIX_CACHE,
     STABLE_SEGMENTS,
     SUB_CAUSES,
@@ -343,7 +344,8 @@ def _lists(zones: list[tuple[np.ndarray, np.ndarray, np.ndarray]], attributable:
     ``first``: (n, k) slots of tokens / causes / sub_causes before the zones (precise mode's blocks). ``whole``:
     (rows, cause, sub_cause, tokens) of requests that get one entry instead of zones: cached tokens beyond what
     vLLM can hit at the block size (``unknown``, the missed tokens), a cached count not reported
-    (``not_reported``, the prompt tokens; sub-cause ``skip_reading_prefix_cache`` when vLLM read no cache). A
+    (``not_reported``, the prompt tokens; sub-cause ``skip_reading_prefix_cache`` when vLLM read no cache,
+    ``several_engine_requests`` when it ran the request as several engine requests). A
     later entry replaces an earlier one on the rows both name. Causes and sub-causes in as codes (:func:`_code`),
     out as names."""
     tok = np.concatenate([first[0], np.stack([z[0] for z in zones], axis=1)], axis=1)
@@ -576,9 +578,12 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     over = attributable & ~unknown & (cached > _full(prompt - 1, block))
     skipped = attributable & unknown & (df["skip_reading_prefix_cache"].fill_null(False).to_numpy()
                                         if "skip_reading_prefix_cache" in df.columns else np.zeros(n, dtype=bool))
+    fanned = attributable & unknown & ~skipped & (df["engine_requests"].fill_null(1).to_numpy() > 1
+                                                  if "engine_requests" in df.columns else np.zeros(n, dtype=bool))
     causes, subs, tokens = _lists(zones, attributable, [(over, UNKNOWN, "", prompt - cached),
                                                         (attributable & unknown, NOT_REPORTED, "", prompt),
-                                                        (skipped, NOT_REPORTED, SKIP_READING_PREFIX_CACHE, prompt)],
+                                                        (skipped, NOT_REPORTED, SKIP_READING_PREFIX_CACHE, prompt),
+                                                        (fanned, NOT_REPORTED, SEVERAL_ENGINE_REQUESTS, prompt)],
                                   ev.zones)
     reused = attributable & ~unknown & ~over & (zones[0][0] > 0) & np.isin(zones[0][1], reused_codes)
     ts_ms = df["ts"].dt.epoch("ms").to_numpy()

@@ -128,8 +128,9 @@ _NORMALIZED = {
     "prompt_tokens": f"if({_EXCLUSIVE}, toUInt32(toUInt64(prompt_tokens) + ifNull({_CACHE_READ}, 0) "
                      f"+ ifNull(cache_creation_input_tokens, 0)), prompt_tokens)",
     # a request that read no prefix cache has no hit count (record_usage): stored NULL, not reported, unless the pod
-    # reported a hit (then it read the cache)
-    "cached_tokens": f"if(skip_reading_prefix_cache AND ifNull({_CACHED}, 0) = 0, NULL, {_CACHED})",
+    # reported a hit (then it read the cache); nor has one vLLM ran as several engine requests (one sequence's count)
+    "cached_tokens": f"if(engine_requests > 1 OR (skip_reading_prefix_cache AND ifNull({_CACHED}, 0) = 0), NULL, "
+                     f"{_CACHED})",
     # the structural hashes arrive as 16 hex characters (staged as strings) and are stored as UInt64
     **{c: f"arrayMap(x -> reinterpretAsUInt64(reverse(unhex(x))), {c})" for c in GATEWAY_HASH_LISTS},
 }

@@ -40,7 +40,7 @@ GATEWAY_INT_LISTS = ("system_line_tokens", "suffix_chunk_tokens")
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "gateway_requests": ("request_id", "ts", "tenant_id", *GATEWAY_STR, "pods_down", "stream",
-                         "skip_reading_prefix_cache", "continue_final_message",
+                         "skip_reading_prefix_cache", "continue_final_message", "engine_requests",
                          *GATEWAY_INT, "prompt_tokens",
                          "cached_tokens", "ttft_ms", "e2e_ms", "queue_wait_ms", "tool_latency_ms",
                          *GATEWAY_HASH_LISTS, "prompt_block_size", *GATEWAY_INT_LISTS),
@@ -70,6 +70,7 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
     prompt, cached = record_usage(rec)
     return (rec.request_id, _dt(ts_ms(rec)), rec.tenant_id, *(getattr(rec, k) for k in GATEWAY_STR),
             list(rec.pods_down), rec.stream, rec.skip_reading_prefix_cache, rec.continue_final_message,
+            rec.engine_requests,
             *(getattr(rec, k) for k in GATEWAY_INT), prompt, cached,
             rec.ttft_ms, rec.e2e_ms, rec.queue_wait_ms, rec.tool_latency_ms,
             *([int(x, 16) for x in getattr(rec, k)] for k in GATEWAY_HASH_LISTS), rec.prompt_block_size,

@@ -1,5 +1,5 @@
 """The thread rules (tests/test_conversation_threads.py) must not take a conversation's own next turn for another
-thread's: a hostile review of key 10, ``attribution.other_thread`` and ``several_sequences`` found these four, each
+thread's: a hostile review of key 10, ``attribution.other_thread`` and ``engine_requests`` found these four, each
 a regression of the first version of those rules against the answers before them (a trimmed turn whose system
 prompt changed read `cold`, a volatile system prompt lost its previous turn, a sliding window whose first message
 repeats took a turn two back, ``n`` = "2.0" was one sequence). Every row is fingerprinted from a real chat body by
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.fingerprint import several_sequences
+from gateway.fingerprint import engine_requests
 from ingest import attribution as a
 from tests.test_conversation_threads import A1, A2, SYS, U1, U2, U3, row, store_causes, u
 
@@ -87,7 +87,7 @@ def test_a_volatile_system_prompt_with_a_sliding_window_keeps_its_previous_turn(
 
 @pytest.mark.parametrize("n", ["2.0", "3.00"])
 def test_n_as_a_decimal_string_is_several_sequences(n: str) -> None:
-    """several_sequences reads n as pydantic reads an int in lax mode: pydantic (vLLM's request models) reads "2.0"
+    """engine_requests reads n as pydantic reads an int in lax mode: pydantic (vLLM's request models) reads "2.0"
     as 2, so vLLM runs two sequences and the cached count is one child's (the first version's int("2.0") failed
     and read one sequence)."""
     from pydantic import BaseModel
@@ -96,7 +96,7 @@ def test_n_as_a_decimal_string_is_several_sequences(n: str) -> None:
         n: int | None = 1
 
     assert Req(n=n).n > 1
-    assert several_sequences({"model": "m", "messages": [u("hi")], "n": n}, "chat.completions")
+    assert engine_requests({"model": "m", "messages": [u("hi")], "n": n}, "chat.completions") == Req(n=n).n
 
 
 def test_a_sliding_window_whose_first_message_repeats_keeps_the_latest_turn() -> None:

@@ -502,8 +502,9 @@ def test_data_quality_names_each_disagreement_and_the_overview_links_to_it(chdb_
     at.switch_page("views/data_quality.py").run()
     assert_clean(at)
     warnings = {w.value.split("**")[1]: w.value for w in at.warning if "**" in w.value}  # not the old-data banner
-    assert sorted(warnings) == ["bypass", "connector", "cut", "details", "direct", "edge", "preempt", "preempt-skip",
-                                "unscraped"]
+    assert sorted(warnings) == ["bypass", "connector", "cut", "details", "direct", "edge", "fan-out",
+                                "fan-out-bypass", "preempt", "preempt-skip", "unscraped"]
+    assert "requests run as several sequences (+1.7 pp)" in warnings["fan-out"]
     # its prompt-logprobs request is no missing count: the preemptions explain the gap
     assert "2 preemptions" in warnings["preempt-skip"] and "not reported" not in warnings["preempt-skip"]
     assert "hits from a KV connector (+30.0 pp)" in warnings["connector"] and "300 tokens" in warnings["connector"]

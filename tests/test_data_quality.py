@@ -12,8 +12,9 @@ from ingest.store import Store
 from tests.fixture_data import at
 
 GATEWAY_COLUMNS = ["request_id", "ts", "tenant_id", "pod", "status", "prompt_tokens", "cached_tokens",
-                   "skip_reading_prefix_cache"]
+                   "skip_reading_prefix_cache", "engine_requests"]
 SKIP = "skip"  # a request that read no prefix cache (prompt logprobs): cached count NULL by design
+N2 = "n2"  # a request with n = 2: two engine requests, cached count NULL by design (one sequence's is not the prompt's)
 VLLM_COLUMNS = ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"]
 
 # pod → gateway requests as (prompt_tokens, cached_tokens or None = not reported, or SKIP)
@@ -28,6 +29,11 @@ GATEWAY: dict[str, list[tuple[int, int | str | None]]] = {
     "edge": [(100, 50)] * 4,  # 400 / 200: 50 %; vLLM's last scrape saw 3 of the 4 finished
     "cut": [(100, 50)] * 3 + [(100, None)],  # a stream the client cut: no count; vLLM does not count it finished
     "unscraped": [(100, 50)] * 2,
+    # 4 requests, 2 of them with n = 2 (found on real pods: read requests_not_seen_by_gateway, "the rest bypassed
+    # the gateway"): 6 engine requests, as vLLM finished; known 200 / 100 = 50 %
+    "fan-out": [(100, 50)] * 2 + [(300, N2)] * 2,
+    # as fan-out, and one request that bypassed the gateway: vLLM finished 7
+    "fan-out-bypass": [(100, 50)] * 2 + [(300, N2)] * 2,
 }
 # pod → {series: increase} over the window
 VLLM: dict[str, dict[str, float]] = {
@@ -50,6 +56,11 @@ VLLM: dict[str, dict[str, float]] = {
              "vllm:prefix_cache_queries_total": 300, "vllm:prefix_cache_hits_total": 120},  # 40 %
     "cut": {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 300,
             "vllm:prefix_cache_queries_total": 300, "vllm:prefix_cache_hits_total": 120},  # 40 %
+    # each n = 2 request: 600 tokens queried, its second sample hitting the first's 288 (block 16): 576 hits in all
+    "fan-out": {"vllm:request_success_total": 6, "vllm:prompt_tokens_total": 1400,
+                "vllm:prefix_cache_queries_total": 1400, "vllm:prefix_cache_hits_total": 100 + 576},  # 48.3 %
+    "fan-out-bypass": {"vllm:request_success_total": 7, "vllm:prompt_tokens_total": 1500,
+                       "vllm:prefix_cache_queries_total": 1500, "vllm:prefix_cache_hits_total": 100 + 576},
     "direct": {"vllm:request_success_total": 6, "vllm:prompt_tokens_total": 600,
                "vllm:prefix_cache_queries_total": 600, "vllm:prefix_cache_hits_total": 300},
 }
@@ -57,7 +68,8 @@ VLLM: dict[str, dict[str, float]] = {
 
 def load(s: Store) -> None:
     """Insert :data:`GATEWAY` and :data:`VLLM` into a migrated store (also used by the dashboard tests)."""
-    rows = [(f"{pod}-{i}", at(10 + i), "acme", pod, 200, prompt, None if cached == SKIP else cached, cached == SKIP)
+    rows = [(f"{pod}-{i}", at(10 + i), "acme", pod, 200, prompt, None if cached in (SKIP, N2) else cached,
+             cached == SKIP, 2 if cached == N2 else 1)
             for pod, requests in GATEWAY.items() for i, (prompt, cached) in enumerate(requests)]
     s.insert("gateway_requests", rows, GATEWAY_COLUMNS)
     label = {"vllm:request_success_total": "stop"}
@@ -93,6 +105,9 @@ def test_every_pod_of_either_source_has_a_row(dq: dict[str, dict[str, Any]]) -> 
         ("cut", "details_not_reported", 10.0, 150 - 120),
         # every count reported; the prompt-logprobs request lowers the coverage to 600 / 900 but is no missing count
         ("preempt-skip", "preemption_recompute", (0.5 - 600 / 900) * 100, 300 - 600),
+        # 6 engine requests, as vLLM finished: 50 % (known only) vs 676 / 1400
+        ("fan-out", "several_engine_requests", (0.5 - 676 / 1400) * 100, 100 - 676),
+        ("fan-out-bypass", "requests_not_seen_by_gateway", (0.5 - 676 / 1500) * 100, 100 - 676),
     ],
 )
 def test_gap_and_likely_cause(dq: dict[str, dict[str, Any]], pod: str, cause: str, gap_pp: float,
@@ -116,6 +131,12 @@ def test_coverage_of_each_input(dq: dict[str, dict[str, Any]]) -> None:
     assert (dq["preempt-skip"]["cached_tokens_coverage"], dq["preempt-skip"]["skipped_prompt_tokens"]) == (
         pytest.approx(600 / 900), 300)
     assert dq["agree"]["skipped_prompt_tokens"] == 0
+    fan = dq["fan-out"]
+    assert (fan["gateway_requests"], fan["gateway_engine_requests"], fan["vllm_requests"]) == (4, 6, 6)
+    assert (fan["request_coverage"], fan["fan_out_prompt_tokens"]) == (1.0, 600)
+    assert "600 prompt tokens" in fan["evidence"] and "6 engine requests for 4 requests" in fan["evidence"]
+    assert (dq["agree"]["gateway_engine_requests"], dq["agree"]["fan_out_prompt_tokens"]) == (10, 0)
+    assert "7 requests" in dq["fan-out-bypass"]["evidence"] and "run as 6 engine" in dq["fan-out-bypass"]["evidence"]
 
 
 def test_a_pod_seen_by_one_source_only(dq: dict[str, dict[str, Any]]) -> None:
@@ -125,3 +146,28 @@ def test_a_pod_seen_by_one_source_only(dq: dict[str, dict[str, Any]]) -> None:
     assert (unscraped["likely_cause"], unscraped["vllm_requests"], unscraped["vllm_hit_rate"]) == (
         "no_vllm_metrics", None, None)
     assert unscraped["gateway_hit_rate"] == 0.5
+
+
+def test_rollups_stored_before_engine_requests_count_one_per_served_request(chdb_dir,  # type: ignore[no-untyped-def]
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows in the rollups before migration 0044 (engine_requests) read one engine request per served request, so an
+    old window's vLLM requests are not read as bypassing the gateway; rows ingested after it count their own."""
+    import uuid
+
+    import sql as sqlfiles
+
+    everything = sqlfiles.migrations()
+    mine = next(i for i, (v, _) in enumerate(everything) if v.endswith("_engine_requests"))
+    s = Store.open(data_dir=chdb_dir, database=f"dq_{uuid.uuid4().hex[:12]}")
+    monkeypatch.setattr(sqlfiles, "migrations", lambda: everything[:mine])
+    s.migrate()
+    s.insert("gateway_requests", [(f"old-{i}", at(10 + i), "acme", "pod-a", 200, 100, 40, False) for i in range(3)]
+             + [("old-failed", at(20), "acme", "pod-a", 500, 0, None, False)], GATEWAY_COLUMNS[:-1])
+    monkeypatch.setattr(sqlfiles, "migrations", lambda: everything)
+    assert s.migrate() == [v for v, _ in everything[mine:]]
+    s.insert("gateway_requests", [("new-n3", at(4000), "acme", "pod-a", 200, 100, None, False, 3)], GATEWAY_COLUMNS)
+    s.insert("vllm_metrics", [(at(30), "pod-a", "0", "tiny", "vllm:request_success_total", "stop", 0.0, 6.0)],
+             VLLM_COLUMNS)
+    (row,) = s.named("data_quality", {}).to_dicts()
+    assert (row["gateway_requests"], row["gateway_engine_requests"], row["vllm_requests"]) == (4, 6, 6)
+    assert row["fan_out_prompt_tokens"] == 100 and row["request_coverage"] == 1.0

@@ -860,19 +860,24 @@ def test_a_cache_salt_salts_the_keys_attribution_and_routing_find_predecessors_o
         assert fingerprint_request({**turn_1, "cache_salt": not_a_salt}, "chat.completions", EST) == plain
 
 
-def test_several_sequences_are_n_above_one_or_a_list_of_prompts() -> None:
-    """gateway.fingerprint.several_sequences: the bodies vLLM runs as several engine requests."""
-    from gateway.fingerprint import several_sequences
+def test_engine_requests_are_n_times_the_prompts() -> None:
+    """gateway.fingerprint.engine_requests: how many engine requests vLLM runs for a body (above 1, the cached count
+    is not the prompt's and is logged null)."""
+    from gateway.fingerprint import engine_requests
 
-    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-    assert not several_sequences(chat_body, "chat.completions")
-    assert not several_sequences({**chat_body, "n": 1}, "chat.completions")
-    assert not several_sequences({**chat_body, "n": None}, "chat.completions")
-    assert several_sequences({**chat_body, "n": 2}, "chat.completions")
-    assert several_sequences({**chat_body, "n": "3"}, "chat.completions")  # pydantic's lax int
-    assert not several_sequences({**chat_body, "n": "x"}, "chat.completions")  # vLLM refuses it anyway
-    assert not several_sequences({"prompt": "one"}, "completions")
-    assert not several_sequences({"prompt": [1, 2, 3]}, "completions")  # one prompt of token ids
-    assert not several_sequences({"prompt": ["one"]}, "completions")
-    assert several_sequences({"prompt": ["one", "two"]}, "completions")
-    assert several_sequences({"prompt": [[1, 2], [3, 4]]}, "completions")
+    chat_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert engine_requests(chat_body, "chat.completions") == 1
+    assert engine_requests({**chat_body, "n": 1}, "chat.completions") == 1
+    assert engine_requests({**chat_body, "n": None}, "chat.completions") == 1
+    assert engine_requests({**chat_body, "n": 2}, "chat.completions") == 2
+    assert engine_requests({**chat_body, "n": "3"}, "chat.completions") == 3  # pydantic's lax int
+    assert engine_requests({**chat_body, "n": "x"}, "chat.completions") == 1  # vLLM refuses it anyway
+    assert engine_requests({**chat_body, "n": 0}, "chat.completions") == 1
+    assert engine_requests({"prompt": "one"}, "completions") == 1
+    assert engine_requests({"prompt": [1, 2, 3]}, "completions") == 1  # one prompt of token ids
+    assert engine_requests({"prompt": ["one"]}, "completions") == 1
+    assert engine_requests({"prompt": []}, "completions") == 1
+    assert engine_requests({"prompt": ["one", "two"]}, "completions") == 2
+    assert engine_requests({"prompt": [[1, 2], [3, 4], [5]]}, "completions") == 3
+    assert engine_requests({"prompt": ["one", "two"], "n": 2}, "completions") == 4
+    assert engine_requests({"prompt": ["one", "two"]}, "chat.completions") == 1  # chat reads messages

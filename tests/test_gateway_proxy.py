@@ -882,15 +882,44 @@ def test_completions_passthrough(vllm_fleet, gateway, stream):
     assert rec["system_hash"] and rec["prompt_fingerprint"] and rec["suffix_hash"]
 
 
+def engine_counters(metrics_url: str) -> dict[str, float]:
+    """Σ over engines and labels of vLLM's finished requests and prefix-cache queries, read from one pod's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"vllm:request_success_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for fam in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
+        for sample in fam.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
+def counted(metrics_url: str, before: dict[str, float], finished: int) -> dict[str, float]:
+    """The increase of :func:`engine_counters` since ``before``, once vLLM has counted ``finished`` more finished
+    requests (it updates its counters from the engine's stats a moment after the response; at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = engine_counters(metrics_url)
+        delta = {k: now[k] - before[k] for k in now}
+        if delta["vllm:request_success_total"] >= finished or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)
+
+
 @pytest.mark.vllm
 def test_a_request_vllm_runs_as_several_sequences_logs_its_cached_count_as_unknown(vllm_fleet, gateway):
     """Found on real pods by a hostile hunt: with n = 2 a never-seen prompt came back with most of it "cached" (the
     second sample hit the blocks the first had just computed), and a completions list of two prompts reports the
     tokens of both but the cached count of the last alone. vLLM's count is not the prompt's hit count there: the
-    gateway logs it as unknown (null, so `not_reported`), and the pod's own usage stays as vLLM sent it."""
-    client, log_path = gateway(pods_of(vllm_fleet)[:1], policy="round_robin")
+    gateway logs it as unknown (null, so `not_reported`), and the pod's own usage stays as vLLM sent it. It logs how
+    many engine requests vLLM ran (engine_requests): the pod's finished requests rise by exactly that many, and its
+    prefix-cache queries by each one's prompt (the data-quality check compares the two sources on it)."""
+    pod = pods_of(vllm_fleet)[0]
+    metrics_url = f"{pod[1]}/metrics"
+    client, log_path = gateway([pod], policy="round_robin")
     seed = f"gw-nseq-{uuid.uuid4().hex[:8]}"
     body = {**chat_body(seed, n_words=300), "n": 2, "max_tokens": 2}
+    before = engine_counters(metrics_url)
     r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": f"{seed}-n2"})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
@@ -898,19 +927,28 @@ def test_a_request_vllm_runs_as_several_sequences_logs_its_cached_count_as_unkno
     assert len(r.json()["choices"]) == 2
     rec = log_line(log_path, f"{seed}-n2")
     assert rec["prompt_tokens"] == usage["prompt_tokens"] and rec["cached_tokens"] is None
+    assert rec["engine_requests"] == 2
+    delta = counted(metrics_url, before, 2)
+    print(f"n=2: vLLM counted {delta}")
+    assert delta == {"vllm:request_success_total": 2, "vllm:prefix_cache_queries_total": 2 * usage["prompt_tokens"]}
     prompts = [f"{seed} document {i}: " + " ".join(f"fact {j} of {i}." for j in range(120)) for i in range(2)]
     for i in range(2):
+        before = engine_counters(metrics_url)
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 1},
                         headers={"X-Request-Id": f"{seed}-batch-{i}"})
         assert r.status_code == 200, r.text
         rec = log_line(log_path, f"{seed}-batch-{i}")
         assert rec["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] and rec["cached_tokens"] is None
+        assert rec["engine_requests"] == 2
+        assert counted(metrics_url, before, 2) == {"vllm:request_success_total": 2,
+                                                   "vllm:prefix_cache_queries_total": rec["prompt_tokens"]}
     print(f"two prompts, repeated: vLLM usage {r.json()['usage']}")  # cached: the last prompt's alone
     one = {"model": "tiny", "prompt": prompts[0], "max_tokens": 1}  # one prompt: its count is logged
     r = client.post("/v1/completions", json=one, headers={"X-Request-Id": f"{seed}-single"})
     assert r.status_code == 200, r.text
-    assert log_line(log_path, f"{seed}-single")["cached_tokens"] == r.json()["usage"]["prompt_tokens_details"][
-        "cached_tokens"] > 0
+    rec = log_line(log_path, f"{seed}-single")
+    assert rec["cached_tokens"] == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert rec["engine_requests"] == 1
 
 
 @pytest.mark.vllm

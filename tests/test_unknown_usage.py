@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,40 @@ def test_a_request_that_read_no_prefix_cache_is_no_cache_query(store: Store, tmp
     run_attribution(store, settle_seconds=-60)
     assert store.query_rows("SELECT causes, sub_causes, missed_tokens FROM request_attribution "
                             "WHERE request_id = 's7'") == [(["not_reported"], ["skip_reading_prefix_cache"], [1000])]
+
+
+#: FLEET's first six and two requests vLLM ran as several engine requests, as a gateway other than the reference one
+#: may log them: with the pod's cached count (n = 2 on a new prompt: 992 "cached", the second sample's hit on the
+#: first's blocks; a list of three prompts: the last prompt's 300). Neither is the prompt's hit count: both are
+#: stored NULL, so the hit rate stays 2,700 / 6,000 and vLLM's 2 + 3 extra finished requests are no bypass.
+FANNED = [*FLEET[:6], line("n2", 7, "pod-a", 1000, 992, system_tokens=900, suffix_tokens=100, engine_requests=2),
+          line("list3", 8, "pod-a", 1200, 300, system_tokens=1100, suffix_tokens=100, engine_requests=3)]
+
+
+@PATHS
+def test_a_request_vllm_ran_as_several_engine_requests_has_no_hit_count(store: Store, tmp_path: Path,
+                                                                        path_kind: str) -> None:
+    """A line with engine_requests > 1 is stored with its cached count NULL whatever it says, its prompt tokens are
+    `not_reported / several_engine_requests`, and data_quality counts its engine requests against vLLM's finished
+    requests (live and bulk paths)."""
+    validate(FANNED[-1])
+    load(store, FANNED, path_kind, tmp_path)
+    assert store.query_rows("SELECT request_id, cached_tokens, engine_requests FROM gateway_requests "
+                            "WHERE request_id IN ('n2', 'list3') ORDER BY request_id") == [("list3", None, 3),
+                                                                                           ("n2", None, 2)]
+    gw = {r["source"]: r for r in store.named("hit_rate_total").iter_rows(named=True)}["gateway"]
+    assert (gw["hit_tokens"], gw["query_tokens"]) == (2700, 6000)
+    store.insert("vllm_metrics", [(datetime.fromisoformat(f"{DAY}T12:00:30+00:00"), "pod-a", "0", "tiny",
+                                   "vllm:request_success_total", "stop", 0.0, 11.0)],
+                 ["ts", "pod", "engine", "model_name", "name", "label", "value", "increase"])
+    dq = store.named("data_quality").row(0, named=True)
+    assert (dq["gateway_requests"], dq["gateway_engine_requests"], dq["vllm_requests"]) == (8, 11, 11)
+    assert dq["fan_out_prompt_tokens"] == 2200
+    run_attribution(store, settle_seconds=-60)
+    assert store.query_rows("SELECT request_id, causes, sub_causes, missed_tokens FROM request_attribution "
+                            "WHERE request_id IN ('n2', 'list3') ORDER BY request_id") == [
+        ("list3", ["not_reported"], ["several_engine_requests"], [1200]),
+        ("n2", ["not_reported"], ["several_engine_requests"], [1000])]
 
 
 @PATHS

@@ -17,6 +17,7 @@ CAUSES = {
     "no_gateway_traffic": "no gateway traffic",
     "external_kv_connector": "hits from a KV connector",
     "requests_not_seen_by_gateway": "requests not seen by the gateway",
+    "several_engine_requests": "requests run as several sequences",
     "window_edge": "window edge",
     "details_not_reported": "cached counts not reported",
     "no_cache_queries": "no hit rate to compare",
