@@ -364,9 +364,28 @@ def content_chunks(text: str) -> list[str]:
             continue
         for piece in _cut(para, "\n"):
             chunks.extend(piece[i:i + MAX_CHUNK_CHARS] for i in range(0, len(piece), MAX_CHUNK_CHARS))
+    return _capped(chunks)
+
+
+def _capped(chunks: list[str]) -> list[str]:
+    """At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last one holds the rest."""
     if len(chunks) > MAX_SUFFIX_CHUNKS:
         chunks = [*chunks[: MAX_SUFFIX_CHUNKS - 1], "".join(chunks[MAX_SUFFIX_CHUNKS - 1:])]
     return chunks
+
+
+def message_chunks(msg: Mapping[str, Any]) -> list[str]:
+    """:func:`content_chunks` of :func:`message_text` (they concatenate back to it), with a chunk boundary at each
+    text part of a content-part list as well: a client that sends each retrieved document as its own part (vLLM
+    joins the parts with one "\n", no paragraph break) keeps one chunk per document at least, so documents
+    reordered or replaced between parts are seen whatever their text holds."""
+    text = message_text(msg)
+    content = msg.get("content")
+    parts = _text_parts(content) if isinstance(content, list) else None
+    if not parts or len(parts) < 2:
+        return content_chunks(text)
+    pieces = [p + "\n" for p in parts[:-1]] + [text[len("\n".join(parts[:-1])) + 1:]]
+    return _capped([c for piece in pieces for c in content_chunks(piece)])
 
 
 def structure(pieces: Sequence[str], counter: TokenCounter, whole_tokens: int | None = None
@@ -501,11 +520,14 @@ def _document_text(doc: Any) -> str:
 
 
 def _tools(tools: Any, counter: TokenCounter) -> tuple[str, str, int]:
-    """(raw_hash, canonical_hash, tokens) of the body's `tools` (absent when missing or empty)."""
+    """(raw_hash, canonical_hash, tokens) of the body's `tools` (absent when missing or empty). The canonical form
+    sorts each schema's keys and the list itself (by each tool's canonical JSON): the same tools sent in another
+    order, or with their keys in another order, are ``tools_reordered``, not ``tools_changed``."""
     if not tools:
         return "", "", 0
     raw = _json(tools, sort_keys=False)
-    return hash_parts(raw), hash_parts(_json(tools, sort_keys=True)), counter.count(raw)
+    listed = sorted(tools, key=lambda t: _json(t, sort_keys=True)) if isinstance(tools, list) else tools
+    return hash_parts(raw), hash_parts(_json(listed, sort_keys=True)), counter.count(raw)
 
 
 def _split_chat(body: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, list, list, list, list]:
@@ -803,7 +825,7 @@ class _Segments:
             system_entry.append(structure(system_lines(message_text(system)), self.counter,  # type: ignore[arg-type]
                                           system_entry[1]))
         lines = system_entry[3] if system_entry is not None else ((), ())
-        chunks = structure(content_chunks(message_text(suffix[0])), self.counter, tail[0][1]) if suffix else ((), ())
+        chunks = structure(message_chunks(suffix[0]), self.counter, tail[0][1]) if suffix else ((), ())
         return PromptFingerprint(
             system_hash=system_hash,
             system_norm_hash=system_entry[2] if system_entry else "",

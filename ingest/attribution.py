@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -359,7 +359,7 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
-    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043):
+    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043, 0045):
     9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 10. (tenant, model,
     conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
     2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
@@ -374,11 +374,13 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     for kind, field in ((KEY_CONVERSATION, "conversation_id"), (KEY_AGENT_RUN, "agent_run_id")):
         if _str(req, field):
             out.append((kind, (tenant, model, _str(req, field))))
+    system = _str(req, "system_norm_hash")
     if _str(req, "agent_run_id") and _str(req, "first_message_hash"):
-        out.append((KEY_AGENT_THREAD, (tenant, model, _str(req, "agent_run_id"), _str(req, "first_message_hash"))))
+        out.append((KEY_AGENT_THREAD,
+                    (tenant, model, _str(req, "agent_run_id"), _str(req, "first_message_hash"), system)))
     if _str(req, "conversation_id") and _str(req, "first_message_hash"):
         out.append((KEY_CONVERSATION_THREAD,
-                    (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
+                    (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"), system)))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -446,13 +448,22 @@ def continues(req: Request, cand: Request) -> bool:
     return _history_continues(req, Predecessor(cand, PREVIOUS_TURN))
 
 
+def continuation_rank(req: Request, cand: Request) -> int:
+    """How closely ``req`` continues ``cand``: 2 when its history carries it (:func:`continues`) under the same system
+    prompt, 1 when under another (a guardrail, judge or memory request that carries the chat's messages under its
+    own instructions), 0 when it does not carry it."""
+    if not continues(req, cand):
+        return 0
+    return 2 if _str(req, "system_hash") == _str(cand, "system_hash") else 1
+
+
 def thread_first(req: Request, thread: Request, latest: Request) -> bool:
     """Whether the latest request of ``req``'s thread (``thread``: on key 9 or 10) is its previous turn rather than the
-    latest request of its conversation or run (``latest``, a later one): only when ``req`` continues ``thread`` and
-    not ``latest``. A side request of the chat or another thread's turn in between is then skipped; without that
-    evidence (a sliding window whose first message repeats an older window's: neither is continued) the latest
-    request is the previous turn, as it would be without the thread keys."""
-    return continues(req, thread) and not continues(req, latest)
+    latest request of its conversation or run (``latest``, a later one): only when ``req`` continues ``thread`` more
+    closely than ``latest`` (:func:`continuation_rank`). A side request of the chat or another thread's turn in
+    between is then skipped; without that evidence (a sliding window whose first message repeats an older window's:
+    neither is continued) the latest request is the previous turn, as it would be without the thread keys."""
+    return continuation_rank(req, thread) > continuation_rank(req, latest)
 
 
 #: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.
@@ -503,9 +514,9 @@ class PredecessorIndex:
         self.horizon_ms = round(horizon_seconds * 1000)
         self.lookback_ms = max(self.horizon_ms, round(lookback_seconds * 1000))
         self._timelines: dict[tuple[int, tuple[str, ...]], _Timeline] = {}
-        seen: set[str] = set()
+        seen: set[tuple[str, int]] = set()
         for req in sorted(requests, key=order_key):
-            rid = _str(req, "request_id")
+            rid = (_str(req, "request_id"), _ts_ms(req))  # a request's identity: a retry under its id is another
             if rid in seen or not can_be_predecessor(req):
                 continue
             seen.add(rid)
@@ -780,9 +791,52 @@ def shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
     predecessor always has the request's salt (the gateway salts those keys: docs/gateway-log.md).
     """
     shared = _shared_prefix(req, pred)
-    if shared is None or not salt_changed(req, pred):
+    if shared is None:
+        return None
+    if salt_changed(req, pred):
+        return SharedPrefix(0, CACHE_SALT_CHANGED, 0, shared.reusable_without_drift_tokens)
+    chain = chain_shared(req.get("prompt_block_hashes"), req.get("prompt_block_size"),
+                         pred.request.get("prompt_block_hashes"), pred.request.get("prompt_block_size"))
+    return chain_bounded(shared, chain, _int(req, "prompt_tokens"), _int(pred.request, "prompt_tokens"))
+
+
+def chain_shared(chain: Sequence[int] | None, block_size: int | None, pred_chain: Sequence[int] | None,
+                 pred_block_size: int | None) -> tuple[int, bool] | None:
+    """What two logged block chains (gateway_requests.prompt_block_hashes: one hash per full block of the prompt's
+    token ids, each over its parent's hash and the block's tokens, as vLLM hashes blocks; docs/kv-events.md) prove
+    the prompts share: (tokens, covers) with tokens = k·block_size for the k leading blocks whose hashes are equal,
+    and covers true when those are all the predecessor's full blocks. None when either prompt logged no chain or
+    the two block sizes differ. Chained hashes make equal hashes at a position equal prefixes up to it, whatever
+    the chat template printed: fields the gateway's segment hashes see but the template does not (a tool call's
+    id, a message's ``name``, ``content: null`` against ``""``, a document's score) change no token."""
+    if not chain or not pred_chain or not block_size or block_size != pred_block_size:
+        return None
+    k = 0
+    for a, b in zip(chain, pred_chain, strict=False):
+        if a != b:
+            break
+        k += 1
+    return k * int(block_size), k == len(pred_chain)
+
+
+def chain_bounded(shared: SharedPrefix, chain: tuple[int, bool] | None, prompt_tokens: int,
+                  pred_prompt_tokens: int) -> SharedPrefix:
+    """``shared`` (the segments' verdict) bounded by what the block chains prove (:func:`chain_shared`): a drift the
+    segment hashes claim before the first block whose hash differs is not in the tokens vLLM saw. When the chains
+    share every full block of the predecessor, there is no drift: the predecessor's prompt is shared, as for a
+    continued conversation. Otherwise the drift starts at the first differing block (exact, where the segments'
+    boundaries are estimates: a one-line system prompt whose timestamp sits at its end drifts in its last block,
+    not from its start). A cache_salt change is kept as it is (the salt keys the first block). Unchanged without
+    a drift or a chain, or when the chains prove no more than the segments."""
+    if chain is None or not shared.drift_sub_cause or shared.drift_sub_cause == CACHE_SALT_CHANGED:
         return shared
-    return SharedPrefix(0, CACHE_SALT_CHANGED, 0, shared.reusable_without_drift_tokens)
+    tokens, covers = chain
+    cap = min(prompt_tokens, pred_prompt_tokens)
+    if covers:
+        return SharedPrefix(cap, reusable_without_drift_tokens=cap)
+    if tokens <= shared.shared_tokens:
+        return shared
+    return SharedPrefix(tokens, shared.drift_sub_cause, tokens, max(tokens, shared.reusable_without_drift_tokens))
 
 
 def salt_changed(req: Request, pred: Predecessor) -> bool:
@@ -1149,7 +1203,8 @@ def attribute(requests: Iterable[Request], window: Iterable[Request] = (), *,
     request without one looks for a predecessor beyond the horizon (:class:`PredecessorIndex`).
     ``kv_evidence``: request_id → precise mode's :class:`KvEvidence` (see :func:`judge`); others by fingerprints.
     """
-    targets = sorted(requests, key=order_key)
+    # one per identity (request_id, ts), as the store keeps them: a row given twice is one request
+    targets = sorted({(_str(r, "request_id"), _ts_ms(r)): r for r in requests}.values(), key=order_key)
     index = PredecessorIndex([*window, *targets], horizon_seconds, lookback_seconds)
     sizes = block_size_by_pod or {}
     rows: list[MissRow] = []

@@ -540,6 +540,55 @@ def _merge(tok: np.ndarray, cause: np.ndarray, sub: np.ndarray) -> None:
             moved[rows] = True
 
 
+#: The columns :func:`chain_columns` adds: the tokens two logged block chains prove shared (−1: unknown) and
+#: whether those are all the predecessor's full blocks (:func:`ingest.attribution.chain_shared`).
+CHAIN_SHARED, CHAIN_COVERS = "chain_shared_tokens", "chain_covers"
+_CHAIN_INPUTS = ("prompt_block_hashes", "prompt_block_size", "p_prompt_block_hashes", "p_prompt_block_size")
+
+
+def chain_columns(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` (with :data:`_CHAIN_INPUTS`: each row's block chain and its predecessor's) with :data:`CHAIN_SHARED`
+    (k·block_size for the k leading equal hashes; −1 when either chain is empty or the block sizes differ) and
+    :data:`CHAIN_COVERS` (k is the predecessor's whole chain), as :func:`ingest.attribution.chain_shared`. Chained
+    hashes are equal at a position only when the prefixes up to it are, so k counts the equal positions (one
+    explode of the pairs' common length, no per-row Python)."""
+    n = len(df)
+    size = df["prompt_block_size"].fill_null(0).cast(pl.Int64)
+    pairs = pl.DataFrame({
+        "row": np.arange(n), "a": df["prompt_block_hashes"], "b": df["p_prompt_block_hashes"],
+        "ok": (size > 0) & (size == df["p_prompt_block_size"].fill_null(0).cast(pl.Int64)),
+    }).with_columns(pl.col("a").list.len().fill_null(0).alias("la"), pl.col("b").list.len().fill_null(0).alias("lb"))
+    pairs = pairs.with_columns(pl.col("ok") & (pl.col("la") > 0) & (pl.col("lb") > 0))
+    m = pl.min_horizontal("la", "lb")
+    common = pairs.filter(pl.col("ok")).select("row", pl.col("a").list.head(m), pl.col("b").list.head(m)).explode(
+        ["a", "b"]).group_by("row").agg((pl.col("a") == pl.col("b")).sum().alias("k"))
+    k = np.full(n, -1, dtype=np.int64)
+    k[common["row"].to_numpy()] = common["k"].to_numpy()
+    lb = pairs["lb"].to_numpy()
+    return df.with_columns(pl.Series(CHAIN_SHARED, np.where(k >= 0, k * size.to_numpy(), -1)),
+                           pl.Series(CHAIN_COVERS, (k >= 0) & (k == lb)))
+
+
+def _chain_bounded(df: pl.DataFrame, prompt: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(S, drift, W) bounded by the block chains (:func:`ingest.attribution.chain_bounded`), from
+    :data:`CHAIN_SHARED` and :data:`CHAIN_COVERS` (computed by :func:`chain_columns` when only the chains are in
+    ``df``); unchanged when ``df`` has neither."""
+    if CHAIN_SHARED not in df.columns:
+        if not all(c in df.columns for c in _CHAIN_INPUTS):
+            return s, drift, w
+        df = chain_columns(df)
+    tokens = df[CHAIN_SHARED].fill_null(-1).to_numpy()
+    covers = df[CHAIN_COVERS].fill_null(False).to_numpy()
+    bounded = (tokens >= 0) & (drift != 0) & (drift != _code(CACHE_SALT_CHANGED))
+    cap = np.minimum(prompt, _i(df, "p_prompt_tokens"))
+    gone = bounded & covers
+    later = bounded & ~covers & (tokens > s)
+    s = np.where(gone, cap, np.where(later, tokens, s))
+    w = np.where(gone, cap, np.where(later, np.maximum(w, tokens), w))
+    return s, np.where(gone, 0, drift), w
+
+
 def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str, Any]:
     """:func:`judge_frame`, column-wise."""
     n = len(df)
@@ -556,6 +605,7 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     has_pred = named & has_counts
     prev_turn = has_pred & (kind == PREVIOUS_TURN).to_numpy()
     s, drift, w, identical = _shared(df, prompt, off, has_pred, prev_turn)
+    s, drift, w = _chain_bounded(df, prompt, s, drift, w)
     beyond = (df["beyond_horizon"].fill_null(False).cast(pl.Boolean).to_numpy() if "beyond_horizon" in df.columns
               else np.zeros(len(df), dtype=bool)) & named
     same_pod = _eq(df, "pod", "p_pod")

@@ -50,7 +50,15 @@ from ingest.attribution import (
     THREAD_KEYS,
     VERDICT_COLUMNS,
 )
-from ingest.attribution_batch import PREDECESSOR_FIELDS, TARGET_FIELDS, continuation, judge_frame
+from ingest.attribution_batch import (
+    CHAIN_COVERS,
+    CHAIN_SHARED,
+    PREDECESSOR_FIELDS,
+    TARGET_FIELDS,
+    chain_columns,
+    continuation,
+    judge_frame,
+)
 from ingest.attribution_late import (
     GAP_RESTARTS_SCHEMA,
     INGESTED_WINDOW,
@@ -475,8 +483,8 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     first message (the only ones with thread keys, 9 and 10, or another thread on the shared keys, 1 and 2):
     without a shared-key candidate that is another thread's request (``other_thread``: the target has no history,
     and the candidate's first message and system prompt both differ), and without the thread-key candidates when a
-    later shared-key candidate remains and the target does not continue the thread's but not the later one
-    (``thread_first``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
+    later shared-key candidate remains that the target continues as closely as the thread's (``thread_first``:
+    ``continuation_rank``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
     candidates' fields are read from gateway_requests. ``by``: the columns naming a target."""
     turn = found.filter(pl.col("kind").is_in([*SHARED_TURN_KEYS, *THREAD_KEYS]))
     if turn.is_empty() or "first_message_hash" not in targets.columns:
@@ -502,7 +510,9 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     others, rows = both.filter(other).select(*by, "kind"), both.filter(~other)
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
                                          return_dtype=pl.Int64)
-    continues = continuation(rows, np.ones(len(rows), dtype=bool))[0]
+    # attribution.continuation_rank: 2 continued under the same system prompt, 1 under another, 0 not continued
+    continues = continuation(rows, np.ones(len(rows), dtype=bool))[0].astype(np.int64) * np.where(
+        (rows["system_hash"] == rows["p_system_hash"]).fill_null(False).to_numpy(), 2, 1)
     first = (rows.with_columns(pl.Series("_continues", continues),
                                pl.col("kind").is_in(THREAD_KEYS).alias("_thread"), rank.alias("_rank"))
              .sort([*by, "_rank"]).group_by([*by, "_thread"], maintain_order=True).first())
@@ -511,7 +521,7 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     latest = first.filter(~pl.col("_thread")).select(*by, pl.col("p_order_key").alias("l_key"),
                                                     pl.col("_continues").alias("l_continues"))
     skip = (thread.join(latest, on=by, how="inner")
-            .filter((pl.col("l_key") > pl.col("t_key")) & ~(pl.col("t_continues") & ~pl.col("l_continues")))
+            .filter((pl.col("l_key") > pl.col("t_key")) & (pl.col("t_continues") <= pl.col("l_continues")))
             .select(by))
     dropped = pl.concat([others, skip.join(rows.filter(pl.col("kind").is_in(THREAD_KEYS)).select(*by, "kind"), on=by)],
                         how="vertical_relaxed")
@@ -609,6 +619,34 @@ def _with_predecessors(store: Store, frame: pl.DataFrame, known: KnownRequests) 
     return frame.hstack(preds.rename({c: f"p_{c}" for c in fields}).get_columns())
 
 
+def _with_chains(store: Store, frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` (targets with their predecessors' p_order_key and p_id_hash) with the columns
+    :func:`ingest.attribution_batch.chain_columns` computes from each target's logged block chain and its
+    predecessor's: what the chains prove they share, which bounds a drift the segment hashes claim. The chains are
+    read from the store for the rows whose target logged one and has a predecessor (one read of both sides' chains,
+    by order_key); the other rows read unknown (−1)."""
+    sel = frame.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"), "order_key", "ts", ID_HASH,
+                       "p_order_key", "p_ts", f"p_{ID_HASH}", "prompt_block_size").filter(
+        (pl.col("prompt_block_size") > 0) & pl.col("p_order_key").is_not_null())
+    if sel.is_empty():
+        return frame.with_columns(pl.lit(-1, dtype=pl.Int64).alias(CHAIN_SHARED), pl.lit(False).alias(CHAIN_COVERS))
+    keys = pl.concat([sel.select("order_key", "ts"),
+                      sel.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts"))],
+                     how="vertical_relaxed").unique()
+    chains = _by_order_keys(store, keys, ("order_key", ID_HASH, "prompt_block_hashes", "prompt_block_size"))
+    mine = chains.select("order_key", ID_HASH, "prompt_block_hashes")
+    theirs = chains.select(pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
+                           pl.col("prompt_block_hashes").alias("p_prompt_block_hashes"),
+                           pl.col("prompt_block_size").alias("p_prompt_block_size"))
+    pairs = chain_columns(sel.join(mine, on=["order_key", ID_HASH], how="left", maintain_order="left")
+                          .join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="left", maintain_order="left"))
+    shared = np.full(len(frame), -1, dtype=np.int64)
+    covers = np.zeros(len(frame), dtype=bool)
+    rows = pairs["_row"].to_numpy()
+    shared[rows], covers[rows] = pairs[CHAIN_SHARED].to_numpy(), pairs[CHAIN_COVERS].to_numpy()
+    return frame.with_columns(pl.Series(CHAIN_SHARED, shared), pl.Series(CHAIN_COVERS, covers))
+
+
 #: A chunk's size when the caller gives none, in units: a request judged by its fingerprints counts 1, one judged
 #: on KV evidence (precise mode, a logged block chain) :data:`EVIDENCE_WEIGHT`. Measured on 10^6 requests of generated
 #: history without chains (fingerprint mode, CPU-s of the whole run, two runs each, interleaved): chunks of 10^5 took
@@ -656,7 +694,10 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         by = _ID if "request_id" in chosen.columns else ["order_key"]
         frame = _with_predecessors(store, frame.join(chosen, on=by, how="left"), known)
     evidence = None
-    if kv_evidence and targets.select((pl.col("prompt_block_size") > 0).any()).item():
+    chained = targets.select((pl.col("prompt_block_size") > 0).any()).item()
+    if chained and not chosen.is_empty():
+        frame = _with_chains(store, frame)
+    if kv_evidence and chained:
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
         evidence = chunk_evidence(store, frame, params, _IN_SET, memo, sizes, default_block_size)
     return judge_frame(frame, evidence)

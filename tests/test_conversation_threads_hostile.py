@@ -121,3 +121,78 @@ def repeating_window() -> list[dict[str, Any]]:
             row("t3", [SYS, cont, answers[1], tasks[1]], at=20, conv="c", pod="pod-b"),
             row("t4", [SYS, tasks[1], answers[2], cont], at=30, conv="c", pod="pod-a"),
             row("t5", [SYS, cont, answers[3], tasks[2]], at=40, conv="c", pod="pod-a", cached=0)]
+
+
+def retried_under_one_id() -> list[dict[str, Any]]:
+    """t1 on pod-a, the client's retry of it under the same request id 5 s later on pod-b (both served: the gateway
+    logs each attempt), then t2 on pod-b, which evicted them (cached 0)."""
+    return [row("t1", [SYS, U1], at=0, conv="c-retry", pod="pod-a"),
+            row("t1", [SYS, U1], at=5, conv="c-retry", pod="pod-b"),
+            row("t2", [SYS, U1, A1, U2], at=60, conv="c-retry", pod="pod-b", cached=0)]
+
+
+def test_a_retry_under_the_same_request_id_is_a_predecessor_of_its_own(store) -> None:  # type: ignore[no-untyped-def]
+    """A request's identity is (request_id, ts), as the store keeps it (docs/miss-causes.md): the reference's index
+    kept only the first row of an id, so t2's previous turn was the first attempt on pod-a (`routed_away`) where
+    the store job took the retry on t2's own pod (`evicted`). Found by a hostile hunt."""
+    rows = retried_under_one_id()
+    expected = {("evicted", "evicted_before_next_turn"): rows[0]["prompt_tokens"] // B * B,
+                ("unavoidable", ""): rows[2]["prompt_tokens"] - rows[0]["prompt_tokens"] // B * B}
+    verdict = a.judge(rows[2], a.PredecessorIndex(rows).find(rows[2]), B)
+    assert (verdict.predecessor_pod, verdict.predecessor_kind) == ("pod-b", "previous_turn"), verdict
+    assert store_causes(store, rows)["t2"] == expected
+    assert {(r.cause, r.sub_cause): r.tokens for r in a.attribute(rows, default_block_size=B)
+            if r.request_id == "t2"} == expected
+
+
+def test_a_row_given_twice_is_answered_once() -> None:
+    """The reference answers each (request_id, ts) once, as the store does: a row given twice (a redelivered copy)
+    no longer doubles its missed tokens."""
+    (t1,) = retried_under_one_id()[:1]
+    rows = a.attribute([t1, dict(t1)], default_block_size=B)
+    assert sum(r.tokens for r in rows) == t1["prompt_tokens"] - t1["cached_tokens"]
+
+
+#: A request of the chat's own model that carries the chat's messages under its own instructions, tagged with the
+#: chat's id: an input guardrail (every turn) and a memory-extraction request (after a reply).
+GUARD = {"role": "system", "content": "You are a safety classifier. Read the conversation and answer SAFE or UNSAFE "
+                                      "with the violated category. Categories: S1 violent crimes, S2 fraud." * 4}
+MEMORY = {"role": "system", "content": "You maintain the user's long-term memory. From the conversation, extract "
+                                       "durable facts as a JSON list of strings. Ignore small talk." * 4}
+
+
+def guarded_chat() -> list[dict[str, Any]]:
+    """The chat's turns on pod-a, the guardrail 5 ms after each on pod-b; t3 finds pod-a evicted (cached 0)."""
+    full_t1 = row("t1", [SYS, U1], at=0, conv="c-guard", pod="pod-a")
+    return [full_t1, row("g1", [GUARD, U1], at=0.005, conv="c-guard", pod="pod-b"),
+            row("t2", [SYS, U1, A1, U2], at=60, conv="c-guard", pod="pod-a",
+                cached=full_t1["prompt_tokens"] // B * B),
+            row("g2", [GUARD, U1, A1, U2], at=60.005, conv="c-guard", pod="pod-b"),
+            row("t3", [SYS, U1, A1, U2, A2, U3], at=120, conv="c-guard", pod="pod-a", cached=0)]
+
+
+def memory_chat() -> list[dict[str, Any]]:
+    """t1 on pod-a, the app's memory request on the chat's messages (pod-b), t2 back on pod-a, evicted (cached 0)."""
+    return [row("t1", [SYS, U1], at=0, conv="c-mem", pod="pod-a"),
+            row("mem", [MEMORY, U1, A1, u("Extract the memories now.")], at=5, conv="c-mem", pod="pod-b"),
+            row("t2", [SYS, U1, A1, U2], at=60, conv="c-mem", pod="pod-a", cached=0)]
+
+
+@pytest.mark.parametrize(("traffic", "target", "previous"), [(guarded_chat, "t3", "t2"), (memory_chat, "t2", "t1")])
+def test_a_request_with_the_chats_messages_and_its_own_instructions_is_not_the_previous_turn(
+        store, traffic, target: str, previous: str) -> None:  # type: ignore[no-untyped-def]
+    """Found by a hostile hunt: the guardrail or memory request shares the thread's first message, so it was the
+    thread's latest request and the next turn read `prefix_drift / system_changed` on all of the previous turn's
+    prompt. The thread keys hold the system prompt too (migration 0045), and a thread's turn continued under the same
+    system prompt wins over a later request continued under another (``continuation_rank``): the previous turn's
+    prefix was evicted from pod-a (`evicted_before_next_turn`), in the reference and the store job alike."""
+    rows = traffic()
+    by_id = {r["request_id"]: r for r in rows}
+    held = by_id[previous]["prompt_tokens"] // B * B
+    expected = {("evicted", "evicted_before_next_turn"): held,
+                ("unavoidable", ""): by_id[target]["prompt_tokens"] - held}
+    verdict = judged(rows)[target]
+    assert verdict.predecessor_request_id == previous, verdict
+    assert dict(zip(zip(verdict.causes, verdict.sub_causes, strict=True), verdict.missed_tokens, strict=True)) \
+        == expected
+    assert store_causes(store, rows)[target] == expected

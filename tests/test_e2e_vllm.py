@@ -83,6 +83,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             outage = failed_over_turns(pods, gw_log, Path(tiny_model_dir) / "tokenizer.json")
             prefilled = prefill_turns(gw.url)
             rewound = rewound_turns(gw.url)
+            invisible = template_invisible_turns(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -100,7 +101,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
            "unreplied": unreplied, "skipped": skipped, "subagents": subagents, "outage": outage,
-           "prefilled": prefilled, "rewound": rewound,
+           "prefilled": prefilled, "rewound": rewound, "invisible": invisible,
            "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
@@ -324,6 +325,77 @@ def test_going_back_a_turn_is_not_a_truncated_history(e2e) -> None:  # type: ign
                                     {"r": ids[3]})[0][0]
     prompt = by_id[ids[3]]["prompt_tokens"]
     assert rows == [(ids[2], (prompt - 1) // block * block)]
+
+
+def template_invisible_turns(gateway_url: str) -> tuple[str, str, str, str, str]:
+    """Two kinds the segment hashes read as a drift the tokens do not hold (found on real pods by a hostile hunt),
+    each request back to back so round robin alternates the pods:
+    - two requests whose one-line system prompt ends in the time of the request, the second on the other pod;
+    - an agent run: T1, T2 (an assistant tool call with ``content: null``, its result) on the other pod, T3 back on
+      T1's pod re-sending that tool call with ``content: ""``, which the template prints the same.
+    Returns the ids (the two timed requests, T1, T2, T3)."""
+    tag = uuid.uuid4().hex[:8]
+    policy = f"You are the support bot {tag} for Acme. " + " ".join(
+        f"Policy {i}: refunds of item {i} take {i} days." for i in range(20))
+    timed = (f"timed-{tag}-1", f"timed-{tag}-2")
+    post_in_order(gateway_url, {"X-Tenant-Id": "timed"}, [
+        (rid, {"messages": [{"role": "system", "content": f"{policy} Current time: 2026-12-07 02:1{i}:05."},
+                            {"role": "user", "content": "Refund for item 3?"}]}) for i, rid in enumerate(timed)])
+    system = {"role": "system", "content": f"You are the build agent {tag}. " + " ".join(
+        f"Rule {i}: run the tests before each commit." for i in range(12))}
+    task = {"role": "user", "content": "Task: " + " ".join(f"Fix warning {i} in crate {i % 4}." for i in range(20))}
+    call = {"id": f"call_{tag}", "type": "function", "function": {"name": "grep", "arguments": "{\"q\": \"w\"}"}}
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "result: " + " ".join(
+        f"file {i} has warning {i}." for i in range(15))}
+    turns = (f"tool-{tag}-t1", f"tool-{tag}-t2", f"tool-{tag}-t3")
+    post_in_order(gateway_url, {"X-Agent-Run-Id": f"tool-{tag}", "X-Tenant-Id": "builder"}, [
+        (turns[0], {"messages": [system, task]}),
+        (turns[1], {"messages": [system, task, {"role": "assistant", "content": None, "tool_calls": [call]}, result]}),
+        (turns[2], {"messages": [system, task, {"role": "assistant", "content": "", "tool_calls": [call]}, result,
+                                 {"role": "assistant", "content": "Found them."},
+                                 {"role": "user", "content": "Now fix them."}]})])
+    return (*timed, *turns)
+
+
+def chain_common(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """How many leading block hashes two logged requests' chains share."""
+    k = 0
+    for x, y in zip(a["prompt_block_hashes"], b["prompt_block_hashes"], strict=False):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
+def test_a_drift_the_tokens_do_not_hold_is_bounded_by_the_block_chains(e2e) -> None:  # type: ignore[no-untyped-def]
+    """The gateway's block chains (the token ids vLLM renders, from its /tokenize) say how far two prompts are equal.
+    The timed request on the other pod: `routed_away` for the blocks before the one holding the time,
+    `prefix_drift / volatile_system` from there, not from the system prompt's first token. T3: its tokens repeat T2's
+    whole prompt (the template prints null and "" alike), so no drift: `routed_away` for T2's blocks that T1's pod
+    did not hold."""
+    r1, r2, t1, t2, t3 = e2e["invisible"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[r1]["pod"] != by_id[r2]["pod"] and by_id[t1]["pod"] == by_id[t3]["pod"] != by_id[t2]["pod"]
+    assert by_id[r2]["prompt_block_hashes"] and by_id[t3]["prompt_block_hashes"], "the gateway logged no chain"
+    store = e2e["store"]
+
+    def causes(rid: str) -> dict[tuple[str, str], int]:
+        rows = store.query_rows("SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}",
+                                {"r": rid})
+        print(f"\n{rid}: prompt {by_id[rid]['prompt_tokens']}, cached {by_id[rid]['cached_tokens']}, causes {rows}")
+        assert sum(t for *_, t in rows) == by_id[rid]["prompt_tokens"] - by_id[rid]["cached_tokens"]
+        return {(c, sc): t for c, sc, t in rows}
+
+    block = by_id[r2]["prompt_block_size"]
+    equal = chain_common(by_id[r2], by_id[r1]) * block
+    got = causes(r2)
+    assert 0 < equal < by_id[r1]["system_tokens"]
+    assert got[("routed_away", "")] == equal - by_id[r2]["cached_tokens"]
+    assert set(got) == {("routed_away", ""), ("prefix_drift", "volatile_system"), ("unavoidable", "")}
+    assert chain_common(by_id[t3], by_id[t2]) == len(by_id[t2]["prompt_block_hashes"])  # T2's blocks, all in T3
+    got = causes(t3)
+    assert got.pop(("routed_away", "")) == len(by_id[t2]["prompt_block_hashes"]) * block - by_id[t3]["cached_tokens"]
+    assert set(got) <= {("unavoidable", "")}
 
 
 def failed_over_turns(pods: list[Any], gw_log: Path, tokenizer: Path) -> tuple[str, str]:

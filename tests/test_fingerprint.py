@@ -182,6 +182,19 @@ def test_reordered_tool_keys_same_canonical_hash_different_raw_hash():
     assert c.tools_canonical_hash != a.tools_canonical_hash
 
 
+def test_the_same_tools_in_another_list_order_same_canonical_hash():
+    """Found on real pods by a hostile hunt: an MCP client that lists the same tools in another order read
+    tools_changed; the canonical form sorts the list too (tools_reordered)."""
+    second = {"type": "function", "function": {"name": "read_file", "description": "Read one file",
+                                                "parameters": {"type": "object", "properties": {}}}}
+    tools = [*TOOLS, second]
+    a = fingerprint_chat(chat(sys(), user("q"), tools=tools), EST)
+    b = fingerprint_chat(chat(sys(), user("q"), tools=tools[::-1]), EST)
+    assert a.tools_hash != b.tools_hash and a.tools_canonical_hash == b.tools_canonical_hash
+    c = fingerprint_chat(chat(sys(), user("q"), tools=tools[:1]), EST)
+    assert c.tools_canonical_hash != a.tools_canonical_hash
+
+
 def test_shuffled_documents_same_set_hash_different_pack_hash():
     shuffled = [DOCS[2], DOCS[0], DOCS[1]]
     a = fingerprint_chat(chat(sys(), user("q"), documents=DOCS), EST)

@@ -99,3 +99,23 @@ def test_the_fields_travel_through_the_log_line_to_the_row():
     stored = dict(zip(COLUMNS["gateway_requests"], gateway_row(None, GatewayRequest(record=line)), strict=True))
     assert stored["system_line_hashes"] == [int(x, 16) for x in fp.system_line_hashes]
     assert stored["suffix_chunk_tokens"] == [19, 1]
+
+
+def test_each_text_part_of_a_message_is_a_chunk_boundary():
+    """Found on real pods by a hostile hunt: a client that sends each retrieved document as its own text part (vLLM
+    joins the parts with one "\\n", no paragraph break) had one chunk for all of them, so documents reordered between
+    parts read `unavoidable`. Each part now ends a chunk; the chunks still concatenate back to the message's text."""
+    from gateway.fingerprint import message_chunks, message_text
+
+    question = "Which of these applies to my order?"
+    one = {"role": "user", "content": [{"type": "text", "text": d} for d in (DOC_A, DOC_B, DOC_C, question)]}
+    other = {"role": "user", "content": [{"type": "text", "text": d} for d in (DOC_A, DOC_C, DOC_B, question)]}
+    assert "".join(message_chunks(one)) == message_text(one) == "\n".join((DOC_A, DOC_B, DOC_C, question))
+    fp1 = fingerprint_chat({"messages": [{"role": "system", "content": "S"}, one]}, EST)
+    fp2 = fingerprint_chat({"messages": [{"role": "system", "content": "S"}, other]}, EST)
+    assert fp1.suffix_chunk_hashes == tuple(hash_parts(x) for x in (DOC_A, DOC_B, DOC_C, question))
+    assert sorted(fp1.suffix_chunk_hashes) == sorted(fp2.suffix_chunk_hashes) and fp1.suffix_hash != fp2.suffix_hash
+    calls = {**one, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert "".join(message_chunks(calls)) == message_text(calls)
+    single = {"role": "user", "content": [{"type": "text", "text": f"{DOC_A}\n\n{DOC_B}"}]}
+    assert message_chunks(single) == content_chunks(f"{DOC_A}\n\n{DOC_B}")
