@@ -687,11 +687,16 @@ def _lax_int(value: Any) -> int | None:
     return None
 
 
+#: The most engine requests a log line says (the contract's cap, gateway_requests.engine_requests UInt16): a body
+#: asking for more is logged as this many, still more than one.
+MAX_ENGINE_REQUESTS = 2**16 - 1
+
+
 def engine_requests(body: Mapping[str, Any], endpoint: Endpoint) -> int:
-    """How many engine requests vLLM runs for this body (>= 1): ``n`` (parallel samples, read as pydantic reads an
-    int; a value it refuses counts 1, vLLM answers 400 anyway) times the number of prompts (on
-    ``/v1/completions``, a ``prompt`` list of strings or of token-id lists holds several; a list of ints is one
-    prompt of token ids).
+    """How many engine requests vLLM runs for this body, 1 .. :data:`MAX_ENGINE_REQUESTS`: ``n`` (parallel
+    samples, read as pydantic reads an int; a value it refuses counts 1, vLLM answers 400 anyway) times the number
+    of prompts (on ``/v1/completions``, a ``prompt`` list of strings or of token-id lists holds several; a list of
+    ints is one prompt of token ids), capped.
 
     vLLM counts each engine request on its own: one in ``vllm:request_success_total`` and one prefix-cache lookup
     of the whole prompt in ``vllm:prefix_cache_queries_total`` (``vllm/v1/metrics/stats.py``, tracked per engine
@@ -712,7 +717,7 @@ def engine_requests(body: Mapping[str, Any], endpoint: Endpoint) -> int:
     prompt = body.get("prompt")
     prompts = (len(prompt) if endpoint == "completions" and isinstance(prompt, list) and prompt
                and not all(isinstance(x, int) for x in prompt) else 1)
-    return samples * prompts
+    return min(samples * prompts, MAX_ENGINE_REQUESTS)
 
 
 def fingerprint_request(

@@ -359,7 +359,7 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
-    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043, 0045):
+    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043):
     9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 10. (tenant, model,
     conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
     2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
@@ -374,13 +374,11 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     for kind, field in ((KEY_CONVERSATION, "conversation_id"), (KEY_AGENT_RUN, "agent_run_id")):
         if _str(req, field):
             out.append((kind, (tenant, model, _str(req, field))))
-    system = _str(req, "system_norm_hash")
     if _str(req, "agent_run_id") and _str(req, "first_message_hash"):
-        out.append((KEY_AGENT_THREAD,
-                    (tenant, model, _str(req, "agent_run_id"), _str(req, "first_message_hash"), system)))
+        out.append((KEY_AGENT_THREAD, (tenant, model, _str(req, "agent_run_id"), _str(req, "first_message_hash"))))
     if _str(req, "conversation_id") and _str(req, "first_message_hash"):
         out.append((KEY_CONVERSATION_THREAD,
-                    (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"), system)))
+                    (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -448,22 +446,13 @@ def continues(req: Request, cand: Request) -> bool:
     return _history_continues(req, Predecessor(cand, PREVIOUS_TURN))
 
 
-def continuation_rank(req: Request, cand: Request) -> int:
-    """How closely ``req`` continues ``cand``: 2 when its history carries it (:func:`continues`) under the same system
-    prompt, 1 when under another (a guardrail, judge or memory request that carries the chat's messages under its
-    own instructions), 0 when it does not carry it."""
-    if not continues(req, cand):
-        return 0
-    return 2 if _str(req, "system_hash") == _str(cand, "system_hash") else 1
-
-
 def thread_first(req: Request, thread: Request, latest: Request) -> bool:
     """Whether the latest request of ``req``'s thread (``thread``: on key 9 or 10) is its previous turn rather than the
-    latest request of its conversation or run (``latest``, a later one): only when ``req`` continues ``thread`` more
-    closely than ``latest`` (:func:`continuation_rank`). A side request of the chat or another thread's turn in
-    between is then skipped; without that evidence (a sliding window whose first message repeats an older window's:
-    neither is continued) the latest request is the previous turn, as it would be without the thread keys."""
-    return continuation_rank(req, thread) > continuation_rank(req, latest)
+    latest request of its conversation or run (``latest``, a later one): only when ``req`` continues ``thread`` and
+    not ``latest``. A side request of the chat or another thread's turn in between is then skipped; without that
+    evidence (a sliding window whose first message repeats an older window's: neither is continued) the latest
+    request is the previous turn, as it would be without the thread keys."""
+    return continues(req, thread) and not continues(req, latest)
 
 
 #: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.

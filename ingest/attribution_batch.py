@@ -549,9 +549,8 @@ _CHAIN_INPUTS = ("prompt_block_hashes", "prompt_block_size", "p_prompt_block_has
 def chain_columns(df: pl.DataFrame) -> pl.DataFrame:
     """``df`` (with :data:`_CHAIN_INPUTS`: each row's block chain and its predecessor's) with :data:`CHAIN_SHARED`
     (k·block_size for the k leading equal hashes; −1 when either chain is empty or the block sizes differ) and
-    :data:`CHAIN_COVERS` (k is the predecessor's whole chain), as :func:`ingest.attribution.chain_shared`. Chained
-    hashes are equal at a position only when the prefixes up to it are, so k counts the equal positions (one
-    explode of the pairs' common length, no per-row Python)."""
+    :data:`CHAIN_COVERS` (k is the predecessor's whole chain), as :func:`ingest.attribution.chain_shared`: the run of
+    equal positions from the first (one explode of the pairs' common length, no per-row Python)."""
     n = len(df)
     size = df["prompt_block_size"].fill_null(0).cast(pl.Int64)
     pairs = pl.DataFrame({
@@ -561,7 +560,7 @@ def chain_columns(df: pl.DataFrame) -> pl.DataFrame:
     pairs = pairs.with_columns(pl.col("ok") & (pl.col("la") > 0) & (pl.col("lb") > 0))
     m = pl.min_horizontal("la", "lb")
     common = pairs.filter(pl.col("ok")).select("row", pl.col("a").list.head(m), pl.col("b").list.head(m)).explode(
-        ["a", "b"]).group_by("row").agg((pl.col("a") == pl.col("b")).sum().alias("k"))
+        ["a", "b"]).group_by("row").agg((pl.col("a") == pl.col("b")).cast(pl.Int64).cum_min().sum().alias("k"))
     k = np.full(n, -1, dtype=np.int64)
     k[common["row"].to_numpy()] = common["k"].to_numpy()
     lb = pairs["lb"].to_numpy()

@@ -483,8 +483,8 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     first message (the only ones with thread keys, 9 and 10, or another thread on the shared keys, 1 and 2):
     without a shared-key candidate that is another thread's request (``other_thread``: the target has no history,
     and the candidate's first message and system prompt both differ), and without the thread-key candidates when a
-    later shared-key candidate remains that the target continues as closely as the thread's (``thread_first``:
-    ``continuation_rank``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
+    later shared-key candidate remains and the target does not continue the thread's but not the later one
+    (``thread_first``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
     candidates' fields are read from gateway_requests. ``by``: the columns naming a target."""
     turn = found.filter(pl.col("kind").is_in([*SHARED_TURN_KEYS, *THREAD_KEYS]))
     if turn.is_empty() or "first_message_hash" not in targets.columns:
@@ -510,9 +510,7 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     others, rows = both.filter(other).select(*by, "kind"), both.filter(~other)
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
                                          return_dtype=pl.Int64)
-    # attribution.continuation_rank: 2 continued under the same system prompt, 1 under another, 0 not continued
-    continues = continuation(rows, np.ones(len(rows), dtype=bool))[0].astype(np.int64) * np.where(
-        (rows["system_hash"] == rows["p_system_hash"]).fill_null(False).to_numpy(), 2, 1)
+    continues = continuation(rows, np.ones(len(rows), dtype=bool))[0]
     first = (rows.with_columns(pl.Series("_continues", continues),
                                pl.col("kind").is_in(THREAD_KEYS).alias("_thread"), rank.alias("_rank"))
              .sort([*by, "_rank"]).group_by([*by, "_thread"], maintain_order=True).first())
@@ -521,7 +519,7 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     latest = first.filter(~pl.col("_thread")).select(*by, pl.col("p_order_key").alias("l_key"),
                                                     pl.col("_continues").alias("l_continues"))
     skip = (thread.join(latest, on=by, how="inner")
-            .filter((pl.col("l_key") > pl.col("t_key")) & (pl.col("t_continues") <= pl.col("l_continues")))
+            .filter((pl.col("l_key") > pl.col("t_key")) & ~(pl.col("t_continues") & ~pl.col("l_continues")))
             .select(by))
     dropped = pl.concat([others, skip.join(rows.filter(pl.col("kind").is_in(THREAD_KEYS)).select(*by, "kind"), on=by)],
                         how="vertical_relaxed")

@@ -120,3 +120,24 @@ def test_documents_sent_as_parts_and_reordered_are_rag_reordered(store) -> None:
     got = verdicts(r1, r2)["r2"]
     assert got["pred"] == "r1" and got["causes"].get(("prefix_drift", "rag_reordered"), 0) > 0, got
     assert store_causes(store, [r1, r2])["r2"] == got["causes"]
+
+
+def test_chain_columns_count_the_leading_run_as_the_reference_does() -> None:
+    """ingest.attribution_batch.chain_columns against ingest.attribution.chain_shared, on chains that agree again
+    after a differing block (found by a review: the column-wise count took every equal position), chains of other
+    lengths, block sizes, and missing ones."""
+    import polars as pl
+
+    from ingest.attribution import chain_shared
+    from ingest.attribution_batch import CHAIN_COVERS, CHAIN_SHARED, chain_columns
+
+    cases = [([1, 9, 3, 4], 16, [1, 2, 3, 4], 16), ([1, 2, 3], 16, [1, 2], 16), ([1, 2], 16, [1, 2, 3], 16),
+             ([1, 2], 16, [1, 2], 32), ([], 0, [1], 16), ([5], 16, [], 0), ([7, 8], 16, [1, 8], 16)]
+    df = pl.DataFrame({"prompt_block_hashes": [c[0] for c in cases], "prompt_block_size": [c[1] for c in cases],
+                       "p_prompt_block_hashes": [c[2] for c in cases], "p_prompt_block_size": [c[3] for c in cases]},
+                      schema_overrides={"prompt_block_hashes": pl.List(pl.UInt64),
+                                        "p_prompt_block_hashes": pl.List(pl.UInt64)})
+    got = chain_columns(df).select(CHAIN_SHARED, CHAIN_COVERS).rows()
+    expected = [chain_shared(*c) or (-1, False) for c in cases]
+    assert got == expected
+    assert expected[:3] == [(16, False), (32, True), (32, False)]

@@ -171,3 +171,24 @@ def test_rollups_stored_before_engine_requests_count_one_per_served_request(chdb
     (row,) = s.named("data_quality", {}).to_dicts()
     assert (row["gateway_requests"], row["gateway_engine_requests"], row["vllm_requests"]) == (4, 6, 6)
     assert row["fan_out_prompt_tokens"] == 100 and row["request_coverage"] == 1.0
+
+
+def test_a_little_fan_out_does_not_hide_counts_not_reported(chdb_dir) -> None:  # type: ignore[no-untyped-def]
+    """Found by a review: any request with n > 1 named the gap several_engine_requests, though half the prompt tokens
+    had no count for another reason (streams the client cut). Requests run as several engine requests count as
+    covered, as those that read no prefix cache do, so the missing counts are named first."""
+    import uuid
+
+    s = Store.open(data_dir=chdb_dir, database=f"dq_{uuid.uuid4().hex[:12]}")
+    s.migrate()
+    requests = [(100, 40)] * 10 + [(100, None)] * 10 + [(20, N2)]  # known 1,000 / 400; cut 1,000; fan-out 20
+    s.insert("gateway_requests", [(f"r{i}", at(10 + i), "acme", "pod-a", 200, prompt,
+                                   None if cached in (SKIP, N2) else cached, False, 2 if cached == N2 else 1)
+                                  for i, (prompt, cached) in enumerate(requests)], GATEWAY_COLUMNS)
+    s.insert("vllm_metrics", [(at(40), "pod-a", "0", "tiny", name, "stop" if name.startswith("vllm:request") else "",
+                               0.0, float(n)) for name, n in (("vllm:request_success_total", 12),
+                                                              ("vllm:prefix_cache_queries_total", 1040),
+                                                              ("vllm:prefix_cache_hits_total", 300))], VLLM_COLUMNS)
+    (row,) = s.named("data_quality", {}).to_dicts()
+    assert (row["likely_cause"], row["fan_out_prompt_tokens"], row["gateway_engine_requests"]) == (
+        "details_not_reported", 20, 22)

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from collector.gateway_record import decode_record
+from collector.gateway_record import BadRecord, decode_record
 from gateway.fingerprint import (
     FingerprintError,
     PromptFingerprint,
@@ -894,3 +894,12 @@ def test_engine_requests_are_n_times_the_prompts() -> None:
     assert engine_requests({"prompt": [[1, 2], [3, 4], [5]]}, "completions") == 3
     assert engine_requests({"prompt": ["one", "two"], "n": 2}, "completions") == 4
     assert engine_requests({"prompt": ["one", "two"]}, "chat.completions") == 1  # chat reads messages
+    # more than the log contract holds (found by a review: the line was refused, the request lost): its cap
+    assert engine_requests({"prompt": ["p"] * 300, "n": 300}, "completions") == 65535
+    assert engine_requests({**chat_body, "n": 70_000}, "chat.completions") == 65535
+    line = {"log_version": 1, "request_id": "r", "ts": "2026-11-29T12:00:00.000Z", "tenant_id": "", "status": 200,
+            "prompt_tokens": 9, "cached_tokens": None, "ttft_ms": 1.0, "e2e_ms": 2.0}
+    assert decode_record(json.dumps({**line, "engine_requests": 65535}).encode()).engine_requests == 65535
+    for refused in (0, 65536, -1, "2", True):
+        with pytest.raises(BadRecord):
+            decode_record(json.dumps({**line, "engine_requests": refused}).encode())
