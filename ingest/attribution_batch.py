@@ -20,7 +20,7 @@ evidence's end, with routed_away / evicted read as cold when the predecessor's p
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -402,14 +402,16 @@ class EvidenceFrames:
                 for r, size, covered in self.requests.select("request_id", "block_size", "covered").iter_rows()}
 
 
-def judge_frame(df: pl.DataFrame, evidence: EvidenceFrames | Mapping[str, KvEvidence] | None = None
-                ) -> dict[str, Any]:
+def judge_frame(df: pl.DataFrame, evidence: EvidenceFrames | Mapping[str, KvEvidence] | None = None,
+                chains: ChainReader | None = None) -> dict[str, Any]:
     """Verdict columns for every row of ``df`` (see the module docstring), as lists/arrays keyed by
     :data:`ingest.attribution.VERDICT_COLUMNS`, in row order. ``evidence``: the KV evidence of the rows judged
-    in precise mode. Pure; raises only on a frame that lacks a column."""
+    in precise mode. ``chains``: reads what the block chains of the rows whose segments claim a drift prove
+    (:data:`ChainReader`; the store job's); without it, from the chain columns of ``df`` if it has them. Pure but
+    for ``chains``; raises only on a frame that lacks a column."""
     if evidence is not None and not isinstance(evidence, EvidenceFrames):
         evidence = EvidenceFrames.from_mapping(evidence) if evidence else None
-    return _judge_columns(df, evidence)
+    return _judge_columns(df, evidence, chains)
 
 
 #: Block state → (cause, sub_cause) of its zone (ingest.attribution.kv_evidence_zones); None = the predecessor's.
@@ -568,18 +570,30 @@ def chain_columns(df: pl.DataFrame) -> pl.DataFrame:
                            pl.Series(CHAIN_COVERS, (k >= 0) & (k == lb)))
 
 
-def _chain_bounded(df: pl.DataFrame, prompt: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+#: What :func:`judge_frame` asks of a caller that reads the chains itself: given the rows whose segments claim a drift
+#: that chains could bound, a frame of :data:`CHAIN_SHARED` and :data:`CHAIN_COVERS` for every row of ``df``.
+ChainReader = Callable[[np.ndarray], pl.DataFrame]
+
+
+def _chain_bounded(df: pl.DataFrame, prompt: np.ndarray, s: np.ndarray, drift: np.ndarray, w: np.ndarray,
+                   chains: ChainReader | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(S, drift, W) bounded by the block chains (:func:`ingest.attribution.chain_bounded`), from
-    :data:`CHAIN_SHARED` and :data:`CHAIN_COVERS` (computed by :func:`chain_columns` when only the chains are in
-    ``df``); unchanged when ``df`` has neither."""
-    if CHAIN_SHARED not in df.columns:
-        if not all(c in df.columns for c in _CHAIN_INPUTS):
+    :data:`CHAIN_SHARED` and :data:`CHAIN_COVERS`: ``chains`` of the drifted rows when given, else computed by
+    :func:`chain_columns` when the chains are in ``df``; unchanged otherwise."""
+    claimed = (drift != 0) & (drift != _code(CACHE_SALT_CHANGED))
+    if chains is not None:
+        if not claimed.any():
             return s, drift, w
-        df = chain_columns(df)
-    tokens = df[CHAIN_SHARED].fill_null(-1).to_numpy()
-    covers = df[CHAIN_COVERS].fill_null(False).to_numpy()
-    bounded = (tokens >= 0) & (drift != 0) & (drift != _code(CACHE_SALT_CHANGED))
+        proven = chains(claimed)
+    elif CHAIN_SHARED in df.columns:
+        proven = df
+    elif all(c in df.columns for c in _CHAIN_INPUTS):
+        proven = chain_columns(df)
+    else:
+        return s, drift, w
+    tokens = proven[CHAIN_SHARED].fill_null(-1).to_numpy()
+    covers = proven[CHAIN_COVERS].fill_null(False).to_numpy()
+    bounded = (tokens >= 0) & claimed
     cap = np.minimum(prompt, _i(df, "p_prompt_tokens"))
     gone = bounded & covers
     later = bounded & ~covers & (tokens > s)
@@ -588,7 +602,19 @@ def _chain_bounded(df: pl.DataFrame, prompt: np.ndarray, s: np.ndarray, drift: n
     return s, np.where(gone, 0, drift), w
 
 
-def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str, Any]:
+def _named(df: pl.DataFrame, prompt: np.ndarray, served: np.ndarray, kind: pl.Series
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(segment offsets, has segment counts, names a predecessor, has one whose rules can be checked, that one is
+    the previous turn) per row: a served request with a prompt names its predecessor (as judge: none without a
+    prompt), and the rules need segment counts."""
+    off, has_counts = _offsets(df, prompt)
+    named = served & (prompt > 0) & (kind != "").to_numpy()
+    has_pred = named & has_counts
+    return off, has_counts, named, has_pred, has_pred & (kind == PREVIOUS_TURN).to_numpy()
+
+
+def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None, chains: ChainReader | None = None
+                   ) -> dict[str, Any]:
     """:func:`judge_frame`, column-wise."""
     n = len(df)
     prompt, cached = _i(df, "prompt_tokens"), _i(df, "cached_tokens")
@@ -597,14 +623,11 @@ def _judge_columns(df: pl.DataFrame, frames: EvidenceFrames | None) -> dict[str,
     served = (df["status"].fill_null(0).cast(pl.Int64).to_numpy() < 400)
     kind = df["predecessor_kind"].cast(pl.String).fill_null("")
     attributable = served & np.where(unknown, prompt > 0, prompt > cached)
-    off, has_counts = _offsets(df, prompt)
-    named = served & (prompt > 0) & (kind != "").to_numpy()  # as judge: no predecessor without a prompt
+    off, has_counts, named, has_pred, prev_turn = _named(df, prompt, served, kind)
     # without segment counts no predecessor rule can be checked: an attributable request then has none
     has_pred_out = named & (has_counts | ~attributable)
-    has_pred = named & has_counts
-    prev_turn = has_pred & (kind == PREVIOUS_TURN).to_numpy()
     s, drift, w, identical = _shared(df, prompt, off, has_pred, prev_turn)
-    s, drift, w = _chain_bounded(df, prompt, s, drift, w)
+    s, drift, w = _chain_bounded(df, prompt, s, drift, w, chains)
     beyond = (df["beyond_horizon"].fill_null(False).cast(pl.Boolean).to_numpy() if "beyond_horizon" in df.columns
               else np.zeros(len(df), dtype=bool)) & named
     same_pod = _eq(df, "pod", "p_pod")

@@ -617,17 +617,18 @@ def _with_predecessors(store: Store, frame: pl.DataFrame, known: KnownRequests) 
     return frame.hstack(preds.rename({c: f"p_{c}" for c in fields}).get_columns())
 
 
-def _with_chains(store: Store, frame: pl.DataFrame) -> pl.DataFrame:
-    """``frame`` (targets with their predecessors' p_order_key and p_id_hash) with the columns
-    :func:`ingest.attribution_batch.chain_columns` computes from each target's logged block chain and its
-    predecessor's: what the chains prove they share, which bounds a drift the segment hashes claim. The chains are
-    read from the store for the rows whose target logged one and has a predecessor (one read of both sides' chains,
-    by order_key); the other rows read unknown (−1)."""
+def _chain_pairs(store: Store, frame: pl.DataFrame, claimed: np.ndarray) -> pl.DataFrame:
+    """The columns :func:`ingest.attribution_batch.chain_columns` computes, for every row of ``frame`` (targets with
+    their predecessors' p_order_key and p_id_hash): what a target's logged block chain and its predecessor's prove
+    they share, which bounds a drift the segment hashes claim (judge_frame's ``chains``). Read from the store for
+    the ``claimed`` rows (those whose segments claim a drift) whose target logged a chain: one read of both sides'
+    chains, by order_key; the other rows read unknown (−1), which leaves their verdict as the segments give it."""
     sel = frame.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"), "order_key", "ts", ID_HASH,
                        "p_order_key", "p_ts", f"p_{ID_HASH}", "prompt_block_size").filter(
-        (pl.col("prompt_block_size") > 0) & pl.col("p_order_key").is_not_null())
+        (pl.col("prompt_block_size") > 0) & pl.col("p_order_key").is_not_null() & pl.Series(claimed))
     if sel.is_empty():
-        return frame.with_columns(pl.lit(-1, dtype=pl.Int64).alias(CHAIN_SHARED), pl.lit(False).alias(CHAIN_COVERS))
+        return pl.DataFrame({CHAIN_SHARED: np.full(len(frame), -1, dtype=np.int64),
+                             CHAIN_COVERS: np.zeros(len(frame), dtype=bool)})
     keys = pl.concat([sel.select("order_key", "ts"),
                       sel.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts"))],
                      how="vertical_relaxed").unique()
@@ -642,7 +643,7 @@ def _with_chains(store: Store, frame: pl.DataFrame) -> pl.DataFrame:
     covers = np.zeros(len(frame), dtype=bool)
     rows = pairs["_row"].to_numpy()
     shared[rows], covers[rows] = pairs[CHAIN_SHARED].to_numpy(), pairs[CHAIN_COVERS].to_numpy()
-    return frame.with_columns(pl.Series(CHAIN_SHARED, shared), pl.Series(CHAIN_COVERS, covers))
+    return pl.DataFrame({CHAIN_SHARED: shared, CHAIN_COVERS: covers})
 
 
 #: A chunk's size when the caller gives none, in units: a request judged by its fingerprints counts 1, one judged
@@ -693,12 +694,11 @@ def _verdicts(store: Store, targets: pl.DataFrame, reach: tuple[int, int], sizes
         frame = _with_predecessors(store, frame.join(chosen, on=by, how="left"), known)
     evidence = None
     chained = targets.select((pl.col("prompt_block_size") > 0).any()).item()
-    if chained and not chosen.is_empty():
-        frame = _with_chains(store, frame)
+    chains = (lambda claimed: _chain_pairs(store, frame, claimed)) if chained and not chosen.is_empty() else None
     if kv_evidence and chained:
         params = {**_stage(store, "evidence", targets), "lookback": max(reach)}
         evidence = chunk_evidence(store, frame, params, _IN_SET, memo, sizes, default_block_size)
-    return judge_frame(frame, evidence)
+    return judge_frame(frame, evidence, chains)
 
 
 #: request_attribution's columns as Arrow types (nested lists built by pyarrow in C, not row by row).

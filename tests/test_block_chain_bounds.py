@@ -1,5 +1,5 @@
 """A drift the segment hashes claim is bounded by the block chains (ingest/attribution.py ``chain_shared`` and
-``chain_bounded``; column-wise ``attribution_batch.chain_columns``; the store job's ``_with_chains``). Found on real
+``chain_bounded``; column-wise ``attribution_batch.chain_columns``; the store job's ``_chain_pairs``). Found on real
 vLLM pods by a hostile hunt: the gateway hashes message fields the chat template does not print (a message's
 ``name``, a tool call's id, ``content: null`` against ``""``, a document's score), so a turn whose tokens repeat its
 previous turn's read ``prefix_drift`` (800 of 1,051 tokens ``history_changed`` where ``routed_away`` was right); and a
