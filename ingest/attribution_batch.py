@@ -581,16 +581,11 @@ def _chain_bounded(df: pl.DataFrame, prompt: np.ndarray, s: np.ndarray, drift: n
     :data:`CHAIN_SHARED` and :data:`CHAIN_COVERS`: ``chains`` of the drifted rows when given, else computed by
     :func:`chain_columns` when the chains are in ``df``; unchanged otherwise."""
     claimed = (drift != 0) & (drift != _code(CACHE_SALT_CHANGED))
-    if chains is not None:
-        if not claimed.any():
-            return s, drift, w
-        proven = chains(claimed)
-    elif CHAIN_SHARED in df.columns:
-        proven = df
-    elif all(c in df.columns for c in _CHAIN_INPUTS):
-        proven = chain_columns(df)
-    else:
+    if chains is None and all(c in df.columns for c in _CHAIN_INPUTS):
+        chains = lambda _: chain_columns(df)  # noqa: E731
+    if chains is None or not claimed.any():
         return s, drift, w
+    proven = chains(claimed)
     tokens = proven[CHAIN_SHARED].fill_null(-1).to_numpy()
     covers = proven[CHAIN_COVERS].fill_null(False).to_numpy()
     bounded = (tokens >= 0) & claimed
