@@ -66,6 +66,12 @@ def gateway_table(n: int, *, seed: int = 0, tenants: int = 200, pods: int = 5, e
     empty = pa.array([""] * n, type=pa.string())
     history_hash = pa.array(np.where(turn > 0, np.asarray(hist_hash.to_numpy(zero_copy_only=False)), ""))
     prev_hash = pa.array(np.where(turn > 1, np.asarray(_hashes(conv, turn - 1).to_numpy(zero_copy_only=False)), ""))
+    # each turn's final message, and the previous turn's as a later turn carries it (prev_suffix_hash, as the
+    # gateway logs it): predecessor key 12 finds a turn's previous turn by them
+    suffix_hash = np.asarray(_hashes(np.arange(n) + 7).to_numpy(zero_copy_only=False))
+    previous = np.full(n, -1, dtype=np.int64)
+    previous[order[1:]] = np.where(same[1:], order[:-1], -1)
+    prev_suffix = pa.array(np.where(previous >= 0, suffix_hash[np.maximum(previous, 0)], ""))
     ts = pa.array(ts_ms, type=pa.timestamp("ms", tz="UTC"))
     return pa.table({
         "request_id": pa.array(np.char.add(f"{id_prefix}-", np.arange(n).astype(str))),
@@ -85,7 +91,8 @@ def gateway_table(n: int, *, seed: int = 0, tenants: int = 200, pods: int = 5, e
         "tools_tokens": pa.array(np.zeros(n), type=pa.uint32()), "retrieval_pack_hash": empty,
         "retrieval_set_hash": empty, "retrieval_tokens": pa.array(np.zeros(n), type=pa.uint32()),
         "history_prefix_hash": history_hash, "prev_history_hash": prev_hash,
-        "history_tokens": pa.array(history, type=pa.uint32()), "suffix_hash": _hashes(np.arange(n) + 7),
+        "history_tokens": pa.array(history, type=pa.uint32()), "suffix_hash": pa.array(suffix_hash),
+        "prev_suffix_hash": prev_suffix,
         "suffix_tokens": pa.array(suffix, type=pa.uint32()),
         "prompt_fingerprint": _hashes(np.asarray(system_hash.cast(pa.uint64())), turn),
         "token_count_method": pa.array(["tokenizer"] * n),

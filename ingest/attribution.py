@@ -9,7 +9,8 @@ The model, in three steps (one function each):
 
 1. **Predecessor** (:class:`PredecessorIndex`): the most recent earlier request (``ts`` strictly before,
    within the horizon) that this request could have reused KV blocks from, by priority: the previous turn
-   of the same conversation, else of the same agent run; else the latest request of the same model with
+   of the same conversation, else of the same agent run, else the previous turn its messages name (clients that
+   send no id: :data:`KEY_PREVIOUS_MESSAGES`); else the latest request of the same model with
    the same ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose
    prefix is the same modulo a nameable change (same normalized system prompt, canonical tools or
    retrieval set, or half of the system prompt's lines with the rest nearly equal: :func:`lines_match`).
@@ -125,11 +126,20 @@ KEY_AGENT_THREAD = 9
 #: finds its own previous turn, not a side request the client tagged with the chat's id (a title, tags or memory
 #: request: its own first message) nor another thread sharing the id (sub-agents of a session without a run id).
 KEY_CONVERSATION_THREAD = 10
+#: Predecessor keys 11 and 12: a conversation's state by its messages, for clients that send no conversation or run
+#: id (a plain OpenAI client). Key 11 holds a request's messages as sent: (tenant, model, system_norm_hash,
+#: history_prefix_hash, suffix_hash). Key 12 holds its previous request's messages as this history carries them:
+#: (…, prev_history_hash, prev_suffix_hash) (gateway/fingerprint.py). The two are hashed alike
+#: (:func:`match_key`, sql/migrations/0045), so a turn's key 12 is its previous turn's key 11. A request looks
+#: itself up on key 12 only: it finds its previous turn (on that one's key 11) or, if later, a request that carried
+#: the same previous turn (on its key 12: a retry, or the same message edited). Key 11 is never looked up: two
+#: requests with the same messages (the same question to a one-shot app) are no turns of one conversation.
+KEY_MESSAGES, KEY_PREVIOUS_MESSAGES = 11, 12
 #: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them: the
 #: threads first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
 #: span several agent runs, whose first turn then finds the conversation's latest request); a turn whose first
 #: message is new (the client dropped or summarized the oldest messages) finds the conversation's latest.
-TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN)
+TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN, KEY_PREVIOUS_MESSAGES)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
 VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
 
@@ -359,10 +369,14 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
-    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043):
+    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043, 0045):
     9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 10. (tenant, model,
     conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
-    2. (tenant, model, agent_run_id): :data:`PREVIOUS_TURN`, preferred in that order;
+    2. (tenant, model, agent_run_id), 12. (tenant, model, system_norm_hash, prev_history_hash, prev_suffix_hash:
+    the previous request's messages as this one carries them, :data:`KEY_PREVIOUS_MESSAGES`):
+    :data:`PREVIOUS_TURN`, preferred in that order; 11. (tenant, model, system_norm_hash, history_prefix_hash,
+    suffix_hash: the messages as sent, :data:`KEY_MESSAGES`) is only found, never looked up (11 and 12 each when
+    its last hash is not "");
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -379,6 +393,10 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     if _str(req, "conversation_id") and _str(req, "first_message_hash"):
         out.append((KEY_CONVERSATION_THREAD,
                     (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
+    for kind, history, final in ((KEY_MESSAGES, "history_prefix_hash", "suffix_hash"),
+                                 (KEY_PREVIOUS_MESSAGES, "prev_history_hash", "prev_suffix_hash")):
+        if _str(req, final):
+            out.append((kind, (tenant, model, _str(req, "system_norm_hash"), _str(req, history), _str(req, final))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -390,6 +408,12 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
         out.append((KEY_SYSTEM_LINES_HEAD, (tenant, model, str(len(lines)), *lines[:half])))
         out.append((KEY_SYSTEM_LINES_TAIL, (tenant, model, str(len(lines)), *lines[half:])))
     return out
+
+
+def match_key(key: tuple[int, tuple[str, ...]]) -> tuple[int, tuple[str, ...]]:
+    """The key as matched: keys 11 and 12 (:data:`KEY_MESSAGES`, :data:`KEY_PREVIOUS_MESSAGES`) are one key space
+    (hashed alike in SQL, sql/migrations/0045), every other kind its own."""
+    return (KEY_MESSAGES, key[1]) if key[0] == KEY_PREVIOUS_MESSAGES else key
 
 
 def changed_lines(req: Request, prev: Request) -> int | None:
@@ -510,7 +534,7 @@ class PredecessorIndex:
                 continue
             seen.add(rid)
             for key in predecessor_keys(req):
-                tl = self._timelines.setdefault(key, _Timeline())
+                tl = self._timelines.setdefault(match_key(key), _Timeline())
                 tl.keys.append(order_key(req))
                 tl.reqs.append(req)
 
@@ -521,7 +545,9 @@ class PredecessorIndex:
         not_before = ts_ms - (self.horizon_ms if reach_ms is None else reach_ms)
         out: dict[int, Request] = {}
         for key in predecessor_keys(req):
-            tl = self._timelines.get(key)
+            if key[0] == KEY_MESSAGES:
+                continue  # found, never looked up: the same messages are no previous turn
+            tl = self._timelines.get(match_key(key))
             found = tl.latest_before(ts_ms) if tl else None
             if found is not None and _ts_ms(found) >= not_before:
                 if key[0] in BAND_KEYS and not lines_match(req, found):

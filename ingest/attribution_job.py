@@ -44,6 +44,7 @@ from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
     KEY_FINGERPRINT,
+    KEY_MESSAGES,
     LINE_HASHES,
     LINE_TOKENS,
     SHARED_TURN_KEYS,
@@ -377,6 +378,7 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         if tails is not None:
             tails.reset()
         found = _searched(store, targets, by, whole, horizon_ms)
+    found = _looked_up(found)
     ts_type = targets.schema["ts"]
     chosen = _choose(_confirm_bands(store, _confirm_threads(store, found, targets, by), targets, by), False,
                      ts_type, by)
@@ -387,11 +389,17 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         rest = (targets.filter(_SERVED).select(*dict.fromkeys([*_ID, *by]))
                 .join(chosen.select(by), on=by, how="anti"))
         if not rest.is_empty():
-            beyond = _beyond_horizon(store, rest, horizon_ms, lookback_ms, by)
+            beyond = _looked_up(_beyond_horizon(store, rest, horizon_ms, lookback_ms, by))
             beyond = _choose(_confirm_bands(store, _confirm_threads(store, beyond, targets, by), targets, by), True,
                              ts_type, by)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
+
+
+def _looked_up(found: pl.DataFrame) -> pl.DataFrame:
+    """``found`` without what a target's own key 11 found (:data:`ingest.attribution.KEY_MESSAGES`: its messages as
+    sent are a key later turns find it on, not one it looks itself up on; the same messages are no previous turn)."""
+    return found.filter(pl.col("kind") != KEY_MESSAGES)
 
 
 def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[str, Any] | None,

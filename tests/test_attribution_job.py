@@ -806,7 +806,7 @@ def test_keys_read_by_range_from_gateway_requests_are_request_keys_rows(store):
     store.insert_arrow("gateway_requests", gateway_table(2000, seed=7, tenants=30, pods=3, end=T0))
     insert_requests(store, [gw("no-prompt", at=1, prompt=0, conv="c9"), gw("failed", at=2, status=503, conv="c9"),
                             {**gw("keyless", at=3), "system_hash": "", "system_norm_hash": "", "system_tokens": 0,
-                             "prompt_fingerprint": ""}])
+                             "prompt_fingerprint": "", "suffix_hash": "", "prev_suffix_hash": ""}])
     columns = ["key", "kind", "order_key", "ts", "request_id"]
     lo, hi = store.query_rows("SELECT quantileExact(0.3)(order_key), quantileExact(0.7)(order_key) "
                               "FROM gateway_requests")[0]

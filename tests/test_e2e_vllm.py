@@ -84,6 +84,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             prefilled = prefill_turns(gw.url)
             rewound = rewound_turns(gw.url)
             invisible = template_invisible_turns(gw.url)
+            plain = plain_client_turns(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -101,7 +102,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
            "unreplied": unreplied, "skipped": skipped, "subagents": subagents, "outage": outage,
-           "prefilled": prefilled, "rewound": rewound, "invisible": invisible,
+           "prefilled": prefilled, "rewound": rewound, "invisible": invisible, "plain": plain,
            "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
@@ -355,6 +356,48 @@ def template_invisible_turns(gateway_url: str) -> tuple[str, str, str, str, str]
                                  {"role": "assistant", "content": "Found them."},
                                  {"role": "user", "content": "Now fix them."}]})])
     return (*timed, *turns)
+
+
+def plain_client_turns(gateway_url: str) -> tuple[str, str, str, str]:
+    """Three users of one app (one system prompt) from a client that sends no conversation or run id, back to back
+    so round robin alternates the pods: user A's first turn (pod X), user B's and user C's first turns (pods Y, X),
+    then A's second turn (pod Y). Returns the ids (A1, B1, C1, A2)."""
+    tag = uuid.uuid4().hex[:8]
+    system = {"role": "system", "content": f"You are the travel desk {tag}. " + " ".join(
+        f"Rule {i}: quote fares in euros and name the carrier." for i in range(12))}
+    ask = {"role": "user", "content": "Plan my trip. " + " ".join(
+        f"Leg {i}: from city {i} to city {i + 1} on day {i}." for i in range(20))}
+    ids = (f"plain-{tag}-a1", f"plain-{tag}-b1", f"plain-{tag}-c1", f"plain-{tag}-a2")
+    post_in_order(gateway_url, {"X-Tenant-Id": "plain"}, [
+        (ids[0], {"messages": [system, ask]}),
+        (ids[1], {"messages": [system, {"role": "user", "content": "Cheapest fare to Lisbon?"}]}),
+        (ids[2], {"messages": [system, {"role": "user", "content": "Is there a night train to Vienna?"}]}),
+        (ids[3], {"messages": [system, ask, {"role": "assistant", "content": "Here is your plan."},
+                               {"role": "user", "content": "Make leg 3 a train."}]})])
+    return ids
+
+
+def test_a_client_without_ids_finds_its_previous_turn(e2e) -> None:  # type: ignore[no-untyped-def]
+    """A plain OpenAI client (no conversation id): A's second turn went to the other pod. Its previous turn is A's
+    first (found by its messages, key 12), not C's request, the latest with the same system prompt: A1's whole
+    prompt in full blocks, less what A2's pod held (the system prompt, from B1), is `routed_away`. Before, A2 took C1
+    and read its history as new: all `unavoidable`."""
+    a1, b1, c1, a2 = e2e["plain"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[a1]["pod"] == by_id[c1]["pod"] != by_id[a2]["pod"] == by_id[b1]["pod"]
+    store = e2e["store"]
+    pred = store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                            "WHERE request_id = {r:String}", {"r": a2})
+    rows = dict(((c, sc), t) for c, sc, t in store.query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": a2}))
+    block = by_id[a2]["prompt_block_size"] or 32
+    reusable = (by_id[a1]["prompt_tokens"] - 1) // block * block - by_id[a2]["cached_tokens"]
+    print(f"\n{a2}: prompt {by_id[a2]['prompt_tokens']}, cached {by_id[a2]['cached_tokens']}, A1 prompt "
+          f"{by_id[a1]['prompt_tokens']}, predecessor {pred}, causes {rows}")
+    assert pred == [(a1, "previous_turn")]
+    assert sum(rows.values()) == by_id[a2]["prompt_tokens"] - by_id[a2]["cached_tokens"]
+    # A1's last block may hold the generation prompt's tokens, which A2 continues otherwise: within one block
+    assert reusable > block and abs(rows.get(("routed_away", ""), 0) - reusable) <= block, rows
 
 
 def chain_common(a: dict[str, Any], b: dict[str, Any]) -> int:

@@ -1,0 +1,33 @@
+-- Predecessor keys 11 and 12 (ingest/attribution.py predecessor_keys, KEY_MESSAGES and KEY_PREVIOUS_MESSAGES): a
+-- conversation's state by its messages, for clients that send no conversation or run id (a plain OpenAI client).
+-- Without them such a turn found only a variant predecessor, the latest request with the same system prompt
+-- (another user's, on a shared app), and read its own history as new. Key 11: the request's messages as sent
+-- (history_prefix_hash, suffix_hash); key 12: its previous request's as this history carries them
+-- (prev_history_hash, prev_suffix_hash); each under (tenant, model, system_norm_hash) and hashed with the seed 11,
+-- so a turn's key 12 equals its previous turn's key 11. The attribution job looks requests up on key 12 only
+-- (ingest/attribution_job.py drops what key 11 finds: the same messages are no previous turn) and ranks it after
+-- the id keys (1, 2, 9, 10) as a previous turn. Kinds 1-10 are those of 0043, unchanged. Rows stored before this
+-- migration keep the keys they had: a turn after them finds them on the other keys, as before.
+ALTER TABLE gateway_requests
+    MODIFY COLUMN predecessor_keys Array(Tuple(kind UInt8, key UInt64)) MATERIALIZED arrayFilter(k -> k.2 != 0, [
+        (1, if(conversation_id != '', cityHash64(1, tenant_id, model, conversation_id), 0)),
+        (2, if(agent_run_id != '', cityHash64(2, tenant_id, model, agent_run_id), 0)),
+        (3, if(prompt_fingerprint != '' AND system_tokens + tools_tokens + retrieval_tokens + history_tokens > 0,
+               cityHash64(3, model, prompt_fingerprint), 0)),
+        (4, if(system_norm_hash != '', cityHash64(4, tenant_id, model, system_norm_hash), 0)),
+        (5, if(tools_canonical_hash != '', cityHash64(5, tenant_id, model, tools_canonical_hash), 0)),
+        (6, if(retrieval_set_hash != '', cityHash64(6, tenant_id, model, retrieval_set_hash), 0)),
+        (7, if(length(system_line_hashes) >= 3,
+               cityHash64(7, tenant_id, model, length(system_line_hashes),
+                          arraySlice(system_line_hashes, 1, intDiv(length(system_line_hashes), 2))), 0)),
+        (8, if(length(system_line_hashes) >= 3,
+               cityHash64(8, tenant_id, model, length(system_line_hashes),
+                          arraySlice(system_line_hashes, intDiv(length(system_line_hashes), 2) + 1)), 0)),
+        (9, if(agent_run_id != '' AND first_message_hash != '',
+               cityHash64(9, tenant_id, model, agent_run_id, first_message_hash), 0)),
+        (10, if(conversation_id != '' AND first_message_hash != '',
+                cityHash64(10, tenant_id, model, conversation_id, first_message_hash), 0)),
+        (11, if(suffix_hash != '',
+                cityHash64(11, tenant_id, model, system_norm_hash, history_prefix_hash, suffix_hash), 0)),
+        (12, if(prev_suffix_hash != '',
+                cityHash64(11, tenant_id, model, system_norm_hash, prev_history_hash, prev_suffix_hash), 0))]);

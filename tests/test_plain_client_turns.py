@@ -1,0 +1,124 @@
+"""Clients that send no conversation or run id (a plain OpenAI client): a turn's previous turn is found by its
+messages (predecessor key 11, ``attribution.KEY_MESSAGES``, sql/migrations/0045), not taken to be the latest request
+with the same system prompt. Found by a hostile hunt on real pods: on an app whose users share one system prompt,
+another user's request came between two turns, so turn 2's predecessor was that request (a variant) and its own
+history read as new content (``routed_away`` 416 for the system prompt alone, where turn 1's whole prompt was
+reusable). Rows are fingerprinted from real chat bodies by the reference gateway and judged by the reference
+``attribution.attribute`` and by the store job (ClickHouse key search)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ingest import attribution
+from tests.test_conversation_threads import A1, A2, SYS, U1, U2, U3, asst, full, row, store_causes, u, verdicts
+
+UB1 = u("How do I rotate the API key of a service account without downtime? We have three consumers of it. " * 3)
+AB1 = asst("Use acme iam rotate-key with --grace 24h, then roll the consumers one by one.")
+UB2 = u("And with two keys at once?")
+OTHER_SYS = {"role": "system", "content": "You are the Acme billing assistant. Only answer billing questions."}
+
+
+def interleaved() -> list[dict[str, Any]]:
+    """Two users of one app (one system prompt, no ids), their turns interleaved: a1 on pod-a, b1 on pod-a, a2 on
+    pod-b (cached 0), b2 back on pod-a (evicted meanwhile, cached 0), a3 on pod-a (cached 0)."""
+    return [row("a1", [SYS, U1], at=0, pod="pod-a"),
+            row("b1", [SYS, UB1], at=5, pod="pod-a"),
+            row("a2", [SYS, U1, A1, U2], at=30, pod="pod-b"),
+            row("b2", [SYS, UB1, AB1, UB2], at=40, pod="pod-a"),
+            row("a3", [SYS, U1, A1, U2, A2, U3], at=50, pod="pod-a")]
+
+
+def test_a_turn_without_ids_takes_its_previous_turn_not_another_users_request() -> None:
+    """a2's previous turn is a1 (its history carries a1's messages), not b1, the latest request with the same
+    system prompt: a1's whole prompt in full blocks is ``routed_away`` (a2 went to pod-b), not the system prompt
+    alone. b2's is b1 on its own pod: ``evicted_before_next_turn``. a3's is a2, on pod-b."""
+    rows = interleaved()
+    got = verdicts(*rows)
+    by_id = {r["request_id"]: r for r in rows}
+    assert got["a2"]["pred"] == "a1", got["a2"]
+    assert got["a2"]["causes"] == {("routed_away", ""): full(by_id["a1"]["prompt_tokens"]),
+                                   ("unavoidable", ""): by_id["a2"]["prompt_tokens"]
+                                   - full(by_id["a1"]["prompt_tokens"])}, got["a2"]
+    assert got["b2"]["pred"] == "b1", got["b2"]
+    assert got["b2"]["causes"].get(("evicted", "evicted_before_next_turn")) == full(by_id["b1"]["prompt_tokens"])
+    assert got["a3"]["pred"] == "a2", got["a3"]
+    assert got["a3"]["causes"].get(("routed_away", "")) == full(by_id["a2"]["prompt_tokens"]), got["a3"]
+
+
+def edited() -> list[dict[str, Any]]:
+    """A user edits turn 2's message and sends it again (the same history, another final message) after another
+    user's request on the same pod."""
+    return [*interleaved()[:3], row("b1x", [SYS, UB1], at=31, pod="pod-b"),
+            row("a2x", [SYS, U1, A1, u("Forget that: can I grant s3:PutObject on the whole bucket?")], at=35,
+                pod="pod-b")]
+
+
+def with_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same traffic from a client that tags each user's chat with a conversation id (its first letter)."""
+    return [{**r, "conversation_id": "chat-" + r["request_id"][0]} for r in rows]
+
+
+@pytest.mark.parametrize("traffic", [interleaved, edited])
+def test_without_ids_the_answers_are_those_with_ids(traffic) -> None:  # type: ignore[no-untyped-def]
+    """Every request gets the predecessor and the causes it gets when the client sends conversation ids (the
+    edit's predecessor is the request it replaces, a2, whose history it shares)."""
+    assert verdicts(*traffic()) == verdicts(*with_ids(traffic()))
+    assert verdicts(*edited())["a2x"]["pred"] == "a2"
+
+
+def test_the_same_first_message_under_another_system_prompt_is_no_previous_turn() -> None:
+    """Negative control: the messages key holds the normalized system prompt, so a first message another app's
+    user also sent ('hi') under another system prompt finds no predecessor on it."""
+    rows = [row("x1", [SYS, u("hi")], at=0, pod="pod-a"), row("y1", [OTHER_SYS, u("hi")], at=5, pod="pod-a"),
+            row("y2", [OTHER_SYS, u("hi"), asst("Hello! How can I help with billing?"), u("my invoice")], at=9,
+                pod="pod-a")]
+    got = verdicts(*rows)
+    assert got["y1"]["pred"] == "", got["y1"]
+    assert got["y2"]["pred"] == "y1", got["y2"]
+
+
+def faq() -> list[dict[str, Any]]:
+    """A one-shot app: two users send the same question under the same system prompt, the second on the pod that
+    served the first, which evicted it meanwhile (cached 0)."""
+    question = u("What is the refund policy for annual plans cancelled in the first month? " * 4)
+    return [row("q1", [SYS, question], at=0, pod="pod-a"), row("q2", [SYS, question], at=90, pod="pod-a")]
+
+
+def test_the_same_question_from_two_users_is_no_previous_turn() -> None:
+    """Negative control: the same messages are not a turn of one conversation (key 11 is found, never looked up).
+    q2's predecessor is q1 as the same prompt (``fingerprint``): its miss is ``evicted``, not
+    ``evicted_before_next_turn``, and the turn-gap analyses do not count it."""
+    q1, q2 = faq()
+    pred = attribution.PredecessorIndex([q1]).find(q2)
+    assert pred is not None and pred.request is q1 and pred.kind == attribution.FINGERPRINT, pred
+    assert set(verdicts(q1, q2)["q2"]["causes"]) == {("evicted", ""), ("unavoidable", "")}
+
+
+def test_ids_still_win() -> None:
+    """A client that sends a conversation id keeps its id keys first: key 11 is ranked after them."""
+    assert attribution.TURN_KEYS[-1] == attribution.KEY_PREVIOUS_MESSAGES
+    rows = [row("t1", [SYS, U1], at=0, conv="c-1", pod="pod-a"),
+            row("t1b", [SYS, U1], at=2, conv="c-2", pod="pod-b"),
+            row("t2", [SYS, U1, A1, U2], at=9, conv="c-1", pod="pod-a")]
+    assert verdicts(*rows)["t2"]["pred"] == "t1"
+
+
+@pytest.mark.parametrize(("target", "pred"), [("a2", "a1"), ("b2", "b1"), ("a3", "a2")])
+def test_the_store_job_takes_the_same_previous_turn(store, target, pred):  # type: ignore[no-untyped-def]
+    """Through ingest/attribution_job.py (ClickHouse key search on request_keys, keys 11 and 12 from the MATERIALIZED
+    predecessor_keys of migration 0045): the same answers, and the same predecessor."""
+    got = store_causes(store, interleaved()).get(target, {})
+    expected = verdicts(*interleaved())[target]
+    assert got == expected["causes"], (got, expected)
+    assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                            "WHERE request_id = {t:String}", {"t": target}) == [(pred, attribution.PREVIOUS_TURN)]
+
+
+def test_the_store_job_does_not_take_the_same_question_as_a_turn(store):  # type: ignore[no-untyped-def]
+    """The store job drops what a request's own key 11 finds, as the reference never looks it up."""
+    assert store_causes(store, faq())["q2"] == verdicts(*faq())["q2"]["causes"]
+    assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                            "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT)]
