@@ -117,8 +117,14 @@ def test_the_store_job_takes_the_same_previous_turn(store, target, pred):  # typ
                             "WHERE request_id = {t:String}", {"t": target}) == [(pred, attribution.PREVIOUS_TURN)]
 
 
-def test_the_store_job_does_not_take_the_same_question_as_a_turn(store):  # type: ignore[no-untyped-def]
-    """The store job drops what a request's own key 11 finds, as the reference never looks it up."""
-    assert store_causes(store, faq())["q2"] == verdicts(*faq())["q2"]["causes"]
+@pytest.mark.parametrize("system", [True, False])
+def test_the_store_job_does_not_take_the_same_question_as_a_turn(store, system):  # type: ignore[no-untyped-def]
+    """The store job drops what a request's own key 11 finds, as the reference never looks it up. Without a system
+    prompt no other key finds the same question (the fingerprint key needs a stable prefix): q2 has no predecessor
+    (an unfiltered key 11 named q1 a variant)."""
+    rows = faq() if system else [{**r, **{k: v for k, v in row(r["request_id"], [u(
+        "What is the refund policy for annual plans cancelled in the first month? " * 4)], at=0).items()
+        if k not in ("request_id", "ts", "pod", "cached_tokens")}} for r in faq()]
+    assert store_causes(store, rows)["q2"] == verdicts(*rows)["q2"]["causes"]
     assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                            "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT)]
+                            "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT) if system else ("", "")]
