@@ -10,7 +10,7 @@ The model, in three steps (one function each):
 1. **Predecessor** (:class:`PredecessorIndex`): the most recent earlier request (``ts`` strictly before,
    within the horizon) that this request could have reused KV blocks from, by priority: the previous turn
    of the same conversation, else of the same agent run, else the previous turn its messages name (clients that
-   send no id: :data:`KEY_PREVIOUS_MESSAGES`); else the latest request of the same model with
+   send no id: :data:`MESSAGE_LOOKUPS`); else the latest request of the same model with
    the same ``prompt_fingerprint`` (any tenant); else the latest request of the same tenant and model whose
    prefix is the same modulo a nameable change (same normalized system prompt, canonical tools or
    retrieval set, or half of the system prompt's lines with the rest nearly equal: :func:`lines_match`).
@@ -126,20 +126,28 @@ KEY_AGENT_THREAD = 9
 #: finds its own previous turn, not a side request the client tagged with the chat's id (a title, tags or memory
 #: request: its own first message) nor another thread sharing the id (sub-agents of a session without a run id).
 KEY_CONVERSATION_THREAD = 10
-#: Predecessor keys 11 and 12: a conversation's state by its messages, for clients that send no conversation or run
-#: id (a plain OpenAI client). Key 11 holds a request's messages as sent: (tenant, model, system_norm_hash,
-#: history_prefix_hash, suffix_hash). Key 12 holds its previous request's messages as this history carries them:
-#: (…, prev_history_hash, prev_suffix_hash) (gateway/fingerprint.py). The two are hashed alike
-#: (:func:`match_key`, sql/migrations/0045), so a turn's key 12 is its previous turn's key 11. A request looks
-#: itself up on key 12 only: it finds its previous turn (on that one's key 11) or, if later, a request that carried
-#: the same previous turn (on its key 12: a retry, or the same message edited). Key 11 is never looked up: two
-#: requests with the same messages (the same question to a one-shot app) are no turns of one conversation.
-KEY_MESSAGES, KEY_PREVIOUS_MESSAGES = 11, 12
+#: Predecessor keys 11 to 14: a conversation's previous turn by its messages, for clients that send no
+#: conversation or run id (a plain OpenAI client). Each pair is an asymmetric key: the first is a request's own
+#: messages, found by later requests; the second names the messages of the request it continues, and is looked
+#: up. Both of a pair are hashed alike (:func:`match_key`, sql/migrations/0045), under (tenant, model,
+#: cache_salt_hash, system_norm_hash):
+#: - 11, its messages as sent: (history_prefix_hash, suffix_hash); 12, its previous request's as this history
+#:   carries them with the reply after them: (prev_history_hash, prev_suffix_hash) (gateway/fingerprint.py);
+#: - 13, its messages as one history (next_history_hash); 14, its history (history_prefix_hash): the previous
+#:   request's messages re-sent with no reply between (a message sent before the reply came, user-only turns).
+#: A lookup finds the latest request that sent those messages (11 or 13), never one that names the same previous
+#: messages (12 or 14: another user whose chat starts with the same message, a one-shot app's fixed few-shot or
+#: welcome messages): those are no turns of one conversation.
+KEY_MESSAGES, KEY_PREVIOUS_MESSAGES, KEY_MESSAGES_AS_HISTORY, KEY_HISTORY = 11, 12, 13, 14
+#: The looked-up kind of each pair → the kind it must find (a request's own messages).
+MESSAGE_LOOKUPS = {KEY_PREVIOUS_MESSAGES: KEY_MESSAGES, KEY_HISTORY: KEY_MESSAGES_AS_HISTORY}
+MESSAGE_FOUND_KINDS = tuple(MESSAGE_LOOKUPS.values())
 #: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them: the
 #: threads first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
 #: span several agent runs, whose first turn then finds the conversation's latest request); a turn whose first
 #: message is new (the client dropped or summarized the oldest messages) finds the conversation's latest.
-TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN, KEY_PREVIOUS_MESSAGES)
+TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN, KEY_HISTORY,
+             KEY_PREVIOUS_MESSAGES)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
 VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
 
@@ -372,11 +380,11 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043, 0045):
     9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 10. (tenant, model,
     conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
-    2. (tenant, model, agent_run_id), 12. (tenant, model, system_norm_hash, prev_history_hash, prev_suffix_hash:
-    the previous request's messages as this one carries them, :data:`KEY_PREVIOUS_MESSAGES`):
-    :data:`PREVIOUS_TURN`, preferred in that order; 11. (tenant, model, system_norm_hash, history_prefix_hash,
-    suffix_hash: the messages as sent, :data:`KEY_MESSAGES`) is only found, never looked up (11 and 12 each when
-    its last hash is not "");
+    2. (tenant, model, agent_run_id), 14. (tenant, model, cache_salt_hash, system_norm_hash,
+    history_prefix_hash), 12. (…, prev_history_hash, prev_suffix_hash) (:data:`KEY_HISTORY`,
+    :data:`KEY_PREVIOUS_MESSAGES`): :data:`PREVIOUS_TURN`, preferred in that order; 11. (…, history_prefix_hash,
+    suffix_hash) and 13. (…, next_history_hash) (:data:`KEY_MESSAGES`, :data:`KEY_MESSAGES_AS_HISTORY`) are only
+    found, never looked up (11 to 14 each when its last hash is not "");
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -393,10 +401,12 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     if _str(req, "conversation_id") and _str(req, "first_message_hash"):
         out.append((KEY_CONVERSATION_THREAD,
                     (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
-    for kind, history, final in ((KEY_MESSAGES, "history_prefix_hash", "suffix_hash"),
-                                 (KEY_PREVIOUS_MESSAGES, "prev_history_hash", "prev_suffix_hash")):
-        if _str(req, final):
-            out.append((kind, (tenant, model, _str(req, "system_norm_hash"), _str(req, history), _str(req, final))))
+    scope = (tenant, model, _str(req, "cache_salt_hash"), _str(req, "system_norm_hash"))
+    for kind, names in ((KEY_MESSAGES, ("history_prefix_hash", "suffix_hash")),
+                        (KEY_PREVIOUS_MESSAGES, ("prev_history_hash", "prev_suffix_hash")),
+                        (KEY_MESSAGES_AS_HISTORY, ("next_history_hash",)), (KEY_HISTORY, ("history_prefix_hash",))):
+        if _str(req, names[-1]):
+            out.append((kind, (*scope, *(_str(req, f) for f in names))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -411,9 +421,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def match_key(key: tuple[int, tuple[str, ...]]) -> tuple[int, tuple[str, ...]]:
-    """The key as matched: keys 11 and 12 (:data:`KEY_MESSAGES`, :data:`KEY_PREVIOUS_MESSAGES`) are one key space
-    (hashed alike in SQL, sql/migrations/0045), every other kind its own."""
-    return (KEY_MESSAGES, key[1]) if key[0] == KEY_PREVIOUS_MESSAGES else key
+    """The key as matched: each looked-up kind of :data:`MESSAGE_LOOKUPS` shares its found kind's key space
+    (hashed alike in SQL, sql/migrations/0045), every other kind has its own."""
+    return (MESSAGE_LOOKUPS.get(key[0], key[0]), key[1])
 
 
 def changed_lines(req: Request, prev: Request) -> int | None:
@@ -534,6 +544,8 @@ class PredecessorIndex:
                 continue
             seen.add(rid)
             for key in predecessor_keys(req):
+                if key[0] in MESSAGE_LOOKUPS:
+                    continue  # looked up, never found: naming the same previous messages is no previous turn
                 tl = self._timelines.setdefault(match_key(key), _Timeline())
                 tl.keys.append(order_key(req))
                 tl.reqs.append(req)
@@ -545,7 +557,7 @@ class PredecessorIndex:
         not_before = ts_ms - (self.horizon_ms if reach_ms is None else reach_ms)
         out: dict[int, Request] = {}
         for key in predecessor_keys(req):
-            if key[0] == KEY_MESSAGES:
+            if key[0] in MESSAGE_FOUND_KINDS:
                 continue  # found, never looked up: the same messages are no previous turn
             tl = self._timelines.get(match_key(key))
             found = tl.latest_before(ts_ms) if tl else None

@@ -73,7 +73,17 @@ from ingest.attribution_late import (
 from ingest.attribution_structure import lines_match as structure_lines_match
 from ingest.dedup import IN_ORDER_STAGE, IN_STAGE, one_per_identity, stage_keys, stage_order_keys
 from ingest.errors import KvscopeError, RetryableError
-from ingest.key_tails import CHUNK_RANGE, ID_HASH, ID_HASH_SQL, LATEST_ID_HASH_SQL, KeyTails, keys_of_range
+from ingest.key_tails import (
+    CANDIDATE_ROWS,
+    CHUNK_RANGE,
+    FOUND_KINDS,
+    ID_HASH,
+    ID_HASH_SQL,
+    LATEST_ID_HASH_SQL,
+    LOOKUP_KINDS,
+    KeyTails,
+    keys_of_range,
+)
 from ingest.known_requests import KnownRequests, gather, names, positions
 from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
 from ingest.store import Store
@@ -240,7 +250,11 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
     (the lookback, when longer than the horizon: a late arrival may become a predecessor beyond the horizon).
 
     Memory stays bounded by the arrivals' time span, not by the reach: the ASOF JOIN's right side holds the
-    keys' requests within that span plus, per key, only its first request after it."""
+    keys' requests within that span plus, per key, only its first request after it.
+
+    On a key of a request's own messages (:data:`ingest.key_tails.FOUND_KINDS`) the requests that look it up (its
+    previous messages, :data:`ingest.key_tails.LOOKUP_KINDS`) are no candidates: every one of them after the lo
+    of the arrivals and within the reach is taken (a superset: they are few, a conversation's next turns)."""
     return store.query_df(
         f"""
         WITH
@@ -249,17 +263,18 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
                 SELECT ts, intDiv(order_key, 1048576) * 1048576 + 1048575 AS last_of_ms, k.key AS key
                 FROM gateway_requests ARRAY JOIN predecessor_keys AS k
                 WHERE {_IN_SET} AND {_BETWEEN} AND status < 400 AND prompt_tokens > 0
+                  AND k.kind NOT IN {{lookups:Array(UInt8)}}
             ),
             later AS
             (
                 SELECT key, order_key, ts FROM request_keys
-                WHERE key IN (SELECT key FROM arrival_keys)
+                WHERE key IN (SELECT key FROM arrival_keys) AND {CANDIDATE_ROWS}
                   AND ts > {{lo:DateTime64(3, 'UTC')}} AND ts <= {{hi:DateTime64(3, 'UTC')}}
                 UNION ALL
                 SELECT key, first_key AS order_key, first_ts AS ts FROM
                 (
                     SELECT key, min(order_key) AS first_key, argMin(ts, order_key) AS first_ts FROM request_keys
-                    WHERE key IN (SELECT key FROM arrival_keys)
+                    WHERE key IN (SELECT key FROM arrival_keys) AND {CANDIDATE_ROWS}
                       AND ts > {{hi:DateTime64(3, 'UTC')}}
                       AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{reach:Int64}})
                     GROUP BY key
@@ -272,10 +287,18 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
                 ASOF INNER JOIN later AS n ON a.key = n.key AND a.last_of_ms < n.order_key
                 WHERE toUnixTimestamp64Milli(n.ts) - toUnixTimestamp64Milli(a.ts) <= {{reach:Int64}}
             )
-        SELECT DISTINCT request_id, ts FROM request_keys
-        WHERE key IN (SELECT key FROM nexts) AND (key, ts) IN (SELECT key, next_ts FROM nexts)
-          AND ts > {{lo:DateTime64(3, 'UTC')}} AND ts <= (SELECT max(next_ts) FROM nexts)
-        """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms})
+        SELECT DISTINCT request_id, ts FROM
+        (
+            SELECT request_id, ts FROM request_keys
+            WHERE key IN (SELECT key FROM nexts) AND (key, ts) IN (SELECT key, next_ts FROM nexts)
+              AND ts > {{lo:DateTime64(3, 'UTC')}} AND ts <= (SELECT max(next_ts) FROM nexts)
+            UNION ALL
+            SELECT request_id, ts FROM request_keys
+            WHERE key IN (SELECT key FROM arrival_keys) AND kind IN {{lookups:Array(UInt8)}}
+              AND ts > {{lo:DateTime64(3, 'UTC')}}
+              AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{reach:Int64}})
+        )
+        """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms, "lookups": list(LOOKUP_KINDS)})
 
 
 #: The ASOF JOINs' ordering of candidates on a key: (order_key, cityHash64(request_id)) as one UInt128, so that of
@@ -294,19 +317,22 @@ def _target_keys(by: list[str], whole: bool = False) -> str:
     request_keys in their order_key range {first, last} (:func:`_whole_range`; read from gateway_requests as
     request_keys_mv makes them, :data:`ingest.key_tails.KEYS_OF_RANGE`: by range, not a set of ids looked up; on
     10^6 requests of generated history, three runs each on a quiet machine, 9.9–11.6 CPU-s against 11.3–12.6 for
-    the whole job)."""
+    the whole job). Keys of a kind only found (a request's own messages, :data:`ingest.key_tails.FOUND_KINDS`)
+    are not looked up."""
+    looked_up = f"k.kind NOT IN ({', '.join(map(str, FOUND_KINDS))})"
     if whole:
         return f"""
     target_keys AS
     (
-        {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]), _FIRST_OF_MS, "kind", "key"], CHUNK_RANGE)}
+        {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]), _FIRST_OF_MS, "kind", "key"],
+                       f"{CHUNK_RANGE} AND {looked_up}")}
     )"""
     return f"""
     target_keys AS
     (
         SELECT {", ".join(dict.fromkeys([*by, "ts"]))}, {_FIRST_OF_MS}, k.kind AS kind, k.key AS key
         FROM gateway_requests ARRAY JOIN predecessor_keys AS k
-        WHERE {_IN_SET} AND {_BETWEEN}
+        WHERE {_IN_SET} AND {_BETWEEN} AND {looked_up}
     )"""
 
 
@@ -413,7 +439,7 @@ def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[st
         ASOF INNER JOIN
         (
             SELECT key, order_key, ts, {ID_HASH_SQL}, {_RANKED} FROM request_keys
-            WHERE key IN (SELECT key FROM target_keys)
+            WHERE key IN (SELECT key FROM target_keys) AND {CANDIDATE_ROWS}
               AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
               AND ts <= {{hi:DateTime64(3, 'UTC')}}
         ) AS p ON t.key = p.key AND t.first_of_ms > p.ranked
@@ -439,7 +465,7 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
             SELECT key, order_key, ts, {ID_HASH}, {_RANKED} FROM
             (
                 SELECT key, order_key, ts, {ID_HASH_SQL} FROM request_keys
-                WHERE key IN (SELECT key FROM target_keys)
+                WHERE key IN (SELECT key FROM target_keys) AND {CANDIDATE_ROWS}
                   AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
                   AND ts < {{hi:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
                 UNION ALL
@@ -448,7 +474,7 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
                     SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
                            {LATEST_ID_HASH_SQL} AS last_hash
                     FROM request_keys
-                    WHERE key IN (SELECT key FROM target_keys)
+                    WHERE key IN (SELECT key FROM target_keys) AND {CANDIDATE_ROWS}
                       AND ts >= {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{lookback:Int64}})
                       AND ts < {{lo:DateTime64(3, 'UTC')}} - toIntervalMillisecond({{horizon:Int64}})
                     GROUP BY key

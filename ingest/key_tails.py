@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from ingest.attribution import MESSAGE_LOOKUPS
 from ingest.store import Store
 
 #: A request's id as an integer (ClickHouse ``cityHash64``): with its order_key it names a predecessor in the job
@@ -59,7 +60,11 @@ def keys_of_range(columns: Sequence[str], where: str) -> str:
     return KEYS_OF_RANGE.format(columns=columns, where=where)
 
 
-_TAIL = ["key", "order_key", "ts", ID_HASH]
+_TAIL = ["key", "order_key", "ts", ID_HASH, "kind"]
+#: Kinds looked up, never found (a request's previous messages: ingest.attribution.MESSAGE_LOOKUPS), and found, never
+#: looked up (its own messages); every other kind is both. SQL: the condition on request_keys' candidate rows.
+LOOKUP_KINDS, FOUND_KINDS = tuple(MESSAGE_LOOKUPS), tuple(MESSAGE_LOOKUPS.values())
+CANDIDATE_ROWS = f"kind NOT IN ({', '.join(map(str, LOOKUP_KINDS))})"
 
 
 def _ms_of(order_key: int) -> datetime:
@@ -114,7 +119,7 @@ class KeyTails:
                 SELECT key, max(order_key) AS last_key, argMax(ts, order_key) AS last_ts,
                        {LATEST_ID_HASH_SQL} AS {ID_HASH}
                 FROM request_keys
-                WHERE key IN ({keys_of_range(["key"], CHUNK_RANGE)})
+                WHERE key IN ({keys_of_range(["key"], CHUNK_RANGE)}) AND {CANDIDATE_ROWS}
                   AND order_key <= {{start:UInt64}} AND ts >= {{reach:DateTime64(3, 'UTC')}}
                   AND ts <= {{start_ts:DateTime64(3, 'UTC')}}
                 GROUP BY key
@@ -122,7 +127,9 @@ class KeyTails:
                       "start_ts": _ms_of(start)}).rename({"last_key": "order_key", "last_ts": "ts"}))
         ts_type = rows.schema["ts"]
         earlier = [p.select(pl.col("key").cast(pl.UInt64), pl.col("order_key").cast(pl.UInt64),
-                            pl.col("ts").cast(ts_type), pl.col(ID_HASH).cast(pl.UInt64)) for p in parts if len(p)]
+                            pl.col("ts").cast(ts_type), pl.col(ID_HASH).cast(pl.UInt64),
+                            (pl.col("kind") if "kind" in p.columns else pl.lit(0)).cast(pl.UInt8))
+                   for p in parts if len(p)]
         # every row before the chunk's range ascends by order_key (the tails, then the rows up to start sorted),
         # and so do the range's rows once sorted: a stable sort by key then orders all by (key, order_key)
         in_order = rows["order_key"].arg_sort().to_numpy()
@@ -146,24 +153,34 @@ class KeyTails:
         new_run[1:] |= (okey[1:] // _MS) != (okey[:-1] // _MS)
         run_start = np.maximum.accumulate(np.where(new_run, np.arange(n), 0))
         ts_ms = right["ts"].dt.epoch("ms").to_numpy()[order]
-        target = np.flatnonzero((order >= before) & (okey >= first) & ~new_key[run_start])
-        candidate = run_start[target] - 1
+        kind = right["kind"].to_numpy()[order]
+        # a candidate is a row of a kind that is found (not a request's previous messages, which are only looked
+        # up): the latest such row of the key before the target's run; a row of a kind only found is no target
+        is_candidate = ~np.isin(kind, LOOKUP_KINDS)
+        key_start = np.maximum.accumulate(np.where(new_key, np.arange(n), 0))
+        last_candidate = np.maximum.accumulate(np.where(is_candidate, np.arange(n), -1))
+        target = np.flatnonzero((order >= before) & (okey >= first) & ~np.isin(kind, FOUND_KINDS))
+        candidate = np.where(run_start[target] > 0, last_candidate[np.maximum(run_start[target] - 1, 0)], -1)
+        has = candidate >= key_start[target]
+        target, candidate = target[has], candidate[has]
         within = ts_ms[target] - ts_ms[candidate] <= horizon_ms
         target, candidate = target[within], candidate[within]
         found = rows[pl.Series(in_order[order[target] - before])].select(*by, "kind").with_columns(
             right["ts"].gather(pl.Series(order[candidate])).alias("p_ts"),
             pl.Series("p_order_key", okey[candidate]),
             pl.Series(f"p_{ID_HASH}", hashes[order[candidate]]))
-        # kept for the next chunk: each key's latest row before the last millisecond read, and every row of that
-        # millisecond (the next chunk's targets may share it: those rows are no predecessors of them), within
-        # the horizon
+        # kept for the next chunk, of the candidate rows: each key's latest row before the last millisecond read,
+        # and every row of that millisecond (the next chunk's targets may share it: those rows are no
+        # predecessors of them), within the horizon
         cut = last // _MS * _MS
-        last_of_key = np.ones(n, dtype=bool)
-        last_of_key[:-1] = new_key[1:]
-        late = okey >= cut
-        last_before = np.zeros(n, dtype=bool)
+        rows_kept = np.flatnonzero(is_candidate)
+        c_key, c_okey = key[rows_kept], okey[rows_kept]
+        last_of_key = np.ones(len(rows_kept), dtype=bool)
+        last_of_key[:-1] = c_key[1:] != c_key[:-1]
+        late = c_okey >= cut
+        last_before = np.zeros(len(rows_kept), dtype=bool)
         last_before[:-1] = ~late[:-1] & late[1:] & ~last_of_key[:-1]
-        keep = (last_of_key | late | last_before) & (ts_ms >= int(reach.timestamp() * 1000))
-        self.tails = right[pl.Series(np.sort(order[keep]))]
+        keep = (last_of_key | late | last_before) & (ts_ms[rows_kept] >= int(reach.timestamp() * 1000))
+        self.tails = right[pl.Series(np.sort(order[rows_kept[keep]]))]
         self.start, self.through = start, last
         return found

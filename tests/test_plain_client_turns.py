@@ -61,12 +61,20 @@ def with_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "conversation_id": "chat-" + r["request_id"][0]} for r in rows]
 
 
-@pytest.mark.parametrize("traffic", [interleaved, edited])
-def test_without_ids_the_answers_are_those_with_ids(traffic) -> None:  # type: ignore[no-untyped-def]
-    """Every request gets the predecessor and the causes it gets when the client sends conversation ids (the
-    edit's predecessor is the request it replaces, a2, whose history it shares)."""
-    assert verdicts(*traffic()) == verdicts(*with_ids(traffic()))
-    assert verdicts(*edited())["a2x"]["pred"] == "a2"
+def test_without_ids_the_answers_are_those_with_ids() -> None:
+    """Every request gets the predecessor and the causes it gets when the client sends conversation ids."""
+    assert verdicts(*interleaved()) == verdicts(*with_ids(interleaved()))
+
+
+def test_an_edited_last_message_takes_the_previous_turn_not_the_request_it_replaces() -> None:
+    """Without ids the request an edit replaces (a2) cannot be told from another user's turn that starts the same
+    way, so it is not taken; the edit's previous turn is (a1, whose messages its history carries): its whole prompt
+    in full blocks is reusable, on the other pod. With ids the conversation's latest request (a2) is taken."""
+    rows = {r["request_id"]: r for r in edited()}
+    got = verdicts(*rows.values())["a2x"]
+    assert got["pred"] == "a1", got
+    assert got["causes"].get(("routed_away", "")) == full(rows["a1"]["prompt_tokens"]), got
+    assert verdicts(*with_ids(edited()))["a2x"]["pred"] == "a2"
 
 
 def test_the_same_first_message_under_another_system_prompt_is_no_previous_turn() -> None:
@@ -128,3 +136,116 @@ def test_the_store_job_does_not_take_the_same_question_as_a_turn(store, system):
     assert store_causes(store, rows)["q2"] == verdicts(*rows)["q2"]["causes"]
     assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
                             "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT) if system else ("", "")]
+
+
+# -- kinds a hostile review found on the first version (siblings taken as turns, salts, user-only turns) ----------
+def same_first_message() -> list[dict[str, Any]]:
+    """Two users whose chats start with the same message (a suggested prompt), their turns interleaved; b2 on
+    b1's pod, evicted meanwhile (cached 0)."""
+    return [row("a1", [SYS, U1], at=0, pod="pod-a"), row("b1", [SYS, U1], at=5, pod="pod-b"),
+            row("a2", [SYS, U1, A1, U2], at=20, pod="pod-a"),
+            row("b2", [SYS, U1, asst("Check the role first. " * 10), U3], at=30, pod="pod-b")]
+
+
+def salted_without_system() -> list[dict[str, Any]]:
+    """Two users with their own cache_salt and no system prompt, the same first message; each next turn on its
+    first turn's pod, evicted meanwhile."""
+    return [row("a1", [U1], at=0, pod="pod-a", cache_salt="user-a"),
+            row("b1", [U1], at=5, pod="pod-b", cache_salt="user-b"),
+            row("a2", [U1, A1, U2], at=20, pod="pod-a", cache_salt="user-a"),
+            row("b2", [U1, A2, U3], at=30, pod="pod-b", cache_salt="user-b")]
+
+
+def few_shot() -> list[dict[str, Any]]:
+    """A one-shot classifier with a fixed example exchange, and a chat app that opens with a welcome message:
+    two users each, the second on the first's pod."""
+    example = [u("Classify: 'the invoice is wrong' ->"), asst("billing")]
+    welcome = asst("Hi! I am the Acme assistant. Ask me anything about your account. " * 3)
+    return [row("f1", [SYS, *example, u("Classify: 'my backup fails' ->")], at=0, pod="pod-a"),
+            row("f2", [SYS, *example, u("Classify: 'cannot log in' ->")], at=90, pod="pod-a"),
+            row("w1", [SYS, welcome, u("How do I reset my password?")], at=100, pod="pod-a"),
+            row("w2", [SYS, welcome, u("Where are my invoices?")], at=190, pod="pod-a")]
+
+
+def user_only_turns() -> list[dict[str, Any]]:
+    """A user who writes three more messages before any reply comes, each request on another pod, the last on
+    the pod of the one before it, evicted meanwhile."""
+    m2, m3, m4 = u("also: the bucket is versioned"), u("and it has object lock on"), u("fourth: any idea?")
+    return [row("t1", [SYS, U1], at=0, pod="pod-a"), row("t2", [SYS, U1, m2], at=2, pod="pod-b"),
+            row("t3", [SYS, U1, m2, m3], at=4, pod="pod-c"), row("t4", [SYS, U1, m2, m3, m4], at=6, pod="pod-c")]
+
+
+def test_a_user_whose_chat_starts_like_another_takes_its_own_previous_turn() -> None:
+    """b2's previous turn is the latest request that sent [SYS, U1], b1, not a2 (which names the same previous
+    messages but sent others): no drift is read into b2's history. a2 takes b1 as well (the same prefix, held on
+    pod-b): its miss is that prefix on the other pod, no drift either."""
+    got = verdicts(*same_first_message())
+    assert got["b2"]["pred"] == "b1" and got["a2"]["pred"] == "b1", got
+    assert got["b2"]["causes"] == verdicts(*with_ids(same_first_message()))["b2"]["causes"], got["b2"]
+    assert not any(c == "prefix_drift" for v in got.values() for c, _ in v["causes"]), got
+
+
+def test_salted_users_without_a_system_prompt_keep_their_own_turns() -> None:
+    """The messages keys hold the cache_salt: each user's next turn takes its own first turn, no
+    cache_salt_changed (the answers with ids)."""
+    got = verdicts(*salted_without_system())
+    assert got["a2"]["pred"] == "a1" and got["b2"]["pred"] == "b1", got
+    assert got == verdicts(*with_ids(salted_without_system()))
+
+
+def test_fixed_leading_messages_of_a_one_shot_app_are_no_previous_turn() -> None:
+    """Few-shot examples and a welcome message repeat in every user's request: no request sent them as its own
+    messages, so the second user's request is no turn of the first's (``fingerprint`` or ``variant``, plain
+    ``evicted``)."""
+    rows = few_shot()
+    by_id = {r["request_id"]: r for r in rows}
+    index = attribution.PredecessorIndex(rows)
+    for first, second in (("f1", "f2"), ("w1", "w2")):
+        pred = index.find(by_id[second])
+        assert pred is not None and pred.request is by_id[first] and pred.kind != attribution.PREVIOUS_TURN, pred
+        assert ("evicted", "evicted_before_next_turn") not in verdicts(*few_shot())[second]["causes"]
+
+
+def test_user_only_turns_take_the_request_just_before() -> None:
+    """A message sent before the reply came re-sends the previous request's messages as its history (key 14 against
+    the previous request's next_history_hash): t4's previous turn is t3, as with ids, not t2."""
+    got = verdicts(*user_only_turns())
+    assert [got[t]["pred"] for t in ("t2", "t3", "t4")] == ["t1", "t2", "t3"], got
+    assert got == verdicts(*with_ids(user_only_turns()))
+
+
+@pytest.mark.parametrize("traffic", [same_first_message, salted_without_system, few_shot, user_only_turns, edited])
+def test_the_store_job_answers_as_the_reference(store, traffic):  # type: ignore[no-untyped-def]
+    """Every request of each kind, through the store job: the same causes and the same predecessor."""
+    got = store_causes(store, traffic())
+    expected = verdicts(*traffic())
+    assert got == {k: v["causes"] for k, v in expected.items() if v["causes"]}, (got, expected)
+    preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
+    assert preds == {k: v["pred"] for k, v in expected.items()}
+
+
+def test_a_previous_turn_that_arrives_late_is_taken_when_it_lands(store):  # type: ignore[no-untyped-def]
+    """a1 reaches the store after a2, b2 and a3 were answered (a collector outage replayed): the next run re-judges
+    the requests that look a1's messages up (key 12 finds a1's key 11; such rows are no candidates, so the
+    successor search takes every one of them on the arrival's keys), and every answer is then the reference's."""
+    from datetime import UTC, datetime, timedelta
+
+    from test_attribution_job import insert_requests
+    from test_attribution_job import run as run_job
+
+    from tests.test_conversation_threads import B
+
+    def stored(rows: list[dict[str, Any]], ago: int) -> list[dict[str, Any]]:
+        at = datetime.now(UTC) - timedelta(minutes=ago)
+        return [{**r, "ingested_at": at, **{k: [int(x, 16) for x in r[k]]
+                                           for k in (attribution.LINE_HASHES, attribution.CHUNK_HASHES)}} for r in rows]
+
+    rows = interleaved()
+    insert_requests(store, stored([r for r in rows if r["request_id"] != "a1"], 3))
+    run_job(store, default_block_size=B)
+    assert store.query_rows("SELECT predecessor_request_id FROM request_attribution FINAL WHERE request_id = 'a2'") \
+        == [("b1",)]
+    insert_requests(store, stored([r for r in rows if r["request_id"] == "a1"], 1))
+    run_job(store, default_block_size=B)
+    preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
+    assert preds == {k: v["pred"] for k, v in verdicts(*rows).items()}

@@ -1,13 +1,17 @@
--- Predecessor keys 11 and 12 (ingest/attribution.py predecessor_keys, KEY_MESSAGES and KEY_PREVIOUS_MESSAGES): a
--- conversation's state by its messages, for clients that send no conversation or run id (a plain OpenAI client).
--- Without them such a turn found only a variant predecessor, the latest request with the same system prompt
--- (another user's, on a shared app), and read its own history as new. Key 11: the request's messages as sent
--- (history_prefix_hash, suffix_hash); key 12: its previous request's as this history carries them
--- (prev_history_hash, prev_suffix_hash); each under (tenant, model, system_norm_hash) and hashed with the seed 11,
--- so a turn's key 12 equals its previous turn's key 11. The attribution job looks requests up on key 12 only
--- (ingest/attribution_job.py drops what key 11 finds: the same messages are no previous turn) and ranks it after
--- the id keys (1, 2, 9, 10) as a previous turn. Kinds 1-10 are those of 0043, unchanged. Rows stored before this
--- migration keep the keys they had: a turn after them finds them on the other keys, as before.
+-- Predecessor keys 11 to 14 (ingest/attribution.py predecessor_keys, KEY_MESSAGES .. KEY_HISTORY): a conversation's
+-- previous turn by its messages, for clients that send no conversation or run id (a plain OpenAI client). Without
+-- them such a turn found only a variant predecessor, the latest request with the same system prompt (another
+-- user's, on a shared app), and read its own history as new. Two asymmetric pairs, each under (tenant, model,
+-- cache_salt_hash, system_norm_hash), the two of a pair hashed with one seed so a turn's looked-up key equals its
+-- previous turn's found key:
+-- * 11, the request's messages as sent (history_prefix_hash, suffix_hash); 12, its previous request's as this
+--   history carries them with the reply after them (prev_history_hash, prev_suffix_hash);
+-- * 13, its messages as one history (next_history_hash); 14, its history (history_prefix_hash): the previous
+--   request re-sent with no reply between (a message sent before the reply came).
+-- The attribution job looks requests up on 12 and 14 only, and keeps what they find only when it was found on its
+-- own 11 or 13 (ingest/attribution_job.py _looked_up); ranked after the id keys (1, 2, 9, 10) as a previous turn.
+-- Kinds 1-10 are those of 0043, unchanged. Rows stored before this migration keep the keys they had: a turn after
+-- them finds them on the other keys, as before.
 ALTER TABLE gateway_requests
     MODIFY COLUMN predecessor_keys Array(Tuple(kind UInt8, key UInt64)) MATERIALIZED arrayFilter(k -> k.2 != 0, [
         (1, if(conversation_id != '', cityHash64(1, tenant_id, model, conversation_id), 0)),
@@ -28,6 +32,12 @@ ALTER TABLE gateway_requests
         (10, if(conversation_id != '' AND first_message_hash != '',
                 cityHash64(10, tenant_id, model, conversation_id, first_message_hash), 0)),
         (11, if(suffix_hash != '',
-                cityHash64(11, tenant_id, model, system_norm_hash, history_prefix_hash, suffix_hash), 0)),
+                cityHash64(11, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash, suffix_hash),
+                0)),
         (12, if(prev_suffix_hash != '',
-                cityHash64(11, tenant_id, model, system_norm_hash, prev_history_hash, prev_suffix_hash), 0))]);
+                cityHash64(11, tenant_id, model, cache_salt_hash, system_norm_hash, prev_history_hash,
+                           prev_suffix_hash), 0)),
+        (13, if(next_history_hash != '',
+                cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, next_history_hash), 0)),
+        (14, if(history_prefix_hash != '',
+                cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0))]);
