@@ -128,7 +128,7 @@ class KeyTails:
         ts_type = rows.schema["ts"]
         earlier = [p.select(pl.col("key").cast(pl.UInt64), pl.col("order_key").cast(pl.UInt64),
                             pl.col("ts").cast(ts_type), pl.col(ID_HASH).cast(pl.UInt64),
-                            (pl.col("kind") if "kind" in p.columns else pl.lit(0)).cast(pl.UInt8))
+                            (pl.col("kind") if "kind" in p.columns else pl.lit(0)).cast(pl.UInt8).alias("kind"))
                    for p in parts if len(p)]
         # every row before the chunk's range ascends by order_key (the tails, then the rows up to start sorted),
         # and so do the range's rows once sorted: a stable sort by key then orders all by (key, order_key)
