@@ -127,12 +127,10 @@ def test_the_store_job_takes_the_same_previous_turn(store, target, pred):  # typ
 
 @pytest.mark.parametrize("system", [True, False])
 def test_the_store_job_does_not_take_the_same_question_as_a_turn(store, system):  # type: ignore[no-untyped-def]
-    """The store job drops what a request's own key 11 finds, as the reference never looks it up. Without a system
-    prompt no other key finds the same question (the fingerprint key needs a stable prefix): q2 has no predecessor
-    (an unfiltered key 11 named q1 a variant)."""
-    rows = faq() if system else [{**r, **{k: v for k, v in row(r["request_id"], [u(
-        "What is the refund policy for annual plans cancelled in the first month? " * 4)], at=0).items()
-        if k not in ("request_id", "ts", "pod", "cached_tokens")}} for r in faq()]
+    """The store job does not look a request's own messages up (key 11), as the reference. Without a system prompt
+    no other key finds the same question (the fingerprint key needs a stable prefix): q2 has no predecessor (a
+    key 11 looked up named q1 a variant)."""
+    rows = faq() if system else faq_without_system()
     assert store_causes(store, rows)["q2"] == verdicts(*rows)["q2"]["causes"]
     assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
                             "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT) if system else ("", "")]
@@ -162,9 +160,9 @@ def few_shot() -> list[dict[str, Any]]:
     example = [u("Classify: 'the invoice is wrong' ->"), asst("billing")]
     welcome = asst("Hi! I am the Acme assistant. Ask me anything about your account. " * 3)
     return [row("f1", [SYS, *example, u("Classify: 'my backup fails' ->")], at=0, pod="pod-a"),
-            row("f2", [SYS, *example, u("Classify: 'cannot log in' ->")], at=90, pod="pod-a"),
             row("w1", [SYS, welcome, u("How do I reset my password?")], at=100, pod="pod-a"),
-            row("w2", [SYS, welcome, u("Where are my invoices?")], at=190, pod="pod-a")]
+            row("f2", [SYS, *example, u("Classify: 'cannot log in' ->")], at=190, pod="pod-a"),
+            row("w2", [SYS, welcome, u("Where are my invoices?")], at=290, pod="pod-a")]
 
 
 def user_only_turns() -> list[dict[str, Any]]:
@@ -223,8 +221,23 @@ def stored(rows: list[dict[str, Any]], minutes_ago: int) -> list[dict[str, Any]]
                                        for k in (attribution.LINE_HASHES, attribution.CHUNK_HASHES)}} for r in rows]
 
 
+def faq_without_system() -> list[dict[str, Any]]:
+    """:func:`faq` with no system prompt: no key but the messages keys finds the same question."""
+    question = u("What is the refund policy for annual plans cancelled in the first month? " * 4)
+    return [row("q1", [question], at=0, pod="pod-a"), row("q2", [question], at=90, pod="pod-a")]
+
+
+def beyond_horizon() -> list[dict[str, Any]]:
+    """The same question without a system prompt two hours apart, and a user's next turn two hours after the
+    first (beyond the default horizon of one hour, within the lookback): the lookback's search by id."""
+    question = u("What is the refund policy for annual plans cancelled in the first month? " * 4)
+    return [row("q1", [question], at=0, pod="pod-a"), row("a1", [SYS, U1], at=10, pod="pod-a"),
+            row("q2", [question], at=7200, pod="pod-a"), row("a2", [SYS, U1, A1, U2], at=7210, pod="pod-b")]
+
+
 @pytest.mark.parametrize("runs", [1, 2])
-@pytest.mark.parametrize("traffic", [same_first_message, salted_without_system, few_shot, user_only_turns, edited])
+@pytest.mark.parametrize("traffic", [same_first_message, salted_without_system, few_shot, user_only_turns, edited,
+                                     faq, faq_without_system, beyond_horizon])
 def test_the_store_job_answers_as_the_reference(store, traffic, runs):  # type: ignore[no-untyped-def]
     """Every request of each kind, through the store job: the same causes and the same predecessor. In one run
     (a backlog: the search carried from chunk to chunk, ingest/key_tails.py) and in two, the later half ingested
