@@ -138,16 +138,23 @@ KEY_CONVERSATION_THREAD = 10
 #: A lookup finds the latest request that sent those messages (11 or 13), never one that names the same previous
 #: messages (12 or 14: another user whose chat starts with the same message, a one-shot app's fixed few-shot or
 #: welcome messages): those are no turns of one conversation.
+#: - 15, the history of a request that asked vLLM to continue its final assistant message (an assistant prefill,
+#:   ``continue_final_message``); 16, the history before this request's last run of assistant messages
+#:   (prefill_history_hash): the turn after a prefill, whose history carries the prefill completed.
 KEY_MESSAGES, KEY_PREVIOUS_MESSAGES, KEY_MESSAGES_AS_HISTORY, KEY_HISTORY = 11, 12, 13, 14
+KEY_PREFILLED, KEY_PREFILL_HISTORY = 15, 16
 #: The looked-up kind of each pair → the kind it must find (a request's own messages).
-MESSAGE_LOOKUPS = {KEY_PREVIOUS_MESSAGES: KEY_MESSAGES, KEY_HISTORY: KEY_MESSAGES_AS_HISTORY}
+MESSAGE_LOOKUPS = {KEY_PREVIOUS_MESSAGES: KEY_MESSAGES, KEY_HISTORY: KEY_MESSAGES_AS_HISTORY,
+                   KEY_PREFILL_HISTORY: KEY_PREFILLED}
 MESSAGE_FOUND_KINDS = tuple(MESSAGE_LOOKUPS.values())
 #: The keys whose latest request is the previous turn, in the order :func:`choose_predecessor` prefers them: the
 #: threads first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
 #: span several agent runs, whose first turn then finds the conversation's latest request); a turn whose first
 #: message is new (the client dropped or summarized the oldest messages) finds the conversation's latest.
 TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN, KEY_HISTORY,
-             KEY_PREVIOUS_MESSAGES)
+             KEY_PREFILL_HISTORY, KEY_PREVIOUS_MESSAGES)
+#: The message lookups in that order.
+MESSAGE_TURN_KEYS = tuple(k for k in TURN_KEYS if k in MESSAGE_LOOKUPS)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
 VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
 
@@ -382,9 +389,12 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
     2. (tenant, model, agent_run_id), 14. (tenant, model, cache_salt_hash, system_norm_hash,
     history_prefix_hash), 12. (…, prev_history_hash, prev_suffix_hash) (:data:`KEY_HISTORY`,
-    :data:`KEY_PREVIOUS_MESSAGES`): :data:`PREVIOUS_TURN`, preferred in that order; 11. (…, history_prefix_hash,
-    suffix_hash) and 13. (…, next_history_hash) (:data:`KEY_MESSAGES`, :data:`KEY_MESSAGES_AS_HISTORY`) are only
-    found, never looked up (11 to 14 each when its last hash is not "");
+    :data:`KEY_PREVIOUS_MESSAGES`), 16. (…, prefill_history_hash) before 12 (:data:`KEY_PREFILL_HISTORY`):
+    :data:`PREVIOUS_TURN`, preferred in that order (the same prompt sent after the one a message key found, on the
+    fingerprint key, takes its place: a retry or regenerate); 11. (…, history_prefix_hash, suffix_hash), 13. (…,
+    next_history_hash) and 15. (…, history_prefix_hash) of a request with ``continue_final_message``
+    (:data:`KEY_MESSAGES`, :data:`KEY_MESSAGES_AS_HISTORY`, :data:`KEY_PREFILLED`) are only found, never looked up
+    (11 to 16 each when its last hash is not "");
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -407,6 +417,10 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
                         (KEY_MESSAGES_AS_HISTORY, ("next_history_hash",)), (KEY_HISTORY, ("history_prefix_hash",))):
         if _str(req, names[-1]):
             out.append((kind, (*scope, *(_str(req, f) for f in names))))
+    if req.get("continue_final_message") and _str(req, "history_prefix_hash"):
+        out.append((KEY_PREFILLED, (*scope, _str(req, "history_prefix_hash"))))
+    if _str(req, "prefill_history_hash"):
+        out.append((KEY_PREFILL_HISTORY, (*scope, _str(req, "prefill_history_hash"))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
@@ -567,6 +581,9 @@ class PredecessorIndex:
                 if key[0] in SHARED_TURN_KEYS and other_thread(req, found):
                     continue  # another thread of the conversation or run (a new sub-agent): not the previous turn
                 out[key[0]] = found
+        turn = next((k for k in MESSAGE_TURN_KEYS if k in out), None)
+        if turn is not None and KEY_FINGERPRINT in out and order_key(out[KEY_FINGERPRINT]) > order_key(out[turn]):
+            out[turn] = out[KEY_FINGERPRINT]  # the same prompt sent after the previous turn: a retry or regenerate
         thread = next((out[k] for k in THREAD_KEYS if k in out), None)
         latest = next((out[k] for k in SHARED_TURN_KEYS if k in out), None)
         if thread is not None and latest is not None and order_key(latest) > order_key(thread) and not thread_first(

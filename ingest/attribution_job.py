@@ -44,9 +44,9 @@ from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
     KEY_FINGERPRINT,
-    KEY_MESSAGES,
     LINE_HASHES,
     LINE_TOKENS,
+    MESSAGE_TURN_KEYS,
     SHARED_TURN_KEYS,
     THREAD_KEYS,
     VERDICT_COLUMNS,
@@ -404,7 +404,7 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         if tails is not None:
             tails.reset()
         found = _searched(store, targets, by, whole, horizon_ms)
-    found = _looked_up(found)
+    found = _retries_as_turns(found, by)
     ts_type = targets.schema["ts"]
     chosen = _choose(_confirm_bands(store, _confirm_threads(store, found, targets, by), targets, by), False,
                      ts_type, by)
@@ -415,17 +415,27 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         rest = (targets.filter(_SERVED).select(*dict.fromkeys([*_ID, *by]))
                 .join(chosen.select(by), on=by, how="anti"))
         if not rest.is_empty():
-            beyond = _looked_up(_beyond_horizon(store, rest, horizon_ms, lookback_ms, by))
+            beyond = _retries_as_turns(_beyond_horizon(store, rest, horizon_ms, lookback_ms, by), by)
             beyond = _choose(_confirm_bands(store, _confirm_threads(store, beyond, targets, by), targets, by), True,
                              ts_type, by)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
 
 
-def _looked_up(found: pl.DataFrame) -> pl.DataFrame:
-    """``found`` without what a target's own key 11 found (:data:`ingest.attribution.KEY_MESSAGES`: its messages as
-    sent are a key later turns find it on, not one it looks itself up on; the same messages are no previous turn)."""
-    return found.filter(pl.col("kind") != KEY_MESSAGES)
+def _retries_as_turns(found: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    """``found`` with a target's fingerprint candidate put under its first message key that found one
+    (:data:`ingest.attribution.MESSAGE_TURN_KEYS`), as ingest.attribution.PredecessorIndex.candidates does: when it
+    is the later of the two (the same prompt sent after the previous turn: a retry or regenerate), :func:`_choose`
+    then takes it as the previous turn."""
+    turns = found.filter(pl.col("kind").is_in(MESSAGE_TURN_KEYS))
+    if turns.is_empty() or not (found["kind"] == KEY_FINGERPRINT).any():
+        return found
+    first = (turns.with_columns(pl.col("kind").replace_strict(_RANKS, return_dtype=pl.Int64).alias("_rank"))
+             .sort([*by, "_rank"]).unique(by, keep="first").select(*by, pl.col("kind").alias("_turn")))
+    return (found.join(first, on=by, how="left")
+            .with_columns(pl.when((pl.col("kind") == KEY_FINGERPRINT) & pl.col("_turn").is_not_null())
+                          .then(pl.col("_turn")).otherwise(pl.col("kind")).cast(found.schema["kind"]).alias("kind"))
+            .drop("_turn"))
 
 
 def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[str, Any] | None,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from ingest.attribution import MESSAGE_LOOKUPS
+from ingest.attribution import MESSAGE_FOUND_KINDS, MESSAGE_LOOKUPS
 from ingest.store import Store
 
 #: A request's id as an integer (ClickHouse ``cityHash64``): with its order_key it names a predecessor in the job
@@ -63,7 +63,7 @@ def keys_of_range(columns: Sequence[str], where: str) -> str:
 _TAIL = ["key", "order_key", "ts", ID_HASH, "kind"]
 #: Kinds looked up, never found (a request's previous messages: ingest.attribution.MESSAGE_LOOKUPS), and found, never
 #: looked up (its own messages); every other kind is both. SQL: the condition on request_keys' candidate rows.
-LOOKUP_KINDS, FOUND_KINDS = tuple(MESSAGE_LOOKUPS), tuple(MESSAGE_LOOKUPS.values())
+LOOKUP_KINDS, FOUND_KINDS = tuple(MESSAGE_LOOKUPS), MESSAGE_FOUND_KINDS
 CANDIDATE_ROWS = f"kind NOT IN ({', '.join(map(str, LOOKUP_KINDS))})"
 
 

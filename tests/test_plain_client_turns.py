@@ -66,15 +66,13 @@ def test_without_ids_the_answers_are_those_with_ids() -> None:
     assert verdicts(*interleaved()) == verdicts(*with_ids(interleaved()))
 
 
-def test_an_edited_last_message_takes_the_previous_turn_not_the_request_it_replaces() -> None:
-    """Without ids the request an edit replaces (a2) cannot be told from another user's turn that starts the same
-    way, so it is not taken; the edit's previous turn is (a1, whose messages its history carries): its whole prompt
-    in full blocks is reusable, on the other pod. With ids the conversation's latest request (a2) is taken."""
-    rows = {r["request_id"]: r for r in edited()}
-    got = verdicts(*rows.values())["a2x"]
-    assert got["pred"] == "a1", got
-    assert got["causes"].get(("routed_away", "")) == full(rows["a1"]["prompt_tokens"]), got
-    assert verdicts(*with_ids(edited()))["a2x"]["pred"] == "a2"
+def test_an_edited_last_message_takes_the_request_it_replaces() -> None:
+    """A user edits turn 2's message and sends it again: the same system prompt and history as a2 (the fingerprint
+    key's match), later than the previous turn key 12 finds (a1), takes its place as the previous turn: the
+    answer ids give."""
+    got = verdicts(*edited())
+    assert got["a2x"]["pred"] == "a2", got["a2x"]
+    assert got == verdicts(*with_ids(edited()))
 
 
 def test_the_same_first_message_under_another_system_prompt_is_no_previous_turn() -> None:
@@ -212,6 +210,22 @@ def test_user_only_turns_take_the_request_just_before() -> None:
     assert got == verdicts(*with_ids(user_only_turns()))
 
 
+def regenerate() -> list[dict[str, Any]]:
+    """A user regenerates turn 2 (the same messages sent again, on a third pod)."""
+    return [row("a1", [SYS, U1], at=0, pod="pod-a"), row("a2", [SYS, U1, A1, U2], at=10, pod="pod-b"),
+            row("a2r", [SYS, U1, A1, U2], at=20, pod="pod-c")]
+
+
+def prefill() -> list[dict[str, Any]]:
+    """Turn 1 ends in an assistant prefill vLLM continues (continue_final_message); turn 2 carries the prefill
+    completed, on turn 1's pod, after another user's request there."""
+    pre = asst("Sure. Step one:")
+    return [{**row("a1", [SYS, U1, pre], at=0, pod="pod-a", continue_final_message=True),
+             "continue_final_message": True},
+            row("b1", [SYS, u("How do I rotate a key? " * 5)], at=5, pod="pod-a"),
+            row("a2", [SYS, U1, asst("Sure. Step one: check the role."), U2], at=10, pod="pod-a")]
+
+
 def stored(rows: list[dict[str, Any]], minutes_ago: int) -> list[dict[str, Any]]:
     """``rows`` as the store job reads them, ingested ``minutes_ago`` (line and chunk hashes as integers)."""
     from datetime import UTC, datetime, timedelta
@@ -237,7 +251,7 @@ def beyond_horizon() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("runs", [1, 2])
 @pytest.mark.parametrize("traffic", [same_first_message, salted_without_system, few_shot, user_only_turns, edited,
-                                     faq, faq_without_system, beyond_horizon])
+                                     faq, faq_without_system, beyond_horizon, regenerate, prefill])
 def test_the_store_job_answers_as_the_reference(store, traffic, runs):  # type: ignore[no-untyped-def]
     """Every request of each kind, through the store job: the same causes and the same predecessor. In one run
     (a backlog: the search carried from chunk to chunk, ingest/key_tails.py) and in two, the later half ingested
@@ -281,3 +295,18 @@ def test_a_previous_turn_that_arrives_late_is_taken_when_it_lands(store):  # typ
     run_job(store, default_block_size=B)
     preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
     assert preds == {k: v["pred"] for k, v in verdicts(*rows).items()}
+
+
+def test_a_regenerate_takes_the_request_it_repeats() -> None:
+    """The same messages sent again after turn 2 (a regenerate or retry): the fingerprint key's match, later than
+    the previous turn key 12 found, takes its place as the previous turn (as with ids): a2's whole prompt."""
+    got = verdicts(*regenerate())
+    assert got["a2r"]["pred"] == "a2", got
+    assert got == verdicts(*with_ids(regenerate()))
+
+
+def test_the_turn_after_an_assistant_prefill_takes_the_prefill() -> None:
+    """Key 16 (the history before the last assistant run) finds the prefill request's key 15: the answer ids give."""
+    got = verdicts(*prefill())
+    assert got["a2"]["pred"] == "a1", got
+    assert got == verdicts(*with_ids(prefill()))

@@ -1,15 +1,17 @@
--- Predecessor keys 11 to 14 (ingest/attribution.py predecessor_keys, KEY_MESSAGES .. KEY_HISTORY): a conversation's
--- previous turn by its messages, for clients that send no conversation or run id (a plain OpenAI client). Without
--- them such a turn found only a variant predecessor, the latest request with the same system prompt (another
--- user's, on a shared app), and read its own history as new. Two asymmetric pairs, each under (tenant, model,
--- cache_salt_hash, system_norm_hash), the two of a pair hashed with one seed so a turn's looked-up key equals its
--- previous turn's found key:
+-- Predecessor keys 11 to 16 (ingest/attribution.py predecessor_keys, KEY_MESSAGES .. KEY_PREFILL_HISTORY): a
+-- conversation's previous turn by its messages, for clients that send no conversation or run id (a plain OpenAI
+-- client). Without them such a turn found only a variant predecessor, the latest request with the same system
+-- prompt (another user's, on a shared app), and read its own history as new. Three asymmetric pairs, each under
+-- (tenant, model, cache_salt_hash, system_norm_hash), the two of a pair hashed with one seed so a turn's looked-up
+-- key equals its previous turn's found key:
 -- * 11, the request's messages as sent (history_prefix_hash, suffix_hash); 12, its previous request's as this
 --   history carries them with the reply after them (prev_history_hash, prev_suffix_hash);
 -- * 13, its messages as one history (next_history_hash); 14, its history (history_prefix_hash): the previous
 --   request re-sent with no reply between (a message sent before the reply came).
--- The attribution job looks requests up on 12 and 14 only, and keeps what they find only when it was found on its
--- own 11 or 13 (ingest/attribution_job.py _looked_up); ranked after the id keys (1, 2, 9, 10) as a previous turn.
+-- * 15, the history of an assistant prefill (continue_final_message); 16, the history before this request's last
+--   run of assistant messages (prefill_history_hash): the turn after a prefill.
+-- The attribution job looks requests up on 12, 14 and 16 only, and finds on them only what was found on its own
+-- 11, 13 or 15 (ingest/key_tails.py CANDIDATE_ROWS); ranked after the id keys (1, 2, 9, 10) as a previous turn.
 -- Kinds 1-10 are those of 0043, unchanged. Rows stored before this migration keep the keys they had: a turn after
 -- them finds them on the other keys, as before.
 ALTER TABLE gateway_requests
@@ -40,4 +42,8 @@ ALTER TABLE gateway_requests
         (13, if(next_history_hash != '',
                 cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, next_history_hash), 0)),
         (14, if(history_prefix_hash != '',
-                cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0))]);
+                cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
+        (15, if(continue_final_message AND history_prefix_hash != '',
+                cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
+        (16, if(prefill_history_hash != '',
+                cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, prefill_history_hash), 0))]);
