@@ -92,7 +92,7 @@ def gateway_table(n: int, *, seed: int = 0, tenants: int = 200, pods: int = 5, e
         "retrieval_set_hash": empty, "retrieval_tokens": pa.array(np.zeros(n), type=pa.uint32()),
         "history_prefix_hash": history_hash, "prev_history_hash": prev_hash,
         "history_tokens": pa.array(history, type=pa.uint32()), "suffix_hash": pa.array(suffix_hash),
-        "prev_suffix_hash": prev_suffix,
+        "prev_suffix_hash": prev_suffix, "next_history_hash": _hashes(np.arange(n) + 13),
         "suffix_tokens": pa.array(suffix, type=pa.uint32()),
         "prompt_fingerprint": _hashes(np.asarray(system_hash.cast(pa.uint64())), turn),
         "token_count_method": pa.array(["tokenizer"] * n),
