@@ -135,6 +135,8 @@ KEY_CONVERSATION_THREAD = 10
 #:   carries them with the reply after them: (prev_history_hash, prev_suffix_hash) (gateway/fingerprint.py);
 #: - 13, its messages as one history (next_history_hash); 14, its history (history_prefix_hash): the previous
 #:   request's messages re-sent with no reply between (a message sent before the reply came, user-only turns).
+#: Only a request with neither conversation_id nor agent_run_id has these keys (a client that sends ids finds its
+#: turns on them; every key costs the predecessor search a row per request).
 #: A lookup finds the latest request that sent those messages (11 or 13), never one that names the same previous
 #: messages (12 or 14: another user whose chat starts with the same message, a one-shot app's fixed few-shot or
 #: welcome messages): those are no turns of one conversation.
@@ -394,7 +396,8 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     fingerprint key, takes its place: a retry or regenerate); 11. (…, history_prefix_hash, suffix_hash), 13. (…,
     next_history_hash) and 15. (…, history_prefix_hash) of a request with ``continue_final_message``
     (:data:`KEY_MESSAGES`, :data:`KEY_MESSAGES_AS_HISTORY`, :data:`KEY_PREFILLED`) are only found, never looked up
-    (11 to 16 each when its last hash is not "");
+    (11 to 16 each when its last hash is not "", and only for a request with neither conversation_id nor
+    agent_run_id: a client that sends ids finds its turns on them);
     3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
@@ -411,16 +414,16 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     if _str(req, "conversation_id") and _str(req, "first_message_hash"):
         out.append((KEY_CONVERSATION_THREAD,
                     (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
-    scope = (tenant, model, _str(req, "cache_salt_hash"), _str(req, "system_norm_hash"))
-    for kind, names in ((KEY_MESSAGES, ("history_prefix_hash", "suffix_hash")),
-                        (KEY_PREVIOUS_MESSAGES, ("prev_history_hash", "prev_suffix_hash")),
-                        (KEY_MESSAGES_AS_HISTORY, ("next_history_hash",)), (KEY_HISTORY, ("history_prefix_hash",))):
-        if _str(req, names[-1]):
-            out.append((kind, (*scope, *(_str(req, f) for f in names))))
-    if req.get("continue_final_message") and _str(req, "history_prefix_hash"):
-        out.append((KEY_PREFILLED, (*scope, _str(req, "history_prefix_hash"))))
-    if _str(req, "prefill_history_hash"):
-        out.append((KEY_PREFILL_HISTORY, (*scope, _str(req, "prefill_history_hash"))))
+    if not (_str(req, "conversation_id") or _str(req, "agent_run_id")):
+        scope = (tenant, model, _str(req, "cache_salt_hash"), _str(req, "system_norm_hash"))
+        for kind, names in ((KEY_MESSAGES, ("history_prefix_hash", "suffix_hash")),
+                            (KEY_PREVIOUS_MESSAGES, ("prev_history_hash", "prev_suffix_hash")),
+                            (KEY_MESSAGES_AS_HISTORY, ("next_history_hash",)),
+                            (KEY_HISTORY, ("history_prefix_hash",)), (KEY_PREFILL_HISTORY, ("prefill_history_hash",))):
+            if _str(req, names[-1]):
+                out.append((kind, (*scope, *(_str(req, f) for f in names))))
+        if req.get("continue_final_message") and _str(req, "history_prefix_hash"):
+            out.append((KEY_PREFILLED, (*scope, _str(req, "history_prefix_hash"))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):

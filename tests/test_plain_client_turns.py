@@ -104,12 +104,16 @@ def test_the_same_question_from_two_users_is_no_previous_turn() -> None:
 
 
 def test_ids_still_win() -> None:
-    """A client that sends a conversation id keeps its id keys first: key 11 is ranked after them."""
-    assert attribution.TURN_KEYS[-1] == attribution.KEY_PREVIOUS_MESSAGES
+    """A client that sends a conversation id finds its turns on the id keys: its requests have no messages keys
+    (each would cost the predecessor search a row per request), so another conversation's request that sent the
+    same messages is never its previous turn."""
     rows = [row("t1", [SYS, U1], at=0, conv="c-1", pod="pod-a"),
             row("t1b", [SYS, U1], at=2, conv="c-2", pod="pod-b"),
             row("t2", [SYS, U1, A1, U2], at=9, conv="c-1", pod="pod-a")]
     assert verdicts(*rows)["t2"]["pred"] == "t1"
+    assert not {k for k, _ in attribution.predecessor_keys(rows[2])} & {*attribution.MESSAGE_LOOKUPS,
+                                                                        *attribution.MESSAGE_FOUND_KINDS}
+    assert {k for k, _ in attribution.predecessor_keys({**rows[2], "conversation_id": ""})} >= {11, 12, 13, 14, 16}
 
 
 @pytest.mark.parametrize(("target", "pred"), [("a2", "a1"), ("b2", "b1"), ("a3", "a2")])

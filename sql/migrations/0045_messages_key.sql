@@ -12,7 +12,9 @@
 --   run of assistant messages (prefill_history_hash): the turn after a prefill.
 -- The attribution job looks requests up on 12, 14 and 16 only, and finds on them only what was found on its own
 -- 11, 13 or 15 (ingest/key_tails.py CANDIDATE_ROWS); ranked after the id keys (1, 2, 9, 10) as a previous turn.
--- Kinds 1-10 are those of 0043, unchanged. Rows stored before this migration keep the keys they had: a turn after
+-- Only a request with neither conversation_id nor agent_run_id has keys 11-16: a client that sends ids finds its
+-- turns on them, and every key costs the predecessor search a row per request. Kinds 1-10 are those of 0043.
+-- Rows stored before this migration keep the keys they had: a turn after
 -- them finds them on the other keys, as before.
 ALTER TABLE gateway_requests
     MODIFY COLUMN predecessor_keys Array(Tuple(kind UInt8, key UInt64)) MATERIALIZED arrayFilter(k -> k.2 != 0, [
@@ -33,17 +35,17 @@ ALTER TABLE gateway_requests
                cityHash64(9, tenant_id, model, agent_run_id, first_message_hash), 0)),
         (10, if(conversation_id != '' AND first_message_hash != '',
                 cityHash64(10, tenant_id, model, conversation_id, first_message_hash), 0)),
-        (11, if(suffix_hash != '',
+        (11, if(conversation_id = '' AND agent_run_id = '' AND suffix_hash != '',
                 cityHash64(11, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash, suffix_hash),
                 0)),
-        (12, if(prev_suffix_hash != '',
+        (12, if(conversation_id = '' AND agent_run_id = '' AND prev_suffix_hash != '',
                 cityHash64(11, tenant_id, model, cache_salt_hash, system_norm_hash, prev_history_hash,
                            prev_suffix_hash), 0)),
-        (13, if(next_history_hash != '',
+        (13, if(conversation_id = '' AND agent_run_id = '' AND next_history_hash != '',
                 cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, next_history_hash), 0)),
-        (14, if(history_prefix_hash != '',
+        (14, if(conversation_id = '' AND agent_run_id = '' AND history_prefix_hash != '',
                 cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
-        (15, if(continue_final_message AND history_prefix_hash != '',
+        (15, if(conversation_id = '' AND agent_run_id = '' AND continue_final_message AND history_prefix_hash != '',
                 cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
-        (16, if(prefill_history_hash != '',
+        (16, if(conversation_id = '' AND agent_run_id = '' AND prefill_history_hash != '',
                 cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, prefill_history_hash), 0))]);
