@@ -126,7 +126,7 @@ KEY_AGENT_THREAD = 9
 #: finds its own previous turn, not a side request the client tagged with the chat's id (a title, tags or memory
 #: request: its own first message) nor another thread sharing the id (sub-agents of a session without a run id).
 KEY_CONVERSATION_THREAD = 10
-#: Predecessor keys 11 to 14: a conversation's previous turn by its messages, for clients that send no
+#: Predecessor keys 11 to 16: a conversation's previous turn by its messages, for clients that send no
 #: conversation or run id (a plain OpenAI client). Each pair is an asymmetric key: the first is a request's own
 #: messages, found by later requests; the second names the messages of the request it continues, and is looked
 #: up. Both of a pair are hashed alike (:func:`match_key`, sql/migrations/0045), under (tenant, model,
@@ -134,15 +134,15 @@ KEY_CONVERSATION_THREAD = 10
 #: - 11, its messages as sent: (history_prefix_hash, suffix_hash); 12, its previous request's as this history
 #:   carries them with the reply after them: (prev_history_hash, prev_suffix_hash) (gateway/fingerprint.py);
 #: - 13, its messages as one history (next_history_hash); 14, its history (history_prefix_hash): the previous
-#:   request's messages re-sent with no reply between (a message sent before the reply came, user-only turns).
-#: Only a request with neither conversation_id nor agent_run_id has these keys (a client that sends ids finds its
-#: turns on them; every key costs the predecessor search a row per request).
-#: A lookup finds the latest request that sent those messages (11 or 13), never one that names the same previous
-#: messages (12 or 14: another user whose chat starts with the same message, a one-shot app's fixed few-shot or
-#: welcome messages): those are no turns of one conversation.
+#:   request's messages re-sent with no reply between (a message sent before the reply came, user-only turns);
 #: - 15, the history of a request that asked vLLM to continue its final assistant message (an assistant prefill,
 #:   ``continue_final_message``); 16, the history before this request's last run of assistant messages
 #:   (prefill_history_hash): the turn after a prefill, whose history carries the prefill completed.
+#: Only a request with neither conversation_id nor agent_run_id has these keys (a client that sends ids finds its
+#: turns on them; every key costs the predecessor search a row per request).
+#: A lookup finds the latest request that sent those messages (11, 13, 15), never one that names the same previous
+#: messages (12, 14, 16: another user whose chat starts with the same message, a one-shot app's fixed few-shot or
+#: welcome messages): those are no turns of one conversation.
 KEY_MESSAGES, KEY_PREVIOUS_MESSAGES, KEY_MESSAGES_AS_HISTORY, KEY_HISTORY = 11, 12, 13, 14
 KEY_PREFILLED, KEY_PREFILL_HISTORY = 15, 16
 #: The looked-up kind of each pair → the kind it must find (a request's own messages).

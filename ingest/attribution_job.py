@@ -76,13 +76,13 @@ from ingest.errors import KvscopeError, RetryableError
 from ingest.key_tails import (
     CANDIDATE_ROWS,
     CHUNK_RANGE,
-    FOUND_KINDS,
     ID_HASH,
     ID_HASH_SQL,
     LATEST_ID_HASH_SQL,
-    LOOKUP_KINDS,
     KeyTails,
+    candidate_rows,
     keys_of_range,
+    looked_up,
 )
 from ingest.known_requests import KnownRequests, gather, names, positions
 from ingest.kv_evidence import MAX_END_MS, KvMemo, chunk_evidence
@@ -263,7 +263,7 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
                 SELECT ts, intDiv(order_key, 1048576) * 1048576 + 1048575 AS last_of_ms, k.key AS key
                 FROM gateway_requests ARRAY JOIN predecessor_keys AS k
                 WHERE {_IN_SET} AND {_BETWEEN} AND status < 400 AND prompt_tokens > 0
-                  AND k.kind NOT IN {{lookups:Array(UInt8)}}
+                  AND {candidate_rows("k.kind")}
             ),
             later AS
             (
@@ -294,11 +294,11 @@ def _successors(store: Store, arrivals: pl.DataFrame, reach_ms: int) -> pl.DataF
               AND ts > {{lo:DateTime64(3, 'UTC')}} AND ts <= (SELECT max(next_ts) FROM nexts)
             UNION ALL
             SELECT request_id, ts FROM request_keys
-            WHERE key IN (SELECT key FROM arrival_keys) AND kind IN {{lookups:Array(UInt8)}}
+            WHERE key IN (SELECT key FROM arrival_keys) AND NOT {CANDIDATE_ROWS}
               AND ts > {{lo:DateTime64(3, 'UTC')}}
               AND ts <= {{hi:DateTime64(3, 'UTC')}} + toIntervalMillisecond({{reach:Int64}})
         )
-        """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms, "lookups": list(LOOKUP_KINDS)})
+        """, {**_stage(store, "arrivals", arrivals), "reach": reach_ms})
 
 
 #: The ASOF JOINs' ordering of candidates on a key: (order_key, cityHash64(request_id)) as one UInt128, so that of
@@ -319,20 +319,19 @@ def _target_keys(by: list[str], whole: bool = False) -> str:
     10^6 requests of generated history, three runs each on a quiet machine, 9.9–11.6 CPU-s against 11.3–12.6 for
     the whole job). Keys of a kind only found (a request's own messages, :data:`ingest.key_tails.FOUND_KINDS`)
     are not looked up."""
-    looked_up = f"k.kind NOT IN ({', '.join(map(str, FOUND_KINDS))})"
     if whole:
         return f"""
     target_keys AS
     (
         {keys_of_range([*dict.fromkeys([*by, "order_key", "ts"]), _FIRST_OF_MS, "kind", "key"],
-                       f"{CHUNK_RANGE} AND {looked_up}")}
+                       f"{CHUNK_RANGE} AND {looked_up('k.kind')}")}
     )"""
     return f"""
     target_keys AS
     (
         SELECT {", ".join(dict.fromkeys([*by, "ts"]))}, {_FIRST_OF_MS}, k.kind AS kind, k.key AS key
         FROM gateway_requests ARRAY JOIN predecessor_keys AS k
-        WHERE {_IN_SET} AND {_BETWEEN} AND {looked_up}
+        WHERE {_IN_SET} AND {_BETWEEN} AND {looked_up('k.kind')}
     )"""
 
 

@@ -64,7 +64,20 @@ _TAIL = ["key", "order_key", "ts", ID_HASH, "kind"]
 #: Kinds looked up, never found (a request's previous messages: ingest.attribution.MESSAGE_LOOKUPS), and found, never
 #: looked up (its own messages); every other kind is both. SQL: the condition on request_keys' candidate rows.
 LOOKUP_KINDS, FOUND_KINDS = tuple(MESSAGE_LOOKUPS), MESSAGE_FOUND_KINDS
-CANDIDATE_ROWS = f"kind NOT IN ({', '.join(map(str, LOOKUP_KINDS))})"
+
+
+def candidate_rows(kind: str = "kind") -> str:
+    """SQL: the rows of ``request_keys`` (``kind``: the column or expression of a row's key kind) that can be a
+    candidate, not a request's previous messages (:data:`LOOKUP_KINDS`)."""
+    return f"{kind} NOT IN ({', '.join(map(str, LOOKUP_KINDS))})"
+
+
+def looked_up(kind: str = "kind") -> str:
+    """SQL: the key rows a target looks up, not its own messages (:data:`FOUND_KINDS`)."""
+    return f"{kind} NOT IN ({', '.join(map(str, FOUND_KINDS))})"
+
+
+CANDIDATE_ROWS = candidate_rows()
 
 
 def _ms_of(order_key: int) -> datetime:
