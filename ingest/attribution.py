@@ -145,6 +145,17 @@ KEY_CONVERSATION_THREAD = 10
 #: welcome messages): those are no turns of one conversation.
 KEY_MESSAGES, KEY_PREVIOUS_MESSAGES, KEY_MESSAGES_AS_HISTORY, KEY_HISTORY = 11, 12, 13, 14
 KEY_PREFILLED, KEY_PREFILL_HISTORY = 15, 16
+#: Predecessor keys 17 and 18: the latest request of a conversation (17: tenant, model, conversation_id,
+#: system_norm_hash) or agent run (18: …, agent_run_id, …) sent with this request's system prompt
+#: (sql/migrations/0046). Never a predecessor by itself: when the turn the id keys found was sent under another
+#: system prompt and this request continues the one found here, that one is the previous turn
+#: (:meth:`PredecessorIndex.candidates`). A client that sends other calls with the chat's messages and id under a
+#: system prompt of their own (a guardrail or judge, the router and responder nodes of an agent graph) has two
+#: threads of the same messages; each continues its own.
+KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN_SYSTEM = 17, 18
+#: The turn keys of a conversation or run id (:data:`TURN_KEYS`' first four) → their same-system key.
+SAME_SYSTEM_KEYS = {KEY_AGENT_THREAD: KEY_AGENT_RUN_SYSTEM, KEY_CONVERSATION_THREAD: KEY_CONVERSATION_SYSTEM,
+                    KEY_CONVERSATION: KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN: KEY_AGENT_RUN_SYSTEM}
 #: The looked-up kind of each pair → the kind it must find (a request's own messages).
 MESSAGE_LOOKUPS = {KEY_PREVIOUS_MESSAGES: KEY_MESSAGES, KEY_HISTORY: KEY_MESSAGES_AS_HISTORY,
                    KEY_PREFILL_HISTORY: KEY_PREFILLED}
@@ -386,7 +397,7 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
 
     Kinds and keys (all scoped by model, because a pod's cache holds one model's KV; conversation, run and
     variants also by tenant, so two tenants' "conv-1" never mix), mirrored by the MATERIALIZED column
-    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043, 0045):
+    gateway_requests.predecessor_keys (sql/migrations/0008, 0020, 0039, 0043, 0045, 0046):
     9. (tenant, model, agent_run_id, first_message_hash: one thread of the run), 10. (tenant, model,
     conversation_id, first_message_hash: one thread of the conversation), 1. (tenant, model, conversation_id),
     2. (tenant, model, agent_run_id), 14. (tenant, model, cache_salt_hash, system_norm_hash,
@@ -402,7 +413,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
     :data:`MIN_STRUCTURE_LINES` lines (sql/migrations/0020): :data:`VARIANT`, once :func:`lines_match` confirms
-    the candidate (:meth:`PredecessorIndex.candidates`).
+    the candidate (:meth:`PredecessorIndex.candidates`);
+    17–18. (tenant, model, conversation_id / agent_run_id, system_norm_hash): never chosen themselves; they replace
+    the turn the id keys found when :func:`same_system_turn` holds (:data:`KEY_CONVERSATION_SYSTEM`).
     """
     tenant, model = _str(req, "tenant_id"), _str(req, "model")
     out: list[tuple[int, tuple[str, ...]]] = []
@@ -414,6 +427,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     if _str(req, "conversation_id") and _str(req, "first_message_hash"):
         out.append((KEY_CONVERSATION_THREAD,
                     (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
+    for kind, field in ((KEY_CONVERSATION_SYSTEM, "conversation_id"), (KEY_AGENT_RUN_SYSTEM, "agent_run_id")):
+        if _str(req, field):
+            out.append((kind, (tenant, model, _str(req, field), _str(req, "system_norm_hash"))))
     if not (_str(req, "conversation_id") or _str(req, "agent_run_id")):
         scope = (tenant, model, _str(req, "cache_salt_hash"), _str(req, "system_norm_hash"))
         for kind, names in ((KEY_MESSAGES, ("history_prefix_hash", "suffix_hash")),
@@ -506,6 +522,16 @@ def thread_first(req: Request, thread: Request, latest: Request) -> bool:
     return continues(req, thread) and not continues(req, latest)
 
 
+def same_system_turn(req: Request, turn: Request, same: Request) -> bool:
+    """Whether ``same``, the latest request of ``req``'s conversation or run sent with ``req``'s system prompt (key 17
+    or 18), is its previous turn rather than ``turn``, the one the id keys found: ``turn`` was sent under another
+    system prompt (``system_norm_hash``), and ``req`` continues ``same`` (:func:`continues`). A side call on the
+    chat's messages and id (a guardrail, a judge, another node of an agent graph) then stands between two turns
+    of the chat without being either's previous turn. Without such a request (the system prompt changed for the
+    chat itself) ``turn`` stays: a system drift."""
+    return _str(turn, "system_norm_hash") != _str(req, "system_norm_hash") and continues(req, same)
+
+
 #: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.
 SHARED_TURN_KEYS = (KEY_CONVERSATION, KEY_AGENT_RUN)
 
@@ -593,6 +619,11 @@ class PredecessorIndex:
                 req, thread, latest):
             for k in THREAD_KEYS:
                 out.pop(k, None)
+        same = {k: out.pop(k) for k in SAME_SYSTEM_KEYS.values() if k in out}
+        turn = next((k for k in SAME_SYSTEM_KEYS if k in out), None)
+        if turn is not None and SAME_SYSTEM_KEYS[turn] in same and same_system_turn(
+                req, out[turn], same[SAME_SYSTEM_KEYS[turn]]):
+            out[turn] = same[SAME_SYSTEM_KEYS[turn]]
         return out
 
     def find(self, req: Request) -> Predecessor | None:

@@ -47,6 +47,7 @@ from ingest.attribution import (
     LINE_HASHES,
     LINE_TOKENS,
     MESSAGE_TURN_KEYS,
+    SAME_SYSTEM_KEYS,
     SHARED_TURN_KEYS,
     THREAD_KEYS,
     VERDICT_COLUMNS,
@@ -405,8 +406,8 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
         found = _searched(store, targets, by, whole, horizon_ms)
     found = _retries_as_turns(found, by)
     ts_type = targets.schema["ts"]
-    chosen = _choose(_confirm_bands(store, _confirm_threads(store, found, targets, by), targets, by), False,
-                     ts_type, by)
+    chosen = _choose(_confirm_bands(store, _same_system_turns(store, _confirm_threads(store, found, targets, by),
+                                                              targets, by), targets, by), False, ts_type, by)
     if lookback_ms > horizon_ms:
         # only served targets: a failed request names no predecessor, and with its keys read by range (which
         # leaves it out) it has no candidate within the horizon (at 10^7 requests of generated history, 2% failed:
@@ -415,8 +416,8 @@ def _predecessors(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback
                 .join(chosen.select(by), on=by, how="anti"))
         if not rest.is_empty():
             beyond = _retries_as_turns(_beyond_horizon(store, rest, horizon_ms, lookback_ms, by), by)
-            beyond = _choose(_confirm_bands(store, _confirm_threads(store, beyond, targets, by), targets, by), True,
-                             ts_type, by)
+            beyond = _same_system_turns(store, _confirm_threads(store, beyond, targets, by), targets, by)
+            beyond = _choose(_confirm_bands(store, beyond, targets, by), True, ts_type, by)
             chosen = pl.concat([chosen, beyond], how="vertical_relaxed")
     return chosen
 
@@ -567,6 +568,56 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     dropped = pl.concat([others, skip.join(rows.filter(pl.col("kind").is_in(THREAD_KEYS)).select(*by, "kind"), on=by)],
                         how="vertical_relaxed")
     return found.join(dropped, on=[*by, "kind"], how="anti") if not dropped.is_empty() else found
+
+
+def _same_system_turns(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by: list[str] = _ID
+                       ) -> pl.DataFrame:
+    """``found`` (after :func:`_confirm_threads`) without the candidates on the same-system keys (17, 18), each
+    first put in place of its target's turn on the id keys (the lowest-ranked of 9, 10, 1, 2) when
+    ingest.attribution.same_system_turn holds: that turn was sent under another system prompt and the target
+    continues the same-system candidate (ingest.attribution_batch.continuation, as the judge reads it), as
+    ingest.attribution.PredecessorIndex.candidates does. The candidates' fields are read from gateway_requests.
+    ``by``: the columns naming a target."""
+    kinds = list(dict.fromkeys(SAME_SYSTEM_KEYS.values()))
+    same = found.filter(pl.col("kind").is_in(kinds))
+    if same.is_empty():
+        return found
+    rest = found.filter(~pl.col("kind").is_in(kinds))
+    rank = pl.col("kind").replace_strict({k: i for i, k in enumerate(SAME_SYSTEM_KEYS)}, return_dtype=pl.Int64)
+    turn = (rest.filter(pl.col("kind").is_in(list(SAME_SYSTEM_KEYS))).sort([*by, rank])
+            .unique(by, keep="first", maintain_order=True)
+            .with_columns(pl.col("kind").replace_strict(SAME_SYSTEM_KEYS, return_dtype=same.schema["kind"])
+                          .alias("_same")))
+    pairs = turn.join(same.select(*by, pl.col("kind").alias("_same"), *(pl.col(c).alias(f"s_{c}") for c in _P)),
+                      on=[*by, "_same"], how="inner")
+    if pairs.is_empty():
+        return rest
+    ts_type = pairs.schema["p_ts"]  # the store's, as the targets' ts in ``found``
+    mine = ("system_norm_hash", "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "prefill_history_hash")
+    ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by),
+                          *(c for c in mine if c in targets.columns))
+    keys = pl.concat([pairs.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")),
+                      pairs.select(pl.col("s_p_order_key").alias("order_key"), pl.col("s_p_ts").alias("ts"))]).unique()
+    fields = ("system_norm_hash", "history_prefix_hash", "suffix_hash", "next_history_hash", "continue_final_message")
+    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, *fields))
+    turn_fields = theirs.select(pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
+                                pl.col("system_norm_hash").alias("t_system_norm_hash"))
+    same_fields = theirs.select(pl.col("order_key").alias("s_p_order_key"), pl.col(ID_HASH).alias(f"s_p_{ID_HASH}"),
+                                *(pl.col(f).alias(f"p_{f}") for f in fields if f != "system_norm_hash"))
+    rows = (pairs.join(ours, on=by, how="inner")
+            .join(turn_fields, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
+            .join(same_fields, on=["s_p_order_key", f"s_p_{ID_HASH}"], how="inner"))
+    moved = rows.filter(pl.Series(continuation(rows, np.ones(len(rows), dtype=bool))[0])
+                        & (pl.col("t_system_norm_hash") != pl.col("system_norm_hash")))
+    if moved.is_empty():
+        return rest
+    put = moved.select(*by, "kind", *(pl.col(f"s_{c}").alias(c) for c in _P))
+    return pl.concat([rest.join(put.select(*by, "kind"), on=[*by, "kind"], how="anti"),
+                      put.select(rest.columns)], how="vertical_relaxed")
+
+
+#: A candidate's columns in ``found`` besides its target and key kind.
+_P = ("p_ts", "p_order_key", f"p_{ID_HASH}")
 
 
 def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by: list[str] = _ID) -> pl.DataFrame:

@@ -85,6 +85,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
             rewound = rewound_turns(gw.url)
             invisible = template_invisible_turns(gw.url)
             plain = plain_client_turns(gw.url)
+            guarded = guardrail_turns(gw.url)
             after = {p.name: read_counters(p.metrics_url) for p in pods}
             t_done = time.time()
 
@@ -102,7 +103,7 @@ def e2e(vllm_fleet, tiny_model_dir, kafka_bootstrap, chdb_dir, tmp_path_factory)
     records = [json.loads(line) for line in gw_log.read_text().splitlines() if line.strip()]
     yield {"store": store, "before": before, "after": after, "labels": labels, "records": records, "edited": edited,
            "unreplied": unreplied, "skipped": skipped, "subagents": subagents, "outage": outage,
-           "prefilled": prefilled, "rewound": rewound, "invisible": invisible, "plain": plain,
+           "prefilled": prefilled, "rewound": rewound, "invisible": invisible, "plain": plain, "guarded": guarded,
            "cfg": cfg, "pods": pods,
            "tokenizer": Path(tiny_model_dir) / "tokenizer.json"}
 
@@ -398,6 +399,50 @@ def test_a_client_without_ids_finds_its_previous_turn(e2e) -> None:  # type: ign
     assert sum(rows.values()) == by_id[a2]["prompt_tokens"] - by_id[a2]["cached_tokens"]
     # A1's last block may hold the generation prompt's tokens, which A2 continues otherwise: within one block
     assert reusable > block and abs(rows.get(("routed_away", ""), 0) - reusable) <= block, rows
+
+
+def guardrail_turns(gateway_url: str) -> tuple[str, str, str, str]:
+    """A chat whose every turn is followed by a guardrail call on the same messages and conversation id under a
+    system prompt of its own, back to back so round robin alternates the pods: turn 1 (pod X), guardrail 1 (pod Y),
+    a filler (pod X), turn 2 (pod Y, which holds only guardrail 1), guardrail 2 (pod X). Returns (t1, g1, t2, g2)."""
+    tag = uuid.uuid4().hex[:8]
+    chat = {"role": "system", "content": f"You are the library desk {tag}. " + " ".join(
+        f"Rule {i}: give the shelf and the loan period." for i in range(12))}
+    guard = {"role": "system", "content": f"Classify {tag} as SAFE or UNSAFE. " + " ".join(
+        f"Check {i}: flag requests for other readers' data." for i in range(12))}
+    ask = {"role": "user", "content": "Find me books. " + " ".join(
+        f"Topic {i}: the history of printing in city {i}." for i in range(20))}
+    turn2 = [ask, {"role": "assistant", "content": "Here are the shelves."},
+             {"role": "user", "content": "Which can I borrow for a month?"}]
+    ids = tuple(f"guard-{tag}-{n}" for n in ("t1", "g1", "filler", "t2", "g2"))
+    post_in_order(gateway_url, {"X-Tenant-Id": "library", "X-Conversation-Id": f"guarded-{tag}"}, [
+        (ids[0], {"messages": [chat, ask]}), (ids[1], {"messages": [guard, ask]}), (ids[2], FILLER),
+        (ids[3], {"messages": [chat, *turn2]}), (ids[4], {"messages": [guard, *turn2]})])
+    return ids[0], ids[1], ids[3], ids[4]
+
+
+def test_a_guardrail_call_on_the_chat_id_is_not_the_previous_turn(e2e) -> None:  # type: ignore[no-untyped-def]
+    """Each chat turn is followed by a guardrail call on the same messages and conversation id under its own system
+    prompt. Turn 2 went to the guardrail's pod: its previous turn is turn 1 (the latest under its system prompt,
+    which it continues), and turn 1's full blocks are `routed_away`; guardrail 2's is guardrail 1, on the other pod.
+    Before keys 17/18 turn 2 took guardrail 1 (the conversation's latest) and read `prefix_drift / system_changed`."""
+    t1, g1, t2, g2 = e2e["guarded"]
+    by_id = {r["request_id"]: r for r in e2e["records"]}
+    assert by_id[t1]["pod"] == by_id[g2]["pod"] != by_id[g1]["pod"] == by_id[t2]["pod"]
+    store = e2e["store"]
+    for request, previous in ((t2, t1), (g2, g1)):
+        pred = store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                                "WHERE request_id = {r:String}", {"r": request})
+        rows = dict(((c, sc), t) for c, sc, t in store.query_rows(
+            "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": request}))
+        block = by_id[request]["prompt_block_size"] or 32
+        reusable = (by_id[previous]["prompt_tokens"] - 1) // block * block - by_id[request]["cached_tokens"]
+        print(f"\n{request}: prompt {by_id[request]['prompt_tokens']}, cached {by_id[request]['cached_tokens']}, "
+              f"previous prompt {by_id[previous]['prompt_tokens']}, predecessor {pred}, causes {rows}")
+        assert pred == [(previous, "previous_turn")]
+        assert not any(c == "prefix_drift" for c, _ in rows), rows
+        assert sum(rows.values()) == by_id[request]["prompt_tokens"] - by_id[request]["cached_tokens"]
+        assert reusable > block and abs(rows.get(("routed_away", ""), 0) - reusable) <= block, rows
 
 
 def chain_common(a: dict[str, Any], b: dict[str, Any]) -> int:
