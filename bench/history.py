@@ -77,6 +77,8 @@ def gateway_table(n: int, *, seed: int = 0, tenants: int = 200, pods: int = 5, e
         "request_id": pa.array(np.char.add(f"{id_prefix}-", np.arange(n).astype(str))),
         "ts": ts, "tenant_id": pa.array(np.char.add("tenant-", tenant.astype(str))),
         "conversation_id": pa.array(np.char.add("c-", conv.astype(str))), "agent_run_id": empty,
+        # the conversation's first message, as the gateway logs it: predecessor keys 10 and 17 are on it
+        "first_message_hash": _hashes(conv, np.full(n, -1, dtype=np.int64)),
         "model": pa.array(["tiny"] * n), "pod": pa.array(np.char.add("pod-", pod.astype(str))),
         "endpoint": pa.array(["chat.completions"] * n), "routing_policy": pa.array(["prefix_affinity"] * n),
         "routing_reason": pa.array(np.where(moved, "moved: load", "affinity")),

@@ -145,17 +145,17 @@ KEY_CONVERSATION_THREAD = 10
 #: welcome messages): those are no turns of one conversation.
 KEY_MESSAGES, KEY_PREVIOUS_MESSAGES, KEY_MESSAGES_AS_HISTORY, KEY_HISTORY = 11, 12, 13, 14
 KEY_PREFILLED, KEY_PREFILL_HISTORY = 15, 16
-#: Predecessor keys 17 and 18: the latest request of a conversation (17: tenant, model, conversation_id,
-#: system_norm_hash) or agent run (18: …, agent_run_id, …) sent with this request's system prompt
+#: Predecessor keys 17 and 18: one thread of a conversation (17: tenant, model, conversation_id,
+#: first_message_hash, system_norm_hash) or of an agent run (18: …, agent_run_id, …) under one system prompt
 #: (sql/migrations/0046). Never a predecessor by itself: when the turn the id keys found was sent under another
-#: system prompt and this request continues the one found here, that one is the previous turn
-#: (:meth:`PredecessorIndex.candidates`). A client that sends other calls with the chat's messages and id under a
-#: system prompt of their own (a guardrail or judge, the router and responder nodes of an agent graph) has two
-#: threads of the same messages; each continues its own.
+#: system prompt, the latest earlier request of the thread under this request's own takes its place
+#: (:func:`same_system_turn`). A client that sends other calls with the chat's messages and id under a system prompt
+#: of their own (a guardrail or judge, the router and responder nodes of an agent graph) has two threads of the same
+#: messages; each takes its own.
 KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN_SYSTEM = 17, 18
-#: The turn keys of a conversation or run id (:data:`TURN_KEYS`' first four) → their same-system key.
-SAME_SYSTEM_KEYS = {KEY_AGENT_THREAD: KEY_AGENT_RUN_SYSTEM, KEY_CONVERSATION_THREAD: KEY_CONVERSATION_SYSTEM,
-                    KEY_CONVERSATION: KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN: KEY_AGENT_RUN_SYSTEM}
+SAME_SYSTEM_KEYS = (KEY_AGENT_RUN_SYSTEM, KEY_CONVERSATION_SYSTEM)
+#: The turn keys of a conversation or run id (:data:`TURN_KEYS`' first four), in that order.
+ID_TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN)
 #: The looked-up kind of each pair → the kind it must find (a request's own messages).
 MESSAGE_LOOKUPS = {KEY_PREVIOUS_MESSAGES: KEY_MESSAGES, KEY_HISTORY: KEY_MESSAGES_AS_HISTORY,
                    KEY_PREFILL_HISTORY: KEY_PREFILLED}
@@ -414,8 +414,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
     :data:`MIN_STRUCTURE_LINES` lines (sql/migrations/0020): :data:`VARIANT`, once :func:`lines_match` confirms
     the candidate (:meth:`PredecessorIndex.candidates`);
-    17–18. (tenant, model, conversation_id / agent_run_id, system_norm_hash): never chosen themselves; they replace
-    the turn the id keys found when :func:`same_system_turn` holds (:data:`KEY_CONVERSATION_SYSTEM`).
+    17–18. (tenant, model, conversation_id / agent_run_id, first_message_hash, system_norm_hash): never chosen
+    themselves; they replace the turn the id keys found when :func:`same_system_turn` holds
+    (:data:`KEY_CONVERSATION_SYSTEM`).
     """
     tenant, model = _str(req, "tenant_id"), _str(req, "model")
     out: list[tuple[int, tuple[str, ...]]] = []
@@ -428,8 +429,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
         out.append((KEY_CONVERSATION_THREAD,
                     (tenant, model, _str(req, "conversation_id"), _str(req, "first_message_hash"))))
     for kind, field in ((KEY_CONVERSATION_SYSTEM, "conversation_id"), (KEY_AGENT_RUN_SYSTEM, "agent_run_id")):
-        if _str(req, field):
-            out.append((kind, (tenant, model, _str(req, field), _str(req, "system_norm_hash"))))
+        if _str(req, field) and _str(req, "first_message_hash"):
+            out.append((kind, (tenant, model, _str(req, field), _str(req, "first_message_hash"),
+                               _str(req, "system_norm_hash"))))
     if not (_str(req, "conversation_id") or _str(req, "agent_run_id")):
         scope = (tenant, model, _str(req, "cache_salt_hash"), _str(req, "system_norm_hash"))
         for kind, names in ((KEY_MESSAGES, ("history_prefix_hash", "suffix_hash")),
@@ -489,17 +491,21 @@ def lines_volatile(req: Request, prev: Request) -> bool:
 
 
 def other_thread(req: Request, cand: Request) -> bool:
-    """Whether ``cand``, the latest request on ``req``'s conversation or agent-run key, is another thread's request,
-    not ``req``'s previous turn: ``req`` is a thread's first turn (no history), both logged a
-    ``first_message_hash``, the two differ, and so do their system prompts (``system_hash``): a new sub-agent of
-    the run, with its own system prompt and task. A turn with a history is a thread's next turn, whatever changed
-    (a sliding window or a compaction that dropped the oldest messages, with a system prompt that carries the date
-    or a memory). Such a candidate is dropped (:meth:`PredecessorIndex.candidates`); the request then finds its
-    predecessor on the fingerprint or variant keys, or none (``cold``), instead of reading the orchestrator's prompt
-    as a ``system_changed`` drift."""
+    """Whether ``cand``, the latest request on one of ``req``'s id keys (:data:`ID_TURN_KEYS`), is another thread's
+    request, not ``req``'s previous turn: ``req`` is a thread's first call (no history), both logged a
+    ``first_message_hash``, and either their first messages and system prompts (``system_hash``) both differ (a new
+    sub-agent of the run, with its own system prompt and task) or their normalized system prompts
+    (``system_norm_hash``) differ (a side call on the chat's first message under a system prompt of its own: a
+    guardrail, another node of an agent graph). A turn with a history is a thread's next turn, whatever changed (a
+    sliding window or a compaction that dropped the oldest messages, with a system prompt that carries the date or
+    a memory). Such a candidate is dropped (:meth:`PredecessorIndex.candidates`); the request then finds its
+    predecessor on the fingerprint or variant keys (the latest request under its own system prompt), or none
+    (``cold``), instead of reading the other thread's prompt as a ``system_changed`` drift."""
     mine, theirs = _str(req, "first_message_hash"), _str(cand, "first_message_hash")
-    return bool(not _str(req, "history_prefix_hash") and mine and theirs and mine != theirs
-                and _str(req, "system_hash") != _str(cand, "system_hash"))
+    if _str(req, "history_prefix_hash") or not (mine and theirs):
+        return False
+    return (mine != theirs and _str(req, "system_hash") != _str(cand, "system_hash")) or (
+        _str(req, "system_norm_hash") != _str(cand, "system_norm_hash"))
 
 
 #: The turn keys of one thread (its first message), tried before the conversation's and the run's latest request.
@@ -522,14 +528,19 @@ def thread_first(req: Request, thread: Request, latest: Request) -> bool:
     return continues(req, thread) and not continues(req, latest)
 
 
-def same_system_turn(req: Request, turn: Request, same: Request) -> bool:
-    """Whether ``same``, the latest request of ``req``'s conversation or run sent with ``req``'s system prompt (key 17
-    or 18), is its previous turn rather than ``turn``, the one the id keys found: ``turn`` was sent under another
-    system prompt (``system_norm_hash``), and ``req`` continues ``same`` (:func:`continues`). A side call on the
-    chat's messages and id (a guardrail, a judge, another node of an agent graph) then stands between two turns
-    of the chat without being either's previous turn. Without such a request (the system prompt changed for the
-    chat itself) ``turn`` stays: a system drift."""
-    return _str(turn, "system_norm_hash") != _str(req, "system_norm_hash") and continues(req, same)
+def same_system_turn(req: Request, turn: Request, same: Iterable[Request]) -> Request | None:
+    """The request that takes the place of ``turn`` (the previous turn the id keys found for ``req``) as the
+    previous turn, or None: when ``turn`` was sent under another normalized system prompt than ``req``, the latest
+    of ``same`` (the latest requests of ``req``'s thread under its own system prompt, keys 17 and 18) earlier than
+    ``turn`` (by :func:`order_key`). A side call on the chat's messages and id (a guardrail, a judge, another node of
+    an agent graph) then stands between two turns of the chat without being either's previous turn, whatever the
+    turn does with its history (continues it, regenerates, goes back a turn). Without such a request (the system
+    prompt changed for the chat itself) ``turn`` stays: a system drift. A request of ``same`` later than ``turn``
+    is no replacement: ``turn`` is then the thread's latest (the thread keys' choice, a side request skipped)."""
+    if _str(turn, "system_norm_hash") == _str(req, "system_norm_hash"):
+        return None
+    earlier = [r for r in same if order_key(r) < order_key(turn)]
+    return max(earlier, key=order_key) if earlier else None
 
 
 #: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.
@@ -593,9 +604,10 @@ class PredecessorIndex:
                 tl.keys.append(order_key(req))
                 tl.reqs.append(req)
 
-    def candidates(self, req: Request, reach_ms: int | None = None) -> dict[int, Request]:
+    def candidates(self, req: Request, reach_ms: int | None = None, beyond_ms: int = 0) -> dict[int, Request]:
         """Key kind → the latest request strictly earlier (an earlier millisecond) on that key, at most
-        ``reach_ms`` earlier (default: the horizon)."""
+        ``reach_ms`` earlier (default: the horizon) and more than ``beyond_ms`` earlier (the lookback's search
+        beyond the horizon: every request within it was considered, and those left were dropped)."""
         ts_ms = _ts_ms(req)
         not_before = ts_ms - (self.horizon_ms if reach_ms is None else reach_ms)
         out: dict[int, Request] = {}
@@ -603,11 +615,11 @@ class PredecessorIndex:
             if key[0] in MESSAGE_FOUND_KINDS:
                 continue  # found, never looked up: the same messages are no previous turn
             tl = self._timelines.get(match_key(key))
-            found = tl.latest_before(ts_ms) if tl else None
+            found = tl.latest_before(ts_ms - beyond_ms) if tl else None
             if found is not None and _ts_ms(found) >= not_before:
                 if key[0] in BAND_KEYS and not lines_match(req, found):
                     continue  # a band matched by chance, the other lines too different: not a variant
-                if key[0] in SHARED_TURN_KEYS and other_thread(req, found):
+                if key[0] in ID_TURN_KEYS and other_thread(req, found):
                     continue  # another thread of the conversation or run (a new sub-agent): not the previous turn
                 out[key[0]] = found
         turn = next((k for k in MESSAGE_TURN_KEYS if k in out), None)
@@ -619,11 +631,12 @@ class PredecessorIndex:
                 req, thread, latest):
             for k in THREAD_KEYS:
                 out.pop(k, None)
-        same = {k: out.pop(k) for k in SAME_SYSTEM_KEYS.values() if k in out}
-        turn = next((k for k in SAME_SYSTEM_KEYS if k in out), None)
-        if turn is not None and SAME_SYSTEM_KEYS[turn] in same and same_system_turn(
-                req, out[turn], same[SAME_SYSTEM_KEYS[turn]]):
-            out[turn] = same[SAME_SYSTEM_KEYS[turn]]
+        same = [out.pop(k) for k in SAME_SYSTEM_KEYS if k in out]
+        turn = next((k for k in ID_TURN_KEYS if k in out), None)
+        if turn is not None and same:
+            better = same_system_turn(req, out[turn], same)
+            if better is not None:
+                out[turn] = better
         return out
 
     def find(self, req: Request) -> Predecessor | None:
@@ -633,7 +646,7 @@ class PredecessorIndex:
         pred = choose_predecessor(self.candidates(req))
         if pred is not None or self.lookback_ms <= self.horizon_ms:
             return pred
-        pred = choose_predecessor(self.candidates(req, self.lookback_ms))
+        pred = choose_predecessor(self.candidates(req, self.lookback_ms, beyond_ms=self.horizon_ms))
         return None if pred is None else Predecessor(pred.request, pred.kind, beyond_horizon=True)
 
 

@@ -43,6 +43,7 @@ from prometheus_client import Counter, Gauge
 from ingest import attribution, block_sizes, judged_with
 from ingest.attribution import (
     BAND_KEYS,
+    ID_TURN_KEYS,
     KEY_FINGERPRINT,
     LINE_HASHES,
     LINE_TOKENS,
@@ -525,8 +526,9 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
                      ) -> pl.DataFrame:
     """``found`` as ingest.attribution.PredecessorIndex.candidates leaves it for the turn keys of targets that logged a
     first message (the only ones with thread keys, 9 and 10, or another thread on the shared keys, 1 and 2):
-    without a shared-key candidate that is another thread's request (``other_thread``: the target has no history,
-    and the candidate's first message and system prompt both differ), and without the thread-key candidates when a
+    without a candidate on those keys that is another thread's request (``other_thread``: the target has no history,
+    and the candidate's first message and system prompt both differ, or its normalized system prompt), and
+    without the thread-key candidates when a
     later shared-key candidate remains and the target does not continue the thread's but not the later one
     (``thread_first``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
     candidates' fields are read from gateway_requests. ``by``: the columns naming a target."""
@@ -534,23 +536,24 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     if turn.is_empty() or "first_message_hash" not in targets.columns:
         return found
     ts_type = turn.schema["p_ts"]  # the store's, as the targets' ts in ``found``
-    mine = ("first_message_hash", "system_hash", "history_prefix_hash", "prev_history_hash", "prev_suffix_hash",
-            "prefill_history_hash")
+    mine = ("first_message_hash", "system_hash", "system_norm_hash", "history_prefix_hash", "prev_history_hash",
+            "prev_suffix_hash", "prefill_history_hash")
     ours = (targets.filter(pl.col("first_message_hash") != "")
             .select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), *mine))
     checked = turn.join(ours, on=by, how="inner")
     if checked.is_empty():
         return found
     keys = checked.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
-    fields = ("first_message_hash", "system_hash", "history_prefix_hash", "suffix_hash", "next_history_hash",
-              "continue_final_message")
+    fields = ("first_message_hash", "system_hash", "system_norm_hash", "history_prefix_hash", "suffix_hash",
+              "next_history_hash", "continue_final_message")
     theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, *fields)).select(
         pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
         *(pl.col(f).alias(f"p_{f}") for f in fields))
     both = checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
-    other = (pl.col("kind").is_in(SHARED_TURN_KEYS) & (pl.col("history_prefix_hash") == "")
-             & (pl.col("p_first_message_hash") != "") & (pl.col("p_first_message_hash") != pl.col("first_message_hash"))
-             & (pl.col("p_system_hash") != pl.col("system_hash")))
+    other = ((pl.col("history_prefix_hash") == "") & (pl.col("p_first_message_hash") != "")
+             & (((pl.col("p_first_message_hash") != pl.col("first_message_hash"))
+                 & (pl.col("p_system_hash") != pl.col("system_hash")))
+                | (pl.col("p_system_norm_hash") != pl.col("system_norm_hash"))))
     others, rows = both.filter(other).select(*by, "kind"), both.filter(~other)
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
                                          return_dtype=pl.Int64)
@@ -573,42 +576,31 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
 def _same_system_turns(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by: list[str] = _ID
                        ) -> pl.DataFrame:
     """``found`` (after :func:`_confirm_threads`) without the candidates on the same-system keys (17, 18), each
-    first put in place of its target's turn on the id keys (the lowest-ranked of 9, 10, 1, 2) when
-    ingest.attribution.same_system_turn holds: that turn was sent under another system prompt and the target
-    continues the same-system candidate (ingest.attribution_batch.continuation, as the judge reads it), as
-    ingest.attribution.PredecessorIndex.candidates does. The candidates' fields are read from gateway_requests.
-    ``by``: the columns naming a target."""
-    kinds = list(dict.fromkeys(SAME_SYSTEM_KEYS.values()))
-    same = found.filter(pl.col("kind").is_in(kinds))
+    target's latest of them earlier than its turn on the id keys (the lowest-ranked of 9, 10, 1, 2) first put in
+    that turn's place when the turn was sent under another normalized system prompt than the target's, as
+    ingest.attribution.same_system_turn does. Only those turns' system prompts are read from gateway_requests
+    (the turn is usually under the target's own system prompt, and then it is also the latest on key 17 or 18: no
+    same-system candidate is earlier). ``by``: the columns naming a target."""
+    same = found.filter(pl.col("kind").is_in(SAME_SYSTEM_KEYS))
     if same.is_empty():
         return found
-    rest = found.filter(~pl.col("kind").is_in(kinds))
-    rank = pl.col("kind").replace_strict({k: i for i, k in enumerate(SAME_SYSTEM_KEYS)}, return_dtype=pl.Int64)
-    turn = (rest.filter(pl.col("kind").is_in(list(SAME_SYSTEM_KEYS))).sort([*by, rank])
-            .unique(by, keep="first", maintain_order=True)
-            .with_columns(pl.col("kind").replace_strict(SAME_SYSTEM_KEYS, return_dtype=same.schema["kind"])
-                          .alias("_same")))
-    pairs = turn.join(same.select(*by, pl.col("kind").alias("_same"), *(pl.col(c).alias(f"s_{c}") for c in _P)),
-                      on=[*by, "_same"], how="inner")
+    rest = found.filter(~pl.col("kind").is_in(SAME_SYSTEM_KEYS))
+    rank = pl.col("kind").replace_strict({k: i for i, k in enumerate(ID_TURN_KEYS)}, return_dtype=pl.Int64)
+    turn = (rest.filter(pl.col("kind").is_in(ID_TURN_KEYS)).sort([*by, rank])
+            .unique(by, keep="first", maintain_order=True))
+    pairs = (turn.join(same.select(*by, *(pl.col(c).alias(f"s_{c}") for c in _P)), on=by, how="inner")
+             .filter(pl.col("s_p_order_key") < pl.col("p_order_key"))
+             .sort([*by, "s_p_order_key", f"s_p_{ID_HASH}"]).unique(by, keep="last", maintain_order=True))
     if pairs.is_empty():
         return rest
     ts_type = pairs.schema["p_ts"]  # the store's, as the targets' ts in ``found``
-    mine = ("system_norm_hash", "history_prefix_hash", "prev_history_hash", "prev_suffix_hash", "prefill_history_hash")
-    ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by),
-                          *(c for c in mine if c in targets.columns))
-    keys = pl.concat([pairs.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")),
-                      pairs.select(pl.col("s_p_order_key").alias("order_key"), pl.col("s_p_ts").alias("ts"))]).unique()
-    fields = ("system_norm_hash", "history_prefix_hash", "suffix_hash", "next_history_hash", "continue_final_message")
-    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, *fields))
-    turn_fields = theirs.select(pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-                                pl.col("system_norm_hash").alias("t_system_norm_hash"))
-    same_fields = theirs.select(pl.col("order_key").alias("s_p_order_key"), pl.col(ID_HASH).alias(f"s_p_{ID_HASH}"),
-                                *(pl.col(f).alias(f"p_{f}") for f in fields if f != "system_norm_hash"))
-    rows = (pairs.join(ours, on=by, how="inner")
-            .join(turn_fields, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
-            .join(same_fields, on=["s_p_order_key", f"s_p_{ID_HASH}"], how="inner"))
-    moved = rows.filter(pl.Series(continuation(rows, np.ones(len(rows), dtype=bool))[0])
-                        & (pl.col("t_system_norm_hash") != pl.col("system_norm_hash")))
+    ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), "system_norm_hash")
+    keys = pairs.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
+    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, "system_norm_hash")).select(
+        pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
+        pl.col("system_norm_hash").alias("p_system_norm_hash"))
+    moved = (pairs.join(ours, on=by, how="inner").join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
+             .filter(pl.col("p_system_norm_hash") != pl.col("system_norm_hash")))
     if moved.is_empty():
         return rest
     put = moved.select(*by, "kind", *(pl.col(f"s_{c}").alias(c) for c in _P))

@@ -1,12 +1,13 @@
 -- Predecessor keys 17 and 18 (ingest/attribution.py predecessor_keys, KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN_SYSTEM):
--- the latest request of a conversation (17: tenant, model, conversation_id, system_norm_hash) or agent run (18:
--- tenant, model, agent_run_id, system_norm_hash) sent with the same system prompt. A client that sends other calls
--- with the chat's messages and id under a system prompt of their own (a guardrail or judge, the router and
--- responder nodes of an agent graph) made the id keys find that call as the chat's previous turn, and the chat's
--- system prompt read as changed (prefix_drift / system_changed over the whole prompt). The attribution job never
--- chooses these keys' candidates; they replace the turn the id keys found when that one was sent under another
--- system prompt and the request continues them (ingest/attribution.py same_system_turn). Kinds 1-16 are those of
--- 0045. Rows stored before this migration have no such key: a turn after them finds its predecessor as before.
+-- one thread of a conversation (17: tenant, model, conversation_id, first_message_hash, system_norm_hash) or of an
+-- agent run (18: tenant, model, agent_run_id, first_message_hash, system_norm_hash) under one system prompt. A
+-- client that sends other calls with the chat's messages and id under a system prompt of their own (a guardrail or
+-- judge, the router and responder nodes of an agent graph) made the id keys find that call as the chat's previous
+-- turn, and the chat's system prompt read as changed (prefix_drift / system_changed over the whole prompt). The
+-- attribution job never chooses these keys' candidates: when the turn the id keys found was sent under another
+-- system prompt, the latest earlier one of these takes its place (ingest/attribution.py same_system_turn). Kinds
+-- 1-16 are those of 0045. Rows stored before this migration have no such key: a turn after them finds its
+-- predecessor as before.
 ALTER TABLE gateway_requests
     MODIFY COLUMN predecessor_keys Array(Tuple(kind UInt8, key UInt64)) MATERIALIZED arrayFilter(k -> k.2 != 0, [
         (1, if(conversation_id != '', cityHash64(1, tenant_id, model, conversation_id), 0)),
@@ -40,5 +41,7 @@ ALTER TABLE gateway_requests
                 cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
         (16, if(conversation_id = '' AND agent_run_id = '' AND prefill_history_hash != '',
                 cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, prefill_history_hash), 0)),
-        (17, if(conversation_id != '', cityHash64(17, tenant_id, model, conversation_id, system_norm_hash), 0)),
-        (18, if(agent_run_id != '', cityHash64(18, tenant_id, model, agent_run_id, system_norm_hash), 0))]);
+        (17, if(conversation_id != '' AND first_message_hash != '',
+                cityHash64(17, tenant_id, model, conversation_id, first_message_hash, system_norm_hash), 0)),
+        (18, if(agent_run_id != '' AND first_message_hash != '',
+                cityHash64(18, tenant_id, model, agent_run_id, first_message_hash, system_norm_hash), 0))]);
