@@ -154,6 +154,9 @@ KEY_PREFILLED, KEY_PREFILL_HISTORY = 15, 16
 #: messages; each takes its own.
 KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN_SYSTEM = 17, 18
 SAME_SYSTEM_KEYS = (KEY_AGENT_RUN_SYSTEM, KEY_CONVERSATION_SYSTEM)
+#: The thread key each same-system key narrows: a same-system candidate taken when the id keys' were all another
+#: thread's is a previous turn of the thread.
+THREAD_OF_SAME_SYSTEM = {KEY_AGENT_RUN_SYSTEM: KEY_AGENT_THREAD, KEY_CONVERSATION_SYSTEM: KEY_CONVERSATION_THREAD}
 #: The turn keys of a conversation or run id (:data:`TURN_KEYS`' first four), in that order.
 ID_TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN)
 #: The looked-up kind of each pair → the kind it must find (a request's own messages).
@@ -495,17 +498,19 @@ def other_thread(req: Request, cand: Request) -> bool:
     request, not ``req``'s previous turn: ``req`` is a thread's first call (no history), both logged a
     ``first_message_hash``, and either their first messages and system prompts (``system_hash``) both differ (a new
     sub-agent of the run, with its own system prompt and task) or their normalized system prompts
-    (``system_norm_hash``) differ (a side call on the chat's first message under a system prompt of its own: a
-    guardrail, another node of an agent graph). A turn with a history is a thread's next turn, whatever changed (a
-    sliding window or a compaction that dropped the oldest messages, with a system prompt that carries the date or
-    a memory). Such a candidate is dropped (:meth:`PredecessorIndex.candidates`); the request then finds its
-    predecessor on the fingerprint or variant keys (the latest request under its own system prompt), or none
-    (``cold``), instead of reading the other thread's prompt as a ``system_changed`` drift."""
+    (``system_norm_hash``) differ and the lines do not confirm them as one prompt (:func:`lines_match`: a side call
+    on the chat's first message under a system prompt of its own, a guardrail, another node of an agent graph; not
+    the same first turn sent again with one line of its system prompt changed). A turn with a history is a
+    thread's next turn, whatever changed (a sliding window or a compaction that dropped the oldest messages, with a
+    system prompt that carries the date or a memory). Such a candidate is dropped
+    (:meth:`PredecessorIndex.candidates`); the request then finds its own thread's latest request under its system
+    prompt (keys 17, 18), or its predecessor on the fingerprint or variant keys, or none (``cold``), instead of
+    reading the other thread's prompt as a ``system_changed`` drift."""
     mine, theirs = _str(req, "first_message_hash"), _str(cand, "first_message_hash")
     if _str(req, "history_prefix_hash") or not (mine and theirs):
         return False
     return (mine != theirs and _str(req, "system_hash") != _str(cand, "system_hash")) or (
-        _str(req, "system_norm_hash") != _str(cand, "system_norm_hash"))
+        _str(req, "system_norm_hash") != _str(cand, "system_norm_hash") and not lines_match(req, cand))
 
 
 #: The turn keys of one thread (its first message), tried before the conversation's and the run's latest request.
@@ -631,12 +636,15 @@ class PredecessorIndex:
                 req, thread, latest):
             for k in THREAD_KEYS:
                 out.pop(k, None)
-        same = [out.pop(k) for k in SAME_SYSTEM_KEYS if k in out]
+        same = {k: out.pop(k) for k in SAME_SYSTEM_KEYS if k in out}
         turn = next((k for k in ID_TURN_KEYS if k in out), None)
         if turn is not None and same:
-            better = same_system_turn(req, out[turn], same)
+            better = same_system_turn(req, out[turn], same.values())
             if better is not None:
                 out[turn] = better
+        elif same:  # every id-key candidate was another thread's (other_thread): the thread's own, if any
+            kind = max(same, key=lambda k: order_key(same[k]))  # of equal ones, 18's (listed first)
+            out[THREAD_OF_SAME_SYSTEM[kind]] = same[kind]
         return out
 
     def find(self, req: Request) -> Predecessor | None:

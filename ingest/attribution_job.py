@@ -51,6 +51,7 @@ from ingest.attribution import (
     SAME_SYSTEM_KEYS,
     SHARED_TURN_KEYS,
     THREAD_KEYS,
+    THREAD_OF_SAME_SYSTEM,
     VERDICT_COLUMNS,
 )
 from ingest.attribution_batch import (
@@ -365,14 +366,14 @@ def _whole_range(store: Store, targets: pl.DataFrame, by: list[str]) -> dict[str
     return params if rows == keys else None
 
 
-def _found(by: list[str]) -> str:
+def _found(by: list[str], source: str = "target_keys") -> str:
     """The candidates' columns: the target (``by``), the key's kind, the candidate's ts, order_key and
     :data:`ID_HASH`, which name it (not its request_id: strings cost the ASOF JOIN a third of its CPU; the
-    request_id comes with its fields, :func:`_with_predecessors`)."""
+    request_id comes with its fields, :func:`_with_predecessors`). ``source``: the CTE of the targets' keys."""
     return f"""
     SELECT {", ".join(f"t.{c} AS {c}" for c in by)}, t.kind AS kind, p.ts AS p_ts, p.order_key AS p_order_key,
            p.{ID_HASH} AS p_{ID_HASH}
-    FROM target_keys AS t"""
+    FROM {source} AS t"""
 
 
 def _identity(targets: pl.DataFrame) -> list[str]:
@@ -460,17 +461,24 @@ def _searched(store: Store, targets: pl.DataFrame, by: list[str], whole: dict[st
 
 def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookback_ms: int,
                     by: list[str] = _ID) -> pl.DataFrame:
-    """Candidates beyond the horizon, for targets with none within it: on each key the latest request more than
-    ``horizon_ms`` and at most ``lookback_ms`` before the target. Such a target has no request of an earlier
-    millisecond within the horizon on any of its keys, so that latest request is the latest before its
-    arrival − horizon: it lies in [lo − horizon, hi − horizon) or is the key's latest before lo − horizon. The
-    ASOF JOIN's right side holds only those rows (one per key for the second part), so memory follows the
-    targets' time span, not the lookback. ``by``: the columns naming a target (:func:`_identity`). Their keys are
+    """Candidates beyond the horizon, for targets with none chosen within it: on each key the latest request more
+    than ``horizon_ms`` (of an earlier millisecond than its arrival − horizon) and at most ``lookback_ms`` before
+    the target, as ingest.attribution.PredecessorIndex.find looks (the requests within the horizon were all
+    considered, and those left were dropped by the rules). That latest request lies in [lo − horizon, hi − horizon)
+    or is the key's latest before lo − horizon; the ASOF JOIN's right side holds only those rows (one per key for
+    the second part), so memory follows the targets' time span, not the lookback, and each target's as-of value is
+    its first millisecond less the horizon (a target's own horizon holds rows of the right side when the chunk
+    spans more than one millisecond). ``by``: the columns naming a target (:func:`_identity`). Their keys are
     looked up by id, not read from the chunk's range of request_keys (:func:`_whole_range`): they are few."""
     return store.query_df(
         f"""
-        WITH {_target_keys(by)}
-        {_found(by)}
+        WITH {_target_keys(by)},
+        beyond_keys AS
+        (
+            SELECT *, first_of_ms - bitShiftLeft(toUInt128({{horizon:Int64}} * 1048576), 64) AS beyond_of_ms
+            FROM target_keys
+        )
+        {_found(by, "beyond_keys")}
         ASOF INNER JOIN
         (
             SELECT key, order_key, ts, {ID_HASH}, {_RANKED} FROM
@@ -491,7 +499,7 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
                     GROUP BY key
                 )
             )
-        ) AS p ON t.key = p.key AND t.first_of_ms > p.ranked
+        ) AS p ON t.key = p.key AND t.beyond_of_ms > p.ranked
         WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) > {{horizon:Int64}}
           AND toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{lookback:Int64}}
         """, {**_stage(store, "beyond", targets), "horizon": horizon_ms, "lookback": lookback_ms})
@@ -550,11 +558,28 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
         pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
         *(pl.col(f).alias(f"p_{f}") for f in fields))
     both = checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
-    other = ((pl.col("history_prefix_hash") == "") & (pl.col("p_first_message_hash") != "")
-             & (((pl.col("p_first_message_hash") != pl.col("first_message_hash"))
-                 & (pl.col("p_system_hash") != pl.col("system_hash")))
-                | (pl.col("p_system_norm_hash") != pl.col("system_norm_hash"))))
-    others, rows = both.filter(other).select(*by, "kind"), both.filter(~other)
+    first_call = (pl.col("history_prefix_hash") == "") & (pl.col("p_first_message_hash") != "")
+    new_task = (pl.col("p_first_message_hash") != pl.col("first_message_hash")) & (
+        pl.col("p_system_hash") != pl.col("system_hash"))
+    other = first_call & (new_task | (pl.col("p_system_norm_hash") != pl.col("system_norm_hash")))
+    both = both.with_columns(other.alias("_other"))
+    unsure = both.filter(pl.col("_other") & ~new_task)  # another system prompt: unless the lines confirm it as one
+    if not unsure.is_empty():
+        ours_lines = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), LINE_HASHES,
+                                    LINE_TOKENS)
+        lines = _by_order_keys(store, unsure.select(pl.col("p_order_key").alias("order_key"),
+                                                    pl.col("p_ts").alias("ts")).unique(),
+                               ("order_key", ID_HASH, LINE_HASHES)).select(
+            pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
+            pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
+        frame = (unsure.select(*by, "kind").join(ours_lines, on=by, how="left")
+                 .join(unsure.select(*by, "kind", "p_order_key", f"p_{ID_HASH}"), on=[*by, "kind"], how="left")
+                 .join(lines, on=["p_order_key", f"p_{ID_HASH}"], how="left"))
+        kept = frame.filter(pl.Series(structure_lines_match(frame), dtype=pl.Boolean)).select(*by, "kind")
+        if not kept.is_empty():
+            both = (both.join(kept.with_columns(pl.lit(True).alias("_kept")), on=[*by, "kind"], how="left")
+                    .with_columns((pl.col("_other") & pl.col("_kept").is_null()).alias("_other")).drop("_kept"))
+    others, rows = both.filter(pl.col("_other")).select(*by, "kind"), both.filter(~pl.col("_other"))
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
                                          return_dtype=pl.Int64)
     continues = continuation(rows, np.ones(len(rows), dtype=bool))[0]
@@ -578,7 +603,9 @@ def _same_system_turns(store: Store, found: pl.DataFrame, targets: pl.DataFrame,
     """``found`` (after :func:`_confirm_threads`) without the candidates on the same-system keys (17, 18), each
     target's latest of them earlier than its turn on the id keys (the lowest-ranked of 9, 10, 1, 2) first put in
     that turn's place when the turn was sent under another normalized system prompt than the target's, as
-    ingest.attribution.same_system_turn does. Only those turns' system prompts are read from gateway_requests
+    ingest.attribution.same_system_turn does; a target left with no id-key candidate (all another thread's) takes
+    its latest one as its thread's previous turn (kind 9 or 10), as PredecessorIndex.candidates does. Only those
+    turns' system prompts are read from gateway_requests
     (the turn is usually under the target's own system prompt, and then it is also the latest on key 17 or 18: no
     same-system candidate is earlier). ``by``: the columns naming a target."""
     same = found.filter(pl.col("kind").is_in(SAME_SYSTEM_KEYS))
@@ -588,6 +615,12 @@ def _same_system_turns(store: Store, found: pl.DataFrame, targets: pl.DataFrame,
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate(ID_TURN_KEYS)}, return_dtype=pl.Int64)
     turn = (rest.filter(pl.col("kind").is_in(ID_TURN_KEYS)).sort([*by, rank])
             .unique(by, keep="first", maintain_order=True))
+    # a target whose id-key candidates were all another thread's (_confirm_threads): its thread's own, if any
+    alone = (same.join(turn.select(by), on=by, how="anti")
+             .sort([*by, "p_order_key", f"p_{ID_HASH}", pl.col("kind") == SAME_SYSTEM_KEYS[0]])
+             .unique(by, keep="last", maintain_order=True)
+             .with_columns(pl.col("kind").replace_strict(THREAD_OF_SAME_SYSTEM, return_dtype=same.schema["kind"])))
+    rest = pl.concat([rest, alone.select(rest.columns)], how="vertical_relaxed") if not alone.is_empty() else rest
     pairs = (turn.join(same.select(*by, *(pl.col(c).alias(f"s_{c}") for c in _P)), on=by, how="inner")
              .filter(pl.col("s_p_order_key") < pl.col("p_order_key"))
              .sort([*by, "s_p_order_key", f"s_p_{ID_HASH}"]).unique(by, keep="last", maintain_order=True))

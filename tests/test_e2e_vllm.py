@@ -386,19 +386,28 @@ def test_a_client_without_ids_finds_its_previous_turn(e2e) -> None:  # type: ign
     a1, b1, c1, a2 = e2e["plain"]
     by_id = {r["request_id"]: r for r in e2e["records"]}
     assert by_id[a1]["pod"] == by_id[c1]["pod"] != by_id[a2]["pod"] == by_id[b1]["pod"]
+    assert_previous_turn_routed_away(e2e, a2, a1)
+
+
+def assert_previous_turn_routed_away(e2e: dict[str, Any], request: str, previous: str) -> dict[tuple[str, str], int]:
+    """``request``'s stored answer names ``previous`` as its previous turn, accounts for every missed token, and puts
+    ``previous``'s whole prompt in full blocks, less what ``request``'s pod held, under `routed_away` (within one
+    block: the previous prompt's last block may hold the generation prompt's tokens, which the next one continues
+    otherwise). Returns its (cause, sub_cause) → tokens."""
+    by_id = {r["request_id"]: r for r in e2e["records"]}
     store = e2e["store"]
     pred = store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                            "WHERE request_id = {r:String}", {"r": a2})
+                            "WHERE request_id = {r:String}", {"r": request})
     rows = dict(((c, sc), t) for c, sc, t in store.query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": a2}))
-    block = by_id[a2]["prompt_block_size"] or 32
-    reusable = (by_id[a1]["prompt_tokens"] - 1) // block * block - by_id[a2]["cached_tokens"]
-    print(f"\n{a2}: prompt {by_id[a2]['prompt_tokens']}, cached {by_id[a2]['cached_tokens']}, A1 prompt "
-          f"{by_id[a1]['prompt_tokens']}, predecessor {pred}, causes {rows}")
-    assert pred == [(a1, "previous_turn")]
-    assert sum(rows.values()) == by_id[a2]["prompt_tokens"] - by_id[a2]["cached_tokens"]
-    # A1's last block may hold the generation prompt's tokens, which A2 continues otherwise: within one block
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": request}))
+    block = by_id[request]["prompt_block_size"] or 32
+    reusable = (by_id[previous]["prompt_tokens"] - 1) // block * block - by_id[request]["cached_tokens"]
+    print(f"\n{request}: prompt {by_id[request]['prompt_tokens']}, cached {by_id[request]['cached_tokens']}, "
+          f"previous prompt {by_id[previous]['prompt_tokens']}, predecessor {pred}, causes {rows}")
+    assert pred == [(previous, "previous_turn")]
+    assert sum(rows.values()) == by_id[request]["prompt_tokens"] - by_id[request]["cached_tokens"]
     assert reusable > block and abs(rows.get(("routed_away", ""), 0) - reusable) <= block, rows
+    return rows
 
 
 def guardrail_turns(gateway_url: str) -> tuple[str, str, str, str]:
@@ -423,26 +432,15 @@ def guardrail_turns(gateway_url: str) -> tuple[str, str, str, str]:
 
 def test_a_guardrail_call_on_the_chat_id_is_not_the_previous_turn(e2e) -> None:  # type: ignore[no-untyped-def]
     """Each chat turn is followed by a guardrail call on the same messages and conversation id under its own system
-    prompt. Turn 2 went to the guardrail's pod: its previous turn is turn 1 (the latest under its system prompt,
-    which it continues), and turn 1's full blocks are `routed_away`; guardrail 2's is guardrail 1, on the other pod.
+    prompt. Turn 2 went to the guardrail's pod: its previous turn is turn 1 (its thread's latest under its system
+    prompt), and turn 1's full blocks are `routed_away`; guardrail 2's is guardrail 1, on the other pod.
     Before keys 17/18 turn 2 took guardrail 1 (the conversation's latest) and read `prefix_drift / system_changed`."""
     t1, g1, t2, g2 = e2e["guarded"]
     by_id = {r["request_id"]: r for r in e2e["records"]}
     assert by_id[t1]["pod"] == by_id[g2]["pod"] != by_id[g1]["pod"] == by_id[t2]["pod"]
-    store = e2e["store"]
     for request, previous in ((t2, t1), (g2, g1)):
-        pred = store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                                "WHERE request_id = {r:String}", {"r": request})
-        rows = dict(((c, sc), t) for c, sc, t in store.query_rows(
-            "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": request}))
-        block = by_id[request]["prompt_block_size"] or 32
-        reusable = (by_id[previous]["prompt_tokens"] - 1) // block * block - by_id[request]["cached_tokens"]
-        print(f"\n{request}: prompt {by_id[request]['prompt_tokens']}, cached {by_id[request]['cached_tokens']}, "
-              f"previous prompt {by_id[previous]['prompt_tokens']}, predecessor {pred}, causes {rows}")
-        assert pred == [(previous, "previous_turn")]
+        rows = assert_previous_turn_routed_away(e2e, request, previous)
         assert not any(c == "prefix_drift" for c, _ in rows), rows
-        assert sum(rows.values()) == by_id[request]["prompt_tokens"] - by_id[request]["cached_tokens"]
-        assert reusable > block and abs(rows.get(("routed_away", ""), 0) - reusable) <= block, rows
 
 
 def chain_common(a: dict[str, Any], b: dict[str, Any]) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ingest import attribution
 from tests.test_conversation_threads import (
     A1,
     A2,
@@ -132,9 +133,20 @@ def no_system_prompt() -> tuple[Rows, Rows]:
             [row("g1", [GUARD, U1], at=1, pod="pod-b", **C)])
 
 
+def first_turn_retried(system: bool = True) -> tuple[Rows, Rows]:
+    """The chat's first turn sent again after its guardrail call (a retry, a regenerate of the first reply): a first
+    call (no history) whose id keys find only the guardrail's call (another system prompt, another thread's);
+    the thread's own request under its system prompt is its previous turn (a hostile review's case)."""
+    head = [SYS] if system else []
+    return ([row("t1", [*head, U1], at=0, pod="pod-a", **C), row("t1r", [*head, U1], at=30, pod="pod-a", cached=0,
+                                                                  **C)],
+            [row("g1", [GUARD, U1], at=1, pod="pod-b", **C)])
+
+
 SCENARIOS: dict[str, Callable[[], tuple[Rows, Rows]]] = {f.__name__: f for f in (
     guardrail, input_guard, graph_nodes, orchestrator, regenerate, rewind, judge_on_reply, memory_and_guard,
-    two_chats_on_one_id, no_system_prompt)}
+    two_chats_on_one_id, no_system_prompt, first_turn_retried)}
+SCENARIOS["first_turn_retried_without_a_system_prompt"] = lambda: first_turn_retried(system=False)
 SCENARIOS["guardrail_on_a_run_id"] = lambda: guardrail({"run": "run-1"})
 SCENARIOS["graph_nodes_with_a_run_id_per_invocation"] = lambda: graph_nodes("inv")
 
@@ -188,6 +200,17 @@ def test_a_system_prompt_changed_for_the_chat_itself_is_still_a_drift() -> None:
     assert got["pred"] == "t1" and ("prefix_drift", "system_changed") in got["causes"], got
 
 
+def test_a_first_turn_sent_again_with_one_system_line_changed_is_still_its_thread() -> None:
+    """A first turn sent again (no history) under its system prompt with one line changed (an id the masks do not
+    know): the lines confirm one prompt, so the first send is its previous turn (volatile_system), not another
+    thread's request (a hostile review found it read `cold`)."""
+    changed = {"role": "system", "content": SYS["content"].replace("Acme Copilot", "Acme Assistant v2", 1)}
+    rows = [row("t1", [SYS, U1], at=0, pod="pod-a", **C), row("t1b", [changed, U1], at=20, pod="pod-a", cached=0,
+                                                                 **C)]
+    got = verdicts(*rows)["t1b"]
+    assert got["pred"] == "t1" and ("prefix_drift", "volatile_system") in got["causes"], got
+
+
 def test_a_persona_switched_back_takes_the_last_turn_under_it() -> None:
     """A chat that moves to another system prompt for a turn and back: t3 takes t1, the thread's latest under its
     own system prompt, whose whole prompt t3's begins with (t2's shares nothing: another system prompt)."""
@@ -238,7 +261,17 @@ def rows_of(name: str) -> tuple[Rows, Rows]:
     return rows[:len(rows) // 2], rows[len(rows) // 2:]
 
 
-STORE_ONLY = {"beyond_the_horizon": beyond_the_horizon, "guardrail_late_turn": guardrail_late_turn}
+def line_changed(guarded: bool = False) -> tuple[Rows, Rows]:
+    """:func:`test_a_first_turn_sent_again_with_one_system_line_changed_is_still_its_thread`'s rows (the store job
+    reads the lines of an id key's candidate under another system prompt), with a guardrail call between or not."""
+    changed = {"role": "system", "content": SYS["content"].replace("Acme Copilot", "Acme Assistant v2", 1)}
+    return ([row("t1", [SYS, U1], at=0, pod="pod-a", **C),
+             *([row("g1", [GUARD, U1], at=1, pod="pod-b", **C)] if guarded else [])],
+            [row("t1b", [changed, U1], at=20, pod="pod-a", cached=0, **C)])
+
+
+STORE_ONLY = {"beyond_the_horizon": beyond_the_horizon, "guardrail_late_turn": guardrail_late_turn,
+              "line_changed": line_changed, "line_changed_guarded": lambda: line_changed(guarded=True)}
 
 
 @pytest.mark.parametrize("runs", [1, 2])
@@ -265,5 +298,9 @@ def test_the_store_job_answers_as_the_reference(store, name, runs):  # type: ign
     for r in store.query_rows("SELECT request_id, cause, sub_cause, tokens FROM miss_attribution"):
         got.setdefault(r[0], {})[(r[1], r[2])] = r[3]
     assert got == {k: v["causes"] for k, v in expected.items() if v["causes"]}, (got, expected)
-    preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
-    assert preds == {k: v["pred"] for k, v in expected.items()}
+    preds = {r[0]: (r[1], r[2]) for r in store.query_rows(
+        "SELECT request_id, predecessor_request_id, predecessor_kind FROM request_attribution FINAL")}
+    index = attribution.PredecessorIndex([*first, *later])
+    kinds = {r["request_id"]: (p.request["request_id"], p.stored_kind) if (p := index.find(r)) else ("", "")
+             for r in [*first, *later]}
+    assert preds == kinds and {k: v[0] for k, v in kinds.items()} == {k: v["pred"] for k, v in expected.items()}
