@@ -548,7 +548,7 @@ def same_system_turn(req: Request, turn: Request, same: Iterable[Request]) -> Re
     return max(earlier, key=order_key) if earlier else None
 
 
-#: The turn keys shared by every thread of a conversation or agent run: :func:`other_thread` checks their candidates.
+#: The turn keys shared by every thread of a conversation or agent run.
 SHARED_TURN_KEYS = (KEY_CONVERSATION, KEY_AGENT_RUN)
 
 
@@ -625,7 +625,7 @@ class PredecessorIndex:
                 if key[0] in BAND_KEYS and not lines_match(req, found):
                     continue  # a band matched by chance, the other lines too different: not a variant
                 if key[0] in ID_TURN_KEYS and other_thread(req, found):
-                    continue  # another thread of the conversation or run (a new sub-agent): not the previous turn
+                    continue  # another thread's (a new sub-agent, a side call's first): not the previous turn
                 out[key[0]] = found
         turn = next((k for k in MESSAGE_TURN_KEYS if k in out), None)
         if turn is not None and KEY_FINGERPRINT in out and order_key(out[KEY_FINGERPRINT]) > order_key(out[turn]):
