@@ -167,8 +167,7 @@ MESSAGE_FOUND_KINDS = tuple(MESSAGE_LOOKUPS.values())
 #: threads first, the most specific (sub-agents often carry the session's conversation_id too; a conversation may
 #: span several agent runs, whose first turn then finds the conversation's latest request); a turn whose first
 #: message is new (the client dropped or summarized the oldest messages) finds the conversation's latest.
-TURN_KEYS = (KEY_AGENT_THREAD, KEY_CONVERSATION_THREAD, KEY_CONVERSATION, KEY_AGENT_RUN, KEY_HISTORY,
-             KEY_PREFILL_HISTORY, KEY_PREVIOUS_MESSAGES)
+TURN_KEYS = (*ID_TURN_KEYS, KEY_HISTORY, KEY_PREFILL_HISTORY, KEY_PREVIOUS_MESSAGES)
 #: The message lookups in that order.
 MESSAGE_TURN_KEYS = tuple(k for k in TURN_KEYS if k in MESSAGE_LOOKUPS)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)

@@ -500,8 +500,7 @@ def _beyond_horizon(store: Store, targets: pl.DataFrame, horizon_ms: int, lookba
                 )
             )
         ) AS p ON t.key = p.key AND t.beyond_of_ms > p.ranked
-        WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) > {{horizon:Int64}}
-          AND toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{lookback:Int64}}
+        WHERE toUnixTimestamp64Milli(t.ts) - toUnixTimestamp64Milli(p.ts) <= {{lookback:Int64}}
         """, {**_stage(store, "beyond", targets), "horizon": horizon_ms, "lookback": lookback_ms})
 
 
@@ -518,15 +517,7 @@ def _confirm_bands(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by:
     band = band.join(ranked, on=by, how="anti")
     if band.is_empty():
         return found.filter(~pl.col("kind").is_in(BAND_KEYS))
-    ts_type = band.schema["p_ts"]  # the store's, as the targets' ts in ``found``
-    ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), LINE_HASHES, LINE_TOKENS)
-    keys = band.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
-    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, LINE_HASHES)).select(
-        pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-        pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
-    frame = (band.join(ours, on=by, how="left")
-             .join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="left"))
-    confirmed = frame.filter(pl.Series(structure_lines_match(frame))).select(found.columns)
+    confirmed = _lines_confirm(store, band, targets, by).select(found.columns)
     return pl.concat([found.filter(~pl.col("kind").is_in(BAND_KEYS)), confirmed], how="vertical_relaxed")
 
 
@@ -535,51 +526,33 @@ def _confirm_threads(store: Store, found: pl.DataFrame, targets: pl.DataFrame, b
     """``found`` as ingest.attribution.PredecessorIndex.candidates leaves it for the turn keys of targets that logged a
     first message (the only ones with thread keys, 9 and 10, or another thread on the shared keys, 1 and 2):
     without a candidate on those keys that is another thread's request (``other_thread``: the target has no history,
-    and the candidate's first message and system prompt both differ, or its normalized system prompt), and
-    without the thread-key candidates when a
-    later shared-key candidate remains and the target does not continue the thread's but not the later one
-    (``thread_first``, with ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The
-    candidates' fields are read from gateway_requests. ``by``: the columns naming a target."""
+    and the candidate's first message and system prompt both differ, or its normalized system prompt does and the
+    lines do not confirm it, :func:`_lines_confirm`), and without the thread-key candidates when a later shared-key
+    candidate remains and the target does not continue the thread's but not the later one (``thread_first``, with
+    ``continues`` read by ingest.attribution_batch.continuation, as the judge reads it). The candidates' fields are
+    read from gateway_requests. ``by``: the columns naming a target."""
     turn = found.filter(pl.col("kind").is_in([*SHARED_TURN_KEYS, *THREAD_KEYS]))
     if turn.is_empty() or "first_message_hash" not in targets.columns:
         return found
-    ts_type = turn.schema["p_ts"]  # the store's, as the targets' ts in ``found``
     mine = ("first_message_hash", "system_hash", "system_norm_hash", "history_prefix_hash", "prev_history_hash",
             "prev_suffix_hash", "prefill_history_hash")
-    ours = (targets.filter(pl.col("first_message_hash") != "")
-            .select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), *mine))
-    checked = turn.join(ours, on=by, how="inner")
+    checked = turn.join(_target_fields(targets.filter(pl.col("first_message_hash") != ""), turn, by, mine), on=by,
+                        how="inner")
     if checked.is_empty():
         return found
-    keys = checked.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
-    fields = ("first_message_hash", "system_hash", "system_norm_hash", "history_prefix_hash", "suffix_hash",
-              "next_history_hash", "continue_final_message")
-    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, *fields)).select(
-        pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-        *(pl.col(f).alias(f"p_{f}") for f in fields))
-    both = checked.join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
+    both = checked.join(_candidate_fields(store, checked, (
+        "first_message_hash", "system_hash", "system_norm_hash", "history_prefix_hash", "suffix_hash",
+        "next_history_hash", "continue_final_message")), on=["p_order_key", f"p_{ID_HASH}"], how="inner")
     first_call = (pl.col("history_prefix_hash") == "") & (pl.col("p_first_message_hash") != "")
     new_task = (pl.col("p_first_message_hash") != pl.col("first_message_hash")) & (
         pl.col("p_system_hash") != pl.col("system_hash"))
-    other = first_call & (new_task | (pl.col("p_system_norm_hash") != pl.col("system_norm_hash")))
-    both = both.with_columns(other.alias("_other"))
-    unsure = both.filter(pl.col("_other") & ~new_task)  # another system prompt: unless the lines confirm it as one
+    other = both.filter(first_call & (new_task | (pl.col("p_system_norm_hash") != pl.col("system_norm_hash"))))
+    unsure = other.filter(~new_task)  # another system prompt: unless the lines confirm it as one
     if not unsure.is_empty():
-        ours_lines = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), LINE_HASHES,
-                                    LINE_TOKENS)
-        lines = _by_order_keys(store, unsure.select(pl.col("p_order_key").alias("order_key"),
-                                                    pl.col("p_ts").alias("ts")).unique(),
-                               ("order_key", ID_HASH, LINE_HASHES)).select(
-            pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-            pl.col(LINE_HASHES).alias("p_" + LINE_HASHES))
-        frame = (unsure.select(*by, "kind").join(ours_lines, on=by, how="left")
-                 .join(unsure.select(*by, "kind", "p_order_key", f"p_{ID_HASH}"), on=[*by, "kind"], how="left")
-                 .join(lines, on=["p_order_key", f"p_{ID_HASH}"], how="left"))
-        kept = frame.filter(pl.Series(structure_lines_match(frame), dtype=pl.Boolean)).select(*by, "kind")
-        if not kept.is_empty():
-            both = (both.join(kept.with_columns(pl.lit(True).alias("_kept")), on=[*by, "kind"], how="left")
-                    .with_columns((pl.col("_other") & pl.col("_kept").is_null()).alias("_other")).drop("_kept"))
-    others, rows = both.filter(pl.col("_other")).select(*by, "kind"), both.filter(~pl.col("_other"))
+        other = other.join(_lines_confirm(store, unsure, targets, by).select(*by, "kind"), on=[*by, "kind"],
+                           how="anti")
+    others = other.select(*by, "kind")
+    rows = both.join(others, on=[*by, "kind"], how="anti")
     rank = pl.col("kind").replace_strict({k: i for i, k in enumerate((*THREAD_KEYS, *SHARED_TURN_KEYS))},
                                          return_dtype=pl.Int64)
     continues = continuation(rows, np.ones(len(rows), dtype=bool))[0]
@@ -604,10 +577,10 @@ def _same_system_turns(store: Store, found: pl.DataFrame, targets: pl.DataFrame,
     target's latest of them earlier than its turn on the id keys (the lowest-ranked of 9, 10, 1, 2) first put in
     that turn's place when the turn was sent under another normalized system prompt than the target's, as
     ingest.attribution.same_system_turn does; a target left with no id-key candidate (all another thread's) takes
-    its latest one as its thread's previous turn (kind 9 or 10), as PredecessorIndex.candidates does. Only those
-    turns' system prompts are read from gateway_requests
-    (the turn is usually under the target's own system prompt, and then it is also the latest on key 17 or 18: no
-    same-system candidate is earlier). ``by``: the columns naming a target."""
+    its latest one as its thread's previous turn (kind 9 or 10), as PredecessorIndex.candidates does. Only the
+    system prompts of turns with an earlier same-system candidate are read from gateway_requests (a turn under the
+    target's own system prompt is also the latest on key 17 or 18, so none is earlier: nearly every turn).
+    ``by``: the columns naming a target."""
     same = found.filter(pl.col("kind").is_in(SAME_SYSTEM_KEYS))
     if same.is_empty():
         return found
@@ -626,13 +599,9 @@ def _same_system_turns(store: Store, found: pl.DataFrame, targets: pl.DataFrame,
              .sort([*by, "s_p_order_key", f"s_p_{ID_HASH}"]).unique(by, keep="last", maintain_order=True))
     if pairs.is_empty():
         return rest
-    ts_type = pairs.schema["p_ts"]  # the store's, as the targets' ts in ``found``
-    ours = targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), "system_norm_hash")
-    keys = pairs.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
-    theirs = _by_order_keys(store, keys, ("order_key", ID_HASH, "system_norm_hash")).select(
-        pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
-        pl.col("system_norm_hash").alias("p_system_norm_hash"))
-    moved = (pairs.join(ours, on=by, how="inner").join(theirs, on=["p_order_key", f"p_{ID_HASH}"], how="inner")
+    moved = (pairs.join(_target_fields(targets, pairs, by, ("system_norm_hash",)), on=by, how="inner")
+             .join(_candidate_fields(store, pairs, ("system_norm_hash",)), on=["p_order_key", f"p_{ID_HASH}"],
+                   how="inner")
              .filter(pl.col("p_system_norm_hash") != pl.col("system_norm_hash")))
     if moved.is_empty():
         return rest
@@ -688,6 +657,32 @@ def _current(store: Store, keys: pl.DataFrame) -> dict[tuple[str, datetime], tup
 #: :data:`ID_HASH`, which together name it.
 _KNOWN = (*PREDECESSOR_FIELDS, "order_key", ID_HASH)
 _NAME = ["order_key", ID_HASH]
+
+
+def _target_fields(targets: pl.DataFrame, found: pl.DataFrame, by: list[str], fields: Sequence[str]
+                   ) -> pl.DataFrame:
+    """The targets' ``fields`` beside the columns ``by`` that name them, ts cast to ``found``'s p_ts type (the
+    store's), to join on ``by``."""
+    ts_type = found.schema["p_ts"]
+    return targets.select(*(pl.col(c).cast(ts_type) if c == "ts" else c for c in by), *fields)
+
+
+def _candidate_fields(store: Store, found: pl.DataFrame, fields: Sequence[str]) -> pl.DataFrame:
+    """The gateway_requests ``fields`` of the candidates in ``found`` (rows with p_ts, p_order_key and p_id_hash, not
+    empty), as ``p_`` columns beside p_order_key and p_id_hash, to join on those two (:func:`_by_order_keys`)."""
+    keys = found.select(pl.col("p_order_key").alias("order_key"), pl.col("p_ts").alias("ts")).unique()
+    return _by_order_keys(store, keys, ("order_key", ID_HASH, *fields)).select(
+        pl.col("order_key").alias("p_order_key"), pl.col(ID_HASH).alias(f"p_{ID_HASH}"),
+        *(pl.col(f).alias(f"p_{f}") for f in fields))
+
+
+def _lines_confirm(store: Store, found: pl.DataFrame, targets: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    """The rows of ``found`` (not empty) whose candidate's system lines confirm it as the target's system prompt
+    with at most a few lines changed (ingest.attribution.lines_match; the candidates' lines read from
+    gateway_requests), with the lines' columns added."""
+    frame = (found.join(_target_fields(targets, found, by, (LINE_HASHES, LINE_TOKENS)), on=by, how="left")
+             .join(_candidate_fields(store, found, (LINE_HASHES,)), on=["p_order_key", f"p_{ID_HASH}"], how="left"))
+    return frame.filter(pl.Series(structure_lines_match(frame), dtype=pl.Boolean))
 
 
 def _by_order_keys(store: Store, keys: pl.DataFrame, fields: tuple[str, ...]) -> pl.DataFrame:
