@@ -18,10 +18,11 @@ import itertools
 import json
 import math
 import pickle
+import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -328,16 +329,18 @@ def system_lines(text: str) -> list[str]:
     return lines
 
 
-def _cut(text: str, separator: str) -> list[str]:
+def _cut(text: str, separator: str, first_ends: bool = False) -> list[str]:
     """``text`` cut after each ``separator`` whose preceding piece (since the previous separator) holds at least
-    MIN_CHUNK_CHARS non-blank characters; separators stay with the piece before them."""
+    MIN_CHUNK_CHARS non-blank characters, or (``first_ends``) is the text's first non-blank piece; separators stay
+    with the piece before them."""
     out, start, piece_start = [], 0, 0
     while True:
         at = text.find(separator, piece_start)
         if at < 0:
             break
         end = at + len(separator)
-        if len(text[piece_start:at].strip()) >= MIN_CHUNK_CHARS:
+        piece = text[piece_start:at].strip()
+        if len(piece) >= MIN_CHUNK_CHARS or (first_ends and piece and not text[:piece_start].strip()):
             out.append(text[start:end])
             start = end
         piece_start = end
@@ -346,19 +349,52 @@ def _cut(text: str, separator: str) -> list[str]:
     return out
 
 
+#: A line that only separates (three or more of one of - = * _ ~ #, as LlamaIndex's "-----" around its context).
+_RULE_LINE = re.compile(r"[ \t]*([-=*_~#])\1{2,}[ \t]*\r?\n?")
+#: A line that is one XML-style tag alone: an opening one (``<document index="2">``) or a closing one.
+_OPEN_TAG_LINE = re.compile(r"[ \t]*<[A-Za-z][\w:.-]*(\s[^<>]*)?>[ \t]*\r?\n?")
+_CLOSE_TAG_LINE = re.compile(r"[ \t]*</[A-Za-z][\w:.-]*[ \t]*>[ \t]*\r?\n?")
+
+
+def _structural_cut(text: str) -> list[str]:
+    """``text`` also cut at the lines that frame documents: before and after a rule line (:data:`_RULE_LINE`),
+    before a line that is an opening tag alone and after a line that is a closing tag alone (documents joined by
+    single newlines in ``<document>`` tags or between rules). A boundary depends only on its own line; a piece of
+    whitespace alone joins the piece before it. The pieces concatenate back to ``text``."""
+    out: list[str] = []
+    current = ""
+    for line in text.splitlines(keepends=True):
+        rule = _RULE_LINE.fullmatch(line) is not None
+        if (rule or _OPEN_TAG_LINE.fullmatch(line)) and current.strip():
+            out.append(current)
+            current = ""
+        current += line
+        if (rule or _CLOSE_TAG_LINE.fullmatch(line)) and current.strip():
+            out.append(current)
+            current = ""
+    if current:
+        if current.strip() or not out:
+            out.append(current)
+        else:
+            out[-1] += current
+    return out
+
+
 def content_chunks(text: str) -> list[str]:
     """Content-defined chunks of a message's text, in order, concatenating back to ``text``.
 
     A chunk ends at a paragraph break ("\n\n") that follows a paragraph of at least :data:`MIN_CHUNK_CHARS`
-    non-blank characters. Whether a break ends a chunk depends only on the paragraph right before it, so a
-    boundary never moves when text before that paragraph changes (retrieved documents keep their chunks
-    whatever precedes them). A chunk longer than :data:`MAX_CHUNK_CHARS` is cut the same way at line breaks,
-    then every MAX_CHUNK_CHARS characters from its start (a boundary inside it moves only with its own text).
-    At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last one holds the rest. "" → []."""
+    non-blank characters, or the text's first paragraph (a short header such as "Context:" introduces the
+    documents; it is not part of the first one). Whether a break ends a chunk depends only on the paragraph right
+    before it, so a boundary never moves when text before that paragraph changes (retrieved documents keep their
+    chunks whatever precedes them). Within a paragraph a chunk also ends at the lines that frame documents
+    (:func:`_structural_cut`: rule lines, tag lines). A chunk longer than :data:`MAX_CHUNK_CHARS` is cut the same
+    way at line breaks, then every MAX_CHUNK_CHARS characters from its start (a boundary inside it moves only
+    with its own text). At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last one holds the rest. "" → []."""
     if not text:
         return []
     chunks = []
-    for para in _cut(text, "\n\n"):
+    for para in (piece for p in _cut(text, "\n\n", first_ends=True) for piece in _structural_cut(p)):
         if len(para) <= MAX_CHUNK_CHARS:
             chunks.append(para)
             continue
@@ -388,12 +424,30 @@ def message_chunks(msg: Mapping[str, Any]) -> list[str]:
     return _capped([c for piece in pieces for c in content_chunks(piece)])
 
 
-def structure(pieces: Sequence[str], counter: TokenCounter, whole_tokens: int | None = None
-              ) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(H(piece) of each piece with surrounding whitespace stripped, tokens of each piece as is). With one
-    piece, ``whole_tokens`` (the tokens of the text it was cut from, already counted) is its count: the text
-    is not tokenized again."""
-    hashes = tuple(hash_parts(p.strip()) for p in pieces)
+#: A rank a retrieval template puts before each document: "[2]", "(2)", "2.", "Document 2:", "Source #2 -", or the
+#: numbers of an opening tag alone on the chunk's first line (``<document index="2">``). Documents reordered by rank
+#: are renumbered, which changed every chunk's hash.
+_RANK_MARKER = re.compile(r"(\[\d{1,4}\]|\(\d{1,4}\)|\d{1,4}[.)](?=\s)|(?i:document|doc|source|passage|context|chunk|"
+                          r"result|reference|ref)\s*#?\s*\d{1,4}\s*[:.)\]-]?(?=\s)|<[A-Za-z][\w:.-]*\s[^<>\n]*>(?=\n))")
+_DIGITS = re.compile(r"\d+")
+
+
+def chunk_key(piece: str) -> str:
+    """What a message chunk's hash covers: its text with surrounding whitespace stripped and the digits of a
+    leading rank marker (:data:`_RANK_MARKER`) replaced by "#", so a document keeps its hash when a reorder
+    renumbers it. Only the hash's text: token counts are the chunk's as sent, and the prompt's own hashes
+    (``suffix_hash``) see every character."""
+    text = piece.strip()
+    m = _RANK_MARKER.match(text)
+    return text if m is None else _DIGITS.sub("#", m.group(0)) + text[m.end():]
+
+
+def structure(pieces: Sequence[str], counter: TokenCounter, whole_tokens: int | None = None,
+              key: Callable[[str], str] = str.strip) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(H(key(piece)) of each piece (``key``: surrounding whitespace stripped by default; :func:`chunk_key` for a
+    message's chunks), tokens of each piece as is). With one piece, ``whole_tokens`` (the tokens of the text it
+    was cut from, already counted) is its count: the text is not tokenized again."""
+    hashes = tuple(hash_parts(key(p)) for p in pieces)
     if len(pieces) == 1 and whole_tokens is not None:
         return hashes, (whole_tokens,)
     return hashes, tuple(counter.count_many(pieces))
@@ -830,7 +884,8 @@ class _Segments:
             system_entry.append(structure(system_lines(message_text(system)), self.counter,  # type: ignore[arg-type]
                                           system_entry[1]))
         lines = system_entry[3] if system_entry is not None else ((), ())
-        chunks = structure(message_chunks(suffix[0]), self.counter, tail[0][1]) if suffix else ((), ())
+        chunks = (structure(message_chunks(suffix[0]), self.counter, tail[0][1], chunk_key) if suffix
+                  else ((), ()))
         return PromptFingerprint(
             system_hash=system_hash,
             system_norm_hash=system_entry[2] if system_entry else "",

@@ -154,6 +154,16 @@ KEY_PREFILLED, KEY_PREFILL_HISTORY = 15, 16
 #: messages; each takes its own.
 KEY_CONVERSATION_SYSTEM, KEY_AGENT_RUN_SYSTEM = 17, 18
 SAME_SYSTEM_KEYS = (KEY_AGENT_RUN_SYSTEM, KEY_CONVERSATION_SYSTEM)
+#: Predecessor key 19: the first content-defined chunk of the final message (tenant, model, cache_salt_hash, its
+#: hash), for a request with nothing before that message (no system prompt, tools, documents or history: a plain
+#: script, an eval harness, a batch classifier that sends its instructions in the one user message) whose first
+#: chunk holds at least :data:`MIN_HEAD_TOKENS` tokens (sql/migrations/0047). A variant: such a prompt has no
+#: other key (its fingerprint covers the stable prefix, which is empty), and another request with the same
+#: instructions, or the same prompt, held them in some pod's cache.
+KEY_MESSAGE_HEAD = 19
+#: The first chunk must hold this many tokens to be a key (a block at vLLM's default size): a shorter shared head
+#: ("Hi,") is no reusable prefix.
+MIN_HEAD_TOKENS = 16
 #: The thread key each same-system key narrows: a same-system candidate taken when the id keys' were all another
 #: thread's is a previous turn of the thread.
 THREAD_OF_SAME_SYSTEM = {KEY_AGENT_RUN_SYSTEM: KEY_AGENT_THREAD, KEY_CONVERSATION_SYSTEM: KEY_CONVERSATION_THREAD}
@@ -171,7 +181,7 @@ TURN_KEYS = (*ID_TURN_KEYS, KEY_HISTORY, KEY_PREFILL_HISTORY, KEY_PREVIOUS_MESSA
 #: The message lookups in that order.
 MESSAGE_TURN_KEYS = tuple(k for k in TURN_KEYS if k in MESSAGE_LOOKUPS)
 BAND_KEYS = (KEY_SYSTEM_LINES_HEAD, KEY_SYSTEM_LINES_TAIL)
-VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS)
+VARIANT_KEYS = (KEY_SYSTEM_NORM, KEY_TOOLS_CANONICAL, KEY_RETRIEVAL_SET, *BAND_KEYS, KEY_MESSAGE_HEAD)
 
 #: Structural fields (gateway/fingerprint.py): hashes and tokens of each line of the system prompt, and of each
 #: content-defined chunk of the suffix (the final message), in order.
@@ -418,7 +428,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     the candidate (:meth:`PredecessorIndex.candidates`);
     17–18. (tenant, model, conversation_id / agent_run_id, first_message_hash, system_norm_hash): never chosen
     themselves; they replace the turn the id keys found when :func:`same_system_turn` holds
-    (:data:`KEY_CONVERSATION_SYSTEM`).
+    (:data:`KEY_CONVERSATION_SYSTEM`);
+    19. (tenant, model, cache_salt_hash, the final message's first chunk hash), only for an empty stable prefix and a
+    first chunk of at least :data:`MIN_HEAD_TOKENS` tokens: :data:`VARIANT` (:data:`KEY_MESSAGE_HEAD`).
     """
     tenant, model = _str(req, "tenant_id"), _str(req, "model")
     out: list[tuple[int, tuple[str, ...]]] = []
@@ -454,6 +466,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
         half = len(lines) // 2
         out.append((KEY_SYSTEM_LINES_HEAD, (tenant, model, str(len(lines)), *lines[:half])))
         out.append((KEY_SYSTEM_LINES_TAIL, (tenant, model, str(len(lines)), *lines[half:])))
+    chunks, chunk_tokens = _list(req, CHUNK_HASHES), _list(req, CHUNK_TOKENS)
+    if chunks and chunk_tokens and int(chunk_tokens[0]) >= MIN_HEAD_TOKENS and _stable_prefix_tokens_raw(req) == 0:
+        out.append((KEY_MESSAGE_HEAD, (tenant, model, _str(req, "cache_salt_hash"), str(chunks[0]))))
     return out
 
 

@@ -130,12 +130,13 @@ def test_the_store_job_takes_the_same_previous_turn(store, target, pred):  # typ
 @pytest.mark.parametrize("system", [True, False])
 def test_the_store_job_does_not_take_the_same_question_as_a_turn(store, system):  # type: ignore[no-untyped-def]
     """The store job does not look a request's own messages up (key 11), as the reference. Without a system prompt
-    no other key finds the same question (the fingerprint key needs a stable prefix): q2 has no predecessor (a
-    key 11 looked up named q1 a variant)."""
+    the fingerprint key (it needs a stable prefix) does not find the same question; the message's first chunk
+    (key 19) does: q1 is q2's predecessor as a variant, never a previous turn (a key 11 looked up named q1 a turn)."""
     rows = faq() if system else faq_without_system()
     assert store_causes(store, rows)["q2"] == verdicts(*rows)["q2"]["causes"]
+    kind = attribution.FINGERPRINT if system else attribution.VARIANT
     assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                            "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT) if system else ("", "")]
+                            "WHERE request_id = 'q2'") == [("q1", kind)]
 
 
 # -- kinds a hostile review found on the first version (siblings taken as turns, salts, user-only turns) ----------
@@ -240,7 +241,7 @@ def stored(rows: list[dict[str, Any]], minutes_ago: int) -> list[dict[str, Any]]
 
 
 def faq_without_system() -> list[dict[str, Any]]:
-    """:func:`faq` with no system prompt: no key but the messages keys finds the same question."""
+    """:func:`faq` with no system prompt: the message-head key (19) finds the same question, as a variant."""
     question = u("What is the refund policy for annual plans cancelled in the first month? " * 4)
     return [row("q1", [question], at=0, pod="pod-a"), row("q2", [question], at=90, pod="pod-a")]
 

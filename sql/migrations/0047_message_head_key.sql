@@ -1,0 +1,47 @@
+-- Predecessor key 19 (ingest/attribution.py predecessor_keys, KEY_MESSAGE_HEAD): the first content-defined chunk of
+-- the final message (tenant, model, cache_salt_hash, suffix_chunk_hashes[1]) of a request with nothing before that
+-- message (no system prompt, tools, documents or history) whose first chunk holds at least 16 tokens (MIN_HEAD_TOKENS).
+-- Such a request had no key at all (its prompt_fingerprint covers the empty stable prefix): a script, an eval
+-- harness or a batch classifier that sends its instructions in the one user message, or the same prompt again on
+-- another pod, read every token unavoidable where another request had held the instructions. A variant key,
+-- looked up and found alike. Kinds 1-18 are those of 0046. Rows stored before this migration have no such key.
+ALTER TABLE gateway_requests
+    MODIFY COLUMN predecessor_keys Array(Tuple(kind UInt8, key UInt64)) MATERIALIZED arrayFilter(k -> k.2 != 0, [
+        (1, if(conversation_id != '', cityHash64(1, tenant_id, model, conversation_id), 0)),
+        (2, if(agent_run_id != '', cityHash64(2, tenant_id, model, agent_run_id), 0)),
+        (3, if(prompt_fingerprint != '' AND system_tokens + tools_tokens + retrieval_tokens + history_tokens > 0,
+               cityHash64(3, model, prompt_fingerprint), 0)),
+        (4, if(system_norm_hash != '', cityHash64(4, tenant_id, model, system_norm_hash), 0)),
+        (5, if(tools_canonical_hash != '', cityHash64(5, tenant_id, model, tools_canonical_hash), 0)),
+        (6, if(retrieval_set_hash != '', cityHash64(6, tenant_id, model, retrieval_set_hash), 0)),
+        (7, if(length(system_line_hashes) >= 3,
+               cityHash64(7, tenant_id, model, length(system_line_hashes),
+                          arraySlice(system_line_hashes, 1, intDiv(length(system_line_hashes), 2))), 0)),
+        (8, if(length(system_line_hashes) >= 3,
+               cityHash64(8, tenant_id, model, length(system_line_hashes),
+                          arraySlice(system_line_hashes, intDiv(length(system_line_hashes), 2) + 1)), 0)),
+        (9, if(agent_run_id != '' AND first_message_hash != '',
+               cityHash64(9, tenant_id, model, agent_run_id, first_message_hash), 0)),
+        (10, if(conversation_id != '' AND first_message_hash != '',
+                cityHash64(10, tenant_id, model, conversation_id, first_message_hash), 0)),
+        (11, if(conversation_id = '' AND agent_run_id = '' AND suffix_hash != '',
+                cityHash64(11, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash, suffix_hash),
+                0)),
+        (12, if(conversation_id = '' AND agent_run_id = '' AND prev_suffix_hash != '',
+                cityHash64(11, tenant_id, model, cache_salt_hash, system_norm_hash, prev_history_hash,
+                           prev_suffix_hash), 0)),
+        (13, if(conversation_id = '' AND agent_run_id = '' AND next_history_hash != '',
+                cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, next_history_hash), 0)),
+        (14, if(conversation_id = '' AND agent_run_id = '' AND history_prefix_hash != '',
+                cityHash64(13, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
+        (15, if(conversation_id = '' AND agent_run_id = '' AND continue_final_message AND history_prefix_hash != '',
+                cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, history_prefix_hash), 0)),
+        (16, if(conversation_id = '' AND agent_run_id = '' AND prefill_history_hash != '',
+                cityHash64(15, tenant_id, model, cache_salt_hash, system_norm_hash, prefill_history_hash), 0)),
+        (17, if(conversation_id != '' AND first_message_hash != '',
+                cityHash64(17, tenant_id, model, conversation_id, first_message_hash, system_norm_hash), 0)),
+        (18, if(agent_run_id != '' AND first_message_hash != '',
+                cityHash64(18, tenant_id, model, agent_run_id, first_message_hash, system_norm_hash), 0)),
+        (19, if(system_tokens + tools_tokens + retrieval_tokens + history_tokens = 0
+                AND length(suffix_chunk_hashes) > 0 AND suffix_chunk_tokens[1] >= 16,
+                cityHash64(19, tenant_id, model, cache_salt_hash, suffix_chunk_hashes[1]), 0))]);
