@@ -329,20 +329,26 @@ def system_lines(text: str) -> list[str]:
     return lines
 
 
+#: The last character of a first paragraph that introduces what follows, rather than titles it.
+_SENTENCE_ENDS = frozenset(":.?!")
+
+
 def _cut(text: str, separator: str, first_ends: bool = False) -> list[str]:
     """``text`` cut after each ``separator`` whose preceding piece (since the previous separator) holds at least
-    MIN_CHUNK_CHARS non-blank characters, or (``first_ends``) is the text's first non-blank piece; separators stay
-    with the piece before them."""
-    out, start, piece_start = [], 0, 0
+    MIN_CHUNK_CHARS non-blank characters, or (``first_ends``) is the text's first non-blank piece and ends a sentence
+    (":", ".", "?" or "!": "Context:", "Answer using the files below."; not a title such as "Refund guide 1", which
+    stays with the document it heads, wherever that document sits); separators stay with the piece before them."""
+    out, start, piece_start, first = [], 0, 0, first_ends
     while True:
         at = text.find(separator, piece_start)
         if at < 0:
             break
         end = at + len(separator)
         piece = text[piece_start:at].strip()
-        if len(piece) >= MIN_CHUNK_CHARS or (first_ends and piece and not text[:piece_start].strip()):
+        if len(piece) >= MIN_CHUNK_CHARS or (first and piece[-1:] in _SENTENCE_ENDS):
             out.append(text[start:end])
             start = end
+        first = first and not piece
         piece_start = end
     if start < len(text):
         out.append(text[start:])
@@ -350,10 +356,14 @@ def _cut(text: str, separator: str, first_ends: bool = False) -> list[str]:
 
 
 #: A line that only separates (three or more of one of - = * _ ~ #, as LlamaIndex's "-----" around its context).
+_RULE_CHARS = frozenset("-=*_~#")
 _RULE_LINE = re.compile(r"[ \t]*([-=*_~#])\1{2,}[ \t]*\r?\n?")
 #: A line that is one XML-style tag alone: an opening one (``<document index="2">``) or a closing one.
 _OPEN_TAG_LINE = re.compile(r"[ \t]*<[A-Za-z][\w:.-]*(\s[^<>]*)?>[ \t]*\r?\n?")
 _CLOSE_TAG_LINE = re.compile(r"[ \t]*</[A-Za-z][\w:.-]*[ \t]*>[ \t]*\r?\n?")
+#: How one of those lines starts: a text with no line that starts so is not cut line by line (one scan for "\n").
+_FRAME_MARKS = ("<", "---", "===", "***", "___", "~~~", "###")
+_FRAME_HINT = re.compile(r"\n[ \t]*(?:<|---|===|\*\*\*|___|~~~|###)")
 
 
 def _structural_cut(text: str) -> list[str]:
@@ -361,22 +371,30 @@ def _structural_cut(text: str) -> list[str]:
     before a line that is an opening tag alone and after a line that is a closing tag alone (documents joined by
     single newlines in ``<document>`` tags or between rules). A boundary depends only on its own line; a piece of
     whitespace alone joins the piece before it. The pieces concatenate back to ``text``."""
+    if _FRAME_HINT.search(text) is None and not text[:64].lstrip(" \t").startswith(_FRAME_MARKS):
+        return [text]
     out: list[str] = []
-    current = ""
+    start = at = 0
     for line in text.splitlines(keepends=True):
-        rule = _RULE_LINE.fullmatch(line) is not None
-        if (rule or _OPEN_TAG_LINE.fullmatch(line)) and current.strip():
-            out.append(current)
-            current = ""
-        current += line
-        if (rule or _CLOSE_TAG_LINE.fullmatch(line)) and current.strip():
-            out.append(current)
-            current = ""
-    if current:
-        if current.strip() or not out:
-            out.append(current)
+        body = line.strip()
+        end = at + len(line)
+        first = body[:1]
+        rule = first in _RULE_CHARS and _RULE_LINE.fullmatch(line) is not None
+        tag = first == "<" and body[-1] == ">" and body.count("<") == 1
+        opens = tag and body[1:2] != "/" and _OPEN_TAG_LINE.fullmatch(line) is not None
+        closes = tag and body[1:2] == "/" and _CLOSE_TAG_LINE.fullmatch(line) is not None
+        if (rule or opens) and text[start:at].strip():
+            out.append(text[start:at])
+            start = at
+        if (rule or closes) and text[start:end].strip():
+            out.append(text[start:end])
+            start = end
+        at = end
+    if start < len(text):
+        if text[start:].strip() or not out:
+            out.append(text[start:])
         else:
-            out[-1] += current
+            out[-1] += text[start:]
     return out
 
 
@@ -384,13 +402,14 @@ def content_chunks(text: str) -> list[str]:
     """Content-defined chunks of a message's text, in order, concatenating back to ``text``.
 
     A chunk ends at a paragraph break ("\n\n") that follows a paragraph of at least :data:`MIN_CHUNK_CHARS`
-    non-blank characters, or the text's first paragraph (a short header such as "Context:" introduces the
-    documents; it is not part of the first one). Whether a break ends a chunk depends only on the paragraph right
-    before it, so a boundary never moves when text before that paragraph changes (retrieved documents keep their
-    chunks whatever precedes them). Within a paragraph a chunk also ends at the lines that frame documents
-    (:func:`_structural_cut`: rule lines, tag lines). A chunk longer than :data:`MAX_CHUNK_CHARS` is cut the same
-    way at line breaks, then every MAX_CHUNK_CHARS characters from its start (a boundary inside it moves only
-    with its own text). At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last one holds the rest. "" → []."""
+    non-blank characters, or the text's first paragraph when it ends a sentence (a short header such as "Context:"
+    introduces the documents; it is not part of the first one; a title stays with its document). Whether a break
+    ends a chunk depends only on the paragraph right before it, so a boundary never moves when text before that
+    paragraph changes (retrieved documents keep their chunks whatever precedes them). Within a paragraph a chunk
+    also ends at the lines that frame documents (:func:`_structural_cut`: rule lines, tag lines). A chunk longer
+    than :data:`MAX_CHUNK_CHARS` is cut the same way at line breaks, then every MAX_CHUNK_CHARS characters from its
+    start (a boundary inside it moves only with its own text). At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last
+    one holds the rest. "" → []."""
     if not text:
         return []
     chunks = []
@@ -414,22 +433,28 @@ def message_chunks(msg: Mapping[str, Any]) -> list[str]:
     """:func:`content_chunks` of :func:`message_text` (they concatenate back to it), with a chunk boundary at each
     text part of a content-part list as well: a client that sends each retrieved document as its own part (vLLM
     joins the parts with one "\n", no paragraph break) keeps one chunk per document at least, so documents
-    reordered or replaced between parts are seen whatever their text holds."""
+    reordered or replaced between parts are seen whatever their text holds. A message with a part that is not
+    text (an image, audio) has no chunks: its media's tokens sit among the texts', where no chunk can place them."""
     text = message_text(msg)
     content = msg.get("content")
     parts = _text_parts(content) if isinstance(content, list) else None
+    if isinstance(content, list) and parts is None:
+        return []  # an image or other media part: its tokens sit among the texts', which chunks cannot place
     if not parts or len(parts) < 2:
         return content_chunks(text)
     pieces = [p + "\n" for p in parts[:-1]] + [text[len("\n".join(parts[:-1])) + 1:]]
     return _capped([c for piece in pieces for c in content_chunks(piece)])
 
 
-#: A rank a retrieval template puts before each document: "[2]", "(2)", "2.", "Document 2:", "Source #2 -", or the
-#: numbers of an opening tag alone on the chunk's first line (``<document index="2">``). Documents reordered by rank
-#: are renumbered, which changed every chunk's hash.
-_RANK_MARKER = re.compile(r"(\[\d{1,4}\]|\(\d{1,4}\)|\d{1,4}[.)](?=\s)|(?i:document|doc|source|passage|context|chunk|"
-                          r"result|reference|ref)\s*#?\s*\d{1,4}\s*[:.)\]-]?(?=\s)|<[A-Za-z][\w:.-]*\s[^<>\n]*>(?=\n))")
-_DIGITS = re.compile(r"\d+")
+#: A rank a retrieval template puts before each document: a citation "[2]", a word and a number ("Document 2:",
+#: "Source #2 -", "Passage 2."), or the rank attribute of an opening tag alone on the chunk's first line
+#: (``<document index="2">``: :data:`_RANK_ATTRIBUTE`). Documents reordered by rank are renumbered, which changed
+#: every chunk's hash. Not a list's "2." or "(2)" (a user's own numbered steps), nor any other number in a tag
+#: (an id, a score, a date: those tell documents apart).
+_RANK_MARKER = re.compile(r"(\[\d{1,4}\]|(?i:document|doc|source|passage|context|chunk|result|reference|ref)\s*#?\s*"
+                          r"\d{1,4}\s*[:.)\]-]?(?=\s)|<[A-Za-z][\w:.-]*\s[^<>\n]*>(?=\n))")
+_RANK_ATTRIBUTE = re.compile(r"""(?i)(\b(?:index|idx|rank|position)\s*=\s*["']?)\d{1,4}(?=["'\s>])""")
+_DIGITS = re.compile(r"\d{1,4}")
 
 
 def chunk_key(piece: str) -> str:
@@ -439,7 +464,11 @@ def chunk_key(piece: str) -> str:
     (``suffix_hash``) see every character."""
     text = piece.strip()
     m = _RANK_MARKER.match(text)
-    return text if m is None else _DIGITS.sub("#", m.group(0)) + text[m.end():]
+    if m is None:
+        return text
+    marker = m.group(0)
+    masked = _RANK_ATTRIBUTE.sub(r"\1#", marker) if marker.startswith("<") else _DIGITS.sub("#", marker, count=1)
+    return masked + text[m.end():]
 
 
 def structure(pieces: Sequence[str], counter: TokenCounter, whole_tokens: int | None = None,

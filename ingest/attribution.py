@@ -421,7 +421,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     (:data:`KEY_MESSAGES`, :data:`KEY_MESSAGES_AS_HISTORY`, :data:`KEY_PREFILLED`) are only found, never looked up
     (11 to 16 each when its last hash is not "", and only for a request with neither conversation_id nor
     agent_run_id: a client that sends ids finds its turns on them);
-    3. (model, prompt_fingerprint), any tenant, only for a non-empty stable prefix: :data:`FINGERPRINT`;
+    3. (model, prompt_fingerprint), any tenant, for a non-empty stable prefix; for an empty one (nothing before the
+    final message), (model, cache_salt_hash, suffix_hash) when the message holds at least :data:`MIN_HEAD_TOKENS`
+    tokens (the same prompt sent again): :data:`FINGERPRINT`;
     4–6. (tenant, model, value) of system_norm_hash, tools_canonical_hash, retrieval_set_hash: :data:`VARIANT`;
     7–8. (tenant, model, line count, first / second half of system_line_hashes) for a system prompt of at least
     :data:`MIN_STRUCTURE_LINES` lines (sql/migrations/0020): :data:`VARIANT`, once :func:`lines_match` confirms
@@ -458,6 +460,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
             out.append((KEY_PREFILLED, (*scope, _str(req, "history_prefix_hash"))))
     if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
+    elif (_stable_prefix_tokens_raw(req) == 0 and _str(req, "suffix_hash")
+          and _int(req, "suffix_tokens") >= MIN_HEAD_TOKENS):  # the same one-message prompt (sql/migrations/0047)
+        out.append((KEY_FINGERPRINT, (model, "suffix", _str(req, "cache_salt_hash"), _str(req, "suffix_hash"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
         if _str(req, field):
             out.append((kind, (tenant, model, _str(req, field))))
@@ -823,8 +828,9 @@ def suffix_chunk_drift(req: Request, prev: Request) -> tuple[int, str, int]:
     - k = length of the common ordered chunk prefix (h[i] = p[i] for i < k); P = Σ t[:k], shared;
     - a chunk h[i], k ≤ i < len(h) − 1 (never the final chunk: the question), is *known* when the predecessor's
       suffix had it anywhere (p as a set); j = the last known one. None: no drift (sub "", E = P);
-    - guard: the known chunks of h[k..j] must hold at least as many tokens as the new ones among them, else no
-      drift (new content that repeats a paragraph by chance stays unavoidable);
+    - guard: the known chunks of h[k..j] must hold at least as many tokens as the new ones among them, and one of
+      them at least :data:`MIN_HEAD_TOKENS` (a block: a document, not a rule line or closing tag that frames
+      any text), else no drift (new content that repeats a paragraph or a separator by chance stays unavoidable);
     - sub = rag_reordered when the chunks h[k..j] and the predecessor's chunks after the common prefix but
       its final one (p[k : len(p) − 1]) are the same set, else rag_changed (documents replaced while others
       stayed); E = Σ t[:j + 1], the end of the drift. Chunks after j (new documents, the question) stay
@@ -840,7 +846,7 @@ def suffix_chunk_drift(req: Request, prev: Request) -> tuple[int, str, int]:
         return shared, "", shared
     j = known[-1]
     known_tokens = sum(t[i] for i in range(k, j + 1) if h[i] in had)
-    if 2 * known_tokens < sum(t[k:j + 1]):
+    if 2 * known_tokens < sum(t[k:j + 1]) or max(t[i] for i in range(k, j + 1) if h[i] in had) < MIN_HEAD_TOKENS:
         return shared, "", shared
     sub = RAG_REORDERED if set(h[k:j + 1]) == set(p[k:len(p) - 1]) else RAG_CHANGED
     return shared, sub, sum(t[:j + 1])

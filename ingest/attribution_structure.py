@@ -19,6 +19,7 @@ from ingest.attribution import (
     CHUNK_TOKENS,
     LINE_HASHES,
     LINE_TOKENS,
+    MIN_HEAD_TOKENS,
     MIN_STRUCTURE_LINES,
     RAG_CHANGED,
     RAG_REORDERED,
@@ -109,6 +110,7 @@ def suffix_chunks(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     joined = joined.with_columns(pl.Series("j", j)[joined["row"].to_numpy()].alias("j"))
     window = (pl.col("pos") >= pl.col("first")) & (pl.col("pos") <= pl.col("j"))
     known_tokens = _sum_where(n, joined, window & pl.col("known"))
+    largest_known = _per_row(n, joined.filter(window & pl.col("known")).group_by("row").agg(pl.col("t").max()), "t", 0)
     window_tokens = _sum_where(n, joined, window)
     end = _sum_where(n, joined, pl.col("pos") <= pl.col("j"))
     # the predecessor's chunks after the common prefix but its final one, as a set, against h[k..j] as a set
@@ -120,7 +122,7 @@ def suffix_chunks(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     count = {name: _per_row(n, frame.group_by("row").len(), "len", 0)
              for name, frame in (("ours", ours), ("theirs", theirs), ("common", common))}
     same_set = (count["ours"] == count["theirs"]) & (count["common"] == count["ours"])
-    drift = (j >= 0) & (2 * known_tokens >= window_tokens)
+    drift = (j >= 0) & (2 * known_tokens >= window_tokens) & (largest_known >= MIN_HEAD_TOKENS)
     sub = np.where(drift, np.where(same_set, RAG_REORDERED, RAG_CHANGED), "").astype(object)
     return shared, sub, np.where(drift, end, shared)
 

@@ -179,11 +179,15 @@ def test_unrelated_new_user_messages_stay_unavoidable(store, control):
 
 def test_the_reference_helpers_on_hand_made_lists():
     """suffix_chunk_drift and the line rule on lists, by hand."""
-    r1 = {a.CHUNK_HASHES: [h("A"), h("B"), h("C"), h("Q")], a.CHUNK_TOKENS: [10, 10, 10, 5]}
-    r2 = {a.CHUNK_HASHES: [h("A"), h("C"), h("B"), h("Q")], a.CHUNK_TOKENS: [10, 10, 10, 5]}
-    assert a.suffix_chunk_drift(r2, r1) == (10, "rag_reordered", 30)
-    r3 = {a.CHUNK_HASHES: [h("A"), h("C"), h("Q")], a.CHUNK_TOKENS: [10, 10, 5]}  # B dropped: changed
-    assert a.suffix_chunk_drift(r3, r1) == (10, "rag_changed", 20)
+    r1 = {a.CHUNK_HASHES: [h("A"), h("B"), h("C"), h("Q")], a.CHUNK_TOKENS: [20, 20, 20, 5]}
+    r2 = {a.CHUNK_HASHES: [h("A"), h("C"), h("B"), h("Q")], a.CHUNK_TOKENS: [20, 20, 20, 5]}
+    assert a.suffix_chunk_drift(r2, r1) == (20, "rag_reordered", 60)
+    r3 = {a.CHUNK_HASHES: [h("A"), h("C"), h("Q")], a.CHUNK_TOKENS: [20, 20, 5]}  # B dropped: changed
+    assert a.suffix_chunk_drift(r3, r1) == (20, "rag_changed", 40)
+    # a separator (8 tokens) the only known chunk: under a block, no document moved (new content)
+    framed = {a.CHUNK_HASHES: [h("A"), h("-"), h("B"), h("Q")], a.CHUNK_TOKENS: [20, 8, 20, 5]}
+    other = {a.CHUNK_HASHES: [h("A"), h("N"), h("-"), h("R")], a.CHUNK_TOKENS: [20, 6, 8, 5]}
+    assert a.suffix_chunk_drift(other, framed) == (20, "", 20)
     lines = {a.LINE_HASHES: list("abcdefgh"), a.LINE_TOKENS: [1] * 8}
     two = {a.LINE_HASHES: list("abXdefYh"), a.LINE_TOKENS: [1] * 8}
     three = {a.LINE_HASHES: list("abXdeZYh"), a.LINE_TOKENS: [1] * 8}

@@ -119,3 +119,24 @@ def test_each_text_part_of_a_message_is_a_chunk_boundary():
     assert "".join(message_chunks(calls)) == message_text(calls)
     single = {"role": "user", "content": [{"type": "text", "text": f"{DOC_A}\n\n{DOC_B}"}]}
     assert message_chunks(single) == content_chunks(f"{DOC_A}\n\n{DOC_B}")
+
+
+def test_frame_lines_cut_chunks_that_still_concatenate_back_to_the_text():
+    """Rule lines and tag lines alone end chunks (LlamaIndex's "-----" around its context, ``<document>`` blocks
+    joined by single newlines); random mixes of such lines, prose, blank lines and tags inside prose always give
+    chunks that concatenate back to the text, none of them whitespace alone but the last (what follows the last
+    paragraph break)."""
+    import random
+
+    rng = random.Random(7)
+    kinds = ["---", "=====", "<document index=\"3\">", "</document>", "  <doc>", "</doc>  ", "", "", "x < y > z",
+             "<b>bold</b> inline", DOC_A, "short line", "### Heading", "***", "- item"]
+    for _ in range(300):
+        text = "\n".join(rng.choice(kinds) for _ in range(rng.randint(0, 12))) + rng.choice(["", "\n", "\n\n"])
+        chunks = content_chunks(text)
+        assert "".join(chunks) == text, text
+        assert all(c.strip() for c in chunks[:-1]), (text, chunks)
+    chunks = content_chunks(f"Context:\n---\n{DOC_A}\n{DOC_B}\n---\nQuery: q")
+    assert chunks == ["Context:\n", "---\n", f"{DOC_A}\n{DOC_B}\n", "---\n", "Query: q"]
+    tagged = content_chunks(f"<docs>\n<doc>\n{DOC_A}\n</doc>\n<doc>\n{DOC_B}\n</doc>\n</docs>")
+    assert tagged == ["<docs>\n", f"<doc>\n{DOC_A}\n</doc>\n", f"<doc>\n{DOC_B}\n</doc>\n", "</docs>"]

@@ -129,14 +129,13 @@ def test_the_store_job_takes_the_same_previous_turn(store, target, pred):  # typ
 
 @pytest.mark.parametrize("system", [True, False])
 def test_the_store_job_does_not_take_the_same_question_as_a_turn(store, system):  # type: ignore[no-untyped-def]
-    """The store job does not look a request's own messages up (key 11), as the reference. Without a system prompt
-    the fingerprint key (it needs a stable prefix) does not find the same question; the message's first chunk
-    (key 19) does: q1 is q2's predecessor as a variant, never a previous turn (a key 11 looked up named q1 a turn)."""
+    """The store job does not look a request's own messages up (key 11), as the reference: q1 is q2's predecessor as
+    the same prompt (key 3: without a system prompt, on the message itself), never a previous turn (a key 11 looked
+    up named q1 a turn)."""
     rows = faq() if system else faq_without_system()
     assert store_causes(store, rows)["q2"] == verdicts(*rows)["q2"]["causes"]
-    kind = attribution.FINGERPRINT if system else attribution.VARIANT
     assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                            "WHERE request_id = 'q2'") == [("q1", kind)]
+                            "WHERE request_id = 'q2'") == [("q1", attribution.FINGERPRINT)]
 
 
 # -- kinds a hostile review found on the first version (siblings taken as turns, salts, user-only turns) ----------
@@ -241,7 +240,7 @@ def stored(rows: list[dict[str, Any]], minutes_ago: int) -> list[dict[str, Any]]
 
 
 def faq_without_system() -> list[dict[str, Any]]:
-    """:func:`faq` with no system prompt: the message-head key (19) finds the same question, as a variant."""
+    """:func:`faq` with no system prompt: the same prompt (key 3 on the message itself) finds the same question."""
     question = u("What is the refund policy for annual plans cancelled in the first month? " * 4)
     return [row("q1", [question], at=0, pod="pod-a"), row("q2", [question], at=90, pod="pod-a")]
 
@@ -261,12 +260,18 @@ def test_the_store_job_answers_as_the_reference(store, traffic, runs):  # type: 
     """Every request of each kind, through the store job: the same causes and the same predecessor. In one run
     (a backlog: the search carried from chunk to chunk, ingest/key_tails.py) and in two, the later half ingested
     after the first run (an ASOF JOIN against request_keys, and the successors of the arrivals re-judged)."""
+    assert_store_answers_as_reference(store, traffic(), runs)
+
+
+def assert_store_answers_as_reference(store: Any, rows: list[dict[str, Any]], runs: int) -> dict[str, str]:
+    """``rows`` attributed by the store job, in one run (all ingested 3 minutes ago) or two (the later half ingested
+    a minute ago, after the first run), give the reference's causes and predecessors; returns request id →
+    predecessor id."""
     from test_attribution_job import insert_requests
     from test_attribution_job import run as run_job
 
     from tests.test_conversation_threads import B
 
-    rows = traffic()
     half = len(rows) // 2 if runs == 2 else len(rows)
     insert_requests(store, stored(rows[:half], 3))
     run_job(store, default_block_size=B)
@@ -280,6 +285,7 @@ def test_the_store_job_answers_as_the_reference(store, traffic, runs):  # type: 
     assert got == {k: v["causes"] for k, v in expected.items() if v["causes"]}, (got, expected)
     preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
     assert preds == {k: v["pred"] for k, v in expected.items()}
+    return preds
 
 
 def test_a_previous_turn_that_arrives_late_is_taken_when_it_lands(store):  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ import pytest
 
 from ingest import attribution
 from tests.test_conversation_threads import B, row, u, verdicts
-from tests.test_plain_client_turns import stored
+from tests.test_plain_client_turns import assert_store_answers_as_reference
 
 RULES = ("Classify the support ticket below into exactly one of: billing, outage, account, other. Answer with the "
          "label only. " + "Rule: a ticket that mentions an invoice or a refund is billing. " * 8)
@@ -85,21 +85,5 @@ def traffic() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("runs", [1, 2])
 def test_the_store_job_answers_as_the_reference(store, runs):  # type: ignore[no-untyped-def]
-    from test_attribution_job import insert_requests
-    from test_attribution_job import run as run_job
-
-    rows = traffic()
-    half = len(rows) // 2 if runs == 2 else len(rows)
-    insert_requests(store, stored(rows[:half], 3))
-    run_job(store, default_block_size=B)
-    if runs == 2:
-        insert_requests(store, stored(rows[half:], 1))
-        run_job(store, default_block_size=B)
-    expected = verdicts(*rows)
-    got: dict[str, dict[tuple[str, str], int]] = {}
-    for r in store.query_rows("SELECT request_id, cause, sub_cause, tokens FROM miss_attribution"):
-        got.setdefault(r[0], {})[(r[1], r[2])] = r[3]
-    assert got == {k: v["causes"] for k, v in expected.items() if v["causes"]}
-    preds = dict(store.query_rows("SELECT request_id, predecessor_request_id FROM request_attribution FINAL"))
-    assert preds == {k: v["pred"] for k, v in expected.items()}
+    preds = assert_store_answers_as_reference(store, traffic(), runs)
     assert preds["r2"] == "r1" and preds["r3"] == "r2" and preds["r4"] == ""

@@ -4,13 +4,18 @@
 -- Such a request had no key at all (its prompt_fingerprint covers the empty stable prefix): a script, an eval
 -- harness or a batch classifier that sends its instructions in the one user message, or the same prompt again on
 -- another pod, read every token unavoidable where another request had held the instructions. A variant key,
--- looked up and found alike. Kinds 1-18 are those of 0046. Rows stored before this migration have no such key.
+-- looked up and found alike. And key 3 (the same prompt, any tenant) for such a request: the same final message
+-- (cache_salt_hash, suffix_hash) of at least 16 tokens, so the same prompt sent again finds its last send, not the
+-- latest request with the same instructions. Kinds 1-18 are otherwise those of 0046. Rows stored before this
+-- migration have no such keys.
 ALTER TABLE gateway_requests
     MODIFY COLUMN predecessor_keys Array(Tuple(kind UInt8, key UInt64)) MATERIALIZED arrayFilter(k -> k.2 != 0, [
         (1, if(conversation_id != '', cityHash64(1, tenant_id, model, conversation_id), 0)),
         (2, if(agent_run_id != '', cityHash64(2, tenant_id, model, agent_run_id), 0)),
-        (3, if(prompt_fingerprint != '' AND system_tokens + tools_tokens + retrieval_tokens + history_tokens > 0,
-               cityHash64(3, model, prompt_fingerprint), 0)),
+        (3, multiIf(prompt_fingerprint != '' AND system_tokens + tools_tokens + retrieval_tokens + history_tokens > 0,
+                    cityHash64(3, model, prompt_fingerprint),
+                    system_tokens + tools_tokens + retrieval_tokens + history_tokens = 0 AND suffix_hash != ''
+                    AND suffix_tokens >= 16, cityHash64(3, model, 'suffix', cache_salt_hash, suffix_hash), 0)),
         (4, if(system_norm_hash != '', cityHash64(4, tenant_id, model, system_norm_hash), 0)),
         (5, if(tools_canonical_hash != '', cityHash64(5, tenant_id, model, tools_canonical_hash), 0)),
         (6, if(retrieval_set_hash != '', cityHash64(6, tenant_id, model, retrieval_set_hash), 0)),
