@@ -53,13 +53,14 @@ def test_a_hit_on_the_shared_instructions_leaves_only_the_ticket() -> None:
 
 
 @pytest.mark.parametrize("second", [
-    [u("Hi,\n\nmy invoice for November shows a charge twice, can you check it and refund one of them please?")],
+    [u("Hi!\n\nmy invoice for November shows a charge twice, can you check it and refund one of them please?")],
     [{"role": "system", "content": "Be brief."}, u(f"{RULES}\n\n{TICKET1}")],
 ], ids=["short first chunk", "a system prompt"])
 def test_no_key_for_a_short_head_and_none_across_a_stable_prefix(second: list[dict[str, Any]]) -> None:
-    """Negative controls: a first chunk under a block ("Hi,") is no key; a request with a system prompt finds its
+    """Negative controls: a first chunk under a block ("Hi!", a sentence of its own) is no key; a request with a
+    system prompt finds its
     predecessors by that prompt, not by its message's first chunk."""
-    first = [u("Hi,\n\nthe dashboard returns 502 since noon for every user of our team, can you look at it?")]
+    first = [u("Hi!\n\nthe dashboard returns 502 since noon for every user of our team, can you look at it?")]
     rows = [row("r1", first, at=0), row("r2", second, at=5, pod="pod-b", cached=0),
             row("r3", [u(f"{RULES}\n\n{TICKET2}")], at=6, pod="pod-b", cached=0)]
     assert verdicts(*rows)["r2"]["pred"] == ""
@@ -78,7 +79,7 @@ def traffic() -> list[dict[str, Any]]:
     same = [u(f"{RULES}\n\n{TICKET1}")]
     return [row("r1", same, at=0), row("r2", same, at=5, pod="pod-b", cached=0),
             row("r3", [u(f"{RULES}\n\n{TICKET2}")], at=9, pod="pod-a", cached=0),
-            row("s1", [u("Hi,\n\nthe dashboard returns 502 since noon for every user of our team, look at it?")],
+            row("s1", [u("Hi!\n\nthe dashboard returns 502 since noon for every user of our team, look at it?")],
                 at=10, pod="pod-a"),
             row("r4", same, at=12, pod="pod-b", cached=0, cache_salt="user-2")]
 
