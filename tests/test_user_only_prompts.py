@@ -58,8 +58,7 @@ def test_a_hit_on_the_shared_instructions_leaves_only_the_ticket() -> None:
 ], ids=["short first chunk", "a system prompt"])
 def test_no_key_for_a_short_head_and_none_across_a_stable_prefix(second: list[dict[str, Any]]) -> None:
     """Negative controls: a first chunk under a block ("Hi!", a sentence of its own) is no key; a request with a
-    system prompt finds its
-    predecessors by that prompt, not by its message's first chunk."""
+    system prompt finds its predecessors by that prompt, not by its message's first chunk."""
     first = [u("Hi!\n\nthe dashboard returns 502 since noon for every user of our team, can you look at it?")]
     rows = [row("r1", first, at=0), row("r2", second, at=5, pod="pod-b", cached=0),
             row("r3", [u(f"{RULES}\n\n{TICKET2}")], at=6, pod="pod-b", cached=0)]
