@@ -458,10 +458,11 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
                 out.append((kind, (*scope, *(_str(req, f) for f in names))))
         if req.get("continue_final_message") and _str(req, "history_prefix_hash"):
             out.append((KEY_PREFILLED, (*scope, _str(req, "history_prefix_hash"))))
-    if _str(req, "prompt_fingerprint") and _stable_prefix_tokens_raw(req) > 0:
+    one_message = _stable_prefix_tokens_raw(req) == 0  # nothing before the final message
+    if _str(req, "prompt_fingerprint") and not one_message:
         out.append((KEY_FINGERPRINT, (model, _str(req, "prompt_fingerprint"))))
-    elif (_stable_prefix_tokens_raw(req) == 0 and _str(req, "suffix_hash")
-          and _int(req, "suffix_tokens") >= MIN_HEAD_TOKENS):  # the same one-message prompt (sql/migrations/0047)
+    elif one_message and _str(req, "suffix_hash") and _int(req, "suffix_tokens") >= MIN_HEAD_TOKENS:
+        # the same one-message prompt (sql/migrations/0047)
         out.append((KEY_FINGERPRINT, (model, "suffix", _str(req, "cache_salt_hash"), _str(req, "suffix_hash"))))
     for kind, field in zip(VARIANT_KEYS, VARIANT_FIELDS, strict=False):
         if _str(req, field):
@@ -472,7 +473,7 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
         out.append((KEY_SYSTEM_LINES_HEAD, (tenant, model, str(len(lines)), *lines[:half])))
         out.append((KEY_SYSTEM_LINES_TAIL, (tenant, model, str(len(lines)), *lines[half:])))
     chunks, chunk_tokens = _list(req, CHUNK_HASHES), _list(req, CHUNK_TOKENS)
-    if chunks and chunk_tokens and int(chunk_tokens[0]) >= MIN_HEAD_TOKENS and _stable_prefix_tokens_raw(req) == 0:
+    if one_message and chunks and chunk_tokens and int(chunk_tokens[0]) >= MIN_HEAD_TOKENS:
         out.append((KEY_MESSAGE_HEAD, (tenant, model, _str(req, "cache_salt_hash"), str(chunks[0]))))
     return out
 
@@ -845,8 +846,8 @@ def suffix_chunk_drift(req: Request, prev: Request) -> tuple[int, str, int]:
     if not known:
         return shared, "", shared
     j = known[-1]
-    known_tokens = sum(t[i] for i in range(k, j + 1) if h[i] in had)
-    if 2 * known_tokens < sum(t[k:j + 1]) or max(t[i] for i in range(k, j + 1) if h[i] in had) < MIN_HEAD_TOKENS:
+    known_tokens = [t[i] for i in range(k, j + 1) if h[i] in had]
+    if 2 * sum(known_tokens) < sum(t[k:j + 1]) or max(known_tokens) < MIN_HEAD_TOKENS:
         return shared, "", shared
     sub = RAG_REORDERED if set(h[k:j + 1]) == set(p[k:len(p) - 1]) else RAG_CHANGED
     return shared, sub, sum(t[:j + 1])

@@ -109,8 +109,9 @@ def suffix_chunks(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]
                  "pos", -1)
     joined = joined.with_columns(pl.Series("j", j)[joined["row"].to_numpy()].alias("j"))
     window = (pl.col("pos") >= pl.col("first")) & (pl.col("pos") <= pl.col("j"))
-    known_tokens = _sum_where(n, joined, window & pl.col("known"))
-    largest_known = _per_row(n, joined.filter(window & pl.col("known")).group_by("row").agg(pl.col("t").max()), "t", 0)
+    known = joined.filter(window & pl.col("known")).group_by("row").agg(pl.col("t").sum(), pl.col("t").max()
+                                                                       .alias("largest"))
+    known_tokens, largest_known = _per_row(n, known, "t", 0), _per_row(n, known, "largest", 0)
     window_tokens = _sum_where(n, joined, window)
     end = _sum_where(n, joined, pl.col("pos") <= pl.col("j"))
     # the predecessor's chunks after the common prefix but its final one, as a set, against h[k..j] as a set

@@ -398,19 +398,29 @@ def assert_previous_turn_routed_away(e2e: dict[str, Any], request: str, previous
     block: the previous prompt's last block may hold the generation prompt's tokens, which the next one continues
     otherwise). Returns its (cause, sub_cause) → tokens."""
     by_id = {r["request_id"]: r for r in e2e["records"]}
-    store = e2e["store"]
-    pred = store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                            "WHERE request_id = {r:String}", {"r": request})
-    rows = dict(((c, sc), t) for c, sc, t in store.query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": request}))
-    block = by_id[request]["prompt_block_size"] or 32
-    reusable = (by_id[previous]["prompt_tokens"] - 1) // block * block - by_id[request]["cached_tokens"]
+    pred = e2e["store"].query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                                   "WHERE request_id = {r:String}", {"r": request})
+    rows = stored_causes(e2e, request)
+    block, reusable = reusable_blocks(by_id, request, previous)
     print(f"\n{request}: prompt {by_id[request]['prompt_tokens']}, cached {by_id[request]['cached_tokens']}, "
           f"previous prompt {by_id[previous]['prompt_tokens']}, predecessor {pred}, causes {rows}")
     assert pred == [(previous, "previous_turn")]
     assert sum(rows.values()) == by_id[request]["prompt_tokens"] - by_id[request]["cached_tokens"]
     assert reusable > block and abs(rows.get(("routed_away", ""), 0) - reusable) <= block, rows
     return rows
+
+
+def stored_causes(e2e: dict[str, Any], request: str) -> dict[tuple[str, str], int]:
+    """``request``'s stored answer: (cause, sub_cause) → tokens."""
+    return dict(((c, sc), t) for c, sc, t in e2e["store"].query_rows(
+        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": request}))
+
+
+def reusable_blocks(by_id: dict[str, dict[str, Any]], request: str, previous: str) -> tuple[int, int]:
+    """(block size, tokens of ``previous``'s prompt in full blocks (its last token left out) less what ``request``'s
+    pod held): what ``request`` could have reused of ``previous``."""
+    block = by_id[request]["prompt_block_size"] or 32
+    return block, (by_id[previous]["prompt_tokens"] - 1) // block * block - by_id[request]["cached_tokens"]
 
 
 def guardrail_turns(gateway_url: str) -> tuple[str, str, str, str]:
@@ -474,8 +484,7 @@ def test_reordered_nodes_of_a_llamaindex_template_read_rag_reordered(e2e) -> Non
     r1, r2 = e2e["rag"]
     by_id = {r["request_id"]: r for r in e2e["records"]}
     assert by_id[r1]["pod"] != by_id[r2]["pod"]
-    rows = dict(((c, sc), t) for c, sc, t in e2e["store"].query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": r2}))
+    rows = stored_causes(e2e, r2)
     missed = by_id[r2]["prompt_tokens"] - by_id[r2]["cached_tokens"]
     print(f"\n{r2}: prompt {by_id[r2]['prompt_tokens']}, cached {by_id[r2]['cached_tokens']}, causes {rows}")
     assert sum(rows.values()) == missed
@@ -501,13 +510,10 @@ def test_the_same_one_message_prompt_again_is_routed_away(e2e) -> None:  # type:
     first, second = e2e["one_message"]
     by_id = {r["request_id"]: r for r in e2e["records"]}
     assert by_id[first]["pod"] != by_id[second]["pod"]
-    store = e2e["store"]
-    assert store.query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
-                            "WHERE request_id = {r:String}", {"r": second}) == [(first, "fingerprint")]
-    rows = dict(((c, sc), t) for c, sc, t in store.query_rows(
-        "SELECT cause, sub_cause, tokens FROM miss_attribution WHERE request_id = {r:String}", {"r": second}))
-    block = by_id[second]["prompt_block_size"] or 32
-    reusable = (by_id[first]["prompt_tokens"] - 1) // block * block - by_id[second]["cached_tokens"]
+    assert e2e["store"].query_rows("SELECT predecessor_request_id, predecessor_kind FROM request_attribution FINAL "
+                                   "WHERE request_id = {r:String}", {"r": second}) == [(first, "fingerprint")]
+    rows = stored_causes(e2e, second)
+    block, reusable = reusable_blocks(by_id, second, first)
     print(f"\n{second}: prompt {by_id[second]['prompt_tokens']}, cached {by_id[second]['cached_tokens']}, "
           f"causes {rows}")
     assert sum(rows.values()) == by_id[second]["prompt_tokens"] - by_id[second]["cached_tokens"]
