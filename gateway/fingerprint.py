@@ -709,7 +709,9 @@ def fingerprint_completion(
     The prompt is the suffix, unless `metadata.prefix_chars` (int) says its first N characters are a stable
     prefix: those become the system segment (hash, normalized hash, tokens). The split applies to a
     single string prompt only. Token-id prompts count their ids exactly (whatever the counter's method);
-    several prompts (a batch) hash as one suffix H(p1, p2, ...). Raises FingerprintError on other shapes.
+    several prompts (a batch) hash as one suffix H(p1, p2, ...). A single string prompt also gets its suffix
+    structure (:func:`content_chunks` of the text after the stable prefix: ``suffix_chunk_hashes`` /
+    ``suffix_chunk_tokens``), as a chat's final message does. Raises FingerprintError on other shapes.
     `cache` and `budget`: as for `fingerprint_chat`.
     """
     return _Segments(cache, counter, budget).completion(body)
@@ -953,16 +955,22 @@ class _Segments:
         suffix_parts = [i if isinstance(i, str) else _json(i, sort_keys=False) for i in items if i]
         texts = {i: self._text(i) for i in items if isinstance(i, str) and i}
         suffix_tokens = sum((texts[i][1] if i else 0) if isinstance(i, str) else len(i) for i in items)
+        chunks: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())
         if len(suffix_parts) == 1 and isinstance(suffix_parts[0], str) and suffix_parts[0] in texts:
             suffix_hash = texts[suffix_parts[0]][0]  # H(p) of the one prompt, as _segment_hash would give
+            # one text prompt: its content-defined chunks, as a chat's final message has (a shared few-shot
+            # preamble or file head before a new tail is then seen, and found on the first chunk's key)
+            chunks = structure(content_chunks(suffix_parts[0]), self.counter, suffix_tokens, chunk_key)
         else:
             suffix_hash = _segment_hash(suffix_parts)
         if not system_text:
-            return _completion_fingerprint("", "", 0, suffix_hash, suffix_tokens, self.counter.method)
+            fp = _completion_fingerprint("", "", 0, suffix_hash, suffix_tokens, self.counter.method)
+            return dataclasses.replace(fp, suffix_chunk_hashes=chunks[0], suffix_chunk_tokens=chunks[1])
         entry = self._text(system_text)
         if entry[2] is None:
             entry[2] = hash_parts(mask_volatile(system_text))
         if len(entry) < 4:
             entry.append(structure(system_lines(system_text), self.counter))
         fp = _completion_fingerprint(entry[0], entry[2], entry[1], suffix_hash, suffix_tokens, self.counter.method)
-        return dataclasses.replace(fp, system_line_hashes=entry[3][0], system_line_tokens=entry[3][1])
+        return dataclasses.replace(fp, system_line_hashes=entry[3][0], system_line_tokens=entry[3][1],
+                                   suffix_chunk_hashes=chunks[0], suffix_chunk_tokens=chunks[1])
