@@ -306,7 +306,7 @@ def salted(fp: PromptFingerprint, salt_hash: str) -> PromptFingerprint:
 
 # --- structure: lines of the system prompt, content-defined chunks of the suffix ----------------------------
 
-#: At most this many system line entries; a longer prompt's lines are grouped evenly, ceil(lines / 256) consecutive
+#: At most this many system line entries; a longer prompt's lines are grouped evenly, a power of two of consecutive
 #: lines an entry (:func:`system_lines`), so a changed line is placed within its own group wherever it sits.
 MAX_SYSTEM_LINES = 256
 #: At most this many suffix chunks; beyond it the final chunk (the question) stays its own entry and the chunks
@@ -322,15 +322,19 @@ MAX_CHUNK_CHARS = 4096
 
 def system_lines(text: str) -> list[str]:
     """The lines of a system prompt's text (split at "\n"), at most :data:`MAX_SYSTEM_LINES` entries: a prompt of
-    n > MAX_SYSTEM_LINES lines is cut into groups of g = ceil(n / MAX_SYSTEM_LINES) consecutive lines (the last
-    group may be shorter), each entry its group's lines joined by "\n". Every line's group depends only on n and
-    its position, so two prompts of as many lines differ in the groups of their changed lines alone (an environment
-    block at the end of a long agent prompt drifts at its own group, not at a catch-all last entry). "" → []."""
+    n > MAX_SYSTEM_LINES lines is cut into groups of g consecutive lines (the last group may be shorter), g the
+    smallest power of two with ceil(n / g) ≤ MAX_SYSTEM_LINES (2 up to 512 lines, 4 up to 1,024, ...), each entry
+    its group's lines joined by "\n". Every line's group depends only on g and its position, so two prompts of as
+    many lines differ in the groups of their changed lines alone (an environment block at the end of a long agent
+    prompt drifts at its own group, not at a catch-all last entry), and a prompt that grows keeps its entries
+    until its line count crosses a power of two times MAX_SYSTEM_LINES (a power of two rather than
+    ceil(n / MAX_SYSTEM_LINES): the group size changes at 512 and 1,024 lines, not at every multiple of 256).
+    "" → []."""
     if not text:
         return []
     lines = text.split("\n")
     if len(lines) > MAX_SYSTEM_LINES:
-        size = -(-len(lines) // MAX_SYSTEM_LINES)
+        size = 1 << (-(-len(lines) // MAX_SYSTEM_LINES) - 1).bit_length()
         lines = ["\n".join(lines[i:i + size]) for i in range(0, len(lines), size)]
     return lines
 

@@ -45,7 +45,8 @@ def test_system_lines_are_hashed_and_counted_one_by_one():
 
 
 def test_a_long_system_prompt_keeps_at_most_the_cap_of_lines():
-    """Up to the cap a line an entry; beyond it ceil(n / cap) consecutive lines an entry (the last group shorter)."""
+    """Up to the cap a line an entry; beyond it g consecutive lines an entry, g the smallest power of two that keeps
+    the entries within the cap (the last group shorter)."""
     exact = "\n".join(f"rule {i}" for i in range(MAX_SYSTEM_LINES))
     assert fingerprint_chat(chat(exact, "hi"), EST).system_line_hashes == tuple(
         hash_parts(f"rule {i}") for i in range(MAX_SYSTEM_LINES))
@@ -54,10 +55,13 @@ def test_a_long_system_prompt_keeps_at_most_the_cap_of_lines():
     assert len(fp.system_line_hashes) == len(fp.system_line_tokens) == 133
     assert fp.system_line_hashes == tuple(hash_parts(f"{rules[i]}\n{rules[i + 1]}") for i in range(0, 266, 2))
     assert fp.system_line_tokens[:6] == (4, 4, 4, 4, 4, 4)  # "rule 0\nrule 1": 13 characters
-    for n, entries in ((MAX_SYSTEM_LINES + 1, 129), (2 * MAX_SYSTEM_LINES, 256), (2 * MAX_SYSTEM_LINES + 1, 171),
-                       (10_000, 250)):
+    for n, size in ((MAX_SYSTEM_LINES + 1, 2), (512, 2), (513, 4), (1024, 4), (1025, 8), (10_000, 64)):
         got = system_lines("\n".join(f"rule {i}" for i in range(n)))
-        assert len(got) == entries <= MAX_SYSTEM_LINES and "\n".join(got).count("\n") == n - 1, n
+        assert len(got) == -(-n // size) <= MAX_SYSTEM_LINES and got[0] == "\n".join(f"rule {i}" for i in range(size))
+        assert "\n".join(got).count("\n") == n - 1, n
+    # a prompt that grows keeps its entries while the group size stays: 600 → 700 lines, groups of 4
+    grown = system_lines("\n".join(f"rule {i}" for i in range(700)))
+    assert grown[:150] == system_lines("\n".join(f"rule {i}" for i in range(600)))
 
 
 def agent_prompt(env: list[str], *, rules: int = 396, at: int | None = None, line: str = "") -> str:

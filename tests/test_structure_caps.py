@@ -5,8 +5,8 @@ differed: the same document asked again with another question read the document 
 A system prompt of more than 256 lines (a coding agent's rules, then an environment block) had its 256th entry hold
 every line from there on, so a volatile line anywhere past line 255 was placed at line 256: the unchanged lines
 between read as drift. Now the final chunk stays its own, and a long system prompt's lines are grouped evenly
-(ceil(lines / 256) lines an entry). Every row is fingerprinted from a real chat body by the reference gateway and
-judged by the reference and by the store job."""
+(2 lines an entry up to 512 lines, 4 up to 1,024, ...). Every row is fingerprinted from a real chat body by the
+reference gateway and judged by the reference and by the store job."""
 
 from __future__ import annotations
 
