@@ -306,9 +306,11 @@ def salted(fp: PromptFingerprint, salt_hash: str) -> PromptFingerprint:
 
 # --- structure: lines of the system prompt, content-defined chunks of the suffix ----------------------------
 
-#: At most this many system lines are hashed; a longer prompt's last entry covers all its remaining lines.
+#: At most this many system line entries; a longer prompt's lines are grouped evenly, a power of two of consecutive
+#: lines an entry (:func:`system_lines`), so a changed line is placed within its own group wherever it sits.
 MAX_SYSTEM_LINES = 256
-#: At most this many suffix chunks; the last entry covers the rest of the message.
+#: At most this many suffix chunks; beyond it the final chunk (the question) stays its own entry and the chunks
+#: before it from the 63rd on are joined into one (:func:`_capped`).
 MAX_SUFFIX_CHUNKS = 64
 #: A paragraph shorter than this (characters, whitespace stripped) ends no chunk: it joins the next one (a
 #: document's title line stays with its body, a short greeting with what follows).
@@ -319,13 +321,21 @@ MAX_CHUNK_CHARS = 4096
 
 
 def system_lines(text: str) -> list[str]:
-    """The lines of a system prompt's text (split at "\n"), at most :data:`MAX_SYSTEM_LINES`: beyond it the
-    last entry is the rest of the text joined by "\n". "" → []."""
+    """The lines of a system prompt's text (split at "\n"), at most :data:`MAX_SYSTEM_LINES` entries: a prompt of
+    n > MAX_SYSTEM_LINES lines is cut into groups of g consecutive lines (the last group may be shorter), g the
+    smallest power of two with ceil(n / g) ≤ MAX_SYSTEM_LINES (2 up to 512 lines, 4 up to 1,024, ...), each entry
+    its group's lines joined by "\n". Every line's group depends only on g and its position, so two prompts of as
+    many lines differ in the groups of their changed lines alone (an environment block at the end of a long agent
+    prompt drifts at its own group, not at a catch-all last entry), and a prompt that grows keeps its entries
+    until its line count crosses a power of two times MAX_SYSTEM_LINES (a power of two rather than
+    ceil(n / MAX_SYSTEM_LINES): the group size changes at 512 and 1,024 lines, not at every multiple of 256).
+    "" → []."""
     if not text:
         return []
     lines = text.split("\n")
     if len(lines) > MAX_SYSTEM_LINES:
-        lines = [*lines[: MAX_SYSTEM_LINES - 1], "\n".join(lines[MAX_SYSTEM_LINES - 1:])]
+        size = 1 << (-(-len(lines) // MAX_SYSTEM_LINES) - 1).bit_length()
+        lines = ["\n".join(lines[i:i + size]) for i in range(0, len(lines), size)]
     return lines
 
 
@@ -408,8 +418,8 @@ def content_chunks(text: str) -> list[str]:
     paragraph changes (retrieved documents keep their chunks whatever precedes them). Within a paragraph a chunk
     also ends at the lines that frame documents (:func:`_structural_cut`: rule lines, tag lines). A chunk longer
     than :data:`MAX_CHUNK_CHARS` is cut the same way at line breaks, then every MAX_CHUNK_CHARS characters from its
-    start (a boundary inside it moves only with its own text). At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last
-    one holds the rest. "" → []."""
+    start (a boundary inside it moves only with its own text). At most :data:`MAX_SUFFIX_CHUNKS` chunks: the final
+    chunk stays its own, the one before it holds the rest (:func:`_capped`). "" → []."""
     if not text:
         return []
     chunks = []
@@ -423,9 +433,12 @@ def content_chunks(text: str) -> list[str]:
 
 
 def _capped(chunks: list[str]) -> list[str]:
-    """At most :data:`MAX_SUFFIX_CHUNKS` chunks: the last one holds the rest."""
+    """At most :data:`MAX_SUFFIX_CHUNKS` chunks: beyond it the first MAX_SUFFIX_CHUNKS − 2 stay, the ones after them
+    up to the final chunk are joined into one, and the final chunk (the question, which attribution never counts as
+    a document) stays its own, so a long document asked about again with another question keeps every chunk but
+    the last equal. The chunks still concatenate back to the text."""
     if len(chunks) > MAX_SUFFIX_CHUNKS:
-        chunks = [*chunks[: MAX_SUFFIX_CHUNKS - 1], "".join(chunks[MAX_SUFFIX_CHUNKS - 1:])]
+        chunks = [*chunks[: MAX_SUFFIX_CHUNKS - 2], "".join(chunks[MAX_SUFFIX_CHUNKS - 2:-1]), chunks[-1]]
     return chunks
 
 
