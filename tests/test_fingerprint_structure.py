@@ -154,7 +154,7 @@ def test_completions_log_the_lines_of_their_stable_prefix():
     fp = fingerprint_completion({"prompt": "Rule one.\nRule two.\nQ?", "metadata": {"prefix_chars": 20}}, EST)
     assert fp.system_line_hashes == (hash_parts("Rule one."), hash_parts("Rule two."), hash_parts(""))
     assert fp.system_line_tokens == (3, 3, 0)
-    assert fp.suffix_chunk_hashes == ()
+    assert fp.suffix_chunk_hashes == (hash_parts("Q?"),)  # the prompt after its stable prefix, chunked as a message
 
 
 def test_the_fields_travel_through_the_log_line_to_the_row():
