@@ -46,8 +46,8 @@
 -- returns: changed_part_moved Array(UInt8) | 1 if the predecessor's segment held that line / chunk at another position (moved: reordered), 0 if it is new (parallel to changed_parts)
 -- returns: segment_missed_tokens Nullable(UInt64) | missed tokens [cached_tokens, prompt_tokens) that fall in this segment, segment boundaries scaled to prompt_tokens as the attribution places them, tokens (NULL when cached is not reported or the log has no segment counts)
 --
--- The current answer is the request_attribution row with sign +1 that no row with sign -1 of the same version
--- cancels (sql/migrations/0009). The request's and predecessor's gateway rows give the per-segment hashes and
+-- The current answer is the request_attribution row with sign +1 that no row with sign -1 of the same request
+-- (request_id, ts: ids can repeat across runs) and version cancels (sql/migrations/0009). The request's and predecessor's gateway rows give the per-segment hashes and
 -- token counts: the same comparison ingest/attribution.py shared_prefix() walks (docs/miss-causes.md). Segment
 -- boundaries: cumulative segment counts × prompt_tokens / Σ segment counts, floored (attribution
 -- segment_offsets()). KV events are read from kv_block_events FINAL (a re-sent ZMQ batch counted once; an
@@ -58,7 +58,7 @@ WITH
     -- include: prefill_cost
     cancelled AS
     (
-        SELECT request_id, version FROM request_attribution
+        SELECT request_id, ts, version FROM request_attribution
         WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND ({request_id:String} = '' OR request_id = {request_id:String})
     ),
@@ -77,7 +77,7 @@ WITH
           AND ({request_id:String} = '' OR request_id = {request_id:String})
           AND ({tenant:String} = '' OR tenant_id = {tenant:String})
           AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
-          AND (request_id, version) NOT IN (SELECT request_id, version FROM cancelled)
+          AND (request_id, ts, version) NOT IN (SELECT request_id, ts, version FROM cancelled)
         ORDER BY arraySum(missed_tokens) DESC, ts DESC, request_id
         LIMIT 1
     ),

@@ -1,0 +1,115 @@
+"""Operator-facing figures over populations a reviewer found mixed up, on real chDB: gateway-log lines loaded with
+``kvscope import gateway-log`` (which runs the attribution job), then the named queries, the digest, the alerts.
+
+* Two requests that share a request_id (ids reused across runs): the store's identity is (request_id, ts), so
+  one request's replaced answer never hides the other's current one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+from ingest.store import Store
+from kvscope.cli import main
+
+T0 = datetime(2026, 12, 6, 10, 0, tzinfo=UTC)
+
+
+def line(rid: str, sec: float, tenant: str, prompt: int, cached: int | None, pod: str = "pod-a", status: int = 200,
+         ttft: float = 50.0, **kw: Any) -> dict[str, Any]:
+    """One gateway-log line (log_version 1) of a request arriving ``sec`` seconds after T0."""
+    ts = T0 + timedelta(seconds=sec)
+    d = {"log_version": 1, "request_id": rid, "ts": ts.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+         "tenant_id": tenant, "status": status, "prompt_tokens": prompt, "cached_tokens": cached,
+         "ttft_ms": ttft, "e2e_ms": ttft + 100, "pod": pod, "model": "tiny"}
+    d.update(kw)
+    return d
+
+
+def turn(rid: str, sec: float, tenant: str, conv: str, n: int, cached: int | None, system: str = "a" * 16,
+         **kw: Any) -> dict[str, Any]:
+    """Turn ``n`` of a chat: a 512-token system prompt, 64 tokens of history per earlier turn, a 64-token message."""
+    hist = 64 * (n - 1)
+    return line(rid, sec, tenant, 512 + hist + 64, cached, conversation_id=conv, system_hash=system,
+                system_norm_hash=system, system_tokens=512,
+                history_prefix_hash=f"{n - 1:016x}" if n > 1 else "",
+                prev_history_hash=f"{n - 2:016x}" if n > 2 else "", history_tokens=hist,
+                suffix_hash=f"{1000 + n:016x}", suffix_tokens=64, prompt_fingerprint=f"{5000 + n:016x}", **kw)
+
+
+def cli(store: Store, *args: str) -> str:
+    """Run ``kvscope ARGS`` against ``store``'s database; its output (exit code 0 asserted)."""
+    result = CliRunner().invoke(main, [*args, "--data-dir", store.dsn.removeprefix("chdb://"), "--database",
+                                       store.database], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def load(store: Store, tmp_path: Path, *batches: list[dict[str, Any]]) -> None:
+    """Import each batch as its own gateway-log file, in order (a later batch can change earlier answers)."""
+    for i, batch in enumerate(batches):
+        path = tmp_path / f"gateway-{i}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in batch))
+        assert "0 dead letters" in cli(store, "import", "gateway-log", str(path))
+
+
+def rows(store: Store, name: str, **params: Any) -> list[dict[str, Any]]:
+    return store.named(name, {k: str(v) for k, v in params.items()}).to_dicts()
+
+
+def hms(ts: datetime) -> str:
+    return f"{ts:%H:%M:%S}"
+
+
+# -- request identity: (request_id, ts) ---------------------------------------------------------------------
+def test_a_reused_request_id_does_not_hide_the_other_requests_answer(store: Store, tmp_path: Path) -> None:
+    # Two runs reuse the ids r-1, r-2 an hour apart. Run 1's first turn arrives late: run 1's r-2 gets a new
+    # answer (version 2, the version-1 row cancelled by sign -1), and so does run 2's r-1 (a predecessor r-1
+    # appeared). Run 2's r-2 and run 1's r-1 keep their version-1 answers.
+    run1 = [turn("r-1", 0, "acme", "run1-c1", 1, 0), turn("r-2", 30, "acme", "run1-c1", 2, 0)]
+    run2 = [turn("r-1", 3600, "acme", "run2-c1", 1, 0), turn("r-2", 3630, "acme", "run2-c1", 2, 0)]
+    load(store, tmp_path, [run1[1], *run2], [run1[0]])
+
+    # Independently of the queries: each request's current answer, the version whose signs sum above 0.
+    raw = store.query_df("SELECT request_id, ts, version, sign, missed_tokens, predecessor_kind, predecessor_pod,"
+                         " pod, gap_ms FROM request_attribution").to_dicts()
+    acc: dict[tuple, int] = defaultdict(int)
+    last: dict[tuple, dict[str, Any]] = {}
+    for r in raw:
+        k = (r["request_id"], r["ts"], r["version"])
+        acc[k] += r["sign"]
+        last[k] = r
+    current = [last[k] for k, s in acc.items() if s > 0]
+    assert {(r["request_id"], hms(r["ts"]), r["version"]) for r in current} == {
+        ("r-1", "10:00:00", 1), ("r-2", "10:00:30", 2), ("r-1", "11:00:00", 2), ("r-2", "11:00:30", 1)}
+    want_missed = sum(sum(r["missed_tokens"]) for r in current)
+
+    assert sum(r["missed_tokens"] for r in rows(store, "miss_causes")) == want_missed
+    mr = rows(store, "miss_requests")
+    assert sum(r["missed_tokens"] for r in mr) == want_missed
+    assert sorted({(r["request_id"], hms(r["ts"])) for r in mr}) == [
+        ("r-1", "10:00:00"), ("r-1", "11:00:00"), ("r-2", "10:00:30"), ("r-2", "11:00:30")]
+    # each listed request carries its own log row (run 2's r-2 is turn 2 of run2-c1, not run 1's)
+    assert {(r["request_id"], hms(r["ts"])): r["conversation_id"] for r in mr if r["request_id"] == "r-2"} == {
+        ("r-2", "10:00:30"): "run1-c1", ("r-2", "11:00:30"): "run2-c1"}
+
+    examples = rows(store, "miss_examples", since="2026-12-06 10:30:00")
+    assert sum(r["missed_tokens"] for r in examples) > 0
+    assert {hms(r["ts"]) for r in examples} <= {"11:00:00", "11:00:30"}
+
+    # both next turns (r-2 of each run, same pod as its previous turn) reach the TTL queries
+    same_pod_next = [r for r in current if r["predecessor_kind"] == "previous_turn"
+                     and r["predecessor_pod"] == r["pod"] and r["gap_ms"] is not None]
+    assert len(same_pod_next) == 2
+    assert rows(store, "turn_gaps")[0]["next_turns"] == 2
+
+    # run 2's r-2 is found in its own window, its version-1 answer not hidden by run 1's cancelled one
+    detail = rows(store, "request_detail", request_id="r-2", since="2026-12-06 10:30:00")
+    assert {hms(r["ts"]) for r in detail} == {"11:00:30"}
+    assert {r["predecessor_request_id"] for r in detail} == {"r-1"}
