@@ -195,6 +195,9 @@ class Digest:
 
     ``hit_rates``: per source (vllm first when present); ``series`` / ``previous_series``: the headline source's
     hit rate per bucket as ``(seconds from the period's start, rate 0..1)``; money in ``currency``.
+    ``missed_tokens`` and ``causes`` are over the requests whose hits are known; ``unknown_tokens``: prompt tokens
+    of the requests whose cached count was not reported (cause ``not_reported``), tokens, shown apart, never as
+    missed and with no cost.
     """
 
     since: datetime
@@ -218,6 +221,7 @@ class Digest:
     bucket_seconds: int = 3600
     dashboard_url: str = ""
     links: dict[str, str] = field(default_factory=dict)
+    unknown_tokens: int = 0
 
     @property
     def length(self) -> timedelta:
@@ -294,9 +298,10 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
     prev = since - (until - since)
     now_w, prev_w = _window(since, until), _window(prev, since)
     link = _Links(dashboard_url, since, until)
-    missed = _Missed(now=store.named("miss_causes", {**now_w, "by_tenant": "1"}),
-                     before=store.named("miss_causes", {**prev_w, "by_tenant": "1"}),
-                     pooled_before=store.named("miss_causes", prev_w))
+    now_all = store.named("miss_causes", {**now_w, "by_tenant": "1"})
+    known = findings.known_misses
+    missed = _Missed(now=known(now_all), before=known(store.named("miss_causes", {**prev_w, "by_tenant": "1"})),
+                     pooled_before=known(store.named("miss_causes", prev_w)))
     cause_lines = _causes(store, since, until, missed, gpu_hour_price)
     hit_rates = _hit_rates(store, now_w, prev_w)
     headline = next((h.source for h in hit_rates if h.rate is not None), "")
@@ -317,12 +322,14 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
         bucket_seconds=bucket, dashboard_url=dashboard_url,
         links={page: link(page) for page in ("overview", "miss_causes", "pods", "fingerprints", "data_quality",
                                              "tenants")},
+        unknown_tokens=findings.unknown_tokens(now_all),
     )
 
 
 @dataclass(frozen=True)
 class _Missed:
-    """The miss_causes results gather reads more than once: per tenant now and before, tenants pooled before."""
+    """The miss_causes results gather reads more than once: per tenant now and before, tenants pooled before;
+    their known misses only (:func:`dashboard.findings.known_misses`: no ``not_reported`` rows)."""
 
     now: pl.DataFrame
     before: pl.DataFrame
@@ -351,7 +358,7 @@ def _hit_rates(store: Any, now_w: dict[str, str], prev_w: dict[str, str]) -> tup
 
 
 def _causes(store: Any, since: datetime, until: datetime, missed: _Missed, price: float) -> tuple[CauseLine, ...]:
-    now = findings.where_missed(store, since, until, gpu_hour_price=price)
+    now = findings.known_misses(findings.where_missed(store, since, until, gpu_hour_price=price))
     before = {(r["cause"], r["sub_cause"]): int(r["missed_tokens"])
               for r in missed.pooled_before.iter_rows(named=True)}
     order = {c: i for i, c in enumerate(causes.CAUSE_ORDER)}

@@ -1,6 +1,8 @@
 """Operator-facing figures over populations a reviewer found mixed up, on real chDB: gateway-log lines loaded with
 ``kvscope import gateway-log`` (which runs the attribution job), then the named queries, the digest, the alerts.
 
+* Requests whose cached count is unknown (cached_tokens null: cause not_reported, all their prompt tokens): their
+  tokens are unknown hits, never missed tokens, never recoverable, no cost, out of every share's denominator.
 * Two requests that share a request_id (ids reused across runs): the store's identity is (request_id, ts), so
   one request's replaced answer never hides the other's current one.
 """
@@ -13,12 +15,17 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
+from streamlit.testing.v1 import AppTest
 
+from dashboard import alerts, data, digest, digest_render, findings
+from dashboard.alert_rules import BUILTIN_RULES_TOML, AlertRulesError, parse_rules
 from ingest.store import Store
 from kvscope.cli import main
 
 T0 = datetime(2026, 12, 6, 10, 0, tzinfo=UTC)
+APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 
 
 def line(rid: str, sec: float, tenant: str, prompt: int, cached: int | None, pod: str = "pod-a", status: int = 200,
@@ -113,3 +120,82 @@ def test_a_reused_request_id_does_not_hide_the_other_requests_answer(store: Stor
     detail = rows(store, "request_detail", request_id="r-2", since="2026-12-06 10:30:00")
     assert {hms(r["ts"]) for r in detail} == {"11:00:30"}
     assert {r["predecessor_request_id"] for r in detail} == {"r-1"}
+
+
+# -- not_reported: unknown hits, not missed tokens --------------------------------------------------------------
+def unknown_counts_fleet() -> list[dict[str, Any]]:
+    """acme, 10:00-10:21: 20 first turns whose system prompt changes every turn (prefix_drift / system_changed
+    from the second on), cached 0, known; and 20 requests of 1,000 prompt tokens whose cached count is unknown."""
+    lines = [turn(f"a{i}", 60 * i, "acme", "c1", 1, 0, system=f"{0xabc000 + i:016x}") for i in range(1, 21)]
+    lines += [line(f"u{i}", 60 * i + 5, "acme", 1000, None, conversation_id="c2", stream=True) for i in range(1, 21)]
+    return lines
+
+
+def test_not_reported_tokens_are_unknown_not_missed(store: Store, tmp_path: Path) -> None:
+    lines = unknown_counts_fleet()
+    load(store, tmp_path, lines)
+    known_missed = sum(x["prompt_tokens"] - x["cached_tokens"] for x in lines if x["cached_tokens"] is not None)
+    unknown = sum(x["prompt_tokens"] for x in lines if x["cached_tokens"] is None)
+    assert (known_missed, unknown) == (20 * 576, 20_000)
+    since, until = T0, T0 + timedelta(hours=1)
+
+    # the Overview's missed tokens: prompt - cached over the known counts
+    ht = next(r for r in rows(store, "hit_rate_total") if r["source"] == "gateway")
+    assert ht["query_tokens"] - ht["hit_tokens"] == known_missed
+
+    # miss_causes: shares over the known misses; not_reported apart (last, share 0, no cost)
+    mc = rows(store, "miss_causes")
+    known_rows = [r for r in mc if r["cause"] != "not_reported"]
+    assert sum(r["missed_tokens"] for r in known_rows) == known_missed
+    assert mc[-1]["cause"] == "not_reported" and mc[-1]["missed_tokens"] == unknown
+    assert mc[-1]["share_of_missed"] == 0 and mc[-1]["gpu_seconds"] is None
+    drift = next(r for r in mc if r["cause"] == "prefix_drift")
+    assert drift["missed_tokens"] == 19 * 560  # turns 2..20: the 576-token prompt from the system prompt on
+    assert abs(drift["share_of_missed"] - drift["missed_tokens"] / known_missed) < 1e-9
+    assert abs(sum(r["share_of_missed"] for r in known_rows) - 1) < 1e-9
+    assert all(r["gpu_seconds"] is None for r in rows(store, "miss_requests", cause="not_reported"))
+
+    # fix first and "does cache work pay?": over known misses / known prompt tokens
+    (first,) = findings.fix_first(store, since, until, limit=1)
+    assert (first.cause, first.missed_tokens) == ("prefix_drift", drift["missed_tokens"])
+    assert abs(first.share_of_tenant_missed - drift["missed_tokens"] / known_missed) < 1e-9
+    (worth,) = findings.worth_it(store, since, until)
+    assert worth.recoverable_tokens == drift["missed_tokens"]
+    assert abs(worth.recoverable_share - drift["missed_tokens"] / (20 * 576)) < 1e-9
+
+    # the digest: missed tokens, cause lines and the summary over known misses; the unknown tokens apart
+    d = digest.gather(store, since, until)
+    assert d.missed_tokens == known_missed and d.unknown_tokens == unknown
+    assert "not_reported" not in {c.cause for c in d.causes}
+    assert d.tenants[0].missed_tokens == known_missed
+    assert d.tenants[0].finding is not None and d.tenants[0].finding.missed_tokens == drift["missed_tokens"]
+    assert "11.5k missed tokens" in digest_render.subject(d)
+    text = digest_render.plain_text(d)
+    assert f"{known_missed:,} missed tokens; {unknown:,} prompt tokens with unknown hits" in text
+    assert "92 % of its misses" in text
+    assert f"{known_missed + unknown:,}" not in text
+
+    # the built-in alert prefix_drift_share (> 50 % of a tenant's missed tokens) fires: 92 % of the known misses
+    (rule,) = [r for r in parse_rules(BUILTIN_RULES_TOML, "builtin") if r.name == "prefix_drift_share"]
+    ev = alerts.evaluate_rule(store, rule, T0 + timedelta(hours=1, seconds=30))
+    assert ev.state == alerts.FIRING and ev.value == round(100 * drift["missed_tokens"] / known_missed, 1)
+    with pytest.raises(AlertRulesError, match="not_reported"):
+        parse_rules('[[rule]]\nname = "x"\nkind = "cause_share"\ncause = "not_reported"\nshare_percent = 10\n')
+
+    # the Miss causes page: its Missed tokens equal the Overview's; the unknown tokens shown apart
+    data.register_store(store)
+    try:
+        at = AppTest.from_file(str(APP), default_timeout=60)
+        at.query_params.update({"range": "all"})
+        at.run()
+        at.switch_page("views/miss_causes.py")
+        at.query_params.update({"range": "all"})
+        at.run()
+        assert not at.exception, at.exception
+        m = {x.label: x.value for x in at.metric}
+        assert m["Missed tokens"] == f"{known_missed:,}"
+        assert m["Unknown hits (not reported)"] == f"{unknown:,}"
+        assert m["Its share of missed tokens"] == f"{drift['missed_tokens'] / known_missed:.1%}"
+    finally:
+        data.register_store(None)
+

@@ -14,8 +14,8 @@
 -- returns: pod String | pod that served the request
 -- returns: cause String | miss cause
 -- returns: sub_cause String | sub-cause ('' if none)
--- returns: missed_tokens UInt64 | missed tokens of this request explained by this cause, tokens
--- returns: gpu_seconds Nullable(Float64) | what re-computing those missed tokens cost: missed_tokens × the serving pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds, as miss_causes; NULL when no pod measured prefill time (vllm:request_prefill_time_seconds) in the window
+-- returns: missed_tokens UInt64 | missed tokens of this request explained by this cause, tokens (not_reported: its prompt tokens whose hits are unknown, not missed)
+-- returns: gpu_seconds Nullable(Float64) | what re-computing those missed tokens cost: missed_tokens × the serving pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds, as miss_causes; NULL when no pod measured prefill time (vllm:request_prefill_time_seconds) in the window, and for not_reported (its tokens' hits are unknown: no miss known, no cost)
 -- returns: request_missed_tokens UInt64 | all missed tokens of this request (prompt - cached; the whole prompt when cached was not reported), tokens
 -- returns: prompt_tokens UInt64 | the request's prompt tokens (gateway log; 0 if the log row is missing)
 -- returns: cached_tokens Nullable(UInt64) | the request's cached tokens (gateway log; NULL when the pod did not report it or the log row is missing)
@@ -70,7 +70,7 @@ WITH
 SELECT
     m.ts AS ts, m.request_id AS request_id, m.tenant_id AS tenant_id, m.pod AS pod, m.cause AS cause,
     m.sub_cause AS sub_cause, m.missed_tokens AS missed_tokens,
-    m.missed_tokens * seconds_per_token_on(m.pod) AS gpu_seconds, m.request_missed_tokens AS request_missed_tokens,
+    if(m.cause = 'not_reported', NULL, m.missed_tokens * seconds_per_token_on(m.pod)) AS gpu_seconds, m.request_missed_tokens AS request_missed_tokens,
     toUInt64(r.prompt_tokens) AS prompt_tokens, CAST(r.cached_tokens AS Nullable(UInt64)) AS cached_tokens,
     m.predecessor_request_id AS predecessor_request_id, m.predecessor_pod AS predecessor_pod,
     m.gap_ms AS gap_ms, r.conversation_id AS conversation_id, r.agent_run_id AS agent_run_id,
