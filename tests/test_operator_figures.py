@@ -3,6 +3,8 @@
 
 * Requests whose cached count is unknown (cached_tokens null: cause not_reported, all their prompt tokens): their
   tokens are unknown hits, never missed tokens, never recoverable, no cost, out of every share's denominator.
+* Gateway TTFT / e2e percentiles are over the served requests (status < 400, prompt_tokens > 0), the population
+  their `samples` / `requests` count (migration 0048).
 * Two requests that share a request_id (ids reused across runs): the store's identity is (request_id, ts), so
   one request's replaced answer never hides the other's current one.
 """
@@ -198,4 +200,23 @@ def test_not_reported_tokens_are_unknown_not_missed(store: Store, tmp_path: Path
         assert m["Its share of missed tokens"] == f"{drift['missed_tokens'] / known_missed:.1%}"
     finally:
         data.register_store(None)
+
+
+# -- latency percentiles over the population samples counts ----------------------------------------------------
+def test_gateway_latency_percentiles_are_over_the_served_requests(store: Store, tmp_path: Path) -> None:
+    # five served requests (TTFT 10..14 ms) and six lines with status 200 and prompt_tokens 0 (a stream that ended
+    # without usage): not served, not counted in samples, so not in the percentiles either
+    lines = [line(f"s{i}", i, "acme", 1000, 500, ttft=10.0 + i) for i in range(5)]
+    lines += [line(f"z{i}", 10 + i, "acme", 0, None, ttft=5000.0 + i, stream=True,
+                   error="stream ended without usage: prompt_tokens from the fingerprint") for i in range(6)]
+    load(store, tmp_path, lines)
+    served = sorted(x["ttft_ms"] for x in lines if x["status"] < 400 and x["prompt_tokens"] > 0)
+    lat = {r["metric"]: r for r in rows(store, "latency", bucket_seconds=3600) if r["source"] == "gateway"}
+    ttft = lat["ttft_ms"]
+    assert ttft["samples"] == len(served) == 5
+    assert (ttft["p50_ms"], ttft["p95_ms"]) == (served[2], served[-1])  # t-digest: nearest rank on small sets
+    (profile,) = rows(store, "tenant_profile")
+    assert profile["requests"] == 5 and profile["ttft_p95_ms"] == served[-1]
+    e2e = store.query_df("SELECT quantilesTDigestMerge(0.5, 0.95, 0.99)(e2e_ms)[3] AS p99 FROM requests_1m").to_dicts()
+    assert e2e == [{"p99": served[-1] + 100}]
 
