@@ -247,27 +247,33 @@ def parse_duration(text: str) -> timedelta:
 
 def period(length: timedelta = DEFAULT_PERIOD, *, since: datetime | None = None, until: datetime | None = None,
            now: datetime | None = None) -> tuple[datetime, datetime]:
-    """The digest's window ``(since, until)`` in UTC: ``until`` defaults to ``now`` cut to the whole minute,
+    """The digest's window ``(since, until)`` in UTC, both on whole minutes: ``until`` defaults to ``now``,
     ``since`` to ``until − length``; given both, they win over ``length``. Naive times are taken as UTC.
 
-    Raises ValueError when ``since`` is not before ``until``, or when the period or the one before it reaches
-    outside the years a datetime holds (1..9999).
+    Both bounds are cut down to the start of their minute (``10:00:30`` → ``10:00``), the same direction for both:
+    the rollups hold whole minutes, so a bound inside a minute would count that minute in this period and in the
+    adjacent one. Cut so, consecutive periods (one's ``until`` the next one's ``since``) never share a minute.
+
+    Raises ValueError when ``since`` is not before ``until`` once cut (both inside the same minute included), or
+    when the period or the one before it reaches outside the years a datetime holds (1..9999).
     """
     try:
         if until is None:
-            if since is not None:
-                until = _utc(since) + length
-            else:
-                until = _utc(now or datetime.now(UTC)).replace(second=0, microsecond=0)
-        until = _utc(until)
-        since = _utc(since) if since is not None else until - length
+            until = _utc(since) + length if since is not None else _utc(now or datetime.now(UTC))
+        until = whole_minute(_utc(until))
+        since = whole_minute(_utc(since) if since is not None else until - length)
         since - (until - since)  # the previous period must exist too  # noqa: B018
     except OverflowError as exc:
         raise ValueError("the period or the one before it falls outside the years 1 to 9999") from exc
     if since >= until:
-        raise ValueError(f"the period must start before it ends (since {since:%Y-%m-%dT%H:%M:%SZ}, "
-                         f"until {until:%Y-%m-%dT%H:%M:%SZ})")
+        raise ValueError(f"the period must start before it ends, in whole minutes (since {since:%Y-%m-%dT%H:%MZ}, "
+                         f"until {until:%Y-%m-%dT%H:%MZ})")
     return since, until
+
+
+def whole_minute(t: datetime) -> datetime:
+    """``t`` cut down to the start of its minute (seconds and microseconds 0); same timezone."""
+    return t.replace(second=0, microsecond=0)
 
 
 def parse_time(text: str) -> datetime:

@@ -315,10 +315,11 @@ def _quality(d: Digest) -> Section:
 
 # -- plain text ----------------------------------------------------------------------------------------------------
 def header_lines(d: Digest) -> list[str]:
-    """The period and what it is compared with, one line each."""
+    """The period and what it is compared with, one line each (bounds in whole minutes: :func:`digest.period`
+    cuts --since/--until down to their minute's start)."""
     fmt = "%Y-%m-%d %H:%M"
     return [f"Period: {d.since:{fmt}} to {d.until:{fmt}} UTC ({span(d)}), against {d.previous_since:{fmt}} to "
-            f"{d.since:{fmt}} UTC."]
+            f"{d.since:{fmt}} UTC; whole minutes (a time inside a minute counts from that minute's start)."]
 
 
 def summary(d: Digest) -> str:

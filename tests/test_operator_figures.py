@@ -5,6 +5,8 @@
   tokens are unknown hits, never missed tokens, never recoverable, no cost, out of every share's denominator.
 * Gateway TTFT / e2e percentiles are over the served requests (status < 400, prompt_tokens > 0), the population
   their `samples` / `requests` count (migration 0048).
+* Digest periods are whole minutes: --since/--until inside a minute are cut to its start, so consecutive periods
+  never share a minute (the rollups hold whole minutes).
 * Two requests that share a request_id (ids reused across runs): the store's identity is (request_id, ts), so
   one request's replaced answer never hides the other's current one.
 """
@@ -220,3 +222,31 @@ def test_gateway_latency_percentiles_are_over_the_served_requests(store: Store, 
     e2e = store.query_df("SELECT quantilesTDigestMerge(0.5, 0.95, 0.99)(e2e_ms)[3] AS p99 FROM requests_1m").to_dicts()
     assert e2e == [{"p99": served[-1] + 100}]
 
+
+# -- digest periods in whole minutes -----------------------------------------------------------------------------
+def test_digest_periods_inside_a_minute_never_share_a_minute(store: Store, tmp_path: Path) -> None:
+    # 12 requests of 1,000 prompt tokens, one every 10 s from 10:00:00 (all in the minutes 10:00 and 10:01)
+    lines = [line(f"r{i}", 10 * i, "acme", 1000, 800 if i < 6 else 200) for i in range(12)]
+    load(store, tmp_path, lines)
+    inside = T0 + timedelta(seconds=30)  # 10:00:30
+    assert digest.period(since=inside, until=inside + timedelta(minutes=30)) == (
+        T0, T0 + timedelta(minutes=30))
+    assert digest.period(timedelta(minutes=30), until=inside) == (T0 - timedelta(minutes=30), T0)
+    assert digest.period(timedelta(minutes=30), since=inside) == (T0, T0 + timedelta(minutes=30))
+    with pytest.raises(ValueError, match="whole minutes"):
+        digest.period(since=inside, until=inside + timedelta(seconds=20))
+
+    # two consecutive periods meeting at 10:00:30: every prompt token in exactly one of them
+    first = digest.gather(store, *digest.period(since=inside - timedelta(minutes=30), until=inside))
+    second = digest.gather(store, *digest.period(since=inside, until=inside + timedelta(minutes=30)))
+    tokens = [sum(h.query_tokens for h in d.hit_rates if h.source == "gateway") for d in (first, second)]
+    assert sum(tokens) == sum(x["prompt_tokens"] for x in lines) == 12_000
+    assert second.previous_since == first.since and second.since == first.until == T0
+    # the second period's "previous period" is the first one: its change compares disjoint minutes
+    assert second.hit_rates[0].previous is None and second.hit_rates[0].rate == 0.5
+
+    out = tmp_path / "d.eml"
+    cli(store, "digest", "--since", "2026-12-06T10:00:30Z", "--until", "2026-12-06T10:30:30Z", "--dry-run", str(out))
+    text = out.read_text()
+    assert "Period: 2026-12-06 10:00 to 2026-12-06 10:30 UTC (30 min)" in text
+    assert "whole minutes" in text
