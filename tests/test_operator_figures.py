@@ -27,6 +27,7 @@ from dashboard import alerts, data, digest, digest_render, findings
 from dashboard.alert_rules import BUILTIN_RULES_TOML, AlertRulesError, parse_rules
 from ingest.store import Store
 from kvscope.cli import main
+from tests.fixture_data import LABEL_COLUMNS
 
 T0 = datetime(2026, 12, 6, 10, 0, tzinfo=UTC)
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
@@ -79,24 +80,28 @@ def hms(ts: datetime) -> str:
 
 
 # -- request identity: (request_id, ts) ---------------------------------------------------------------------
-def test_a_reused_request_id_does_not_hide_the_other_requests_answer(store: Store, tmp_path: Path) -> None:
-    # Two runs reuse the ids r-1, r-2 an hour apart. Run 1's first turn arrives late: run 1's r-2 gets a new
-    # answer (version 2, the version-1 row cancelled by sign -1), and so does run 2's r-1 (a predecessor r-1
-    # appeared). Run 2's r-2 and run 1's r-1 keep their version-1 answers.
+def load_reused_ids(store: Store, tmp_path: Path) -> list[dict[str, Any]]:
+    """Two runs reusing the ids r-1, r-2 an hour apart, run 1's first turn imported last; returns each request's
+    current answer, read independently of the queries (the version whose signs sum above 0)."""
     run1 = [turn("r-1", 0, "acme", "run1-c1", 1, 0), turn("r-2", 30, "acme", "run1-c1", 2, 0)]
     run2 = [turn("r-1", 3600, "acme", "run2-c1", 1, 0), turn("r-2", 3630, "acme", "run2-c1", 2, 0)]
     load(store, tmp_path, [run1[1], *run2], [run1[0]])
-
-    # Independently of the queries: each request's current answer, the version whose signs sum above 0.
-    raw = store.query_df("SELECT request_id, ts, version, sign, missed_tokens, predecessor_kind, predecessor_pod,"
-                         " pod, gap_ms FROM request_attribution").to_dicts()
+    raw = store.query_df("SELECT request_id, ts, version, sign, causes, sub_causes, missed_tokens, predecessor_kind,"
+                         " predecessor_pod, pod, gap_ms FROM request_attribution").to_dicts()
     acc: dict[tuple, int] = defaultdict(int)
     last: dict[tuple, dict[str, Any]] = {}
     for r in raw:
         k = (r["request_id"], r["ts"], r["version"])
         acc[k] += r["sign"]
         last[k] = r
-    current = [last[k] for k, s in acc.items() if s > 0]
+    return [last[k] for k, s in acc.items() if s > 0]
+
+
+def test_a_reused_request_id_does_not_hide_the_other_requests_answer(store: Store, tmp_path: Path) -> None:
+    # Two runs reuse the ids r-1, r-2 an hour apart. Run 1's first turn arrives late: run 1's r-2 gets a new
+    # answer (version 2, the version-1 row cancelled by sign -1), and so does run 2's r-1 (a predecessor r-1
+    # appeared). Run 2's r-2 and run 1's r-1 keep their version-1 answers.
+    current = load_reused_ids(store, tmp_path)
     assert {(r["request_id"], hms(r["ts"]), r["version"]) for r in current} == {
         ("r-1", "10:00:00", 1), ("r-2", "10:00:30", 2), ("r-1", "11:00:00", 2), ("r-2", "11:00:30", 1)}
     want_missed = sum(sum(r["missed_tokens"]) for r in current)
@@ -124,6 +129,22 @@ def test_a_reused_request_id_does_not_hide_the_other_requests_answer(store: Stor
     detail = rows(store, "request_detail", request_id="r-2", since="2026-12-06 10:30:00")
     assert {hms(r["ts"]) for r in detail} == {"11:00:30"}
     assert {r["predecessor_request_id"] for r in detail} == {"r-1"}
+
+
+def test_attribution_agreement_reads_the_labelled_requests_own_answer(store: Store, tmp_path: Path) -> None:
+    # run 2's r-2 is labelled with its own answer's split: the agreement must read that answer alone, not run 1's
+    # r-2's added to it
+    current = load_reused_ids(store, tmp_path)
+    (own,) = [r for r in current if r["request_id"] == "r-2" and r["ts"] == T0 + timedelta(seconds=3630)]
+    entries = sorted(zip(own["causes"], own["sub_causes"], own["missed_tokens"], strict=True))
+    cause, sub = max(((c, s) for c, s, _ in entries if c != "unavoidable"),
+                     key=lambda k: sum(n for c, s, n in entries if (c, s) == k))
+    store.insert("workload_labels", [("r-2", own["ts"], "acme", "run2", "reused_ids", cause, sub,
+                                      [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries],
+                                      "labels.jsonl:1")], LABEL_COLUMNS)
+    (row,) = [r for r in rows(store, "attribution_agreement") if r["intended_cause"] == cause]
+    assert (row["labelled"], row["attributed"], row["requests"]) == (1, 1, 1)
+    assert (row["tokens_checked"], row["tokens_exact"]) == (1, 1)
 
 
 # -- not_reported: unknown hits, not missed tokens --------------------------------------------------------------
