@@ -180,6 +180,10 @@ def _check(kind: str, p: dict[str, Any]) -> None:
         raise ValueError("source = \"vllm\" has no tenants (vLLM's counters carry none): drop tenant/per_tenant")
     if kind == "hit_rate_drop" and p["drop_pp"] > 100:
         raise ValueError(f"drop_pp = {p['drop_pp']:g}: a hit rate falls by at most 100 pp")
+    if kind == "cause_share" and p["cause"] == "not_reported":
+        raise ValueError("cause = \"not_reported\": those are prompt tokens whose hits are unknown, not missed "
+                         "tokens, so they have no share of missed tokens; watch the cached-count coverage "
+                         "(data_quality) instead")
     if kind == "cause_share" and p["share_percent"] > 100:
         raise ValueError(f"share_percent = {p['share_percent']:g}: a share is at most 100")
     if kind == "cardinality_jump" and p["factor"] <= 1:

@@ -118,7 +118,7 @@ def cause_evidence(store: Store, since: datetime, until: datetime, tenant: str =
     if not cause:
         top = findings.fix_first(store, since, until, tenant=tenant, limit=1)
         return _finding_evidence(top[0]) if top else {}
-    mc = _q(store, "miss_causes", since=since, until=until, tenant=tenant)
+    mc = findings.known_misses(_q(store, "miss_causes", since=since, until=until, tenant=tenant))
     match = mc.filter((pl.col("cause") == cause) & (pl.lit(not sub_cause) | (pl.col("sub_cause") == sub_cause)))
     total = int(mc["missed_tokens"].sum()) if not mc.is_empty() else 0
     if match.is_empty() or not total:
@@ -206,10 +206,11 @@ def _shares(per: pl.DataFrame) -> list[dict[str, Any]]:
 def cause_share(store: Store, rule: Rule, now: datetime) -> Outcome:
     """A cause's (or cause/sub_cause's) share of missed tokens in the window, percent, per tenant or pooled
     (value = the share of the most affected firing subject, else the largest share). Pooled, the evidence
-    names the tenants that contributed most of the cause's missed tokens."""
+    names the tenants that contributed most of the cause's missed tokens. Shares and ``min_missed_tokens`` are
+    over the missed tokens of requests whose hits are known (``not_reported`` rows left out)."""
     p, w = rule.params, human_duration(rule.params["window"])
     _, since, until = windows(now, p["window"])
-    df = _q(store, "miss_causes", since=since, until=until, tenant=p["tenant"], by_tenant=1)
+    df = findings.known_misses(_q(store, "miss_causes", since=since, until=until, tenant=p["tenant"], by_tenant=1))
     label = causes.label(p["cause"], p["sub_cause"])
     is_match = (pl.col("cause") == p["cause"]) & (pl.lit(not p["sub_cause"]) | (pl.col("sub_cause") == p["sub_cause"]))
     per = df.group_by("tenant_id").agg(pl.col("missed_tokens").sum().alias("total"),

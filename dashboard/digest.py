@@ -195,6 +195,9 @@ class Digest:
 
     ``hit_rates``: per source (vllm first when present); ``series`` / ``previous_series``: the headline source's
     hit rate per bucket as ``(seconds from the period's start, rate 0..1)``; money in ``currency``.
+    ``missed_tokens`` and ``causes`` are over the requests whose hits are known; ``unknown_tokens``: prompt tokens
+    of the requests whose cached count was not reported (cause ``not_reported``), tokens, shown apart, never as
+    missed and with no cost.
     """
 
     since: datetime
@@ -218,6 +221,7 @@ class Digest:
     bucket_seconds: int = 3600
     dashboard_url: str = ""
     links: dict[str, str] = field(default_factory=dict)
+    unknown_tokens: int = 0
 
     @property
     def length(self) -> timedelta:
@@ -243,27 +247,33 @@ def parse_duration(text: str) -> timedelta:
 
 def period(length: timedelta = DEFAULT_PERIOD, *, since: datetime | None = None, until: datetime | None = None,
            now: datetime | None = None) -> tuple[datetime, datetime]:
-    """The digest's window ``(since, until)`` in UTC: ``until`` defaults to ``now`` cut to the whole minute,
+    """The digest's window ``(since, until)`` in UTC, both on whole minutes: ``until`` defaults to ``now``,
     ``since`` to ``until − length``; given both, they win over ``length``. Naive times are taken as UTC.
 
-    Raises ValueError when ``since`` is not before ``until``, or when the period or the one before it reaches
-    outside the years a datetime holds (1..9999).
+    Both bounds are cut down to the start of their minute (``10:00:30`` → ``10:00``), the same direction for both:
+    the rollups hold whole minutes, so a bound inside a minute would count that minute in this period and in the
+    adjacent one. Cut so, consecutive periods (one's ``until`` the next one's ``since``) never share a minute.
+
+    Raises ValueError when ``since`` is not before ``until`` once cut (both inside the same minute included), or
+    when the period or the one before it reaches outside the years a datetime holds (1..9999).
     """
     try:
         if until is None:
-            if since is not None:
-                until = _utc(since) + length
-            else:
-                until = _utc(now or datetime.now(UTC)).replace(second=0, microsecond=0)
-        until = _utc(until)
-        since = _utc(since) if since is not None else until - length
+            until = _utc(since) + length if since is not None else _utc(now or datetime.now(UTC))
+        until = whole_minute(_utc(until))
+        since = whole_minute(_utc(since) if since is not None else until - length)
         since - (until - since)  # the previous period must exist too  # noqa: B018
     except OverflowError as exc:
         raise ValueError("the period or the one before it falls outside the years 1 to 9999") from exc
     if since >= until:
-        raise ValueError(f"the period must start before it ends (since {since:%Y-%m-%dT%H:%M:%SZ}, "
-                         f"until {until:%Y-%m-%dT%H:%M:%SZ})")
+        raise ValueError(f"the period must start before it ends, in whole minutes (since {since:%Y-%m-%dT%H:%MZ}, "
+                         f"until {until:%Y-%m-%dT%H:%MZ})")
     return since, until
+
+
+def whole_minute(t: datetime) -> datetime:
+    """``t`` cut down to the start of its minute (seconds and microseconds 0); same timezone."""
+    return t.replace(second=0, microsecond=0)
 
 
 def parse_time(text: str) -> datetime:
@@ -294,9 +304,10 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
     prev = since - (until - since)
     now_w, prev_w = _window(since, until), _window(prev, since)
     link = _Links(dashboard_url, since, until)
-    missed = _Missed(now=store.named("miss_causes", {**now_w, "by_tenant": "1"}),
-                     before=store.named("miss_causes", {**prev_w, "by_tenant": "1"}),
-                     pooled_before=store.named("miss_causes", prev_w))
+    now_all = store.named("miss_causes", {**now_w, "by_tenant": "1"})
+    known = findings.known_misses
+    missed = _Missed(now=known(now_all), before=known(store.named("miss_causes", {**prev_w, "by_tenant": "1"})),
+                     pooled_before=known(store.named("miss_causes", prev_w)))
     cause_lines = _causes(store, since, until, missed, gpu_hour_price)
     hit_rates = _hit_rates(store, now_w, prev_w)
     headline = next((h.source for h in hit_rates if h.rate is not None), "")
@@ -317,12 +328,14 @@ def gather(store: Any, since: datetime, until: datetime, *, gpu_hour_price: floa
         bucket_seconds=bucket, dashboard_url=dashboard_url,
         links={page: link(page) for page in ("overview", "miss_causes", "pods", "fingerprints", "data_quality",
                                              "tenants")},
+        unknown_tokens=findings.unknown_tokens(now_all),
     )
 
 
 @dataclass(frozen=True)
 class _Missed:
-    """The miss_causes results gather reads more than once: per tenant now and before, tenants pooled before."""
+    """The miss_causes results gather reads more than once: per tenant now and before, tenants pooled before;
+    their known misses only (:func:`dashboard.findings.known_misses`: no ``not_reported`` rows)."""
 
     now: pl.DataFrame
     before: pl.DataFrame
@@ -351,7 +364,7 @@ def _hit_rates(store: Any, now_w: dict[str, str], prev_w: dict[str, str]) -> tup
 
 
 def _causes(store: Any, since: datetime, until: datetime, missed: _Missed, price: float) -> tuple[CauseLine, ...]:
-    now = findings.where_missed(store, since, until, gpu_hour_price=price)
+    now = findings.known_misses(findings.where_missed(store, since, until, gpu_hour_price=price))
     before = {(r["cause"], r["sub_cause"]): int(r["missed_tokens"])
               for r in missed.pooled_before.iter_rows(named=True)}
     order = {c: i for i, c in enumerate(causes.CAUSE_ORDER)}

@@ -130,7 +130,7 @@ def subject(d: Digest) -> str:
     past is not)."""
     day = (d.until - timedelta(milliseconds=1)).strftime("%Y-%m-%d")
     h = d.headline
-    if h is None and not d.missed_tokens:
+    if h is None and not d.missed_tokens and not d.unknown_tokens:
         return f"kvscope digest {day}: no traffic in the period ({span(d)})"
     rate = f"hit rate {pct(h.rate if h else None)}"
     if h is not None and h.change_pp is not None:
@@ -162,12 +162,24 @@ def _hit_rate(d: Digest) -> Section:
         link=d.links.get("overview", ""))
 
 
+def unknown_line(d: Digest) -> str:
+    """The sentence on prompt tokens whose hits are unknown (cause not_reported), '' when there are none: they
+    are shown apart, never as missed tokens and with no cost (docs/miss-causes.md)."""
+    if not d.unknown_tokens:
+        return ""
+    return (f"Not counted: {d.unknown_tokens:,} prompt tokens whose hits are unknown (the pod did not report the "
+            "cached count: not_reported).")
+
+
 def _causes(d: Digest) -> Section:
+    unknown = unknown_line(d)
     if not d.causes:
-        return Section("Where the missed tokens went", ("No missed tokens in this period.",))
+        return Section("Where the missed tokens went", ("No missed tokens in this period.", *filter(None, [unknown])))
     cost = f", {gpu(d.gpu_seconds)}" if d.gpu_seconds is not None else ""
     cost += f", {money(d.money, d.currency)}" if d.money is not None else ""
     intro = f"{d.missed_tokens:,} missed prompt tokens{cost} ({versus(d.missed_tokens, d.previous_missed_tokens)})."
+    if unknown:
+        intro += " " + unknown
     with_money = d.money is not None
     rows = []
     for c in d.causes:
@@ -303,16 +315,17 @@ def _quality(d: Digest) -> Section:
 
 # -- plain text ----------------------------------------------------------------------------------------------------
 def header_lines(d: Digest) -> list[str]:
-    """The period and what it is compared with, one line each."""
+    """The period and what it is compared with, one line each (bounds in whole minutes: :func:`digest.period`
+    cuts --since/--until down to their minute's start)."""
     fmt = "%Y-%m-%d %H:%M"
     return [f"Period: {d.since:{fmt}} to {d.until:{fmt}} UTC ({span(d)}), against {d.previous_since:{fmt}} to "
-            f"{d.since:{fmt}} UTC."]
+            f"{d.since:{fmt}} UTC; whole minutes (a time inside a minute counts from that minute's start)."]
 
 
 def summary(d: Digest) -> str:
     """One sentence: the headline hit rate and its change, the missed tokens, and the first fix."""
     h = d.headline
-    if h is None and not d.missed_tokens:
+    if h is None and not d.missed_tokens and not d.unknown_tokens:
         return "In short: no traffic in this period (no prompt tokens counted by vLLM or logged by the gateway)."
     parts = []
     if h is not None:
@@ -320,6 +333,8 @@ def summary(d: Digest) -> str:
         parts.append(f"hit rate {pct(h.rate)} ({name}" + (f", {pp(h.change_pp)})" if h.change_pp is not None
                                                            else ", no previous data)"))
     parts.append(f"{d.missed_tokens:,} missed tokens")
+    if d.unknown_tokens:
+        parts.append(f"{d.unknown_tokens:,} prompt tokens with unknown hits")
     first = next((t for t in d.tenants if t.finding is not None), None)
     if first is not None and first.finding is not None:
         parts.append(f"fix first: {untrusted.tenant(first.tenant_id)}, {first.finding.label} "

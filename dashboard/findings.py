@@ -72,6 +72,28 @@ def with_cost_column(df: pl.DataFrame, gpu_hour_price: float, currency: str) -> 
     return out.select([*cols[:at], name, *cols[at:]])
 
 
+#: The cause that carries the prompt tokens of requests whose cached count is unknown (docs/miss-causes.md, "When
+#: the cached count is not reported"): unknown, never missed, never recoverable, no cost.
+NOT_REPORTED = "not_reported"
+
+
+def known_misses(df: pl.DataFrame) -> pl.DataFrame:
+    """The rows of a named query ``miss_causes`` result (any frame with a ``cause`` column) whose tokens are missed
+    tokens: every cause but ``not_reported``, whose rows hold prompt tokens whose hits are unknown. Same columns."""
+    return df if df.is_empty() else df.filter(pl.col("cause") != NOT_REPORTED)
+
+
+def unknown_tokens(df: pl.DataFrame, tenant: str | None = None) -> int:
+    """Prompt tokens whose hits are unknown (the cached count was not reported) in a ``miss_causes`` result,
+    tokens: the ``missed_tokens`` of its ``not_reported`` rows (of ``tenant`` only when given; 0 when none)."""
+    if df.is_empty():
+        return 0
+    rows = df.filter(pl.col("cause") == NOT_REPORTED)
+    if tenant is not None:
+        rows = rows.filter(pl.col("tenant_id") == tenant)
+    return int(rows["missed_tokens"].sum())
+
+
 def with_money(df: pl.DataFrame, gpu_hour_price: float) -> pl.DataFrame:
     """``df`` (with a ``gpu_seconds`` column, e.g. named query ``miss_causes``) plus ``money`` = gpu_seconds / 3600
     × ``gpu_hour_price`` (None when the price is 0 or the GPU-seconds are unknown)."""
@@ -189,16 +211,20 @@ class Worth:
 def worth_it(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "",
              model: str = "") -> list[Worth]:
     """Per tenant (largest prompt volume first): does fixing its misses pay? Reads the named queries
-    ``tenant_profile`` and ``miss_causes``; the rule is in docs/fix-first.md ("Does cache work pay?")."""
+    ``tenant_profile`` and ``miss_causes``; the rule is in docs/fix-first.md ("Does cache work pay?"). The
+    recoverable share is over the tenant's prompt tokens whose hits are known: a request whose cached count was
+    not reported (cause ``not_reported``) is neither recoverable nor in the denominator."""
     profile = store.named("tenant_profile", _params(since, until, tenant, pod, model=model))
-    missed = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=1)), 0.0)
+    raw = store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=1))
+    missed = _decorate(known_misses(raw), 0.0)
     recoverable: dict[str, int] = {}
     for r in missed.filter(pl.col("actionable")).iter_rows(named=True) if not missed.is_empty() else []:
         recoverable[r["tenant_id"]] = recoverable.get(r["tenant_id"], 0) + int(r["missed_tokens"])
     out = []
     for p in profile.iter_rows(named=True):
         tokens = recoverable.get(p["tenant_id"], 0)
-        share = tokens / p["prompt_tokens"] if p["prompt_tokens"] else 0.0
+        known = max(int(p["prompt_tokens"]) - unknown_tokens(raw, p["tenant_id"]), 0)
+        share = tokens / known if known else 0.0
         out.append(_verdict(p, tokens, share))
     return out
 
@@ -226,7 +252,8 @@ def _verdict(p: dict[str, Any], tokens: int, share: float) -> Worth:
 def where_missed(store: Any, since: datetime, until: datetime, *, tenant: str = "", pod: str = "", model: str = "",
                  gpu_hour_price: float = 0.0) -> pl.DataFrame:
     """Missed tokens by cause for the window: named query ``miss_causes`` plus ``label``, ``money`` (None without
-    a price) and ``actionable``; columns as ``miss_causes`` documents them, largest first."""
+    a price) and ``actionable``; columns as ``miss_causes`` documents them, largest first, the ``not_reported`` row
+    (prompt tokens whose hits are unknown, not missed: :func:`known_misses` leaves it out) last."""
     df = store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=0))
     return _decorate(df, gpu_hour_price)
 
@@ -235,12 +262,15 @@ def fix_first(store: Any, since: datetime, until: datetime, *, tenant: str = "",
               limit: int = 3, per_tenant: bool = False, gpu_hour_price: float = 0.0) -> list[Finding]:
     """The top ``limit`` findings of the window ``[since, until)`` (UTC), ranked as the module docstring says,
     each with the largest matching miss as evidence. ``per_tenant``: at most one finding per tenant (its
-    dominant one). Raises what :meth:`ingest.store.Store.named` raises (``QueryError``, ``StoreUnavailable``)."""
-    df = _decorate(store.named("miss_causes", _params(since, until, tenant, pod, model=model, by_tenant=1)),
-                   gpu_hour_price)
+    dominant one). Shares are of the missed tokens of requests whose hits are known (``not_reported`` left out).
+    Raises what :meth:`ingest.store.Store.named` raises (``QueryError``, ``StoreUnavailable``)."""
+    df = _decorate(known_misses(store.named("miss_causes", _params(since, until, tenant, pod, model=model,
+                                                                   by_tenant=1))), gpu_hour_price)
     if df.is_empty():
         return []
     total = float(df["missed_tokens"].sum())
+    if not total:
+        return []
     tenant_total = {t: float(v) for t, v in df.group_by("tenant_id").agg(pl.col("missed_tokens").sum()).iter_rows()}
     candidates = []
     for r in df.filter(pl.col("actionable")).iter_rows(named=True):

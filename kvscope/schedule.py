@@ -2,8 +2,10 @@
 running ``kvscope up`` (:class:`DigestSchedule`, a daemon thread using the pipeline's store: chDB allows one
 process per data directory, so a cron job cannot read the store ``kvscope up`` holds).
 
-The schedule remembers when it last sent in ``digest-<database>.json`` beside the collector's checkpoints, so
-a restart neither sends twice nor skips: the first digest goes out one interval after the first start.
+The schedule remembers when it last sent, and where the period it covered ended, in ``digest-<database>.json``
+beside the collector's checkpoints, so a restart neither sends twice nor skips: the first digest goes out one
+interval after the first start, and each later one starts where the previous one ended (whole minutes), so check
+drift, slow sends, retries and downtime leave no stretch uncovered; a retry covers the same period.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboard import mail
-from dashboard.digest import gather, parse_duration, period
+from dashboard.digest import gather, parse_duration, period, whole_minute
 from dashboard.digest_render import render
 from ingest.errors import KvscopeError
 
@@ -62,10 +64,15 @@ def check_schedule(cfg: Any) -> timedelta | None:
 
 
 class DigestSchedule:
-    """Send the digest of the last ``every`` to ``KVSCOPE_DIGEST_TO`` each time ``every`` has passed since the
-    last one (:meth:`run` until ``stop`` is set). ``state_path``: where the last send time is kept (JSON);
-    ``check_seconds``: how often the clock is looked at. A failed send is logged and retried after
-    :data:`RETRY_SECONDS` (or ``every``, when shorter); it never stops the pipeline."""
+    """Send the digest to ``KVSCOPE_DIGEST_TO`` every ``every`` (:meth:`run` until ``stop`` is set).
+    ``state_path``: where the last send time, the end of the period it covered and a period waiting for a retry
+    are kept (JSON); ``check_seconds``: how often the clock is looked at.
+
+    Periods are whole minutes and follow each other: each digest covers ``[end of the previous one, now cut to the
+    minute)`` and is due ``every`` after that start (so its length is ``every`` when checks are on time, longer
+    after downtime: one digest then covers the whole stretch). The first digest, one interval after the first
+    start, covers the last ``every``. A failed send is logged and retried after :data:`RETRY_SECONDS` (or
+    ``every``, when shorter) for the same period, also after a restart; it never stops the pipeline."""
 
     def __init__(self, store: Any, cfg: Any, stop: threading.Event, *, every: timedelta, state_path: Path,
                  check_seconds: float = 30.0) -> None:
@@ -85,35 +92,80 @@ class DigestSchedule:
             except Exception:  # noqa: BLE001 - a bug here must not take the pipeline down
                 log.exception("digest schedule failed; trying again at the next check")
 
-    def tick(self, now: datetime | None = None) -> bool:
-        """Send if due at ``now``; returns whether a digest was sent."""
-        now = now or datetime.now(UTC)
+    def due(self, now: datetime) -> tuple[datetime, datetime] | None:
+        """The period ``(since, until)`` (UTC, whole minutes) to send at ``now``, None when none is due: the period
+        a failed send left pending; else, once ``every`` has passed since the previous period's end, from that end
+        to ``now`` cut to the minute; else (no period sent yet), once ``every`` has passed since the last send or
+        the clock's start, the last ``every`` (:func:`dashboard.digest.period`)."""
+        state = self._state()
+        pending = state.get("pending")
+        if isinstance(pending, list) and len(pending) == 2:
+            return _time(pending[0]), _time(pending[1])
+        end = _time(state.get("until"))
+        if end is not None:
+            until = whole_minute(now)
+            return (end, until) if now - end >= self.every and until > end else None
         last = self.last_sent()
-        if (last is not None and now - last < self.every) or time.monotonic() < self._retry_at:
+        if last is not None and now - last < self.every:
+            return None
+        return period(self.every, now=now)
+
+    def tick(self, now: datetime | None = None) -> bool:
+        """Send if due at ``now`` (default: the clock; aware UTC); returns whether a digest was sent. A failed send
+        (``KvscopeError``, ``OSError``) is logged, its period kept for the retry; nothing is raised for it."""
+        now = now or datetime.now(UTC)
+        if time.monotonic() < self._retry_at:
             return False
-        since, until = period(self.every, now=now)
+        window = self.due(now)
+        if window is None:
+            return False
+        since, until = window
         try:
             msg = digest_message(self.store, self.cfg, since, until, self.cfg.list("digest_to"))
             mail.send(msg, mail.MailSettings.from_config(self.cfg))
         except (KvscopeError, OSError) as exc:
             retry = min(RETRY_SECONDS, self.every.total_seconds())
             self._retry_at = time.monotonic() + retry
-            log.warning("digest not sent; retrying in %.0f s. error=%s", retry, exc)
+            self._write({**self._state(), "pending": [since.isoformat(), until.isoformat()]})
+            log.warning("digest not sent; retrying in %.0f s for the same period. error=%s", retry, exc)
             return False
-        self._record(now)
+        self._record(now, until)
         self.sent += 1
         log.info("digest sent. to=%s subject=%r", ",".join(self.cfg.list("digest_to")), msg["Subject"])
         return True
 
     def last_sent(self) -> datetime | None:
         """When the last digest was sent (or the clock started), from ``state_path``; None when never."""
-        try:
-            return datetime.fromisoformat(json.loads(self.state_path.read_text())["last_sent"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return _time(self._state().get("last_sent"))
 
-    def _record(self, when: datetime) -> None:
+    def covered_until(self) -> datetime | None:
+        """Where the last digest's period ended (UTC, a whole minute): the next one starts there; None before the
+        first digest (or in a state file written before the schedule kept it)."""
+        return _time(self._state().get("until"))
+
+    def _state(self) -> dict[str, Any]:
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _record(self, when: datetime, until: datetime | None = None) -> None:
+        """Keep ``when`` as the last send (or the clock's start) and, after a send, ``until``, the end of the period
+        it covered; a pending retry is cleared."""
+        self._write({"last_sent": when.isoformat(), **({"until": until.isoformat()} if until else {})})
+
+    def _write(self, state: dict[str, Any]) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"last_sent": when.isoformat()}))
+        tmp.write_text(json.dumps(state))
         tmp.replace(self.state_path)
+
+
+def _time(text: Any) -> datetime | None:
+    """An ISO time of the state file → aware datetime (naive = UTC); None when missing or unreadable."""
+    try:
+        t = datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)

@@ -437,6 +437,56 @@ def test_schedule_sends_when_due_and_remembers(two: Store, tmp_path: Path) -> No
     assert again.last_sent() == UNTIL + timedelta(minutes=1)
 
 
+def test_scheduled_digests_follow_each_other_and_a_retry_covers_the_same_period(two: Store, tmp_path: Path) -> None:
+    """Each scheduled digest starts where the previous one ended (kept in the state file), whatever the check
+    drift; a failed send is retried, by a restarted schedule too, for the period it was sending."""
+    inbox = Inbox()
+    server = smtp_server(inbox)
+    cfg = config(smtp_host="127.0.0.1", smtp_port=str(server.port), smtp_security="none",
+                 digest_to="team@example.com", digest_every="3m")
+    state = tmp_path / "digest-state.json"
+    minute = timedelta(minutes=1)
+
+    def period_line(i: int) -> str:
+        body = inbox.message(i).get_body(("plain",)).get_content()  # type: ignore[union-attr]
+        return next(x for x in body.splitlines() if x.startswith("Period:"))
+
+    def expected(since: datetime, until: datetime) -> str:
+        return f"Period: {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC"
+
+    try:
+        schedule = DigestSchedule(two, cfg, threading.Event(), every=timedelta(minutes=3), state_path=state)
+        schedule._record(UNTIL - timedelta(minutes=3) + timedelta(seconds=50))  # the clock starts
+        assert schedule.tick(UNTIL + timedelta(seconds=50)) is True  # first: the last 3 minutes
+        assert period_line(-1).startswith(expected(SINCE, UNTIL))
+        assert schedule.tick(UNTIL + 2 * minute + timedelta(seconds=55)) is False  # not due yet
+        # the next check comes late, past another minute boundary (a slow send, a busy host): no minute skipped
+        assert schedule.tick(UNTIL + 4 * minute + timedelta(seconds=10)) is True
+        assert period_line(-1).startswith(expected(UNTIL, UNTIL + 4 * minute))
+        assert json.loads(state.read_text())["until"] == (UNTIL + 4 * minute).isoformat()
+    finally:
+        server.stop()
+    # the server gone: not sent; the period waits in the state file
+    sent = len(inbox.received)
+    assert schedule.tick(UNTIL + 7 * minute + timedelta(seconds=30)) is False
+    assert json.loads(state.read_text())["pending"] == [(UNTIL + 4 * minute).isoformat(),
+                                                        (UNTIL + 7 * minute).isoformat()]
+    # a restart with the server back, minutes later: the same period, then the next one from its end
+    server = smtp_server(inbox)
+    try:
+        again = DigestSchedule(two, config(smtp_host="127.0.0.1", smtp_port=str(server.port), smtp_security="none",
+                                           digest_to="team@example.com", digest_every="3m"),
+                               threading.Event(), every=timedelta(minutes=3), state_path=state)
+        assert again.tick(UNTIL + 9 * minute + timedelta(seconds=5)) is True
+        assert len(inbox.received) == sent + 1
+        assert period_line(-1).startswith(expected(UNTIL + 4 * minute, UNTIL + 7 * minute))
+        assert "pending" not in json.loads(state.read_text())
+        assert again.tick(UNTIL + 10 * minute + timedelta(seconds=5)) is True
+        assert period_line(-1).startswith(expected(UNTIL + 7 * minute, UNTIL + 10 * minute))
+    finally:
+        server.stop()
+
+
 def test_kvscope_up_sends_the_digest_from_its_pipeline(two: Store, tmp_path: Path) -> None:
     inbox = Inbox()
     server = smtp_server(inbox)

@@ -19,7 +19,8 @@ st.caption(
     "Every missed prompt token (prompt − cached) is attributed to one cause: unavoidable, below_block, "
     "cold, beyond_horizon, routed_away, evicted, prefix_drift (by the first segment that changed) or unknown; a "
     "request whose "
-    "pod did not report its cached count puts all its prompt tokens under not_reported."
+    "pod did not report its cached count puts all its prompt tokens under not_reported: unknown hits, shown "
+    "apart, not counted as missed."
 )
 
 ALL_CAUSES = "All causes"
@@ -123,8 +124,8 @@ def render(f: data.Filters) -> None:
     if not data.has_data():
         charts.no_data()
         return
-    causes = data.named("miss_causes", **f.params())
-    if causes.is_empty():
+    everything = data.named("miss_causes", **f.params())
+    if everything.is_empty():
         st.info(
             "No attributed misses in this time range and filter yet: the attribution job writes miss causes "
             "a few seconds after the gateway logs a request. Widen the time range if traffic is older.",
@@ -133,13 +134,23 @@ def render(f: data.Filters) -> None:
         if st.query_params.get("request_id"):  # a shared link to a request outside the range still opens it
             request_detail.render(st.query_params["request_id"], f)
         return
-    causes = label(causes)
+    everything = label(everything)
+    price, currency = fix_first.gpu_hour_price()
+    # not_reported holds the prompt tokens whose hits are unknown: shown apart, never as missed (as the Overview)
+    unknown = findings.unknown_tokens(everything)
+    causes = findings.known_misses(everything)
+    if causes.is_empty():
+        st.info(f"No missed tokens among the requests whose hits are known in this time range and filter; "
+                f"{charts.count(unknown)} prompt tokens have unknown hits (the pod did not report the cached count).",
+                icon=":material/help:")
+        drill_down(f, findings.with_money(everything, price), price, currency)
+        return
     total = int(causes["missed_tokens"].sum())
     top = causes.row(0, named=True)
-    price, currency = fix_first.gpu_hour_price()
     causes = findings.with_money(causes, price)
-    cols = st.columns([1, 1.8, 1, 1])  # room for the longest sub-cause, evicted_before_next_turn
-    cols[0].metric("Missed tokens", charts.count(total))
+    cols = st.columns([1, 1.8, 1, 1, 1])  # room for the longest sub-cause, evicted_before_next_turn
+    cols[0].metric("Missed tokens", charts.count(total),
+                   help="prompt − cached over the requests whose cached count is known, as the Overview's")
     cols[1].metric(  # the sub-cause says most; its cause goes under it
         "Largest cause",
         top["sub_cause"] or top["cause"],
@@ -152,6 +163,10 @@ def render(f: data.Filters) -> None:
     cols[3].metric("Re-compute cost", findings.cost_text(_total(causes["gpu_seconds"]), _total(causes["money"]),
                                                          currency),
                    help="GPU-seconds of prefill the missed tokens cost (docs/miss-causes.md, Cost of a miss)")
+    cols[4].metric("Unknown hits (not reported)", charts.count(unknown),
+                   help="Prompt tokens of requests whose pod did not report the cached count (cause not_reported): "
+                   "their hits are unknown, so they are neither missed tokens nor in the shares, and cost nothing "
+                   "here")
     charts.bars(
         causes.sort("missed_tokens"),
         "label",
@@ -165,7 +180,7 @@ def render(f: data.Filters) -> None:
     columns = ["cause", "sub_cause", "missed_tokens", "share_of_missed", "gpu_seconds", "requests"]
     charts.table(findings.with_cost_column(causes.select(columns), price, currency), percent_cols=["share_of_missed"],
                  key="cause_table")
-    per_tenant = data.named("miss_causes", **f.params(), by_tenant=1)
+    per_tenant = findings.known_misses(data.named("miss_causes", **f.params(), by_tenant=1))
     if not per_tenant.is_empty():
         per_tenant = label(per_tenant)
         order = ordered(per_tenant["label"].unique().to_list())
@@ -180,7 +195,7 @@ def render(f: data.Filters) -> None:
             barmode="stack",
             key="cause_tenants",
         )
-    drill_down(f, causes, price, currency)
+    drill_down(f, findings.with_money(everything, price), price, currency)
 
 
 data.live(render)

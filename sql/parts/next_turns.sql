@@ -1,6 +1,6 @@
     -- part next_turns: the next turns of conversations and agent runs in the window, for the TTL queries
     -- (docs/ttl.md). Reads the parameters since, until, tenant, pod and model. Defines:
-    --   cancelled: (request_id, version) of the answers replaced in the window (sign -1, sql/migrations/0009);
+    --   cancelled: (request_id, ts, version) of the answers replaced in the window (sign -1, sql/migrations/0009);
     --   next_turns: one row per current answer (sign +1, not cancelled) arriving in the window whose predecessor
     --     is the previous turn of its conversation or agent run (predecessor_kind previous_turn, gap_ms known),
     --     of tenant, served by pod and of model ('' = all): request_id, turn_ts, tenant_name, model_name,
@@ -10,12 +10,12 @@
     --     not_reported (the pod did not report its cached count);
     --   first_predecessor_ts: a day before the earliest previous-turn end, where the previous turns are looked up
     --     in gateway_requests (one that ran longer than a day counts as not found);
-    --   turn_log: the gateway log of the next turns and their previous turns: request_id, prompt (prompt
+    --   turn_log: the gateway log of the next turns and their previous turns: request_id, ts, prompt (prompt
     --     tokens), conversation, agent_run; one row per log line, not grouped (a GROUP BY over every turn cost
     --     more than the rest of the query): join it with ANY LEFT JOIN, which keeps one row per request_id.
     cancelled AS
     (
-        SELECT request_id, version FROM request_attribution
+        SELECT request_id, ts, version FROM request_attribution
         WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
     ),
     next_turns AS
@@ -33,13 +33,13 @@
           AND a.predecessor_kind = 'previous_turn' AND a.gap_ms IS NOT NULL
           AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
           AND ({pod:String} = '' OR a.pod = {pod:String}) AND ({model:String} = '' OR a.model = {model:String})
-          AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)
+          AND (a.request_id, a.ts, a.version) NOT IN (SELECT request_id, ts, version FROM cancelled)
     ),
     (SELECT min(turn_ts - toIntervalMillisecond(toInt64(ceil(gap)))) - INTERVAL 1 DAY FROM next_turns)
         AS first_predecessor_ts,
     turn_log AS
     (
-        SELECT request_id, prompt_tokens AS prompt, conversation_id AS conversation, agent_run_id AS agent_run
+        SELECT request_id, ts, prompt_tokens AS prompt, conversation_id AS conversation, agent_run_id AS agent_run
         FROM gateway_requests
         WHERE ts >= first_predecessor_ts AND ts < {until:DateTime64(3, 'UTC')}
           AND request_id IN (SELECT arrayJoin([predecessor, request_id]) FROM next_turns)

@@ -20,6 +20,8 @@
 -- returns: tokens_exact UInt64 | of tokens_checked, those whose current answer splits the missed tokens exactly so: the same (cause, sub_cause, tokens) entries, unavoidable included, requests
 --
 -- Definitions (docs/miss-causes.md, "Validating attribution"):
+-- * A request is (request_id, ts), as the store keys it; a label goes with the request of its request_id nearest
+--   its ts (ids can repeat across runs).
 -- * Evaluated requests: labels in the window and filters (workload_labels, one per request_id) whose request the
 --   gateway served (gateway_requests: status < 400, prompt_tokens > 0) and the attribution answered (a current
 --   row in request_attribution). Others (failed, not logged, not attributed yet) are left out.
@@ -52,19 +54,20 @@ WITH
     (SELECT max(ts) + INTERVAL 1 HOUR FROM labels) AS hi,
     answers AS
     (
-        -- per answered request: its missed tokens per (cause, sub_cause), sign-weighted, those above 0
-        SELECT request_id,
+        -- per answered request (request_id, ts: ids can repeat across runs): its missed tokens per
+        -- (cause, sub_cause), sign-weighted, those above 0
+        SELECT request_id, ts,
                arrayFilter(x -> x.3 > 0, arrayMap((k, v) -> (k.1, k.2, v), m.1, m.2)) AS entries
         FROM
         (
-            SELECT request_id,
+            SELECT request_id, ts,
                    sumMap(arrayMap((c, sc) -> (CAST(c AS String), CAST(sc AS String)), causes, sub_causes),
                           arrayMap(n -> toInt64(n) * sign, missed_tokens)) AS m
             FROM request_attribution
             WHERE ts >= lo AND ts <= hi AND request_id IN (SELECT request_id FROM labels)
-              AND request_id IN (SELECT request_id FROM gateway_requests
-                                 WHERE ts >= lo AND ts <= hi AND status < 400 AND prompt_tokens > 0)
-            GROUP BY request_id
+              AND (request_id, ts) IN (SELECT request_id, ts FROM gateway_requests
+                                       WHERE ts >= lo AND ts <= hi AND status < 400 AND prompt_tokens > 0)
+            GROUP BY request_id, ts
             HAVING sum(sign) > 0
         )
     ),
@@ -82,6 +85,9 @@ WITH
                checked AND l.expected = arraySort(arrayMap(e -> (e.1, e.2, toUInt32(e.3)), a.entries)) AS exact
         FROM labels AS l
         INNER JOIN answers AS a ON a.request_id = l.request_id
+        -- a reused request_id: the label goes with the answer of the request nearest its ts
+        ORDER BY abs(toUnixTimestamp64Milli(a.ts) - toUnixTimestamp64Milli(l.ts))
+        LIMIT 1 BY l.request_id
     ),
     cells AS
     (

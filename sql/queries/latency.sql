@@ -12,7 +12,7 @@
 -- returns: p50_ms Nullable(Float64) | median, ms
 -- returns: p95_ms Nullable(Float64) | 95th percentile, ms
 -- returns: p99_ms Nullable(Float64) | 99th percentile, ms
--- returns: samples UInt64 | requests behind the quantiles (gateway: served requests with a value; vllm: Δ of the +Inf bucket)
+-- returns: samples UInt64 | requests behind the quantiles (gateway: served requests with a value, status < 400 and prompt_tokens > 0, the population the quantiles are over since migration 0048; vllm: Δ of the +Inf bucket)
 --
 -- Gateway: from requests_rollup's t-digest states (sql/migrations/0012; merged over minutes, pods and tenants)
 -- of served requests (status < 400); queue_wait_ms only where vLLM reported it.

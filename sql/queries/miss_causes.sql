@@ -9,15 +9,19 @@
 -- returns: tenant_id String | tenant, or '' when by_tenant = 0
 -- returns: cause String | miss cause (docs/miss-causes.md): unavoidable, below_block, cold, beyond_horizon (the prefix was last seen longer ago than the attribution horizon), routed_away, evicted, prefix_drift, unknown, not_reported (the pod did not report the request's cached count: all its prompt tokens)
 -- returns: sub_cause String | prefix_drift: the first segment that changed (volatile_system, system_changed, tools_reordered, tools_changed, rag_reordered, rag_changed, history_truncated, history_changed, cache_salt_changed); evicted: evicted_before_next_turn, or cache_reset (precise mode: the blocks left by an AllBlocksCleared or a vLLM restart); unknown: resident_at_arrival (precise mode: resident on the pod at arrival, missed all the same); routed_away: pod_down (the pod holding the prefix was down when the request was routed); not_reported: skip_reading_prefix_cache (vLLM read no prefix cache: prompt logprobs), several_engine_requests (vLLM ran it as several engine requests: n > 1 or a list of prompts); else ''
--- returns: missed_tokens UInt64 | missed prompt tokens explained by this cause, tokens (each missed token counted once)
--- returns: share_of_missed Float64 | missed_tokens / all missed tokens in the window and filters (all rows of the result), fraction 0..1
+-- returns: missed_tokens UInt64 | missed prompt tokens explained by this cause, tokens (each missed token counted once); for not_reported the prompt tokens whose hits are unknown (all those requests' prompt tokens): not missed tokens, shown apart as unknown
+-- returns: share_of_missed Float64 | missed_tokens / all missed tokens of requests whose hits are known in the window and filters (the result's rows other than not_reported), fraction 0..1; 0 for not_reported
 -- returns: requests UInt64 | distinct requests with missed tokens of this cause
--- returns: gpu_seconds Nullable(Float64) | what re-computing these missed tokens cost: Σ over pods of missed tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds; NULL when no pod measured prefill time (vllm:request_prefill_time_seconds) in the window
+-- returns: gpu_seconds Nullable(Float64) | what re-computing these missed tokens cost: Σ over pods of missed tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds; NULL when no pod measured prefill time (vllm:request_prefill_time_seconds) in the window, and for not_reported (no miss known: no cost)
 --
 -- Reads misses_rollup (sql/migrations/0012): missed tokens and requests per cause, weighted by the sign of each
 -- answer (a replaced answer cancels itself), so exact without FINAL. GPU-seconds: each pod's missed tokens times
 -- that pod's measured prefill seconds per computed prompt token over the same window, else the fleet's (the part
--- sql/parts/prefill_cost.sql, shared by every query that shows a cost).
+-- sql/parts/prefill_cost.sql, shared by every query that shows a cost). not_reported carries all the prompt
+-- tokens of the requests whose cached count is unknown (docs/miss-causes.md, "When the cached count is not
+-- reported"): they are no missed tokens, so shares are over the other rows and the row has no cost; readers that
+-- total missed tokens leave it out (as hit_rate_total's query_tokens - hit_tokens does). Rows: largest first,
+-- not_reported last.
 WITH
     -- include: prefill_cost
     per_pod AS
@@ -36,12 +40,14 @@ WITH
         HAVING pod_missed > 0
     )
 SELECT tenant AS tenant_id, cause_name AS cause, sub_cause_name AS sub_cause, missed AS missed_tokens,
-       missed / sum(missed) OVER () AS share_of_missed, affected AS requests, gpu_seconds
+       if(cause_name = 'not_reported' OR known_missed = 0, 0., missed / known_missed) AS share_of_missed,
+       affected AS requests, gpu_seconds
 FROM
 (
     SELECT tenant, cause_name, sub_cause_name, sum(pod_missed) AS missed, sum(pod_requests) AS affected,
-           sum(pod_missed * seconds_per_token_on(pod_name)) AS gpu_seconds
+           if(cause_name = 'not_reported', NULL, sum(pod_missed * seconds_per_token_on(pod_name))) AS gpu_seconds,
+           sum(if(cause_name = 'not_reported', 0, sum(pod_missed))) OVER () AS known_missed
     FROM per_pod
     GROUP BY tenant, cause_name, sub_cause_name
 )
-ORDER BY missed_tokens DESC, tenant_id, cause, sub_cause
+ORDER BY cause = 'not_reported', missed_tokens DESC, tenant_id, cause, sub_cause

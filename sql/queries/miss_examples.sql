@@ -16,13 +16,14 @@
 -- returns: predecessor_pod String | pod that served the predecessor ('' if none)
 -- returns: gap_ms Nullable(Float64) | time between the predecessor and the request, ms (NULL if none)
 --
--- Current answers only, as miss_requests reads them (a +1 row that no -1 row of the same version cancels;
+-- Current answers only, as miss_requests reads them (a +1 row that no -1 row of the same request
+-- (request_id, ts) and version cancels;
 -- sql/migrations/0009). One pass over the window's answers grouped by (tenant, cause, sub_cause): a page that
 -- shows a finding per tenant makes one read instead of one miss_requests per finding.
 WITH
     cancelled AS
     (
-        SELECT request_id, version FROM request_attribution
+        SELECT request_id, ts, version FROM request_attribution
         WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
     )
 SELECT tenant_id, cause, sub_cause, top.1 AS ts, top.2 AS request_id, top.3 AS pod, top.4 AS missed_tokens,
@@ -38,7 +39,7 @@ FROM
     WHERE a.sign = 1 AND a.ts >= {since:DateTime64(3, 'UTC')} AND a.ts < {until:DateTime64(3, 'UTC')}
       AND ({tenant:String} = '' OR a.tenant_id = {tenant:String})
       AND ({pod:String} = '' OR a.pod = {pod:String}) AND ({model:String} = '' OR a.model = {model:String})
-      AND (a.request_id, a.version) NOT IN (SELECT request_id, version FROM cancelled)
+      AND (a.request_id, a.ts, a.version) NOT IN (SELECT request_id, ts, version FROM cancelled)
     GROUP BY tenant_id, cause, sub_cause
 )
 ORDER BY tenant_id, cause, sub_cause

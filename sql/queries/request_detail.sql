@@ -17,8 +17,8 @@
 -- returns: causes Array(String) | miss causes of the request in prompt order (parallel to sub_causes and cause_missed_tokens)
 -- returns: sub_causes Array(String) | sub-cause of each cause ('' if none)
 -- returns: cause_missed_tokens Array(UInt64) | missed tokens of each cause, tokens; they sum to prompt_tokens - cached_tokens (all prompt tokens for not_reported)
--- returns: cause_gpu_seconds Array(Nullable(Float64)) | what re-computing each cause's missed tokens cost: tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds, as miss_causes; NULL when no pod measured prefill time in the window
--- returns: gpu_seconds Nullable(Float64) | the same for all the request's missed tokens (Σ cause_gpu_seconds), GPU-seconds
+-- returns: cause_gpu_seconds Array(Nullable(Float64)) | what re-computing each cause's missed tokens cost: tokens × the pod's measured prefill seconds per computed token in the window (else the fleet's), GPU-seconds, as miss_causes; NULL when no pod measured prefill time in the window, and for not_reported (hits unknown: no miss known, no cost)
+-- returns: gpu_seconds Nullable(Float64) | the same for all the request's missed tokens (Σ cause_gpu_seconds), GPU-seconds; NULL for a not_reported request
 -- returns: predecessor_request_id String | the request whose prefix this one could have reused ('' if none within the lookback)
 -- returns: predecessor_ts Nullable(DateTime64(3, 'UTC')) | the predecessor's arrival, UTC (NULL if none or its log row is gone)
 -- returns: predecessor_pod String | pod that served the predecessor ('' if none)
@@ -46,8 +46,8 @@
 -- returns: changed_part_moved Array(UInt8) | 1 if the predecessor's segment held that line / chunk at another position (moved: reordered), 0 if it is new (parallel to changed_parts)
 -- returns: segment_missed_tokens Nullable(UInt64) | missed tokens [cached_tokens, prompt_tokens) that fall in this segment, segment boundaries scaled to prompt_tokens as the attribution places them, tokens (NULL when cached is not reported or the log has no segment counts)
 --
--- The current answer is the request_attribution row with sign +1 that no row with sign -1 of the same version
--- cancels (sql/migrations/0009). The request's and predecessor's gateway rows give the per-segment hashes and
+-- The current answer is the request_attribution row with sign +1 that no row with sign -1 of the same request
+-- (request_id, ts: ids can repeat across runs) and version cancels (sql/migrations/0009). The request's and predecessor's gateway rows give the per-segment hashes and
 -- token counts: the same comparison ingest/attribution.py shared_prefix() walks (docs/miss-causes.md). Segment
 -- boundaries: cumulative segment counts × prompt_tokens / Σ segment counts, floored (attribution
 -- segment_offsets()). KV events are read from kv_block_events FINAL (a re-sent ZMQ batch counted once; an
@@ -58,7 +58,7 @@ WITH
     -- include: prefill_cost
     cancelled AS
     (
-        SELECT request_id, version FROM request_attribution
+        SELECT request_id, ts, version FROM request_attribution
         WHERE sign = -1 AND ts >= {since:DateTime64(3, 'UTC')} AND ts < {until:DateTime64(3, 'UTC')}
           AND ({request_id:String} = '' OR request_id = {request_id:String})
     ),
@@ -77,7 +77,7 @@ WITH
           AND ({request_id:String} = '' OR request_id = {request_id:String})
           AND ({tenant:String} = '' OR tenant_id = {tenant:String})
           AND ({pod:String} = '' OR pod = {pod:String}) AND ({model:String} = '' OR model = {model:String})
-          AND (request_id, version) NOT IN (SELECT request_id, version FROM cancelled)
+          AND (request_id, ts, version) NOT IN (SELECT request_id, ts, version FROM cancelled)
         ORDER BY arraySum(missed_tokens) DESC, ts DESC, request_id
         LIMIT 1
     ),
@@ -170,8 +170,10 @@ SELECT
     d.request_id AS request_id, d.ts AS ts, d.tenant_id AS tenant_id, d.pod AS pod, d.model AS model,
     d.prompt_tokens AS prompt_tokens, d.cached_tokens AS cached_tokens, d.block_size AS block_size,
     d.causes AS causes, d.sub_causes AS sub_causes, d.cause_missed_tokens AS cause_missed_tokens,
-    arrayMap(n -> n * seconds_per_token_on(d.pod), d.cause_missed_tokens) AS cause_gpu_seconds,
-    arraySum(d.cause_missed_tokens) * seconds_per_token_on(d.pod) AS gpu_seconds,
+    arrayMap((c, n) -> if(c = 'not_reported', NULL, n * seconds_per_token_on(d.pod)), d.causes,
+             d.cause_missed_tokens) AS cause_gpu_seconds,
+    if(has(d.causes, 'not_reported'), NULL,
+       arraySum(d.cause_missed_tokens) * seconds_per_token_on(d.pod)) AS gpu_seconds,
     d.predecessor_request_id AS predecessor_request_id, d.pred_ts AS predecessor_ts,
     d.predecessor_pod AS predecessor_pod, d.predecessor_kind AS predecessor_kind, d.gap_ms AS gap_ms,
     d.evidence AS evidence, d.evidence_pod AS evidence_pod, d.evidence_removed_at AS evidence_removed_at,

@@ -17,7 +17,7 @@
 -- returns: requests_with_predecessor UInt64 | served requests with a predecessor sharing their prefix (previous turn, or the same prompt_fingerprint; docs/miss-causes.md)
 -- returns: reuse_share Float64 | requests_with_predecessor / requests: the share of requests a cache could serve from an earlier one, fraction 0..1
 -- returns: token_weighted_hit_rate Nullable(Float64) | Σ cached / Σ prompt tokens of the requests whose cached count is known, fraction 0..1
--- returns: ttft_p95_ms Nullable(Float64) | gateway TTFT p95 (t-digest), ms
+-- returns: ttft_p95_ms Nullable(Float64) | gateway TTFT p95 (t-digest) over the served requests (as requests; migration 0048), ms
 --
 -- Reads requests_rollup and affinity_rollup (sql/migrations/0012, 0014; the latter sign-weighted). The verdict built on it is in docs/fix-first.md ("Does
 -- cache work pay?").

@@ -35,7 +35,7 @@ WITH
                t.wait_evicted_tokens * seconds_per_token_on(t.pod_name) * 1000 AS recompute_ms,
                if(prev.request_id = '', NULL, toFloat64(prev.prompt)) * bytes_per_token_on(t.pod_name) AS retained
         FROM next_turns AS t
-        ANY LEFT JOIN turn_log AS own ON t.request_id = own.request_id
+        ANY LEFT JOIN turn_log AS own ON t.request_id = own.request_id AND t.turn_ts = own.ts
         ANY LEFT JOIN turn_log AS prev ON t.predecessor = prev.request_id
     )
 SELECT
