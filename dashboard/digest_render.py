@@ -168,7 +168,9 @@ def unknown_line(d: Digest) -> str:
     if not d.unknown_tokens:
         return ""
     return (f"Not counted: {d.unknown_tokens:,} prompt tokens whose hits are unknown (the pod did not report the "
-            "cached count: not_reported).")
+            "cached count: not_reported). To count them, start vLLM with --enable-prompt-tokens-details and have "
+            "streaming clients ask for usage (stream_options.include_usage); the Data quality page shows it per "
+            "pod.")
 
 
 def _causes(d: Digest) -> Section:

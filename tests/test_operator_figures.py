@@ -199,6 +199,7 @@ def test_not_reported_tokens_are_unknown_not_missed(store: Store, tmp_path: Path
     assert f"{known_missed:,} missed tokens; {unknown:,} prompt tokens with unknown hits" in text
     assert "92 % of its misses" in text
     assert f"{known_missed + unknown:,}" not in text
+    assert f"Not counted: {unknown:,} prompt tokens" in text and "--enable-prompt-tokens-details" in text  # the fix
 
     # the built-in alert prefix_drift_share (> 50 % of a tenant's missed tokens) fires: 92 % of the known misses
     (rule,) = [r for r in parse_rules(BUILTIN_RULES_TOML, "builtin") if r.name == "prefix_drift_share"]
