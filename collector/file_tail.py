@@ -23,8 +23,9 @@ Handled, without losing a line:
   many) is read whole, oldest first, before the current file.
 
 A checkpoint written before heads were kept (no ``head`` key) is found by fingerprint and inode as before: a
-file with its inode is preferred to one that only shares its first line; one found by first line alone is
-taken with a warning.
+file with its inode is preferred to one that only shares its first line. The current file taken by its first
+line alone, without the checkpoint's inode (an earlier version's checkpoint, or one that had read no more than
+the first line), is counted as a resume miss and logged as a warning: it may be another file.
 
 Not handled: a file created and rotated away again between two reads of a running follower is not seen;
 compressed rotated files are not read; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
@@ -62,7 +63,7 @@ ROTATIONS = Counter("kvscope_collector_log_rotations_total", "Rotations of a fol
 BYTES_LOST = Counter("kvscope_collector_log_bytes_lost_total", "Bytes known to be skipped unread, by reason",
                      ["path", "reason"])
 RESUME_MISSES = Counter("kvscope_collector_log_resume_misses_total", "Restarts whose checkpointed file was "
-                        "found nowhere (its unread tail may be lost)", ["path"])
+                        "found nowhere, or by its first line alone (its unread tail may be lost)", ["path"])
 
 
 def fingerprint(head: bytes) -> str | None:
@@ -297,10 +298,13 @@ class FileFollower:
             # cannot tell (another sibling shares it, without the inode either): the path is the likelier
             if old is not None:
                 old.close()
-            if pos.head is None:
-                log.warning("log checkpoint of an earlier version found by its first line only (another inode); "
-                            "resuming in the current file. path=%s offset=%d inode=%d now=%d last_name=%s",
-                            self.label, pos.offset, pos.ino, cur.ident[1], pos.file)
+            nl = cur.pread(FINGERPRINT_BYTES, 0).find(b"\n")
+            if pos.head is None or pos.offset <= nl + 1:  # nothing but the first line tells: maybe another file
+                RESUME_MISSES.labels(self.label).inc()
+                log.warning("checkpointed log file found by its first line only, not by its inode; resuming in the "
+                            "current file at the offset: if it is another file, lines of the checkpointed one may be "
+                            "lost. path=%s offset=%d inode=%d now=%d last_name=%s earlier_version=%s",
+                            self.label, pos.offset, pos.ino, cur.ident[1], pos.file, pos.head is None)
             cur.resume_at(pos)
             self._files = [cur]
             return

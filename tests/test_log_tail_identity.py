@@ -99,6 +99,24 @@ def test_a_collector_killed_before_its_first_ack_finds_the_watched_file_by_its_i
     sink = Sink()
     restart(path, ckpt, sink)
     assert sink.got == ids(range(10)) and not sink.dead
+    assert metric("kvscope_collector_log_resume_misses_total", path) == 0
+
+
+def test_a_watched_file_deleted_while_down_and_replaced_by_one_with_the_same_first_line_is_a_resume_miss(
+    tmp_path: Path,
+) -> None:
+    """``watch`` checkpoints offset 0 of a file starting with a blank line; it is deleted (not rotated) and a new
+    one starting with a blank line takes the path: nothing but the first line matches, so the new file is read
+    and the restart counted as a resume miss (the deleted file's lines are gone)."""
+    path, ckpt = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json"
+    new_log(path, BLANK, range(5))
+    assert watch(path, CheckpointStore(ckpt))
+    new_log(tmp_path / "next", BLANK, range(5, 10))
+    os.replace(tmp_path / "next", path)  # the old file deleted (a new inode: both existed at once)
+    sink = Sink()
+    restart(path, ckpt, sink)
+    assert sink.got == ids(range(5, 10)) and not sink.dead
+    assert metric("kvscope_collector_log_resume_misses_total", path) == 1
 
 
 @pytest.mark.parametrize("second", ["rename", "copytruncate"])
@@ -240,7 +258,8 @@ def test_an_old_checkpoint_found_by_its_first_line_alone_resumes_there_with_a_wa
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No file has the checkpoint's inode (the log was copied to another disk): as before the upgrade, the file
-    the path names with the same first line is taken at the offset (nothing read again), and it is logged."""
+    the path names with the same first line is taken at the offset (nothing read again); since only the first
+    line says so, it is counted as a resume miss and logged."""
     path, ckpt = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json"
     new_log(path, BLANK, range(10))
     old_checkpoint(ckpt, path, path.stat().st_size, ino=1)
@@ -249,4 +268,5 @@ def test_an_old_checkpoint_found_by_its_first_line_alone_resumes_there_with_a_wa
     with caplog.at_level(logging.WARNING, logger="kvscope.collector"):
         restart(path, ckpt, sink)
     assert sink.got == ids(range(10, 15)) and not sink.dead
-    assert any("earlier version found by its first line only" in r.getMessage() for r in caplog.records)
+    assert any("found by its first line only" in r.getMessage() for r in caplog.records)
+    assert metric("kvscope_collector_log_resume_misses_total", path) == 1
