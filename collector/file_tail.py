@@ -3,21 +3,35 @@
 :class:`FileFollower` hands out byte ranges of complete lines (:class:`Chunk`), each with the :class:`Position`
 just after it; the caller persists that position only once the lines are durable downstream, and a new
 follower resumes from it. A file is identified by ``(st_dev, st_ino)`` while it is open, and across restarts
-and copies by its *fingerprint*: a hash of its first line (see :func:`fingerprint`), as Vector's file source
-does. Handled, without losing a line:
+and copies by its content: its *fingerprint*, a hash of its first line (see :func:`fingerprint`), as Vector's
+file source does, and its *head*, a hash of the bytes already read from it, up to :data:`HEAD_BYTES` (see
+:class:`Position`). The head tells apart files that share their first line (each starts with a blank line, a
+header, a banner): the bytes after it are other records. Where the content read so far cannot tell two files
+apart (only such a shared first line was read), the one with the checkpoint's inode is the checkpointed file.
+Handled, without losing a line:
 
 - rename-and-create rotation: the old file stays open and is drained until it has been idle (no growth)
   for ``rotate_wait_seconds``, since a writer may append one last line after the rename; then the new file
   is read from 0;
-- copytruncate: the unread tail is read from the sibling copy with our fingerprint; with no copy it is a
-  plain truncation and the bytes known to be skipped are counted;
+- copytruncate: the unread tail is read from the sibling copy holding what we read (fingerprint and head);
+  with no copy it is a plain truncation and the bytes known to be skipped are counted. Truncation is seen by
+  size, or by the first line or the head changing (a file truncated and rewritten past our offset between two
+  reads, even with the same first line);
 - deletion: the open (unlinked) file is drained, then the path is read from 0 when it reappears;
-- a restart after rotations: the checkpointed file is found among the siblings by fingerprint, drained, then
-  every sibling written after it (the rotations since the checkpoint, however many) is read whole, oldest
-  first, before the current file.
+- a restart after rotations: the checkpointed file is found among the siblings by fingerprint and head (the
+  inode first), drained, then every sibling written after it (the rotations since the checkpoint, however
+  many) is read whole, oldest first, before the current file.
+
+A checkpoint written before heads were kept (no ``head`` key) is found by fingerprint and inode as before: a
+file with its inode is preferred to one that only shares its first line. The current file taken by its first
+line alone, without the checkpoint's inode (an earlier version's checkpoint, or one that had read no more than
+the first line), is counted as a resume miss and logged as a warning: it may be another file.
 
 Not handled: a file created and rotated away again between two reads of a running follower is not seen;
-compressed rotated files are not read.
+compressed rotated files are not read; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
+only by inode; a file copied and then truncated *and rewritten with the same first bytes* while the collector
+was down, when the checkpoint covered only those bytes, is taken for the checkpointed file (its inode): the
+copy's lines after them are not read.
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ log = logging.getLogger("kvscope.collector")
 
 #: The fingerprint covers the first line, or this many bytes of it when it is longer.
 FINGERPRINT_BYTES = 4096
+#: A position's head covers the bytes read of its file, or this many of them (from offset 0) when more were read.
+HEAD_BYTES = 4096
 #: Rotated files with these suffixes are compressed (logrotate's ``compress``) and never read.
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 _SCAN = 1 << 20
@@ -47,7 +63,7 @@ ROTATIONS = Counter("kvscope_collector_log_rotations_total", "Rotations of a fol
 BYTES_LOST = Counter("kvscope_collector_log_bytes_lost_total", "Bytes known to be skipped unread, by reason",
                      ["path", "reason"])
 RESUME_MISSES = Counter("kvscope_collector_log_resume_misses_total", "Restarts whose checkpointed file was "
-                        "found nowhere (its unread tail may be lost)", ["path"])
+                        "found nowhere, or by its first line alone (its unread tail may be lost)", ["path"])
 
 
 def fingerprint(head: bytes) -> str | None:
@@ -64,35 +80,57 @@ def fingerprint(head: bytes) -> str | None:
     return hashlib.sha256(body).hexdigest()[:32]
 
 
+def head_digest(head: bytes) -> str:
+    """Digest of a file's head (``head``: its first bytes, from offset 0, at most :data:`HEAD_BYTES`): 32 hex
+    chars of SHA-256. The head of a :class:`Position`."""
+    return hashlib.sha256(head).hexdigest()[:32]
+
+
 @dataclass(frozen=True)
 class Position:
     """Where a follower stands: ``offset`` bytes (of complete lines) read of the file with ``fingerprint``
-    (None while its first line is incomplete) and identity ``dev``/``ino``. ``file`` is informational (the
-    name it was read under). :data:`START` means "the start of whatever file the path names"."""
+    (None while its first line is incomplete) and identity ``dev``/``ino``; ``head`` is :func:`head_digest` of
+    the file's first ``head_len`` bytes, ``head_len = min(offset, HEAD_BYTES)`` (bytes already read, so they
+    do not change while the file is only appended to): it tells the file apart from another with the same
+    first line. ``head`` is None in a checkpoint written before heads were kept (then ``head_len`` is 0).
+    ``file`` is informational (the name it was read under). :data:`START` means "the start of whatever file the
+    path names"."""
 
     fingerprint: str | None
     offset: int
     dev: int = 0
     ino: int = 0
     file: str = field(default="", compare=False)
+    head: str | None = None
+    head_len: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "offset": self.offset, "dev": self.dev, "ino": self.ino,
-                "file": self.file}
+                "file": self.file, "head": self.head, "head_len": self.head_len}
 
     @classmethod
     def from_json(cls, value: Any) -> Position | None:
-        """The position stored by :meth:`to_json`; None (with a warning) for anything else."""
+        """The position stored by :meth:`to_json` (with or without ``head``/``head_len``: a checkpoint of an
+        earlier version has neither); None (with a warning) for anything else. A ``head`` that does not fit its
+        offset is dropped with a warning (the position is then found as an earlier version's)."""
         if value is None:
             return None
         try:
             fp = value["fingerprint"]
+            head = value.get("head")
             pos = cls(fp if fp is None else str(fp), int(value["offset"]), int(value.get("dev", 0)),
-                      int(value.get("ino", 0)), str(value.get("file", "")))
-        except (TypeError, KeyError, ValueError):
+                      int(value.get("ino", 0)), str(value.get("file", "")), None if head is None else str(head),
+                      int(value.get("head_len", 0)) if head is not None else 0)
+        except (TypeError, KeyError, ValueError, AttributeError):
             log.warning("log checkpoint is not a position; reading the file from the start. value=%.200r", value)
             return None
-        return pos if pos.offset >= 0 else None
+        if pos.offset < 0:
+            return None
+        if pos.head is not None and pos.head_len != min(pos.offset, HEAD_BYTES):
+            log.warning("log checkpoint's head does not fit its offset; finding the file by its first line and "
+                        "inode only. value=%.200r", value)
+            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file)
+        return pos
 
 
 START = Position(None, 0)
@@ -100,14 +138,15 @@ START = Position(None, 0)
 
 def start_position(path: str | Path) -> Position | None:
     """The position "nothing read yet" of the file ``path`` names now: offset 0, its fingerprint (None while its
-    first line is incomplete) and identity. None when no regular file is there. A follower started from it
+    first line is incomplete), identity and an empty head (nothing read: the inode tells it apart from a file
+    with the same first line). None when no regular file is there. A follower started from it
     later finds that file again, renamed or copied, and reads every file written after it (:class:`FileFollower`).
     """
     f = FileFollower._open(Path(path))
     if f is None:
         return None
     try:
-        return Position(f.current_fp(), 0, *f.ident, file=f.name)
+        return f.position()
     finally:
         f.close()
 
@@ -127,8 +166,9 @@ class Chunk:
 
 
 class _File:
-    """One open file: read position ``offset``, ``fp`` once known, ``seen`` = largest size observed,
-    ``detached`` once the path no longer names it (drain, then drop)."""
+    """One open file: read position ``offset``, ``fp`` once known, ``head`` = the bytes read from offset 0 (at
+    most :data:`HEAD_BYTES`), ``seen`` = largest size observed, ``detached`` once the path no longer names it
+    (drain, then drop)."""
 
     def __init__(self, path: Path) -> None:
         self.fh = open(path, "rb", buffering=0)  # kept open across reads (an unlinked file stays readable)
@@ -140,6 +180,7 @@ class _File:
         self.ident = (st.st_dev, st.st_ino)
         self.offset = 0
         self.fp: str | None = None
+        self.head = b""
         self.seen = st.st_size
         self.idle_since = time.monotonic()
         self.detached = False
@@ -153,6 +194,26 @@ class _File:
     def current_fp(self) -> str | None:
         return fingerprint(self.pread(FINGERPRINT_BYTES, 0))
 
+    def resume_at(self, pos: Position) -> None:
+        """Stand at ``pos`` (which this file holds): its offset and fingerprint, and the head read back."""
+        self.offset, self.fp = pos.offset, pos.fingerprint
+        self.head = self.pread(min(pos.offset, HEAD_BYTES), 0)
+
+    def advance(self, raw: bytes, consumed: int) -> None:
+        """Move ``consumed`` bytes on from ``offset``, ``raw`` being the bytes read there (maybe fewer)."""
+        need = min(self.offset + consumed, HEAD_BYTES) - len(self.head)
+        if need > 0:  # len(head) == offset here
+            part = raw[:need]
+            if len(part) < need:
+                part += self.pread(need - len(part), self.offset + len(part))
+            self.head += part
+        self.offset += consumed
+
+    def still_holds_head(self, first: bytes) -> bool:
+        """Whether ``first`` (the file's first bytes now, at least :data:`HEAD_BYTES` of them when there are)
+        starts with the bytes read."""
+        return first[: len(self.head)] == self.head
+
     def note(self, size: int) -> None:
         """Record the size seen now; growth (or any change) restarts the idle clock."""
         if size != self.seen:
@@ -162,7 +223,8 @@ class _File:
     def position(self) -> Position:
         if self.fp is None and self.offset == 0:
             self.fp = self.current_fp()
-        return Position(self.fp, self.offset, *self.ident, file=self.name)
+        return Position(self.fp, self.offset, *self.ident, file=self.name, head=head_digest(self.head),
+                        head_len=len(self.head))
 
     def close(self) -> None:
         self.fh.close()
@@ -224,14 +286,32 @@ class FileFollower:
         if pos is None or pos == START:
             self._files = [cur] if cur else []
             return
-        if cur is not None and self._holds(cur, pos):
-            cur.offset, cur.fp = pos.offset, pos.fingerprint
+        ident = (pos.dev, pos.ino)
+        cur_holds = cur is not None and self._holds(cur, pos)
+        if cur is not None and cur_holds and cur.ident == ident:
+            cur.resume_at(pos)
             self._files = [cur]
             return
         old = self._find_sibling(pos, exclude=cur.ident if cur else None)
+        if cur is not None and cur_holds and (old is None or old.ident != ident):
+            # only the content says so: the inode changed (a restore, a remount), or the content read so far
+            # cannot tell (another sibling shares it, without the inode either): the path is the likelier
+            if old is not None:
+                old.close()
+            nl = cur.pread(FINGERPRINT_BYTES, 0).find(b"\n")
+            if pos.head is None or pos.offset <= nl + 1:  # nothing but the first line tells: maybe another file
+                RESUME_MISSES.labels(self.label).inc()
+                log.warning("checkpointed log file found by its first line only, not by its inode; resuming in the "
+                            "current file at the offset: if it is another file, lines of the checkpointed one may be "
+                            "lost. path=%s offset=%d inode=%d now=%d last_name=%s earlier_version=%s",
+                            self.label, pos.offset, pos.ino, cur.ident[1], pos.file, pos.head is None)
+            cur.resume_at(pos)
+            self._files = [cur]
+            return
         newer: list[_File] = []
         if old is not None:
-            old.offset, old.fp, old.detached = pos.offset, pos.fingerprint, True
+            old.resume_at(pos)
+            old.detached = True
             newer = self._newer_siblings(old, exclude=cur.ident if cur else None)
             ROTATIONS.labels(self.label, "resumed_rotated").inc()
             log.info("log was rotated while the collector was down; draining the rotated file first. path=%s "
@@ -243,15 +323,24 @@ class FileFollower:
                       self.label, pos.fingerprint, pos.offset, pos.ino, pos.file)
         self._files = [f for f in (old, *newer, cur) if f is not None]
 
-    def _holds(self, f: _File, pos: Position) -> bool:
-        """Whether ``f`` is the checkpointed file: same fingerprint (or, while it had none, same inode)
-        and at least ``pos.offset`` bytes."""
-        same = f.current_fp() == pos.fingerprint if pos.fingerprint else f.ident == (pos.dev, pos.ino)
-        return same and f.size() >= pos.offset
+    @staticmethod
+    def _holds(f: _File, pos: Position) -> bool:
+        """Whether ``f`` holds what ``pos`` read: at least ``pos.offset`` bytes, the same fingerprint and the
+        same head (its first ``pos.head_len`` bytes); while it had neither fingerprint nor head bytes (nothing
+        read, first line incomplete), the same inode. Files sharing what was read all hold it: the caller
+        prefers the one with ``pos``'s inode."""
+        if f.size() < pos.offset:
+            return False
+        if pos.fingerprint and f.current_fp() != pos.fingerprint:
+            return False
+        if pos.head is not None and pos.head_len > 0:
+            return head_digest(f.pread(pos.head_len, 0)) == pos.head
+        return bool(pos.fingerprint) or f.ident == (pos.dev, pos.ino)
 
     def _find_sibling(self, pos: Position, exclude: tuple[int, int] | None) -> _File | None:
         """The file beside the log (name starting with the log's name) that holds ``pos`` (see
-        :meth:`_holds`), other than ``exclude``; the same inode as ``pos`` first, then the largest."""
+        :meth:`_holds`), other than ``exclude``; the same inode as ``pos`` first, then the last modified (a
+        copy just taken, not an older rotation that shares the bytes read), then the largest."""
         found: list[_File] = []
         for entry in self._siblings():
             try:
@@ -262,7 +351,8 @@ class FileFollower:
                 found.append(f)
             elif f is not None:
                 f.close()
-        found.sort(key=lambda f: (f.ident == (pos.dev, pos.ino), f.size()), reverse=True)
+        found.sort(key=lambda f: (f.ident == (pos.dev, pos.ino), os.fstat(f.fh.fileno()).st_mtime_ns, f.size()),
+                   reverse=True)
         for f in found[1:]:
             f.close()
         return found[0] if found else None
@@ -270,7 +360,7 @@ class FileFollower:
     def _newer_siblings(self, old: _File, exclude: tuple[int, int] | None) -> list[_File]:
         """The rotated files written after ``old`` (the checkpointed file, found rotated away), oldest first:
         siblings modified at or after ``old``'s last write, other than ``old``, ``exclude`` (the current file),
-        copies of ``old`` (same first line) and compressed files. When the checkpoint lags the rotations
+        copies of ``old`` (:meth:`_copy_of`) and compressed files. When the checkpoint lags the rotations
         (acknowledgements are slower than rotations, or several rotations happened while the collector was
         down), their lines were never acknowledged: each is read whole, after ``old`` and before the current
         file. Rename keeps a file's modification time and a copy gets the copy's time, so both sort after
@@ -287,13 +377,24 @@ class FileFollower:
             if f is None:
                 continue
             mtime = os.fstat(f.fh.fileno()).st_mtime_ns
-            if f.ident in (old.ident, exclude) or mtime < since or (old.fp and f.current_fp() == old.fp):
+            if f.ident in (old.ident, exclude) or mtime < since or self._copy_of(f, old):
                 f.close()
                 continue
             f.detached = True
             found.append((mtime, f.name, f))
         found.sort(key=lambda t: (t[0], t[1]))
         return [f for _, _, f in found]
+
+    @staticmethod
+    def _copy_of(f: _File, old: _File) -> bool:
+        """Whether ``f`` is a copy of ``old`` (taken before ``old`` stopped growing): not larger, and the same
+        first bytes (up to :data:`HEAD_BYTES`, or ``f``'s size). Another file that only shares the first line
+        differs in the bytes after it, or (when ``old`` holds no more than that line) is larger."""
+        size = f.size()
+        if size == 0 or size > old.size():
+            return False
+        n = min(size, HEAD_BYTES)
+        return f.pread(n, 0) == old.pread(n, 0)
 
     def _siblings(self) -> list[os.DirEntry[str]]:
         """Directory entries beside the log whose names start with the log's name (not the log itself)."""
@@ -348,10 +449,13 @@ class FileFollower:
 
     def _check_live(self, f: _File) -> bool:
         """True (after handling it) when the live file no longer holds what we read: it shrank (below our
-        offset or below a size seen before) or its first line changed (copytruncate or truncation, even if
-        it has grown since)."""
+        offset or below a size seen before), or its first line or the bytes read from offset 0 (up to
+        :data:`HEAD_BYTES`) changed (copytruncate or truncation, even if it has grown since, even with the
+        same first line)."""
         size = f.size()
-        if size < max(f.offset, f.seen) or (f.fp is not None and f.current_fp() != f.fp):
+        first = f.pread(max(FINGERPRINT_BYTES, HEAD_BYTES), 0)
+        if (size < max(f.offset, f.seen) or (f.fp is not None and fingerprint(first) != f.fp)
+                or not f.still_holds_head(first)):
             self._truncated(f, size)
             return True
         if f.fp is None and f.offset == 0:
@@ -360,11 +464,13 @@ class FileFollower:
         return False
 
     def _truncated(self, f: _File, size_now: int) -> None:
-        """Read the unread tail from the copy with our fingerprint, if there is one; then the file from 0."""
-        copy = self._find_sibling(Position(f.fp, f.offset), exclude=f.ident) if f.fp else None
+        """Read the unread tail from the copy holding what we read (fingerprint and head), if there is one; then
+        the file from 0."""
+        held = Position(f.fp, f.offset, *f.ident, head=head_digest(f.head), head_len=len(f.head))
+        copy = self._find_sibling(held, exclude=f.ident) if f.fp else None
         if copy is not None:
             kind, lost = "copytruncate", max(0, f.seen - max(copy.size(), f.offset))
-            copy.offset, copy.fp, copy.detached = f.offset, f.fp, True
+            copy.offset, copy.fp, copy.head, copy.detached = f.offset, f.fp, f.head, True
             self._files.insert(self._files.index(f), copy)
         else:
             kind, lost = "truncate", max(0, f.seen - f.offset)
@@ -374,7 +480,7 @@ class FileFollower:
         (log.warning if lost else log.info)(
             "log file truncated; reading the rest from the copy if any, then the file from the start. path=%s "
             "kind=%s offset=%d copy=%s lost_bytes=%d", self.label, kind, f.offset, copy.name if copy else None, lost)
-        f.offset, f.fp, f.seen = 0, None, size_now
+        f.offset, f.fp, f.head, f.seen = 0, None, b"", size_now
 
     # -- reading --------------------------------------------------------------------------------------
 
@@ -389,15 +495,15 @@ class FileFollower:
             return None  # the file changed under the read: discard it, the copy (if any) comes next
         if got is None:
             return self._finish(f)
-        data, consumed, long_head = got
+        data, consumed, long_head, raw = got
         start = f.offset
         if start == 0 and f.fp is None:
             f.fp = f.current_fp()
-        f.offset += consumed
+        f.advance(raw, consumed)
         return self._issue(Chunk(f.name, start, data, long_head, f.position()))
 
-    def _take(self, f: _File, size: int) -> tuple[bytes, int, bytes | None] | None:
-        """``(lines, bytes consumed, long line head)`` available at ``f.offset``, without moving it."""
+    def _take(self, f: _File, size: int) -> tuple[bytes, int, bytes | None, bytes] | None:
+        """``(lines, bytes consumed, long line head, bytes read)`` available at ``f.offset``, without moving it."""
         if size <= f.offset:
             return None
         raw = f.pread(self.max_bytes, f.offset)
@@ -405,15 +511,15 @@ class FileFollower:
             f.fp = fingerprint(raw)
         nl = raw.rfind(b"\n")
         if nl >= 0:
-            return raw[: nl + 1], nl + 1, None
+            return raw[: nl + 1], nl + 1, None, raw
         final = f.detached and time.monotonic() - f.idle_since >= self.rotate_wait
         if len(raw) >= self.max_bytes:
             end = self._line_end(f, f.offset + len(raw))
             if end is None and final:
                 end = f.size()
-            return None if end is None else (b"", end - f.offset, raw)
+            return None if end is None else (b"", end - f.offset, raw, raw)
         if final and raw:
-            return raw + b"\n", len(raw), None  # the last line of a file that will not grow again
+            return raw + b"\n", len(raw), None, raw  # the last line of a file that will not grow again
         return None
 
     @staticmethod
