@@ -215,6 +215,9 @@ def kv_dead_letter_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
 MAX_GAP_SEQ = 2**63 - 2
 
 
+EARLIEST_MS, LATEST_MS = int(EARLIEST.timestamp() * 1000), int(LATEST.timestamp() * 1000)
+
+
 def _batch_ts(name: str, seconds: float | None) -> datetime | None:
     """A gap report's batch ts (unix seconds) as stored, None when unknown; raises ValueError when it is not a
     finite time within [EARLIEST, LATEST) (collector/gateway_record.py: 2000..2100 UTC)."""
@@ -237,13 +240,19 @@ def kv_gap_row(ev: Envelope, p: KvEventGap) -> tuple[Any, ...]:
     Raises ValueError (a ContractViolation in :func:`rows_for`: the report is dead-lettered with the reason) for a
     report no collector makes, which the ``kv_gaps`` view (sql/migrations/0030) would read as a negative or
     wrapped-around count, or as a window that holds none of its batches: ``last_seq`` before ``first_seq``, a seq
-    outside ``0 .. MAX_GAP_SEQ``, ``replayed_batches`` outside ``0 .. last_seq - first_seq + 1``, a batch ts that is
-    not a finite time in 2000..2100 UTC, ``prev_batch_ts`` after ``next_batch_ts``."""
+    outside ``0 .. MAX_GAP_SEQ``, ``replayed_batches`` outside ``0 .. last_seq - first_seq + 1``, a batch ts or
+    ``detected_at_ms`` that is not a finite time in 2000..2100 UTC, ``prev_batch_ts`` after ``next_batch_ts``, a
+    ``dp_rank`` neither None nor 0..65535 (as :func:`kv_batch_problem`)."""
     if not 0 <= p.first_seq <= p.last_seq <= MAX_GAP_SEQ:
         raise ValueError(f"seqs {p.first_seq}..{p.last_seq} are not a run within 0..{MAX_GAP_SEQ}")
     if not 0 <= p.replayed_batches <= p.last_seq - p.first_seq + 1:
         raise ValueError(f"replayed_batches {p.replayed_batches} is not within 0..{p.last_seq - p.first_seq + 1} "
                          "(the gap's batches)")
+    if p.dp_rank is not None and not _count(p.dp_rank, MAX_DP_RANK):
+        raise ValueError(f"dp_rank {str(p.dp_rank)[:40]} is not a data-parallel rank (an integer 0..{MAX_DP_RANK}, "
+                         "or none)")
+    if not _count(p.detected_at_ms - EARLIEST_MS, LATEST_MS - EARLIEST_MS - 1):
+        raise ValueError(f"detected_at_ms {str(p.detected_at_ms)[:40]} is not a unix time (ms) in 2000..2100 (UTC)")
     prev, nxt = _batch_ts("prev_batch_ts", p.prev_batch_ts), _batch_ts("next_batch_ts", p.next_batch_ts)
     if prev is not None and nxt is not None and prev > nxt:
         raise ValueError(f"prev_batch_ts {prev.isoformat()} is after next_batch_ts {nxt.isoformat()}")

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from test_kv_residency import at, ingest
 
-from collector.events import Envelope, KvBlockEvent, KvEventBatch, envelope, make_event_id
+from collector.events import Envelope, KvBlockEvent, KvEventBatch, KvEventGap, envelope, make_event_id
 from collector.gateway_log import line_event
 from collector.kv_decode import message_events
 from collector.publish import to_messages
@@ -125,6 +125,24 @@ def test_an_event_no_collector_makes_is_a_dead_letter_of_its_own_and_its_batch_l
         f"event 1 of the batch: {unknown}",
     ])
     assert ingest(store, envs) == {}
+
+
+@pytest.mark.parametrize(("detected_ms", "rank", "why"), [
+    (int(T * 1000), -1, "dp_rank -1 is not a data-parallel rank"),
+    (16725225600000, 0, "detected_at_ms 16725225600000 is not a unix time (ms) in 2000..2100 (UTC)"),  # 2500
+    (0, 0, "detected_at_ms 0 is not a unix time (ms) in 2000..2100 (UTC)"),
+])
+def test_a_gap_report_of_no_rank_or_time_is_a_dead_letter(store: Store, detected_ms: int, rank: int, why: str) -> None:
+    """A gap report (the other KV envelope) naming rank -1 (no stream), or detected in 2500 or 1970 (stored as it
+    was), is one dead letter with its reason, and the batch beside it lands."""
+    gap = KvEventGap(topic="pod-q", dp_rank=rank, first_seq=2, last_seq=3, detected_at_ms=detected_ms,
+                     reason="missed", prev_batch_ts=T - 1, next_batch_ts=T)
+    envs = [batch("pod-g", 1, [stored_event([1])]),
+            envelope(gap, pod="pod-q", natural_key=("pod-q", rank, 2, 3), observed_at_ms=int(T * 1000))]
+    assert ingest(store, envs) == {"kv_block_events": 1, "dead_letters": 1}
+    assert store.query_rows("SELECT count() FROM kv_event_gaps") == [(0,)]
+    [reason] = reasons(store, "pod-q")
+    assert reason.startswith("kv_event_gap ") and why in reason
 
 
 def frames(topic: str, seq: int, ts: float, rank: int | None, hashes: list[int]) -> list[bytes]:
