@@ -216,6 +216,15 @@ def _raw_event(raw: Any) -> str:
         return f"unencodable event of type {type(raw).__name__}"
 
 
+def batch_key(topic: str, seq: int, ts: float, dp_rank: int | None) -> tuple[object, ...]:
+    """The natural key of a batch envelope (its event id, with the pod: :func:`collector.events.envelope`): (topic,
+    seq, ts), and the rank for a rank other than 0. Each data-parallel rank of a pod publishes its own stream on the
+    same topic, so two ranks' batches may share seq and ts; without the rank they would share one id and the
+    ingester would drop the second as a redelivery of the first. Rank 0 (or none) keeps the key of the releases
+    before the rank was in it, so a batch re-sent across an upgrade still finds the copy stored before it."""
+    return (topic, seq, ts) if not dp_rank else (topic, seq, ts, dp_rank)
+
+
 def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None) -> list[Envelope]:
     """One multipart ZMQ message → ``[KvEventBatch envelope, DeadLetter envelope per bad event...]``, or
     ``[DeadLetter envelope]`` when the message itself is malformed (not 3 frames, a topic over
@@ -225,7 +234,8 @@ def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None
     ``kv_block_events.idx``), so its seq still advances and its rows are the same on every re-send. Each bad
     event is its own dead letter: reason ``event <idx> of the batch: <why>``, location ``zmq:<topic>:<dp_rank>:
     seq <seq>:event <idx>``, raw its msgpack in base64, event id from (topic, dp_rank, seq, ts, idx), so a
-    re-sent or replayed batch dead-letters it under the same id (stored once)."""
+    re-sent or replayed batch dead-letters it under the same id (stored once). The batch's event id:
+    :func:`batch_key`."""
     now_ms = int(time.time() * 1000)
     topic = frames[0][:MAX_TOPIC_BYTES].decode("utf-8", "replace").encode("utf-8", "replace").decode() if frames else ""
     pod = (topic_pods or {}).get(topic, topic or "unknown")
@@ -248,7 +258,8 @@ def message_events(frames: list[bytes], topic_pods: dict[str, str] | None = None
         return [envelope(dl, pod=pod, natural_key=(topic, raw[:512]), observed_at_ms=now_ms)]
     engine = "" if dp_rank is None else str(dp_rank)
     batch = KvEventBatch(topic=topic, seq=seq, batch_ts=ts, dp_rank=dp_rank, events=events)
-    out = [envelope(batch, pod=pod, natural_key=(topic, seq, ts), observed_at_ms=int(ts * 1000), engine=engine)]
+    out = [envelope(batch, pod=pod, natural_key=batch_key(topic, seq, ts, dp_rank), observed_at_ms=int(ts * 1000),
+                    engine=engine)]
     for idx, reason, raw_event in bad:
         dl = DeadLetter(source="kv_events", reason=f"event {idx} of the batch: {reason}", raw=_raw_event(raw_event),
                         location=f"zmq:{topic}:{engine}:seq {seq}:event {idx}")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -392,7 +393,10 @@ def advance(state: ScrapeState, pod: str, url: str, body: str, scraped_at_ms: in
                                 config or state.cache_config, state.config_sent or send_config)
     elif not bad:
         bad.append((body[:MAX_RAW], "no series kvscope keeps (not a vLLM /metrics?)"))
-    events.extend(dead_letter_event(pod, url, scraped_at_ms, line, reason) for line, reason in bad)
+    copies: dict[str, int] = defaultdict(int)  # the same bad line twice in one body is two dead letters
+    for line, reason in bad:
+        events.append(dead_letter_event(pod, url, scraped_at_ms, line, reason, copies[line]))
+        copies[line] += 1
     return events, new_state
 
 
@@ -409,10 +413,15 @@ def body_problem(body: str) -> str:
     return ""
 
 
-def dead_letter_event(pod: str, url: str, scraped_at_ms: int, line: str, reason: str) -> Envelope:
-    """A ``vllm_metrics`` dead letter for ``line`` (cut to :data:`MAX_RAW`) of the scrape of ``pod`` at ``url``."""
+def dead_letter_event(pod: str, url: str, scraped_at_ms: int, line: str, reason: str, nth: int = 0) -> Envelope:
+    """A ``vllm_metrics`` dead letter for ``line`` (cut to :data:`MAX_RAW`) of the scrape of ``pod`` at ``url``;
+    ``nth``: how many bad lines of the same text come before it in the body (a series repeated, a bad line copied).
+    Its id comes from (url, scrape time, line) and, from the second copy of a line on, ``nth``: each bad line is a
+    dead letter of its own, the same body read again at the same time (a re-sent scrape, a re-import) repeats
+    every id, and a line's first copy keeps the id it had before ``nth`` was in the key."""
     dl = DeadLetter(source="vllm_metrics", reason=reason, raw=line[:MAX_RAW], location=url)
-    return envelope(dl, pod=pod, natural_key=(url, scraped_at_ms, line), observed_at_ms=scraped_at_ms)
+    key = (url, scraped_at_ms, line) if nth == 0 else (url, scraped_at_ms, line, "copy", nth)
+    return envelope(dl, pod=pod, natural_key=key, observed_at_ms=scraped_at_ms)
 
 
 @dataclass

@@ -7,6 +7,7 @@ the columns written. Timestamps are written as timezone-aware UTC datetimes.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +24,7 @@ from collector.events import (
     make_event_id,
 )
 from collector.gateway_record import EARLIEST, LATEST, record_from_builtins, record_usage, ts_ms
+from collector.kv_decode import KV_EVENT_TYPES
 from ingest.errors import ContractViolation
 
 GATEWAY_STR = ("conversation_id", "agent_run_id", "model", "pod", "endpoint", "routing_policy", "routing_reason",
@@ -93,23 +95,90 @@ def kv_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
     else the token ids carried (an older collector); ``chain_hashes``: one per block hash when the collector
     computed them, else [] (unknown; collector/kv_chains.py); ``first_pos``: where the event's first block was
     in vLLM's event (a piece of one cut between blocks, collector/kv_split.py); ``continued``: 1 for a part of a
-    split batch other than its first (it marks no vLLM start, sql/migrations/0029)."""
-    ts = _dt(p.batch_ts * 1000)
+    split batch other than its first (it marks no vLLM start, sql/migrations/0029).
+
+    Raises ValueError (a ContractViolation in :func:`rows_for`) for a batch no collector makes
+    (:func:`kv_batch_problem`); an event no collector makes is left out (:func:`kv_event_problem`: it is a dead
+    letter of its own, :func:`kv_dead_letter_rows`)."""
+    ts = _kv_batch_ts(p)
     engine = "" if p.dp_rank is None else str(p.dp_rank)
     return [(ev.event_id, ts, ev.pod, engine, p.seq, i if e.idx is None else e.idx, e.type, e.block_hashes,
              e.parent_block_hash, len(e.token_ids) if e.token_count is None else e.token_count, e.block_size,
              e.medium or "", e.chain_hashes if len(e.chain_hashes) == len(e.block_hashes) else [], e.first_pos,
              int(p.continued))
-            for i, e in enumerate(p.events) if _misplaced(e) is None]
+            for i, e in enumerate(p.events) if kv_event_problem(e) is None]
 
 
 #: kv_block_log's ``pos`` (a block's position in its vLLM event, ``first_pos`` + its place in the row) is UInt32.
 MAX_POS = 2**32 - 1
 
+#: kv_block_events' seq, idx, token_count and block hashes are UInt64, UInt32, UInt32 and UInt64 (sql/migrations/0003).
+MAX_SEQ = 2**64 - 1
+MAX_UINT32 = 2**32 - 1
+MAX_HASH = 2**64 - 1
+#: A data-parallel rank as the collector reads it (collector/kv_decode.py: vLLM's replay port is the configured one +
+#: rank).
+MAX_DP_RANK = 2**16 - 1
+#: A block's tokens as the collector reads them (collector/kv_decode.py).
+MAX_BLOCK_SIZE = 2**31 - 1
 
-def _misplaced(e: KvBlockEvent) -> str | None:
-    """Why event ``e``'s blocks cannot be placed in kv_block_log (a position past :data:`MAX_POS` would wrap to 0
-    and land on another block's), or None when they can."""
+
+def _count(value: Any, top: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) in 0..``top``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= top
+
+
+def kv_batch_problem(p: KvEventBatch) -> str | None:
+    """Why batch ``p`` is none a collector makes, or None: a ``seq`` outside 0..2^64-1 (vLLM's is an unsigned 64-bit
+    count: a query that looks the batch up as UInt64 would fail, and fail again on every retry), a ``batch_ts`` that
+    is not a finite unix time in 2000..2100 UTC (the gateway records' and gap reports' range: DateTime, which the TTLs
+    and rollups read, ends in 2106 and wraps), a ``dp_rank`` neither None nor 0..65535 (collector/kv_decode.py)."""
+    if not _count(p.seq, MAX_SEQ):
+        return f"seq {str(p.seq)[:40]} is outside 0..2**64-1 (vLLM's seq is an unsigned 64-bit count)"
+    try:
+        _batch_ts("batch_ts", p.batch_ts)
+    except ValueError as exc:
+        return str(exc)
+    if p.dp_rank is not None and not _count(p.dp_rank, MAX_DP_RANK):
+        return f"dp_rank {str(p.dp_rank)[:40]} is not a data-parallel rank (an integer 0..{MAX_DP_RANK}, or none)"
+    return None
+
+
+def _kv_batch_ts(p: KvEventBatch) -> datetime:
+    """Batch ``p``'s ts as stored (milliseconds, UTC); raises ValueError for a batch :func:`kv_batch_problem`
+    refuses."""
+    problem = kv_batch_problem(p)
+    if problem is not None:
+        raise ValueError(problem)
+    return _dt(p.batch_ts * 1000)
+
+
+def _hashes_problem(name: str, hashes: list[int]) -> str | None:
+    for h in hashes:
+        if not _count(h, MAX_HASH):
+            return f"{name} holds {str(h)[:40]}, outside 0..2**64-1"
+    return None
+
+
+def kv_event_problem(e: KvBlockEvent) -> str | None:
+    """Why event ``e`` cannot be stored, or None when it can: a type kvscope does not read (not one of
+    :data:`collector.kv_decode.KV_EVENT_TYPES`: readers would take it for neither a store nor a removal), a block,
+    parent or chain hash outside 0..2^64-1, an ``idx``, ``token_count`` or ``block_size`` that is no count its
+    column holds, or blocks that cannot be placed in kv_block_log (a position past :data:`MAX_POS` would wrap to 0
+    and land on another block's)."""
+    if e.type not in KV_EVENT_TYPES:
+        return (f"unknown KV event type {str(e.type)[:100]!r} (this kvscope reads {', '.join(KV_EVENT_TYPES)})")
+    problem = _hashes_problem("block_hashes", e.block_hashes) or _hashes_problem("chain_hashes", e.chain_hashes)
+    if problem is not None:
+        return problem
+    if e.parent_block_hash is not None and not _count(e.parent_block_hash, MAX_HASH):
+        return f"parent_block_hash {str(e.parent_block_hash)[:40]} is outside 0..2**64-1"
+    if e.idx is not None and not _count(e.idx, MAX_UINT32):
+        return f"idx {str(e.idx)[:40]} is not a position in a vLLM batch (0..{MAX_UINT32})"
+    if e.token_count is not None and not _count(e.token_count, MAX_UINT32):
+        return f"token_count {str(e.token_count)[:40]} is not a token count (0..{MAX_UINT32})"
+    if not _count(e.block_size, MAX_BLOCK_SIZE):
+        return f"block_size {str(e.block_size)[:40]} is not a token count (0..{MAX_BLOCK_SIZE})"
     if e.first_pos < 0 or e.first_pos + max(len(e.block_hashes), 1) - 1 > MAX_POS:
         return (f"first_pos {e.first_pos} with {len(e.block_hashes)} blocks puts a block outside the positions "
                 f"0..{MAX_POS} of a vLLM event")
@@ -117,18 +186,26 @@ def _misplaced(e: KvBlockEvent) -> str | None:
 
 
 def kv_dead_letter_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
-    """A ``dead_letters`` row for each event of the batch that :func:`kv_rows` leaves out (:func:`_misplaced`), with
-    the reason; its id from the envelope's and the event's place, so a re-send of the envelope adds none."""
+    """A ``dead_letters`` row for each event of the batch that :func:`kv_rows` leaves out (:func:`kv_event_problem`),
+    with the reason; its id from the envelope's and the event's place (idx, first_pos; and, for a later event of the
+    envelope at the same place, which only a producer other than kvscope's collector sends, how many came before it),
+    so a re-send of the envelope adds none and no two bad events share one. Raises ValueError for a batch
+    :func:`kv_batch_problem` refuses (the whole envelope is then one dead letter)."""
+    ts = _kv_batch_ts(p)
     engine = "" if p.dp_rank is None else str(p.dp_rank)
     out = []
+    seen: dict[tuple[Any, Any], int] = defaultdict(int)
     for i, e in enumerate(p.events):
-        reason = _misplaced(e)
+        reason = kv_event_problem(e)
         if reason is None:
             continue
         idx = i if e.idx is None else e.idx
-        out.append((make_event_id("dead_letter", "ingest", ev.event_id, idx, e.first_pos), _dt(p.batch_ts * 1000),
-                    "ingest", ev.pod, f"event {idx} of the batch: {reason}",
-                    f"{p.topic}:{engine}:seq {p.seq}:event {idx}", msgspec.json.encode(e).decode()[:65536]))
+        nth = seen[(idx, e.first_pos)]
+        seen[(idx, e.first_pos)] += 1
+        key = (ev.event_id, idx, e.first_pos) if nth == 0 else (ev.event_id, idx, e.first_pos, "copy", nth)
+        out.append((make_event_id("dead_letter", "ingest", *key), ts,
+                    "ingest", ev.pod, f"event {str(idx)[:40]} of the batch: {reason}",
+                    f"{p.topic}:{engine}:seq {p.seq}:event {str(idx)[:40]}", msgspec.json.encode(e).decode()[:65536]))
     return out
 
 
@@ -138,13 +215,18 @@ def kv_dead_letter_rows(ev: Envelope, p: KvEventBatch) -> list[tuple[Any, ...]]:
 MAX_GAP_SEQ = 2**63 - 2
 
 
+EARLIEST_MS, LATEST_MS = int(EARLIEST.timestamp() * 1000), int(LATEST.timestamp() * 1000)
+
+
 def _batch_ts(name: str, seconds: float | None) -> datetime | None:
     """A gap report's batch ts (unix seconds) as stored, None when unknown; raises ValueError when it is not a
     finite time within [EARLIEST, LATEST) (collector/gateway_record.py: 2000..2100 UTC)."""
     if seconds is None:
         return None
-    if not math.isfinite(seconds):
-        raise ValueError(f"{name} {seconds} is not a time")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
+        raise ValueError(f"{name} {str(seconds)[:40]} is not a time")
+    if not EARLIEST.timestamp() <= seconds < LATEST.timestamp():  # before _dt: far off, a datetime overflows
+        raise ValueError(f"{name} {seconds} is outside 2000..2100 (UTC)")
     dt = _dt(seconds * 1000)
     if not EARLIEST <= dt < LATEST:
         raise ValueError(f"{name} {dt.isoformat()} is outside 2000..2100 (UTC)")
@@ -158,13 +240,19 @@ def kv_gap_row(ev: Envelope, p: KvEventGap) -> tuple[Any, ...]:
     Raises ValueError (a ContractViolation in :func:`rows_for`: the report is dead-lettered with the reason) for a
     report no collector makes, which the ``kv_gaps`` view (sql/migrations/0030) would read as a negative or
     wrapped-around count, or as a window that holds none of its batches: ``last_seq`` before ``first_seq``, a seq
-    outside ``0 .. MAX_GAP_SEQ``, ``replayed_batches`` outside ``0 .. last_seq - first_seq + 1``, a batch ts that is
-    not a finite time in 2000..2100 UTC, ``prev_batch_ts`` after ``next_batch_ts``."""
+    outside ``0 .. MAX_GAP_SEQ``, ``replayed_batches`` outside ``0 .. last_seq - first_seq + 1``, a batch ts or
+    ``detected_at_ms`` that is not a finite time in 2000..2100 UTC, ``prev_batch_ts`` after ``next_batch_ts``, a
+    ``dp_rank`` neither None nor 0..65535 (as :func:`kv_batch_problem`)."""
     if not 0 <= p.first_seq <= p.last_seq <= MAX_GAP_SEQ:
         raise ValueError(f"seqs {p.first_seq}..{p.last_seq} are not a run within 0..{MAX_GAP_SEQ}")
     if not 0 <= p.replayed_batches <= p.last_seq - p.first_seq + 1:
         raise ValueError(f"replayed_batches {p.replayed_batches} is not within 0..{p.last_seq - p.first_seq + 1} "
                          "(the gap's batches)")
+    if p.dp_rank is not None and not _count(p.dp_rank, MAX_DP_RANK):
+        raise ValueError(f"dp_rank {str(p.dp_rank)[:40]} is not a data-parallel rank (an integer 0..{MAX_DP_RANK}, "
+                         "or none)")
+    if not _count(p.detected_at_ms - EARLIEST_MS, LATEST_MS - EARLIEST_MS - 1):
+        raise ValueError(f"detected_at_ms {str(p.detected_at_ms)[:40]} is not a unix time (ms) in 2000..2100 (UTC)")
     prev, nxt = _batch_ts("prev_batch_ts", p.prev_batch_ts), _batch_ts("next_batch_ts", p.next_batch_ts)
     if prev is not None and nxt is not None and prev > nxt:
         raise ValueError(f"prev_batch_ts {prev.isoformat()} is after next_batch_ts {nxt.isoformat()}")
@@ -186,8 +274,8 @@ def rows_for(ev: Envelope) -> list[tuple[str, list[tuple[Any, ...]]]]:
         if isinstance(p, VllmScrape):
             return [("vllm_metrics", metric_rows(ev, p)), ("vllm_cache_config", cache_config_rows(ev, p))]
         if isinstance(p, KvEventBatch):
-            dead = kv_dead_letter_rows(ev, p)
-            return [("kv_block_events", kv_rows(ev, p))] + ([("dead_letters", dead)] if dead else [])
+            rows, dead = kv_rows(ev, p), kv_dead_letter_rows(ev, p)  # a batch no collector makes raises
+            return [("kv_block_events", rows)] + ([("dead_letters", dead)] if dead else [])
         if isinstance(p, KvEventGap):
             return [("kv_event_gaps", [kv_gap_row(ev, p)])]
         if isinstance(p, DeadLetter):

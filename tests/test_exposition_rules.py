@@ -17,13 +17,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from collector.checkpoint import CheckpointStore
-from collector.events import DeadLetter, Envelope, VllmScrape, decode_batch
+from collector.events import DeadLetter, Envelope, VllmScrape, decode_batch, make_event_id
 from collector.prom_text import AFTER_EOF
 from collector.publish import MemoryQueue, QueuePublisher
 from collector.service import Collector, Target
 from collector.vllm_metrics import DUPLICATE, KEPT_NAMES, ScrapeState, scrape_events
 from ingest.store import Store
-from kvscope.importer import import_events, import_metrics
+from kvscope.importer import import_events, import_metrics, source_path
 
 SAMPLES = Path(__file__).parent / "samples"
 BODY1 = (SAMPLES / "vllm_0.32.0_cpu_real_metrics_1.txt").read_text()
@@ -130,6 +130,8 @@ HOSTILE = {
     "duplicates": BODY1 + "\n".join(DUPLICATES) + "\n",
     "after_eof": BODY1 + "# EOF\n" + gauges(BODY2, 0.75, 3.0),
     "proxy_label": proxied(gauges(BODY1, 0.6, 2.0), replica="a") + proxied(gauges(BODY1, 0.5, 1.0), replica="b"),
+    # the same bad line more than once: a repeated series twice, an unparseable line twice, after the first copies
+    "repeated": BODY1 + (DUPLICATES[1] + "\n") * 2 + (f"{RUNNING.replace('running', 'waiting')} oops\n") * 2,
 }
 
 
@@ -144,6 +146,28 @@ def test_the_live_scrape_and_the_import_load_the_same(store: Store, tmp_path: Pa
     assert sorted(result.reasons) == sorted(reason for _, reason in dead)
     counted = REGISTRY.get_sample_value("kvscope_dead_letters_total", {"source": "vllm_metrics"}) - counted
     assert counted == len(dead)  # each one in kvscope's own metrics too
+
+
+def test_each_copy_of_a_bad_line_is_a_dead_letter_of_its_own_stored_once(store: Store, tmp_path: Path) -> None:
+    """Identical bad lines of one body (a series repeated, an unparseable line copied) shared one dead-letter id
+    (url, scrape time, line), so the store kept one for several rejected lines. Each is stored, live and imported;
+    the same body imported again at the same time, or the live scrape's envelopes sent again, adds none; the first
+    copy of a line keeps the id it had before (a re-send across an upgrade finds it)."""
+    body = HOSTILE["repeated"]
+    result = import_metrics(store, "pod-a", tmp_path / "m.txt", body.encode(), MINUTE_MS)
+    assert sorted(result.reasons) == sorted([DUPLICATE] * 2 + ["unparseable sample line: could not convert string "
+                                                                "to float: 'oops'"] * 2)
+    assert sorted(reason for _, reason in stored(store)[2]) == sorted(result.reasons)
+    url = f"file://{source_path(tmp_path / 'm.txt')}"
+    dead = [e for e in scrape_events("pod-a", url, body, MINUTE_MS, 1.0) if isinstance(e.payload, DeadLetter)]
+    assert len({e.event_id for e in dead}) == 4
+    assert import_events(store, dead) == {}  # the import's dead letters made again: stored already
+    first = next(e for e in dead if e.payload.raw == DUPLICATES[1])
+    assert first.event_id == make_event_id("dead_letter", "pod-a", url, MINUTE_MS, DUPLICATES[1])
+    live_events = live(body, tmp_path)
+    for _ in range(2):  # the live scrape's envelopes, and the same ones re-sent
+        import_events(store, [e for e in live_events if isinstance(e.payload, DeadLetter)])
+        assert store.query_rows("SELECT count() FROM dead_letters WHERE startsWith(location, 'http')") == [(4,)]
 
 
 def test_a_series_twice_in_one_body_keeps_its_first_sample() -> None:
