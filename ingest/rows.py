@@ -79,13 +79,28 @@ def gateway_row(ev: Envelope, p: GatewayRequest) -> tuple[Any, ...]:
             *(list(getattr(rec, k)) for k in GATEWAY_INT_LISTS))
 
 
+def scrape_ts(p: VllmScrape) -> datetime:
+    """A scrape's time (``scraped_at_ms``, unix ms) as stored; raises ValueError when it is not a time in
+    2000..2100 UTC (the range of the gateway records, KV batches and gap reports: :func:`_batch_ts`), since
+    an envelope may come from any producer (a scrape stamped in 2500 was stored, past what ``toDateTime``, which
+    the TTLs and rollups use, can hold)."""
+    ms = p.scraped_at_ms
+    if isinstance(ms, bool) or not isinstance(ms, int | float) or not math.isfinite(ms):
+        raise ValueError(f"scraped_at_ms {str(ms)[:40]} is not a unix time (ms)")
+    dt = _batch_ts("scraped_at_ms", ms / 1000)
+    assert dt is not None
+    return dt
+
+
 def metric_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
-    ts = _dt(p.scraped_at_ms)
+    """``vllm_metrics`` rows of a scrape, one per sample; raises ValueError on a time :func:`scrape_ts` refuses."""
+    ts = scrape_ts(p)
     return [(ts, ev.pod, x.engine, x.model_name, x.name, x.label, x.value, x.increase) for x in p.samples]
 
 
 def cache_config_rows(ev: Envelope, p: VllmScrape) -> list[tuple[Any, ...]]:
-    ts = _dt(p.scraped_at_ms)
+    """``vllm_cache_config`` rows of a scrape, one per engine; raises ValueError as :func:`metric_rows`."""
+    ts = scrape_ts(p)
     return [(ts, ev.pod, engine, labels) for engine, labels in sorted(p.cache_config.items())]
 
 

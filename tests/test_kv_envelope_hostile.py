@@ -13,7 +13,16 @@ import msgspec
 import pytest
 from test_kv_residency import at, ingest
 
-from collector.events import Envelope, KvBlockEvent, KvEventBatch, KvEventGap, envelope, make_event_id
+from collector.events import (
+    Envelope,
+    KvBlockEvent,
+    KvEventBatch,
+    KvEventGap,
+    SeriesSample,
+    VllmScrape,
+    envelope,
+    make_event_id,
+)
 from collector.gateway_log import line_event
 from collector.kv_decode import message_events
 from collector.publish import to_messages
@@ -176,3 +185,21 @@ def test_rank_0_and_a_payload_without_a_rank_keep_the_event_id_of_earlier_releas
         assert ev.event_id == before == make_event_id("kv_event_batch", "pod-a", "pod-a", 5, 1764417600.5)
     [one, _] = message_events(frames("pod-a", 5, 1764417600.5, 1, [111]))
     assert one.event_id != before
+
+
+@pytest.mark.parametrize(("scraped_ms", "why"), [
+    (16725225600000, "scraped_at_ms 16725225600.0 is outside 2000..2100 (UTC)"),  # 2500
+    (0, "scraped_at_ms 0.0 is outside 2000..2100 (UTC)"),  # 1970
+])
+def test_a_scrape_stamped_outside_2000_to_2100_is_a_dead_letter(store: Store, scraped_ms: int, why: str) -> None:
+    """A vLLM scrape envelope (any producer) stamped in 2500 or 1970 was stored as it was; it is one dead letter with
+    its reason now, and the KV batch beside it lands."""
+    scrape = VllmScrape(target="http://p:8000/metrics", scraped_at_ms=scraped_ms, previous_scraped_at_ms=0,
+                        duration_ms=1.0, samples=[SeriesSample("vllm:num_requests_running", "0", "tiny", "", 1.0, 0.0)],
+                        cache_config={})
+    envs = [batch("pod-g", 1, [stored_event([1])]),
+            envelope(scrape, pod="pod-s", natural_key=("pod-s", scraped_ms), observed_at_ms=int(T * 1000))]
+    assert ingest(store, envs) == {"kv_block_events": 1, "dead_letters": 1}
+    assert store.query_rows("SELECT count() FROM vllm_metrics WHERE pod = 'pod-s'") == [(0,)]
+    [reason] = reasons(store, "pod-s")
+    assert why in reason
