@@ -20,7 +20,12 @@ Handled, without losing a line:
 - deletion: the open (unlinked) file is drained, then the path is read from 0 when it reappears;
 - a restart after rotations: the checkpointed file is found among the siblings by fingerprint and head (the
   inode first), drained, then every sibling written after it (the rotations since the checkpoint, however
-  many) is read whole, oldest first, before the current file.
+  many) is read whole, oldest first, before the current file;
+- a restart from a checkpoint that read nothing (offset 0: an empty file caught up on, or just watched) whose file
+  is still the current one (its inode): nothing read can find a copy of it, so its time does (``at``, when the
+  position was taken): the rotated siblings modified since (a copytruncate while down; renames keep times) are
+  read whole, oldest first, before the current file;
+- a copytruncate while a rotated file is still being drained: the copy is never a file already being read.
 
 A checkpoint written before heads were kept (no ``head`` key) is found by fingerprint and inode as before: a
 file with its inode is preferred to one that only shares its first line. The current file taken by its first
@@ -31,7 +36,9 @@ Not handled: a file created and rotated away again between two reads of a runnin
 compressed rotated files are not read; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
 only by inode; a file copied and then truncated *and rewritten with the same first bytes* while the collector
 was down, when the checkpoint covered only those bytes, is taken for the checkpointed file (its inode): the
-copy's lines after them are not read.
+copy's lines after them are not read. A checkpoint that read nothing finds a copy only by time: a copy taken
+without new lines since the checkpoint keeps an older time (``cp -p``) and is not read; a line written to a
+rotated file after it was drained and dropped makes that file newer, and it is read again.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ HEAD_BYTES = 4096
 #: Rotated files with these suffixes are compressed (logrotate's ``compress``) and never read.
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 _SCAN = 1 << 20
+#: File modification times come from the kernel's coarse clock, up to a tick (4-10 ms) behind ``time.time_ns``.
+_CLOCK_SLACK_NS = 20_000_000
 
 LAG_BYTES = Gauge("kvscope_collector_log_lag_bytes", "Bytes written to the log not yet read", ["path"])
 ROTATIONS = Counter("kvscope_collector_log_rotations_total", "Rotations of a followed log file seen, by kind "
@@ -93,8 +102,10 @@ class Position:
     the file's first ``head_len`` bytes, ``head_len = min(offset, HEAD_BYTES)`` (bytes already read, so they
     do not change while the file is only appended to): it tells the file apart from another with the same
     first line. ``head`` is None in a checkpoint written before heads were kept (then ``head_len`` is 0).
-    ``file`` is informational (the name it was read under). :data:`START` means "the start of whatever file the
-    path names"."""
+    ``file`` is informational (the name it was read under). ``at`` is the wall-clock time (ns since the epoch) the
+    position was taken, at or before its acknowledgement: a file of the log modified after it holds lines
+    written after it (None: unknown, a checkpoint of an earlier version). :data:`START` means "the start of
+    whatever file the path names"."""
 
     fingerprint: str | None
     offset: int
@@ -103,10 +114,11 @@ class Position:
     file: str = field(default="", compare=False)
     head: str | None = None
     head_len: int = 0
+    at: int | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "offset": self.offset, "dev": self.dev, "ino": self.ino,
-                "file": self.file, "head": self.head, "head_len": self.head_len}
+                "file": self.file, "head": self.head, "head_len": self.head_len, "at": self.at}
 
     @classmethod
     def from_json(cls, value: Any) -> Position | None:
@@ -118,9 +130,10 @@ class Position:
         try:
             fp = value["fingerprint"]
             head = value.get("head")
+            at = value.get("at")
             pos = cls(fp if fp is None else str(fp), int(value["offset"]), int(value.get("dev", 0)),
                       int(value.get("ino", 0)), str(value.get("file", "")), None if head is None else str(head),
-                      int(value.get("head_len", 0)) if head is not None else 0)
+                      int(value.get("head_len", 0)) if head is not None else 0, None if at is None else int(at))
         except (TypeError, KeyError, ValueError, AttributeError):
             log.warning("log checkpoint is not a position; reading the file from the start. value=%.200r", value)
             return None
@@ -129,7 +142,7 @@ class Position:
         if pos.head is not None and pos.head_len != min(pos.offset, HEAD_BYTES):
             log.warning("log checkpoint's head does not fit its offset; finding the file by its first line and "
                         "inode only. value=%.200r", value)
-            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file)
+            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file, at=pos.at)
         return pos
 
 
@@ -224,7 +237,7 @@ class _File:
         if self.fp is None and self.offset == 0:
             self.fp = self.current_fp()
         return Position(self.fp, self.offset, *self.ident, file=self.name, head=head_digest(self.head),
-                        head_len=len(self.head))
+                        head_len=len(self.head), at=time.time_ns())
 
     def close(self) -> None:
         self.fh.close()
@@ -290,9 +303,18 @@ class FileFollower:
         cur_holds = cur is not None and self._holds(cur, pos)
         if cur is not None and cur_holds and cur.ident == ident:
             cur.resume_at(pos)
-            self._files = [cur]
+            newer = (self._written_since(pos.at - _CLOCK_SLACK_NS, {cur.ident})
+                     if pos.offset == 0 and pos.at is not None else [])
+            if newer:
+                # nothing of the file was read: a copy of it (copytruncate while down) has no bytes read to be
+                # found by, only its time; lines written after the checkpoint are in it, read before the file
+                ROTATIONS.labels(self.label, "resumed_rotated").inc()
+                log.warning("log was copied (copytruncate) while the collector was down and nothing of it had "
+                            "been read; reading the files written since the checkpoint first. path=%s then=%s",
+                            self.label, [f.name for f in newer])
+            self._files = [*newer, cur]
             return
-        old = self._find_sibling(pos, exclude=cur.ident if cur else None)
+        old = self._find_sibling(pos, exclude={cur.ident} if cur else set())
         if cur is not None and cur_holds and (old is None or old.ident != ident):
             # only the content says so: the inode changed (a restore, a remount), or the content read so far
             # cannot tell (another sibling shares it, without the inode either): the path is the likelier
@@ -337,17 +359,18 @@ class FileFollower:
             return head_digest(f.pread(pos.head_len, 0)) == pos.head
         return bool(pos.fingerprint) or f.ident == (pos.dev, pos.ino)
 
-    def _find_sibling(self, pos: Position, exclude: tuple[int, int] | None) -> _File | None:
+    def _find_sibling(self, pos: Position, exclude: set[tuple[int, int]]) -> _File | None:
         """The file beside the log (name starting with the log's name) that holds ``pos`` (see
-        :meth:`_holds`), other than ``exclude``; the same inode as ``pos`` first, then the last modified (a
-        copy just taken, not an older rotation that shares the bytes read), then the largest."""
+        :meth:`_holds`), other than the files ``exclude`` names (identities); the same inode as ``pos`` first,
+        then the last modified (a copy just taken, not an older rotation that shares the bytes read), then the
+        largest."""
         found: list[_File] = []
         for entry in self._siblings():
             try:
                 f = self._open(Path(entry.path)) if entry.is_file() else None
             except OSError:  # unreadable: not ours to follow
                 continue
-            if f is not None and f.ident != exclude and self._holds(f, pos):
+            if f is not None and f.ident not in exclude and self._holds(f, pos):
                 found.append(f)
             elif f is not None:
                 f.close()
@@ -365,7 +388,12 @@ class FileFollower:
         down), their lines were never acknowledged: each is read whole, after ``old`` and before the current
         file. Rename keeps a file's modification time and a copy gets the copy's time, so both sort after
         ``old``; older rotations sort before it and are not read again."""
-        since = os.fstat(old.fh.fileno()).st_mtime_ns
+        return self._written_since(os.fstat(old.fh.fileno()).st_mtime_ns, {old.ident, exclude}, old)
+
+    def _written_since(self, since: int, exclude: set[tuple[int, int] | None], old: _File | None = None
+                       ) -> list[_File]:
+        """Uncompressed siblings modified at or after ``since`` (ns), other than ``exclude`` and copies of
+        ``old``, detached at offset 0, oldest first (see :meth:`_newer_siblings`)."""
         found: list[tuple[int, str, _File]] = []
         for entry in self._siblings():
             if entry.name.endswith(_COMPRESSED):
@@ -377,7 +405,7 @@ class FileFollower:
             if f is None:
                 continue
             mtime = os.fstat(f.fh.fileno()).st_mtime_ns
-            if f.ident in (old.ident, exclude) or mtime < since or self._copy_of(f, old):
+            if f.ident in exclude or mtime < since or (old is not None and self._copy_of(f, old)):
                 f.close()
                 continue
             f.detached = True
@@ -467,7 +495,8 @@ class FileFollower:
         """Read the unread tail from the copy holding what we read (fingerprint and head), if there is one; then
         the file from 0."""
         held = Position(f.fp, f.offset, *f.ident, head=head_digest(f.head), head_len=len(f.head))
-        copy = self._find_sibling(held, exclude=f.ident) if f.fp else None
+        # never a file already queued (a rotated file still being drained may share the bytes read and be newer)
+        copy = self._find_sibling(held, exclude={g.ident for g in self._files}) if f.fp else None
         if copy is not None:
             kind, lost = "copytruncate", max(0, f.seen - max(copy.size(), f.offset))
             copy.offset, copy.fp, copy.head, copy.detached = f.offset, f.fp, f.head, True

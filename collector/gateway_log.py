@@ -11,6 +11,8 @@ reads a finished file once (``kvscope import gateway-log``).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +124,11 @@ class GatewayLogSource:
         self.key = checkpoint_key(path)
         self._checkpoints = checkpoints
         start = Position.from_json(checkpoints.get(self.key))
+        if start is not None and start.at is None and checkpoints.path is not None:
+            try:  # a checkpoint of an earlier version: written at the latest when the checkpoint file was
+                start = dataclasses.replace(start, at=os.stat(checkpoints.path).st_mtime_ns)
+            except OSError:
+                pass
         self._follower = FileFollower(path, start, max_bytes=max_bytes, rotate_wait_seconds=rotate_wait_seconds)
 
     def poll(self) -> tuple[list[Envelope], Callable[[], None] | None]:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,124 @@ def test_an_old_checkpoint_found_by_its_first_line_alone_resumes_there_with_a_wa
     assert sink.got == ids(range(10, 15)) and not sink.dead
     assert any("found by its first line only" in r.getMessage() for r in caplog.records)
     assert metric("kvscope_collector_log_resume_misses_total", path) == 1
+
+
+# -- a checkpoint of an empty file (nothing read: no bytes to know it by) -------------------------------------
+
+
+def empty_checkpoint(path: Path, ckpt: Path, how: str, sink: Sink) -> None:
+    """Leave a checkpoint at offset 0 of the empty file ``path`` names (no fingerprint, no head bytes): ``caught_up``
+    (the collector read 0..9, the log was copytruncated to gw.jsonl.1 and the collector caught up and stopped) or
+    ``watched`` (``watch`` on a freshly created log, killed before its first ack)."""
+    path.touch()
+    if how == "caught_up":
+        src = source(path, CheckpointStore(ckpt))
+        write(path, range(10))
+        sink.drain(src)
+        shutil.copyfile(path, tmp := path.with_name("gw.jsonl.1"))
+        os.truncate(path, 0)
+        sink.drain(src)
+        src.close()
+        assert sink.got == ids(range(10)) and tmp.exists()
+    else:
+        assert watch(path, CheckpointStore(ckpt))
+    value = json.loads(ckpt.read_text())[checkpoint_key(path)]
+    assert value["offset"] == 0 and value["fingerprint"] is None and value["head_len"] == 0
+    time.sleep(0.05)  # the checkpoint is older than what follows (file times are coarse)
+
+
+@FIRST_LINES
+@pytest.mark.parametrize("how", ["caught_up", "watched"])
+def test_a_copytruncate_while_down_after_a_checkpoint_of_an_empty_file_reads_the_copy_first(
+    tmp_path: Path, first: bytes, how: str
+) -> None:
+    """The checkpointed file keeps its inode, so it was taken by inode alone and read from 0: the copy's lines
+    (written after the checkpoint, nothing to know them by but the copy's time) were never read."""
+    path, ckpt, sink = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json", Sink()
+    empty_checkpoint(path, ckpt, how, sink)
+    if how == "caught_up":
+        os.rename(tmp_path / "gw.jsonl.1", tmp_path / "gw.jsonl.2")  # the earlier copy moves on (mtime kept)
+    new_log(path, first, range(10, 20))
+    shutil.copy2(path, tmp_path / "gw.jsonl.1")  # cp -p: the copy keeps the file's time
+    os.truncate(path, 0)
+    write(path, range(20, 25))
+    restart(path, ckpt, sink)
+    want = ids(range(25)) if how == "caught_up" else ids(range(10, 25))
+    assert sink.got == want, f"lost: {sorted(set(want) - set(sink.got))}"
+    assert dead_kinds(sink) == headers(first, 1)
+    assert metric("kvscope_collector_log_rotations_total", path, kind="resumed_rotated") == 1
+
+
+def test_an_earlier_versions_checkpoint_of_an_empty_file_is_dated_by_the_checkpoint_file(tmp_path: Path) -> None:
+    """No ``at`` in the checkpoint: the checkpoint file's modification time stands for it."""
+    path, ckpt, sink = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json", Sink()
+    empty_checkpoint(path, ckpt, "watched", sink)
+    data = json.loads(ckpt.read_text())
+    data[checkpoint_key(path)].pop("at", None)
+    ckpt.write_text(json.dumps(data))
+    past = time.time_ns() - 10**9
+    os.utime(ckpt, ns=(past, past))
+    write(path, range(10))
+    shutil.copyfile(path, tmp_path / "gw.jsonl.1")
+    os.truncate(path, 0)
+    write(path, range(10, 15))
+    restart(path, ckpt, sink)
+    assert sink.got == ids(range(15))
+
+
+@pytest.mark.parametrize("how", ["caught_up", "watched"])
+def test_after_a_checkpoint_of_an_empty_file_older_or_compressed_rotations_are_not_read_again(
+    tmp_path: Path, how: str
+) -> None:
+    """Controls: a rename chain of the earlier copy (.1 → .2, times kept), a compressed rotation written after the
+    checkpoint (delaycompress), an unrelated older rotation and the live file simply written: nothing read twice,
+    nothing of before the checkpoint read."""
+    path, ckpt, sink = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json", Sink()
+    new_log(tmp_path / "gw.jsonl-20250101", BLANK, range(100, 110))  # unrelated, older
+    os.utime(tmp_path / "gw.jsonl-20250101", ns=(1_000_000_000, 1_000_000_000))
+    empty_checkpoint(path, ckpt, how, sink)
+    if how == "caught_up":
+        os.rename(tmp_path / "gw.jsonl.1", tmp_path / "gw.jsonl.2")
+        (tmp_path / "gw.jsonl.3.gz").write_bytes((tmp_path / "gw.jsonl.2").read_bytes())  # "compressed" now
+    write(path, range(10, 15))
+    restart(path, ckpt, sink)
+    want = ids(range(15)) if how == "caught_up" else ids(range(10, 15))
+    assert sink.got == want and not sink.dead
+    assert metric("kvscope_collector_log_rotations_total", path, kind="resumed_rotated") == 0
+
+
+def test_after_a_checkpoint_of_an_empty_file_a_rename_rotation_while_down_is_read_once(tmp_path: Path) -> None:
+    path, ckpt, sink = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json", Sink()
+    empty_checkpoint(path, ckpt, "caught_up", sink)
+    write(path, range(10, 15))
+    os.rename(tmp_path / "gw.jsonl.1", tmp_path / "gw.jsonl.2")
+    os.rename(path, tmp_path / "gw.jsonl.1")
+    write(path, range(15, 20))
+    restart(path, ckpt, sink)
+    assert sink.got == ids(range(20)) and not sink.dead
+
+
+# -- a running follower: the copy is never a file already queued -----------------------------------------------
+
+
+def test_a_copytruncate_while_a_renamed_file_is_drained_does_not_take_that_file_for_the_copy(tmp_path: Path) -> None:
+    """All files start with the same header; A (renamed to gw.jsonl.1) is still being drained and got the writer's
+    late last line, so it is the newest file holding the bytes read of the live file; then the live file is
+    copied (cp -p: the copy keeps its time) and truncated. The copy was A: A read twice, the real copy lost."""
+    path = tmp_path / "gw.jsonl"
+    new_log(path, HEADER, range(19))
+    src, sink = source(path, max_bytes=600), Sink()
+    sink.poll(src)  # a bit of A
+    os.rename(path, tmp_path / "gw.jsonl.1")
+    new_log(path, HEADER, range(20, 25))
+    time.sleep(0.02)
+    sink.poll(src)  # notices the new file, keeps draining A
+    sink.poll(src)
+    write(tmp_path / "gw.jsonl.1", range(19, 20))  # the late line: A is now the newest
+    time.sleep(0.02)
+    shutil.copy2(path, tmp_path / "gw.jsonl.2")
+    os.truncate(path, 0)
+    sink.drain(src)
+    assert sink.got == ids(range(25)), f"lost: {sorted(set(ids(range(25))) - set(sink.got))}"
+    assert dead_kinds(sink) == headers(HEADER, 2)
+    assert metric("kvscope_collector_log_rotations_total", path, kind="copytruncate") == 1
