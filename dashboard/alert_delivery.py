@@ -40,7 +40,8 @@ PAGES = {"hit_rate_drop": "miss_causes", "cause_share": "miss_causes", "cardinal
 
 def dashboard_link(base_url: str, ev: Evaluation) -> str:
     """The drill-down URL of a notice on the dashboard at ``base_url`` ('' = no link): the kind's page with the
-    window (``from``/``to``) and the evidence's tenant, cause, sub-cause, example request or pod as filters."""
+    window (``from``/``to``) and the evidence's tenant, cause, sub-cause, example request (``request_id`` and its
+    arrival ``ts``) or pod as filters."""
     if not base_url:
         return ""
     e = ev.evidence
@@ -50,6 +51,8 @@ def dashboard_link(base_url: str, ev: Evaluation) -> str:
             q[key] = e[key]
     if PAGES[ev.rule.kind] == "miss_causes":
         q.update({k: e[k] for k in ("cause", "sub_cause", "request_id") if e.get(k)})
+        if e.get("request_id") and e.get("request_ts"):  # ids can repeat across runs: the request is (id, ts)
+            q["ts"] = e["request_ts"]
     return f"{base_url.rstrip('/')}/{PAGES[ev.rule.kind]}?{urlencode(q)}"
 
 

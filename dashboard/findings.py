@@ -179,6 +179,7 @@ class Finding:
             params["sub_cause"] = self.sub_cause
         if self.evidence:
             params["request_id"] = self.evidence.request_id
+            params["ts"] = ts_param(self.evidence.ts)  # ids can repeat across runs: the request is (id, ts)
         return f"{base_url.rstrip('/')}/miss_causes?{urlencode(params)}"
 
 
@@ -344,6 +345,22 @@ def _params(since: datetime, until: datetime, tenant: str, pod: str, **extra: An
 def _ch(t: datetime) -> str:
     """A ClickHouse DateTime64(3) literal in UTC."""
     return _utc(t).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def ts_param(t: datetime) -> str:
+    """A request's arrival as a URL parameter (``ts``, with ``request_id``: ids can repeat across runs):
+    ``2026-12-01T04:00:00.123Z`` (UTC, milliseconds)."""
+    t = _utc(t)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def parse_ts_param(text: str | None) -> datetime | None:
+    """A URL's ``ts`` (:func:`ts_param`; any ISO 8601 time, naive = UTC) → aware UTC datetime; None when missing or
+    unreadable (the request is then found by its id alone)."""
+    try:
+        return _utc(datetime.fromisoformat(text.replace("Z", "+00:00"))) if text else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _iso(t: datetime) -> str:

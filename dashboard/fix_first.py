@@ -50,7 +50,7 @@ def render(f: data.Filters) -> None:
         st.error(f"Miss causes could not be read: {charts.plain(data.error_text(exc))}")
         return
     st.subheader("Where the missed tokens went")
-    if where.is_empty():
+    if where.is_empty():  # (a window of not_reported alone shows its unknown hits: where_chart)
         st.info("No attributed misses in this window yet: the attribution job answers requests a few seconds "
                 "after the gateway logs them.", icon=":material/hourglass_empty:")
         return
@@ -65,8 +65,19 @@ def render(f: data.Filters) -> None:
 
 
 def where_chart(where: pl.DataFrame, currency: str) -> None:
-    """Horizontal bars of missed tokens per cause (one colour per cause), with GPU-seconds and share beside."""
-    df = where.sort(["missed_tokens"], descending=True)
+    """Horizontal bars of missed tokens per cause (one colour per cause), with GPU-seconds and share beside. The
+    prompt tokens of requests whose cached count is not reported (cause ``not_reported``) are unknown hits, not
+    missed tokens: left out of the bars and the table and counted apart in a metric, as the Miss causes page
+    does (docs/miss-causes.md)."""
+    unknown = findings.unknown_tokens(where)
+    df = findings.known_misses(where).sort(["missed_tokens"], descending=True)
+    if unknown:
+        st.metric("Unknown hits (not reported)", f"{charts.count(unknown)} prompt tokens",
+                  help="Prompt tokens of requests whose pod did not report the cached count: their hits are "
+                       "unknown, so they are neither missed tokens nor in the shares, and cost nothing.")
+    if df.is_empty():
+        st.caption("No missed tokens known in this window: every request's cached count was not reported.")
+        return
     labels = df["label"].to_list()
     has_cost = df["gpu_seconds"].drop_nulls().len() > 0
     text = [
@@ -113,6 +124,7 @@ def fix_card(rank: int, finding: findings.Finding, f: data.Filters, currency: st
             params["sub_cause"] = finding.sub_cause
         if finding.evidence:
             params["request_id"] = finding.evidence.request_id
+            params["ts"] = findings.ts_param(finding.evidence.ts)  # ids can repeat across runs
         st.page_link(MISS_CAUSES_PAGE, label="Show these requests", icon=":material/arrow_forward:",
                      query_params=params)
 

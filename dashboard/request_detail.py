@@ -11,6 +11,7 @@ Only ids, names and counts: never prompt text.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import plotly.graph_objects as go
@@ -48,13 +49,27 @@ VARIANT_TEXT = {
 }
 
 
-def fetch(request_id: str, f: data.Filters) -> tuple[pl.DataFrame, bool]:
+def fetch(request_id: str, f: data.Filters, ts: datetime | None = None) -> tuple[pl.DataFrame, bool]:
     """``(rows, in_window)``: the named query ``request_detail`` for ``request_id`` in the page's time range,
-    else over all time (``in_window`` False); no tenant or pod filter (an id names one request)."""
+    else over all time (``in_window`` False); no tenant or pod filter. ``ts``: the request's arrival, when known
+    (request ids can repeat across runs: a request is (request_id, ts)), read in the millisecond of ``ts``
+    (``in_window`` then says whether it is in the page's range); without it, the id's request with the most
+    missed tokens."""
+    if ts is not None:
+        at = ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+        window = f.params(tenant=False, pod=False, model=False)
+        exact = {"since": _ch_ms(at), "until": _ch_ms(at + timedelta(milliseconds=1))}
+        rows = data.named("request_detail", **exact, request_id=request_id)
+        return rows, window["since"] <= exact["since"] < window["until"]  # same literal format: order is time order
     rows = data.named("request_detail", **f.params(tenant=False, pod=False, model=False), request_id=request_id)
     if not rows.is_empty():
         return rows, True
     return data.named("request_detail", request_id=request_id), False
+
+
+def _ch_ms(t: datetime) -> str:
+    """An aware time as the named queries' DateTime64(3) parameters read it (UTC, milliseconds)."""
+    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}"
 
 
 def gap_text(ms: float | None) -> str:
@@ -232,9 +247,12 @@ def predecessor_link(head: dict[str, Any]) -> None:
     pred = head["predecessor_request_id"]
     if not pred:
         return
-    params = {k: v for k, v in st.query_params.to_dict().items() if k != "request_id"}
+    params = {k: v for k, v in st.query_params.to_dict().items() if k not in ("request_id", "ts")}
+    params["request_id"] = pred
+    if head.get("predecessor_ts") is not None:  # ids can repeat across runs: the predecessor is (id, ts)
+        params["ts"] = findings.ts_param(head["predecessor_ts"])
     st.page_link(PAGE, label=f"Open predecessor {charts.name(pred)}", icon=":material/history:",
-                 query_params={**params, "request_id": pred})
+                 query_params=params)
 
 
 def header(head: dict[str, Any], in_window: bool, price: float = 0.0, currency: str = "") -> None:
@@ -266,9 +284,10 @@ def predecessor(head: dict[str, Any]) -> None:
                    "this request's arrival")
 
 
-def render(request_id: str, f: data.Filters) -> None:
-    """The detail of ``request_id`` (see the module docstring); says so when the request has no answer yet."""
-    rows, in_window = fetch(request_id, f)
+def render(request_id: str, f: data.Filters, ts: datetime | None = None) -> None:
+    """The detail of the request ``(request_id, ts)`` (``ts`` None: by its id alone, see :func:`fetch`; see the
+    module docstring); says so when the request has no answer yet."""
+    rows, in_window = fetch(request_id, f, ts)
     if rows.is_empty():
         st.info(f"No miss attribution for request {charts.name(request_id)}: no such request id, or the "
                 "attribution job has not answered it yet.", icon=":material/search_off:")

@@ -71,7 +71,8 @@ IDENTITY: dict[str, Identity] = {
     "kv_block_events": Identity(("event_id",), "ts"),
     "kv_event_gaps": Identity(("event_id",), None),
     "dead_letters": Identity(("event_id",), None),
-    "workload_labels": Identity(("request_id",), None),
+    # a labelled request is (request_id, ts), as gateway_requests': two labelled runs may reuse ids
+    "workload_labels": Identity(("request_id", "ts"), "ts"),
 }
 
 

@@ -212,11 +212,13 @@ def load_labels(store: Store, path: str | Path, *, run_id: str = "", start: int 
                 partial_last_line: bool = True, lines_per_chunk: int = LINES_PER_CHUNK,
                 stop: threading.Event | None = None,
                 progress: Callable[[LabelLoad], None] | None = None) -> LabelLoad:
-    """Load the label lines of ``path`` from byte ``start`` into workload_labels, each request once (a label the
-    store holds is skipped, so a file may be loaded again, or tailed); bad lines become dead letters. A line
-    without ts takes the gateway's arrival ts of its request, so such lines need the gateway log loaded first
-    (else they are dead letters saying so). A label older than workload_labels' retention is a dead letter with
-    that reason (:mod:`ingest.retention`: ClickHouse would drop it at insert). Returns :class:`LabelLoad`.
+    """Load the label lines of ``path`` from byte ``start`` into workload_labels, each request (request_id, ts)
+    once (a label the store holds is skipped, so a file may be loaded again, or tailed; two labelled runs reusing
+    ids keep a label each); bad lines become dead letters. A line without ts takes the gateway's arrival ts of its
+    request (the earliest request of that id: give ts to label runs that reuse ids), so such lines need the
+    gateway log loaded first (else they are dead letters saying so). A label older than workload_labels'
+    retention is a dead letter with that reason (:mod:`ingest.retention`: ClickHouse would drop it at insert).
+    Returns :class:`LabelLoad`.
 
     The file is streamed (:func:`ingest.bulk.line_chunks`): ``lines_per_chunk`` lines at a time are parsed and
     written, labels and dead letters, before the next are read, so memory is bounded by the chunk whatever the

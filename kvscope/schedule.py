@@ -71,8 +71,10 @@ class DigestSchedule:
     Periods are whole minutes and follow each other: each digest covers ``[end of the previous one, now cut to the
     minute)`` and is due ``every`` after that start (so its length is ``every`` when checks are on time, longer
     after downtime: one digest then covers the whole stretch). The first digest, one interval after the first
-    start, covers the last ``every``. A failed send is logged and retried after :data:`RETRY_SECONDS` (or
-    ``every``, when shorter) for the same period, also after a restart; it never stops the pipeline."""
+    start, covers from the minute of that start; a state file of the previous format (``{"last_sent": ...}``
+    only) continues from the minute of its last send, so downtime across the upgrade is not skipped. A failed
+    send is logged and retried after :data:`RETRY_SECONDS` (or ``every``, when shorter) for the same period, also
+    after a restart (an unreadable pending period is dropped with a warning); it never stops the pipeline."""
 
     def __init__(self, store: Any, cfg: Any, stop: threading.Event, *, every: timedelta, state_path: Path,
                  check_seconds: float = 30.0) -> None:
@@ -94,20 +96,31 @@ class DigestSchedule:
 
     def due(self, now: datetime) -> tuple[datetime, datetime] | None:
         """The period ``(since, until)`` (UTC, whole minutes) to send at ``now``, None when none is due: the period
-        a failed send left pending; else, once ``every`` has passed since the previous period's end, from that end
-        to ``now`` cut to the minute; else (no period sent yet), once ``every`` has passed since the last send or
-        the clock's start, the last ``every`` (:func:`dashboard.digest.period`)."""
+        a failed send left pending (an unreadable one is dropped with a warning); else, once ``every`` has passed
+        since the previous period's end, from that end to ``now`` cut to the minute. Without a period's end (no
+        digest sent yet, or a state file of the previous format, ``{"last_sent": ...}`` only) the previous period
+        ends at the minute of the last send or of the clock's start; with no state at all, the last ``every``
+        (:func:`dashboard.digest.period`)."""
         state = self._state()
-        pending = state.get("pending")
-        if isinstance(pending, list) and len(pending) == 2:
-            return _time(pending[0]), _time(pending[1])
+        if "pending" in state:
+            pending = state["pending"]
+            times = [_time(x) for x in pending] if isinstance(pending, list) and len(pending) == 2 else []
+            if len(times) == 2 and None not in times and times[0] < times[1]:
+                return times[0], times[1]
+            # unreadable: dropped (a retry of it cannot be sent), the schedule goes on from its last period
+            log.warning("digest schedule: dropping an unreadable pending period. pending=%r state=%s", pending,
+                        self.state_path)
+            state = {k: v for k, v in state.items() if k != "pending"}
+            self._write(state)
         end = _time(state.get("until"))
+        if end is None:
+            # a state file of the previous format ({"last_sent"} only), or the clock's start: the previous period
+            # ended at the last send, so the next one continues from its minute (no downtime skipped)
+            last = _time(state.get("last_sent"))
+            end = whole_minute(last) if last is not None else None
         if end is not None:
             until = whole_minute(now)
             return (end, until) if now - end >= self.every and until > end else None
-        last = self.last_sent()
-        if last is not None and now - last < self.every:
-            return None
         return period(self.every, now=now)
 
     def tick(self, now: datetime | None = None) -> bool:

@@ -152,7 +152,7 @@ def test_overview_says_where_the_missed_tokens_went_and_what_to_fix_first(fixtur
     assert "Evidence: request cap-4-timestamp-first on pod-a missed 768 tokens from its system prompt on" in captions[1]
     links = [p.proto.query_string for p in at.get("page_link") if p.proto.page == "miss_causes"]
     assert links[1] == ("range=all&tenant=globex&cause=prefix_drift&sub_cause=volatile_system"
-                        "&request_id=cap-4-timestamp-first")
+                        "&request_id=cap-4-timestamp-first&ts=2026-12-05T12%3A01%3A10.000Z")  # a request: (id, ts)
 
 
 def test_overview_latency_gateway_first(fixture_store: Store) -> None:
@@ -337,8 +337,10 @@ def test_request_detail_from_the_url(fixture_store: Store) -> None:
     assert segments["missed_tokens"].tolist() == [730, 38, 0, 0, 16]
     assert any("block size 32 tokens" in c.value for c in at.caption)
     (link,) = at.get("page_link")
-    assert link.proto.query_string == "range=all&request_id=cap-3-tools-reordered"  # the view's filters kept
+    # the view's filters kept; the predecessor's arrival beside its id (ids can repeat across runs)
+    assert link.proto.query_string == "range=all&request_id=cap-3-tools-reordered&ts=2026-12-05T12%3A01%3A00.000Z"
     at.query_params["request_id"] = "cap-3-tools-reordered"  # following the link
+    at.query_params["ts"] = "2026-12-05T12:01:00.000Z"
     at.run()
     assert_clean(at)
     assert metrics(at)["Predecessor"] == "cap-2-warm"

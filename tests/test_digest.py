@@ -13,6 +13,7 @@ import email
 import html
 import ipaddress
 import json
+import logging
 import re
 import ssl
 import threading
@@ -485,6 +486,32 @@ def test_scheduled_digests_follow_each_other_and_a_retry_covers_the_same_period(
         assert period_line(-1).startswith(expected(UNTIL + 7 * minute, UNTIL + 10 * minute))
     finally:
         server.stop()
+
+
+def test_schedule_continues_an_old_state_file_and_drops_an_unreadable_pending(
+        two: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A state file of the previous format ({"last_sent"} only) continues from the minute of that send, downtime
+    included; a pending period that does not parse is dropped with a warning, and the schedule goes on."""
+    hour = timedelta(hours=1)
+    t = datetime(2026, 12, 6, 9, 0, 25, tzinfo=UTC)
+    state = tmp_path / "digest-old.json"
+    state.write_text(json.dumps({"last_sent": t.isoformat()}))
+    schedule = DigestSchedule(two, config(), threading.Event(), every=hour, state_path=state)
+    assert schedule.due(t + hour - timedelta(seconds=30)) is None  # not an hour since 09:00 yet
+    assert schedule.due(t + hour + timedelta(seconds=5)) == (t.replace(second=0), t.replace(second=0) + hour)
+    five_hours_down = t + 5 * hour + timedelta(seconds=5)
+    assert schedule.due(five_hours_down) == (t.replace(second=0), t.replace(second=0) + 5 * hour)
+
+    bad = tmp_path / "digest-bad.json"
+    bad.write_text(json.dumps({"last_sent": t.isoformat(), "until": "2026-12-06T10:00:00+00:00",
+                               "pending": ["bad", "worse"]}))
+    # no mail server: the send fails (OSError, caught); nothing raises, the readable period is what is pending
+    cfg = config(smtp_host="127.0.0.1", smtp_port="1", smtp_security="none", digest_to="team@example.com")
+    schedule = DigestSchedule(two, cfg, threading.Event(), every=hour, state_path=bad)
+    with caplog.at_level(logging.WARNING, logger="kvscope.digest"):
+        assert schedule.tick(datetime(2026, 12, 6, 11, 0, 5, tzinfo=UTC)) is False
+    assert "unreadable pending" in caplog.text
+    assert json.loads(bad.read_text())["pending"] == ["2026-12-06T10:00:00+00:00", "2026-12-06T11:00:00+00:00"]
 
 
 def test_kvscope_up_sends_the_digest_from_its_pipeline(two: Store, tmp_path: Path) -> None:

@@ -81,7 +81,8 @@ def test_drill_down_url_carries_the_finding_and_window(fx: Store) -> None:
     assert (u.netloc, u.path) == ("kvscope.example.com", "/miss_causes")
     q = {k: v[0] for k, v in parse_qs(u.query).items()}
     assert q == {"from": f"{DAY}T12:00:00Z", "to": f"{DAY}T13:00:00Z", "tenant": "globex",
-                 "cause": "prefix_drift", "sub_cause": "volatile_system", "request_id": "cap-4-timestamp-first"}
+                 "cause": "prefix_drift", "sub_cause": "volatile_system", "request_id": "cap-4-timestamp-first",
+                 "ts": f"{DAY}T12:01:10.000Z"}  # ids can repeat across runs: the request is (request_id, ts)
     assert f.url("", SINCE, UNTIL) == ""
 
 

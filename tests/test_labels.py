@@ -235,6 +235,22 @@ def test_import_loads_each_label_once_and_dead_letters_bad_lines(store: Store, t
     assert store.query_rows("SELECT count() FROM dead_letters")[0][0] == 3
 
 
+def test_two_labelled_runs_reusing_ids_keep_a_label_each(store: Store, tmp_path: Path) -> None:
+    # demo/workload.py's ids are deterministic: run 2 labels r1 again, an hour later; a label is (request_id, ts)
+    first = write_labels(tmp_path, [{"request_id": "r1", "cause": "cold", "ts": f"{DAY}T12:00:00Z", "run_id": "a"}])
+    code, out, err = cli(store, "import", "labels", str(first))
+    assert code == 0, err
+    second = tmp_path / "second.jsonl"
+    second.write_text(json.dumps({"request_id": "r1", "cause": "evicted", "ts": f"{DAY}T13:00:00Z", "run_id": "b"})
+                      + "\n")
+    code, out, err = cli(store, "import", "labels", str(second))
+    assert code == 0 and out.strip() == f"{second}: 1 labels, 0 already stored, 0 bad lines (0 new dead letters)"
+    code, out, err = cli(store, "import", "labels", str(second))  # again: the same (request_id, ts), skipped
+    assert code == 0 and "0 labels, 1 already stored" in out
+    assert store.query_rows("SELECT run_id, cause FROM workload_labels ORDER BY ts") == [("a", "cold"),
+                                                                                          ("b", "evicted")]
+
+
 def test_import_exits_1_when_no_line_is_usable(store: Store, tmp_path: Path) -> None:
     path = write_labels(tmp_path, ["{}", '{"request_id": "r", "cause": "cold", "ts": "yesterday"}'], "bad.jsonl")
     code, out, err = cli(store, "import", "labels", str(path))

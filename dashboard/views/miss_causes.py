@@ -2,11 +2,14 @@
 detail (its causes, predecessor, pods, gap, changed segment and evidence).
 
 URL parameters (read here; the time range, tenant and pod are the sidebar's): ``cause`` and ``sub_cause``
-preselect the drill-down's cause, ``request_id`` opens a request's detail. Picking a cause or a row writes them
-back, so the URL reopens the same view.
+preselect the drill-down's cause, ``request_id`` with ``ts`` (its arrival, ``2026-12-06T10:21:40.000Z``: request
+ids can repeat across runs, a request is (request_id, ts); without ``ts`` the id's request with the most missed
+tokens) opens a request's detail. Picking a cause or a row writes them back, so the URL reopens the same view.
 """
 
 from __future__ import annotations
+
+from datetime import datetime
 
 import polars as pl
 import streamlit as st
@@ -75,20 +78,24 @@ def picked_cause(picked: str) -> tuple[str, str]:
     return cause, sub_cause
 
 
-def picked_request(event: object, rows: pl.DataFrame) -> str:
-    """The request whose detail to show: the table's selected row, else the URL's ``request_id`` (cleared when
-    the user unselects the row that set it); written to the URL."""
+def picked_request(event: object, rows: pl.DataFrame) -> tuple[str, datetime | None]:
+    """The request ``(request_id, ts)`` whose detail to show: the table's selected row, else the URL's
+    ``request_id`` and ``ts`` (cleared when the user unselects the row that set them); written to the URL. ``ts``
+    None: by the id alone (a link without ``ts``)."""
     selected = list(getattr(getattr(event, "selection", None), "rows", None) or [])
     was = st.session_state.get("_miss_selected", "")
+    ts: datetime | None = None
     if selected and selected[0] < rows.height:
-        rid = rows["request_id"][selected[0]]
+        rid, ts = rows["request_id"][selected[0]], rows["ts"][selected[0]]
     elif was:
         rid = ""  # the row that opened the detail was unselected: close it
     else:
         rid = st.query_params.get("request_id", "")
+        ts = findings.parse_ts_param(st.query_params.get("ts")) if rid else None
     st.session_state["_miss_selected"] = rid if selected else ""
     set_url("request_id", rid)
-    return rid
+    set_url("ts", findings.ts_param(ts) if rid and ts is not None else "")
+    return rid, ts
 
 
 def drill_down(f: data.Filters, causes: pl.DataFrame, price: float, currency: str) -> None:
@@ -110,9 +117,9 @@ def drill_down(f: data.Filters, causes: pl.DataFrame, price: float, currency: st
         shown = findings.with_cost_column(rows, price, currency)
         event = st.dataframe(charts.shown_strings(shown), hide_index=True, placeholder=charts.MISSING,
                              key="miss_requests", on_select="rerun", selection_mode="single-row")
-    request_id = picked_request(event, rows)
+    request_id, ts = picked_request(event, rows)
     if request_id:
-        request_detail.render(request_id, f)
+        request_detail.render(request_id, f, ts)
 
 
 def _total(values: pl.Series) -> float | None:
@@ -132,7 +139,8 @@ def render(f: data.Filters) -> None:
             icon=":material/hourglass_empty:",
         )
         if st.query_params.get("request_id"):  # a shared link to a request outside the range still opens it
-            request_detail.render(st.query_params["request_id"], f)
+            request_detail.render(st.query_params["request_id"], f,
+                                  findings.parse_ts_param(st.query_params.get("ts")))
         return
     everything = label(everything)
     price, currency = fix_first.gpu_hour_price()

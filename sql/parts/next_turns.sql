@@ -12,7 +12,9 @@
     --     in gateway_requests (one that ran longer than a day counts as not found);
     --   turn_log: the gateway log of the next turns and their previous turns: request_id, ts, prompt (prompt
     --     tokens), conversation, agent_run; one row per log line, not grouped (a GROUP BY over every turn cost
-    --     more than the rest of the query): join it with ANY LEFT JOIN, which keeps one row per request_id.
+    --     more than the rest of the query): join a next turn's own line with ANY LEFT JOIN on (request_id, ts),
+    --     its previous turn's with ASOF LEFT JOIN on request_id and ts <= turn_ts (the latest line of that id
+    --     at or before the next turn: ids can repeat across runs, and the attribution keeps no predecessor ts).
     cancelled AS
     (
         SELECT request_id, ts, version FROM request_attribution

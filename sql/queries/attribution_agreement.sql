@@ -22,9 +22,10 @@
 -- Definitions (docs/miss-causes.md, "Validating attribution"):
 -- * A request is (request_id, ts), as the store keys it; a label goes with the request of its request_id nearest
 --   its ts (ids can repeat across runs).
--- * Evaluated requests: labels in the window and filters (workload_labels, one per request_id) whose request the
---   gateway served (gateway_requests: status < 400, prompt_tokens > 0) and the attribution answered (a current
---   row in request_attribution). Others (failed, not logged, not attributed yet) are left out.
+-- * Evaluated requests: labels in the window and filters (workload_labels, one per (request_id, ts): two
+--   labelled runs reusing ids are two labelled requests) whose request the gateway served (gateway_requests:
+--   status < 400, prompt_tokens > 0) and the attribution answered (a current row in request_attribution).
+--   Others (failed, not logged, not attributed yet) are left out.
 -- * Dominant cause of a request: over its current answer's missed tokens (sign-weighted, so a replaced answer
 --   counts no more), summed per class, unavoidable left out, the class with the most tokens; a tie goes to
 --   the class first in (cause, sub_cause) alphabetical order. 'none' when nothing but unavoidable missed.
@@ -48,7 +49,8 @@ WITH
           AND ({tenant:String} = '' OR tenant_id = {tenant:String})
           AND ({run_id:String} = '' OR run_id = {run_id:String})
           AND ({scenario:String} = '' OR scenario = {scenario:String})
-        LIMIT 1 BY request_id
+        -- one label per labelled request (request_id, ts): two runs reusing ids keep a label each
+        LIMIT 1 BY request_id, ts
     ),
     (SELECT min(ts) - INTERVAL 1 HOUR FROM labels) AS lo,
     (SELECT max(ts) + INTERVAL 1 HOUR FROM labels) AS hi,
@@ -87,7 +89,7 @@ WITH
         INNER JOIN answers AS a ON a.request_id = l.request_id
         -- a reused request_id: the label goes with the answer of the request nearest its ts
         ORDER BY abs(toUnixTimestamp64Milli(a.ts) - toUnixTimestamp64Milli(l.ts))
-        LIMIT 1 BY l.request_id
+        LIMIT 1 BY l.request_id, l.ts
     ),
     cells AS
     (

@@ -22,6 +22,9 @@
 -- gap_ms runs from the previous turn's end (its ts + e2e_ms). Turns on another pod than their previous turn are
 -- left out (routed_away: no pod held the prefix for them). A turn counts as warm when its gap is at most the hold
 -- time: holding a prefix for hold_ms keeps it until its next turn if that comes within hold_ms.
+-- A previous turn's log line is the latest of its request_id at or before the next turn's ts (request ids can
+-- repeat across runs, and the attribution keeps the predecessor's id, not its ts): exact unless another request
+-- reusing the id arrived between the previous turn and its next turn.
 WITH
     -- include: next_turns
     -- include: kv_bytes_per_token
@@ -32,7 +35,9 @@ WITH
                if(p.request_id = '', NULL, toFloat64(intDiv(p.prompt, t.block))) AS blocks,
                bytes_per_token_on(t.pod_name) AS per_token
         FROM next_turns AS t
-        ANY LEFT JOIN turn_log AS p ON t.predecessor = p.request_id
+        -- the predecessor's log line: the latest of its request_id at or before this turn (ids can repeat
+        -- across runs; request_attribution keeps the predecessor's id, not its ts)
+        ASOF LEFT JOIN turn_log AS p ON t.predecessor = p.request_id AND t.turn_ts >= p.ts
         WHERE t.same_pod
     ),
     all_waits AS

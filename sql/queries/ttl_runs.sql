@@ -21,7 +21,9 @@
 -- Reads request_attribution's current answers, the run ids and previous turns' prompt tokens from gateway_requests
 -- (the part sql/parts/next_turns.sql, as ttl_survival, ttl_hold_time and turn_gaps), each pod's bytes per token
 -- (sql/parts/kv_bytes_per_token.sql, as ttl_hold_time) and the prefill cost per token
--- (sql/parts/prefill_cost.sql, as miss_causes).
+-- (sql/parts/prefill_cost.sql, as miss_causes). A previous turn's log line is the latest of its request_id at or
+-- before the next turn's ts (request ids can repeat across runs; the attribution keeps the predecessor's id, not
+-- its ts): exact unless another request reusing the id arrived between the previous turn and its next turn.
 WITH
     -- include: next_turns
     -- include: kv_bytes_per_token
@@ -36,7 +38,8 @@ WITH
                if(prev.request_id = '', NULL, toFloat64(prev.prompt)) * bytes_per_token_on(t.pod_name) AS retained
         FROM next_turns AS t
         ANY LEFT JOIN turn_log AS own ON t.request_id = own.request_id AND t.turn_ts = own.ts
-        ANY LEFT JOIN turn_log AS prev ON t.predecessor = prev.request_id
+        -- the previous turn's log line: the latest of its request_id at or before this turn (ids can repeat)
+        ASOF LEFT JOIN turn_log AS prev ON t.predecessor = prev.request_id AND t.turn_ts >= prev.ts
     )
 SELECT
     tenant_name AS tenant_id,
