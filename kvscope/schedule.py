@@ -70,7 +70,8 @@ class DigestSchedule:
 
     Periods are whole minutes and follow each other: each digest covers ``[end of the previous one, now cut to the
     minute)`` and is due ``every`` after that start (so its length is ``every`` when checks are on time, longer
-    after downtime: one digest then covers the whole stretch). The first digest, one interval after the first
+    after downtime: one digest then covers the whole stretch; a period holds at least one whole minute, so an
+    interval under a minute sends once a minute at most). The first digest, one interval after the first
     start, covers from the minute of that start; a state file of the previous format (``{"last_sent": ...}``
     only) continues from the minute of its last send, so downtime across the upgrade is not skipped. A failed
     send is logged and retried after :data:`RETRY_SECONDS` (or ``every``, when shorter) for the same period, also
