@@ -591,20 +591,63 @@ SPANS = ("toUnixTimestamp64Milli(min(ts)) AS first, toUnixTimestamp64Milli(max(t
 def fetch_first_events(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
     """Per pod (column pod) and bucket of ``lookback`` ms, its first and last kv_block_log row (``first``,
     ``last``, unix ms) from lo − lookback to until: whether the pod's KV events cover an arrival at t (a row in
-    [t − lookback, t]: :func:`seen_between`)."""
+    [t − lookback, t]: :func:`seen_between`). Read from kv_pod_minutes when the lookback is whole minutes
+    (:func:`_from_minutes`), else from the log (:func:`fetch_first_events_from_log`)."""
+    if _by_minutes(params):
+        return _from_minutes(store, params, "kv_pod_minutes", ["pod"])
+    return fetch_first_events_from_log(store, params)
+
+
+def fetch_first_events_from_log(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
+    """:func:`fetch_first_events` read from kv_block_log's rows in the window (any lookback; a scan of the log's
+    pod and ts columns over the lookback)."""
     return store.query_df(
         f"SELECT CAST(pod AS String) AS pod, {SPANS[0]} FROM kv_block_log "
         f"WHERE {_FROM} GROUP BY pod, {SPANS[1]}", dict(params))
 
 
 def fetch_model_pods(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
-    """(model, pod, first, last): the pods that served each model (gateway_requests) from lo − lookback to until,
-    per bucket of ``lookback`` ms the first and last request's time (unix ms): a block resident on a pod of
-    another model is no evidence (the same token ids hash alike across models), and a pod counts for a request
-    when it served the model within the request's lookback and by its end (:func:`seen_between`)."""
+    """Per model and pod (columns model, pod) and bucket of ``lookback`` ms, the first and last request
+    (``first``, ``last``, unix ms) the gateway logged for that model on that pod from lo − lookback to until: a
+    holder elsewhere counts only among the pods serving the request's model (a block hash says nothing about the
+    model: the same token ids hash alike across models), and a pod counts for a request when it served the model
+    within the request's lookback and by its end (:func:`seen_between`). Read from model_pod_minutes when the
+    lookback is whole minutes (:func:`_from_minutes`), else from gateway_requests
+    (:func:`fetch_model_pods_from_log`)."""
+    if _by_minutes(params):
+        return _from_minutes(store, params, "model_pod_minutes", ["model", "pod"])
+    return fetch_model_pods_from_log(store, params)
+
+
+def fetch_model_pods_from_log(store: Store, params: Mapping[str, object]) -> pl.DataFrame:
+    """:func:`fetch_model_pods` read from gateway_requests' rows in the window (any lookback; a scan of the
+    lookback's requests)."""
     return store.query_df(
         f"SELECT CAST(model AS String) AS model, CAST(pod AS String) AS pod, {SPANS[0]} FROM gateway_requests "
         f"WHERE {_FROM} GROUP BY model, pod, {SPANS[1]}", dict(params))
+
+
+def _by_minutes(params: Mapping[str, object]) -> bool:
+    lookback = int(params["lookback"])  # type: ignore[call-overload]
+    return lookback > 0 and lookback % 60_000 == 0
+
+
+def _from_minutes(store: Store, params: Mapping[str, object], table: str, names: list[str]) -> pl.DataFrame:
+    """The spans of :data:`SPANS` per ``names`` and bucket of ``lookback`` ms (a whole number of minutes) from
+    ``table``, a rollup of the first and last row per name and minute kept by a view as rows arrive
+    (sql/migrations/0050: kv_pod_minutes, model_pod_minutes): a few rows per name and minute instead of a scan of
+    the lookback. Each minute lies in one bucket, so a bucket's first and last are its minutes' least first and
+    greatest last. The minutes at the window's ends may bring rows just outside it (lo − lookback, until); for
+    [since, until'] inside the window (since ≥ lo − lookback, until' ≤ until, until' − since ≥ lookback: how the
+    job asks) :func:`seen_between` is exact over any rows whose buckets are no longer than the lookback, so it
+    answers as over the window's rows alone (tests/test_kv_pod_minutes.py)."""
+    cols = ", ".join(f"CAST({n} AS String) AS {n}" for n in names)
+    return store.query_df(
+        f"SELECT {cols}, toUnixTimestamp64Milli(min(first)) AS first, toUnixTimestamp64Milli(max(last)) AS last "
+        f"FROM {table} WHERE minute >= toStartOfMinute({{lo:DateTime64(3, 'UTC')}} "
+        "- toIntervalMillisecond({lookback:Int64})) AND minute <= {until:DateTime64(3, 'UTC')} "
+        f"GROUP BY {', '.join(names)}, intDiv(toInt64(toUnixTimestamp(minute)) * 1000, {{lookback:Int64}})",
+        dict(params))
 
 
 def seen_between(queries: pl.DataFrame, spans: pl.DataFrame, by: list[str], since: str, until: str) -> pl.Series:

@@ -499,8 +499,9 @@ class Store:
 RETENTION = (
     ("gateway_requests", "ts", False), ("request_keys", "ts", False), ("request_attribution", "ts", False),
     ("vllm_metrics", "ts", False), ("kv_block_events", "ts", False), ("kv_block_log", "ts", False),
-    ("kv_event_gaps", "detected_at", False),
-    ("dead_letters", "ts", False), ("alert_state", "evaluated_at", False), ("workload_labels", "ts", False),
+    ("kv_pod_minutes", "minute", False), ("model_pod_minutes", "minute", False),
+    ("kv_event_gaps", "detected_at", False), ("dead_letters", "ts", False), ("alert_state", "evaluated_at", False),
+    ("workload_labels", "ts", False),
     ("requests_1m", "minute", True), ("requests_1h", "minute", True), ("misses_1m", "minute", True),
     ("misses_1h", "minute", True), ("affinity_1m", "minute", True), ("affinity_1h", "minute", True),
     ("vllm_1m", "minute", True), ("vllm_1h", "minute", True), ("vllm_cache_config", "ts", True),
