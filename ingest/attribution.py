@@ -161,6 +161,14 @@ SAME_SYSTEM_KEYS = (KEY_AGENT_RUN_SYSTEM, KEY_CONVERSATION_SYSTEM)
 #: other key (its fingerprint covers the stable prefix, which is empty), and another request with the same
 #: instructions, or the same prompt, held them in some pod's cache.
 KEY_MESSAGE_HEAD = 19
+#: Predecessor key 20: the instruction head of the system prompt (tenant, model, cache_salt_hash, the hashes of its
+#: lines before the first blank line), for a system prompt with a blank line after a head of at least
+#: :data:`MIN_HEAD_TOKENS` tokens and more lines after it (sql/migrations/0049). A client that puts retrieved documents
+#: into the system prompt after a fixed instruction (LangChain's ``create_retrieval_chain``: "Use the following pieces
+#: of retrieved context ...\n\n{context}") changes every other key with its documents; the same instructions held
+#: by another request are found here. Tried only when no other variant key found a request
+#: (:func:`choose_predecessor`): the same normalized system prompt, tools or lines are closer relatives.
+KEY_SYSTEM_HEAD = 20
 #: The first chunk must hold this many tokens to be a key (a block at vLLM's default size): a shorter shared head
 #: ("Hi,") is no reusable prefix.
 MIN_HEAD_TOKENS = 16
@@ -432,7 +440,9 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     themselves; they replace the turn the id keys found when :func:`same_system_turn` holds
     (:data:`KEY_CONVERSATION_SYSTEM`);
     19. (tenant, model, cache_salt_hash, the final message's first chunk hash), only for an empty stable prefix and a
-    first chunk of at least :data:`MIN_HEAD_TOKENS` tokens: :data:`VARIANT` (:data:`KEY_MESSAGE_HEAD`).
+    first chunk of at least :data:`MIN_HEAD_TOKENS` tokens: :data:`VARIANT` (:data:`KEY_MESSAGE_HEAD`);
+    20. (tenant, model, cache_salt_hash, the system prompt's head lines: :func:`system_head`): :data:`VARIANT`,
+    taken only when no other variant key found a request (:data:`KEY_SYSTEM_HEAD`).
     """
     tenant, model = _str(req, "tenant_id"), _str(req, "model")
     out: list[tuple[int, tuple[str, ...]]] = []
@@ -475,7 +485,21 @@ def predecessor_keys(req: Request) -> list[tuple[int, tuple[str, ...]]]:
     chunks, chunk_tokens = _list(req, CHUNK_HASHES), _list(req, CHUNK_TOKENS)
     if one_message and chunks and chunk_tokens and int(chunk_tokens[0]) >= MIN_HEAD_TOKENS:
         out.append((KEY_MESSAGE_HEAD, (tenant, model, _str(req, "cache_salt_hash"), str(chunks[0]))))
+    head = system_head(req)
+    if head:
+        out.append((KEY_SYSTEM_HEAD, (tenant, model, _str(req, "cache_salt_hash"), *head)))
     return out
+
+
+def system_head(req: Request) -> tuple[str, ...]:
+    """The system prompt's instruction head as key 20 reads it (:data:`KEY_SYSTEM_HEAD`): the hashes of its lines
+    before the first blank line (a line of 0 tokens in system_line_tokens), when that line is not the first nor the
+    last and the head holds at least :data:`MIN_HEAD_TOKENS` tokens; () otherwise."""
+    lines, tokens = _list(req, LINE_HASHES), [int(x) for x in _list(req, LINE_TOKENS)]
+    blank = next((i for i, x in enumerate(tokens) if x == 0), -1)
+    if len(tokens) != len(lines) or blank < 1 or blank >= len(lines) - 1 or sum(tokens[:blank]) < MIN_HEAD_TOKENS:
+        return ()
+    return tuple(str(x) for x in lines[:blank])
 
 
 def match_key(key: tuple[int, tuple[str, ...]]) -> tuple[int, tuple[str, ...]]:
@@ -585,6 +609,8 @@ def choose_predecessor(candidates: Mapping[int, Request]) -> Predecessor | None:
     variants = [candidates[k] for k in VARIANT_KEYS if k in candidates]
     if variants:
         return Predecessor(max(variants, key=order_key), VARIANT)
+    if KEY_SYSTEM_HEAD in candidates:
+        return Predecessor(candidates[KEY_SYSTEM_HEAD], VARIANT)
     return None
 
 
@@ -792,13 +818,19 @@ def _predecessor_prompt_in_this_request(req: Request, pred: Predecessor) -> int:
 
 def _name_drift(req: Request, prev: Request, seg: Segment) -> str:
     """Sub-cause for a segment whose raw hash differs (docs/miss-causes.md: named by the variant hashes; a variant the
-    gateway left empty proves nothing, so it names the change, not a reordering). The system prompt is also
-    volatile when its structure says so (:func:`lines_volatile`), whatever the changed lines hold."""
+    gateway left empty proves nothing, so it names the change, not a reordering). A system prompt whose normalized
+    hash differs is next read for retrieved documents after an unchanged instruction head
+    (:func:`system_document_drift`: rag_reordered / rag_changed), then is volatile when its structure says so
+    (:func:`lines_volatile`), whatever the changed lines hold."""
     variant = _str(req, seg.variant_field) if seg.variant_field else ""
     if variant and variant == _str(prev, seg.variant_field):
         return seg.reordered
-    if seg.name == "system" and lines_volatile(req, prev):
-        return seg.reordered
+    if seg.name == "system":
+        documents, _, _ = system_document_drift(req, prev)
+        if documents:
+            return documents
+        if lines_volatile(req, prev):
+            return seg.reordered
     return seg.changed
 
 
@@ -851,6 +883,68 @@ def suffix_chunk_drift(req: Request, prev: Request) -> tuple[int, str, int]:
         return shared, "", shared
     sub = RAG_REORDERED if set(h[k:j + 1]) == set(p[k:len(p) - 1]) else RAG_CHANGED
     return shared, sub, sum(t[:j + 1])
+
+
+def system_document_drift(req: Request, prev: Request) -> tuple[str, int, bool]:
+    """(sub, E, new_after) for retrieved documents inside the system prompt (LangChain's "stuff documents" prompt: a
+    fixed instruction head, a blank line, then the documents, one paragraph each), from the system lines a (this
+    request's hashes, tokens t) and b (the predecessor's), E in raw system tokens. A blank line is one of 0 tokens.
+
+    - k = the first line that differs, position by position (as :func:`first_changed_line_tokens`); the rule needs
+      k ≥ 1 with line k − 1 blank: the change starts a paragraph after an unchanged head (a changed first paragraph
+      is the instructions, ``system_changed`` or volatile as before);
+    - every line of the paragraph that starts at k (up to the next blank line) differs position by position: a
+      whole paragraph was replaced or moved (a volatile line inside a paragraph, its other lines in place, is no
+      document: :func:`lines_volatile` reads it);
+    - a non-blank line at or after k is *known* when the predecessor's system prompt had it anywhere (b as a set);
+      j = the last known one; none: no documents (sub "");
+    - guard, as :func:`suffix_chunk_drift`: the known lines of a[k..j] hold at least half of its tokens and one of
+      them at least :data:`MIN_HEAD_TOKENS`; and the new (unknown, non-blank) lines among them hold none or at least
+      MIN_HEAD_TOKENS (a document, not a short id or date line of its own);
+    - sub = rag_reordered when the non-blank lines of a[k..j] and of b[k:] are the same set, else rag_changed;
+      E = Σ t[:j + 1]; new_after: a non-blank line after j that the predecessor did not have (new content, where
+      the drift ends).
+    """
+    a, b = [str(x) for x in _list(req, LINE_HASHES)], [str(x) for x in _list(prev, LINE_HASHES)]
+    t = [int(x) for x in _list(req, LINE_TOKENS)]
+    if not a or not b or len(t) != len(a):
+        return "", 0, False
+    k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if k < 1 or k >= len(a) or t[k - 1] != 0:
+        return "", 0, False
+    end = next((i for i in range(k, len(a)) if t[i] == 0), len(a))
+    if any(i < len(b) and a[i] == b[i] for i in range(k, end)):
+        return "", 0, False
+    had = set(b)
+    known = [i for i in range(k, len(a)) if t[i] > 0 and a[i] in had]
+    if not known:
+        return "", 0, False
+    j = known[-1]
+    known_tokens = [t[i] for i in known if i <= j]
+    new_tokens = sum(t[i] for i in range(k, j + 1) if a[i] not in had)
+    if (2 * sum(known_tokens) < sum(t[k:j + 1]) or max(known_tokens) < MIN_HEAD_TOKENS
+            or 0 < new_tokens < MIN_HEAD_TOKENS):
+        return "", 0, False
+    blank = {a[i] for i in range(len(a)) if t[i] == 0}
+    same = {a[i] for i in range(k, j + 1) if t[i] > 0} == set(b[k:]) - blank
+    new_after = any(t[i] > 0 and a[i] not in had for i in range(j + 1, len(a)))
+    return RAG_REORDERED if same else RAG_CHANGED, sum(t[:j + 1]), new_after
+
+
+def head_only(req: Request, pred: Predecessor) -> bool:
+    """Whether ``pred`` shares nothing nameable with ``req`` but the system prompt's instruction head: a
+    :data:`VARIANT` with the same :func:`system_head` (non-empty), whose normalized system prompt differs, whose
+    lines do not confirm it (:func:`lines_match`), and whose canonical tools and retrieval set are not ``req``'s: it
+    was found on key 20 (:data:`KEY_SYSTEM_HEAD`) alone. What follows the head is then new content, unless it holds
+    documents the predecessor had (:func:`system_document_drift`): another request's documents are not a changed
+    system prompt (the same head with other documents had no predecessor before key 20 and read cold)."""
+    prev = pred.request
+    if pred.kind != VARIANT or not system_head(req) or system_head(req) != system_head(prev):
+        return False
+    if _str(req, "system_norm_hash") == _str(prev, "system_norm_hash") or lines_match(req, prev):
+        return False
+    return not any(_str(req, f) and _str(req, f) == _str(prev, f) for f in ("tools_canonical_hash",
+                                                                              "retrieval_set_hash"))
 
 
 def _reusable_without_drift(req: Request, pred: Predecessor, offsets: tuple[int, ...], first: int) -> int:
@@ -992,7 +1086,13 @@ def _shared_prefix(req: Request, pred: Predecessor) -> SharedPrefix | None:
                 s = min(cap, offsets[i])
                 return SharedPrefix(s, reusable_without_drift_tokens=s)
         d = min(cap, offsets[i] if i else _scaled(req, first_changed_line_tokens(req, prev)))
+        if i == 0 and head_only(req, pred) and not system_document_drift(req, prev)[0]:
+            return SharedPrefix(d, reusable_without_drift_tokens=d)  # the head shared, the rest new content
         w = _reusable_without_drift(req, pred, offsets, i)
+        if i == 0:
+            documents, end, new_after = system_document_drift(req, prev)
+            if documents and new_after and _str(req, "system_norm_hash") != _str(prev, "system_norm_hash"):
+                w = _scaled(req, end)  # documents the predecessor did not have follow: new content from there
         if i < HISTORY and not _str(prev, seg.hash_field):  # an added segment: W ≤ the predecessor's prompt
             w = min(cap, w)
         w = max(d, w)

@@ -221,7 +221,17 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
 
     drifted = (first < HISTORY) | (hist & ~continues & ~rewound & prev_turn)
     line_at, line_volatile = _on_rows(df, has_pred & (first == 0), structure.system_lines, (0, False))
-    var_eq[0] = var_eq[0] | line_volatile  # the system prompt's structure names a volatile change too
+    # retrieved documents in the system prompt after an unchanged head (structure.system_documents), read only where
+    # the normalized system prompt differs: named rag_reordered / rag_changed before the line rule's volatile
+    documents, documents_end, new_after, same_head = _on_rows(df, has_pred & (first == 0) & ~var_eq[0],
+                                                              structure.system_documents, ("", 0, False, False))
+    # found on the system prompt's head alone (ingest.attribution.head_only): without documents it had, the rest is
+    # new content, no drift
+    head_only = has_pred & (first == 0) & ~prev_turn & ~var_eq[0] & same_head & (documents == 0) & ~var_eq[1] \
+        & ~var_eq[2]
+    if head_only.any():
+        head_only &= ~_on_rows(df, head_only, lambda f: (structure.lines_match(f),), (False,))[0]
+    var_eq[0] = var_eq[0] | (line_volatile & (documents == 0))  # the structure names a volatile change too
     d = np.minimum(cap, np.where(first == 0, _scaled(df, prompt, line_at),
                                  off[np.arange(n), np.minimum(first, HISTORY)]))
     # where the predecessor's final message started in this request (its own offsets, shifted like
@@ -241,6 +251,14 @@ def _shared(df: pl.DataFrame, prompt: np.ndarray, off: np.ndarray, has_pred: np.
                                 rewound, np.minimum(prompt, rewind_end))
     drift[edited & hist] = _code(HISTORY_CHANGED)
     w = np.where(edited & hist, np.minimum(cap, off[:, HISTORY + 1]), w)
+    s_out = np.where(head_only, d, s_out)
+    w_out = np.where(head_only, d, w_out)
+    drifted = drifted & ~head_only
+    drift = np.where(head_only, 0, drift)
+    in_documents = drifted & (first == 0) & (documents != 0)
+    drift = np.where(in_documents, documents, drift)
+    # documents the predecessor did not have follow the drift: new content from there
+    w = np.where(in_documents & new_after, _scaled(df, prompt, documents_end), w)
     s_out = np.where(drifted, d, s_out)
     # a segment the predecessor did not have (added before content it had) is new content: what the change
     # displaced is at most the predecessor's prompt, so W stops there (the rest of the added segment: unavoidable)

@@ -118,6 +118,9 @@ _KIND_NAMES = {**dict.fromkeys(attribution.TURN_KEYS, attribution.PREVIOUS_TURN)
 #: the turn keys, then the fingerprint, then any variant.
 _RANKS = {kind: rank for rank, kind in enumerate((*attribution.TURN_KEYS, KEY_FINGERPRINT), start=1)}
 _VARIANT_RANK = len(_RANKS) + 1
+#: :data:`_RANKS` with the variants' ranks: the system prompt's head (key 20) after every other variant
+#: (ingest.attribution.choose_predecessor).
+_ALL_RANKS = {**_RANKS, attribution.KEY_SYSTEM_HEAD: _VARIANT_RANK + 1}
 
 ATTRIBUTED = Counter("kvscope_attribution_requests", "Requests the attribution job wrote an answer for, by why "
                      "(new = first answer, changed = a late or corrected input changed it, "
@@ -629,7 +632,7 @@ def _choose(found: pl.DataFrame, beyond_horizon: bool, ts_type: pl.DataType, by:
         return pl.DataFrame(schema={**{c: schema[c] for c in by}, "predecessor_kind": pl.String,
                                     "beyond_horizon": pl.Boolean, "p_ts": ts_type,
                                     "p_order_key": pl.UInt64, f"p_{ID_HASH}": pl.UInt64})
-    rank = pl.col("kind").replace_strict(_RANKS, default=_VARIANT_RANK, return_dtype=pl.Int64)
+    rank = pl.col("kind").replace_strict(_ALL_RANKS, default=_VARIANT_RANK, return_dtype=pl.Int64)
     best = (found.with_columns(rank.alias("_rank"))
             .sort([*by, "_rank", "p_order_key", f"p_{ID_HASH}"], descending=[*(False for _ in by), False, True, True])
             .unique(by, keep="first"))

@@ -135,3 +135,57 @@ def lines_match(df: pl.DataFrame) -> np.ndarray:
     _, _, la, lb, (_, ndiff) = _compare(df, LINE_HASHES, LINE_TOKENS)
     allowed = np.maximum(1, np.floor(la * VOLATILE_LINE_SHARE).astype(np.int64))
     return (la == lb) & (la >= MIN_STRUCTURE_LINES) & (ndiff <= allowed)
+
+
+def system_documents(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(drift sub-cause or "", raw end of the drift in system tokens, new lines after it, the same instruction head)
+    per row: the column-wise :func:`ingest.attribution.system_document_drift` (retrieved documents in the system
+    prompt after an unchanged instruction head; a blank line is a line of 0 tokens) and the equality of the two
+    prompts' :func:`ingest.attribution.system_head` (the lines before the first blank line, neither the first nor
+    the last line on either side, of at least MIN_HEAD_TOKENS tokens, all before the first differing line)."""
+    n = len(df)
+    joined, pred, la, lb, (k, _) = _compare(df, LINE_HASHES, LINE_TOKENS)
+    rows = joined["row"].to_numpy()
+    first_blank = _per_row(n, joined.filter(pl.col("t") == 0).group_by("row").agg(pl.col("pos").min()), "pos", -1)
+    head_tokens = _sum_where(n, joined.with_columns(pl.Series("fb", first_blank)[rows].alias("fb")),
+                             pl.col("pos") < pl.col("fb"))
+    same_head = ((first_blank >= 1) & (first_blank < k) & (first_blank < la - 1) & (first_blank < lb - 1)
+                 & (head_tokens >= MIN_HEAD_TOKENS))
+    head_blank = _per_row(n, joined.filter(pl.col("pos") == pl.col("first") - 1).with_columns(
+        (pl.col("t") == 0).cast(pl.Int64).alias("blank")), "blank", 0) == 1
+    para_end = _per_row(n, joined.filter((pl.col("pos") >= pl.col("first")) & (pl.col("t") == 0))
+                        .group_by("row").agg(pl.col("pos").min()), "pos", -1)
+    para_end = np.where(para_end < 0, la, para_end)
+    joined = joined.with_columns(pl.Series("para_end", para_end)[rows].alias("para_end"))
+    kept = _per_row(n, joined.filter((pl.col("pos") >= pl.col("first")) & (pl.col("pos") < pl.col("para_end"))
+                                     & ~pl.col("neq")).group_by("row").len(), "len", 0)
+    had = pred.select("row", "h").unique().with_columns(pl.lit(True).alias("known"))
+    joined = joined.join(had, on=["row", "h"], how="left").with_columns(
+        (pl.col("known").fill_null(False) & (pl.col("t") > 0)).alias("known"))
+    j = _per_row(n, joined.filter(pl.col("known") & (pl.col("pos") >= pl.col("first")))
+                 .group_by("row").agg(pl.col("pos").max()), "pos", -1)
+    joined = joined.with_columns(pl.Series("j", j)[rows].alias("j"))
+    window = (pl.col("pos") >= pl.col("first")) & (pl.col("pos") <= pl.col("j"))
+    known = joined.filter(window & pl.col("known")).group_by("row").agg(pl.col("t").sum(),
+                                                                       pl.col("t").max().alias("largest"))
+    known_tokens, largest_known = _per_row(n, known, "t", 0), _per_row(n, known, "largest", 0)
+    window_tokens = _sum_where(n, joined, window)
+    new_tokens = window_tokens - known_tokens  # blank lines hold 0 tokens
+    end = _sum_where(n, joined, pl.col("pos") <= pl.col("j"))
+    new_after = _per_row(n, joined.filter((pl.col("pos") > pl.col("j")) & (pl.col("t") > 0) & ~pl.col("known"))
+                         .group_by("row").len(), "len", 0) > 0
+    # the non-blank lines of a[k..j] against the predecessor's lines from k on (this request's blank lines left out)
+    blank = joined.filter(pl.col("t") == 0).select("row", "h").unique()
+    p_rows = pred["row"].to_numpy()
+    theirs = (pred.filter(pl.col("pos") >= pl.Series(k)[p_rows]).select("row", "h").unique()
+              .join(blank, on=["row", "h"], how="anti"))
+    ours = joined.filter(window & (pl.col("t") > 0)).select("row", "h").unique()
+    common = ours.join(theirs, on=["row", "h"], how="semi")
+    count = {name: _per_row(n, frame.group_by("row").len(), "len", 0)
+             for name, frame in (("ours", ours), ("theirs", theirs), ("common", common))}
+    same_set = (count["ours"] == count["theirs"]) & (count["common"] == count["ours"])
+    drift = ((la > 0) & (lb > 0) & (k >= 1) & (k < la) & head_blank & (kept == 0) & (j >= 0)
+             & (2 * known_tokens >= window_tokens) & (largest_known >= MIN_HEAD_TOKENS)
+             & ((new_tokens == 0) | (new_tokens >= MIN_HEAD_TOKENS)))
+    sub = np.where(drift, np.where(same_set, RAG_REORDERED, RAG_CHANGED), "").astype(object)
+    return sub, np.where(drift, end, 0), drift & new_after, same_head
