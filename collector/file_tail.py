@@ -89,6 +89,15 @@ def fingerprint(head: bytes) -> str | None:
     return hashlib.sha256(body).hexdigest()[:32]
 
 
+def next_key(prev: str | None, prev_fp: str | None) -> str:
+    """The :attr:`Position.key` of the file of the log that follows (rotation, truncation) the file keyed ``prev``
+    (None: the first file of the chain, known by its fingerprint ``prev_fp``, None while it has no complete first
+    line): 32 hex chars of SHA-256 of the predecessor's identity. Deterministic, so a follower restarted from a
+    checkpoint that reads the same files in the same order gives each the key it had before."""
+    base = prev if prev is not None else f"fp:{prev_fp}"
+    return hashlib.sha256(f"{base}/next".encode()).hexdigest()[:32]
+
+
 def head_digest(head: bytes) -> str:
     """Digest of a file's head (``head``: its first bytes, from offset 0, at most :data:`HEAD_BYTES`): 32 hex
     chars of SHA-256. The head of a :class:`Position`."""
@@ -104,8 +113,13 @@ class Position:
     first line. ``head`` is None in a checkpoint written before heads were kept (then ``head_len`` is 0).
     ``file`` is informational (the name it was read under). ``at`` is the wall-clock time (ns since the epoch) the
     position was taken, at or before its acknowledgement: a file of the log modified after it holds lines
-    written after it (None: unknown, a checkpoint of an earlier version). :data:`START` means "the start of
-    whatever file the path names"."""
+    written after it (None: unknown, a checkpoint of an earlier version). ``key`` names the file among the files of
+    the log for its lines' ids (dead letters): None for the file a follower started in without a checkpoint (and
+    for an earlier version's checkpoint), which is then named by its fingerprint; each file after it (a rotation,
+    a truncation: the next generation) gets :func:`next_key` of its predecessor's, a copy keeps its original's.
+    Files that start with the same bytes (a banner, a blank line) and have the same inode (copytruncate) still
+    get distinct keys, and a line read again after a restart (from the checkpointed file, renamed or copied, or a
+    file after it) gets the key it had. :data:`START` means "the start of whatever file the path names"."""
 
     fingerprint: str | None
     offset: int
@@ -115,10 +129,12 @@ class Position:
     head: str | None = None
     head_len: int = 0
     at: int | None = field(default=None, compare=False)
+    key: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "offset": self.offset, "dev": self.dev, "ino": self.ino,
-                "file": self.file, "head": self.head, "head_len": self.head_len, "at": self.at}
+                "file": self.file, "head": self.head, "head_len": self.head_len, "at": self.at,
+                "key": self.key}
 
     @classmethod
     def from_json(cls, value: Any) -> Position | None:
@@ -131,9 +147,11 @@ class Position:
             fp = value["fingerprint"]
             head = value.get("head")
             at = value.get("at")
+            key = value.get("key")
             pos = cls(fp if fp is None else str(fp), int(value["offset"]), int(value.get("dev", 0)),
                       int(value.get("ino", 0)), str(value.get("file", "")), None if head is None else str(head),
-                      int(value.get("head_len", 0)) if head is not None else 0, None if at is None else int(at))
+                      int(value.get("head_len", 0)) if head is not None else 0, None if at is None else int(at),
+                      None if key is None else str(key))
         except (TypeError, KeyError, ValueError, AttributeError):
             log.warning("log checkpoint is not a position; reading the file from the start. value=%.200r", value)
             return None
@@ -142,7 +160,7 @@ class Position:
         if pos.head is not None and pos.head_len != min(pos.offset, HEAD_BYTES):
             log.warning("log checkpoint's head does not fit its offset; finding the file by its first line and "
                         "inode only. value=%.200r", value)
-            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file, at=pos.at)
+            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file, at=pos.at, key=pos.key)
         return pos
 
 
@@ -197,6 +215,11 @@ class _File:
         self.seen = st.st_size
         self.idle_since = time.monotonic()
         self.detached = False
+        self.key: str | None = None  # Position.key: None = the first file of the chain, named by its fingerprint
+
+    def succeed(self, prev: _File) -> None:
+        """Key this file as the one after ``prev`` in the log (:func:`next_key`)."""
+        self.key = next_key(prev.key, prev.fp or (prev.current_fp() if prev.key is None else None))
 
     def size(self) -> int:
         return os.fstat(self.fh.fileno()).st_size
@@ -208,8 +231,8 @@ class _File:
         return fingerprint(self.pread(FINGERPRINT_BYTES, 0))
 
     def resume_at(self, pos: Position) -> None:
-        """Stand at ``pos`` (which this file holds): its offset and fingerprint, and the head read back."""
-        self.offset, self.fp = pos.offset, pos.fingerprint
+        """Stand at ``pos`` (which this file holds): its offset, fingerprint and key, and the head read back."""
+        self.offset, self.fp, self.key = pos.offset, pos.fingerprint, pos.key
         self.head = self.pread(min(pos.offset, HEAD_BYTES), 0)
 
     def advance(self, raw: bytes, consumed: int) -> None:
@@ -237,7 +260,7 @@ class _File:
         if self.fp is None and self.offset == 0:
             self.fp = self.current_fp()
         return Position(self.fp, self.offset, *self.ident, file=self.name, head=head_digest(self.head),
-                        head_len=len(self.head), at=time.time_ns())
+                        head_len=len(self.head), at=time.time_ns(), key=self.key)
 
     def close(self) -> None:
         self.fh.close()
@@ -261,6 +284,8 @@ class FileFollower:
         self.rotate_wait = rotate_wait_seconds
         self._files: list[_File] = []  # read in order; only the last may be live (named by the path)
         self._issued = start or START
+        #: (key, fingerprint) of the file a file appearing with none queued follows (None: it is the first)
+        self._gone: tuple[str | None, str | None] | None = None
         self._resume(start)
 
     # -- public ---------------------------------------------------------------------------------------
@@ -299,6 +324,7 @@ class FileFollower:
         if pos is None or pos == START:
             self._files = [cur] if cur else []
             return
+        self._gone = (pos.key, pos.fingerprint)  # a file appearing later follows the checkpointed one
         ident = (pos.dev, pos.ino)
         cur_holds = cur is not None and self._holds(cur, pos)
         if cur is not None and cur_holds and cur.ident == ident:
@@ -312,6 +338,9 @@ class FileFollower:
                 log.warning("log was copied (copytruncate) while the collector was down and nothing of it had "
                             "been read; reading the files written since the checkpoint first. path=%s then=%s",
                             self.label, [f.name for f in newer])
+            if newer:  # the checkpointed generation is the oldest copy: the files after it follow it
+                newer[0].key = pos.key
+                self._chain([*newer, cur])
             self._files = [*newer, cur]
             return
         old = self._find_sibling(pos, exclude={cur.ident} if cur else set())
@@ -343,7 +372,16 @@ class FileFollower:
             log.error("checkpointed log file not found; lines after its checkpoint may be lost, reading the "
                       "current file from the start. path=%s fingerprint=%s offset=%d inode=%d last_name=%s",
                       self.label, pos.fingerprint, pos.offset, pos.ino, pos.file)
+        if old is None and cur is not None:
+            cur.key = next_key(pos.key, pos.fingerprint)  # a file after the checkpointed one
         self._files = [f for f in (old, *newer, cur) if f is not None]
+        self._chain(self._files)
+
+    @staticmethod
+    def _chain(files: list[_File]) -> None:
+        """Key each of ``files`` (in the log's order) after the one before it (:meth:`_File.succeed`)."""
+        for prev, f in zip(files, files[1:], strict=False):
+            f.succeed(prev)
 
     @staticmethod
     def _holds(f: _File, pos: Position) -> bool:
@@ -464,6 +502,10 @@ class FileFollower:
             return
         if live is not None:
             self._detach(live)
+        if self._files:
+            new.succeed(self._files[-1])
+        elif self._gone is not None:  # every file read so far is drained and dropped (or the checkpointed one)
+            new.key = next_key(*self._gone)
         self._files.append(new)
 
     def _detach(self, f: _File) -> None:
@@ -499,7 +541,7 @@ class FileFollower:
         copy = self._find_sibling(held, exclude={g.ident for g in self._files}) if f.fp else None
         if copy is not None:
             kind, lost = "copytruncate", max(0, f.seen - max(copy.size(), f.offset))
-            copy.offset, copy.fp, copy.head, copy.detached = f.offset, f.fp, f.head, True
+            copy.offset, copy.fp, copy.head, copy.detached, copy.key = f.offset, f.fp, f.head, True, f.key
             self._files.insert(self._files.index(f), copy)
         else:
             kind, lost = "truncate", max(0, f.seen - f.offset)
@@ -509,6 +551,7 @@ class FileFollower:
         (log.warning if lost else log.info)(
             "log file truncated; reading the rest from the copy if any, then the file from the start. path=%s "
             "kind=%s offset=%d copy=%s lost_bytes=%d", self.label, kind, f.offset, copy.name if copy else None, lost)
+        f.key = next_key(f.key, f.fp)  # the file's next generation
         f.offset, f.fp, f.head, f.seen = 0, None, b"", size_now
 
     # -- reading --------------------------------------------------------------------------------------
@@ -565,7 +608,10 @@ class FileFollower:
         """Drop a detached file once it is drained and has been idle for ``rotate_wait_seconds``."""
         if not f.detached or f.offset < f.seen or time.monotonic() - f.idle_since < self.rotate_wait:
             return None
-        self._files.pop(0).close()
+        gone = self._files.pop(0)
+        if not self._files:  # the next file to appear follows it
+            self._gone = (gone.key, gone.fp or (gone.current_fp() if gone.key is None else None))
+        gone.close()
         return self._moved()
 
     def _moved(self) -> Chunk | None:

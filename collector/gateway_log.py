@@ -82,8 +82,13 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]],
 
 def file_key(path: str | Path, pos: Position, name: str) -> str:
     """What names one file of the log at ``path`` in its dead letters' ids, whatever it is called now: the log's
-    path and the file's fingerprint (its first line, :func:`collector.file_tail.fingerprint`), which a rename
-    or a copy (rotation) keeps; ``name``, the name it was read under, only while it has no fingerprint."""
+    path and the file's key (:attr:`collector.file_tail.Position.key`: its place among the log's files since the
+    first one the follower read, which a rename, a copy and a restart from the checkpoint keep, and which differs
+    between files that start with the same line or share an inode, e.g. a banner under copytruncate); for that
+    first file (``key`` None) its fingerprint (its first line, :func:`collector.file_tail.fingerprint`), as
+    earlier versions did; ``name``, the name it was read under, only while it has neither."""
+    if pos.key:
+        return f"{path}#{pos.key}"
     return f"{path}#{pos.fingerprint}" if pos.fingerprint else name
 
 
