@@ -25,15 +25,24 @@ Handled, without losing a line:
   is still the current one (its inode): nothing read can find a copy of it, so its time does (``at``, when the
   position was taken): the rotated siblings modified since (a copytruncate while down; renames keep times) are
   read whole, oldest first, before the current file;
-- a copytruncate while a rotated file is still being drained: the copy is never a file already being read.
+- a copytruncate while a rotated file is still being drained: the copy is never a file already being read;
+- compressed rotated files (logrotate's ``compress``, ``delaycompress`` with two or more rotations while down):
+  ``.gz``, ``.bz2`` and ``.xz`` siblings are read decompressed (into an anonymous temporary file) wherever an
+  uncompressed one would be: found as the checkpointed file by their decompressed first bytes, or read whole as
+  files written since (dated by their modification time, which logrotate copies from the original). One in a
+  format not read here (zstd, lz4, zip) that may hold unread lines, or one cut short (its complete lines before the
+  cut are read), is counted in ``kvscope_collector_log_files_unread_total`` and named in a warning.
+
+Each file gets a :attr:`Position.key` (:func:`next_key`) naming it among the log's files for its lines' ids.
 
 A checkpoint written before heads were kept (no ``head`` key) is found by fingerprint and inode as before: a
 file with its inode is preferred to one that only shares its first line. The current file taken by its first
 line alone, without the checkpoint's inode (an earlier version's checkpoint, or one that had read no more than
 the first line), is counted as a resume miss and logged as a warning: it may be another file.
 
-Not handled: a file created and rotated away again between two reads of a running follower is not seen;
-compressed rotated files are not read; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
+Not handled: a file created and rotated away again between two reads of a running follower is not seen (nor
+counted in the file keys); a compressed file stamped with the time it was compressed, not the original's, is read
+again as a file written since the checkpoint; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
 only by inode; a file copied and then truncated *and rewritten with the same first bytes* while the collector
 was down, when the checkpoint covered only those bytes, is taken for the checkpointed file (its inode): the
 copy's lines after them are not read. A checkpoint that read nothing finds a copy only by time: a copy taken
@@ -43,11 +52,17 @@ rotated file after it was drained and dropped makes that file newer, and it is r
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
+import io
 import logging
+import lzma
 import os
 import stat
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +75,15 @@ log = logging.getLogger("kvscope.collector")
 FINGERPRINT_BYTES = 4096
 #: A position's head covers the bytes read of its file, or this many of them (from offset 0) when more were read.
 HEAD_BYTES = 4096
-#: Rotated files with these suffixes are compressed (logrotate's ``compress``) and never read.
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+#: Rotated files with these suffixes are compressed (logrotate's ``compress``) and read decompressed: at a restart,
+#: the checkpointed file and the files after it may have been compressed while the collector was down.
+_DECOMPRESS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+#: Rotated files with these suffixes are compressed in a format this collector does not read: one that may hold
+#: unread lines (modified since) is counted (``kvscope_collector_log_files_unread_total``) and named in a warning.
+_UNREADABLE = (".zst", ".lz4", ".zip", ".Z", ".lzo")
+_COMPRESSED = (*_DECOMPRESS, *_UNREADABLE)
+#: What fails when a compressed file is cut short or is not in its suffix's format.
+_DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError, ValueError)
 _SCAN = 1 << 20
 #: File modification times come from the kernel's coarse clock, up to a tick (4-10 ms) behind ``time.time_ns``.
 _CLOCK_SLACK_NS = 20_000_000
@@ -71,6 +93,8 @@ ROTATIONS = Counter("kvscope_collector_log_rotations_total", "Rotations of a fol
                     "(rename, copytruncate, truncate, deleted, resumed_rotated)", ["path", "kind"])
 BYTES_LOST = Counter("kvscope_collector_log_bytes_lost_total", "Bytes known to be skipped unread, by reason",
                      ["path", "reason"])
+FILES_UNREAD = Counter("kvscope_collector_log_files_unread_total", "Rotated files of the log that may hold unread "
+                       "lines but could not be read, by reason (unsupported_compression, corrupt)", ["path", "reason"])
 RESUME_MISSES = Counter("kvscope_collector_log_resume_misses_total", "Restarts whose checkpointed file was "
                         "found nowhere, or by its first line alone (its unread tail may be lost)", ["path"])
 
@@ -196,6 +220,25 @@ class Chunk:
     end: Position
 
 
+def inflate(path: Path, opener: Callable[..., Any], out: Any, limit: int | None = None) -> Exception | None:
+    """Decompress the file ``path`` (``opener``: gzip.open, bz2.open or lzma.open) into the binary file ``out``, up
+    to ``limit`` bytes (None: all). Returns None, or the error that stopped it (a file cut short, another format:
+    OSError, EOFError, lzma.LZMAError, ValueError) after writing every byte that decompressed before it."""
+    try:
+        with opener(path, "rb") as src:
+            left = limit
+            while left is None or left > 0:
+                block = src.read1(1 << 16 if left is None else min(1 << 16, left))
+                if not block:
+                    return None
+                out.write(block)
+                if left is not None:
+                    left -= len(block)
+    except _DECOMPRESS_ERRORS as exc:
+        return exc
+    return None
+
+
 class _File:
     """One open file: read position ``offset``, ``fp`` once known, ``head`` = the bytes read from offset 0 (at
     most :data:`HEAD_BYTES`), ``seen`` = largest size observed, ``detached`` once the path no longer names it
@@ -216,6 +259,35 @@ class _File:
         self.idle_since = time.monotonic()
         self.detached = False
         self.key: str | None = None  # Position.key: None = the first file of the chain, named by its fingerprint
+        self.mtime_ns = st.st_mtime_ns  # of the file as found (a compressed one: the compressed file's)
+        self.compressed = False
+        self.error: str | None = None  # a compressed file that did not decompress to its end: why
+
+    @classmethod
+    def decompressed(cls, path: Path, opener: Callable[..., Any]) -> _File:
+        """The compressed file ``path`` (``opener``: gzip.open, bz2.open, lzma.open), decompressed into an anonymous
+        temporary file: named ``path``, with ``path``'s identity and modification time (logrotate gives a file it
+        compresses the original's times). Raises OSError, EOFError, lzma.LZMAError or ValueError when it does not
+        decompress (cut short, another format)."""
+        st = os.stat(path)
+        tmp = tempfile.TemporaryFile()
+        try:
+            error = inflate(path, opener, tmp)
+            tmp.flush()
+            if error is not None:  # cut short: keep its complete lines, drop the partial last one
+                size = tmp.seek(0, os.SEEK_END)
+                tail = os.pread(tmp.fileno(), min(size, _SCAN), max(0, size - _SCAN))
+                nl = tail.rfind(b"\n")
+                os.ftruncate(tmp.fileno(), 0 if nl < 0 else size - len(tail) + nl + 1)
+        except BaseException:
+            tmp.close()
+            raise
+        f = cls.__new__(cls)
+        f.fh, f.name, f.ident = tmp, str(path), (st.st_dev, st.st_ino)
+        f.offset, f.fp, f.head, f.seen = 0, None, b"", f.size()
+        f.idle_since, f.detached, f.key, f.mtime_ns, f.compressed = 0.0, True, None, st.st_mtime_ns, True
+        f.error = None if error is None else f"{type(error).__name__}: {error}"
+        return f
 
     def succeed(self, prev: _File) -> None:
         """Key this file as the one after ``prev`` in the log (:func:`next_key`)."""
@@ -369,11 +441,16 @@ class FileFollower:
                      "rotated=%s offset=%d then=%s", self.label, old.name, pos.offset, [f.name for f in newer])
         else:
             RESUME_MISSES.labels(self.label).inc()
-            log.error("checkpointed log file not found; lines after its checkpoint may be lost, reading the "
-                      "current file from the start. path=%s fingerprint=%s offset=%d inode=%d last_name=%s",
-                      self.label, pos.fingerprint, pos.offset, pos.ino, pos.file)
-        if old is None and cur is not None:
-            cur.key = next_key(pos.key, pos.fingerprint)  # a file after the checkpointed one
+            # the rotated files written since the checkpoint (a file that cannot be read among them is counted)
+            newer = (self._written_since(pos.at - _CLOCK_SLACK_NS, {cur.ident if cur else None})
+                     if pos.at is not None else [])
+            log.error("checkpointed log file not found; lines after its checkpoint may be lost, reading the rotated "
+                      "files written since the checkpoint, then the current file from the start. path=%s "
+                      "fingerprint=%s offset=%d inode=%d last_name=%s then=%s", self.label, pos.fingerprint,
+                      pos.offset, pos.ino, pos.file, [f.name for f in newer])
+            first = newer[0] if newer else cur
+            if first is not None:
+                first.key = next_key(pos.key, pos.fingerprint)  # a file after the checkpointed one
         self._files = [f for f in (old, *newer, cur) if f is not None]
         self._chain(self._files)
 
@@ -405,14 +482,14 @@ class FileFollower:
         found: list[_File] = []
         for entry in self._siblings():
             try:
-                f = self._open(Path(entry.path)) if entry.is_file() else None
+                f = self._open_sibling(entry, probe=pos)
             except OSError:  # unreadable: not ours to follow
                 continue
             if f is not None and f.ident not in exclude and self._holds(f, pos):
                 found.append(f)
             elif f is not None:
                 f.close()
-        found.sort(key=lambda f: (f.ident == (pos.dev, pos.ino), os.fstat(f.fh.fileno()).st_mtime_ns, f.size()),
+        found.sort(key=lambda f: (f.ident == (pos.dev, pos.ino), not f.compressed, f.mtime_ns, f.size()),
                    reverse=True)
         for f in found[1:]:
             f.close()
@@ -426,30 +503,82 @@ class FileFollower:
         down), their lines were never acknowledged: each is read whole, after ``old`` and before the current
         file. Rename keeps a file's modification time and a copy gets the copy's time, so both sort after
         ``old``; older rotations sort before it and are not read again."""
-        return self._written_since(os.fstat(old.fh.fileno()).st_mtime_ns, {old.ident, exclude}, old)
+        return self._written_since(old.mtime_ns, {old.ident, exclude}, old)
 
     def _written_since(self, since: int, exclude: set[tuple[int, int] | None], old: _File | None = None
                        ) -> list[_File]:
-        """Uncompressed siblings modified at or after ``since`` (ns), other than ``exclude`` and copies of
-        ``old``, detached at offset 0, oldest first (see :meth:`_newer_siblings`)."""
+        """Siblings modified at or after ``since`` (ns), other than ``exclude`` and copies of ``old``, detached at
+        offset 0, oldest first (see :meth:`_newer_siblings`). Compressed ones (:data:`_DECOMPRESS`) are read
+        decompressed, unless an uncompressed sibling holds the same (logrotate compressing it right now); one that
+        cannot be read is counted and named in a warning (:meth:`_open_sibling`)."""
         found: list[tuple[int, str, _File]] = []
         for entry in self._siblings():
-            if entry.name.endswith(_COMPRESSED):
-                continue
             try:
-                f = self._open(Path(entry.path)) if entry.is_file() else None
+                f = self._open_sibling(entry, since=since)
             except OSError:
                 continue
             if f is None:
                 continue
-            mtime = os.fstat(f.fh.fileno()).st_mtime_ns
-            if f.ident in exclude or mtime < since or (old is not None and self._copy_of(f, old)):
+            if f.ident in exclude or f.mtime_ns < since or (old is not None and self._copy_of(f, old)):
                 f.close()
                 continue
             f.detached = True
-            found.append((mtime, f.name, f))
+            found.append((f.mtime_ns, f.name, f))
+        plain = [f for _, _, f in found if not f.compressed]
+        for t in list(found):
+            if t[2].compressed and any(self._copy_of(t[2], g) for g in plain):
+                found.remove(t)
+                t[2].close()
         found.sort(key=lambda t: (t[0], t[1]))
         return [f for _, _, f in found]
+
+    def _open_sibling(self, entry: os.DirEntry[str], *, probe: Position | None = None, since: int | None = None
+                      ) -> _File | None:
+        """The sibling ``entry`` opened (a compressed one decompressed), or None: not a regular file; or compressed
+        and modified before ``since`` (ns), or its first bytes not what ``probe`` read (checked before it is
+        decompressed whole); or compressed in a format this collector does not read, or corrupt: then, when it may
+        hold lines not read yet (``since`` given and it was modified since), counted in
+        ``kvscope_collector_log_files_unread_total`` and named in a warning. Raises OSError (unreadable)."""
+        if not entry.is_file():
+            return None
+        path = Path(entry.path)
+        if not entry.name.endswith(_COMPRESSED):
+            return self._open(path)
+        mtime = entry.stat().st_mtime_ns
+        if since is not None and mtime < since:
+            return None
+        suffix = next(s for s in _COMPRESSED if entry.name.endswith(s))
+        opener = _DECOMPRESS.get(suffix)
+        if opener is None:
+            if since is not None:
+                self._unread(path, "unsupported_compression", f"{suffix} files are not read")
+            return None
+        if probe is not None:  # its first bytes first: most rotated files are not the one looked for
+            buf = io.BytesIO()
+            inflate(path, opener, buf, max(FINGERPRINT_BYTES, HEAD_BYTES))
+            first = buf.getvalue()
+            if probe.fingerprint and fingerprint(first) != probe.fingerprint:
+                return None
+            if probe.head is not None and probe.head_len > 0 and head_digest(first[: probe.head_len]) != probe.head:
+                return None
+        f = _File.decompressed(path, opener)
+        if f.error is not None:
+            self._unread(path, "corrupt", f"it decompresses to {f.size()} bytes of complete lines, then {f.error}")
+            if f.size() == 0:  # nothing to read (not in its suffix's format at all)
+                f.close()
+                return None
+        return f
+
+    def _unread(self, path: Path, reason: str, why: str) -> None:
+        """Count (``kvscope_collector_log_files_unread_total``) and name in a warning a rotated file that may hold
+        lines not read yet but cannot be read."""
+        FILES_UNREAD.labels(self.label, reason).inc()
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1
+        log.warning("rotated log file may hold unread lines but cannot be read; its lines are lost. path=%s file=%s "
+                    "compressed_bytes=%d reason=%s: %s", self.label, path, size, reason, why)
 
     @staticmethod
     def _copy_of(f: _File, old: _File) -> bool:

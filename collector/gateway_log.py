@@ -4,8 +4,9 @@ events, one per line, and a ``DeadLetter`` for every line that is not a valid re
 :class:`GatewayLogSource` follows the file through rotations from a checkpoint that advances only when the
 caller acknowledges (``collector/file_tail.py``) and only ever consumes complete lines (a line still being
 written is left for the next poll). Re-reading lines after a restart is safe: a record's ``event_id`` comes
-from its ``request_id`` and ``ts``, and a bad line's from the file's fingerprint and the line's offset and head
-(:func:`file_key`), the same under the rotated file's name, so the store collapses the repeat. :func:`read_file`
+from its ``request_id`` and ``ts``, and a bad line's from the file's key and the line's offset and head
+(:func:`file_key`), the same under the rotated file's name, so the store collapses the repeat; two files that
+start with the same line have distinct keys, so their bad lines are distinct dead letters. :func:`read_file`
 reads a finished file once (``kvscope import gateway-log``).
 """
 
