@@ -138,6 +138,12 @@ class KvEventBatch(msgspec.Struct, frozen=True, tag="kv_event_batch"):
     continued: bool = False
 
 
+#: The reasons a gap report may give (:class:`KvEventGap`), the only ones a collector makes; the ingester
+#: dead-letters a report with any other (ingest/rows.py ``kv_gap_row``): the ``kv_gaps`` view and the cache-reset
+#: reads (sql/migrations/0017, 0022, 0030) tell a restart from a miss by this value.
+GAP_REASONS = ("missed", "collector_restart", "publisher_restart")
+
+
 class KvEventGap(msgspec.Struct, frozen=True, tag="kv_event_gap"):
     """A run of vLLM KV-event batches (sequence numbers) of one pod and engine that the collector did not
     receive live, and what became of it.

@@ -25,15 +25,24 @@ Handled, without losing a line:
   is still the current one (its inode): nothing read can find a copy of it, so its time does (``at``, when the
   position was taken): the rotated siblings modified since (a copytruncate while down; renames keep times) are
   read whole, oldest first, before the current file;
-- a copytruncate while a rotated file is still being drained: the copy is never a file already being read.
+- a copytruncate while a rotated file is still being drained: the copy is never a file already being read;
+- compressed rotated files (logrotate's ``compress``, ``delaycompress`` with two or more rotations while down):
+  ``.gz``, ``.bz2`` and ``.xz`` siblings are read decompressed (into an anonymous temporary file) wherever an
+  uncompressed one would be: found as the checkpointed file by their decompressed first bytes, or read whole as
+  files written since (dated by their modification time, which logrotate copies from the original). One in a
+  format not read here (zstd, lz4, zip) that may hold unread lines, or one cut short (its complete lines before the
+  cut are read), is counted in ``kvscope_collector_log_files_unread_total`` and named in a warning.
+
+Each file gets a :attr:`Position.key` (:func:`next_key`) naming it among the log's files for its lines' ids.
 
 A checkpoint written before heads were kept (no ``head`` key) is found by fingerprint and inode as before: a
 file with its inode is preferred to one that only shares its first line. The current file taken by its first
 line alone, without the checkpoint's inode (an earlier version's checkpoint, or one that had read no more than
 the first line), is counted as a resume miss and logged as a warning: it may be another file.
 
-Not handled: a file created and rotated away again between two reads of a running follower is not seen;
-compressed rotated files are not read; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
+Not handled: a file created and rotated away again between two reads of a running follower is not seen (nor
+counted in the file keys); a compressed file stamped with the time it was compressed, not the original's, is read
+again as a file written since the checkpoint; files whose first :data:`HEAD_BYTES` bytes are equal are told apart
 only by inode; a file copied and then truncated *and rewritten with the same first bytes* while the collector
 was down, when the checkpoint covered only those bytes, is taken for the checkpointed file (its inode): the
 copy's lines after them are not read. A checkpoint that read nothing finds a copy only by time: a copy taken
@@ -43,11 +52,17 @@ rotated file after it was drained and dropped makes that file newer, and it is r
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
+import io
 import logging
+import lzma
 import os
 import stat
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +75,15 @@ log = logging.getLogger("kvscope.collector")
 FINGERPRINT_BYTES = 4096
 #: A position's head covers the bytes read of its file, or this many of them (from offset 0) when more were read.
 HEAD_BYTES = 4096
-#: Rotated files with these suffixes are compressed (logrotate's ``compress``) and never read.
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+#: Rotated files with these suffixes are compressed (logrotate's ``compress``) and read decompressed: at a restart,
+#: the checkpointed file and the files after it may have been compressed while the collector was down.
+_DECOMPRESS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+#: Rotated files with these suffixes are compressed in a format this collector does not read: one that may hold
+#: unread lines (modified since) is counted (``kvscope_collector_log_files_unread_total``) and named in a warning.
+_UNREADABLE = (".zst", ".lz4", ".zip", ".Z", ".lzo")
+_COMPRESSED = (*_DECOMPRESS, *_UNREADABLE)
+#: What fails when a compressed file is cut short or is not in its suffix's format.
+_DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError, ValueError)
 _SCAN = 1 << 20
 #: File modification times come from the kernel's coarse clock, up to a tick (4-10 ms) behind ``time.time_ns``.
 _CLOCK_SLACK_NS = 20_000_000
@@ -71,6 +93,8 @@ ROTATIONS = Counter("kvscope_collector_log_rotations_total", "Rotations of a fol
                     "(rename, copytruncate, truncate, deleted, resumed_rotated)", ["path", "kind"])
 BYTES_LOST = Counter("kvscope_collector_log_bytes_lost_total", "Bytes known to be skipped unread, by reason",
                      ["path", "reason"])
+FILES_UNREAD = Counter("kvscope_collector_log_files_unread_total", "Rotated files of the log that may hold unread "
+                       "lines but could not be read, by reason (unsupported_compression, corrupt)", ["path", "reason"])
 RESUME_MISSES = Counter("kvscope_collector_log_resume_misses_total", "Restarts whose checkpointed file was "
                         "found nowhere, or by its first line alone (its unread tail may be lost)", ["path"])
 
@@ -89,6 +113,15 @@ def fingerprint(head: bytes) -> str | None:
     return hashlib.sha256(body).hexdigest()[:32]
 
 
+def next_key(prev: str | None, prev_fp: str | None) -> str:
+    """The :attr:`Position.key` of the file of the log that follows (rotation, truncation) the file keyed ``prev``
+    (None: the first file of the chain, known by its fingerprint ``prev_fp``, None while it has no complete first
+    line): 32 hex chars of SHA-256 of the predecessor's identity. Deterministic, so a follower restarted from a
+    checkpoint that reads the same files in the same order gives each the key it had before."""
+    base = prev if prev is not None else f"fp:{prev_fp}"
+    return hashlib.sha256(f"{base}/next".encode()).hexdigest()[:32]
+
+
 def head_digest(head: bytes) -> str:
     """Digest of a file's head (``head``: its first bytes, from offset 0, at most :data:`HEAD_BYTES`): 32 hex
     chars of SHA-256. The head of a :class:`Position`."""
@@ -104,8 +137,13 @@ class Position:
     first line. ``head`` is None in a checkpoint written before heads were kept (then ``head_len`` is 0).
     ``file`` is informational (the name it was read under). ``at`` is the wall-clock time (ns since the epoch) the
     position was taken, at or before its acknowledgement: a file of the log modified after it holds lines
-    written after it (None: unknown, a checkpoint of an earlier version). :data:`START` means "the start of
-    whatever file the path names"."""
+    written after it (None: unknown, a checkpoint of an earlier version). ``key`` names the file among the files of
+    the log for its lines' ids (dead letters): None for the file a follower started in without a checkpoint (and
+    for an earlier version's checkpoint), which is then named by its fingerprint; each file after it (a rotation,
+    a truncation: the next generation) gets :func:`next_key` of its predecessor's, a copy keeps its original's.
+    Files that start with the same bytes (a banner, a blank line) and have the same inode (copytruncate) still
+    get distinct keys, and a line read again after a restart (from the checkpointed file, renamed or copied, or a
+    file after it) gets the key it had. :data:`START` means "the start of whatever file the path names"."""
 
     fingerprint: str | None
     offset: int
@@ -115,10 +153,12 @@ class Position:
     head: str | None = None
     head_len: int = 0
     at: int | None = field(default=None, compare=False)
+    key: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "offset": self.offset, "dev": self.dev, "ino": self.ino,
-                "file": self.file, "head": self.head, "head_len": self.head_len, "at": self.at}
+                "file": self.file, "head": self.head, "head_len": self.head_len, "at": self.at,
+                "key": self.key}
 
     @classmethod
     def from_json(cls, value: Any) -> Position | None:
@@ -131,9 +171,11 @@ class Position:
             fp = value["fingerprint"]
             head = value.get("head")
             at = value.get("at")
+            key = value.get("key")
             pos = cls(fp if fp is None else str(fp), int(value["offset"]), int(value.get("dev", 0)),
                       int(value.get("ino", 0)), str(value.get("file", "")), None if head is None else str(head),
-                      int(value.get("head_len", 0)) if head is not None else 0, None if at is None else int(at))
+                      int(value.get("head_len", 0)) if head is not None else 0, None if at is None else int(at),
+                      None if key is None else str(key))
         except (TypeError, KeyError, ValueError, AttributeError):
             log.warning("log checkpoint is not a position; reading the file from the start. value=%.200r", value)
             return None
@@ -142,7 +184,7 @@ class Position:
         if pos.head is not None and pos.head_len != min(pos.offset, HEAD_BYTES):
             log.warning("log checkpoint's head does not fit its offset; finding the file by its first line and "
                         "inode only. value=%.200r", value)
-            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file, at=pos.at)
+            pos = cls(pos.fingerprint, pos.offset, pos.dev, pos.ino, pos.file, at=pos.at, key=pos.key)
         return pos
 
 
@@ -178,6 +220,25 @@ class Chunk:
     end: Position
 
 
+def inflate(path: Path, opener: Callable[..., Any], out: Any, limit: int | None = None) -> Exception | None:
+    """Decompress the file ``path`` (``opener``: gzip.open, bz2.open or lzma.open) into the binary file ``out``, up
+    to ``limit`` bytes (None: all). Returns None, or the error that stopped it (a file cut short, another format:
+    OSError, EOFError, lzma.LZMAError, ValueError) after writing every byte that decompressed before it."""
+    try:
+        with opener(path, "rb") as src:
+            left = limit
+            while left is None or left > 0:
+                block = src.read1(1 << 16 if left is None else min(1 << 16, left))
+                if not block:
+                    return None
+                out.write(block)
+                if left is not None:
+                    left -= len(block)
+    except _DECOMPRESS_ERRORS as exc:
+        return exc
+    return None
+
+
 class _File:
     """One open file: read position ``offset``, ``fp`` once known, ``head`` = the bytes read from offset 0 (at
     most :data:`HEAD_BYTES`), ``seen`` = largest size observed, ``detached`` once the path no longer names it
@@ -197,6 +258,40 @@ class _File:
         self.seen = st.st_size
         self.idle_since = time.monotonic()
         self.detached = False
+        self.key: str | None = None  # Position.key: None = the first file of the chain, named by its fingerprint
+        self.mtime_ns = st.st_mtime_ns  # of the file as found (a compressed one: the compressed file's)
+        self.compressed = False
+        self.error: str | None = None  # a compressed file that did not decompress to its end: why
+
+    @classmethod
+    def decompressed(cls, path: Path, opener: Callable[..., Any]) -> _File:
+        """The compressed file ``path`` (``opener``: gzip.open, bz2.open, lzma.open), decompressed into an anonymous
+        temporary file: named ``path``, with ``path``'s identity and modification time (logrotate gives a file it
+        compresses the original's times). Raises OSError, EOFError, lzma.LZMAError or ValueError when it does not
+        decompress (cut short, another format)."""
+        st = os.stat(path)
+        tmp = tempfile.TemporaryFile()
+        try:
+            error = inflate(path, opener, tmp)
+            tmp.flush()
+            if error is not None:  # cut short: keep its complete lines, drop the partial last one
+                size = tmp.seek(0, os.SEEK_END)
+                tail = os.pread(tmp.fileno(), min(size, _SCAN), max(0, size - _SCAN))
+                nl = tail.rfind(b"\n")
+                os.ftruncate(tmp.fileno(), 0 if nl < 0 else size - len(tail) + nl + 1)
+        except BaseException:
+            tmp.close()
+            raise
+        f = cls.__new__(cls)
+        f.fh, f.name, f.ident = tmp, str(path), (st.st_dev, st.st_ino)
+        f.offset, f.fp, f.head, f.seen = 0, None, b"", f.size()
+        f.idle_since, f.detached, f.key, f.mtime_ns, f.compressed = 0.0, True, None, st.st_mtime_ns, True
+        f.error = None if error is None else f"{type(error).__name__}: {error}"
+        return f
+
+    def succeed(self, prev: _File) -> None:
+        """Key this file as the one after ``prev`` in the log (:func:`next_key`)."""
+        self.key = next_key(prev.key, prev.fp or (prev.current_fp() if prev.key is None else None))
 
     def size(self) -> int:
         return os.fstat(self.fh.fileno()).st_size
@@ -208,8 +303,8 @@ class _File:
         return fingerprint(self.pread(FINGERPRINT_BYTES, 0))
 
     def resume_at(self, pos: Position) -> None:
-        """Stand at ``pos`` (which this file holds): its offset and fingerprint, and the head read back."""
-        self.offset, self.fp = pos.offset, pos.fingerprint
+        """Stand at ``pos`` (which this file holds): its offset, fingerprint and key, and the head read back."""
+        self.offset, self.fp, self.key = pos.offset, pos.fingerprint, pos.key
         self.head = self.pread(min(pos.offset, HEAD_BYTES), 0)
 
     def advance(self, raw: bytes, consumed: int) -> None:
@@ -237,7 +332,7 @@ class _File:
         if self.fp is None and self.offset == 0:
             self.fp = self.current_fp()
         return Position(self.fp, self.offset, *self.ident, file=self.name, head=head_digest(self.head),
-                        head_len=len(self.head), at=time.time_ns())
+                        head_len=len(self.head), at=time.time_ns(), key=self.key)
 
     def close(self) -> None:
         self.fh.close()
@@ -261,6 +356,8 @@ class FileFollower:
         self.rotate_wait = rotate_wait_seconds
         self._files: list[_File] = []  # read in order; only the last may be live (named by the path)
         self._issued = start or START
+        #: (key, fingerprint) of the file a file appearing with none queued follows (None: it is the first)
+        self._gone: tuple[str | None, str | None] | None = None
         self._resume(start)
 
     # -- public ---------------------------------------------------------------------------------------
@@ -299,6 +396,7 @@ class FileFollower:
         if pos is None or pos == START:
             self._files = [cur] if cur else []
             return
+        self._gone = (pos.key, pos.fingerprint)  # a file appearing later follows the checkpointed one
         ident = (pos.dev, pos.ino)
         cur_holds = cur is not None and self._holds(cur, pos)
         if cur is not None and cur_holds and cur.ident == ident:
@@ -312,6 +410,9 @@ class FileFollower:
                 log.warning("log was copied (copytruncate) while the collector was down and nothing of it had "
                             "been read; reading the files written since the checkpoint first. path=%s then=%s",
                             self.label, [f.name for f in newer])
+            if newer:  # the checkpointed generation is the oldest copy: the files after it follow it
+                newer[0].key = pos.key
+                self._chain([*newer, cur])
             self._files = [*newer, cur]
             return
         old = self._find_sibling(pos, exclude={cur.ident} if cur else set())
@@ -340,10 +441,24 @@ class FileFollower:
                      "rotated=%s offset=%d then=%s", self.label, old.name, pos.offset, [f.name for f in newer])
         else:
             RESUME_MISSES.labels(self.label).inc()
-            log.error("checkpointed log file not found; lines after its checkpoint may be lost, reading the "
-                      "current file from the start. path=%s fingerprint=%s offset=%d inode=%d last_name=%s",
-                      self.label, pos.fingerprint, pos.offset, pos.ino, pos.file)
+            # the rotated files written since the checkpoint (a file that cannot be read among them is counted)
+            newer = (self._written_since(pos.at - _CLOCK_SLACK_NS, {cur.ident if cur else None})
+                     if pos.at is not None else [])
+            log.error("checkpointed log file not found; lines after its checkpoint may be lost, reading the rotated "
+                      "files written since the checkpoint, then the current file from the start. path=%s "
+                      "fingerprint=%s offset=%d inode=%d last_name=%s then=%s", self.label, pos.fingerprint,
+                      pos.offset, pos.ino, pos.file, [f.name for f in newer])
+            first = newer[0] if newer else cur
+            if first is not None:
+                first.key = next_key(pos.key, pos.fingerprint)  # a file after the checkpointed one
         self._files = [f for f in (old, *newer, cur) if f is not None]
+        self._chain(self._files)
+
+    @staticmethod
+    def _chain(files: list[_File]) -> None:
+        """Key each of ``files`` (in the log's order) after the one before it (:meth:`_File.succeed`)."""
+        for prev, f in zip(files, files[1:], strict=False):
+            f.succeed(prev)
 
     @staticmethod
     def _holds(f: _File, pos: Position) -> bool:
@@ -367,14 +482,14 @@ class FileFollower:
         found: list[_File] = []
         for entry in self._siblings():
             try:
-                f = self._open(Path(entry.path)) if entry.is_file() else None
+                f = self._open_sibling(entry, probe=pos)
             except OSError:  # unreadable: not ours to follow
                 continue
             if f is not None and f.ident not in exclude and self._holds(f, pos):
                 found.append(f)
             elif f is not None:
                 f.close()
-        found.sort(key=lambda f: (f.ident == (pos.dev, pos.ino), os.fstat(f.fh.fileno()).st_mtime_ns, f.size()),
+        found.sort(key=lambda f: (f.ident == (pos.dev, pos.ino), not f.compressed, f.mtime_ns, f.size()),
                    reverse=True)
         for f in found[1:]:
             f.close()
@@ -388,30 +503,82 @@ class FileFollower:
         down), their lines were never acknowledged: each is read whole, after ``old`` and before the current
         file. Rename keeps a file's modification time and a copy gets the copy's time, so both sort after
         ``old``; older rotations sort before it and are not read again."""
-        return self._written_since(os.fstat(old.fh.fileno()).st_mtime_ns, {old.ident, exclude}, old)
+        return self._written_since(old.mtime_ns, {old.ident, exclude}, old)
 
     def _written_since(self, since: int, exclude: set[tuple[int, int] | None], old: _File | None = None
                        ) -> list[_File]:
-        """Uncompressed siblings modified at or after ``since`` (ns), other than ``exclude`` and copies of
-        ``old``, detached at offset 0, oldest first (see :meth:`_newer_siblings`)."""
+        """Siblings modified at or after ``since`` (ns), other than ``exclude`` and copies of ``old``, detached at
+        offset 0, oldest first (see :meth:`_newer_siblings`). Compressed ones (:data:`_DECOMPRESS`) are read
+        decompressed, unless an uncompressed sibling holds the same (logrotate compressing it right now); one that
+        cannot be read is counted and named in a warning (:meth:`_open_sibling`)."""
         found: list[tuple[int, str, _File]] = []
         for entry in self._siblings():
-            if entry.name.endswith(_COMPRESSED):
-                continue
             try:
-                f = self._open(Path(entry.path)) if entry.is_file() else None
+                f = self._open_sibling(entry, since=since)
             except OSError:
                 continue
             if f is None:
                 continue
-            mtime = os.fstat(f.fh.fileno()).st_mtime_ns
-            if f.ident in exclude or mtime < since or (old is not None and self._copy_of(f, old)):
+            if f.ident in exclude or f.mtime_ns < since or (old is not None and self._copy_of(f, old)):
                 f.close()
                 continue
             f.detached = True
-            found.append((mtime, f.name, f))
+            found.append((f.mtime_ns, f.name, f))
+        plain = [f for _, _, f in found if not f.compressed]
+        for t in list(found):
+            if t[2].compressed and any(self._copy_of(t[2], g) for g in plain):
+                found.remove(t)
+                t[2].close()
         found.sort(key=lambda t: (t[0], t[1]))
         return [f for _, _, f in found]
+
+    def _open_sibling(self, entry: os.DirEntry[str], *, probe: Position | None = None, since: int | None = None
+                      ) -> _File | None:
+        """The sibling ``entry`` opened (a compressed one decompressed), or None: not a regular file; or compressed
+        and modified before ``since`` (ns), or its first bytes not what ``probe`` read (checked before it is
+        decompressed whole); or compressed in a format this collector does not read, or corrupt: then, when it may
+        hold lines not read yet (``since`` given and it was modified since), counted in
+        ``kvscope_collector_log_files_unread_total`` and named in a warning. Raises OSError (unreadable)."""
+        if not entry.is_file():
+            return None
+        path = Path(entry.path)
+        if not entry.name.endswith(_COMPRESSED):
+            return self._open(path)
+        mtime = entry.stat().st_mtime_ns
+        if since is not None and mtime < since:
+            return None
+        suffix = next(s for s in _COMPRESSED if entry.name.endswith(s))
+        opener = _DECOMPRESS.get(suffix)
+        if opener is None:
+            if since is not None:
+                self._unread(path, "unsupported_compression", f"{suffix} files are not read")
+            return None
+        if probe is not None:  # its first bytes first: most rotated files are not the one looked for
+            buf = io.BytesIO()
+            inflate(path, opener, buf, max(FINGERPRINT_BYTES, HEAD_BYTES))
+            first = buf.getvalue()
+            if probe.fingerprint and fingerprint(first) != probe.fingerprint:
+                return None
+            if probe.head is not None and probe.head_len > 0 and head_digest(first[: probe.head_len]) != probe.head:
+                return None
+        f = _File.decompressed(path, opener)
+        if f.error is not None:
+            self._unread(path, "corrupt", f"it decompresses to {f.size()} bytes of complete lines, then {f.error}")
+            if f.size() == 0:  # nothing to read (not in its suffix's format at all)
+                f.close()
+                return None
+        return f
+
+    def _unread(self, path: Path, reason: str, why: str) -> None:
+        """Count (``kvscope_collector_log_files_unread_total``) and name in a warning a rotated file that may hold
+        lines not read yet but cannot be read."""
+        FILES_UNREAD.labels(self.label, reason).inc()
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1
+        log.warning("rotated log file may hold unread lines but cannot be read; its lines are lost. path=%s file=%s "
+                    "compressed_bytes=%d reason=%s: %s", self.label, path, size, reason, why)
 
     @staticmethod
     def _copy_of(f: _File, old: _File) -> bool:
@@ -464,6 +631,10 @@ class FileFollower:
             return
         if live is not None:
             self._detach(live)
+        if self._files:
+            new.succeed(self._files[-1])
+        elif self._gone is not None:  # every file read so far is drained and dropped (or the checkpointed one)
+            new.key = next_key(*self._gone)
         self._files.append(new)
 
     def _detach(self, f: _File) -> None:
@@ -499,7 +670,7 @@ class FileFollower:
         copy = self._find_sibling(held, exclude={g.ident for g in self._files}) if f.fp else None
         if copy is not None:
             kind, lost = "copytruncate", max(0, f.seen - max(copy.size(), f.offset))
-            copy.offset, copy.fp, copy.head, copy.detached = f.offset, f.fp, f.head, True
+            copy.offset, copy.fp, copy.head, copy.detached, copy.key = f.offset, f.fp, f.head, True, f.key
             self._files.insert(self._files.index(f), copy)
         else:
             kind, lost = "truncate", max(0, f.seen - f.offset)
@@ -509,6 +680,7 @@ class FileFollower:
         (log.warning if lost else log.info)(
             "log file truncated; reading the rest from the copy if any, then the file from the start. path=%s "
             "kind=%s offset=%d copy=%s lost_bytes=%d", self.label, kind, f.offset, copy.name if copy else None, lost)
+        f.key = next_key(f.key, f.fp)  # the file's next generation
         f.offset, f.fp, f.head, f.seen = 0, None, b"", size_now
 
     # -- reading --------------------------------------------------------------------------------------
@@ -565,7 +737,10 @@ class FileFollower:
         """Drop a detached file once it is drained and has been idle for ``rotate_wait_seconds``."""
         if not f.detached or f.offset < f.seen or time.monotonic() - f.idle_since < self.rotate_wait:
             return None
-        self._files.pop(0).close()
+        gone = self._files.pop(0)
+        if not self._files:  # the next file to appear follows it
+            self._gone = (gone.key, gone.fp or (gone.current_fp() if gone.key is None else None))
+        gone.close()
         return self._moved()
 
     def _moved(self) -> Chunk | None:

@@ -4,8 +4,9 @@ events, one per line, and a ``DeadLetter`` for every line that is not a valid re
 :class:`GatewayLogSource` follows the file through rotations from a checkpoint that advances only when the
 caller acknowledges (``collector/file_tail.py``) and only ever consumes complete lines (a line still being
 written is left for the next poll). Re-reading lines after a restart is safe: a record's ``event_id`` comes
-from its ``request_id`` and ``ts``, and a bad line's from the file's fingerprint and the line's offset and head
-(:func:`file_key`), the same under the rotated file's name, so the store collapses the repeat. :func:`read_file`
+from its ``request_id`` and ``ts``, and a bad line's from the file's key and the line's offset and head
+(:func:`file_key`), the same under the rotated file's name, so the store collapses the repeat; two files that
+start with the same line have distinct keys, so their bad lines are distinct dead letters. :func:`read_file`
 reads a finished file once (``kvscope import gateway-log``).
 """
 
@@ -82,8 +83,13 @@ def read_lines(data: bytes, start_offset: int) -> tuple[list[tuple[int, bytes]],
 
 def file_key(path: str | Path, pos: Position, name: str) -> str:
     """What names one file of the log at ``path`` in its dead letters' ids, whatever it is called now: the log's
-    path and the file's fingerprint (its first line, :func:`collector.file_tail.fingerprint`), which a rename
-    or a copy (rotation) keeps; ``name``, the name it was read under, only while it has no fingerprint."""
+    path and the file's key (:attr:`collector.file_tail.Position.key`: its place among the log's files since the
+    first one the follower read, which a rename, a copy and a restart from the checkpoint keep, and which differs
+    between files that start with the same line or share an inode, e.g. a banner under copytruncate); for that
+    first file (``key`` None) its fingerprint (its first line, :func:`collector.file_tail.fingerprint`), as
+    earlier versions did; ``name``, the name it was read under, only while it has neither."""
+    if pos.key:
+        return f"{path}#{pos.key}"
     return f"{path}#{pos.fingerprint}" if pos.fingerprint else name
 
 

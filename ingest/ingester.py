@@ -6,8 +6,14 @@ At-least-once delivery, exactly-once rows (docs/reliability.md):
   committed (explicit per-partition offsets, never the consumer's position).
 - Any failure that may pass (the store or broker away, a timeout, a memory limit, an unexpected exception,
   which is a bug but must not lose data) keeps the batch: the source is rewound to it and the batch is
-  retried with exponential backoff and jitter, forever, and counted. The dedup check makes a retry of a
-  half-landed batch insert only what is missing.
+  retried with exponential backoff and jitter, and counted. The dedup check makes a retry of a half-landed
+  batch insert only what is missing. While the store is away (it does not answer ``SELECT 1``) or the error is
+  one of load (a timeout, a memory limit, too many parts or queries: :data:`TRANSIENT_CODES`) the batch is
+  retried forever. A batch that fails otherwise ``max_poison_attempts`` times in a row while the store answers
+  (an error the data causes that the store does not report as a data error, a bug on one envelope) would block
+  its partition forever: it is then written envelope by envelope, and each envelope that still fails so is a
+  dead letter with the error (``kvscope_ingest_errors_total{kind="poison"}``); the rest lands and the batch is
+  committed.
 - Only data errors (:data:`ingest.store.DATA_ERROR_CODES`, values the client cannot serialise) are permanent:
   the refused table's rows are halved until the refused row is alone; it goes to ``dead_letters`` with the
   store's reason, and everything else of the batch lands. Tables that already landed are not re-inserted.
@@ -39,7 +45,13 @@ from ingest.kv_pieces import trim_kv_rows
 from ingest.retention import Retentions
 from ingest.rows import COLUMNS, contract_dead_letter, rows_for
 from ingest.source import Source
-from ingest.store import Store
+from ingest.store import Store, error_code
+
+#: ClickHouse error codes of load or of the schema, not of the data: a failure with one of these is retried
+#: forever, never counted towards dead-lettering a batch (timeouts 159, 209, 210; too many simultaneous queries
+#: 202; memory limit 241, 242; too many parts 252; system error 425; a table, database or column missing during a
+#: migration 60, 81, 16, 47). Source: ClickHouse src/Common/ErrorCodes.cpp.
+TRANSIENT_CODES = frozenset({16, 47, 60, 81, 159, 202, 209, 210, 241, 242, 252, 425})
 
 log = logging.getLogger("kvscope.ingest")
 
@@ -123,15 +135,22 @@ class Ingester:
     ``run_once`` polls and handles one batch; ``run`` loops until ``stop`` is set. Bad data never raises.
     ``rows_written`` counts rows this ingester inserted, per table; ``rows_conflicting`` the rows it
     dead-lettered because the store held their identity with other values (:func:`ingest.dedup.check_rows`).
+    ``max_poison_attempts`` (at least 1): failures in a row, while the store answers and not of load, after which a
+    batch is written envelope by envelope and the failing envelopes dead-lettered (:meth:`handle`); ``poisoned``
+    counts the envelopes this ingester dead-lettered so. Raises ValueError for ``max_poison_attempts`` below 1.
     """
 
     def __init__(self, store: Store, source: Source, *, max_messages: int = 500, poll_timeout_ms: int = 500,
-                 max_backoff_seconds: float = 30.0) -> None:
+                 max_backoff_seconds: float = 30.0, max_poison_attempts: int = 8) -> None:
         self.store = store
         self.source = source
         self.max_messages = max_messages
         self.poll_timeout_ms = poll_timeout_ms
         self.max_backoff_seconds = max_backoff_seconds
+        if max_poison_attempts < 1:
+            raise ValueError(f"max_poison_attempts must be at least 1, got {max_poison_attempts}")
+        self.max_poison_attempts = max_poison_attempts
+        self.poisoned = 0  # envelopes (or messages) dead-lettered after failing while the store answered
         self.messages_handled = 0
         self.rows_written: dict[str, int] = defaultdict(int)
         self.rows_conflicting: dict[str, int] = defaultdict(int)
@@ -266,17 +285,27 @@ class Ingester:
     def handle(self, messages: list[Message], stop: threading.Event | None = None) -> bool:
         """Write ``messages`` and commit them; True once committed.
 
-        Retries every write failure that may pass with backoff and jitter, holding the batch. Returns False
+        Retries every write failure that may pass with backoff and jitter, holding the batch: forever while the
+        store does not answer or the error is one of load (:data:`TRANSIENT_CODES`); after
+        ``max_poison_attempts`` other failures in a row while the store answers, the batch is written envelope by
+        envelope and each one that still fails is a dead letter (:meth:`_write_isolating`). Returns False
         with nothing committed when ``stop`` is set first (the source is rewound), or when the commit itself
         fails (e.g. a rebalance took the partitions away: the next owner redelivers the batch, and the dedup
         check keeps the rows this one already wrote from counting twice).
         """
-        attempt = 0
+        attempt = poison = 0
         while True:
             try:
-                self.write_batch(messages)
+                if poison >= self.max_poison_attempts:
+                    self._write_isolating(messages)
+                else:
+                    self.write_batch(messages)
                 break
             except Exception as exc:  # noqa: BLE001 - every failure keeps the batch; only data errors are final
+                if self._data_caused(exc):
+                    poison += 1
+                else:
+                    poison = 0  # the store is away or loaded: not the batch's fault
                 reason = type(exc).__name__
                 RETRIES.labels(reason).inc()
                 wait = backoff_seconds(attempt, cap=self.max_backoff_seconds)
@@ -302,6 +331,68 @@ class Ingester:
             return False
         self.messages_handled += len(messages)
         return True
+
+    def _data_caused(self, exc: Exception) -> bool:
+        """Whether a failed write may be the batch's own doing: the store answers ``SELECT 1`` now, and the error
+        is not one of load (:data:`TRANSIENT_CODES`)."""
+        if error_code(exc) in TRANSIENT_CODES:
+            return False
+        try:
+            return self.store.query_rows("SELECT 1") == [(1,)]
+        except Exception:  # noqa: BLE001 - the store is away: the failure may pass
+            return False
+
+    def _write_isolating(self, messages: list[Message]) -> None:
+        """Write ``messages`` one envelope at a time (a message that does not decode as a whole, one message); an
+        envelope whose write fails while the store answers (and not with an error of load) becomes a dead letter
+        with the error, keyed by its bytes (a redelivery repeats it). Raises when the store is away or loaded, or
+        when every one of several envelopes fails (not one envelope's doing: the caller retries the batch; what
+        landed is not written again)."""
+        failed: list[tuple[Message, Exception]] = []
+        total = 0
+        for m in messages:
+            try:
+                parts: list[bytes] = [encode_batch([ev]) for ev in decode_batch(m.value)]
+            except (ContractError, RecursionError):
+                parts = [m.value]  # its bad envelopes are dead letters of _rows_of already
+            for value in parts:
+                total += 1
+                one = Message(m.topic, m.key, value, m.partition, m.offset)
+                try:
+                    self.write_batch([one])
+                except Exception as exc:  # noqa: BLE001 - classified below; what is not the data's is raised
+                    if not self._data_caused(exc):
+                        raise
+                    failed.append((one, exc))
+        if total > 1 and len(failed) == total:
+            raise failed[-1][1]
+        for one, exc in failed:
+            self._dead_letter_poison(one, exc)
+
+    def _dead_letter_poison(self, m: Message, exc: Exception) -> None:
+        location = f"{m.topic}:{m.partition}:{m.offset}"
+        pod = m.key.decode("utf-8", "replace")
+        INGEST_ERRORS.labels("poison").inc()
+        self.poisoned += 1
+        log.error("an envelope failed %d times while the store answered; dead-lettered so its partition goes on. "
+                  "location=%s error=%s", self.max_poison_attempts, location, exc)
+        reason = (f"write failed {self.max_poison_attempts} times while the store answered (not an error of load); "
+                  f"dead-lettered: {type(exc).__name__}: {exc}")[:2000]
+        text = m.value.decode("utf-8", "replace")
+        dead = contract_dead_letter(reason, location, m.value, pod, natural_key=f"poison:{m.topic}:{text}")
+        try:
+            self._write("dead_letters", [(dead, Origin(location, pod, 0))])
+        except Exception as exc2:  # noqa: BLE001 - the store may refuse the envelope's bytes there too
+            if not self._data_caused(exc2):
+                raise
+            # without the envelope's bytes (the id stays theirs); then it is lost, loudly (never a loop)
+            try:
+                self._write("dead_letters", [(dead[:6] + ("",), Origin(location, pod, 0))])
+            except Exception as exc3:  # noqa: BLE001
+                if not self._data_caused(exc3):
+                    raise
+                INGEST_ERRORS.labels("dead_letter_lost").inc()
+                log.error("store refused a poison envelope's dead letter twice; it is lost. location=%s", location)
 
     def _rewind(self, messages: list[Message]) -> None:
         try:

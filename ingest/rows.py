@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from collector.events import (
+    GAP_REASONS,
     DeadLetter,
     Envelope,
     GatewayRequest,
@@ -259,7 +260,11 @@ def kv_gap_row(ev: Envelope, p: KvEventGap) -> tuple[Any, ...]:
     wrapped-around count, or as a window that holds none of its batches: ``last_seq`` before ``first_seq``, a seq
     outside ``0 .. MAX_GAP_SEQ``, ``replayed_batches`` outside ``0 .. last_seq - first_seq + 1``, a batch ts or
     ``detected_at_ms`` that is not a finite time in 2000..2100 UTC, ``prev_batch_ts`` after ``next_batch_ts``, a
-    ``dp_rank`` neither None nor 0..65535 (as :func:`kv_batch_problem`)."""
+    ``dp_rank`` neither None nor 0..65535 (as :func:`kv_batch_problem`), a ``reason`` that is not one of
+    :data:`collector.events.GAP_REASONS` (an unknown string, or not a string: the views tell restarts from misses
+    by it)."""
+    if not isinstance(p.reason, str) or p.reason not in GAP_REASONS:
+        raise ValueError(f"reason {str(p.reason)[:40]!r} is not a gap reason (one of {', '.join(GAP_REASONS)})")
     if not 0 <= p.first_seq <= p.last_seq <= MAX_GAP_SEQ:
         raise ValueError(f"seqs {p.first_seq}..{p.last_seq} are not a run within 0..{MAX_GAP_SEQ}")
     if not 0 <= p.replayed_batches <= p.last_seq - p.first_seq + 1:

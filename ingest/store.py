@@ -100,6 +100,17 @@ def _code(exc: BaseException) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def error_code(exc: BaseException) -> int | None:
+    """The ClickHouse error code a failure carries (``Code: N`` in its message or in its cause's), None when it
+    has none (a network failure, a Python error)."""
+    while exc is not None:
+        code = _code(exc)
+        if code is not None:
+            return code
+        exc = exc.__cause__  # type: ignore[assignment]
+    return None
+
+
 def _halves(exc: BaseException, rows: int) -> bool:
     """Whether a refused insert of ``rows`` rows is to be retried as two halves: the store refused it for
     spanning too many partitions (a server whose user may not raise ``max_partitions_per_insert_block``).

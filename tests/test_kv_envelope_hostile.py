@@ -203,3 +203,26 @@ def test_a_scrape_stamped_outside_2000_to_2100_is_a_dead_letter(store: Store, sc
     assert store.query_rows("SELECT count() FROM vllm_metrics WHERE pod = 'pod-s'") == [(0,)]
     [reason] = reasons(store, "pod-s")
     assert why in reason
+
+
+def gap_envelope(pod: str, reason: Any, first: int = 2) -> Envelope:
+    gap = KvEventGap(topic=pod, dp_rank=0, first_seq=first, last_seq=first + 1, detected_at_ms=int(T * 1000),
+                     reason=reason, prev_batch_ts=T - 1, next_batch_ts=T)
+    return envelope(gap, pod=pod, natural_key=(pod, 0, first, first + 1), observed_at_ms=int(T * 1000))
+
+
+@pytest.mark.parametrize("reason", ["bogus", "", "Missed", "missed ", 5, None, ["missed"]])
+def test_a_gap_report_of_an_unknown_reason_is_a_dead_letter_and_the_rest_lands(store: Store, reason: Any) -> None:
+    """A gap report's reason was stored as it was: a reason no collector makes ("bogus", a misspelt "Missed") read in
+    ``kv_gaps`` and the cache-reset views as neither a miss nor a restart. It is one dead letter with its reason now
+    (a non-string one fails the envelope's decode, also a dead letter); the batch and the gap reports of the three
+    known reasons beside it land, and a re-send adds nothing."""
+    envs = [batch("pod-g", 1, [stored_event([1])]), gap_envelope("pod-q", reason),
+            *(gap_envelope("pod-k", known, first) for first, known in
+              ((2, "missed"), (10, "collector_restart"), (20, "publisher_restart")))]
+    assert ingest(store, envs) == {"kv_block_events": 1, "kv_event_gaps": 3, "dead_letters": 1}
+    assert store.query_rows("SELECT reason FROM kv_event_gaps ORDER BY first_seq") == [
+        ("missed",), ("collector_restart",), ("publisher_restart",)]
+    [why] = reasons(store, "pod-q")
+    assert "gap reason" in why or "reason" in why and "Expected `str`" in why, why
+    assert ingest(store, envs) == {}

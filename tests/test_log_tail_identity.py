@@ -6,6 +6,7 @@ exact multiset of request ids received (no loss, no duplicate), acking after eac
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -340,16 +341,18 @@ def test_an_earlier_versions_checkpoint_of_an_empty_file_is_dated_by_the_checkpo
 def test_after_a_checkpoint_of_an_empty_file_older_or_compressed_rotations_are_not_read_again(
     tmp_path: Path, how: str
 ) -> None:
-    """Controls: a rename chain of the earlier copy (.1 → .2, times kept), a compressed rotation written after the
-    checkpoint (delaycompress), an unrelated older rotation and the live file simply written: nothing read twice,
-    nothing of before the checkpoint read."""
+    """Controls: a rename chain of the earlier copy (.1 → .2, times kept), a rotation compressed after the
+    checkpoint (delaycompress; logrotate gives it the original's times), an unrelated older rotation and the live
+    file simply written: nothing read twice, nothing of before the checkpoint read."""
     path, ckpt, sink = tmp_path / "gw.jsonl", tmp_path / "checkpoints.json", Sink()
     new_log(tmp_path / "gw.jsonl-20250101", BLANK, range(100, 110))  # unrelated, older
     os.utime(tmp_path / "gw.jsonl-20250101", ns=(1_000_000_000, 1_000_000_000))
     empty_checkpoint(path, ckpt, how, sink)
     if how == "caught_up":
         os.rename(tmp_path / "gw.jsonl.1", tmp_path / "gw.jsonl.2")
-        (tmp_path / "gw.jsonl.3.gz").write_bytes((tmp_path / "gw.jsonl.2").read_bytes())  # "compressed" now
+        two, gz = tmp_path / "gw.jsonl.2", tmp_path / "gw.jsonl.3.gz"  # compressed now, as logrotate does:
+        gz.write_bytes(gzip.compress(two.read_bytes()))
+        os.utime(gz, ns=(two.stat().st_atime_ns, two.stat().st_mtime_ns))  # with the original's times
     write(path, range(10, 15))
     restart(path, ckpt, sink)
     want = ids(range(15)) if how == "caught_up" else ids(range(10, 15))
