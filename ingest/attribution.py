@@ -199,6 +199,10 @@ CHUNK_HASHES, CHUNK_TOKENS = "suffix_chunk_hashes", "suffix_chunk_tokens"
 MIN_STRUCTURE_LINES = 3
 #: The structural rule: at most this share of the lines (rounded down, at least one line) may differ.
 VOLATILE_LINE_SHARE = 0.25
+#: A line of its own paragraph changed in place (every other line where it was) with fewer tokens than this is read
+#: by the line rule (volatile: a request id, a session line the masks do not know), not as a replaced document
+#: (:func:`system_document_drift`): the structure cannot tell the two apart, and a retrieved document is longer.
+VOLATILE_LINE_TOKENS = 64
 
 #: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``): tokens per block for a pod whose
 #: ``vllm:cache_config_info`` is unknown.
@@ -892,7 +896,9 @@ def system_document_drift(req: Request, prev: Request) -> tuple[str, int, bool]:
 
     - k = the first line that differs, position by position (as :func:`first_changed_line_tokens`); the rule needs
       k ≥ 1 with line k − 1 blank: the change starts a paragraph after an unchanged head (a changed first paragraph
-      is the instructions, ``system_changed`` or volatile as before);
+      is the instructions, ``system_changed`` or volatile as before); and not line k alone changed in place (the
+      same line count, every other line equal where it was) with fewer than :data:`VOLATILE_LINE_TOKENS` tokens
+      (a volatile line: the line rule's);
     - every line of the paragraph that starts at k (up to the next blank line) differs position by position: a
       whole paragraph was replaced or moved (a volatile line inside a paragraph, its other lines in place, is no
       document: :func:`lines_volatile` reads it);
@@ -912,6 +918,8 @@ def system_document_drift(req: Request, prev: Request) -> tuple[str, int, bool]:
     k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     if k < 1 or k >= len(a) or t[k - 1] != 0:
         return "", 0, False
+    if len(a) == len(b) and t[k] < VOLATILE_LINE_TOKENS and a[k + 1:] == b[k + 1:]:
+        return "", 0, False  # one short line changed in place: the line rule's (volatile), not a document
     end = next((i for i in range(k, len(a)) if t[i] == 0), len(a))
     if any(i < len(b) and a[i] == b[i] for i in range(k, end)):
         return "", 0, False

@@ -24,6 +24,7 @@ from ingest.attribution import (
     RAG_CHANGED,
     RAG_REORDERED,
     VOLATILE_LINE_SHARE,
+    VOLATILE_LINE_TOKENS,
 )
 
 
@@ -144,8 +145,11 @@ def system_documents(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     prompts' :func:`ingest.attribution.system_head` (the lines before the first blank line, neither the first nor
     the last line on either side, of at least MIN_HEAD_TOKENS tokens, all before the first differing line)."""
     n = len(df)
-    joined, pred, la, lb, (k, _) = _compare(df, LINE_HASHES, LINE_TOKENS)
+    joined, pred, la, lb, (k, ndiff) = _compare(df, LINE_HASHES, LINE_TOKENS)
     rows = joined["row"].to_numpy()
+    # line k alone changed in place and short: a volatile line (the line rule's), not a document
+    t_k = _per_row(n, joined.filter(pl.col("pos") == pl.col("first")).select("row", "t"), "t", 0)
+    volatile_line = (la == lb) & (ndiff == 1) & (t_k < VOLATILE_LINE_TOKENS)
     first_blank = _per_row(n, joined.filter(pl.col("t") == 0).group_by("row").agg(pl.col("pos").min()), "pos", -1)
     head_tokens = _sum_where(n, joined.with_columns(pl.Series("fb", first_blank)[rows].alias("fb")),
                              pl.col("pos") < pl.col("fb"))
@@ -184,7 +188,7 @@ def system_documents(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     count = {name: _per_row(n, frame.group_by("row").len(), "len", 0)
              for name, frame in (("ours", ours), ("theirs", theirs), ("common", common))}
     same_set = (count["ours"] == count["theirs"]) & (count["common"] == count["ours"])
-    drift = ((la > 0) & (lb > 0) & (k >= 1) & (k < la) & head_blank & (kept == 0) & (j >= 0)
+    drift = ((la > 0) & (lb > 0) & (k >= 1) & (k < la) & head_blank & (kept == 0) & (j >= 0) & ~volatile_line
              & (2 * known_tokens >= window_tokens) & (largest_known >= MIN_HEAD_TOKENS)
              & ((new_tokens == 0) | (new_tokens >= MIN_HEAD_TOKENS)))
     sub = np.where(drift, np.where(same_set, RAG_REORDERED, RAG_CHANGED), "").astype(object)

@@ -131,6 +131,27 @@ def test_a_volatile_line_of_its_own_paragraph_still_reads_volatile_system(line: 
     assert got.get(("prefix_drift", "volatile_system"), 0) > 0 and not any("rag" in s for _, s in got), got
 
 
+SESSION = "Session context: user {x} on plan pro, locale en-GB, request {x}-{x} routed through edge fra-3."
+
+
+def long_volatile_line() -> list[dict[str, Any]]:
+    """A volatile line of its own paragraph longer than 16 tokens (a session line of ids the masks do not know)
+    between the head and the documents, the only line that changed, in place."""
+    def msgs(x: str) -> list[dict[str, str]]:
+        return [stuffed(ABCD, HEAD + "\n\n" + SESSION.format(x=x)), u(Q1)]
+    return [row("r1", msgs("7f3a91c2e0b4"), at=0), row("r2", msgs("b00b1e5c0de9"), at=5, pod="pod-b")]
+
+
+def test_a_longer_volatile_line_of_its_own_paragraph_still_reads_volatile_system() -> None:
+    """One line of its own paragraph, changed in place with every other line where it was, holding fewer than
+    VOLATILE_LINE_TOKENS tokens: the line rule reads it volatile, not a replaced document (the structure cannot
+    tell them apart; a retrieved document is longer). Found by review of the fix: it read rag_changed."""
+    rows = long_volatile_line()
+    assert 16 <= rows[1]["system_line_tokens"][2] < attribution.VOLATILE_LINE_TOKENS  # 31 tokens
+    got = causes(rows)
+    assert got.get(("prefix_drift", "volatile_system"), 0) > 0 and not any("rag" in s for _, s in got), got
+
+
 def test_a_timestamp_still_reads_volatile_system() -> None:
     rows = [row("r1", [stuffed(ABCD, HEAD + "\nNow: 2026-12-07T10:00:00Z"), u(Q1)], at=0),
             row("r2", [stuffed(ABCD, HEAD + "\nNow: 2026-12-07T11:30:00Z"), u(Q1)], at=5, pod="pod-b")]
@@ -172,6 +193,7 @@ def test_the_head_key_ranks_after_the_other_variants() -> None:
 @pytest.mark.parametrize("runs", [1, 2])
 def test_the_store_job_answers_as_the_reference(store, runs):  # type: ignore[no-untyped-def]
     rows = [{**r, "request_id": f"{kind.__name__}-{r['request_id']}", "tenant_id": kind.__name__}
-            for kind in (reordered, replaced, conversation, all_new, changed_head) for r in kind()]
+            for kind in (reordered, replaced, conversation, all_new, changed_head, long_volatile_line)
+            for r in kind()]
     preds = assert_store_answers_as_reference(store, rows, runs)
     assert preds["reordered-r2"] == "reordered-r1" and preds["conversation-t2"] == "conversation-t1"
