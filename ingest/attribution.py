@@ -199,10 +199,6 @@ CHUNK_HASHES, CHUNK_TOKENS = "suffix_chunk_hashes", "suffix_chunk_tokens"
 MIN_STRUCTURE_LINES = 3
 #: The structural rule: at most this share of the lines (rounded down, at least one line) may differ.
 VOLATILE_LINE_SHARE = 0.25
-#: A line of its own paragraph changed in place (every other line where it was) with fewer tokens than this is read
-#: by the line rule (volatile: a request id, a session line the masks do not know), not as a replaced document
-#: (:func:`system_document_drift`): the structure cannot tell the two apart, and a retrieved document is longer.
-VOLATILE_LINE_TOKENS = 64
 
 #: vLLM's DEFAULT_BLOCK_SIZE (``vllm/config/cache.py``): tokens per block for a pod whose
 #: ``vllm:cache_config_info`` is unknown.
@@ -896,14 +892,15 @@ def system_document_drift(req: Request, prev: Request) -> tuple[str, int, bool]:
 
     - k = the first line that differs, position by position (as :func:`first_changed_line_tokens`); the rule needs
       k ≥ 1 with line k − 1 blank: the change starts a paragraph after an unchanged head (a changed first paragraph
-      is the instructions, ``system_changed`` or volatile as before); and not line k alone changed in place (the
-      same line count, every other line equal where it was) with fewer than :data:`VOLATILE_LINE_TOKENS` tokens
-      (a volatile line: the line rule's);
+      is the instructions, ``system_changed`` or volatile as before);
     - every line of the paragraph that starts at k (up to the next blank line) differs position by position: a
       whole paragraph was replaced or moved (a volatile line inside a paragraph, its other lines in place, is no
       document: :func:`lines_volatile` reads it);
     - a non-blank line at or after k is *known* when the predecessor's system prompt had it anywhere (b as a set);
-      j = the last known one; none: no documents (sub "");
+      j = the last known one; none: no documents (sub ""); and some known line must sit elsewhere than in the
+      predecessor (documents moved: reordered, inserted or dropped before it). Paragraphs replaced in place, every
+      known line where it was, are the line rules' (a volatile block of ids, a memory summary, a user profile, a
+      policy paragraph: the structure cannot tell them from one replaced document);
     - guard, as :func:`suffix_chunk_drift`: the known lines of a[k..j] hold at least half of its tokens and one of
       them at least :data:`MIN_HEAD_TOKENS`; and the new (unknown, non-blank) lines among them hold none or at least
       MIN_HEAD_TOKENS (a document, not a short id or date line of its own);
@@ -918,8 +915,6 @@ def system_document_drift(req: Request, prev: Request) -> tuple[str, int, bool]:
     k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     if k < 1 or k >= len(a) or t[k - 1] != 0:
         return "", 0, False
-    if len(a) == len(b) and t[k] < VOLATILE_LINE_TOKENS and a[k + 1:] == b[k + 1:]:
-        return "", 0, False  # one short line changed in place: the line rule's (volatile), not a document
     end = next((i for i in range(k, len(a)) if t[i] == 0), len(a))
     if any(i < len(b) and a[i] == b[i] for i in range(k, end)):
         return "", 0, False
@@ -928,6 +923,8 @@ def system_document_drift(req: Request, prev: Request) -> tuple[str, int, bool]:
     if not known:
         return "", 0, False
     j = known[-1]
+    if all(i < len(b) and a[i] == b[i] for i in known):
+        return "", 0, False  # nothing the predecessor had moved: paragraphs replaced in place (the line rules')
     known_tokens = [t[i] for i in known if i <= j]
     new_tokens = sum(t[i] for i in range(k, j + 1) if a[i] not in had)
     if (2 * sum(known_tokens) < sum(t[k:j + 1]) or max(known_tokens) < MIN_HEAD_TOKENS
@@ -943,14 +940,21 @@ def head_only(req: Request, pred: Predecessor) -> bool:
     """Whether ``pred`` shares nothing nameable with ``req`` but the system prompt's instruction head: a
     :data:`VARIANT` with the same :func:`system_head` (non-empty), whose normalized system prompt differs, whose
     lines do not confirm it (:func:`lines_match`), and whose canonical tools and retrieval set are not ``req``'s: it
-    was found on key 20 (:data:`KEY_SYSTEM_HEAD`) alone. What follows the head is then new content, unless it holds
-    documents the predecessor had (:func:`system_document_drift`): another request's documents are not a changed
-    system prompt (the same head with other documents had no predecessor before key 20 and read cold)."""
+    was found on key 20 (:data:`KEY_SYSTEM_HEAD`) alone, and no non-blank line after the head is one the
+    predecessor's system prompt had. What follows the head is then new content: another request's documents are not
+    a changed system prompt (the same head with other documents had no predecessor before key 20 and read cold). A
+    line after the head that the predecessor had (a document reordered under a title line, a trailer line) is left
+    to the drift rules (:func:`system_document_drift`, else the system prompt's drift)."""
     prev = pred.request
     if pred.kind != VARIANT or not system_head(req) or system_head(req) != system_head(prev):
         return False
     if _str(req, "system_norm_hash") == _str(prev, "system_norm_hash") or lines_match(req, prev):
         return False
+    lines, tokens, had = _list(req, LINE_HASHES), [int(x) for x in _list(req, LINE_TOKENS)], set(
+        str(x) for x in _list(prev, LINE_HASHES))
+    blank = tokens.index(0)  # system_head found one
+    if any(tokens[i] > 0 and str(lines[i]) in had for i in range(blank + 1, len(lines))):
+        return False  # a line after the head is the predecessor's: not new content (the drift rules read it)
     return not any(_str(req, f) and _str(req, f) == _str(prev, f) for f in ("tools_canonical_hash",
                                                                               "retrieval_set_hash"))
 

@@ -24,7 +24,6 @@ from ingest.attribution import (
     RAG_CHANGED,
     RAG_REORDERED,
     VOLATILE_LINE_SHARE,
-    VOLATILE_LINE_TOKENS,
 )
 
 
@@ -139,17 +138,15 @@ def lines_match(df: pl.DataFrame) -> np.ndarray:
 
 
 def system_documents(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(drift sub-cause or "", raw end of the drift in system tokens, new lines after it, the same instruction head)
-    per row: the column-wise :func:`ingest.attribution.system_document_drift` (retrieved documents in the system
-    prompt after an unchanged instruction head; a blank line is a line of 0 tokens) and the equality of the two
-    prompts' :func:`ingest.attribution.system_head` (the lines before the first blank line, neither the first nor
-    the last line on either side, of at least MIN_HEAD_TOKENS tokens, all before the first differing line)."""
+    """(drift sub-cause or "", raw end of the drift in system tokens, new lines after it, the head alone) per row:
+    the column-wise :func:`ingest.attribution.system_document_drift` (retrieved documents in the system prompt after
+    an unchanged instruction head; a blank line is a line of 0 tokens), and the equality of the two prompts'
+    :func:`ingest.attribution.system_head` (the lines before the first blank line, neither the first nor the last
+    line on either side, of at least MIN_HEAD_TOKENS tokens, all before the first differing line) with no non-blank
+    line after it that the predecessor had (the parts of :func:`ingest.attribution.head_only` read from the lines)."""
     n = len(df)
-    joined, pred, la, lb, (k, ndiff) = _compare(df, LINE_HASHES, LINE_TOKENS)
+    joined, pred, la, lb, (k, _) = _compare(df, LINE_HASHES, LINE_TOKENS)
     rows = joined["row"].to_numpy()
-    # line k alone changed in place and short: a volatile line (the line rule's), not a document
-    t_k = _per_row(n, joined.filter(pl.col("pos") == pl.col("first")).select("row", "t"), "t", 0)
-    volatile_line = (la == lb) & (ndiff == 1) & (t_k < VOLATILE_LINE_TOKENS)
     first_blank = _per_row(n, joined.filter(pl.col("t") == 0).group_by("row").agg(pl.col("pos").min()), "pos", -1)
     head_tokens = _sum_where(n, joined.with_columns(pl.Series("fb", first_blank)[rows].alias("fb")),
                              pl.col("pos") < pl.col("fb"))
@@ -168,6 +165,12 @@ def system_documents(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
         (pl.col("known").fill_null(False) & (pl.col("t") > 0)).alias("known"))
     j = _per_row(n, joined.filter(pl.col("known") & (pl.col("pos") >= pl.col("first")))
                  .group_by("row").agg(pl.col("pos").max()), "pos", -1)
+    # a known line elsewhere than in the predecessor: documents moved (paragraphs replaced in place are not)
+    moved = _per_row(n, joined.filter(pl.col("known") & (pl.col("pos") >= pl.col("first")) & pl.col("neq"))
+                     .group_by("row").len(), "len", 0) > 0
+    # a line after the head that the predecessor had: not found on the head alone (ingest.attribution.head_only)
+    known_after_head = _per_row(n, joined.filter(pl.col("known") & (pl.col("pos") > pl.Series(first_blank)[rows]))
+                                .group_by("row").len(), "len", 0) > 0
     joined = joined.with_columns(pl.Series("j", j)[rows].alias("j"))
     window = (pl.col("pos") >= pl.col("first")) & (pl.col("pos") <= pl.col("j"))
     known = joined.filter(window & pl.col("known")).group_by("row").agg(pl.col("t").sum(),
@@ -188,8 +191,8 @@ def system_documents(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarr
     count = {name: _per_row(n, frame.group_by("row").len(), "len", 0)
              for name, frame in (("ours", ours), ("theirs", theirs), ("common", common))}
     same_set = (count["ours"] == count["theirs"]) & (count["common"] == count["ours"])
-    drift = ((la > 0) & (lb > 0) & (k >= 1) & (k < la) & head_blank & (kept == 0) & (j >= 0) & ~volatile_line
+    drift = ((la > 0) & (lb > 0) & (k >= 1) & (k < la) & head_blank & (kept == 0) & (j >= 0) & moved
              & (2 * known_tokens >= window_tokens) & (largest_known >= MIN_HEAD_TOKENS)
              & ((new_tokens == 0) | (new_tokens >= MIN_HEAD_TOKENS)))
     sub = np.where(drift, np.where(same_set, RAG_REORDERED, RAG_CHANGED), "").astype(object)
-    return sub, np.where(drift, end, 0), drift & new_after, same_head
+    return sub, np.where(drift, end, 0), drift & new_after, same_head & ~known_after_head
